@@ -1,0 +1,41 @@
+"""aotbuild: ahead-of-time compile-and-cache for PyTorch and diffusers pipelines.
+
+``import aotbuild`` is light: the public functions are imported on first use (huggingface_hub's
+lazy ``__init__``), so a serving process that only calls :func:`load_compiled` never loads the CLI,
+YAML writers or the Hub client.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from aotbuild.errors import (AotbuildError, BuildFailed, CacheMiss, RecipeError, ShapeNotBuilt, StoreError,
+                             TargetUnavailable, UsageError)
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "load_compiled": "aotbuild.runtime",
+    "LoadReport": "aotbuild.runtime",
+    "build": "aotbuild.builder",
+    "plan": "aotbuild.planner",
+    "load_recipe": "aotbuild.recipe",
+    "Recipe": "aotbuild.recipe",
+}
+
+__all__ = ["AotbuildError", "BuildFailed", "CacheMiss", "RecipeError", "ShapeNotBuilt", "StoreError",
+           "TargetUnavailable", "UsageError", "__version__", *_LAZY]
+
+if TYPE_CHECKING:
+    from aotbuild.builder import build
+    from aotbuild.planner import plan
+    from aotbuild.recipe import Recipe, load_recipe
+    from aotbuild.runtime import LoadReport, load_compiled
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'aotbuild' has no attribute {name!r}")

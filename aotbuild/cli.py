@@ -1,0 +1,236 @@
+"""The ``aotbuild`` command: a thin click layer over the Python API.
+
+Every known error becomes one line on stderr and an exit code (0 ok, 1 failed, 2 bad input, 3 a
+miss under ``--fail-on-miss``), never a traceback. ``--json`` output follows docs/cli.md.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any, Callable
+
+import click
+
+from aotbuild.errors import AotbuildError
+
+EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_MISS = 0, 1, 2, 3
+
+
+def _human_size(n: int) -> str:
+    size = float(n)
+    for unit in ("B", "KB", "MB", "GB"):
+        if size < 1024 or unit == "GB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{n} B"  # pragma: no cover
+
+
+def _table(rows: list[list[str]], header: list[str]) -> str:
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    out = [fmt.format(*header), fmt.format(*("-" * w for w in widths))]
+    out += [fmt.format(*map(str, r)) for r in rows]
+    return "\n".join(line.rstrip() for line in out)
+
+
+def _emit_json(data: Any) -> None:
+    click.echo(json.dumps(data, indent=2, sort_keys=True))
+
+
+def _run(fn: Callable[[], int | None]) -> None:
+    try:
+        code = fn() or 0
+    except AotbuildError as exc:
+        click.echo(f"error: {exc}", err=True)
+        code = exc.exit_code
+    except KeyboardInterrupt:
+        click.echo("interrupted", err=True)
+        code = 130
+    sys.exit(code)
+
+
+cache_option = click.option("--cache", "cache", envvar="AOTBUILD_CACHE", type=click.Path(file_okay=False),
+                            help="Cache root (default: AOTBUILD_CACHE, then [tool.aotbuild] cache in the nearest "
+                                 "pyproject.toml, then ~/.cache/aotbuild).")
+json_option = click.option("--json", "as_json", is_flag=True, help="Machine-readable output (docs/cli.md).")
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="aotbuild")
+def main() -> None:
+    """Ahead-of-time compile-and-cache for PyTorch and diffusers pipelines.
+
+    \b
+    Example:
+      aotbuild build recipes/tiny_sd_cpu.yaml
+      aotbuild plan recipes/
+    """
+
+
+@main.command()
+@click.argument("recipes", nargs=-1, required=True)
+@cache_option
+@json_option
+def build(recipes: tuple[str, ...], cache: str | None, as_json: bool) -> None:
+    """Compile every job of RECIPES (files or folders) that the cache lacks.
+
+    Each job (component x shape) compiles in a fresh subprocess; what it compiled is stored in the
+    cache. Exit 1 when any job failed (the others still run and are stored).
+
+    \b
+    Example:
+      aotbuild build recipes/tiny_sd_cpu.yaml
+    """
+
+    def go() -> int:
+        from aotbuild.builder import FAILED, build as run_build
+
+        report = run_build(list(recipes), cache, progress=None if as_json else _progress())
+        if as_json:
+            _emit_json(report.as_json())
+        else:
+            rows = [[r.job.label, r.job.key[:12] if r.job.key else "-", r.status, f"{r.seconds:.1f}",
+                     _human_size(r.size) if r.size else "-", r.reason] for r in report.results]
+            click.echo(_table(rows, ["job", "key", "status", "seconds", "size", "note"]))
+            click.echo(f"cache: {report.cache}")
+        return EXIT_FAILED if any(r.status == FAILED for r in report.results) else EXIT_OK
+
+    _run(go)
+
+
+def _progress() -> Callable[..., None]:
+    import time
+
+    started: dict[str, float] = {}
+
+    def show(event: str, n: int, total: int, job: Any, result: Any) -> None:
+        if event == "start":
+            started[job.key] = time.monotonic()
+            click.echo(f"[{n}/{total}] building {job.label} ({job.key[:12]}) ...", err=True)
+        else:
+            click.echo(f"[{n}/{total}] {result.status} {job.label} in {result.seconds:.1f} s"
+                       + (f": {result.reason}" if result.reason else ""), err=True)
+
+    return show
+
+
+@main.command()
+@click.argument("recipes", nargs=-1, required=True)
+@cache_option
+@json_option
+@click.option("--fail-on-miss", is_flag=True, help="Exit 3 when any job is not cached (a CI gate).")
+def plan(recipes: tuple[str, ...], cache: str | None, as_json: bool, fail_on_miss: bool) -> None:
+    """List every job of RECIPES: key, component, shape, hit or miss.
+
+    \b
+    Example:
+      aotbuild plan recipes/ --fail-on-miss
+    """
+
+    def go() -> int:
+        from aotbuild.layout import resolve_cache_root
+        from aotbuild.planner import HIT, plan as run_plan
+
+        jobs = run_plan(list(recipes), cache)
+        if as_json:
+            _emit_json({"cache": str(resolve_cache_root(cache)), "jobs": [j.as_json() for j in jobs]})
+        else:
+            rows = [[j.recipe.name, j.component, str(j.shape), j.key[:12] if j.key else "-", j.status,
+                     "" if j.status == HIT else j.reason] for j in jobs]
+            click.echo(_table(rows, ["recipe", "component", "shape", "key", "status", "reason"]))
+            hits = sum(j.status == HIT for j in jobs)
+            click.echo(f"{hits}/{len(jobs)} jobs cached in {resolve_cache_root(cache)}")
+        missing = any(j.status != HIT for j in jobs)
+        return EXIT_MISS if (fail_on_miss and missing) else EXIT_OK
+
+    _run(go)
+
+
+@main.command(name="ls")
+@cache_option
+@json_option
+def ls(cache: str | None, as_json: bool) -> None:
+    """List what the cache holds: entries (one per job key) and built-in models.
+
+    \b
+    Example:
+      aotbuild ls --cache /mnt/aot-cache
+    """
+
+    def go() -> int:
+        from aotbuild.layout import resolve_cache_root
+        from aotbuild.store import Store
+
+        store = Store(resolve_cache_root(cache))
+        manifests = list(store.iter_manifests())
+        models = sorted(p.name for p in store.layout.models.iterdir()
+                        if p.is_dir() and not p.name.startswith(".")) if store.layout.models.is_dir() else []
+        if as_json:
+            _emit_json({"cache": str(store.root), "models": models, "entries": [
+                {"key": m["key"], "recipe": m.get("recipe"), "component": m.get("component"),
+                 "shape": m.get("shape"), "target": m.get("target"), "size": store.blob_size(m),
+                 "created": m.get("build", {}).get("created")} for m in manifests]})
+            return EXIT_OK
+        rows = [[m["key"][:12], m.get("recipe", "?"), m.get("component", "?"), _shape_text(m.get("shape")),
+                 m.get("target", "?"), _human_size(store.blob_size(m)), m.get("build", {}).get("created", "?")]
+                for m in manifests]
+        click.echo(_table(rows, ["key", "recipe", "component", "shape", "target", "size", "created"]))
+        click.echo(f"{len(manifests)} entries in {store.root}")
+        for name in models:
+            click.echo(f"model: {store.layout.models / name}")
+        return EXIT_OK
+
+    _run(go)
+
+
+def _shape_text(shape: Any) -> str:
+    if not isinstance(shape, dict):
+        return "?"
+    text = f"{shape.get('height')}x{shape.get('width')}"
+    return text if shape.get("batch_size", 1) == 1 else f"{text}x{shape['batch_size']}"
+
+
+@main.command()
+@click.argument("key")
+@cache_option
+@json_option
+def show(key: str, cache: str | None, as_json: bool) -> None:
+    """Show one cache entry in full: KEY is a hex prefix of at least 8 characters.
+
+    \b
+    Example:
+      aotbuild show 3f1c9a0b
+    """
+
+    def go() -> int:
+        from aotbuild.keys import flatten
+        from aotbuild.layout import resolve_cache_root
+        from aotbuild.store import Store
+
+        store = Store(resolve_cache_root(cache))
+        full = store.resolve_prefix(key)
+        manifest = store.read_manifest(full)
+        if manifest is None:
+            raise AotbuildError(f"entry {full[:12]} is unreadable; run `aotbuild verify`")
+        if as_json:
+            _emit_json(manifest)
+            return EXIT_OK
+        click.echo(f"key:        {full}")
+        for field in ("recipe", "component", "target", "strategy"):
+            click.echo(f"{field + ':':<12}{manifest.get(field)}")
+        click.echo(f"{'shape:':<12}{_shape_text(manifest.get('shape'))}")
+        b = manifest.get("build", {})
+        click.echo(f"{'built:':<12}{b.get('created')} in {b.get('seconds')} s by aotbuild {b.get('aotbuild')}")
+        click.echo(f"{'size:':<12}{_human_size(store.blob_size(manifest))} in {len(manifest.get('files', []))} files")
+        click.echo("factors:")
+        for path, value in flatten(manifest.get("factors", {})).items():
+            click.echo(f"  {path} = {json.dumps(value)}")
+        click.echo(f"signatures: {len(manifest.get('signatures', []))} call signature(s) built")
+        return EXIT_OK
+
+    _run(go)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

@@ -1,0 +1,55 @@
+"""Every error aotbuild raises on purpose, in one place.
+
+Each class carries the CLI exit code it maps to, so the CLI turns any of them into one line and a
+code without a traceback (click's ``ClickException.exit_code``). Where a stdlib type fits, the error
+inherits it too, so callers can catch either (huggingface_hub's ``LocalEntryNotFoundError``).
+"""
+
+from __future__ import annotations
+
+
+class AotbuildError(Exception):
+    """Base class. ``exit_code`` is what the CLI exits with."""
+
+    exit_code = 1
+
+
+class RecipeError(AotbuildError, ValueError):
+    """A recipe that cannot be used: names the file, the key and what is allowed."""
+
+    exit_code = 2
+
+    def __init__(self, source: str, key: str | None, message: str):
+        self.source = source
+        self.key = key
+        self.message = message
+        where = f"{source}: {key}: " if key else f"{source}: "
+        super().__init__(where + message)
+
+
+class UsageError(AotbuildError, ValueError):
+    """A bad argument to a command or API call."""
+
+    exit_code = 2
+
+
+class CacheMiss(AotbuildError, LookupError):
+    """A compiled artifact the caller required is not in the cache."""
+
+    exit_code = 3
+
+
+class ShapeNotBuilt(CacheMiss):
+    """A call at a shape that was not built, under ``strict_shapes=True``."""
+
+
+class TargetUnavailable(AotbuildError, RuntimeError):
+    """The recipe's target cannot run in this environment; the message says why."""
+
+
+class StoreError(AotbuildError, OSError):
+    """The cache store could not be read or written."""
+
+
+class BuildFailed(AotbuildError, RuntimeError):
+    """One or more build jobs failed."""

@@ -1,0 +1,176 @@
+"""Finding a recipe's model and loading its pipeline: Hub ids, local folders and built-ins alike.
+
+Built-ins are created under ``<cache>/models/`` and then loaded from that folder, so every model
+goes through the same ``from_pretrained`` call. Planning needs only ``model_index.json`` and each
+component's ``config.json``; those are read as JSON, without importing diffusers.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from aotbuild import builtin
+from aotbuild.errors import AotbuildError
+from aotbuild.layout import Layout
+from aotbuild.recipe import Recipe, _suggest
+
+
+class ModelUnavailable(AotbuildError):
+    """The model's files cannot be reached (offline, no such repo, no such folder)."""
+
+
+@dataclass(frozen=True)
+class ResolvedModel:
+    location: str  # a local folder, or a Hub id
+    is_local: bool
+    model_index: dict[str, Any]
+    builtin_version: int | None
+    provenance: dict[str, Any]
+
+    @property
+    def pipeline_class(self) -> str:
+        return str(self.model_index.get("_class_name", "DiffusionPipeline"))
+
+    def components(self) -> dict[str, tuple[str, str]]:
+        """name -> (library, class) for every component in model_index.json."""
+        out = {}
+        for name, value in self.model_index.items():
+            if not name.startswith("_") and isinstance(value, list) and len(value) == 2 and value[1]:
+                out[name] = (str(value[0]), str(value[1]))
+        return out
+
+
+def resolve_model(recipe: Recipe, cache_root: Path) -> ResolvedModel:
+    spec = recipe.model
+    if builtin.is_builtin(spec.id):
+        model = builtin.lookup(spec.id)
+        folder = builtin.ensure(spec.id, Layout(cache_root).models)
+        return ResolvedModel(str(folder), True, _read_json(folder / "model_index.json"), model.version,
+                             {"id": spec.id, "builtin_version": model.version})
+    folder = Path(spec.id).expanduser()
+    if folder.is_dir():
+        index = folder / "model_index.json"
+        if not index.is_file():
+            raise recipe.error("model.id", f"{spec.id} is a folder without model_index.json (not a diffusers pipeline)")
+        return ResolvedModel(str(folder.absolute()), True, _read_json(index), None, {"id": spec.id, "local": True})
+    if spec.id.startswith((".", "/", "~")):
+        raise recipe.error("model.id", f"no such folder: {spec.id}")
+    path = _hub_file(spec.id, "model_index.json", spec.revision)
+    return ResolvedModel(spec.id, False, _read_json(path), None, {"id": spec.id, "revision": spec.revision})
+
+
+def _hub_file(repo_id: str, filename: str, revision: str | None) -> Path:
+    try:
+        from huggingface_hub import hf_hub_download
+
+        return Path(hf_hub_download(repo_id, filename, revision=revision))
+    except Exception as exc:  # offline, gated, missing: one line says which
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ModelUnavailable(f"cannot fetch {filename} of {repo_id}: {type(exc).__name__}: {reason}") from None
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ModelUnavailable(f"cannot read {path}: {exc}") from None
+    if not isinstance(data, dict):
+        raise ModelUnavailable(f"{path} is not a JSON object")
+    return data
+
+
+#: Config keys that record where or with what a config was written, not what the module computes.
+_NON_ARCHITECTURE_KEYS = {"transformers_version", "torch_dtype", "dtype", "architectures", "output_attentions",
+                          "output_hidden_states", "return_dict", "use_cache"}
+
+
+def architecture_config(config: dict[str, Any]) -> dict[str, Any]:
+    """A component config reduced to what defines its architecture (no paths, no versions)."""
+    clean = {k: v for k, v in config.items() if not k.startswith("_") and k not in _NON_ARCHITECTURE_KEYS}
+    return json.loads(json.dumps(clean, sort_keys=True, default=str))
+
+
+def check_components(recipe: Recipe, model: ResolvedModel) -> None:
+    """Unknown components, and regional scope on a component that has no ``_repeated_blocks``."""
+    known = model.components()
+    for name in recipe.compile.components:
+        if name not in known:
+            raise recipe.error("compile.components", f"{name!r} is not a component of {recipe.model.id}"
+                                                     f"{_suggest(name, list(known))} (components: {', '.join(known)})")
+        if recipe.compile.scope == "regional":
+            library, class_name = known[name]
+            blocks = _repeated_blocks(library, class_name)
+            if not blocks:
+                raise recipe.error("compile.scope", f"regional scope needs a component with _repeated_blocks; "
+                                                    f"{name} ({class_name}) has none: use scope: full")
+
+
+def _repeated_blocks(library: str, class_name: str) -> tuple[str, ...]:
+    import importlib
+
+    try:
+        cls = getattr(importlib.import_module(library), class_name)
+    except (ImportError, AttributeError):
+        return ()
+    return tuple(getattr(cls, "_repeated_blocks", None) or ())
+
+
+def component_config(model: ResolvedModel, name: str, revision: str | None) -> tuple[str, dict[str, Any]]:
+    """(class name, architecture config) of one component, from its ``config.json``."""
+    library, class_name = model.components()[name]
+    if model.is_local:
+        path = Path(model.location) / name / "config.json"
+    else:
+        path = _hub_file(model.location, f"{name}/config.json", revision)
+    return class_name, architecture_config(_read_json(path))
+
+
+def load_pipeline(recipe: Recipe, model: ResolvedModel, dtype: str) -> Any:
+    """``from_pretrained`` with the recipe's dtype, variant, revision and pipeline class."""
+    import diffusers
+    import torch
+
+    cls_name = recipe.model.pipeline or model.pipeline_class
+    cls = getattr(diffusers, cls_name, None)
+    if cls is None:
+        raise recipe.error("model.pipeline", f"diffusers has no pipeline class {cls_name!r}")
+    kwargs: dict[str, Any] = {"torch_dtype": getattr(torch, dtype)}
+    if recipe.model.variant:
+        kwargs["variant"] = recipe.model.variant
+    if recipe.model.revision and not model.is_local:
+        kwargs["revision"] = recipe.model.revision
+    pipe = cls.from_pretrained(model.location, **kwargs)
+    if hasattr(pipe, "set_progress_bar_config"):
+        pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def module_config(module: Any) -> tuple[str, dict[str, Any]]:
+    """(class name, architecture config) of a loaded component; equals :func:`component_config`.
+
+    transformers writes ``config.json`` with ``to_diff_dict()``; diffusers' config is the dict itself.
+    """
+    config = module.config
+    raw = config.to_diff_dict() if hasattr(config, "to_diff_dict") else dict(config)
+    return type(module).__name__, architecture_config(raw)
+
+
+def warmup_kwargs(recipe: Recipe, shape: Any, seed: int = 0) -> dict[str, Any]:
+    """The pipeline call of one warmup: the recipe's warmup arguments at one shape.
+
+    Latents come from a CPU generator: identical on every device, and the only way on Neuron/XLA,
+    which cannot create random tensors on the device.
+    """
+    import torch
+
+    from aotbuild.constants import DEFAULT_WARMUP_PROMPT
+    from aotbuild.recipe import thaw
+
+    kwargs = thaw(recipe.warmup)
+    kwargs.setdefault("prompt", DEFAULT_WARMUP_PROMPT)
+    kwargs.update(height=shape.height, width=shape.width, num_images_per_prompt=shape.batch_size,
+                  generator=torch.Generator("cpu").manual_seed(seed))
+    return kwargs

@@ -1,0 +1,141 @@
+"""Plans: one job per (recipe, component, shape), each with its key and whether the cache has it.
+
+``Context`` gathers what every job of one recipe shares (target, device, dtype, model, environment);
+``plan`` is the Python API behind ``aotbuild plan`` and the first half of ``aotbuild build``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from aotbuild import keys, models
+from aotbuild.layout import resolve_cache_root
+from aotbuild.recipe import Recipe, Shape, load_recipe, find_recipes
+from aotbuild.store import Store
+from aotbuild.targets import Target, get_target
+
+HIT, MISS, UNAVAILABLE = "hit", "miss", "unavailable"
+
+
+@dataclass
+class Context:
+    """What the jobs of one recipe share. ``problem`` says why none of them can be keyed here."""
+
+    recipe: Recipe
+    target: Target
+    device: str = ""
+    dtype: str = ""
+    model: models.ResolvedModel | None = None
+    environment: dict[str, Any] = field(default_factory=dict)
+    fingerprint: dict[str, Any] = field(default_factory=dict)
+    problem: str = ""
+
+    @classmethod
+    def create(cls, recipe: Recipe, cache_root: Path, *, resolve_model: bool = True) -> Context:
+        target = get_target(recipe.target)
+        ctx = cls(recipe, target)
+        available = target.availability()
+        if not available.ok:
+            ctx.problem = f"target unavailable: {available.reason}"
+            return ctx
+        ctx.device = recipe.device or target.default_device()
+        ctx.dtype = recipe.model.dtype or target.default_dtype
+        ctx.environment = keys.environment_factors()
+        ctx.fingerprint = target.fingerprint(ctx.device)
+        if resolve_model:
+            try:
+                ctx.model = models.resolve_model(recipe, cache_root)
+            except models.ModelUnavailable as exc:
+                ctx.problem = f"model unavailable: {exc}"
+                return ctx
+            models.check_components(recipe, ctx.model)
+        return ctx
+
+    def factors(self, component: str, component_class: str, config: dict[str, Any], shape: Shape,
+                pipeline_class: str) -> dict[str, Any]:
+        return keys.job_factors(
+            self.recipe, component, component_class, config, shape, pipeline_class=pipeline_class,
+            builtin_version=self.model.builtin_version if self.model else None, dtype=self.dtype,
+            compile_settings=self.target.compile_settings(self.recipe, self.device),
+            environment=self.environment, device_fingerprint=self.fingerprint,
+        )
+
+
+@dataclass
+class Job:
+    recipe: Recipe
+    component: str
+    shape: Shape
+    key: str | None
+    factors: dict[str, Any] | None
+    status: str  # hit | miss | unavailable
+    reason: str = ""
+
+    @property
+    def label(self) -> str:
+        return f"{self.recipe.name}:{self.component}@{self.shape}"
+
+    def as_json(self) -> dict[str, Any]:
+        return {"recipe": self.recipe.name, "source": self.recipe.source, "component": self.component,
+                "shape": self.shape.as_dict(), "key": self.key, "status": self.status, "reason": self.reason}
+
+
+def jobs_for(ctx: Context, store: Store) -> list[Job]:
+    recipe = ctx.recipe
+    jobs = []
+    for component in recipe.compile.components:
+        config: tuple[str, dict[str, Any]] | None = None
+        problem = ctx.problem
+        if not problem:
+            assert ctx.model is not None
+            try:
+                config = models.component_config(ctx.model, component, recipe.model.revision)
+            except models.ModelUnavailable as exc:
+                problem = f"model unavailable: {exc}"
+        for shape in recipe.shapes:
+            if problem or config is None:
+                jobs.append(Job(recipe, component, shape, None, None, UNAVAILABLE, problem))
+                continue
+            factors = ctx.factors(component, config[0], config[1], shape, _pipeline_class(ctx))
+            key = keys.key_of(factors)
+            ok, why = store.check_entry(key)
+            jobs.append(Job(recipe, component, shape, key, factors, HIT if ok else MISS, why))
+    return jobs
+
+
+def _pipeline_class(ctx: Context) -> str:
+    assert ctx.model is not None
+    return ctx.recipe.model.pipeline or ctx.model.pipeline_class
+
+
+def load_recipes(paths: list[str] | tuple[str, ...]) -> list[Recipe]:
+    files = find_recipes(paths)
+    if not files:
+        from aotbuild.errors import UsageError
+
+        raise UsageError(f"no recipes (*.yaml) found in {', '.join(map(str, paths))}")
+    recipes = [load_recipe(p) for p in files]
+    names: dict[str, str] = {}
+    for r in recipes:
+        if r.name in names:
+            from aotbuild.errors import UsageError
+
+            raise UsageError(f"two recipes are named {r.name!r}: {names[r.name]} and {r.source}; rename one")
+        names[r.name] = r.source
+    return recipes
+
+
+def plan(recipes: list[str] | tuple[str, ...] | list[Recipe], cache: str | Path | None = None) -> list[Job]:
+    """Every job of every recipe, sorted by key (jobs without a key last), with hit/miss status."""
+    root = resolve_cache_root(cache)
+    store = Store(root)
+    loaded = [r for r in recipes if isinstance(r, Recipe)] or load_recipes([str(r) for r in recipes])
+    jobs: list[Job] = []
+    for recipe in loaded:
+        jobs.extend(jobs_for(Context.create(recipe, root), store))
+    return sorted(jobs, key=lambda j: (j.key is None, j.key or "", j.label))
+
+
+__all__ = ["Context", "Job", "plan", "jobs_for", "load_recipes", "HIT", "MISS", "UNAVAILABLE"]

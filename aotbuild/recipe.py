@@ -1,0 +1,355 @@
+"""Recipes: YAML files that declare what to compile, validated into immutable objects.
+
+The schema below is the single source of truth: validation walks it, ``docs/recipe.md`` is checked
+against it by a test, and every error names the file, the key and what is allowed. YAML is imported
+inside :func:`load_recipe` only, so the runtime's import stays light.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, Mapping
+
+from aotbuild.errors import RecipeError
+
+TARGETS = ("inductor",)  # neuron and tpu arrive with the targets issue
+STRATEGIES = ("jit-cache",)  # "aot-package" arrives with the AOTInductor issue
+SCOPES = ("full", "regional")
+OFFLOADS = ("none", "model")
+MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+DTYPES = ("float32", "float16", "bfloat16")
+#: Pipeline-call arguments that the shapes own: a warmup may not set them.
+SHAPE_OWNED = ("height", "width", "num_images_per_prompt")
+#: Pipeline-call arguments a warmup may not set because they cannot be written in YAML or are ours.
+WARMUP_FORBIDDEN = SHAPE_OWNED + ("generator", "latents", "callback_on_step_end", "prompt_embeds")
+MAX_SIDE = 16384
+
+
+@dataclass(frozen=True)
+class Field:
+    """One recipe key: its type, default and allowed values, for validation and the docs."""
+
+    type: str  # "str", "int", "bool", "str?", "list[str]", "mapping", "section", "shapes"
+    default: Any = None
+    choices: tuple[str, ...] = ()
+    doc: str = ""
+    required: bool = False
+
+
+SCHEMA: dict[str, dict[str, Field] | Field] = {
+    "model": {
+        "id": Field("str", required=True, doc="Hub id, local folder, or builtin:tiny-sd"),
+        "revision": Field("str?", doc="Hub revision; pin a commit sha for production"),
+        "pipeline": Field("str?", doc="diffusers pipeline class; default: model_index.json's"),
+        "dtype": Field("str?", choices=DTYPES, doc="default: the target's (float32 inductor, bfloat16 neuron/tpu)"),
+        "variant": Field("str?", doc="weights variant, e.g. fp16"),
+    },
+    "target": Field("str", "inductor", TARGETS, "where the compiled code runs"),
+    "device": Field("str?", doc="default: the target's (inductor: cuda if available, else cpu)"),
+    "strategy": Field("str", "jit-cache", STRATEGIES, "jit-cache: torch.compile with its caches captured"),
+    "offload": Field("str", "none", OFFLOADS, "model: enable_model_cpu_offload(); needs scope: regional"),
+    "compile": {
+        "components": Field("list[str]", ("unet",), doc="pipeline components to compile"),
+        "scope": Field("str", "full", SCOPES, "full: torch.compile(module); regional: compile_repeated_blocks"),
+        "mode": Field("str", "default", MODES, "torch.compile's mode"),
+        "fullgraph": Field("bool", True, doc="torch.compile's fullgraph"),
+        "dynamic": Field("bool", False, doc="torch.compile's dynamic; static-shape targets need false"),
+        "options": Field("mapping", {}, doc="torch.compile's options (Inductor config patches)"),
+    },
+    "shapes": Field("shapes", required=True, doc="list of {height, width, batch_size}; batch_size = images per prompt"),
+    "warmup": Field("mapping", {}, doc="keyword arguments of the pipeline call used for warmup"),
+}
+SHAPE_SCHEMA = {
+    "height": Field("int", required=True, doc="pixels, a positive multiple of 8"),
+    "width": Field("int", required=True, doc="pixels, a positive multiple of 8"),
+    "batch_size": Field("int", 1, doc="images per prompt (num_images_per_prompt)"),
+}
+
+
+def _freeze(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return MappingProxyType({k: _freeze(v) for k, v in value.items()})
+    if isinstance(value, (list, tuple)):
+        return tuple(_freeze(v) for v in value)
+    return value
+
+
+def thaw(value: Any) -> Any:
+    """Plain dicts and lists again, for JSON."""
+    if isinstance(value, Mapping):
+        return {k: thaw(v) for k, v in value.items()}
+    if isinstance(value, tuple):
+        return [thaw(v) for v in value]
+    return value
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    id: str
+    revision: str | None = None
+    pipeline: str | None = None
+    dtype: str | None = None
+    variant: str | None = None
+
+
+@dataclass(frozen=True)
+class CompileSpec:
+    components: tuple[str, ...] = ("unet",)
+    scope: str = "full"
+    mode: str = "default"
+    fullgraph: bool = True
+    dynamic: bool = False
+    options: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+
+
+@dataclass(frozen=True, order=True)
+class Shape:
+    height: int
+    width: int
+    batch_size: int = 1
+
+    def __str__(self) -> str:
+        text = f"{self.height}x{self.width}"
+        return text if self.batch_size == 1 else f"{text}x{self.batch_size}"
+
+    def as_dict(self) -> dict[str, int]:
+        return {"height": self.height, "width": self.width, "batch_size": self.batch_size}
+
+
+@dataclass(frozen=True)
+class Recipe:
+    name: str
+    source: str
+    model: ModelSpec
+    target: str
+    device: str | None
+    strategy: str
+    offload: str
+    compile: CompileSpec
+    shapes: tuple[Shape, ...]
+    warmup: Mapping[str, Any]
+
+    def error(self, key: str | None, message: str) -> RecipeError:
+        return RecipeError(self.source, key, message)
+
+    def warmup_factors(self) -> dict[str, Any]:
+        """Every warmup argument but the prompt text: they shape what components see."""
+        from aotbuild.constants import PROMPT_ARGUMENTS
+
+        return {k: thaw(v) for k, v in sorted(self.warmup.items()) if k not in PROMPT_ARGUMENTS}
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation
+# ---------------------------------------------------------------------------------------------
+
+def _suggest(word: str, allowed: list[str] | tuple[str, ...]) -> str:
+    close = difflib.get_close_matches(word, list(allowed), n=1, cutoff=0.6)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def _describe(value: Any) -> str:
+    text = repr(value)
+    if len(text) > 60:
+        text = text[:57] + "..."
+    return f"{text} ({type(value).__name__})"
+
+
+class _Checker:
+    def __init__(self, source: str):
+        self.source = source
+
+    def fail(self, key: str | None, message: str) -> RecipeError:
+        return RecipeError(self.source, key, message)
+
+    def keys(self, data: Mapping, schema: Mapping[str, Any], prefix: str) -> None:
+        for key in data:
+            if not isinstance(key, str):
+                raise self.fail(prefix or None, f"keys must be text, got {_describe(key)}")
+            if key not in schema:
+                allowed = ", ".join(schema)
+                raise self.fail(f"{prefix}{key}", f"unknown key{_suggest(key, list(schema))} (allowed: {allowed})")
+        for key, spec in schema.items():
+            if isinstance(spec, Field) and spec.required and data.get(key) is None:
+                raise self.fail(f"{prefix}{key}", f"is required ({spec.doc})")
+
+    def value(self, key: str, value: Any, spec: Field) -> Any:
+        if value is None:
+            if spec.required:
+                raise self.fail(key, f"is required ({spec.doc})")
+            return spec.default
+        kind = spec.type.rstrip("?")
+        if kind == "str":
+            if not isinstance(value, str) or not value.strip():
+                raise self.fail(key, f"expected a non-empty string, got {_describe(value)}")
+            if spec.choices and value not in spec.choices:
+                raise self.fail(key, f"{value!r} is not allowed{_suggest(value, spec.choices)} "
+                                     f"(allowed: {', '.join(spec.choices)})")
+            return value
+        if kind == "bool":
+            if not isinstance(value, bool):
+                raise self.fail(key, f"expected true or false, got {_describe(value)}")
+            return value
+        if kind == "int":
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise self.fail(key, f"expected an integer, got {_describe(value)}")
+            return value
+        if kind == "list[str]":
+            if isinstance(value, str):
+                value = [value]
+            if not isinstance(value, list) or not value or not all(isinstance(v, str) and v for v in value):
+                raise self.fail(key, f"expected a non-empty list of names, got {_describe(value)}")
+            if len(set(value)) != len(value):
+                raise self.fail(key, "lists a name twice")
+            return tuple(value)
+        if kind == "mapping":
+            if not isinstance(value, dict):
+                raise self.fail(key, f"expected a mapping, got {_describe(value)}")
+            self.json_value(key, value)
+            return _freeze(value)
+        raise AssertionError(kind)  # pragma: no cover
+
+    def json_value(self, key: str, value: Any) -> None:
+        """Plain JSON data only: keys are text, floats are finite (they go into the cache key)."""
+        if isinstance(value, dict):
+            for k, v in value.items():
+                if not isinstance(k, str):
+                    raise self.fail(key, f"keys must be text, got {_describe(k)}")
+                self.json_value(f"{key}.{k}", v)
+        elif isinstance(value, list):
+            for i, v in enumerate(value):
+                self.json_value(f"{key}[{i}]", v)
+        elif isinstance(value, float) and not math.isfinite(value):
+            raise self.fail(key, f"must be a finite number, got {value!r}")
+        elif not (value is None or isinstance(value, (str, int, float, bool))):
+            raise self.fail(key, f"expected plain YAML data, got {_describe(value)}")
+
+    def section(self, data: Any, name: str) -> dict[str, Any]:
+        schema = SCHEMA[name]
+        assert isinstance(schema, dict)
+        if data is None:
+            data = {}
+        if not isinstance(data, dict):
+            raise self.fail(name, f"expected a mapping with keys {', '.join(schema)}, got {_describe(data)}")
+        self.keys(data, schema, f"{name}.")
+        return {k: self.value(f"{name}.{k}", data.get(k), spec) for k, spec in schema.items()}
+
+    def shapes(self, data: Any) -> tuple[Shape, ...]:
+        if not isinstance(data, list) or not data:
+            raise self.fail("shapes", "expected a non-empty list of {height, width, batch_size} mappings")
+        shapes = []
+        for i, item in enumerate(data):
+            key = f"shapes[{i}]"
+            if not isinstance(item, dict):
+                raise self.fail(key, f"expected a mapping with height, width and batch_size, got {_describe(item)}")
+            self.keys(item, SHAPE_SCHEMA, f"{key}.")
+            values = {k: self.value(f"{key}.{k}", item.get(k), spec) for k, spec in SHAPE_SCHEMA.items()}
+            for side in ("height", "width"):
+                v = values[side]
+                if v <= 0 or v % 8 or v > MAX_SIDE:
+                    raise self.fail(f"{key}.{side}", f"{v} is not allowed: sizes must be positive multiples "
+                                                     f"of 8, at most {MAX_SIDE}")
+            if not 1 <= values["batch_size"] <= 1024:
+                raise self.fail(f"{key}.batch_size", f"{values['batch_size']} is not allowed: 1 to 1024")
+            shape = Shape(**values)
+            if shape in shapes:
+                raise self.fail(key, f"duplicates shapes[{shapes.index(shape)}] ({shape})")
+            shapes.append(shape)
+        return tuple(shapes)
+
+
+def parse_recipe(data: Any, source: str = "<recipe>", name: str | None = None) -> Recipe:
+    """Validate already-parsed YAML data into a :class:`Recipe`."""
+    check = _Checker(source)
+    if not isinstance(data, dict):
+        raise check.fail(None, f"expected a mapping of recipe keys at the top level, got {_describe(data)}")
+    check.keys(data, SCHEMA, "")
+    model_data = data.get("model")
+    if isinstance(model_data, str):  # shorthand: "model: builtin:tiny-sd"
+        model_data = {"id": model_data}
+    model = ModelSpec(**check.section(model_data, "model"))
+    top = {k: check.value(k, data.get(k), spec) for k, spec in SCHEMA.items() if isinstance(spec, Field)
+           and spec.type != "shapes"}
+    compile_spec = CompileSpec(**check.section(data.get("compile"), "compile"))
+    shapes = check.shapes(data.get("shapes"))
+    warmup = top["warmup"]
+    for arg in warmup:
+        if arg in WARMUP_FORBIDDEN:
+            owner = "shapes" if arg in SHAPE_OWNED else "aotbuild"
+            raise check.fail(f"warmup.{arg}", f"cannot be set here: {owner} sets it")
+    recipe = Recipe(
+        name=name or Path(source).stem, source=source, model=model, target=top["target"],
+        device=top["device"], strategy=top["strategy"], offload=top["offload"], compile=compile_spec,
+        shapes=shapes, warmup=warmup,
+    )
+    _check_combinations(recipe)
+    return recipe
+
+
+def _check_combinations(recipe: Recipe) -> None:
+    """Rules that span keys. Target-specific rules live with the target (``validate``)."""
+    if recipe.offload == "model" and recipe.compile.scope != "regional":
+        raise recipe.error("offload", "model offload needs compile.scope: regional (offload hooks cannot be traced)")
+    from aotbuild.targets import get_target
+
+    get_target(recipe.target).validate(recipe)
+
+
+def load_recipe(path: str | Path) -> Recipe:
+    """Read and validate one recipe file. Every problem is a :class:`RecipeError`."""
+    import yaml
+
+    source = str(path)
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise RecipeError(source, None, "no such file") from None
+    except IsADirectoryError:
+        raise RecipeError(source, None, "is a folder; name a .yaml file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise RecipeError(source, None, f"cannot be read: {exc}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise RecipeError(source, None, f"is not valid YAML: {where}{problem}") from None
+    except RecursionError:
+        raise RecipeError(source, None, "is not valid YAML: nested too deeply") from None
+    return parse_recipe(data, source)
+
+
+def find_recipes(paths: list[str] | tuple[str, ...]) -> list[Path]:
+    """Files named directly, and every ``*.yaml``/``*.yml`` inside folders, sorted, without repeats."""
+    found: list[Path] = []
+    for item in paths:
+        p = Path(item)
+        if p.is_dir():
+            found.extend(sorted(x for x in p.rglob("*") if x.suffix in (".yaml", ".yml") and x.is_file()))
+        else:
+            found.append(p)
+    seen: set[Path] = set()
+    unique = []
+    for p in found:
+        r = p.resolve()
+        if r not in seen:
+            seen.add(r)
+            unique.append(p)
+    return unique
+
+
+def recipe_to_dict(recipe: Recipe) -> dict[str, Any]:
+    """The recipe as plain JSON data (for manifests and ``--json``)."""
+    return json.loads(json.dumps({
+        "name": recipe.name, "model": recipe.model.__dict__, "target": recipe.target, "device": recipe.device,
+        "strategy": recipe.strategy, "offload": recipe.offload,
+        "compile": {**recipe.compile.__dict__, "components": list(recipe.compile.components),
+                    "options": thaw(recipe.compile.options)},
+        "shapes": [s.as_dict() for s in recipe.shapes], "warmup": thaw(recipe.warmup),
+    }))

@@ -1,0 +1,180 @@
+"""``load_compiled``: install a recipe's cached artifacts and return its pipeline, compiled.
+
+The runtime imports what loading needs (torch, diffusers when it loads the pipeline) and nothing
+else: no click, no YAML writer, no rich, no Hub client unless the model itself comes from the Hub.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from aotbuild import keys, models
+from aotbuild.dispatch import install_dispatcher
+from aotbuild.errors import CacheMiss, TargetUnavailable, UsageError
+from aotbuild.layout import resolve_cache_root
+from aotbuild.planner import Context
+from aotbuild.recipe import Recipe, Shape, load_recipe
+from aotbuild.store import Store
+
+log = logging.getLogger("aotbuild")
+ON_MISS = ("compile", "eager", "error")
+
+
+@dataclass(frozen=True)
+class ReportEntry:
+    component: str
+    shape: Shape
+    key: str
+    hit: bool
+    reason: str = ""  # why it missed: the factors that differ from the nearest entry, or the store's word
+
+
+@dataclass
+class LoadReport:
+    """What ``load_compiled`` found: one entry per component x shape, plus what it installed."""
+
+    recipe: str
+    cache: str
+    entries: list[ReportEntry] = field(default_factory=list)
+    installed_files: int = 0
+    present_files: int = 0
+    install_folder: str = ""
+    on_miss: str = "compile"
+
+    @property
+    def hits(self) -> list[ReportEntry]:
+        return [e for e in self.entries if e.hit]
+
+    @property
+    def misses(self) -> list[ReportEntry]:
+        return [e for e in self.entries if not e.hit]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"recipe": self.recipe, "cache": self.cache, "installed_files": self.installed_files,
+                "present_files": self.present_files, "install_folder": self.install_folder,
+                "entries": [{"component": e.component, "shape": e.shape.as_dict(), "key": e.key, "hit": e.hit,
+                             "reason": e.reason} for e in self.entries]}
+
+    def __str__(self) -> str:
+        lines = [f"aotbuild: {self.recipe}: {len(self.hits)} hit, {len(self.misses)} miss "
+                 f"(cache {self.cache}; {self.installed_files} files installed, {self.present_files} already "
+                 f"in {self.install_folder or 'the compiler cache'})"]
+        for e in self.entries:
+            status = "hit " if e.hit else "MISS"
+            line = f"  {status} {e.component:<14} {str(e.shape):<12} {e.key[:12]}"
+            if not e.hit:
+                line += f"  {e.reason}"
+                if self.on_miss != "error":
+                    line += f" -> {'compiles on first call' if self.on_miss == 'compile' else 'runs eager'}"
+            lines.append(line)
+        return "\n".join(lines)
+
+
+def load_compiled(recipe: str | Path | Recipe, pipe: Any = None, *, cache: str | Path | None = None,
+                  remote: str | None = None, on_miss: str = "compile", strict_shapes: bool = False) -> Any:
+    """Load ``recipe``'s pipeline (or take ``pipe``), install its cached artifacts, compile it.
+
+    ``on_miss`` acts at load when a component x shape has no usable entry: ``"compile"`` (warn, then
+    compile on first call as torch.compile would), ``"eager"`` (warn, run that shape eagerly) or
+    ``"error"`` (raise :class:`aotbuild.CacheMiss`). ``strict_shapes=True`` acts at call time: a call
+    at a shape that was not built raises :class:`aotbuild.ShapeNotBuilt` instead of compiling.
+    The report is ``pipe.aotbuild_report`` and is logged at INFO.
+    """
+    if remote is not None:
+        raise UsageError("remote caches are not supported yet: pull the cache into a local folder and pass "
+                         "cache=... (remote support arrives with `aotbuild pull`)")
+    if on_miss not in ON_MISS:
+        raise UsageError(f"on_miss={on_miss!r} is not allowed (allowed: {', '.join(ON_MISS)})")
+    recipe = recipe if isinstance(recipe, Recipe) else load_recipe(recipe)
+    root = resolve_cache_root(cache)
+    store = Store(root)
+    ctx = Context.create(recipe, root, resolve_model=pipe is None)
+    if ctx.problem:
+        raise TargetUnavailable(f"{recipe.source}: {ctx.problem}")
+    if pipe is None:
+        assert ctx.model is not None
+        pipe = models.load_pipeline(recipe, ctx.model, ctx.dtype)
+        pipe.to(ctx.device)
+    else:
+        _check_pipe(pipe, ctx)
+
+    report = LoadReport(recipe.name, str(root), on_miss=on_miss)
+    plans = []  # (component, module, signatures of hits)
+    files: list[tuple[str, Path]] = []
+    for component in recipe.compile.components:
+        module = getattr(pipe, component, None)
+        if module is None:
+            raise recipe.error("compile.components", f"the pipeline has no component {component!r}")
+        cls_name, config = models.module_config(module)
+        built: set[str] = set()
+        for shape in recipe.shapes:
+            factors = ctx.factors(component, cls_name, config, shape, type(pipe).__name__)
+            key = keys.key_of(factors)
+            entry, why = store.open_entry(key)
+            if entry is not None:
+                files.extend(entry.files)
+                built.update(entry.manifest.get("signatures", []))
+                report.entries.append(ReportEntry(component, shape, key, True))
+            else:
+                reason = why if why != "not built" else explain_miss(store, recipe, component, shape, factors)
+                report.entries.append(ReportEntry(component, shape, key, False, reason))
+        plans.append((component, module, built))
+
+    if report.misses and on_miss == "error":
+        raise CacheMiss(str(report))
+    if files:
+        result = ctx.target.install(files, ctx.device)
+        report.installed_files, report.present_files = result.installed, result.present
+        report.install_folder = result.folder
+    policy = "error" if strict_shapes else on_miss
+    for component, module, built in plans:
+        if built or on_miss == "compile":
+            compiled = ctx.target.compile(module, recipe, ctx.device)
+        else:
+            compiled = module.forward  # nothing built and eager requested: never compile
+        install_dispatcher(module, component, compiled, built, policy)
+    pipe.aotbuild_report = report
+    log.info("%s", report)
+    if report.misses:
+        warnings.warn(f"aotbuild: {len(report.misses)} cache miss(es) for {recipe.name}; "
+                      f"see pipe.aotbuild_report", stacklevel=2)
+    return pipe
+
+
+def explain_miss(store: Store, recipe: Recipe, component: str, shape: Shape, factors: dict[str, Any]) -> str:
+    """Name the factors that differ from the nearest entry of the same recipe and component."""
+    best: list[str] | None = None
+    for manifest in store.iter_manifests():
+        if manifest.get("recipe") != recipe.name or manifest.get("component") != component:
+            continue
+        diff = keys.differences(manifest.get("factors", {}), factors)
+        if best is None or len(diff) < len(best):
+            best = diff
+    if best is None:
+        return f"not built: the cache has no entry for {recipe.name}:{component}"
+    shown = "; ".join(best[:3]) + (f"; and {len(best) - 3} more" if len(best) > 3 else "")
+    return f"not built: {shown}"
+
+
+def _check_pipe(pipe: Any, ctx: Context) -> None:
+    import torch
+
+    want_dtype = getattr(torch, ctx.dtype)
+    want_kind, _, want_index = ctx.device.partition(":")
+    for component in ctx.recipe.compile.components:
+        module = getattr(pipe, component, None)
+        if module is None:
+            raise ctx.recipe.error("compile.components", f"the pipeline passed has no component {component!r}")
+        param = next(module.parameters(), None)
+        if param is None:
+            continue
+        if param.dtype != want_dtype:
+            raise UsageError(f"the pipeline's {component} is {str(param.dtype).replace('torch.', '')} but "
+                             f"{ctx.recipe.source} says {ctx.dtype}: convert it, or fix model.dtype")
+        if param.device.type != want_kind or (want_index and str(param.device.index) != want_index):
+            raise UsageError(f"the pipeline's {component} is on {param.device} but {ctx.recipe.source} says "
+                             f"{ctx.device}: move it with pipe.to({ctx.device!r}), or fix device")

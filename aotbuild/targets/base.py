@@ -1,0 +1,81 @@
+"""The small interface every target implements (vLLM's ``compiler_interface.py`` is the model).
+
+A target knows whether it can run here and why not, its default device and dtype, the compile
+call, the environment fingerprint that goes into keys, how to capture what a warmup compiled and
+how to install it again so a fresh process compiles nothing. Nothing outside ``aotbuild/targets``
+branches on a target's name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Iterable
+
+if TYPE_CHECKING:
+    import torch
+
+    from aotbuild.recipe import Recipe
+
+
+@dataclass(frozen=True)
+class Availability:
+    ok: bool
+    reason: str = ""
+    versions: tuple[tuple[str, str], ...] = ()
+
+
+@dataclass(frozen=True)
+class InstallResult:
+    installed: int  # files written
+    present: int  # files already there with the same content
+    folder: str  # where they went (for the report; never part of a key)
+
+
+class Target:
+    name: str = ""
+    default_dtype: str = "float32"
+    #: aotbuild builds one graph per declared shape; a target that needs static shapes rejects dynamic.
+    static_shapes: bool = True
+    #: True when artifacts embed the weights: then the weights' identity becomes a key factor.
+    embeds_weights: bool = False
+
+    def availability(self) -> Availability:
+        raise NotImplementedError
+
+    def default_device(self) -> str:
+        raise NotImplementedError
+
+    def validate(self, recipe: Recipe) -> None:
+        """Raise ``recipe.error(...)`` for settings this target cannot honour."""
+        if self.static_shapes and recipe.compile.dynamic:
+            raise recipe.error("compile.dynamic", f"target {self.name} needs static shapes: set dynamic: false")
+        if recipe.device is not None:
+            self.check_device(recipe.device, recipe)
+
+    def check_device(self, device: str, recipe: Recipe) -> None:
+        raise NotImplementedError
+
+    def compile_settings(self, recipe: Recipe, device: str) -> dict[str, Any]:
+        """The exact compile arguments, as JSON data: a key factor, and what ``compile`` uses."""
+        raise NotImplementedError
+
+    def fingerprint(self, device: str) -> dict[str, Any]:
+        """Toolchain versions and device kind (never a device index, path or hostname)."""
+        raise NotImplementedError
+
+    def compile(self, module: torch.nn.Module, recipe: Recipe, device: str) -> Callable[..., Any]:
+        """Compile ``module`` as the recipe says; return the callable that runs its compiled forward."""
+        raise NotImplementedError
+
+    def capture_env(self, workdir: Path) -> dict[str, str]:
+        """Environment for a build job's subprocess so that everything it compiles lands in ``workdir``."""
+        raise NotImplementedError
+
+    def collect(self, workdir: Path) -> list[tuple[str, Path]]:
+        """After the job: (relative path, file) for every artifact it produced."""
+        raise NotImplementedError
+
+    def install(self, files: Iterable[tuple[str, Path]], device: str) -> InstallResult:
+        """Put artifacts back where this process's compiler will find them, before compiling."""
+        raise NotImplementedError

@@ -1,0 +1,180 @@
+"""PyTorch Inductor on CPU or CUDA, with ``torch.compile``'s own caches captured and replayed.
+
+What a fresh process needs to compile nothing: Dynamo still traces (that is cheap), and then
+Inductor looks up the FX graph cache and the AOTAutograd cache, whose hits name generated Python
+wrappers and C++/Triton kernels by content hash in the same cache folder. Mega-Cache
+(``torch.compiler.save_cache_artifacts``) carries the graph entries but not the compiled CPU
+kernels, and a fresh machine then spends ~60% of a cold compile rebuilding them. So a build job
+runs in a subprocess whose ``TORCHINDUCTOR_CACHE_DIR`` is an empty folder, and every file the job
+leaves there (graph entries, wrappers, kernel sources and ``.so`` files; never lock files) is the
+job's artifact. Install copies those files into the process's *active* Inductor cache folder, file
+by file with atomic renames, so several processes may install at once and the folder stays theirs.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import re
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Iterable
+
+from aotbuild import constants
+from aotbuild.layout import safe_relpath
+from aotbuild.targets.base import Availability, InstallResult, Target
+
+if TYPE_CHECKING:
+    import torch
+
+    from aotbuild.recipe import Recipe
+
+_SKIP_DIRS = {"locks", "__pycache__"}
+# Triton keeps its kernels under triton/<device index>/: stored as triton/{device}/ so an entry built
+# on cuda:0 installs for cuda:3 (a device index must never split a cache).
+_TRITON = re.compile(r"^triton/(\d+)/")
+_DEVICE_SLOT = "triton/{device}/"
+
+
+def _parse_device(device: str) -> tuple[str, int | None]:
+    kind, _, index = device.partition(":")
+    return kind, (int(index) if index.isdigit() else None)
+
+
+class InductorTarget(Target):
+    name = "inductor"
+    default_dtype = "float32"
+    static_shapes = True
+    embeds_weights = False  # weights are graph inputs, never frozen into kernels (freezing stays off)
+
+    def availability(self) -> Availability:
+        import torch
+
+        return Availability(True, "", (("torch", torch.__version__),))
+
+    def default_device(self) -> str:
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def check_device(self, device: str, recipe: Recipe) -> None:
+        kind, index = _parse_device(device)
+        if kind not in ("cpu", "cuda") or (":" in device and index is None) or (kind == "cpu" and index is not None):
+            raise recipe.error("device", f"{device!r} is not a device of target inductor (allowed: cpu, cuda, cuda:N)")
+
+    def compile_settings(self, recipe: Recipe, device: str) -> dict[str, Any]:
+        spec = recipe.compile
+        options = dict(spec.options)
+        if _parse_device(device)[0] == "cpu":
+            # CPU kernels otherwise bake in torch.get_num_threads(): a 2-core CI build would miss on a
+            # 16-core server. Measured cost: see docs/inductor.md and benchmarks/cold_vs_warm.py.
+            options.setdefault("cpp.dynamic_threads", True)
+        return {
+            "backend": "inductor", "scope": spec.scope, "mode": spec.mode, "fullgraph": spec.fullgraph,
+            "dynamic": spec.dynamic, "options": dict(sorted(options.items())),
+        }
+
+    def fingerprint(self, device: str) -> dict[str, Any]:
+        import torch
+
+        kind, _ = _parse_device(device)
+        fp: dict[str, Any] = {"device_kind": kind, "machine": platform.machine()}
+        if kind == "cpu":
+            # The vector ISA Inductor generates code for: an AVX-512 kernel can crash on an AVX2 host.
+            fp["cpu_isa"] = torch.backends.cpu.get_cpu_capability()
+        else:
+            major, minor = torch.cuda.get_device_capability()
+            fp["cuda_capability"] = f"{major}.{minor}"
+            fp["cuda"] = torch.version.cuda
+            try:
+                import triton
+
+                fp["triton"] = triton.__version__
+            except ImportError:
+                fp["triton"] = None
+        return fp
+
+    def compile(self, module: torch.nn.Module, recipe: Recipe, device: str) -> Callable[..., Any]:
+        import torch
+
+        settings = self.compile_settings(recipe, device)
+        _raise_recompile_limit(len(recipe.shapes))
+        options = dict(settings["options"])
+        if settings["mode"] != "default":
+            # torch.compile takes mode or options, not both: expand the mode into its options.
+            from torch._inductor import list_mode_options
+
+            options = {**list_mode_options(settings["mode"], settings["dynamic"]), **options}
+        kwargs = {"backend": "inductor", "fullgraph": settings["fullgraph"], "dynamic": settings["dynamic"],
+                  "options": options or None}
+        if settings["scope"] == "regional":
+            module.compile_repeated_blocks(**kwargs)
+            return module.forward
+        return torch.compile(module.forward, **kwargs)
+
+    def capture_env(self, workdir: Path) -> dict[str, str]:
+        return {constants.ENV_INDUCTOR_CACHE: str(workdir / "inductor")}
+
+    def collect(self, workdir: Path) -> list[tuple[str, Path]]:
+        base = workdir / "inductor"
+        found = []
+        for folder, dirs, files in os.walk(base):
+            dirs[:] = sorted(d for d in dirs if d not in _SKIP_DIRS)
+            for name in sorted(files):
+                path = Path(folder) / name
+                if name.endswith(".lock") or path.is_symlink() or not path.is_file():
+                    continue
+                rel = path.relative_to(base).as_posix()
+                found.append((_TRITON.sub(_DEVICE_SLOT, rel), path))
+        return found
+
+    def install(self, files: Iterable[tuple[str, Path]], device: str) -> InstallResult:
+        folder = Path(active_cache_dir())
+        index = _parse_device(device)[1] or 0
+        installed = present = 0
+        for rel, blob in files:
+            rel = rel.replace(_DEVICE_SLOT, f"triton/{index}/", 1) if rel.startswith(_DEVICE_SLOT) else rel
+            dest = folder.joinpath(*safe_relpath(rel).parts)
+            size = blob.stat().st_size
+            if dest.is_file() and dest.stat().st_size == size:
+                present += 1
+                continue
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", dir=dest.parent)
+            try:
+                with os.fdopen(fd, "wb") as out, open(blob, "rb") as src:
+                    while chunk := src.read(1 << 20):
+                        out.write(chunk)
+                if dest.suffix == ".so":
+                    os.chmod(tmp, 0o755)
+                else:
+                    os.chmod(tmp, 0o644)
+                os.replace(tmp, dest)  # atomic: a concurrent installer writes the same bytes
+            except BaseException:
+                if os.path.exists(tmp):
+                    os.unlink(tmp)
+                raise
+            installed += 1
+        return InstallResult(installed, present, str(folder))
+
+
+def active_cache_dir() -> str:
+    """The Inductor cache folder this process uses (``TORCHINDUCTOR_CACHE_DIR`` or its default)."""
+    try:
+        from torch._inductor.runtime.cache_dir_utils import cache_dir
+    except ImportError:  # torch < 2.7
+        from torch._inductor.runtime.runtime_utils import cache_dir  # type: ignore[no-redef]
+    return cache_dir()
+
+
+def _raise_recompile_limit(n_shapes: int) -> None:
+    """One graph per static shape: the default limit (8) would make a 9th shape a hard error."""
+    import torch._dynamo.config as dynamo_config
+
+    name = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
+    wanted = n_shapes + 8
+    if getattr(dynamo_config, name) < wanted:
+        setattr(dynamo_config, name, wanted)
+
+
+__all__ = ["InductorTarget", "active_cache_dir"]

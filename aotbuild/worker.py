@@ -1,0 +1,74 @@
+"""One build job, run in a fresh subprocess: ``python -m aotbuild.worker JOB.json``.
+
+A fresh process per job means the job's compiler caches (pointed at an empty folder by the parent
+through the target's ``capture_env``) hold exactly what this job compiled, and a crash or an
+out-of-memory kill loses one job, not the build. The result (signatures seen, timings, compiler
+counters) is written as JSON to the path the job file names.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+
+
+def run(job: dict) -> dict:
+    t0 = time.perf_counter()
+    from aotbuild import keys, models
+    from aotbuild.dispatch import install_dispatcher
+    from aotbuild.planner import Context
+    from aotbuild.recipe import Shape, load_recipe
+
+    recipe = load_recipe(job["recipe"])
+    shape = Shape(**job["shape"])
+    component = job["component"]
+    ctx = Context.create(recipe, Path(job["cache_root"]))
+    if ctx.problem:
+        raise RuntimeError(ctx.problem)
+    assert ctx.model is not None
+    pipe = models.load_pipeline(recipe, ctx.model, ctx.dtype)
+    pipe.to(ctx.device)
+    module = getattr(pipe, component)
+    cls_name, config = models.module_config(module)
+    factors = ctx.factors(component, cls_name, config, shape, type(pipe).__name__)
+    key = keys.key_of(factors)
+    if key != job["key"]:
+        diff = "; ".join(keys.differences(job["factors"], factors)) or "unknown"
+        raise RuntimeError(f"the loaded model gives another key than the plan ({diff})")
+    t_load = time.perf_counter()
+    compiled = ctx.target.compile(module, recipe, ctx.device)
+    dispatcher = install_dispatcher(module, component, compiled, set(), "record")
+    # Called exactly as a user calls it (the pipeline's own no_grad, no inference_mode): grad mode
+    # is part of what a compiled graph is guarded and cached on.
+    pipe(**models.warmup_kwargs(recipe, shape))
+    t_warm = time.perf_counter()
+    from torch._dynamo.utils import counters
+
+    return {
+        "key": key,
+        "signatures": sorted(dispatcher.built),
+        "seconds": {"load": round(t_load - t0, 3), "compile_and_warmup": round(t_warm - t_load, 3)},
+        "counters": {k: int(v) for k, v in counters["inductor"].items() if "cache" in k},
+        "pipeline_class": type(pipe).__name__,
+    }
+
+
+def main(argv: list[str]) -> int:
+    job_file = Path(argv[0])
+    job = json.loads(job_file.read_text())
+    try:
+        result = run(job)
+    except BaseException as exc:  # the parent reads the reason from the result file
+        traceback.print_exc()
+        result = {"error": f"{type(exc).__name__}: {exc}".strip()}
+        Path(job["result"]).write_text(json.dumps(result))
+        return 1
+    Path(job["result"]).write_text(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

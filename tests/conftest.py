@@ -1,0 +1,54 @@
+"""Shared fixtures. Every test gets its own cache root and Inductor cache (huggingface_hub's
+``tests/conftest.py`` does the same), so nothing leaks between tests or into ~/.cache."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+TINY_RECIPE = REPO / "recipes" / "tiny_sd_cpu.yaml"
+
+
+@pytest.fixture(autouse=True)
+def isolated_cache(tmp_path, monkeypatch):
+    root = tmp_path / "aotcache"
+    monkeypatch.setenv("AOTBUILD_CACHE", str(root))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    return root
+
+
+def run_cli(*args: str, env: dict | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "aotbuild.cli", *args], capture_output=True, text=True,
+                          env={**os.environ, **(env or {})}, cwd=cwd or REPO)
+
+
+def run_python(code: str, env: dict | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})}, cwd=cwd or REPO)
+
+
+@pytest.fixture(scope="session")
+def models_dir(tmp_path_factory) -> Path:
+    """A cache root holding only the built-in tiny model (created once per session)."""
+    from aotbuild import builtin
+
+    root = tmp_path_factory.mktemp("models-cache")
+    builtin.ensure("builtin:tiny-sd", root / "models")
+    return root
+
+
+@pytest.fixture(scope="session")
+def built_cache(tmp_path_factory) -> tuple[Path, dict]:
+    """The tiny recipe built once per session, for real, with the CLI: (cache root, build --json)."""
+    root = tmp_path_factory.mktemp("built-cache")
+    inductor = tmp_path_factory.mktemp("build-inductor")
+    proc = run_cli("build", "--json", "--cache", str(root), str(TINY_RECIPE),
+                   env={"TORCHINDUCTOR_CACHE_DIR": str(inductor), "AOTBUILD_CACHE": ""})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return root, json.loads(proc.stdout)

@@ -1,0 +1,120 @@
+"""Recipe validation: each bad input is one line naming file and key, exit code 2, no traceback."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+from aotbuild.errors import RecipeError
+from aotbuild.recipe import load_recipe, parse_recipe
+from tests.conftest import TINY_RECIPE, run_cli
+
+GOOD = """
+model: {id: builtin:tiny-sd}
+target: inductor
+device: cpu
+shapes: [{height: 64, width: 64}]
+warmup: {num_inference_steps: 2, guidance_scale: 0.0}
+"""
+
+
+def write(tmp_path, text: str):
+    path = tmp_path / "r.yaml"
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def test_tiny_recipe_loads_with_defaults():
+    r = load_recipe(TINY_RECIPE)
+    assert r.name == "tiny_sd_cpu" and r.target == "inductor" and r.compile.components == ("unet",)
+    assert [str(s) for s in r.shapes] == ["64x64", "64x96"]
+    assert r.compile.fullgraph is True and r.compile.dynamic is False
+    with pytest.raises(AttributeError):
+        r.target = "tpu"  # immutable
+    with pytest.raises(TypeError):
+        r.warmup["guidance_scale"] = 1.0  # type: ignore[index]
+
+
+BAD = [
+    ("shape:\n  - {height: 64, width: 64}\n" + GOOD.replace("shapes: [{height: 64, width: 64}]\n", ""),
+     "shape: unknown key; did you mean 'shapes'?"),
+    (GOOD.replace("target: inductor", "target: indcutor"), "target: 'indcutor' is not allowed; did you mean 'inductor'?"),
+    (GOOD.replace("model: {id: builtin:tiny-sd}", ""), "model.id: is required"),
+    (GOOD.replace("[{height: 64, width: 64}]", "[]"), "shapes: expected a non-empty list"),
+    (GOOD.replace("[{height: 64, width: 64}]", "[{height: 64, width: 64}, {height: 64, width: 64}]"),
+     "shapes[1]: duplicates shapes[0] (64x64)"),
+    (GOOD.replace("height: 64", "height: 60"), "shapes[0].height: 60 is not allowed: sizes must be positive multiples of 8"),
+    (GOOD.replace("height: 64", "height: -8"), "shapes[0].height: -8 is not allowed"),
+    (GOOD.replace("height: 64", "height: '64'"), "shapes[0].height: expected an integer, got '64' (str)"),
+    (GOOD.replace("height: 64", "height: true"), "shapes[0].height: expected an integer, got True (bool)"),
+    (GOOD.replace("device: cpu", "device: cuda:x"), "device: 'cuda:x' is not a device of target inductor"),
+    (GOOD + "compile: {dynamic: true}\n", "compile.dynamic: target inductor needs static shapes"),
+    (GOOD + "compile: {fullgraph: 'yes'}\n", "compile.fullgraph: expected true or false"),
+    (GOOD + "compile: {scopе: full}\n", "compile.scopе: unknown key; did you mean 'scope'?"),
+    (GOOD + "offload: model\n", "offload: model offload needs compile.scope: regional"),
+    (GOOD + "strategy: aot-package\n", "strategy: 'aot-package' is not allowed"),
+    (GOOD.replace("guidance_scale: 0.0", "height: 64"), "warmup.height: cannot be set here: shapes sets it"),
+    ("model: [unclosed\n", "is not valid YAML: line"),
+    ("- just\n- a list\n", "expected a mapping of recipe keys at the top level"),
+]
+
+
+@pytest.mark.parametrize("text,expected", BAD, ids=[e.split(":")[0] + str(i) for i, (_, e) in enumerate(BAD)])
+def test_bad_recipe_is_one_clear_error(tmp_path, text, expected):
+    path = write(tmp_path, text)
+    with pytest.raises(RecipeError) as info:
+        load_recipe(path)
+    message = str(info.value)
+    assert message.startswith(f"{path}: ")
+    assert expected in message, message
+    assert "\n" not in message
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(RecipeError, match="no such file"):
+        load_recipe(tmp_path / "nope.yaml")
+
+
+@pytest.mark.parametrize("text,expected", [
+    (GOOD.replace("target: inductor", "target: indcutor"), "did you mean 'inductor'?"),
+    ("model: [unclosed\n", "is not valid YAML"),
+])
+def test_cli_exit_code_2_without_traceback(tmp_path, text, expected):
+    path = write(tmp_path, text)
+    for command in ("plan", "build"):
+        proc = run_cli(command, str(path))
+        assert proc.returncode == 2, proc.stderr
+        assert expected in proc.stderr
+        assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_cli_missing_recipe_file(tmp_path):
+    proc = run_cli("plan", str(tmp_path / "missing.yaml"))
+    assert proc.returncode == 2 and "no such file" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_component_checks_need_the_model(tmp_path, models_dir):
+    """Unknown component and regional scope without _repeated_blocks are found against the model."""
+    from aotbuild.models import check_components, resolve_model
+
+    unknown = parse_recipe({**_good(), "compile": {"components": ["unte"]}}, "r.yaml")
+    with pytest.raises(RecipeError, match=r"compile.components: 'unte' is not a component .*did you mean 'unet'"):
+        check_components(unknown, resolve_model(unknown, models_dir))
+    regional = parse_recipe({**_good(), "compile": {"components": ["vae"], "scope": "regional"}}, "r.yaml")
+    with pytest.raises(RecipeError, match="compile.scope: regional scope needs a component with _repeated_blocks"):
+        check_components(regional, resolve_model(regional, models_dir))
+    ok = parse_recipe({**_good(), "compile": {"components": ["unet"], "scope": "regional"}}, "r.yaml")
+    check_components(ok, resolve_model(ok, models_dir))
+
+
+def test_cli_unknown_component_exit_2(tmp_path, models_dir):
+    path = write(tmp_path, GOOD + "compile: {components: [unte]}\n")
+    proc = run_cli("plan", "--cache", str(models_dir), str(path))
+    assert proc.returncode == 2 and "did you mean 'unet'" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def _good() -> dict:
+    import yaml
+
+    return yaml.safe_load(GOOD)
