@@ -1,0 +1,169 @@
+"""The promises, proven for real on the built-in tiny pipeline (CPU Inductor).
+
+The cache is built once per session by the CLI (``built_cache``). Warm loads run in fresh
+subprocesses with an empty ``TORCHINDUCTOR_CACHE_DIR`` and count what Inductor did: FX graph cache
+hits, zero misses, and no C++ kernel written after the install.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from aotbuild import CacheMiss, load_compiled
+from tests.conftest import TINY_RECIPE, run_cli, run_python
+
+pytestmark = pytest.mark.slow
+
+WARM_LOAD = textwrap.dedent("""
+    import json, os, sys
+    from pathlib import Path
+    import torch
+    from aotbuild import ShapeNotBuilt, load_compiled, load_recipe
+    from aotbuild.layout import resolve_cache_root
+    from aotbuild.models import load_pipeline, resolve_model, warmup_kwargs
+
+    recipe_path, cache = sys.argv[1], sys.argv[2]
+    recipe = load_recipe(recipe_path)
+    shape = recipe.shapes[0]
+    # Eager reference, same process, same seed.
+    eager = load_pipeline(recipe, resolve_model(recipe, Path(cache)), "float32")
+    ref = eager(**warmup_kwargs(recipe, shape), output_type="pt").images
+
+    inductor = Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
+    assert not inductor.exists() or not any(inductor.iterdir()), "inductor cache must start empty"
+    pipe = load_compiled(recipe_path, cache=cache, on_miss="error", strict_shapes=True)
+    kernels_after_install = sorted(p.relative_to(inductor).as_posix() for p in inductor.rglob("*")
+                                   if p.suffix in (".so", ".cpp"))
+    out = pipe(**warmup_kwargs(recipe, shape), output_type="pt").images
+    kernels_after_call = sorted(p.relative_to(inductor).as_posix() for p in inductor.rglob("*")
+                                if p.suffix in (".so", ".cpp"))
+    from torch._dynamo.utils import counters
+    strict = None
+    try:
+        pipe(prompt="x", height=128, width=64, num_inference_steps=1, guidance_scale=0.0)
+    except ShapeNotBuilt as exc:
+        strict = str(exc)
+    print("RESULT " + json.dumps({
+        "hits": len(pipe.aotbuild_report.hits), "misses": len(pipe.aotbuild_report.misses),
+        "counters": dict(counters["inductor"]), "max_diff": (out - ref).abs().max().item(),
+        "kernels_after_install": kernels_after_install, "kernels_after_call": kernels_after_call,
+        "strict": strict, "dispatch": pipe.unet.forward.calls,
+    }))
+""")
+
+
+def warm_load(recipe: Path, cache: Path, inductor: Path, cwd: Path) -> dict:
+    script = cwd / "warm_load.py"
+    script.write_text(WARM_LOAD)
+    proc = run_python(f"import runpy, sys; sys.argv = ['w', {str(recipe)!r}, {str(cache)!r}]; "
+                      f"runpy.run_path({str(script)!r}, run_name='__main__')",
+                      env={"TORCHINDUCTOR_CACHE_DIR": str(inductor), "AOTBUILD_CACHE": ""}, cwd=cwd)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
+    return json.loads(line[len("RESULT "):])
+
+
+def assert_warm(result: dict) -> None:
+    assert result["hits"] == 2 and result["misses"] == 0
+    assert result["counters"].get("fxgraph_cache_hit", 0) >= 1
+    assert result["counters"].get("fxgraph_cache_miss", 0) == 0
+    assert result["kernels_after_install"], "the install should have put compiled kernels in place"
+    assert result["kernels_after_call"] == result["kernels_after_install"], "a C++ kernel was rebuilt"
+    assert result["max_diff"] <= 1e-4
+    assert result["strict"] and "1x4x16x8" in result["strict"]  # 128x64 pixels = a 16x8 latent
+    assert result["dispatch"] == {"built": 2, "unbuilt": 1}
+
+
+def test_build_stored_two_jobs(built_cache):
+    root, report = built_cache
+    assert report["counts"] == {"built": 2}
+    assert all(j["size"] > 0 for j in report["jobs"])
+    assert len(list((root / "manifests").glob("*/*.json"))) == 2
+
+
+def test_fresh_process_warm_load_compiles_nothing(built_cache, tmp_path):
+    root, _ = built_cache
+    assert_warm(warm_load(TINY_RECIPE, root, tmp_path / "inductor-empty", tmp_path))
+
+
+def test_copied_cache_from_another_cwd_compiles_nothing(built_cache, tmp_path):
+    root, _ = built_cache
+    copy = tmp_path / "elsewhere" / "cache"
+    shutil.copytree(root, copy)
+    recipe = tmp_path / "recipes" / "tiny_sd_cpu.yaml"
+    recipe.parent.mkdir()
+    shutil.copy(TINY_RECIPE, recipe)
+    cwd = tmp_path / "somewhere-else"
+    cwd.mkdir()
+    assert_warm(warm_load(recipe, copy, tmp_path / "fresh-inductor", cwd))
+
+
+def test_plan_ls_show_on_built_cache(built_cache):
+    root, report = built_cache
+    proc = run_cli("plan", "--cache", str(root), "--fail-on-miss", str(TINY_RECIPE))
+    assert proc.returncode == 0, proc.stderr
+    assert [line.split()[4] for line in proc.stdout.splitlines()[2:4]] == ["hit", "hit"]
+    data = json.loads(run_cli("plan", "--json", "--cache", str(root), str(TINY_RECIPE)).stdout)
+    assert {j["status"] for j in data["jobs"]} == {"hit"}
+    listing = json.loads(run_cli("ls", "--json", "--cache", str(root)).stdout)
+    assert sorted(e["key"] for e in listing["entries"]) == sorted(j["key"] for j in report["jobs"])
+    assert listing["models"] == ["tiny-sd-v1"]
+    key = report["jobs"][0]["key"]
+    shown = run_cli("show", "--cache", str(root), key[:10])
+    assert shown.returncode == 0 and key in shown.stdout and "env.torch" in shown.stdout
+    assert json.loads(run_cli("show", "--json", "--cache", str(root), key[:8]).stdout)["key"] == key
+
+
+def test_adding_a_shape_builds_one_job_and_failures_are_not_stored(built_cache, tmp_path):
+    root, _ = built_cache
+    cache = tmp_path / "cache"
+    shutil.copytree(root, cache)
+    grown = tmp_path / "tiny_sd_cpu.yaml"
+    grown.write_text(TINY_RECIPE.read_text().replace("  - {height: 64, width: 96}",
+                                                     "  - {height: 64, width: 96}\n  - {height: 32, width: 32}"))
+    broken = tmp_path / "broken.yaml"
+    broken.write_text(TINY_RECIPE.read_text().replace("guidance_scale: 0.0", "guidance_scale: high"))
+    proc = run_cli("build", "--json", "--cache", str(cache), str(grown), str(broken))
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    jobs = json.loads(proc.stdout)["jobs"]
+    by = {(j["recipe"], j["shape"]["height"], j["shape"]["width"]): j["status"] for j in jobs}
+    assert by[("tiny_sd_cpu", 32, 32)] == "built"
+    assert by[("tiny_sd_cpu", 64, 64)] == by[("tiny_sd_cpu", 64, 96)] == "cached"
+    assert by[("broken", 64, 64)] == by[("broken", 64, 96)] == "failed"
+    assert "TypeError" in next(j["reason"] for j in jobs if j["recipe"] == "broken")
+    assert len(list((cache / "manifests").glob("*/*.json"))) == 3  # nothing stored for the failures
+    again = run_cli("build", "--json", "--cache", str(cache), str(grown))
+    assert again.returncode == 0
+    assert {j["status"] for j in json.loads(again.stdout)["jobs"]} == {"cached"}  # unchanged: builds nothing
+
+
+def test_corrupted_blob_is_a_miss(built_cache, tmp_path):
+    root, _ = built_cache
+    cache = tmp_path / "cache"
+    shutil.copytree(root, cache)
+    blob = max((p for p in (cache / "blobs").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    blob.chmod(0o644)
+    data = bytearray(blob.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    blob.write_bytes(bytes(data))
+    with pytest.raises(CacheMiss, match="corrupt"):
+        load_compiled(TINY_RECIPE, cache=cache, on_miss="error")
+
+
+def test_on_miss_error_names_the_differing_factor(built_cache, tmp_path):
+    root, _ = built_cache
+    recipe = tmp_path / "tiny_sd_cpu.yaml"
+    recipe.write_text(TINY_RECIPE.read_text().replace("guidance_scale: 0.0", "guidance_scale: 5.0"))
+    with pytest.raises(CacheMiss) as info:
+        load_compiled(recipe, cache=root, on_miss="error")
+    assert "warmup.guidance_scale: 0.0 in the cache, 5.0 here" in str(info.value)
+
+
+def test_on_miss_error_on_empty_cache(models_dir, tmp_path):
+    with pytest.raises(CacheMiss, match="no entry for tiny_sd_cpu:unet"):
+        load_compiled(TINY_RECIPE, cache=models_dir, on_miss="error")
