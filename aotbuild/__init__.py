@@ -9,8 +9,16 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from aotbuild.errors import (AotbuildError, BuildFailed, CacheMiss, RecipeError, ShapeNotBuilt, StoreError,
-                             TargetUnavailable, UsageError)
+from aotbuild.errors import (
+    AotbuildError,
+    BuildFailed,
+    CacheMiss,
+    RecipeError,
+    ShapeNotBuilt,
+    StoreError,
+    TargetUnavailable,
+    UsageError,
+)
 
 __version__ = "0.1.0"
 
@@ -24,7 +32,8 @@ _LAZY = {
 }
 
 __all__ = ["AotbuildError", "BuildFailed", "CacheMiss", "RecipeError", "ShapeNotBuilt", "StoreError",
-           "TargetUnavailable", "UsageError", "__version__", *_LAZY]
+           "TargetUnavailable", "UsageError", "__version__", "load_compiled", "LoadReport", "build", "plan",
+           "load_recipe", "Recipe"]
 
 if TYPE_CHECKING:
     from aotbuild.builder import build

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import click
 
@@ -27,7 +28,7 @@ def _human_size(n: int) -> str:
 
 
 def _table(rows: list[list[str]], header: list[str]) -> str:
-    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows, strict=False)]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)
     out = [fmt.format(*header), fmt.format(*("-" * w for w in widths))]
     out += [fmt.format(*map(str, r)) for r in rows]
@@ -84,7 +85,8 @@ def build(recipes: tuple[str, ...], cache: str | None, as_json: bool) -> None:
     """
 
     def go() -> int:
-        from aotbuild.builder import FAILED, build as run_build
+        from aotbuild.builder import FAILED
+        from aotbuild.builder import build as run_build
 
         report = run_build(list(recipes), cache, progress=None if as_json else _progress())
         if as_json:
@@ -130,7 +132,8 @@ def plan(recipes: tuple[str, ...], cache: str | None, as_json: bool, fail_on_mis
 
     def go() -> int:
         from aotbuild.layout import resolve_cache_root
-        from aotbuild.planner import HIT, plan as run_plan
+        from aotbuild.planner import HIT
+        from aotbuild.planner import plan as run_plan
 
         jobs = run_plan(list(recipes), cache)
         if as_json:

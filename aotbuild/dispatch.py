@@ -10,7 +10,8 @@ compile it (plain ``torch.compile`` behaviour), run it eagerly, or raise ``Shape
 from __future__ import annotations
 
 import json
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from aotbuild.errors import ShapeNotBuilt
 

@@ -12,7 +12,7 @@ from typing import Any
 
 from aotbuild import keys, models
 from aotbuild.layout import resolve_cache_root
-from aotbuild.recipe import Recipe, Shape, load_recipe, find_recipes
+from aotbuild.recipe import Recipe, Shape, find_recipes, load_recipe
 from aotbuild.store import Store
 from aotbuild.targets import Target, get_target
 

@@ -14,9 +14,10 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from aotbuild.errors import StoreError, UsageError
 from aotbuild.layout import Layout

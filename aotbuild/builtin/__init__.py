@@ -40,8 +40,7 @@ class TinySD(BuiltinModel):
 
     def create(self, folder: Path) -> None:
         import torch
-        from diffusers import (AutoencoderKL, EulerDiscreteScheduler, StableDiffusionPipeline,
-                               UNet2DConditionModel)
+        from diffusers import AutoencoderKL, EulerDiscreteScheduler, StableDiffusionPipeline, UNet2DConditionModel
         from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
 
         torch.manual_seed(0)

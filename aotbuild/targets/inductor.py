@@ -17,8 +17,9 @@ import os
 import platform
 import re
 import tempfile
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any
 
 from aotbuild import constants
 from aotbuild.layout import safe_relpath

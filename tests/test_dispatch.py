@@ -1,0 +1,64 @@
+"""The dispatcher's policies, on a tiny module (no compile: the 'compiled' path is a counter)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from aotbuild.dispatch import install_dispatcher, signature
+from aotbuild.errors import CacheMiss, ShapeNotBuilt
+
+
+class Tiny(torch.nn.Module):
+    def forward(self, x, scale=1.0, *, flag=None):
+        return x * 2
+
+
+def setup(policy):
+    m = Tiny()
+    seen = []
+
+    def compiled(*a, **k):
+        seen.append(a[0].shape)
+        return Tiny.forward(m, *a, **k)
+
+    built = {signature((torch.zeros(2, 3),), {"flag": None})}
+    d = install_dispatcher(m, "tiny", compiled, built, policy)
+    return m, d, seen
+
+
+def test_built_shape_runs_compiled_other_shapes_follow_policy():
+    m, d, seen = setup("compile")
+    m(torch.zeros(2, 3), flag=None)
+    m(torch.zeros(4, 3), flag=None)
+    assert seen == [torch.Size([2, 3]), torch.Size([4, 3])] and d.calls == {"built": 1, "unbuilt": 1}
+
+
+def test_strict_raises_shape_not_built():
+    m, _, seen = setup("error")
+    assert torch.equal(m(torch.ones(2, 3), flag=None), torch.full((2, 3), 2.0))
+    with pytest.raises(ShapeNotBuilt, match=r"arg\[0\]=4x3:float32") as info:
+        m(torch.zeros(4, 3), flag=None)
+    assert isinstance(info.value, CacheMiss)
+
+
+def test_eager_policy_bypasses_compiled():
+    m, d, seen = setup("eager")
+    m(torch.zeros(4, 3), flag=None)
+    assert seen == [] and d.calls["unbuilt"] == 1
+
+
+def test_signature_specializes_like_dynamo():
+    a = signature((torch.zeros(2, 3),), {"scale": 1.0})
+    assert a == signature((torch.ones(2, 3),), {"scale": 7.5})  # floats are not specialized
+    assert a != signature((torch.zeros(2, 3, dtype=torch.float16),), {"scale": 1.0})
+    assert signature((torch.zeros(1),), {"n": 1}) != signature((torch.zeros(1),), {"n": 2})  # ints are
+
+
+def test_record_policy_learns_signatures():
+    m = Tiny()
+    d = install_dispatcher(m, "tiny", m.forward, set(), "record")
+    m(torch.zeros(1, 1))
+    m(torch.zeros(1, 1))
+    m(torch.zeros(2, 1))
+    assert len(d.built) == 2

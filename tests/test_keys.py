@@ -1,0 +1,113 @@
+"""Keys change with every factor and with nothing else (paths, cwd, hostname, device index)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+
+import pytest
+
+from aotbuild import keys
+from aotbuild.planner import Context, jobs_for
+from aotbuild.recipe import load_recipe, parse_recipe
+from aotbuild.store import Store
+from tests.conftest import TINY_RECIPE
+
+
+def plan_keys(recipe, root):
+    return [j.key for j in jobs_for(Context.create(recipe, root), Store(root))]
+
+
+def base_data() -> dict:
+    import yaml
+
+    return yaml.safe_load(TINY_RECIPE.read_text())
+
+
+def test_key_ignores_paths_cwd_and_hostname(models_dir, tmp_path, monkeypatch):
+    reference = plan_keys(load_recipe(TINY_RECIPE), models_dir)
+    # Same recipe from another folder, same model in another cache root, from another cwd and host.
+    other_root = tmp_path / "other"
+    shutil.copytree(models_dir / "models", other_root / "models")
+    recipe_copy = tmp_path / "copy" / "tiny_sd_cpu.yaml"
+    recipe_copy.parent.mkdir()
+    shutil.copy(TINY_RECIPE, recipe_copy)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(socket, "gethostname", lambda: "another-host")
+    monkeypatch.setenv("USER", "somebody-else")
+    assert plan_keys(load_recipe(recipe_copy), other_root) == reference
+    # The factors never hold an absolute path.
+    job = jobs_for(Context.create(load_recipe(recipe_copy), other_root), Store(other_root))[0]
+    text = keys.canonical_json(job.factors)
+    assert str(tmp_path) not in text and str(models_dir) not in text and os.getcwd() not in text
+
+
+@pytest.mark.parametrize("change", [
+    lambda d: d["warmup"].update(guidance_scale=7.5),
+    lambda d: d["warmup"].update(num_inference_steps=3),
+    lambda d: d["model"].update(dtype="bfloat16"),
+    lambda d: d["model"].update(variant="fp16"),
+    lambda d: d.setdefault("compile", {}).update(scope="regional"),
+    lambda d: d.setdefault("compile", {}).update(mode="max-autotune"),
+    lambda d: d.setdefault("compile", {}).update(options={"cpp.dynamic_threads": False}),
+    lambda d: d.setdefault("compile", {}).update(fullgraph=False),
+], ids=["guidance", "steps", "dtype", "variant", "scope", "mode", "options", "fullgraph"])
+def test_key_changes_with_each_recipe_factor(models_dir, change):
+    data = base_data()
+    reference = plan_keys(parse_recipe(data, "r.yaml"), models_dir)
+    change(data)
+    changed = plan_keys(parse_recipe(data, "r.yaml"), models_dir)
+    assert changed[0] != reference[0] and changed[1] != reference[1]
+
+
+def test_prompt_text_is_not_a_factor(models_dir):
+    data = base_data()
+    reference = plan_keys(parse_recipe(data, "r.yaml"), models_dir)
+    data["warmup"]["prompt"] = "an entirely different prompt"
+    assert plan_keys(parse_recipe(data, "r.yaml"), models_dir) == reference
+
+
+def test_each_shape_has_its_own_key(models_dir):
+    data = base_data()
+    data["shapes"].append({"height": 64, "width": 64, "batch_size": 2})
+    ks = plan_keys(parse_recipe(data, "r.yaml"), models_dir)
+    assert len(set(ks)) == 3
+
+
+@pytest.mark.parametrize("factor,value", [
+    (("env", "torch"), "2.99.0"), (("env", "diffusers"), "9.9.9"), (("env", "transformers"), "9.9.9"),
+    (("env", "python"), "3.99"), (("device", "cpu_isa"), "AVX2-other"), (("model", "builtin_version"), 99),
+    (("component", "config"), {"changed": True}),
+])
+def test_key_changes_with_environment_and_model_factors(models_dir, factor, value):
+    job = jobs_for(Context.create(load_recipe(TINY_RECIPE), models_dir), Store(models_dir))[0]
+    factors = {k: (dict(v) if isinstance(v, dict) else v) for k, v in job.factors.items()}
+    factors[factor[0]][factor[1]] = value
+    assert keys.key_of(factors) != job.key
+    diff = keys.differences(job.factors, factors)
+    assert diff and all(line.startswith(".".join(factor)) for line in diff)
+
+
+def test_environment_factors_are_what_the_key_uses(models_dir, monkeypatch):
+    """Changing what the environment reports changes the key (not a constant baked in)."""
+    reference = plan_keys(load_recipe(TINY_RECIPE), models_dir)
+    real = keys.environment_factors()
+    monkeypatch.setattr(keys, "environment_factors", lambda: {**real, "torch": "2.14.1"})
+    assert plan_keys(load_recipe(TINY_RECIPE), models_dir) != reference
+
+
+def test_module_config_matches_config_file(models_dir):
+    """The runtime keys a loaded module; the planner reads config.json: both must agree."""
+    from aotbuild import models
+
+    recipe = load_recipe(TINY_RECIPE)
+    resolved = models.resolve_model(recipe, models_dir)
+    pipe = models.load_pipeline(recipe, resolved, "float32")
+    for name in ("unet", "vae", "text_encoder"):
+        assert models.module_config(getattr(pipe, name)) == models.component_config(resolved, name, None)
+
+
+def test_differences_read_well():
+    lines = keys.differences({"env": {"torch": "2.13.0"}}, {"env": {"torch": "2.14.1"}})
+    assert lines == ["env.torch: 2.13.0 in the cache, 2.14.1 here"]
