@@ -59,6 +59,8 @@ class BuildReport:
         return {"cache": self.cache, "jobs": [r.as_json() for r in self.results], "counts": counts}
 
 
+#: progress(event, n, total, job, result): event is "start", "tick" (result.status holds the worker's
+#: phase, result.seconds the time so far; about twice a second) or "end".
 Progress = Callable[[str, int, int, Job, "JobResult | None"], None]
 
 
@@ -85,7 +87,7 @@ def build(recipes: list[str] | list[Recipe], cache: str | Path | None = None, *,
             result = JobResult(job, prior.status if prior.status != BUILT else CACHED, size=prior.size,
                                reason=prior.reason)
         else:
-            result = _build_one(store, job)
+            result = _build_one(store, job, _ticker(progress, n + 1, len(todo), job) if progress else None)
             done_keys[job.key] = result
         results[i] = result
         if progress:
@@ -98,7 +100,7 @@ def _entry_size(store: Store, key: str | None) -> int:
     return store.blob_size(manifest) if manifest else 0
 
 
-def _build_one(store: Store, job: Job) -> JobResult:
+def _build_one(store: Store, job: Job, tick: Callable[[float, str], None] | None = None) -> JobResult:
     assert job.key is not None and job.factors is not None
     target = get_target(job.recipe.target)
     store.layout.tmp.mkdir(parents=True, exist_ok=True)
@@ -111,9 +113,19 @@ def _build_one(store: Store, job: Job) -> JobResult:
                 "factors": job.factors, "result": str(staging / "result.json")}
         (staging / "job.json").write_text(json.dumps(spec))
         env = {**os.environ, **target.capture_env(staging), "PYTHONUNBUFFERED": "1"}
+        env = {k: v for k, v in env.items() if v is not None}
         with open(staging / "worker.log", "wb") as log:
-            proc = subprocess.run([sys.executable, "-m", "aotbuild.worker", str(staging / "job.json")],
-                                  env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            proc = subprocess.Popen([sys.executable, "-m", "aotbuild.worker", str(staging / "job.json")],
+                                    env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            try:
+                while proc.poll() is None:
+                    if tick:
+                        tick(time.perf_counter() - started, _read_phase(staging))
+                    time.sleep(0.5)
+            except BaseException:  # Ctrl-C: stop the job, keep nothing
+                proc.kill()
+                proc.wait()
+                raise
         seconds = time.perf_counter() - started
         result = _read_result(staging / "result.json")
         if proc.returncode != 0 or "error" in result:
@@ -143,6 +155,20 @@ def _build_one(store: Store, job: Job) -> JobResult:
         return JobResult(job, FAILED, time.perf_counter() - started, reason=f"cannot store the result: {exc}")
     finally:
         store.clean_staging(staging)
+
+
+def _ticker(progress: Progress, n: int, total: int, job: Job) -> Callable[[float, str], None]:
+    def tick(seconds: float, phase: str) -> None:
+        progress("tick", n, total, job, JobResult(job, phase or "starting", seconds))
+
+    return tick
+
+
+def _read_phase(staging: Path) -> str:
+    try:
+        return (staging / "phase").read_text().strip()
+    except OSError:
+        return ""
 
 
 def _read_result(path: Path) -> dict[str, Any]:

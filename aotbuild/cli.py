@@ -102,17 +102,19 @@ def build(recipes: tuple[str, ...], cache: str | None, as_json: bool) -> None:
 
 
 def _progress() -> Callable[..., None]:
-    import time
-
-    started: dict[str, float] = {}
+    """One line per job; on a terminal it updates in place with the phase and elapsed time."""
+    live = sys.stderr.isatty()
 
     def show(event: str, n: int, total: int, job: Any, result: Any) -> None:
-        if event == "start":
-            started[job.key] = time.monotonic()
-            click.echo(f"[{n}/{total}] building {job.label} ({job.key[:12]}) ...", err=True)
-        else:
-            click.echo(f"[{n}/{total}] {result.status} {job.label} in {result.seconds:.1f} s"
-                       + (f": {result.reason}" if result.reason else ""), err=True)
+        head = f"[{n}/{total}] {job.label} ({job.key[:12]})"
+        if event == "start" and not live:
+            click.echo(f"{head} building ...", err=True)
+        elif event == "tick" and live:
+            click.echo(f"\r\033[K{head} {result.status} {result.seconds:5.0f} s", nl=False, err=True)
+        elif event == "end":
+            prefix = "\r\033[K" if live else ""
+            note = f": {result.reason}" if result.reason else ""
+            click.echo(f"{prefix}{head} {result.status} in {result.seconds:.1f} s{note}", err=True)
 
     return show
 

@@ -55,7 +55,8 @@ def _version(dist: str) -> str | None:
 
 def job_factors(recipe: Recipe, component: str, component_class: str, config: dict[str, Any], shape: Shape,
                 *, pipeline_class: str, builtin_version: int | None, dtype: str, compile_settings: dict[str, Any],
-                environment: dict[str, Any], device_fingerprint: dict[str, Any]) -> dict[str, Any]:
+                environment: dict[str, Any], device_fingerprint: dict[str, Any],
+                warmup_defaults: dict[str, Any] | None = None) -> dict[str, Any]:
     return {
         "format": constants.FORMAT_VERSION,
         "model": {"pipeline": pipeline_class, "variant": recipe.model.variant, "builtin_version": builtin_version},
@@ -63,7 +64,7 @@ def job_factors(recipe: Recipe, component: str, component_class: str, config: di
         "target": {"name": recipe.target, "strategy": recipe.strategy},
         "compile": compile_settings,
         "shape": shape.as_dict(),
-        "warmup": recipe.warmup_factors(),
+        "warmup": recipe.warmup_factors(warmup_defaults),
         "env": environment,
         "device": device_fingerprint,
     }

@@ -158,7 +158,15 @@ def module_config(module: Any) -> tuple[str, dict[str, Any]]:
     return type(module).__name__, architecture_config(raw)
 
 
-def warmup_kwargs(recipe: Recipe, shape: Any, seed: int = 0) -> dict[str, Any]:
+def place_pipeline(pipe: Any, recipe: Recipe, device: str) -> None:
+    """Move the pipeline to its device, or hand it to model CPU offload when the recipe asks."""
+    if recipe.offload == "model":
+        pipe.enable_model_cpu_offload(device=device)
+    else:
+        pipe.to(device)
+
+
+def warmup_kwargs(recipe: Recipe, shape: Any, seed: int = 0, defaults: dict[str, Any] | None = None) -> dict[str, Any]:
     """The pipeline call of one warmup: the recipe's warmup arguments at one shape.
 
     Latents come from a CPU generator: identical on every device, and the only way on Neuron/XLA,
@@ -167,9 +175,8 @@ def warmup_kwargs(recipe: Recipe, shape: Any, seed: int = 0) -> dict[str, Any]:
     import torch
 
     from aotbuild.constants import DEFAULT_WARMUP_PROMPT
-    from aotbuild.recipe import thaw
 
-    kwargs = thaw(recipe.warmup)
+    kwargs = recipe.warmup_arguments(defaults)
     kwargs.setdefault("prompt", DEFAULT_WARMUP_PROMPT)
     kwargs.update(height=shape.height, width=shape.width, num_images_per_prompt=shape.batch_size,
                   generator=torch.Generator("cpu").manual_seed(seed))

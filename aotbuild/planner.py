@@ -36,7 +36,7 @@ class Context:
     def create(cls, recipe: Recipe, cache_root: Path, *, resolve_model: bool = True) -> Context:
         target = get_target(recipe.target)
         ctx = cls(recipe, target)
-        available = target.availability()
+        available = target.availability(recipe.device)
         if not available.ok:
             ctx.problem = f"target unavailable: {available.reason}"
             return ctx
@@ -60,6 +60,7 @@ class Context:
             builtin_version=self.model.builtin_version if self.model else None, dtype=self.dtype,
             compile_settings=self.target.compile_settings(self.recipe, self.device),
             environment=self.environment, device_fingerprint=self.fingerprint,
+            warmup_defaults=self.target.warmup_defaults,
         )
 
 
@@ -106,8 +107,11 @@ def jobs_for(ctx: Context, store: Store) -> list[Job]:
 
 
 def _pipeline_class(ctx: Context) -> str:
+    """The class ``from_pretrained`` will return: the loaded pipeline's type name is the factor."""
     assert ctx.model is not None
-    return ctx.recipe.model.pipeline or ctx.model.pipeline_class
+    named = ctx.recipe.model.pipeline
+    # AutoPipeline* classes return the model's own pipeline class (model_index.json's _class_name).
+    return named if named and not named.startswith("AutoPipeline") else ctx.model.pipeline_class
 
 
 def load_recipes(paths: list[str] | tuple[str, ...]) -> list[Recipe]:

@@ -138,11 +138,16 @@ class Recipe:
     def error(self, key: str | None, message: str) -> RecipeError:
         return RecipeError(self.source, key, message)
 
-    def warmup_factors(self) -> dict[str, Any]:
+    def warmup_arguments(self, defaults: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """The warmup call's arguments: the target's defaults, then the recipe's own."""
+        return {**dict(defaults or {}), **thaw(self.warmup)}
+
+    def warmup_factors(self, defaults: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """Every warmup argument but the prompt text: they shape what components see."""
         from aotbuild.constants import PROMPT_ARGUMENTS
 
-        return {k: thaw(v) for k, v in sorted(self.warmup.items()) if k not in PROMPT_ARGUMENTS}
+        args = self.warmup_arguments(defaults)
+        return {k: args[k] for k in sorted(args) if k not in PROMPT_ARGUMENTS}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -98,11 +98,12 @@ def load_compiled(recipe: str | Path | Recipe, pipe: Any = None, *, cache: str |
     if pipe is None:
         assert ctx.model is not None
         pipe = models.load_pipeline(recipe, ctx.model, ctx.dtype)
-        pipe.to(ctx.device)
+        models.place_pipeline(pipe, recipe, ctx.device)
     else:
         _check_pipe(pipe, ctx)
 
     report = LoadReport(recipe.name, str(root), on_miss=on_miss)
+    blocker = ctx.target.install_blocker()
     plans = []  # (component, module, signatures of hits)
     files: list[tuple[str, Path]] = []
     for component in recipe.compile.components:
@@ -114,7 +115,7 @@ def load_compiled(recipe: str | Path | Recipe, pipe: Any = None, *, cache: str |
         for shape in recipe.shapes:
             factors = ctx.factors(component, cls_name, config, shape, type(pipe).__name__)
             key = keys.key_of(factors)
-            entry, why = store.open_entry(key)
+            entry, why = store.open_entry(key) if not blocker else (None, blocker)
             if entry is not None:
                 files.extend(entry.files)
                 built.update(entry.manifest.get("signatures", []))

@@ -15,8 +15,14 @@ import traceback
 from pathlib import Path
 
 
+def _phase(job: dict, text: str) -> None:
+    """Tell the parent what the job is doing (it shows it next to the elapsed time)."""
+    Path(job["result"]).with_name("phase").write_text(text)
+
+
 def run(job: dict) -> dict:
     t0 = time.perf_counter()
+    _phase(job, "loading the pipeline")
     from aotbuild import keys, models
     from aotbuild.dispatch import install_dispatcher
     from aotbuild.planner import Context
@@ -30,7 +36,7 @@ def run(job: dict) -> dict:
         raise RuntimeError(ctx.problem)
     assert ctx.model is not None
     pipe = models.load_pipeline(recipe, ctx.model, ctx.dtype)
-    pipe.to(ctx.device)
+    models.place_pipeline(pipe, recipe, ctx.device)
     module = getattr(pipe, component)
     cls_name, config = models.module_config(module)
     factors = ctx.factors(component, cls_name, config, shape, type(pipe).__name__)
@@ -39,11 +45,12 @@ def run(job: dict) -> dict:
         diff = "; ".join(keys.differences(job["factors"], factors)) or "unknown"
         raise RuntimeError(f"the loaded model gives another key than the plan ({diff})")
     t_load = time.perf_counter()
+    _phase(job, "compiling and warming up")
     compiled = ctx.target.compile(module, recipe, ctx.device)
     dispatcher = install_dispatcher(module, component, compiled, set(), "record")
     # Called exactly as a user calls it (the pipeline's own no_grad, no inference_mode): grad mode
     # is part of what a compiled graph is guarded and cached on.
-    pipe(**models.warmup_kwargs(recipe, shape))
+    pipe(**models.warmup_kwargs(recipe, shape, defaults=ctx.target.warmup_defaults))
     t_warm = time.perf_counter()
     from torch._dynamo.utils import counters
 

@@ -167,3 +167,11 @@ def test_on_miss_error_names_the_differing_factor(built_cache, tmp_path):
 def test_on_miss_error_on_empty_cache(models_dir, tmp_path):
     with pytest.raises(CacheMiss, match="no entry for tiny_sd_cpu:unet"):
         load_compiled(TINY_RECIPE, cache=models_dir, on_miss="error")
+
+
+def test_fx_graph_cache_off_makes_every_entry_a_miss(built_cache):
+    import torch._inductor.config as inductor_config
+
+    root, _ = built_cache
+    with inductor_config.patch(fx_graph_cache=False), pytest.raises(CacheMiss, match="FX graph cache is off"):
+        load_compiled(TINY_RECIPE, cache=root, on_miss="error")

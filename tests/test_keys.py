@@ -111,3 +111,16 @@ def test_module_config_matches_config_file(models_dir):
 def test_differences_read_well():
     lines = keys.differences({"env": {"torch": "2.13.0"}}, {"env": {"torch": "2.14.1"}})
     assert lines == ["env.torch: 2.13.0 in the cache, 2.14.1 here"]
+
+
+def test_thread_count_is_a_factor_only_when_threads_are_pinned(models_dir, monkeypatch):
+    import torch
+
+    default = parse_recipe(base_data(), "r.yaml")
+    data = base_data()
+    data["compile"] = {"options": {"cpp.dynamic_threads": False}}
+    pinned = parse_recipe(data, "r.yaml")
+    before = plan_keys(default, models_dir), plan_keys(pinned, models_dir)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 64)
+    assert plan_keys(default, models_dir) == before[0]  # dynamic threads: valid for any count
+    assert plan_keys(pinned, models_dir) != before[1]

@@ -41,7 +41,11 @@ class Target:
     #: True when artifacts embed the weights: then the weights' identity becomes a key factor.
     embeds_weights: bool = False
 
-    def availability(self) -> Availability:
+    #: warmup arguments a recipe gets unless it sets them (part of the key, like the recipe's own)
+    warmup_defaults: dict[str, Any] = {}
+
+    def availability(self, device: str | None = None) -> Availability:
+        """Whether this target can run here (for ``device``, when given), and why not."""
         raise NotImplementedError
 
     def default_device(self) -> str:
@@ -69,13 +73,18 @@ class Target:
         """Compile ``module`` as the recipe says; return the callable that runs its compiled forward."""
         raise NotImplementedError
 
-    def capture_env(self, workdir: Path) -> dict[str, str]:
-        """Environment for a build job's subprocess so that everything it compiles lands in ``workdir``."""
+    def capture_env(self, workdir: Path) -> dict[str, str | None]:
+        """Environment for a build job's subprocess so that everything it compiles lands in ``workdir``
+        (a None value removes the variable from the job's environment)."""
         raise NotImplementedError
 
     def collect(self, workdir: Path) -> list[tuple[str, Path]]:
         """After the job: (relative path, file) for every artifact it produced."""
         raise NotImplementedError
+
+    def install_blocker(self) -> str:
+        """Why this process could not use installed artifacts (then every entry is a miss), or ""."""
+        return ""
 
     def install(self, files: Iterable[tuple[str, Path]], device: str) -> InstallResult:
         """Put artifacts back where this process's compiler will find them, before compiling."""

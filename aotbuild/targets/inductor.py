@@ -48,10 +48,13 @@ class InductorTarget(Target):
     static_shapes = True
     embeds_weights = False  # weights are graph inputs, never frozen into kernels (freezing stays off)
 
-    def availability(self) -> Availability:
+    def availability(self, device: str | None = None) -> Availability:
         import torch
 
-        return Availability(True, "", (("torch", torch.__version__),))
+        versions = (("torch", torch.__version__),)
+        if device and device.startswith("cuda") and not torch.cuda.is_available():
+            return Availability(False, f"CUDA is not available here (torch {torch.__version__})", versions)
+        return Availability(True, "", versions)
 
     def default_device(self) -> str:
         import torch
@@ -70,10 +73,16 @@ class InductorTarget(Target):
             # CPU kernels otherwise bake in torch.get_num_threads(): a 2-core CI build would miss on a
             # 16-core server. Measured cost: see docs/inductor.md and benchmarks/cold_vs_warm.py.
             options.setdefault("cpp.dynamic_threads", True)
-        return {
+        settings = {
             "backend": "inductor", "scope": spec.scope, "mode": spec.mode, "fullgraph": spec.fullgraph,
             "dynamic": spec.dynamic, "options": dict(sorted(options.items())),
         }
+        if _parse_device(device)[0] == "cpu" and not options.get("cpp.dynamic_threads"):
+            # Kernels then bake in the thread count: it must be a key factor.
+            import torch
+
+            settings["cpu_threads"] = torch.get_num_threads()
+        return settings
 
     def fingerprint(self, device: str) -> dict[str, Any]:
         import torch
@@ -113,8 +122,11 @@ class InductorTarget(Target):
             return module.forward
         return torch.compile(module.forward, **kwargs)
 
-    def capture_env(self, workdir: Path) -> dict[str, str]:
-        return {constants.ENV_INDUCTOR_CACHE: str(workdir / "inductor")}
+    def capture_env(self, workdir: Path) -> dict[str, str | None]:
+        # The caches must be on in the job even if the user's environment turned them off: what they
+        # write is the artifact.
+        return {constants.ENV_INDUCTOR_CACHE: str(workdir / "inductor"), "TORCHINDUCTOR_FX_GRAPH_CACHE": "1",
+                "TORCHINDUCTOR_AUTOGRAD_CACHE": "1"}
 
     def collect(self, workdir: Path) -> list[tuple[str, Path]]:
         base = workdir / "inductor"
@@ -128,6 +140,14 @@ class InductorTarget(Target):
                 rel = path.relative_to(base).as_posix()
                 found.append((_TRITON.sub(_DEVICE_SLOT, rel), path))
         return found
+
+    def install_blocker(self) -> str:
+        import torch._inductor.config as inductor_config
+
+        if not inductor_config.fx_graph_cache:
+            return ("Inductor's FX graph cache is off in this process (TORCHINDUCTOR_FX_GRAPH_CACHE=0 or "
+                    "torch._inductor.config.fx_graph_cache = False), so installed artifacts would not be used")
+        return ""
 
     def install(self, files: Iterable[tuple[str, Path]], device: str) -> InstallResult:
         folder = Path(active_cache_dir())

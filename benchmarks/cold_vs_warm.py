@@ -1,0 +1,118 @@
+"""Cold compile vs warm loads on builtin:tiny-sd, measured side by side in fresh processes.
+
+    python benchmarks/cold_vs_warm.py [--repeats 3]
+
+Modes (each a fresh process, load -> first image timed from the top of the process):
+  eager      no compile at all
+  cold       plain torch.compile(unet.forward, fullgraph=True, dynamic=False), empty Inductor cache
+  pt-warm    the same, on the Inductor cache folder a cold run left (PyTorch's own warm cache)
+  aotbuild   load_compiled() from a copy of an aotbuild cache in a new folder, empty Inductor cache
+Steady state is the median of 10 calls after the first, in the pt-warm and aotbuild processes
+(aotbuild builds CPU kernels with cpp.dynamic_threads; plain torch.compile does not).
+Prints medians and the ratios the core issue sets as goals. Never used by tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+T0 = time.perf_counter()
+REPO = Path(__file__).resolve().parents[1]
+RECIPE = REPO / "recipes" / "tiny_sd_cpu.yaml"
+
+
+def child(mode: str, recipe: str, cache: str) -> None:
+    import torch
+
+    from aotbuild.layout import resolve_cache_root
+    from aotbuild.models import load_pipeline, resolve_model, warmup_kwargs
+    from aotbuild.recipe import load_recipe
+
+    r = load_recipe(recipe)
+    shape = r.shapes[0]
+    if mode == "aotbuild":
+        from aotbuild import load_compiled
+
+        pipe = load_compiled(recipe, cache=cache, on_miss="error")
+    else:
+        pipe = load_pipeline(r, resolve_model(r, resolve_cache_root(cache)), "float32")
+        if mode != "eager":
+            pipe.unet.forward = torch.compile(pipe.unet.forward, fullgraph=True, dynamic=False)
+    pipe(**warmup_kwargs(r, shape))
+    first = time.perf_counter() - T0
+    times = []
+    for _ in range(10):
+        t = time.perf_counter()
+        pipe(**warmup_kwargs(r, shape))
+        times.append(time.perf_counter() - t)
+    from torch._dynamo.utils import counters
+
+    print("RESULT " + json.dumps({"first": first, "steady": statistics.median(times),
+                                  "counters": dict(counters["inductor"])}))
+
+
+def run_child(mode: str, recipe: Path, cache: Path, inductor: Path) -> dict:
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(inductor), "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, __file__, "--child", mode, str(recipe), str(cache)], env=env,
+                          capture_output=True, text=True)
+    if proc.returncode:
+        sys.exit(f"{mode} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))[7:])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--child", nargs=3)
+    args = ap.parse_args()
+    if args.child:
+        child(*args.child)
+        return
+    work = Path(tempfile.mkdtemp(prefix="aotbench."))
+    try:
+        recipe = work / "tiny_sd_cpu.yaml"  # one shape: each cold compile costs a minute here
+        text = RECIPE.read_text().replace("  - {height: 64, width: 96}\n", "")
+        recipe.write_text(text)
+        cache = work / "cache"
+        print("building the aotbuild cache once ...", flush=True)
+        subprocess.run([sys.executable, "-m", "aotbuild.cli", "build", "--cache", str(cache), str(recipe)],
+                       check=True, env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(work / "build-ind")},
+                       capture_output=True)
+        results: dict[str, list[dict]] = {m: [] for m in ("eager", "cold", "pt-warm", "aotbuild")}
+        for i in range(args.repeats):
+            print(f"round {i + 1}/{args.repeats} ...", flush=True)
+            results["eager"].append(run_child("eager", recipe, cache, work / f"eager-{i}"))
+            shared = work / f"pt-{i}"
+            results["cold"].append(run_child("cold", recipe, cache, shared))
+            results["pt-warm"].append(run_child("pt-warm", recipe, cache, shared))
+            copy = work / f"copy-{i}" / "cache"
+            shutil.copytree(cache, copy)
+            results["aotbuild"].append(run_child("aotbuild", recipe, copy, work / f"aot-ind-{i}"))
+        med = {m: statistics.median(r["first"] for r in rs) for m, rs in results.items()}
+        steady = {m: statistics.median(r["steady"] for r in rs) for m, rs in results.items()}
+        print(f"\nbuiltin:tiny-sd, 64x64, 2 steps; {os.cpu_count()} CPUs; median of {args.repeats}; "
+              f"torch {__import__('torch').__version__}")
+        print(f"{'mode':<10} {'load->first output (s)':>24} {'steady call (ms)':>18}")
+        for m in results:
+            print(f"{m:<10} {med[m]:>24.2f} {steady[m] * 1000:>18.1f}")
+        print()
+        print(f"aotbuild warm / cold compile        = {med['aotbuild'] / med['cold']:.3f}  (goal <= 0.20)")
+        print(f"aotbuild warm / PyTorch warm cache  = {med['aotbuild'] / med['pt-warm']:.3f}  (goal <= 1.05)")
+        print(f"aotbuild steady / torch.compile     = {steady['aotbuild'] / steady['pt-warm']:.3f}  "
+              f"(goal within 5%; dynamic_threads on vs off)")
+        print(f"fxgraph counters, aotbuild runs: {[r['counters'] for r in results['aotbuild']]}")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,97 @@
+"""load_compiled's argument checks, plan on unreachable models, and the recompile limit."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from aotbuild import UsageError, load_compiled
+from aotbuild.recipe import load_recipe, parse_recipe
+from tests.conftest import TINY_RECIPE, run_cli
+
+
+def test_remote_is_reserved():
+    with pytest.raises(UsageError, match="remote caches are not supported yet"):
+        load_compiled(TINY_RECIPE, remote="hf://org/cache")
+
+
+def test_on_miss_must_be_known():
+    with pytest.raises(UsageError, match="on_miss='sometimes' is not allowed"):
+        load_compiled(TINY_RECIPE, on_miss="sometimes")
+
+
+@pytest.fixture(scope="module")
+def tiny_pipe(models_dir):
+    from aotbuild.models import load_pipeline, resolve_model
+
+    recipe = load_recipe(TINY_RECIPE)
+    return load_pipeline(recipe, resolve_model(recipe, models_dir), "float32")
+
+
+def test_passed_pipe_with_wrong_dtype_is_refused(tiny_pipe, models_dir, tmp_path):
+    recipe = tmp_path / "bf16.yaml"
+    recipe.write_text(TINY_RECIPE.read_text().replace("dtype: float32", "dtype: bfloat16"))
+    with pytest.raises(UsageError, match="unet is float32 but .* says bfloat16"):
+        load_compiled(recipe, tiny_pipe, cache=models_dir)
+
+
+def test_passed_pipe_on_wrong_device_is_refused(models_dir):
+    from aotbuild.models import load_pipeline, resolve_model
+
+    recipe = load_recipe(TINY_RECIPE)
+    pipe = load_pipeline(recipe, resolve_model(recipe, models_dir), "float32")
+    pipe.unet.to("meta")
+    with pytest.raises(UsageError, match=r"unet is on meta but .* says cpu: move it with pipe.to\('cpu'\)"):
+        load_compiled(recipe, pipe, cache=models_dir)
+
+
+def test_cuda_recipe_without_cuda_is_target_unavailable(tmp_path):
+    from aotbuild import TargetUnavailable
+
+    recipe = tmp_path / "cuda.yaml"
+    recipe.write_text(TINY_RECIPE.read_text().replace("device: cpu", "device: cuda"))
+    with pytest.raises(TargetUnavailable, match="CUDA is not available"):
+        load_compiled(recipe)
+
+
+def test_passed_pipe_misses_run_eager_when_asked(tiny_pipe, models_dir):
+    """Nothing built, on_miss='eager': the UNet is never compiled, output is eager output."""
+    from aotbuild.models import warmup_kwargs
+
+    recipe = load_recipe(TINY_RECIPE)
+    expected = tiny_pipe(**warmup_kwargs(recipe, recipe.shapes[0]), output_type="pt").images
+    with pytest.warns(UserWarning, match="2 cache miss"):
+        pipe = load_compiled(recipe, tiny_pipe, cache=models_dir, on_miss="eager")
+    assert [e.hit for e in pipe.aotbuild_report.entries] == [False, False]
+    out = pipe(**warmup_kwargs(recipe, recipe.shapes[0]), output_type="pt").images
+    assert torch.equal(out, expected)
+    assert pipe.unet.forward.calls == {"built": 0, "unbuilt": 2}
+
+
+def test_plan_lists_unreachable_hub_model_as_unavailable(tmp_path):
+    recipe = tmp_path / "hub.yaml"
+    recipe.write_text("model: {id: someorg/not-here}\ntarget: inductor\ndevice: cpu\n"
+                      "shapes: [{height: 512, width: 512}]\n")
+    env = {"HF_HUB_OFFLINE": "1"}
+    proc = run_cli("plan", "--json", str(recipe), env=env)
+    assert proc.returncode == 0, proc.stderr
+    job = json.loads(proc.stdout)["jobs"][0]
+    assert job["status"] == "unavailable" and job["key"] is None
+    assert "model unavailable: cannot fetch model_index.json of someorg/not-here" in job["reason"]
+    assert run_cli("plan", "--fail-on-miss", str(recipe), env=env).returncode == 3
+
+
+def test_more_static_shapes_than_dynamos_default_limit():
+    """Dynamo's default recompile_limit (8) makes a 9th static shape a hard error under fullgraph;
+    the inductor target raises it to cover the recipe's shapes."""
+    from aotbuild.targets import get_target
+
+    shapes = [{"height": 8 * (i + 1), "width": 8} for i in range(10)]
+    recipe = parse_recipe({"model": "builtin:tiny-sd", "device": "cpu", "shapes": shapes}, "many.yaml")
+    torch._dynamo.reset()
+    module = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
+    compiled = get_target("inductor").compile(module, recipe, "cpu")
+    for n in range(1, 11):
+        assert compiled(torch.ones(n, 4)).shape == (n, 4)
