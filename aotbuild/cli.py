@@ -237,5 +237,38 @@ def show(key: str, cache: str | None, as_json: bool) -> None:
     _run(go)
 
 
+@main.command()
+@json_option
+def targets(as_json: bool) -> None:
+    """List every target: available here or not (and why), versions, default device and dtype.
+
+    \b
+    Example:
+      aotbuild targets --json
+    """
+
+    def go() -> int:
+        from aotbuild.targets import get_target, target_names
+
+        rows = []
+        for name in target_names():
+            target = get_target(name)
+            available = target.availability()
+            device = target.default_device() if available.ok else "-"
+            rows.append({"name": name, "available": available.ok, "reason": available.reason,
+                         "versions": dict(available.versions), "default_device": device,
+                         "default_dtype": target.default_dtype, "static_shapes": target.static_shapes,
+                         "embeds_weights": target.embeds_weights})
+        if as_json:
+            _emit_json({"targets": rows})
+            return EXIT_OK
+        table = [[r["name"], "yes" if r["available"] else "no", r["default_device"], r["default_dtype"],
+                  " ".join(f"{k}={v}" for k, v in r["versions"].items()) or "-", r["reason"]] for r in rows]
+        click.echo(_table(table, ["target", "available", "device", "dtype", "versions", "why not"]))
+        return EXIT_OK
+
+    _run(go)
+
+
 if __name__ == "__main__":  # pragma: no cover
     main()

@@ -18,7 +18,7 @@ from typing import Any
 
 from aotbuild.errors import RecipeError
 
-TARGETS = ("inductor",)  # neuron and tpu arrive with the targets issue
+TARGETS = ("inductor", "neuron", "tpu")
 STRATEGIES = ("jit-cache",)  # "aot-package" arrives with the AOTInductor issue
 SCOPES = ("full", "regional")
 OFFLOADS = ("none", "model")

@@ -131,7 +131,9 @@ def load_compiled(recipe: str | Path | Recipe, pipe: Any = None, *, cache: str |
         result = ctx.target.install(files, ctx.device)
         report.installed_files, report.present_files = result.installed, result.present
         report.install_folder = result.folder
-    policy = "error" if strict_shapes else on_miss
+    # A call at an unbuilt shape: strict_shapes raises; on_miss="eager" keeps such calls eager; otherwise
+    # (on_miss "compile" or "error", which acted at load) it compiles, as plain torch.compile would.
+    policy = "error" if strict_shapes else ("eager" if on_miss == "eager" else "compile")
     for component, module, built in plans:
         if built or on_miss == "compile":
             compiled = ctx.target.compile(module, recipe, ctx.device)

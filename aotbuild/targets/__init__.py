@@ -9,6 +9,8 @@ __all__ = ["Availability", "InstallResult", "Target", "get_target", "target_name
 
 _FACTORIES = {
     "inductor": ("aotbuild.targets.inductor", "InductorTarget"),
+    "neuron": ("aotbuild.targets.neuron", "NeuronTarget"),
+    "tpu": ("aotbuild.targets.tpu", "TPUTarget"),
 }
 _instances: dict[str, Target] = {}
 

@@ -1,0 +1,170 @@
+"""Targets whose compiler keeps a persistent cache in one folder named by an environment variable.
+
+AWS Neuron writes NEFF files under ``TORCH_NEURONX_NEFF_CACHE_DIR``; TorchTPU keeps compiled
+executables under ``TORCH_TPU_TIER3_COMPILATION_CACHE_ROOT``. For both, a build job points the
+variable at an empty folder and every regular file the compile leaves there is the artifact; install
+lays the tree back (hard links from the store, else copies) into the folder the variable names
+(a fresh per-process folder when it is unset) before the compile, so the runtime compiles nothing.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import shutil
+import stat
+import tempfile
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from aotbuild.errors import StoreError
+from aotbuild.layout import safe_relpath
+from aotbuild.targets.base import Availability, InstallResult, Target
+
+if TYPE_CHECKING:
+    import torch
+
+    from aotbuild.recipe import Recipe
+
+
+def dist_version(name: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return None
+
+
+class FolderCacheTarget(Target):
+    default_dtype = "bfloat16"
+    static_shapes = True
+    embeds_weights = False
+    #: environment variable naming the compiler's persistent cache folder
+    cache_env = ""
+    #: module whose import registers the device and the torch.compile backend
+    vendor = ""
+    #: pip distributions whose versions are key factors
+    toolchain: tuple[str, ...] = ()
+    warmup_defaults = {"num_inference_steps": 1}
+    #: environment variables a build job must not inherit (so they keep their documented default)
+    unset_in_jobs: tuple[str, ...] = ()
+
+    def import_vendor(self) -> Any:
+        return importlib.import_module(self.vendor)
+
+    def availability(self, device: str | None = None) -> Availability:
+        try:
+            module = self.import_vendor()
+        except ImportError as exc:
+            return Availability(False, f"`import {self.vendor}` failed ({exc}); it runs on "
+                                       f"{self.hardware}", ())
+        versions = tuple((n, v) for n, v in self.versions(module).items() if v)
+        return Availability(True, "", versions)
+
+    hardware = ""
+
+    def versions(self, module: Any) -> dict[str, str | None]:
+        found = {self.vendor: getattr(module, "__version__", None) or dist_version(self.vendor.replace("_", "-"))}
+        for dist in self.toolchain:
+            found[dist] = dist_version(dist)
+        return found
+
+    def default_device(self) -> str:
+        return self.name
+
+    def check_device(self, device: str, recipe: Recipe) -> None:
+        kind, _, index = device.partition(":")
+        if kind == "cpu" and not index:
+            return  # exercises the compile path with a stand-in backend
+        if kind != self.name or (":" in device and not index.isdigit()):
+            raise recipe.error("device", f"{device!r} is not a device of target {self.name} "
+                                         f"(allowed: {self.name}, {self.name}:N, cpu)")
+
+    def validate(self, recipe: Recipe) -> None:
+        super().validate(recipe)
+        if recipe.compile.mode != "default":
+            raise recipe.error("compile.mode", f"target {self.name} supports only mode: default "
+                                               f"(got {recipe.compile.mode!r})")
+
+    def compile_settings(self, recipe: Recipe, device: str) -> dict[str, Any]:
+        spec = recipe.compile
+        return {"backend": self.name, "scope": spec.scope, "mode": spec.mode, "fullgraph": spec.fullgraph,
+                "dynamic": spec.dynamic, "options": dict(sorted(dict(spec.options).items()))}
+
+    def compile(self, module: torch.nn.Module, recipe: Recipe, device: str) -> Callable[..., Any]:
+        import torch
+
+        from aotbuild.targets.inductor import _raise_recompile_limit
+
+        self.import_vendor()  # registers the backend
+        settings = self.compile_settings(recipe, device)
+        _raise_recompile_limit(len(recipe.shapes))
+        kwargs = {"backend": self.name, "fullgraph": settings["fullgraph"], "dynamic": False,
+                  "options": settings["options"] or None}
+        if settings["scope"] == "regional":
+            module.compile_repeated_blocks(**kwargs)
+            return module.forward
+        return torch.compile(module.forward, **kwargs)
+
+    def capture_env(self, workdir: Path) -> dict[str, str | None]:
+        env: dict[str, str | None] = {self.cache_env: str(workdir / "compiler-cache")}
+        env.update({name: None for name in self.unset_in_jobs})
+        return env
+
+    def collect(self, workdir: Path) -> list[tuple[str, Path]]:
+        return collect_tree(workdir / "compiler-cache")
+
+    def install(self, files: Iterable[tuple[str, Path]], device: str) -> InstallResult:
+        folder = os.environ.get(self.cache_env)
+        if not folder:
+            folder = tempfile.mkdtemp(prefix=f"aotbuild-{self.name}-cache-")
+            os.environ[self.cache_env] = folder  # read by the compiler at compile time
+        return lay_tree(files, Path(folder))
+
+
+def collect_tree(base: Path) -> list[tuple[str, Path]]:
+    """Every regular file under ``base``; a symlink, device file or other special file is refused."""
+    found = []
+    if not base.is_dir():
+        return found
+    for folder, dirs, files in os.walk(base):
+        for name in sorted(dirs):
+            if os.path.islink(os.path.join(folder, name)):
+                raise StoreError(f"refusing to capture {os.path.join(folder, name)}: a symlink")
+        dirs.sort()
+        for name in sorted(files):
+            path = Path(folder) / name
+            mode = os.lstat(path).st_mode
+            if not stat.S_ISREG(mode):
+                raise StoreError(f"refusing to capture {path}: not a regular file")
+            if name.endswith(".lock"):
+                continue
+            rel = path.relative_to(base).as_posix()
+            safe_relpath(rel)
+            found.append((rel, path))
+    return found
+
+
+def lay_tree(files: Iterable[tuple[str, Path]], folder: Path) -> InstallResult:
+    """Hard-link (else copy) each blob to ``folder/rel``; existing files of the same size stay."""
+    installed = present = 0
+    for rel, blob in files:
+        dest = folder.joinpath(*safe_relpath(rel).parts)
+        if dest.is_file() and dest.stat().st_size == blob.stat().st_size:
+            present += 1
+            continue
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = dest.with_name(f".{dest.name}.{os.getpid()}.tmp")
+        try:
+            try:
+                os.link(blob, tmp)
+            except OSError:  # another filesystem, or links not allowed
+                shutil.copyfile(blob, tmp)
+            os.replace(tmp, dest)
+        finally:
+            if tmp.exists():
+                tmp.unlink()
+        installed += 1
+    return InstallResult(installed, present, str(folder))

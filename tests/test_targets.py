@@ -1,0 +1,183 @@
+"""Neuron and TPU targets, proven here through stand-in backends (tests/fakes) registered under the
+real backends' names; the device-helper table; ``aotbuild targets``.
+
+Anything that imports a stand-in runs in a subprocess with ``tests/fakes`` on PYTHONPATH, so the
+fakes never leak into the other tests' process.
+"""
+
+from __future__ import annotations
+
+import json
+import textwrap
+
+import pytest
+
+from aotbuild.errors import RecipeError
+from aotbuild.recipe import parse_recipe
+from tests.conftest import REPO, run_cli, run_python
+
+FAKES = {"PYTHONPATH": f"{REPO}:{REPO / 'tests' / 'fakes'}"}
+
+
+def recipe(**over) -> dict:
+    base = {"model": {"id": "builtin:tiny-sd"}, "shapes": [{"height": 64, "width": 64}]}
+    base.update(over)
+    return base
+
+
+@pytest.mark.parametrize("data,expected", [
+    (recipe(target="neuron", compile={"dynamic": True}), "compile.dynamic: target neuron needs static shapes"),
+    (recipe(target="tpu", compile={"dynamic": True}), "compile.dynamic: target tpu needs static shapes"),
+    (recipe(target="neuron", compile={"mode": "max-autotune"}),
+     "compile.mode: target neuron supports only mode: default"),
+    (recipe(target="tpu", offload="model"), "offload: model offload needs compile.scope: regional"),
+    (recipe(target="neuron", device="cuda"),
+     "device: 'cuda' is not a device of target neuron (allowed: neuron, neuron:N, cpu)"),
+    (recipe(target="tpu", device="tpu:x"), "device: 'tpu:x' is not a device of target tpu"),
+    (recipe(target="inductor", device="neuron"), "device: 'neuron' is not a device of target inductor"),
+])
+def test_forbidden_combinations(data, expected):
+    with pytest.raises(RecipeError) as info:
+        parse_recipe(data, "r.yaml")
+    assert expected in str(info.value)
+
+
+@pytest.mark.parametrize("data", [
+    recipe(target="neuron", device="neuron:1"), recipe(target="tpu", device="cpu"),
+    recipe(target="tpu", offload="model", compile={"scope": "regional"}),
+])
+def test_allowed_combinations(data):
+    parse_recipe(data, "r.yaml")
+
+
+def test_real_recipes_validate_and_plan_as_unavailable():
+    recipes = [REPO / "recipes" / n for n in ("sdxl_neuron.yaml", "sd35_tpu.yaml", "flux_schnell_tpu_offload.yaml",
+                                               "flux_cuda.yaml")]
+    proc = run_cli("plan", "--json", *map(str, recipes), env={"HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 0, proc.stderr
+    jobs = {j["recipe"]: j for j in json.loads(proc.stdout)["jobs"]}
+    assert set(jobs) == {"sdxl_neuron", "sd35_tpu", "flux_schnell_tpu_offload", "flux_cuda"}
+    assert all(j["status"] == "unavailable" and j["reason"].startswith("target unavailable: ") for j in jobs.values())
+    assert "torch_neuronx" in jobs["sdxl_neuron"]["reason"] and "torch_tpu" in jobs["sd35_tpu"]["reason"]
+    assert "CUDA is not available" in jobs["flux_cuda"]["reason"]
+    assert run_cli("plan", "--fail-on-miss", *map(str, recipes)).returncode == 3
+
+
+def test_targets_command():
+    data = json.loads(run_cli("targets", "--json").stdout)["targets"]
+    by = {t["name"]: t for t in data}
+    assert by["inductor"]["available"] and by["inductor"]["default_device"] == "cpu"
+    assert not by["neuron"]["available"] and "torch_neuronx" in by["neuron"]["reason"]
+    assert not by["tpu"]["available"] and by["tpu"]["default_dtype"] == "bfloat16"
+    faked = {t["name"]: t for t in json.loads(run_cli("targets", "--json", env=FAKES).stdout)["targets"]}
+    assert faked["neuron"]["available"] and faked["neuron"]["versions"]["torch_neuronx"] == "0.0.0+standin"
+    assert faked["tpu"]["default_device"] == "tpu"
+    table = run_cli("targets").stdout
+    assert "neuron" in table and "why not" in table
+
+
+DEVICE_TABLE = textwrap.dedent("""
+    import json, torch
+    from aotbuild import devices
+    # Any use of torch.cuda for another device would be the diffusers MLU bug: make it loud.
+    for name in ("synchronize", "empty_cache", "manual_seed_all", "max_memory_allocated"):
+        setattr(torch.cuda, name, lambda *a, _n=name: (_ for _ in ()).throw(AssertionError("cuda." + _n)))
+    out = {}
+    for device in list(devices.TABLE) + ["quantum"]:
+        for op in devices.OPERATIONS:
+            args = {"manual_seed": (device, 7)}.get(op, (device,))
+            try:
+                value = getattr(devices, op)(*args)
+                out[f"{device}.{op}"] = ["ok", value if isinstance(value, int) else None]
+            except devices.DeviceError as exc:
+                out[f"{device}.{op}"] = ["DeviceError", str(exc)]
+            except Exception as exc:
+                out[f"{device}.{op}"] = ["OTHER", f"{type(exc).__name__}: {exc}"]
+    import torch_neuronx, torch_tpu
+    out["neuron_seed"] = torch.neuron.initial_seed()
+    out["tpu_calls"] = [c[0] for c in torch_tpu.calls]
+    print(json.dumps(out))
+""")
+
+
+def test_device_table_every_device_and_operation():
+    proc = run_python(DEVICE_TABLE, env=FAKES)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert not [k for k, v in out.items() if isinstance(v, list) and v and v[0] == "OTHER"], out
+    assert out["cpu.synchronize"][0] == out["cpu.manual_seed"][0] == "ok" and out["cpu.device_count"][1] == 1
+    assert out["cpu.peak_memory"][0] == "ok" and out["cpu.peak_memory"][1] > 0
+    assert out["cpu.reset_peak_memory"] == ["DeviceError", "reset_peak_memory is not supported on device cpu "
+                                                           "(the peak RSS cannot be reset)"]
+    assert out["cuda.device_count"] == ["ok", 0]
+    assert out["cuda.synchronize"] == ["DeviceError", "device cuda is not available here (synchronize)"]
+    for vendor_device, module in (("mlu", "torch_mlu"), ("npu", "torch_npu")):
+        kind, message = out[f"{vendor_device}.manual_seed"]
+        assert kind == "DeviceError" and f"device {vendor_device} needs the {module} package" in message
+    assert out["quantum.synchronize"][0] == "DeviceError"
+    known = "unknown device 'quantum'; known: cpu, cuda, xpu, mps, mlu, npu, neuron, tpu"
+    assert known in out["quantum.synchronize"][1]
+    # Through the stand-in vendor modules: the accelerator's own generator got the seed.
+    assert out["neuron.manual_seed"][0] == "ok" and out["neuron_seed"] == 7
+    assert out["neuron.device_count"] == ["ok", 2] and out["tpu.peak_memory"] == ["ok", 1234]
+    assert "manual_seed_all" in out["tpu_calls"] and "synchronize" in out["tpu_calls"]
+
+
+LOAD = textwrap.dedent("""
+    import json, sys, os, importlib
+    import torch
+    from aotbuild import load_compiled, load_recipe
+    from aotbuild.models import load_pipeline, resolve_model, warmup_kwargs
+    from pathlib import Path
+    recipe_path, cache, vendor = sys.argv[1:4]
+    r = load_recipe(recipe_path)
+    eager = load_pipeline(r, resolve_model(r, Path(cache)), "float32")
+    defaults = {"num_inference_steps": 1}
+    ref = eager(**warmup_kwargs(r, r.shapes[0], defaults=defaults), output_type="pt").images
+    pipe = load_compiled(recipe_path, cache=cache, on_miss="error")
+    stats = importlib.import_module(vendor).stats
+    out = pipe(**warmup_kwargs(r, r.shapes[0], defaults=defaults), output_type="pt").images
+    warm = dict(stats)
+    pipe(**warmup_kwargs(r, r.shapes[0], defaults=defaults) | {"height": 32, "width": 32})
+    print("RESULT " + json.dumps({"warm": warm, "after_new_shape": dict(stats),
+                                  "max_diff": (out - ref).abs().max().item(),
+                                  "hits": len(pipe.aotbuild_report.hits)}))
+""")
+
+
+@pytest.mark.parametrize("target,vendor,scope,suffix", [
+    ("neuron", "torch_neuronx", "full", "model.neff"),
+    ("tpu", "torch_tpu", "regional", "model.bin"),
+])
+def test_standin_build_then_fresh_load_compiles_nothing(tmp_path, target, vendor, scope, suffix):
+    path = tmp_path / f"tiny_{target}.yaml"
+    path.write_text(textwrap.dedent(f"""
+        model: {{id: builtin:tiny-sd, dtype: float32}}
+        target: {target}
+        device: cpu
+        compile: {{components: [unet], scope: {scope}}}
+        shapes: [{{height: 64, width: 64}}]
+        warmup: {{guidance_scale: 0.0}}
+    """))
+    cache = tmp_path / "cache"
+    build = run_cli("build", "--json", "--cache", str(cache), str(path), env=FAKES)
+    assert build.returncode == 0, build.stderr[-3000:]
+    job = json.loads(build.stdout)["jobs"][0]
+    assert job["status"] == "built"
+    manifest = json.loads(run_cli("show", "--json", "--cache", str(cache), job["key"][:12]).stdout)
+    files = [f["path"] for f in manifest["files"]]
+    assert files and all(f.startswith("MODULE_") for f in files) and any(f.endswith(suffix) for f in files)
+    assert manifest["factors"]["device"][vendor] == "0.0.0+standin"
+    assert manifest["factors"]["warmup"]["num_inference_steps"] == 1  # the target's warmup default
+    assert manifest["embeds_weights"] is False
+    script = tmp_path / "load.py"
+    script.write_text(LOAD)
+    proc = run_python(f"import runpy, sys; sys.argv = ['l', {str(path)!r}, {str(cache)!r}, {vendor!r}]; "
+                      f"runpy.run_path({str(script)!r}, run_name='__main__')",
+                      env={**FAKES, "TORCH_NEURONX_NEFF_CACHE_DIR": "", "TORCH_TPU_TIER3_COMPILATION_CACHE_ROOT": ""})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))[7:])
+    assert result["hits"] == 1
+    assert result["warm"]["compiles"] == 0 and result["warm"]["loads"] >= 1  # a fresh load compiles nothing
+    assert result["after_new_shape"]["compiles"] >= 1  # a shape that was not built compiles
+    assert result["max_diff"] <= 1e-4
