@@ -100,7 +100,14 @@ def test_copied_cache_from_another_cwd_compiles_nothing(built_cache, tmp_path):
     shutil.copy(TINY_RECIPE, recipe)
     cwd = tmp_path / "somewhere-else"
     cwd.mkdir()
+    before = snapshot(copy)
     assert_warm(warm_load(recipe, copy, tmp_path / "fresh-inductor", cwd))
+    assert snapshot(copy) == before  # loading never writes to the store (read-only stores work)
+
+
+def snapshot(root: Path) -> dict[str, tuple[int, int]]:
+    return {p.relative_to(root).as_posix(): (p.stat().st_size, p.stat().st_mtime_ns)
+            for p in root.rglob("*") if p.is_file()}
 
 
 def test_plan_ls_show_on_built_cache(built_cache):

@@ -181,3 +181,34 @@ def test_standin_build_then_fresh_load_compiles_nothing(tmp_path, target, vendor
     assert result["warm"]["compiles"] == 0 and result["warm"]["loads"] >= 1  # a fresh load compiles nothing
     assert result["after_new_shape"]["compiles"] >= 1  # a shape that was not built compiles
     assert result["max_diff"] <= 1e-4
+
+
+def test_hardware_kind_from_the_environment(monkeypatch):
+    from aotbuild.targets import get_target
+
+    monkeypatch.setenv("TPU_ACCELERATOR_TYPE", "v6e-8")
+    assert get_target("tpu").hardware_kind() == "v6e"
+    monkeypatch.setenv("NEURON_PLATFORM_TARGET_OVERRIDE", "trn2")
+    assert get_target("neuron").hardware_kind() == "trn2"
+
+
+def test_captured_tree_refuses_symlinks_and_special_files(tmp_path):
+    import os
+
+    from aotbuild.errors import StoreError
+    from aotbuild.targets.folder import collect_tree, lay_tree
+
+    base = tmp_path / "cache"
+    (base / "MODULE_a").mkdir(parents=True)
+    (base / "MODULE_a" / "model.neff").write_bytes(b"neff")
+    (base / "MODULE_a" / "x.lock").write_bytes(b"")
+    assert [rel for rel, _ in collect_tree(base)] == ["MODULE_a/model.neff"]
+    result = lay_tree(collect_tree(base), tmp_path / "out")
+    assert result.installed == 1 and (tmp_path / "out" / "MODULE_a" / "model.neff").read_bytes() == b"neff"
+    os.symlink("/etc/passwd", base / "MODULE_a" / "evil")
+    with pytest.raises(StoreError, match="not a regular file"):
+        collect_tree(base)
+    (base / "MODULE_a" / "evil").unlink()
+    os.mkfifo(base / "fifo")
+    with pytest.raises(StoreError, match="not a regular file"):
+        collect_tree(base)

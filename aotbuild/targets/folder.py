@@ -74,6 +74,17 @@ class FolderCacheTarget(Target):
     def default_device(self) -> str:
         return self.name
 
+    #: name of the fingerprint entry for the accelerator's generation (NeuronCore kind, TPU generation)
+    hardware_factor = ""
+
+    def hardware_kind(self) -> str:
+        raise NotImplementedError
+
+    def fingerprint(self, device: str) -> dict[str, Any]:
+        fp: dict[str, Any] = {"device_kind": device.partition(":")[0], **self.versions(self.import_vendor())}
+        fp[self.hardware_factor] = "cpu-standin" if device.startswith("cpu") else self.hardware_kind()
+        return fp
+
     def check_device(self, device: str, recipe: Recipe) -> None:
         kind, _, index = device.partition(":")
         if kind == "cpu" and not index:

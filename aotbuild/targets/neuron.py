@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
 
 from aotbuild.targets.folder import FolderCacheTarget
 
@@ -29,21 +28,16 @@ class NeuronTarget(FolderCacheTarget):
     # Inductor-only), so the NEFFs hold code, not weights: one entry serves every checkpoint.
     embeds_weights = False
 
-    def fingerprint(self, device: str) -> dict[str, Any]:
-        module = self.import_vendor()
-        fp: dict[str, Any] = {"device_kind": device.partition(":")[0], **self.versions(module)}
-        fp["neuron_core"] = "cpu-standin" if device.startswith("cpu") else _core_kind()
-        return fp
+    hardware_factor = "neuron_core"
 
-
-def _core_kind() -> str:
-    """Trn2 and Trn3 NeuronCores differ: NEFFs are compiled for one. From the override the Neuron
-    SDK honours, else the EC2 instance family (``trn2.48xlarge`` -> ``trn2``)."""
-    override = os.environ.get("NEURON_PLATFORM_TARGET_OVERRIDE")
-    if override:
-        return override
-    try:
-        product = Path("/sys/devices/virtual/dmi/id/product_name").read_text().strip()
-    except OSError:
-        return "unknown"
-    return product.split(".")[0] or "unknown"
+    def hardware_kind(self) -> str:
+        """Trn2 and Trn3 NeuronCores differ: NEFFs are compiled for one. From the override the Neuron
+        SDK honours, else the EC2 instance family (``trn2.48xlarge`` -> ``trn2``)."""
+        override = os.environ.get("NEURON_PLATFORM_TARGET_OVERRIDE")
+        if override:
+            return override
+        try:
+            product = Path("/sys/devices/virtual/dmi/id/product_name").read_text().strip()
+        except OSError:
+            return "unknown"
+        return product.split(".")[0] or "unknown"

@@ -32,14 +32,9 @@ class TPUTarget(FolderCacheTarget):
                 return torch.tpu
         return super().import_vendor()
 
-    def fingerprint(self, device: str) -> dict[str, Any]:
-        module = self.import_vendor()
-        fp: dict[str, Any] = {"device_kind": device.partition(":")[0], **self.versions(module)}
-        fp["tpu_generation"] = "cpu-standin" if device.startswith("cpu") else _generation()
-        return fp
+    hardware_factor = "tpu_generation"
 
-
-def _generation() -> str:
-    """``TPU_ACCELERATOR_TYPE`` (set on Cloud TPU VMs, e.g. ``v6e-8``) without the chip count."""
-    accel = os.environ.get("TPU_ACCELERATOR_TYPE", "")
-    return accel.rsplit("-", 1)[0] if accel else "unknown"
+    def hardware_kind(self) -> str:
+        """``TPU_ACCELERATOR_TYPE`` (set on Cloud TPU VMs, e.g. ``v6e-8``) without the chip count."""
+        accel = os.environ.get("TPU_ACCELERATOR_TYPE", "")
+        return accel.rsplit("-", 1)[0] if accel else "unknown"
