@@ -132,7 +132,7 @@ def _build_one(store: Store, job: Job, tick: Callable[[float, str], None] | None
             reason = result.get("error") or f"worker exited with {proc.returncode}{_tail(staging / 'worker.log')}"
             _keep_log(staging / "worker.log", log_path)
             return JobResult(job, FAILED, seconds, reason=f"{reason} (log: {log_path})")
-        files = target.collect(staging)
+        files = target.collect(staging, job.recipe.strategy)
         if not files:
             return JobResult(job, FAILED, seconds, reason="the job compiled nothing: no artifact to store")
         entries = []
@@ -144,6 +144,7 @@ def _build_one(store: Store, job: Job, tick: Callable[[float, str], None] | None
             "component": job.component, "shape": job.shape.as_dict(), "target": job.recipe.target,
             "strategy": job.recipe.strategy, "factors": job.factors, "files": entries,
             "signatures": result["signatures"], "embeds_weights": target.embeds_weights,
+            **({"packages": result["packages"]} if "packages" in result else {}),
             "build": {"created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                       "seconds": round(seconds, 3), "aotbuild": __version__, **{k: result.get(k) for k in
                                                                               ("seconds", "counters")}},

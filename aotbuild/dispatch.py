@@ -57,45 +57,58 @@ def describe(sig: str) -> str:
 
 
 class Dispatcher:
-    """Replaces ``module.forward``: built signatures run compiled, others follow ``on_unbuilt``.
+    """Replaces ``module.forward``: a built signature runs its route, others follow ``on_unbuilt``.
 
-    ``on_unbuilt``: ``"record"`` (build: every call is compiled and its signature kept),
-    ``"compile"`` (compile it now, as torch.compile would), ``"eager"``, or ``"error"``.
+    ``routes`` maps each built signature to what runs it (the compiled forward for jit-cache, one
+    AOTInductor package per signature for aot-package). ``on_unbuilt``: ``"record"`` (build: run
+    ``fallback`` and remember the signature, calling ``on_record(sig, args, kwargs)`` the first
+    time), ``"compile"`` (run ``fallback``, which compiles as torch.compile would), ``"eager"``, or
+    ``"error"`` (raise ``ShapeNotBuilt``).
     """
 
-    def __init__(self, component: str, eager: Callable[..., Any], compiled: Callable[..., Any],
-                 built: set[str], on_unbuilt: str):
+    def __init__(self, component: str, eager: Callable[..., Any], routes: dict[str, Callable[..., Any]],
+                 fallback: Callable[..., Any] | None, on_unbuilt: str,
+                 on_record: Callable[[str, tuple[Any, ...], dict[str, Any]], None] | None = None):
         self.component = component
         self.eager = eager
-        self.compiled = compiled
-        self.built = set(built)
+        self.routes = dict(routes)
+        self.fallback = fallback
         self.on_unbuilt = on_unbuilt
+        self.on_record = on_record
         self.calls = {"built": 0, "unbuilt": 0}
+
+    @property
+    def built(self) -> set[str]:
+        return set(self.routes)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         sig = signature(args, kwargs)
-        if sig in self.built:
+        route = self.routes.get(sig)
+        if route is not None:
             self.calls["built"] += 1
-            return self.compiled(*args, **kwargs)
+            return route(*args, **kwargs)
         self.calls["unbuilt"] += 1
         if self.on_unbuilt == "record":
-            self.built.add(sig)
-            return self.compiled(*args, **kwargs)
+            assert self.fallback is not None
+            if self.on_record is not None:
+                self.on_record(sig, args, kwargs)
+            self.routes[sig] = self.fallback
+            return self.fallback(*args, **kwargs)
         if self.on_unbuilt == "error":
             raise ShapeNotBuilt(f"{self.component} was called with {describe(sig)}, a shape this cache did not "
                                 f"build (strict_shapes=True); add it to the recipe's shapes and rebuild")
-        if self.on_unbuilt == "eager":
+        if self.on_unbuilt == "eager" or self.fallback is None:
             import torch
 
             with torch.compiler.set_stance("force_eager"):
                 return self.eager(*args, **kwargs)
-        return self.compiled(*args, **kwargs)
+        return self.fallback(*args, **kwargs)
 
 
-def install_dispatcher(module: Any, component: str, compiled: Callable[..., Any], built: set[str],
-                       on_unbuilt: str) -> Dispatcher:
+def install_dispatcher(module: Any, component: str, routes: dict[str, Callable[..., Any]],
+                       fallback: Callable[..., Any] | None, on_unbuilt: str,
+                       on_record: Callable[[str, tuple[Any, ...], dict[str, Any]], None] | None = None) -> Dispatcher:
     """Put a dispatcher in ``module.forward`` (an instance attribute: the class is untouched)."""
-    eager = module.forward
-    dispatcher = Dispatcher(component, eager, compiled, built, on_unbuilt)
+    dispatcher = Dispatcher(component, module.forward, routes, fallback, on_unbuilt, on_record)
     module.forward = dispatcher
     return dispatcher

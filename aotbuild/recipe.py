@@ -19,7 +19,7 @@ from typing import Any
 from aotbuild.errors import RecipeError
 
 TARGETS = ("inductor", "neuron", "tpu")
-STRATEGIES = ("jit-cache",)  # "aot-package" arrives with the AOTInductor issue
+STRATEGIES = ("jit-cache", "aot-package")
 SCOPES = ("full", "regional")
 OFFLOADS = ("none", "model")
 MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
@@ -52,7 +52,8 @@ SCHEMA: dict[str, dict[str, Field] | Field] = {
     },
     "target": Field("str", "inductor", TARGETS, "where the compiled code runs"),
     "device": Field("str?", doc="default: the target's (inductor: cuda if available, else cpu)"),
-    "strategy": Field("str", "jit-cache", STRATEGIES, "jit-cache: torch.compile with its caches captured"),
+    "strategy": Field("str", "jit-cache", STRATEGIES,
+                      "jit-cache: torch.compile with its caches captured; aot-package: AOTInductor (inductor)"),
     "offload": Field("str", "none", OFFLOADS, "model: enable_model_cpu_offload(); needs scope: regional"),
     "compile": {
         "components": Field("list[str]", ("unet",), doc="pipeline components to compile"),

@@ -18,7 +18,7 @@ from aotbuild.errors import CacheMiss, TargetUnavailable, UsageError
 from aotbuild.layout import resolve_cache_root
 from aotbuild.planner import Context
 from aotbuild.recipe import Recipe, Shape, load_recipe
-from aotbuild.store import Store
+from aotbuild.store import Entry, Store
 
 log = logging.getLogger("aotbuild")
 ON_MISS = ("compile", "eager", "error")
@@ -104,29 +104,33 @@ def load_compiled(recipe: str | Path | Recipe, pipe: Any = None, *, cache: str |
 
     report = LoadReport(recipe.name, str(root), on_miss=on_miss)
     blocker = ctx.target.install_blocker()
-    plans = []  # (component, module, signatures of hits)
-    files: list[tuple[str, Path]] = []
+    plans = []  # (component, module, verified entries)
     for component in recipe.compile.components:
         module = getattr(pipe, component, None)
         if module is None:
             raise recipe.error("compile.components", f"the pipeline has no component {component!r}")
         cls_name, config = models.module_config(module)
-        built: set[str] = set()
+        entries: list[Entry] = []
         for shape in recipe.shapes:
             factors = ctx.factors(component, cls_name, config, shape, type(pipe).__name__)
             key = keys.key_of(factors)
             entry, why = store.open_entry(key) if not blocker else (None, blocker)
             if entry is not None:
-                files.extend(entry.files)
-                built.update(entry.manifest.get("signatures", []))
+                entries.append(entry)
                 report.entries.append(ReportEntry(component, shape, key, True))
             else:
                 reason = why if why != "not built" else explain_miss(store, recipe, component, shape, factors)
                 report.entries.append(ReportEntry(component, shape, key, False, reason))
-        plans.append((component, module, built))
+        plans.append((component, module, entries))
 
     if report.misses and on_miss == "error":
         raise CacheMiss(str(report))
+    aot = recipe.strategy == "aot-package"
+    files = [f for _, _, entries in plans for e in entries for f in e.files]
+    if aot:  # only the loader's probe files go to Inductor's cache; packages are loaded below
+        from aotbuild.targets import aoti
+
+        files = [(rel.split("/", 1)[1], p) for rel, p in files if rel.startswith(aoti.PROBE_DIR + "/")]
     if files:
         result = ctx.target.install(files, ctx.device)
         report.installed_files, report.present_files = result.installed, result.present
@@ -134,12 +138,17 @@ def load_compiled(recipe: str | Path | Recipe, pipe: Any = None, *, cache: str |
     # A call at an unbuilt shape: strict_shapes raises; on_miss="eager" keeps such calls eager; otherwise
     # (on_miss "compile" or "error", which acted at load) it compiles, as plain torch.compile would.
     policy = "error" if strict_shapes else ("eager" if on_miss == "eager" else "compile")
-    for component, module, built in plans:
-        if built or on_miss == "compile":
-            compiled = ctx.target.compile(module, recipe, ctx.device)
+    for component, module, entries in plans:
+        # torch.compile only wraps here; Dynamo runs on the first call that takes this path.
+        fallback = ctx.target.compile(module, recipe, ctx.device) if policy == "compile" or (
+            entries and not aot) else None
+        if aot:
+            packages = [(package, dict(e.files)[package["path"]]) for e in entries
+                        for package in e.manifest.get("packages", [])]
+            routes = aoti.load_packages(module, component, packages, ctx.device)
         else:
-            compiled = module.forward  # nothing built and eager requested: never compile
-        install_dispatcher(module, component, compiled, built, policy)
+            routes = {sig: fallback for e in entries for sig in e.manifest.get("signatures", [])}
+        install_dispatcher(module, component, routes, fallback, policy)
     pipe.aotbuild_report = report
     log.info("%s", report)
     if report.misses:

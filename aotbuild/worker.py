@@ -46,15 +46,29 @@ def run(job: dict) -> dict:
         raise RuntimeError(f"the loaded model gives another key than the plan ({diff})")
     t_load = time.perf_counter()
     _phase(job, "compiling and warming up")
-    compiled = ctx.target.compile(module, recipe, ctx.device)
-    dispatcher = install_dispatcher(module, component, compiled, set(), "record")
-    # Called exactly as a user calls it (the pipeline's own no_grad, no inference_mode): grad mode
-    # is part of what a compiled graph is guarded and cached on.
-    pipe(**models.warmup_kwargs(recipe, shape, defaults=ctx.target.warmup_defaults))
+    warmup = models.warmup_kwargs(recipe, shape, defaults=ctx.target.warmup_defaults)
+    extra: dict = {}
+    if recipe.strategy == "aot-package":
+        from aotbuild.targets import aoti
+
+        calls: dict = {}
+        dispatcher = install_dispatcher(module, component, {}, module.forward, "record",
+                                        on_record=lambda sig, a, k: calls.setdefault(sig, aoti.snapshot(a, k)))
+        pipe(**warmup)  # eager: records the exact calls the pipeline makes
+        _phase(job, "exporting and packaging")
+        extra["packages"] = aoti.build_packages(module, calls, Path(job["result"]).parent,
+                                                ctx.target.compile_settings(recipe, ctx.device)["options"])
+    else:
+        compiled = ctx.target.compile(module, recipe, ctx.device)
+        dispatcher = install_dispatcher(module, component, {}, compiled, "record")
+        # Called exactly as a user calls it (the pipeline's own no_grad, no inference_mode): grad
+        # mode is part of what a compiled graph is guarded and cached on.
+        pipe(**warmup)
     t_warm = time.perf_counter()
     from torch._dynamo.utils import counters
 
     return {
+        **extra,
         "key": key,
         "signatures": sorted(dispatcher.built),
         "seconds": {"load": round(t_load - t0, 3), "compile_and_warmup": round(t_warm - t_load, 3)},

@@ -22,8 +22,8 @@ def setup(policy):
         seen.append(a[0].shape)
         return Tiny.forward(m, *a, **k)
 
-    built = {signature((torch.zeros(2, 3),), {"flag": None})}
-    d = install_dispatcher(m, "tiny", compiled, built, policy)
+    built = signature((torch.zeros(2, 3),), {"flag": None})
+    d = install_dispatcher(m, "tiny", {built: compiled}, compiled, policy)
     return m, d, seen
 
 
@@ -57,8 +57,9 @@ def test_signature_specializes_like_dynamo():
 
 def test_record_policy_learns_signatures():
     m = Tiny()
-    d = install_dispatcher(m, "tiny", m.forward, set(), "record")
+    recorded = []
+    d = install_dispatcher(m, "tiny", {}, m.forward, "record", on_record=lambda sig, a, k: recorded.append(sig))
     m(torch.zeros(1, 1))
     m(torch.zeros(1, 1))
     m(torch.zeros(2, 1))
-    assert len(d.built) == 2
+    assert len(d.built) == 2 and len(recorded) == 2  # on_record sees each signature once

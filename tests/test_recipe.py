@@ -55,7 +55,7 @@ BAD = [
     (GOOD + "compile: {fullgraph: 'yes'}\n", "compile.fullgraph: expected true or false"),
     (GOOD + "compile: {scopе: full}\n", "compile.scopе: unknown key; did you mean 'scope'?"),
     (GOOD + "offload: model\n", "offload: model offload needs compile.scope: regional"),
-    (GOOD + "strategy: aot-package\n", "strategy: 'aot-package' is not allowed"),
+    (GOOD + "strategy: aot_package\n", "strategy: 'aot_package' is not allowed; did you mean 'aot-package'?"),
     (GOOD.replace("guidance_scale: 0.0", "height: 64"), "warmup.height: cannot be set here: shapes sets it"),
     ("model: [unclosed\n", "is not valid YAML: line"),
     ("- just\n- a list\n", "expected a mapping of recipe keys at the top level"),

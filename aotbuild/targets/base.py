@@ -41,6 +41,8 @@ class Target:
     #: True when artifacts embed the weights: then the weights' identity becomes a key factor.
     embeds_weights: bool = False
 
+    #: the recipe strategies this target implements
+    strategies: tuple[str, ...] = ("jit-cache",)
     #: warmup arguments a recipe gets unless it sets them (part of the key, like the recipe's own)
     warmup_defaults: dict[str, Any] = {}
 
@@ -53,6 +55,9 @@ class Target:
 
     def validate(self, recipe: Recipe) -> None:
         """Raise ``recipe.error(...)`` for settings this target cannot honour."""
+        if recipe.strategy not in self.strategies:
+            raise recipe.error("strategy", f"target {self.name} supports strategy {', '.join(self.strategies)} "
+                                           f"(not {recipe.strategy})")
         if self.static_shapes and recipe.compile.dynamic:
             raise recipe.error("compile.dynamic", f"target {self.name} needs static shapes: set dynamic: false")
         if recipe.device is not None:
@@ -78,7 +83,7 @@ class Target:
         (a None value removes the variable from the job's environment)."""
         raise NotImplementedError
 
-    def collect(self, workdir: Path) -> list[tuple[str, Path]]:
+    def collect(self, workdir: Path, strategy: str) -> list[tuple[str, Path]]:
         """After the job: (relative path, file) for every artifact it produced."""
         raise NotImplementedError
 

@@ -124,7 +124,7 @@ class FolderCacheTarget(Target):
         env.update({name: None for name in self.unset_in_jobs})
         return env
 
-    def collect(self, workdir: Path) -> list[tuple[str, Path]]:
+    def collect(self, workdir: Path, strategy: str) -> list[tuple[str, Path]]:
         return collect_tree(workdir / "compiler-cache")
 
     def install(self, files: Iterable[tuple[str, Path]], device: str) -> InstallResult:

@@ -47,6 +47,7 @@ class InductorTarget(Target):
     default_dtype = "float32"
     static_shapes = True
     embeds_weights = False  # weights are graph inputs, never frozen into kernels (freezing stays off)
+    strategies = ("jit-cache", "aot-package")
 
     def availability(self, device: str | None = None) -> Availability:
         import torch
@@ -65,6 +66,18 @@ class InductorTarget(Target):
         kind, index = _parse_device(device)
         if kind not in ("cpu", "cuda") or (":" in device and index is None) or (kind == "cpu" and index is not None):
             raise recipe.error("device", f"{device!r} is not a device of target inductor (allowed: cpu, cuda, cuda:N)")
+
+    def validate(self, recipe: Recipe) -> None:
+        super().validate(recipe)
+        if recipe.strategy == "aot-package":
+            if recipe.compile.scope != "full":
+                raise recipe.error("compile.scope", "strategy aot-package supports scope: full only (regional "
+                                                    "packages are not supported yet)")
+            if not recipe.compile.fullgraph:
+                raise recipe.error("compile.fullgraph", "strategy aot-package exports the whole component: "
+                                                        "fullgraph must be true")
+            if recipe.offload != "none":
+                raise recipe.error("offload", "strategy aot-package cannot run under model offload")
 
     def compile_settings(self, recipe: Recipe, device: str) -> dict[str, Any]:
         spec = recipe.compile
@@ -128,7 +141,14 @@ class InductorTarget(Target):
         return {constants.ENV_INDUCTOR_CACHE: str(workdir / "inductor"), "TORCHINDUCTOR_FX_GRAPH_CACHE": "1",
                 "TORCHINDUCTOR_AUTOGRAD_CACHE": "1"}
 
-    def collect(self, workdir: Path) -> list[tuple[str, Path]]:
+    def collect(self, workdir: Path, strategy: str) -> list[tuple[str, Path]]:
+        if strategy == "aot-package":
+            # The packages, and the probe files a fresh load of them left in an empty cache folder.
+            from aotbuild.targets import aoti
+            from aotbuild.targets.folder import collect_tree
+
+            return ([(f"{aoti.PACKAGE_DIR}/{rel}", p) for rel, p in collect_tree(workdir / aoti.PACKAGE_DIR)]
+                    + [(f"{aoti.PROBE_DIR}/{rel}", p) for rel, p in collect_tree(workdir / aoti.PROBE_DIR)])
         base = workdir / "inductor"
         found = []
         for folder, dirs, files in os.walk(base):

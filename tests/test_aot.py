@@ -1,0 +1,158 @@
+"""strategy: aot-package: AOTInductor packages without weights, loaded with no Dynamo at all."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+
+import pytest
+import torch
+
+from aotbuild import ShapeNotBuilt, load_compiled
+from aotbuild.errors import RecipeError
+from aotbuild.recipe import parse_recipe
+from tests.conftest import run_cli, run_python
+
+pytestmark = pytest.mark.slow
+
+AOT_RECIPE = textwrap.dedent("""
+    model: {id: builtin:tiny-sd, dtype: float32}
+    target: inductor
+    device: cpu
+    strategy: aot-package
+    compile: {components: [unet]}
+    shapes: [{height: 64, width: 64}]
+    warmup: {num_inference_steps: 2, guidance_scale: 0.0}
+""")
+
+
+@pytest.fixture(scope="session")
+def aot_cache(tmp_path_factory, models_dir):
+    import shutil
+
+    root = tmp_path_factory.mktemp("aot")
+    shutil.copytree(models_dir / "models", root / "cache" / "models")
+    recipe = root / "tiny_sd_aot.yaml"
+    recipe.write_text(AOT_RECIPE)
+    proc = run_cli("build", "--json", "--cache", str(root / "cache"), str(recipe),
+                   env={"TORCHINDUCTOR_CACHE_DIR": str(root / "build-inductor")})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return recipe, root / "cache", json.loads(proc.stdout)
+
+
+def test_package_is_weightless_and_has_probe_files(aot_cache):
+    recipe, cache, report = aot_cache
+    key = report["jobs"][0]["key"]
+    manifest = json.loads(run_cli("show", "--json", "--cache", str(cache), key[:12]).stdout)
+    packages = [f for f in manifest["files"] if f["path"].startswith("aoti/")]
+    assert len(packages) == 1 and len(manifest["packages"]) == 1
+    weights = sum(p.numel() * p.element_size() for p in _tiny_unet_params(cache))
+    assert packages[0]["size"] < weights + 4_000_000  # code only: the weights are not in it
+    assert manifest["packages"][0]["constants"]["conv_in.weight"][1] == "float32"
+    assert any(f["path"].startswith("inductor/") for f in manifest["files"])  # the loader's probe files
+
+
+def _tiny_unet_params(cache):
+    from diffusers import UNet2DConditionModel
+
+    return list(UNet2DConditionModel.from_pretrained(str(cache / "models" / "tiny-sd-v1"), subfolder="unet")
+                .parameters())
+
+
+FRESH = textwrap.dedent("""
+    import json, sys
+    from pathlib import Path
+    import torch
+    from aotbuild import ShapeNotBuilt, load_compiled, load_recipe
+    from aotbuild.models import load_pipeline, resolve_model, warmup_kwargs
+    recipe_path, cache = sys.argv[1:3]
+    r = load_recipe(recipe_path)
+    eager = load_pipeline(r, resolve_model(r, Path(cache)), "float32")
+    ref = eager(**warmup_kwargs(r, r.shapes[0]), output_type="pt").images
+    pipe = load_compiled(recipe_path, cache=cache, on_miss="error", strict_shapes=True)
+    out = pipe(**warmup_kwargs(r, r.shapes[0]), output_type="pt").images
+    from torch._dynamo.utils import counters
+    strict = None
+    try:
+        pipe(prompt="x", height=32, width=32, num_inference_steps=1, guidance_scale=0.0)
+    except ShapeNotBuilt as exc:
+        strict = str(exc)
+    print("RESULT " + json.dumps({"unique_graphs": counters["stats"].get("unique_graphs", 0),
+                                  "max_diff": (out - ref).abs().max().item(), "strict": strict,
+                                  "calls": pipe.unet.forward.calls}))
+""")
+
+
+def test_fresh_process_load_runs_no_dynamo(aot_cache, tmp_path):
+    recipe, cache, _ = aot_cache
+    script = tmp_path / "fresh.py"
+    script.write_text(FRESH)
+    proc = run_python(f"import runpy, sys; sys.argv = ['f', {str(recipe)!r}, {str(cache)!r}]; "
+                      f"runpy.run_path({str(script)!r}, run_name='__main__')",
+                      env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "empty-inductor")})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))[7:])
+    assert result["unique_graphs"] == 0
+    assert result["max_diff"] <= 1e-4
+    assert result["calls"] == {"built": 2, "unbuilt": 1} and "1x4x4x4" in result["strict"]
+
+
+def captured_call(pipe, recipe):
+    from aotbuild.models import warmup_kwargs
+
+    seen = {}
+
+    def grab(module, args, kwargs):
+        seen.setdefault("call", (args, kwargs))
+
+    handle = pipe.unet.register_forward_pre_hook(grab, with_kwargs=True)
+    pipe(**warmup_kwargs(recipe, recipe.shapes[0]))
+    handle.remove()
+    return seen["call"]
+
+
+def test_weights_changed_after_load_are_resupplied_or_refused(aot_cache):
+    from aotbuild.recipe import load_recipe
+    from aotbuild.targets.aoti import PackageMismatch
+
+    recipe_path, cache, _ = aot_cache
+    recipe = load_recipe(recipe_path)
+    pipe = load_compiled(recipe, cache=cache, on_miss="error", strict_shapes=True)
+    args, kwargs = captured_call(pipe, recipe)
+    unet, dispatcher = pipe.unet, pipe.unet.forward
+    runner = next(iter(dispatcher.routes.values())).runner
+
+    def packaged_vs_eager():
+        return (unet(*args, **kwargs)[0] - dispatcher.eager(*args, **kwargs)[0]).abs().max().item()
+
+    assert packaged_vs_eager() <= 1e-4
+    with torch.no_grad():  # an in-place update (e.g. a LoRA fused into the same storage): shared
+        unet.conv_in.weight.add_(0.5)
+    assert packaged_vs_eager() <= 1e-4 and runner.rebinds == 0
+    unet.conv_in.weight.data = unet.conv_in.weight.data * 2  # a new tensor: re-supplied before the call
+    assert packaged_vs_eager() <= 1e-4 and runner.rebinds == 1
+    unet.to(torch.float64)
+    with pytest.raises(PackageMismatch, match="is now float64 .* built for float32"):
+        unet(*args, **kwargs)
+
+
+@pytest.mark.parametrize("data,expected", [
+    ({"target": "neuron", "strategy": "aot-package"}, "target neuron supports strategy jit-cache (not aot-package)"),
+    ({"strategy": "aot-package", "compile": {"scope": "regional"}}, "supports scope: full only"),
+    ({"strategy": "aot-package", "compile": {"fullgraph": False}}, "fullgraph must be true"),
+])
+def test_aot_package_validation(data, expected):
+    base = {"model": "builtin:tiny-sd", "device": "cpu", "shapes": [{"height": 64, "width": 64}]}
+    with pytest.raises(RecipeError) as info:
+        parse_recipe({**base, **data}, "r.yaml")
+    assert expected in str(info.value)
+
+
+def test_unbuilt_shape_follows_policy(aot_cache):
+    recipe_path, cache, _ = aot_cache
+    pipe = load_compiled(recipe_path, cache=cache, on_miss="eager")
+    pipe(prompt="x", height=32, width=32, num_inference_steps=1, guidance_scale=0.0)
+    assert pipe.unet.forward.calls["unbuilt"] == 1
+    strict = load_compiled(recipe_path, cache=cache, strict_shapes=True)
+    with pytest.raises(ShapeNotBuilt):
+        strict(prompt="x", height=32, width=32, num_inference_steps=1, guidance_scale=0.0)
