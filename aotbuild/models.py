@@ -137,7 +137,14 @@ def load_pipeline(recipe: Recipe, model: ResolvedModel, dtype: str) -> Any:
     cls = getattr(diffusers, cls_name, None)
     if cls is None:
         raise recipe.error("model.pipeline", f"diffusers has no pipeline class {cls_name!r}")
-    kwargs: dict[str, Any] = {"torch_dtype": getattr(torch, dtype)}
+    # diffusers renamed torch_dtype to dtype (the old name warns); use whichever this version has.
+    try:
+        from diffusers.utils.deprecation_utils import _resolve_dtype  # noqa: F401
+
+        dtype_arg = "dtype"
+    except ImportError:
+        dtype_arg = "torch_dtype"
+    kwargs: dict[str, Any] = {dtype_arg: getattr(torch, dtype)}
     if recipe.model.variant:
         kwargs["variant"] = recipe.model.variant
     if recipe.model.revision and not model.is_local:

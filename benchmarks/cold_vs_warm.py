@@ -7,8 +7,9 @@ Modes (each a fresh process, load -> first image timed from the top of the proce
   cold       plain torch.compile(unet.forward, fullgraph=True, dynamic=False), empty Inductor cache
   pt-warm    the same, on the Inductor cache folder a cold run left (PyTorch's own warm cache)
   aotbuild   load_compiled() from a copy of an aotbuild cache in a new folder, empty Inductor cache
-Steady state is the median of 10 calls after the first, in the pt-warm and aotbuild processes
-(aotbuild builds CPU kernels with cpp.dynamic_threads; plain torch.compile does not).
+  aot-package  the same with strategy: aot-package (AOTInductor packages, no Dynamo at load)
+Steady state is the median of 10 calls after the first (aotbuild builds CPU kernels with
+cpp.dynamic_threads; plain torch.compile does not). Peak RSS is each process's ru_maxrss.
 Prints medians and the ratios the core issue sets as goals. Never used by tests.
 """
 
@@ -39,7 +40,7 @@ def child(mode: str, recipe: str, cache: str) -> None:
 
     r = load_recipe(recipe)
     shape = r.shapes[0]
-    if mode == "aotbuild":
+    if mode in ("aotbuild", "aot-package"):
         from aotbuild import load_compiled
 
         pipe = load_compiled(recipe, cache=cache, on_miss="error")
@@ -54,10 +55,14 @@ def child(mode: str, recipe: str, cache: str) -> None:
         t = time.perf_counter()
         pipe(**warmup_kwargs(r, shape))
         times.append(time.perf_counter() - t)
+    import resource
+
     from torch._dynamo.utils import counters
 
     print("RESULT " + json.dumps({"first": first, "steady": statistics.median(times),
-                                  "counters": dict(counters["inductor"])}))
+                                  "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                                  "counters": dict(counters["inductor"]),
+                                  "unique_graphs": counters["stats"].get("unique_graphs", 0)}))
 
 
 def run_child(mode: str, recipe: Path, cache: Path, inductor: Path) -> dict:
@@ -82,12 +87,15 @@ def main() -> None:
         recipe = work / "tiny_sd_cpu.yaml"  # one shape: each cold compile costs a minute here
         text = RECIPE.read_text().replace("  - {height: 64, width: 96}\n", "")
         recipe.write_text(text)
+        aot_recipe = work / "tiny_sd_aot.yaml"
+        aot_recipe.write_text(text.replace("strategy: jit-cache", "strategy: aot-package"))
         cache = work / "cache"
-        print("building the aotbuild cache once ...", flush=True)
-        subprocess.run([sys.executable, "-m", "aotbuild.cli", "build", "--cache", str(cache), str(recipe)],
+        print("building the aotbuild caches once (jit-cache and aot-package) ...", flush=True)
+        subprocess.run([sys.executable, "-m", "aotbuild.cli", "build", "--cache", str(cache), str(recipe),
+                        str(aot_recipe)],
                        check=True, env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(work / "build-ind")},
                        capture_output=True)
-        results: dict[str, list[dict]] = {m: [] for m in ("eager", "cold", "pt-warm", "aotbuild")}
+        results: dict[str, list[dict]] = {m: [] for m in ("eager", "cold", "pt-warm", "aotbuild", "aot-package")}
         for i in range(args.repeats):
             print(f"round {i + 1}/{args.repeats} ...", flush=True)
             results["eager"].append(run_child("eager", recipe, cache, work / f"eager-{i}"))
@@ -97,19 +105,27 @@ def main() -> None:
             copy = work / f"copy-{i}" / "cache"
             shutil.copytree(cache, copy)
             results["aotbuild"].append(run_child("aotbuild", recipe, copy, work / f"aot-ind-{i}"))
+            results["aot-package"].append(run_child("aot-package", aot_recipe, copy, work / f"pkg-ind-{i}"))
         med = {m: statistics.median(r["first"] for r in rs) for m, rs in results.items()}
         steady = {m: statistics.median(r["steady"] for r in rs) for m, rs in results.items()}
         print(f"\nbuiltin:tiny-sd, 64x64, 2 steps; {os.cpu_count()} CPUs; median of {args.repeats}; "
               f"torch {__import__('torch').__version__}")
-        print(f"{'mode':<10} {'load->first output (s)':>24} {'steady call (ms)':>18}")
+        rss = {m: statistics.median(r["rss_mb"] for r in rs) for m, rs in results.items()}
+        print(f"{'mode':<12} {'load->first output (s)':>24} {'steady call (ms)':>18} {'peak RSS (MB)':>15}")
         for m in results:
-            print(f"{m:<10} {med[m]:>24.2f} {steady[m] * 1000:>18.1f}")
+            print(f"{m:<12} {med[m]:>24.2f} {steady[m] * 1000:>18.1f} {rss[m]:>15.0f}")
         print()
         print(f"aotbuild warm / cold compile        = {med['aotbuild'] / med['cold']:.3f}  (goal <= 0.20)")
         print(f"aotbuild warm / PyTorch warm cache  = {med['aotbuild'] / med['pt-warm']:.3f}  (goal <= 1.05)")
         print(f"aotbuild steady / torch.compile     = {steady['aotbuild'] / steady['pt-warm']:.3f}  "
               f"(goal within 5%; dynamic_threads on vs off)")
+        print(f"aot-package load / eager load       = {med['aot-package'] / med['eager']:.3f}  (goal <= 1.25)")
+        print(f"aot-package load / cold compile     = {med['aot-package'] / med['cold']:.3f}  (goal <= 0.06)")
+        ratio = steady["aot-package"] / steady["pt-warm"]
+        print(f"aot-package steady / torch.compile  = {ratio:.3f}  (goal within 5%)")
+        print(f"aot-package peak RSS / eager        = {rss['aot-package'] / rss['eager']:.3f}  (goal <= 1.10)")
         print(f"fxgraph counters, aotbuild runs: {[r['counters'] for r in results['aotbuild']]}")
+        print(f"Dynamo graphs, aot-package runs: {[r['unique_graphs'] for r in results['aot-package']]}")
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
