@@ -139,9 +139,12 @@ def load_compiled(recipe: str | Path | Recipe, pipe: Any = None, *, cache: str |
     # (on_miss "compile" or "error", which acted at load) it compiles, as plain torch.compile would.
     policy = "error" if strict_shapes else ("eager" if on_miss == "eager" else "compile")
     for component, module, entries in plans:
-        # torch.compile only wraps here; Dynamo runs on the first call that takes this path.
-        fallback = ctx.target.compile(module, recipe, ctx.device) if policy == "compile" or (
-            entries and not aot) else None
+        if aot:  # no torch.compile unless a call needs it: importing Dynamo alone costs ~0.7 s here
+            fallback = _lazy_compile(ctx, module) if policy == "compile" else None
+        elif entries or policy == "compile":
+            fallback = ctx.target.compile(module, recipe, ctx.device)
+        else:
+            fallback = None
         if aot:
             packages = [(package, dict(e.files)[package["path"]]) for e in entries
                         for package in e.manifest.get("packages", [])]
@@ -155,6 +158,23 @@ def load_compiled(recipe: str | Path | Recipe, pipe: Any = None, *, cache: str |
         warnings.warn(f"aotbuild: {len(report.misses)} cache miss(es) for {recipe.name}; "
                       f"see pipe.aotbuild_report", stacklevel=2)
     return pipe
+
+
+def _lazy_compile(ctx: Context, module: Any) -> Any:
+    """A fallback that compiles the component's own forward on its first use, not at load."""
+    eager_forward = module.forward
+    compiled: list[Any] = []
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if not compiled:
+            dispatcher, module.forward = module.forward, eager_forward
+            try:
+                compiled.append(ctx.target.compile(module, ctx.recipe, ctx.device))
+            finally:
+                module.forward = dispatcher
+        return compiled[0](*args, **kwargs)
+
+    return run
 
 
 def explain_miss(store: Store, recipe: Recipe, component: str, shape: Shape, factors: dict[str, Any]) -> str:
