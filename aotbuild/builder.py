@@ -143,7 +143,9 @@ def _build_one(store: Store, job: Job, tick: Callable[[float, str], None] | None
             "format": job.factors["format"], "key": job.key, "recipe": job.recipe.name,
             "component": job.component, "shape": job.shape.as_dict(), "target": job.recipe.target,
             "strategy": job.recipe.strategy, "factors": job.factors, "files": entries,
-            "signatures": result["signatures"], "embeds_weights": target.embeds_weights,
+            "signatures": result["signatures"],
+            # AOTInductor compiles some tensors (biases, norms) into the package: see packages[].baked
+            "embeds_weights": target.embeds_weights or "packages" in result,
             **({"packages": result["packages"]} if "packages" in result else {}),
             "build": {"created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                       "seconds": round(seconds, 3), "aotbuild": __version__, **{k: result.get(k) for k in

@@ -57,11 +57,18 @@ class Context:
                 pipeline_class: str) -> dict[str, Any]:
         return keys.job_factors(
             self.recipe, component, component_class, config, shape, pipeline_class=pipeline_class,
-            builtin_version=self.model.builtin_version if self.model else None, dtype=self.dtype,
+            builtin_version=_builtin_version(self.recipe), dtype=self.dtype,
             compile_settings=self.target.compile_settings(self.recipe, self.device),
             environment=self.environment, device_fingerprint=self.fingerprint,
             warmup_defaults=self.target.warmup_defaults,
         )
+
+
+def _builtin_version(recipe: Recipe) -> int | None:
+    """Known from the id alone, so a caller that passes its own pipeline gets the same key."""
+    from aotbuild import builtin
+
+    return builtin.lookup(recipe.model.id).version if builtin.is_builtin(recipe.model.id) else None
 
 
 @dataclass

@@ -115,6 +115,11 @@ def load_compiled(recipe: str | Path | Recipe, pipe: Any = None, *, cache: str |
             factors = ctx.factors(component, cls_name, config, shape, type(pipe).__name__)
             key = keys.key_of(factors)
             entry, why = store.open_entry(key) if not blocker else (None, blocker)
+            if entry is not None and recipe.strategy == "aot-package":
+                from aotbuild.targets import aoti
+
+                why = aoti.check_baked(module, component, entry.manifest.get("packages", []))
+                entry = None if why else entry
             if entry is not None:
                 entries.append(entry)
                 report.entries.append(ReportEntry(component, shape, key, True))

@@ -131,9 +131,30 @@ def test_weights_changed_after_load_are_resupplied_or_refused(aot_cache):
     assert packaged_vs_eager() <= 1e-4 and runner.rebinds == 0
     unet.conv_in.weight.data = unet.conv_in.weight.data * 2  # a new tensor: re-supplied before the call
     assert packaged_vs_eager() <= 1e-4 and runner.rebinds == 1
+    original_bias = unet.conv_in.bias.data
+    unet.conv_in.bias.data = original_bias + 1  # compiled into the package: cannot be re-supplied
+    with pytest.raises(PackageMismatch, match="compiled into its AOT package .* changed since load"):
+        unet(*args, **kwargs)
+    unet.conv_in.bias.data = original_bias
     unet.to(torch.float64)
     with pytest.raises(PackageMismatch, match="is now float64 .* built for float32"):
         unet(*args, **kwargs)
+
+
+def test_other_weights_for_the_baked_tensors_are_a_miss(aot_cache, models_dir):
+    """AOTInductor compiles biases and norm weights into the package (65 of the tiny UNet's 208
+    tensors): a model whose values differ must not hit."""
+    from aotbuild import CacheMiss
+    from aotbuild.models import load_pipeline, resolve_model
+    from aotbuild.recipe import load_recipe
+
+    recipe_path, cache, _ = aot_cache
+    recipe = load_recipe(recipe_path)
+    pipe = load_pipeline(recipe, resolve_model(recipe, models_dir), "float32")
+    with torch.no_grad():
+        pipe.unet.conv_in.bias.add_(1.0)
+    with pytest.raises(CacheMiss, match=r"tensors compiled in .*\(e.g. conv_in.bias\)"):
+        load_compiled(recipe, pipe, cache=cache, on_miss="error")
 
 
 @pytest.mark.parametrize("data,expected", [

@@ -9,6 +9,10 @@ then loads each package once: that proves it loads, lists the constants it wants
 empty Inductor cache folder the CPU-ISA probe files that ``aoti_load_package`` would otherwise
 rebuild with g++ on every fresh machine (measured: 7.7 s instead of 1.9 s); they are stored too.
 
+Not all weights are constants: measured on the tiny UNet, ``get_constant_fqns()`` lists 143 of
+208 tensors; the other 65 (biases, norm weights) are compiled into the package. Their sha256 is
+stored, a module whose tensors differ is a miss at load, and a rebind re-checks them.
+
 Load: packages are hard-linked into a per-process folder and loaded; each is handed the live
 weights of the component with ``load_constants(..., user_managed=True)`` (shared, not copied)
 after aotbuild itself checked every constant's shape, dtype and device, because AOTInductor
@@ -76,6 +80,44 @@ def constant_meta(module: Any, fqns: list[str]) -> dict[str, list[Any]]:
     return meta
 
 
+def _tensor_digest(t: Any) -> str:
+    import torch
+
+    data = t.detach().to("cpu").contiguous()
+    if data.dtype == torch.bfloat16:  # numpy has no bfloat16: hash the raw 16-bit words
+        data = data.view(torch.int16)
+    return hashlib.sha256(data.numpy().tobytes()).hexdigest()
+
+
+def baked_digests(module: Any, supplied: list[str] | dict[str, Any]) -> dict[str, str]:
+    """sha256 of every tensor of ``module`` that the package does *not* take as a constant.
+
+    Measured on the tiny UNet: ``get_constant_fqns()`` lists 143 of its 208 parameters and buffers;
+    the other 65 (biases, norm weights) are compiled into the package itself. So a package embeds
+    those values, and may only run with a module whose same tensors are equal."""
+    state = {**dict(module.named_parameters()), **dict(module.named_buffers())}
+    return {fqn: _tensor_digest(t) for fqn, t in sorted(state.items()) if fqn not in supplied}
+
+
+def check_baked(module: Any, component: str, packages: list[dict[str, Any]]) -> str:
+    """Why the module's weights do not fit the values compiled into these packages, or ""."""
+    import torch
+
+    state = {**dict(module.named_parameters()), **dict(module.named_buffers())}
+    named = dict(module.named_modules())
+    for package in packages:
+        for instance in package.get("instances", [""]):
+            owner = named.get(instance) if instance else module
+            local = {**dict(owner.named_parameters()), **dict(owner.named_buffers())} if owner is not None else {}
+            for fqn, digest in package.get("baked", {}).items():
+                t = local.get(fqn, state.get(fqn) if not instance else None)
+                if not isinstance(t, torch.Tensor) or _tensor_digest(t) != digest:
+                    where = f"{instance}.{fqn}" if instance else fqn
+                    return (f"{component}'s AOT package has {len(package['baked'])} tensors compiled in (biases, "
+                            f"norms) and this model's differ (e.g. {where}): it was built for other weights")
+    return ""
+
+
 def build_packages(module: Any, calls: dict[str, tuple[tuple[Any, ...], dict[str, Any]]], workdir: Path,
                    inductor_configs: dict[str, Any]) -> list[dict[str, Any]]:
     """Export and package each recorded call; returns the package list for the manifest."""
@@ -94,7 +136,7 @@ def build_packages(module: Any, calls: dict[str, tuple[tuple[Any, ...], dict[str
         torch._inductor.aoti_compile_and_package(exported, package_path=str(path), inductor_configs=configs)
         fqns = _probe(path, workdir / PROBE_DIR)
         packages.append({"signature": sig, "path": f"{PACKAGE_DIR}/{path.name}", "strides": _strides(args, kwargs),
-                         "constants": constant_meta(module, fqns)})
+                         "constants": constant_meta(module, fqns), "baked": baked_digests(module, fqns)})
     return packages
 
 
@@ -118,6 +160,7 @@ class PackageRunner:
         self.component = component
         self.meta: dict[str, list[Any]] = package["constants"]
         self.strides = package.get("strides")
+        self.baked: dict[str, str] = package.get("baked", {})
         self.device_kind = device.partition(":")[0]
         self.bound: tuple[Any, ...] = ()
         self.rebinds = 0
@@ -146,12 +189,20 @@ class PackageRunner:
                     f"built for {dtype} {shape} on {device_kind}; rebuild the recipe for this dtype/device or "
                     f"load it again with load_compiled")
         self.model.load_constants(tensors, check_full_update=True, user_managed=True)
-        self.bound = self._identity(tensors)
+        self.bound = self._identity(self._watched())
+
+    def _watched(self) -> dict[str, Any]:
+        """The supplied constants and the tensors compiled into the package: both must stay right."""
+        state = {**dict(self.module.named_parameters()), **dict(self.module.named_buffers())}
+        return {fqn: state.get(fqn) for fqn in (*self.meta, *self.baked)}
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self._identity(self._tensors()) != self.bound:  # pipe.to(...), dtype change, LoRA fuse
+        if self._identity(self._watched()) != self.bound:  # pipe.to(...), dtype change, LoRA fuse
             self.rebinds += 1
-            self._bind()
+            self._bind()  # checks the supplied constants' shape, dtype and device first
+            if self.baked and baked_digests(self.module, self.meta) != self.baked:
+                raise PackageMismatch(f"{self.component}: tensors compiled into its AOT package (biases, norms) "
+                                      f"changed since load; rebuild the recipe for these weights")
         return self.model(*args, **kwargs)
 
     def fits(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
