@@ -11,8 +11,10 @@ from typing import TYPE_CHECKING, Any
 
 from aotbuild.errors import (
     AotbuildError,
-    BuildFailed,
     CacheMiss,
+    DeviceError,
+    ModelUnavailable,
+    PackageMismatch,
     RecipeError,
     ShapeNotBuilt,
     StoreError,
@@ -31,7 +33,8 @@ _LAZY = {
     "Recipe": "aotbuild.recipe",
 }
 
-__all__ = ["AotbuildError", "BuildFailed", "CacheMiss", "RecipeError", "ShapeNotBuilt", "StoreError",
+__all__ = ["AotbuildError", "CacheMiss", "DeviceError", "ModelUnavailable", "PackageMismatch",
+           "RecipeError", "ShapeNotBuilt", "StoreError",
            "TargetUnavailable", "UsageError", "__version__", "load_compiled", "LoadReport", "build", "plan",
            "load_recipe", "Recipe"]
 

@@ -13,11 +13,7 @@ import importlib
 from dataclasses import dataclass
 from typing import Any
 
-from aotbuild.errors import AotbuildError
-
-
-class DeviceError(AotbuildError, RuntimeError):
-    """A device is unknown, not available here, or lacks the operation asked for."""
+from aotbuild.errors import DeviceError
 
 
 @dataclass(frozen=True)

@@ -51,5 +51,13 @@ class StoreError(AotbuildError, OSError):
     """The cache store could not be read or written."""
 
 
-class BuildFailed(AotbuildError, RuntimeError):
-    """One or more build jobs failed."""
+class ModelUnavailable(AotbuildError):
+    """The model's files cannot be reached (offline, no such repo, no such folder)."""
+
+
+class PackageMismatch(AotbuildError, RuntimeError):
+    """A component's weights no longer fit the AOT package it was built with."""
+
+
+class DeviceError(AotbuildError, RuntimeError):
+    """A device is unknown, not available here, or lacks the operation asked for."""

@@ -13,13 +13,12 @@ from pathlib import Path
 from typing import Any
 
 from aotbuild import builtin
-from aotbuild.errors import AotbuildError
+from aotbuild.errors import ModelUnavailable
 from aotbuild.layout import Layout
 from aotbuild.recipe import Recipe, _suggest
 
-
-class ModelUnavailable(AotbuildError):
-    """The model's files cannot be reached (offline, no such repo, no such folder)."""
+__all__ = ["ModelUnavailable", "ResolvedModel", "resolve_model", "load_pipeline", "place_pipeline",
+           "warmup_kwargs", "component_config", "module_config", "check_components"]
 
 
 @dataclass(frozen=True)

@@ -36,14 +36,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from aotbuild.errors import AotbuildError
+from aotbuild.errors import PackageMismatch
 
 PACKAGE_DIR = "aoti"
 PROBE_DIR = "inductor"
-
-
-class PackageMismatch(AotbuildError, RuntimeError):
-    """The component's weights no longer fit the package it was built with."""
 
 
 def _clone(value: Any) -> Any:
