@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from aotbuild.errors import StoreError, UsageError
-from aotbuild.layout import Layout
+from aotbuild.layout import Layout, safe_relpath
 
 _CHUNK = 1 << 20
 
@@ -141,7 +141,7 @@ class Store:
         try:
             for item in manifest["files"]:
                 rel, digest, size = item["path"], item["sha256"], int(item["size"])
-                self.layout.under(Path("/"), rel)  # rejects paths that escape
+                safe_relpath(rel)  # a path that would escape its folder makes the entry unusable
                 blob = self.layout.blob(digest)
                 try:
                     actual_size = blob.stat().st_size
