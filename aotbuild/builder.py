@@ -144,8 +144,8 @@ def _build_one(store: Store, job: Job, tick: Callable[[float, str], None] | None
             "component": job.component, "shape": job.shape.as_dict(), "target": job.recipe.target,
             "strategy": job.recipe.strategy, "factors": job.factors, "files": entries,
             "signatures": result["signatures"],
-            # AOTInductor compiles some tensors (biases, norms) into the package: see packages[].baked
-            "embeds_weights": target.embeds_weights or "packages" in result,
+            # True only if AOTInductor compiled a tensor's value into a package: see packages[].baked
+            "embeds_weights": target.embeds_weights or any(p["baked"] for p in result.get("packages", [])),
             **({"packages": result["packages"]} if "packages" in result else {}),
             "build": {"created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                       "seconds": round(seconds, 3), "aotbuild": __version__, **{k: result.get(k) for k in

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -154,8 +154,14 @@ def load_compiled(recipe: str | Path | Recipe, pipe: Any = None, *, cache: str |
             packages = [(package, dict(e.files)[package["path"]]) for e in entries
                         for package in e.manifest.get("packages", [])]
             routes = aoti.load_packages(module, component, packages, ctx.device)
-        else:
-            routes = {sig: fallback for e in entries for sig in e.manifest.get("signatures", [])}
+            if recipe.compile.scope == "regional":  # the component runs eagerly, its blocks dispatch
+                for name, block in aoti.repeated_blocks(module):
+                    block_fallback = _lazy_compile(ctx, block, scope="full") if policy == "compile" else None
+                    install_dispatcher(block, f"{component}.{name}", routes.get(name, {}), block_fallback, policy)
+                continue
+            install_dispatcher(module, component, routes.get("", {}), fallback, policy)
+            continue
+        routes = {sig: fallback for e in entries for sig in e.manifest.get("signatures", [])}
         install_dispatcher(module, component, routes, fallback, policy)
     pipe.aotbuild_report = report
     log.info("%s", report)
@@ -165,16 +171,21 @@ def load_compiled(recipe: str | Path | Recipe, pipe: Any = None, *, cache: str |
     return pipe
 
 
-def _lazy_compile(ctx: Context, module: Any) -> Any:
-    """A fallback that compiles the component's own forward on its first use, not at load."""
+def _lazy_compile(ctx: Context, module: Any, scope: str | None = None) -> Any:
+    """A fallback that compiles the module's own forward on its first use, not at load.
+
+    ``scope="full"`` compiles ``module`` whole whatever the recipe says (a regional recipe's block)."""
     eager_forward = module.forward
     compiled: list[Any] = []
+    recipe = ctx.recipe
+    if scope is not None:
+        recipe = replace(recipe, compile=replace(recipe.compile, scope=scope))
 
     def run(*args: Any, **kwargs: Any) -> Any:
         if not compiled:
             dispatcher, module.forward = module.forward, eager_forward
             try:
-                compiled.append(ctx.target.compile(module, ctx.recipe, ctx.device))
+                compiled.append(ctx.target.compile(module, recipe, ctx.device))
             finally:
                 module.forward = dispatcher
         return compiled[0](*args, **kwargs)

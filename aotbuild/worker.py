@@ -51,26 +51,36 @@ def run(job: dict) -> dict:
     if recipe.strategy == "aot-package":
         from aotbuild.targets import aoti
 
-        calls: dict = {}
-        dispatcher = install_dispatcher(module, component, {}, module.forward, "record",
-                                        on_record=lambda sig, a, k: calls.setdefault(sig, aoti.snapshot(a, k)))
-        pipe(**warmup)  # eager: records the exact calls the pipeline makes
-        _phase(job, "exporting and packaging")
-        extra["packages"] = aoti.build_packages(module, calls, Path(job["result"]).parent,
-                                                ctx.target.compile_settings(recipe, ctx.device)["options"])
+        options = ctx.target.compile_settings(recipe, ctx.device)["options"]
+        workdir = Path(job["result"]).parent
+        if recipe.compile.scope == "regional":  # one package per repeated block class x signature
+            recorder = aoti.BlockRecorder(module, component)
+            pipe(**warmup)  # eager: records the exact calls the pipeline makes to each block
+            _phase(job, "exporting and packaging")
+            extra["packages"] = recorder.build(workdir, options)
+            signatures = recorder.signatures
+        else:
+            calls: dict = {}
+            dispatcher = install_dispatcher(module, component, {}, module.forward, "record",
+                                            on_record=lambda sig, a, k: calls.setdefault(sig, aoti.snapshot(a, k)))
+            pipe(**warmup)  # eager: records the exact calls the pipeline makes
+            _phase(job, "exporting and packaging")
+            extra["packages"] = aoti.build_packages(module, calls, workdir, options)
+            signatures = sorted(dispatcher.built)
     else:
         compiled = ctx.target.compile(module, recipe, ctx.device)
         dispatcher = install_dispatcher(module, component, {}, compiled, "record")
         # Called exactly as a user calls it (the pipeline's own no_grad, no inference_mode): grad
         # mode is part of what a compiled graph is guarded and cached on.
         pipe(**warmup)
+        signatures = sorted(dispatcher.built)
     t_warm = time.perf_counter()
     from torch._dynamo.utils import counters
 
     return {
         **extra,
         "key": key,
-        "signatures": sorted(dispatcher.built),
+        "signatures": signatures,
         "seconds": {"load": round(t_load - t0, 3), "compile_and_warmup": round(t_warm - t_load, 3)},
         "counters": {k: int(v) for k, v in counters["inductor"].items() if "cache" in k},
         "pipeline_class": type(pipe).__name__,

@@ -8,6 +8,8 @@ Modes (each a fresh process, load -> first image timed from the top of the proce
   pt-warm    the same, on the Inductor cache folder a cold run left (PyTorch's own warm cache)
   aotbuild   load_compiled() from a copy of an aotbuild cache in a new folder, empty Inductor cache
   aot-package  the same with strategy: aot-package (AOTInductor packages, no Dynamo at load)
+  aot-regional aot-package with compile.scope: regional (one package per repeated block and
+               signature, shared by the block's instances; the rest of the UNet runs eagerly)
 Steady state is the median of 10 calls after the first (aotbuild builds CPU kernels with
 cpp.dynamic_threads; plain torch.compile does not). Peak RSS is each process's ru_maxrss.
 Prints medians and the ratios the core issue sets as goals. Never used by tests.
@@ -40,7 +42,7 @@ def child(mode: str, recipe: str, cache: str) -> None:
 
     r = load_recipe(recipe)
     shape = r.shapes[0]
-    if mode in ("aotbuild", "aot-package"):
+    if mode in ("aotbuild", "aot-package", "aot-regional"):
         from aotbuild import load_compiled
 
         pipe = load_compiled(recipe, cache=cache, on_miss="error")
@@ -77,7 +79,7 @@ def run_child(mode: str, recipe: Path, cache: Path, inductor: Path) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--modes", default="eager,cold,pt-warm,aotbuild,aot-package",
+    ap.add_argument("--modes", default="eager,cold,pt-warm,aotbuild,aot-package,aot-regional",
                     help="comma-separated subset, for a quick look (ratios need their modes)")
     ap.add_argument("--child", nargs=3)
     args = ap.parse_args()
@@ -91,13 +93,18 @@ def main() -> None:
         recipe.write_text(text)
         aot_recipe = work / "tiny_sd_aot.yaml"
         aot_recipe.write_text(text.replace("strategy: jit-cache", "strategy: aot-package"))
+        regional_recipe = work / "tiny_sd_aot_regional.yaml"
+        regional_recipe.write_text(text.replace("strategy: jit-cache", "strategy: aot-package")
+                                   .replace("scope: full", "scope: regional"))
         cache = work / "cache"
-        print("building the aotbuild caches once (jit-cache and aot-package) ...", flush=True)
-        subprocess.run([sys.executable, "-m", "aotbuild.cli", "build", "--cache", str(cache), str(recipe),
-                        str(aot_recipe)],
-                       check=True, env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(work / "build-ind")},
-                       capture_output=True)
         modes = args.modes.split(",")
+        builds = {"aotbuild": recipe, "aot-package": aot_recipe, "aot-regional": regional_recipe}
+        to_build = [str(builds[m]) for m in modes if m in builds]
+        if to_build:
+            print(f"building the aotbuild caches once ({', '.join(m for m in modes if m in builds)}) ...", flush=True)
+            subprocess.run([sys.executable, "-m", "aotbuild.cli", "build", "--cache", str(cache), *to_build],
+                           check=True, env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(work / "build-ind")},
+                           capture_output=True)
         results: dict[str, list[dict]] = {m: [] for m in modes}
         for i in range(args.repeats):
             print(f"round {i + 1}/{args.repeats} ...", flush=True)
@@ -106,7 +113,8 @@ def main() -> None:
             shutil.copytree(cache, copy)
             runs = {"eager": (recipe, cache, work / f"eager-{i}"), "cold": (recipe, cache, shared),
                     "pt-warm": (recipe, cache, shared), "aotbuild": (recipe, copy, work / f"aot-ind-{i}"),
-                    "aot-package": (aot_recipe, copy, work / f"pkg-ind-{i}")}
+                    "aot-package": (aot_recipe, copy, work / f"pkg-ind-{i}"),
+                    "aot-regional": (regional_recipe, copy, work / f"reg-ind-{i}")}
             for mode in results:  # in this order: pt-warm reuses the folder cold left
                 results[mode].append(run_child(mode, *runs[mode]))
         med = {m: statistics.median(r["first"] for r in rs) for m, rs in results.items()}
@@ -126,14 +134,18 @@ def main() -> None:
             ("aot-package load / cold compile", "aot-package", "cold", med, "<= 0.06"),
             ("aot-package steady / torch.compile", "aot-package", "pt-warm", steady, "within 5%"),
             ("aot-package peak RSS / eager", "aot-package", "eager", rss, "<= 1.10"),
+            ("aot-regional load / eager load", "aot-regional", "eager", med, "<= 1.25"),
+            ("aot-regional steady / eager", "aot-regional", "eager", steady, "< 1: pays"),
+            ("aot-regional steady / aot-package", "aot-regional", "aot-package", steady, ""),
         ]
         for label, a, b, table, goal in ratios:
             if a in table and b in table:
-                print(f"{label:<36} = {table[a] / table[b]:.3f}  (goal {goal})")
+                print(f"{label:<36} = {table[a] / table[b]:.3f}" + (f"  (goal {goal})" if goal else ""))
         if "aotbuild" in results:
             print(f"fxgraph counters, aotbuild runs: {[r['counters'] for r in results['aotbuild']]}")
-        if "aot-package" in results:
-            print(f"Dynamo graphs, aot-package runs: {[r['unique_graphs'] for r in results['aot-package']]}")
+        for m in ("aot-package", "aot-regional"):
+            if m in results:
+                print(f"Dynamo graphs, {m} runs: {[r['unique_graphs'] for r in results[m]]}")
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -46,9 +46,13 @@ def test_package_is_weightless_and_has_probe_files(aot_cache):
     manifest = json.loads(run_cli("show", "--json", "--cache", str(cache), key[:12]).stdout)
     packages = [f for f in manifest["files"] if f["path"].startswith("aoti/")]
     assert len(packages) == 1 and len(manifest["packages"]) == 1
-    weights = sum(p.numel() * p.element_size() for p in _tiny_unet_params(cache))
+    params = _tiny_unet_params(cache)
+    weights = sum(p.numel() * p.element_size() for p in params)
     assert packages[0]["size"] < weights + 4_000_000  # code only: the weights are not in it
     assert manifest["packages"][0]["constants"]["conv_in.weight"][1] == "float32"
+    # Every tensor is supplied at load, none compiled in (Inductor would inline the tiny biases).
+    assert len(manifest["packages"][0]["constants"]) == len(params)
+    assert manifest["packages"][0]["baked"] == {} and manifest["embeds_weights"] is False
     assert any(f["path"].startswith("inductor/") for f in manifest["files"])  # the loader's probe files
 
 
@@ -128,38 +132,49 @@ def test_weights_changed_after_load_are_resupplied_or_refused(aot_cache):
     assert packaged_vs_eager() <= 1e-4
     with torch.no_grad():  # an in-place update (e.g. a LoRA fused into the same storage): shared
         unet.conv_in.weight.add_(0.5)
+        unet.conv_in.bias.add_(0.5)
     assert packaged_vs_eager() <= 1e-4 and runner.rebinds == 0
     unet.conv_in.weight.data = unet.conv_in.weight.data * 2  # a new tensor: re-supplied before the call
     assert packaged_vs_eager() <= 1e-4 and runner.rebinds == 1
-    original_bias = unet.conv_in.bias.data
-    unet.conv_in.bias.data = original_bias + 1  # compiled into the package: cannot be re-supplied
-    with pytest.raises(PackageMismatch, match="compiled into its AOT package .* changed since load"):
-        unet(*args, **kwargs)
-    unet.conv_in.bias.data = original_bias
+    unet.conv_in.bias.data = unet.conv_in.bias.data + 1  # biases too: nothing is compiled in
+    assert packaged_vs_eager() <= 1e-4 and runner.rebinds == 2
     unet.to(torch.float64)
     with pytest.raises(PackageMismatch, match="is now float64 .* built for float32"):
         unet(*args, **kwargs)
 
 
-def test_other_weights_for_the_baked_tensors_are_a_miss(aot_cache, models_dir):
-    """AOTInductor compiles biases and norm weights into the package (65 of the tiny UNet's 208
-    tensors): a model whose values differ must not hit."""
-    from aotbuild import CacheMiss
-    from aotbuild.models import load_pipeline, resolve_model
+def test_other_weights_of_the_architecture_hit_and_use_their_own_values(aot_cache, models_dir):
+    """A fine-tune of the same architecture runs the same packages with its own weights."""
+    from aotbuild.models import load_pipeline, resolve_model, warmup_kwargs
     from aotbuild.recipe import load_recipe
 
     recipe_path, cache, _ = aot_cache
     recipe = load_recipe(recipe_path)
     pipe = load_pipeline(recipe, resolve_model(recipe, models_dir), "float32")
     with torch.no_grad():
-        pipe.unet.conv_in.bias.add_(1.0)
-    with pytest.raises(CacheMiss, match=r"tensors compiled in .*\(e.g. conv_in.bias\)"):
-        load_compiled(recipe, pipe, cache=cache, on_miss="error")
+        for p in pipe.unet.parameters():
+            p.mul_(1.01)
+    expected = pipe(**warmup_kwargs(recipe, recipe.shapes[0]), output_type="pt").images
+    load_compiled(recipe, pipe, cache=cache, on_miss="error", strict_shapes=True)
+    got = pipe(**warmup_kwargs(recipe, recipe.shapes[0]), output_type="pt").images
+    assert pipe.unet.forward.calls["built"] >= 1 and (got - expected).abs().max().item() <= 1e-4
+
+
+def test_tensors_compiled_into_a_package_are_checked():
+    """A safety net for a torch that inlines a tensor despite always_keep_tensor_constants: the
+    package records its sha256 and other values are a miss, naming the tensor."""
+    from aotbuild.targets.aoti import _tensor_digest, check_baked
+
+    module = torch.nn.Linear(2, 2)
+    package = {"baked": {"bias": _tensor_digest(module.bias)}}
+    assert check_baked(module, "unet", [package]) == ""
+    with torch.no_grad():
+        module.bias.add_(1)
+    assert "(e.g. bias)" in check_baked(module, "unet", [package])
 
 
 @pytest.mark.parametrize("data,expected", [
     ({"target": "neuron", "strategy": "aot-package"}, "target neuron supports strategy jit-cache (not aot-package)"),
-    ({"strategy": "aot-package", "compile": {"scope": "regional"}}, "supports scope: full only"),
     ({"strategy": "aot-package", "compile": {"fullgraph": False}}, "fullgraph must be true"),
 ])
 def test_aot_package_validation(data, expected):
@@ -177,3 +192,61 @@ def test_unbuilt_shape_follows_policy(aot_cache):
     strict = load_compiled(recipe_path, cache=cache, strict_shapes=True)
     with pytest.raises(ShapeNotBuilt):
         strict(prompt="x", height=32, width=32, num_inference_steps=1, guidance_scale=0.0)
+
+
+@pytest.fixture(scope="session")
+def regional_cache(tmp_path_factory, models_dir):
+    import shutil
+
+    root = tmp_path_factory.mktemp("aot-regional")
+    shutil.copytree(models_dir / "models", root / "cache" / "models")
+    recipe = root / "tiny_sd_aot_regional.yaml"
+    recipe.write_text(AOT_RECIPE.replace("components: [unet]", "components: [unet], scope: regional"))
+    proc = run_cli("build", "--json", "--cache", str(root / "cache"), str(recipe),
+                   env={"TORCHINDUCTOR_CACHE_DIR": str(root / "build-inductor")})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return recipe, root / "cache", json.loads(proc.stdout)
+
+
+REGIONAL = textwrap.dedent("""
+    import json, sys
+    from pathlib import Path
+    from aotbuild import ShapeNotBuilt, load_compiled, load_recipe
+    from aotbuild.models import load_pipeline, resolve_model, warmup_kwargs
+    recipe_path, cache = sys.argv[1:3]
+    r = load_recipe(recipe_path)
+    eager = load_pipeline(r, resolve_model(r, Path(cache)), "float32")
+    ref = eager(**warmup_kwargs(r, r.shapes[0]), output_type="pt").images
+    pipe = load_compiled(recipe_path, cache=cache, on_miss="error", strict_shapes=True)
+    out = pipe(**warmup_kwargs(r, r.shapes[0]), output_type="pt").images
+    from torch._dynamo.utils import counters
+    blocks = {n: m.forward for n, m in pipe.unet.named_modules() if type(m).__name__ == "BasicTransformerBlock"}
+    strict = None
+    try:
+        pipe(prompt="x", height=32, width=32, num_inference_steps=1, guidance_scale=0.0)
+    except ShapeNotBuilt as exc:
+        strict = str(exc)
+    print("RESULT " + json.dumps({"unique_graphs": counters["stats"].get("unique_graphs", 0),
+                                  "max_diff": (out - ref).abs().max().item(), "strict": strict,
+                                  "calls": {n: f.calls for n, f in blocks.items()},
+                                  "swaps": sum(r.runner.swaps for f in blocks.values() for r in f.routes.values())}))
+""")
+
+
+def test_regional_packages_are_shared_by_block_instances(regional_cache, tmp_path):
+    recipe, cache, report = regional_cache
+    manifest = json.loads(run_cli("show", "--json", "--cache", str(cache), report["jobs"][0]["key"][:12]).stdout)
+    instances = [len(p["instances"]) for p in manifest["packages"]]
+    # The tiny UNet has 4 transformer blocks: 3 at width 8 share one package, the middle one has its own.
+    assert sorted(instances) == [1, 3] and {p["block_class"] for p in manifest["packages"]} == {"BasicTransformerBlock"}
+    script = tmp_path / "regional.py"
+    script.write_text(REGIONAL)
+    proc = run_python(f"import runpy, sys; sys.argv = ['f', {str(recipe)!r}, {str(cache)!r}]; "
+                      f"runpy.run_path({str(script)!r}, run_name='__main__')",
+                      env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "empty-inductor")})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))[7:])
+    assert result["unique_graphs"] == 0
+    assert result["max_diff"] <= 1e-4  # every instance ran with its own weights
+    assert all(c["built"] == 2 for c in result["calls"].values()) and result["swaps"] > 0
+    assert "transformer_blocks.0 was called with" in result["strict"]

@@ -9,9 +9,14 @@ then loads each package once: that proves it loads, lists the constants it wants
 empty Inductor cache folder the CPU-ISA probe files that ``aoti_load_package`` would otherwise
 rebuild with g++ on every fresh machine (measured: 7.7 s instead of 1.9 s); they are stored too.
 
-Not all weights are constants: measured on the tiny UNet, ``get_constant_fqns()`` lists 143 of
-208 tensors; the other 65 (biases, norm weights) are compiled into the package. Their sha256 is
-stored, a module whose tensors differ is a miss at load, and a rebind re-checks them.
+Every weight is a constant supplied at load: ``always_keep_tensor_constants`` stops Inductor from
+inlining small 1-D tensors as literals (it otherwise compiled the tiny UNet's 65 biases and norm
+weights into the package). Should a torch still compile a tensor in, its sha256 is stored
+(``baked``), a module whose tensors differ is a miss at load, and a rebind re-checks them.
+
+``scope: regional`` packages each repeated block class (diffusers' ``_repeated_blocks``) once per
+call signature; the package is shared by every instance called with that signature, each
+instance's own weights swapped in before its call.
 
 Load: packages are hard-linked into a per-process folder and loaded; each is handed the live
 weights of the component with ``load_constants(..., user_managed=True)`` (shared, not copied)
@@ -114,26 +119,96 @@ def check_baked(module: Any, component: str, packages: list[dict[str, Any]]) -> 
     return ""
 
 
-def build_packages(module: Any, calls: dict[str, tuple[tuple[Any, ...], dict[str, Any]]], workdir: Path,
-                   inductor_configs: dict[str, Any]) -> list[dict[str, Any]]:
-    """Export and package each recorded call; returns the package list for the manifest."""
+def _package(module: Any, sig: str, args: tuple[Any, ...], kwargs: dict[str, Any], workdir: Path,
+             inductor_configs: dict[str, Any]) -> dict[str, Any]:
+    """Export one recorded call of ``module``, package it without weights, probe it; its manifest record."""
     import torch
 
     if "forward" in vars(module):  # export the module itself, not our dispatcher
         del module.forward
-    packages = []
-    for sig, (args, kwargs) in sorted(calls.items()):
-        name = hashlib.sha256(sig.encode()).hexdigest()[:20]
-        path = workdir / PACKAGE_DIR / f"{name}.pt2"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with torch.no_grad():
-            exported = torch.export.export(module, args, kwargs)
-        configs = {**inductor_configs, "aot_inductor.package_constants_in_so": False}
-        torch._inductor.aoti_compile_and_package(exported, package_path=str(path), inductor_configs=configs)
-        fqns = _probe(path, workdir / PROBE_DIR)
-        packages.append({"signature": sig, "path": f"{PACKAGE_DIR}/{path.name}", "strides": _strides(args, kwargs),
-                         "constants": constant_meta(module, fqns), "baked": baked_digests(module, fqns)})
-    return packages
+    name = hashlib.sha256(sig.encode()).hexdigest()[:20]
+    path = workdir / PACKAGE_DIR / f"{name}.pt2"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with torch.no_grad():
+        exported = torch.export.export(module, args, kwargs)
+    # Weights out of the .so, and no tensor inlined as a literal (Inductor inlines 1-D tensors of <= 8
+    # elements otherwise: the tiny UNet's biases and norms), so every weight can be supplied at load.
+    configs = {**inductor_configs, "aot_inductor.package_constants_in_so": False,
+               "always_keep_tensor_constants": True}
+    torch._inductor.aoti_compile_and_package(exported, package_path=str(path), inductor_configs=configs)
+    fqns = _probe(path, workdir / PROBE_DIR)
+    return {"signature": sig, "path": f"{PACKAGE_DIR}/{path.name}", "strides": _strides(args, kwargs),
+            "constants": constant_meta(module, fqns), "baked": baked_digests(module, fqns)}
+
+
+def build_packages(module: Any, calls: dict[str, tuple[tuple[Any, ...], dict[str, Any]]], workdir: Path,
+                   inductor_configs: dict[str, Any]) -> list[dict[str, Any]]:
+    """Export and package each recorded call of the whole component; the package list for the manifest."""
+    return [_package(module, sig, args, kwargs, workdir, inductor_configs)
+            for sig, (args, kwargs) in sorted(calls.items())]
+
+
+def repeated_blocks(module: Any) -> list[tuple[str, Any]]:
+    """(name, instance) of every block of the classes diffusers lists in ``_repeated_blocks``."""
+    classes = set(getattr(module, "_repeated_blocks", None) or ())
+    if not classes:
+        raise PackageMismatch(f"{type(module).__name__} declares no _repeated_blocks: scope: regional needs "
+                              f"them; use compile.scope: full")
+    return [(name, m) for name, m in module.named_modules() if name and type(m).__name__ in classes]
+
+
+def _state_shape(module: Any) -> str:
+    state = {**dict(module.named_parameters()), **dict(module.named_buffers())}
+    return json.dumps(sorted((k, list(t.shape), str(t.dtype)) for k, t in state.items()))
+
+
+class BlockRecorder:
+    """Build side of ``scope: regional``: records the calls of every repeated block during an eager warmup.
+
+    Instances of one class that are called with one signature and hold tensors of the same shapes
+    form a group: one package, exported from the first instance, serves them all with each
+    instance's own weights. Only the first call of each group is kept (one snapshot per group, not
+    one per instance: a block's activations can be large)."""
+
+    def __init__(self, module: Any, component: str):
+        from aotbuild.dispatch import install_dispatcher
+
+        self.groups: dict[tuple[str, str, str], dict[str, Any]] = {}
+        self.blocks = repeated_blocks(module)
+        for name, block in self.blocks:
+            group_of = (type(block).__name__, _state_shape(block))
+            install_dispatcher(block, f"{component}.{name}", {}, block.forward, "record",
+                               on_record=self._recorder(name, group_of))
+
+    def _recorder(self, name: str, group_of: tuple[str, str]) -> Callable[..., None]:
+        def record(sig: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            group = self.groups.get((group_of[0], sig, group_of[1]))
+            if group is None:
+                self.groups[(group_of[0], sig, group_of[1])] = {"instances": [name], "call": snapshot(args, kwargs)}
+            elif name not in group["instances"]:
+                group["instances"].append(name)
+
+        return record
+
+    @property
+    def signatures(self) -> list[str]:
+        return sorted({sig for _, sig, _ in self.groups})
+
+    def build(self, workdir: Path, inductor_configs: dict[str, Any]) -> list[dict[str, Any]]:
+        named = dict(self.blocks)
+        for block in named.values():
+            vars(block).pop("forward", None)
+        packages = []
+        for (cls, sig, _), group in sorted(self.groups.items()):
+            exporter = named[group["instances"][0]]
+            args, kwargs = group["call"]
+            package = _package(exporter, sig, args, kwargs, workdir, inductor_configs)
+            if package["baked"]:  # a tensor compiled in would be the exporter's value for every instance
+                raise PackageMismatch(f"{cls}: AOTInductor compiled {len(package['baked'])} tensors into the "
+                                      f"package (e.g. {next(iter(package['baked']))}), so it cannot be shared "
+                                      f"by instances; use compile.scope: full")
+            packages.append({**package, "block_class": cls, "instances": group["instances"]})
+        return packages
 
 
 def _probe(package: Path, probe_cache: Path) -> list[str]:
@@ -147,10 +222,29 @@ def _probe(package: Path, probe_cache: Path) -> list[str]:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-class PackageRunner:
-    """One loaded package bound to one module's live weights."""
+def _lookup(module: Any, fqn: str) -> Any:
+    """``module``'s parameter or buffer ``fqn``, or None; walked afresh on every call (a submodule
+    replaced since load, e.g. a LoRA wrapper, must not leave us reading the old one), and ~5x faster
+    than building ``named_parameters()`` for each call of a block."""
+    *path, leaf = fqn.split(".")
+    for part in path:
+        module = module._modules.get(part) if hasattr(module, "_modules") else None
+        if module is None:
+            return None
+    tensor = module._parameters.get(leaf)
+    return tensor if tensor is not None else module._buffers.get(leaf)
 
-    def __init__(self, model: Any, module: Any, component: str, package: dict[str, Any], device: str):
+
+class PackageRunner:
+    """One loaded package bound to one module's live weights.
+
+    Regional packages are shared by every instance of a block: each instance has its runner, all
+    runners of a package share ``shared`` (the loaded model and which runner's tensors it holds), and
+    a call from another instance than the last one swaps its tensors in first (``load_constants`` with
+    ``user_managed=True`` only rebinds pointers: nothing is copied)."""
+
+    def __init__(self, model: Any, module: Any, component: str, package: dict[str, Any], device: str,
+                 shared: dict[str, Any] | None = None):
         self.model = model
         self.module = module
         self.component = component
@@ -158,13 +252,14 @@ class PackageRunner:
         self.strides = package.get("strides")
         self.baked: dict[str, str] = package.get("baked", {})
         self.device_kind = device.partition(":")[0]
+        self.shared = shared if shared is not None else {}
         self.bound: tuple[Any, ...] = ()
         self.rebinds = 0
+        self.swaps = 0
         self._bind()
 
     def _tensors(self) -> dict[str, Any]:
-        state = {**dict(self.module.named_parameters()), **dict(self.module.named_buffers())}
-        return {fqn: state.get(fqn) for fqn in self.meta}
+        return {fqn: _lookup(self.module, fqn) for fqn in self.meta}
 
     @staticmethod
     def _identity(tensors: dict[str, Any]) -> tuple[Any, ...]:
@@ -185,20 +280,24 @@ class PackageRunner:
                     f"built for {dtype} {shape} on {device_kind}; rebuild the recipe for this dtype/device or "
                     f"load it again with load_compiled")
         self.model.load_constants(tensors, check_full_update=True, user_managed=True)
+        self.shared["owner"] = self
         self.bound = self._identity(self._watched())
 
     def _watched(self) -> dict[str, Any]:
-        """The supplied constants and the tensors compiled into the package: both must stay right."""
-        state = {**dict(self.module.named_parameters()), **dict(self.module.named_buffers())}
-        return {fqn: state.get(fqn) for fqn in (*self.meta, *self.baked)}
+        """The supplied constants and any tensors compiled into the package: both must stay right."""
+        return {fqn: _lookup(self.module, fqn) for fqn in (*self.meta, *self.baked)}
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self._identity(self._watched()) != self.bound:  # pipe.to(...), dtype change, LoRA fuse
             self.rebinds += 1
             self._bind()  # checks the supplied constants' shape, dtype and device first
             if self.baked and baked_digests(self.module, self.meta) != self.baked:
-                raise PackageMismatch(f"{self.component}: tensors compiled into its AOT package (biases, norms) "
+                raise PackageMismatch(f"{self.component}: tensors compiled into its AOT package "
                                       f"changed since load; rebuild the recipe for these weights")
+        elif self.shared.get("owner") is not self:  # another instance of the block ran last
+            self.swaps += 1
+            self.model.load_constants(self._tensors(), check_full_update=True, user_managed=True)
+            self.shared["owner"] = self
         return self.model(*args, **kwargs)
 
     def fits(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
@@ -206,19 +305,29 @@ class PackageRunner:
 
 
 def load_packages(module: Any, component: str, packages: list[tuple[dict[str, Any], Path]],
-                  device: str) -> dict[str, Callable[..., Any]]:
-    """signature -> runner for every package, each loaded from a hard link (or copy) named *.pt2."""
+                  device: str) -> dict[str, dict[str, Callable[..., Any]]]:
+    """instance -> signature -> runner, for every package ("" is the component itself; regional
+    packages name their block instances). Each package is loaded once, from a hard link (or copy)
+    named *.pt2."""
     import torch
 
     from aotbuild.targets.folder import lay_tree
 
     folder = Path(tempfile.mkdtemp(prefix="aotbuild-aoti-"))
     lay_tree([(Path(p["path"]).name, blob) for p, blob in packages], folder)
-    routes: dict[str, Callable[..., Any]] = {}
+    named = dict(module.named_modules())
+    routes: dict[str, dict[str, Callable[..., Any]]] = {}
     for package, _ in packages:
         model = torch._inductor.aoti_load_package(str(folder / Path(package["path"]).name))
-        runner = PackageRunner(model, module, component, package, device)
-        routes[package["signature"]] = _stride_guard(runner)
+        shared: dict[str, Any] = {}
+        for instance in package.get("instances", [""]):
+            owner = named.get(instance)
+            if owner is None:
+                raise PackageMismatch(f"{component} has no block {instance!r}, which its AOT package serves; "
+                                      f"rebuild the recipe for this model")
+            label = f"{component}.{instance}" if instance else component
+            runner = PackageRunner(model, owner, label, package, device, shared)
+            routes.setdefault(instance, {})[package["signature"]] = _stride_guard(runner)
     return routes
 
 

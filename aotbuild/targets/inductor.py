@@ -70,12 +70,9 @@ class InductorTarget(Target):
     def validate(self, recipe: Recipe) -> None:
         super().validate(recipe)
         if recipe.strategy == "aot-package":
-            if recipe.compile.scope != "full":
-                raise recipe.error("compile.scope", "strategy aot-package supports scope: full only (regional "
-                                                    "packages are not supported yet)")
             if not recipe.compile.fullgraph:
-                raise recipe.error("compile.fullgraph", "strategy aot-package exports the whole component: "
-                                                        "fullgraph must be true")
+                raise recipe.error("compile.fullgraph", "strategy aot-package exports whole modules (the "
+                                                        "component, or its blocks): fullgraph must be true")
             if recipe.offload != "none":
                 raise recipe.error("offload", "strategy aot-package cannot run under model offload")
 
