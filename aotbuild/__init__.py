@@ -16,6 +16,7 @@ from aotbuild.errors import (
     ModelUnavailable,
     PackageMismatch,
     RecipeError,
+    RemoteError,
     ShapeNotBuilt,
     StoreError,
     TargetUnavailable,
@@ -31,18 +32,23 @@ _LAZY = {
     "plan": "aotbuild.planner",
     "load_recipe": "aotbuild.recipe",
     "Recipe": "aotbuild.recipe",
+    "push": "aotbuild.sync",
+    "pull": "aotbuild.sync",
+    "parse_remote": "aotbuild.remote",
 }
 
 __all__ = ["AotbuildError", "CacheMiss", "DeviceError", "ModelUnavailable", "PackageMismatch",
-           "RecipeError", "ShapeNotBuilt", "StoreError",
+           "RecipeError", "RemoteError", "ShapeNotBuilt", "StoreError",
            "TargetUnavailable", "UsageError", "__version__", "load_compiled", "LoadReport", "build", "plan",
-           "load_recipe", "Recipe"]
+           "load_recipe", "Recipe", "push", "pull", "parse_remote"]
 
 if TYPE_CHECKING:
     from aotbuild.builder import build
     from aotbuild.planner import plan
     from aotbuild.recipe import Recipe, load_recipe
+    from aotbuild.remote import parse_remote
     from aotbuild.runtime import LoadReport, load_compiled
+    from aotbuild.sync import pull, push
 
 
 def __getattr__(name: str) -> Any:

@@ -17,22 +17,25 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aotbuild import __version__
 from aotbuild.layout import resolve_cache_root
-from aotbuild.planner import HIT, MISS, UNAVAILABLE, Job, plan
+from aotbuild.planner import HIT, MISS, UNAVAILABLE, Job, plan, shard_jobs
 from aotbuild.recipe import Recipe, recipe_to_dict
 from aotbuild.store import Store
 from aotbuild.targets import get_target
 
-BUILT, CACHED, FAILED, SKIPPED = "built", "cached", "failed", "skipped"
+if TYPE_CHECKING:
+    from aotbuild.remote import Remote
+
+BUILT, CACHED, FAILED, SKIPPED, ON_REMOTE = "built", "cached", "failed", "skipped", "remote"
 
 
 @dataclass
 class JobResult:
     job: Job
-    status: str  # built | cached | failed | skipped
+    status: str  # built | cached | failed | skipped | remote (on the remote named, not built here)
     seconds: float = 0.0
     size: int = 0
     reason: str = ""
@@ -65,20 +68,29 @@ Progress = Callable[[str, int, int, Job, "JobResult | None"], None]
 
 
 def build(recipes: list[str] | list[Recipe], cache: str | Path | None = None, *,
-          progress: Progress | None = None) -> BuildReport:
-    """Build every missing job of ``recipes``; jobs already cached are left alone."""
+          progress: Progress | None = None, shard: tuple[int, int] | None = None,
+          remote: Remote | None = None) -> BuildReport:
+    """Build every missing job of ``recipes``; jobs already cached are left alone.
+
+    ``shard=(I, N)`` builds only shard I of N of the full job list (planner.shard). With ``remote``,
+    a job the remote already holds is not built ("on remote"): pushing it again would send nothing."""
     root = resolve_cache_root(cache)
     store = Store(root)
     jobs = plan(recipes, root)
-    todo = [j for j in jobs if j.status == MISS]
+    if shard is not None:
+        jobs = shard_jobs(jobs, *shard)
+    on_remote = remote.keys() if remote is not None and any(j.status == MISS for j in jobs) else set()
     results: dict[int, JobResult] = {}
     for i, job in enumerate(jobs):
         if job.status == HIT:
             results[i] = JobResult(job, CACHED, size=_entry_size(store, job.key))
         elif job.status == UNAVAILABLE:
             results[i] = JobResult(job, SKIPPED, reason=job.reason)
+        elif job.key in on_remote:
+            results[i] = JobResult(job, ON_REMOTE, reason=f"already on {remote.url if remote else ''}")
+    todo = [j for i, j in enumerate(jobs) if i not in results]
     done_keys: dict[str, JobResult] = {}
-    for n, (i, job) in enumerate((i, j) for i, j in enumerate(jobs) if j.status == MISS):
+    for n, (i, job) in enumerate((i, j) for i, j in enumerate(jobs) if i not in results):
         assert job.key is not None
         if progress:
             progress("start", n + 1, len(todo), job, None)

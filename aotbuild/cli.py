@@ -16,6 +16,7 @@ import click
 from aotbuild.errors import AotbuildError
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_MISS = 0, 1, 2, 3
+REMOTE = "remote"  # plan --remote: not cached here, on the remote
 
 
 def _human_size(n: int) -> str:
@@ -55,6 +56,25 @@ cache_option = click.option("--cache", "cache", envvar="AOTBUILD_CACHE", type=cl
                             help="Cache root (default: AOTBUILD_CACHE, then [tool.aotbuild] cache in the nearest "
                                  "pyproject.toml, then ~/.cache/aotbuild).")
 json_option = click.option("--json", "as_json", is_flag=True, help="Machine-readable output (docs/cli.md).")
+shard_option = click.option("--shard", "shard", metavar="I/N",
+                            help="Only shard I of N (1-based) of the full job list: one per CI runner (docs/ci.md).")
+
+
+def remote_option(help_text: str, name: str = "--remote") -> Callable[..., Any]:
+    return click.option(name, "remote", envvar="AOTBUILD_REMOTE" if name == "--remote" else None,
+                        metavar="URL", help=help_text)
+
+
+def _remote(url: str | None, required: bool = False) -> Any:
+    from aotbuild.errors import UsageError
+    from aotbuild.remote import parse_remote
+
+    if not url:
+        if required:
+            raise UsageError("name a remote with --remote URL or AOTBUILD_REMOTE (file:///shared/folder, "
+                             "hf://owner/repo, hf://datasets/owner/repo)")
+        return None
+    return parse_remote(url)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -73,30 +93,125 @@ def main() -> None:
 @click.argument("recipes", nargs=-1, required=True)
 @cache_option
 @json_option
-def build(recipes: tuple[str, ...], cache: str | None, as_json: bool) -> None:
+@shard_option
+@remote_option("After building, push every entry of these jobs to URL; jobs already there are not built.",
+               name="--push")
+def build(recipes: tuple[str, ...], cache: str | None, as_json: bool, shard: str | None, remote: str | None) -> None:
     """Compile every job of RECIPES (files or folders) that the cache lacks.
 
     Each job (component x shape) compiles in a fresh subprocess; what it compiled is stored in the
-    cache. Exit 1 when any job failed (the others still run and are stored).
+    cache. Exit 1 when any job failed (the others still run, are stored and pushed).
 
     \b
-    Example:
+    Examples:
       aotbuild build recipes/tiny_sd_cpu.yaml
+      aotbuild build recipes/ --shard 2/4 --push hf://datasets/my-org/aot-cache
     """
 
     def go() -> int:
-        from aotbuild.builder import FAILED
+        from aotbuild.builder import BUILT, CACHED, FAILED
         from aotbuild.builder import build as run_build
+        from aotbuild.planner import parse_shard
 
-        report = run_build(list(recipes), cache, progress=None if as_json else _progress())
+        target = _remote(remote)
+        report = run_build(list(recipes), cache, progress=None if as_json else _progress(),
+                           shard=parse_shard(shard) if shard else None, remote=target)
+        pushed = None
+        if target is not None:
+            from aotbuild.sync import push
+
+            keys = [r.job.key for r in report.results if r.status in (BUILT, CACHED) and r.job.key]
+            pushed = push(keys, target, cache, progress=None if as_json else _push_progress()) if keys else None
         if as_json:
-            _emit_json(report.as_json())
+            _emit_json({**report.as_json(), **({"push": pushed.as_json()} if pushed else {})})
         else:
             rows = [[r.job.label, r.job.key[:12] if r.job.key else "-", r.status, f"{r.seconds:.1f}",
                      _human_size(r.size) if r.size else "-", r.reason] for r in report.results]
             click.echo(_table(rows, ["job", "key", "status", "seconds", "size", "note"]))
             click.echo(f"cache: {report.cache}")
+            if pushed is not None:
+                _echo_push(pushed)
         return EXIT_FAILED if any(r.status == FAILED for r in report.results) else EXIT_OK
+
+    _run(go)
+
+
+def _push_progress() -> Callable[[str], None]:
+    return lambda what: click.echo(f"pushed {what[:12]}", err=True)
+
+
+def _echo_push(report: Any) -> None:
+    r = report.result
+    click.echo(f"pushed {len(r.sent)} entries ({_human_size(r.bytes_sent)}) to {report.remote}; "
+               f"{len(r.present)} already there")
+    for what, why in report.skipped:
+        click.echo(f"not pushed: {what}: {why}")
+
+
+@main.command()
+@click.argument("items", nargs=-1)
+@remote_option("Remote to push to: file:///shared/folder, hf://owner/repo[@rev], hf://datasets/owner/repo.")
+@cache_option
+@json_option
+def push(items: tuple[str, ...], remote: str | None, cache: str | None, as_json: bool) -> None:
+    """Send cache entries to a remote: KEYS (hex prefixes, 8+ characters) or RECIPES; none = all.
+
+    Only what the remote lacks is sent, blobs before manifests. Entries are hash-checked first:
+    a corrupt one is named and not pushed (exit 1).
+
+    \b
+    Examples:
+      aotbuild push recipes/ --remote file:///mnt/shared/aot-cache
+      aotbuild push 3f1c9a0b --remote hf://datasets/my-org/aot-cache
+    """
+
+    def go() -> int:
+        from aotbuild.sync import push as run_push
+
+        report = run_push(list(items), _remote(remote, required=True), cache,
+                          progress=None if as_json else _push_progress())
+        if as_json:
+            _emit_json(report.as_json())
+        else:
+            _echo_push(report)
+        corrupt = [w for w, why in report.skipped if "corrupt" in why or "missing" in why or "malformed" in why]
+        return EXIT_FAILED if corrupt else EXIT_OK
+
+    _run(go)
+
+
+@main.command()
+@click.argument("recipes", nargs=-1, required=True)
+@remote_option("Remote to pull from: file:///shared/folder, hf://owner/repo[@rev], hf://datasets/owner/repo.")
+@cache_option
+@json_option
+@click.option("--fail-on-miss", is_flag=True, help="Exit 3 when a job is neither cached nor on the remote.")
+def pull(recipes: tuple[str, ...], remote: str | None, cache: str | None, as_json: bool, fail_on_miss: bool) -> None:
+    """Fetch the entries RECIPES need in this environment from a remote, hash-verified.
+
+    Only jobs the local cache lacks are fetched. Exit 1 when a fetched entry was refused
+    (hash mismatch, malformed), 3 with --fail-on-miss when a job is on neither side.
+
+    \b
+    Example:
+      aotbuild pull recipes/sdxl_neuron.yaml --remote hf://datasets/my-org/aot-cache
+    """
+
+    def go() -> int:
+        from aotbuild.sync import MISSING, REFUSED, UNAVAILABLE
+        from aotbuild.sync import pull as run_pull
+
+        target = _remote(remote, required=True)
+        items = run_pull(list(recipes), target, cache)
+        if as_json:
+            _emit_json({"remote": target.url, "jobs": [i.as_json() for i in items]})
+        else:
+            rows = [[i.job.label, i.job.key[:12] if i.job.key else "-", i.status, i.reason] for i in items]
+            click.echo(_table(rows, ["job", "key", "status", "reason"]))
+        if any(i.status == REFUSED for i in items):
+            return EXIT_FAILED
+        missing = any(i.status in (MISSING, UNAVAILABLE) for i in items)
+        return EXIT_MISS if (fail_on_miss and missing) else EXIT_OK
 
     _run(go)
 
@@ -123,30 +238,46 @@ def _progress() -> Callable[..., None]:
 @click.argument("recipes", nargs=-1, required=True)
 @cache_option
 @json_option
-@click.option("--fail-on-miss", is_flag=True, help="Exit 3 when any job is not cached (a CI gate).")
-def plan(recipes: tuple[str, ...], cache: str | None, as_json: bool, fail_on_miss: bool) -> None:
+@click.option("--fail-on-miss", is_flag=True,
+              help="Exit 3 when any job is not cached (nor on --remote, when given): a CI gate.")
+@remote_option("Also look for each job on this remote (status \"remote\"); nothing is downloaded.")
+@shard_option
+def plan(recipes: tuple[str, ...], cache: str | None, as_json: bool, fail_on_miss: bool, remote: str | None,
+         shard: str | None) -> None:
     """List every job of RECIPES: key, component, shape, hit or miss.
 
     \b
-    Example:
+    Examples:
       aotbuild plan recipes/ --fail-on-miss
+      aotbuild plan recipes/ --remote hf://datasets/my-org/aot-cache --fail-on-miss
     """
 
     def go() -> int:
+        from dataclasses import replace
+
         from aotbuild.layout import resolve_cache_root
-        from aotbuild.planner import HIT
+        from aotbuild.planner import HIT, MISS, parse_shard, shard_jobs
         from aotbuild.planner import plan as run_plan
 
         jobs = run_plan(list(recipes), cache)
+        if shard:
+            jobs = shard_jobs(jobs, *parse_shard(shard))
+        target = _remote(remote)
+        if target is not None and any(j.status == MISS for j in jobs):
+            there = target.keys()
+            jobs = [replace(j, status=REMOTE, reason=f"on {target.url}") if j.status == MISS and j.key in there
+                    else j for j in jobs]
         if as_json:
-            _emit_json({"cache": str(resolve_cache_root(cache)), "jobs": [j.as_json() for j in jobs]})
+            _emit_json({"cache": str(resolve_cache_root(cache)), "remote": target.url if target else None,
+                        "jobs": [j.as_json() for j in jobs]})
         else:
             rows = [[j.recipe.name, j.component, str(j.shape), j.key[:12] if j.key else "-", j.status,
                      "" if j.status == HIT else j.reason] for j in jobs]
             click.echo(_table(rows, ["recipe", "component", "shape", "key", "status", "reason"]))
             hits = sum(j.status == HIT for j in jobs)
-            click.echo(f"{hits}/{len(jobs)} jobs cached in {resolve_cache_root(cache)}")
-        missing = any(j.status != HIT for j in jobs)
+            there_text = f", {sum(j.status == REMOTE for j in jobs)} on {target.url}" if target else ""
+            click.echo(f"{hits}/{len(jobs)} jobs cached in {resolve_cache_root(cache)}{there_text}")
+        missing = any(j.status not in (HIT, REMOTE) for j in jobs)
         return EXIT_MISS if (fail_on_miss and missing) else EXIT_OK
 
     _run(go)

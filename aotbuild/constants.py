@@ -13,6 +13,8 @@ FORMAT_VERSION = 1
 
 #: Cache root from the environment; ``--cache`` wins over it, ``pyproject.toml`` loses to it.
 ENV_CACHE = "AOTBUILD_CACHE"
+#: The remote cache the CLI pushes to and pulls from when ``--remote`` is not given.
+ENV_REMOTE = "AOTBUILD_REMOTE"
 #: Where PyTorch Inductor keeps its own on-disk cache (FX graphs, kernels).
 ENV_INDUCTOR_CACHE = "TORCHINDUCTOR_CACHE_DIR"
 

@@ -61,3 +61,7 @@ class PackageMismatch(AotbuildError, RuntimeError):
 
 class DeviceError(AotbuildError, RuntimeError):
     """A device is unknown, not available here, or lacks the operation asked for."""
+
+
+class RemoteError(AotbuildError, OSError):
+    """A remote cache could not be reached, read or written; the message names it and the next step."""

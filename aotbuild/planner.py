@@ -149,4 +149,30 @@ def plan(recipes: list[str] | tuple[str, ...] | list[Recipe], cache: str | Path 
     return sorted(jobs, key=lambda j: (j.key is None, j.key or "", j.label))
 
 
-__all__ = ["Context", "Job", "plan", "jobs_for", "load_recipes", "HIT", "MISS", "UNAVAILABLE"]
+def parse_shard(text: str) -> tuple[int, int]:
+    """``"I/N"`` (1-based) -> (I, N)."""
+    from aotbuild.errors import UsageError
+
+    head, _, tail = text.partition("/")
+    try:
+        index, count = int(head), int(tail)
+    except ValueError:
+        raise UsageError(f"--shard {text!r}: expected I/N, e.g. 2/4") from None
+    if count < 1 or not 1 <= index <= count:
+        raise UsageError(f"--shard {text!r}: I must be between 1 and N")
+    return index, count
+
+
+def shard_jobs(jobs: list[Job], index: int, count: int) -> list[Job]:
+    """The jobs of shard ``index`` of ``count`` (1-based), decided before any job is dropped as a hit.
+
+    The distinct keys of the full job list, sorted, are dealt round-robin: key number k (0-based)
+    goes to shard k % count + 1. Every runner of a CI matrix computes the same split whatever its own
+    cache holds, each key is built by exactly one shard (two recipes sharing a job share its shard),
+    and runners get a balanced count. Jobs without a key (target unavailable) go to shard 1."""
+    order = {key: k for k, key in enumerate(sorted({j.key for j in jobs if j.key}))}
+    return [j for j in jobs if (order[j.key] % count if j.key else 0) == index - 1]
+
+
+__all__ = ["Context", "Job", "plan", "jobs_for", "load_recipes", "parse_shard", "shard_jobs", "HIT", "MISS",
+           "UNAVAILABLE"]

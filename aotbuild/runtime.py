@@ -10,15 +10,18 @@ import logging
 import warnings
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aotbuild import keys, models
 from aotbuild.dispatch import install_dispatcher
-from aotbuild.errors import CacheMiss, TargetUnavailable, UsageError
+from aotbuild.errors import CacheMiss, RemoteError, TargetUnavailable, UsageError
 from aotbuild.layout import resolve_cache_root
 from aotbuild.planner import Context
 from aotbuild.recipe import Recipe, Shape, load_recipe
 from aotbuild.store import Entry, Store
+
+if TYPE_CHECKING:
+    from aotbuild.remote import Remote
 
 log = logging.getLogger("aotbuild")
 ON_MISS = ("compile", "eager", "error")
@@ -31,6 +34,7 @@ class ReportEntry:
     key: str
     hit: bool
     reason: str = ""  # why it missed: the factors that differ from the nearest entry, or the store's word
+    pulled: bool = False  # fetched from the remote during this load
 
 
 @dataclass
@@ -44,6 +48,7 @@ class LoadReport:
     present_files: int = 0
     install_folder: str = ""
     on_miss: str = "compile"
+    remote: str = ""
 
     @property
     def hits(self) -> list[ReportEntry]:
@@ -56,16 +61,19 @@ class LoadReport:
     def as_dict(self) -> dict[str, Any]:
         return {"recipe": self.recipe, "cache": self.cache, "installed_files": self.installed_files,
                 "present_files": self.present_files, "install_folder": self.install_folder,
-                "entries": [{"component": e.component, "shape": e.shape.as_dict(), "key": e.key, "hit": e.hit,
-                             "reason": e.reason} for e in self.entries]}
+                "remote": self.remote, "entries": [
+                    {"component": e.component, "shape": e.shape.as_dict(), "key": e.key, "hit": e.hit,
+                     "pulled": e.pulled, "reason": e.reason} for e in self.entries]}
 
     def __str__(self) -> str:
+        pulled = sum(e.pulled for e in self.entries)
         lines = [f"aotbuild: {self.recipe}: {len(self.hits)} hit, {len(self.misses)} miss "
-                 f"(cache {self.cache}; {self.installed_files} files installed, {self.present_files} already "
+                 + (f"({pulled} pulled from {self.remote}) " if pulled else "")
+                 + f"(cache {self.cache}; {self.installed_files} files installed, {self.present_files} already "
                  f"in {self.install_folder or 'the compiler cache'})"]
         for e in self.entries:
             status = "hit " if e.hit else "MISS"
-            line = f"  {status} {e.component:<14} {str(e.shape):<12} {e.key[:12]}"
+            line = f"  {status} {e.component:<14} {str(e.shape):<12} {e.key[:12]}" + ("  pulled" if e.pulled else "")
             if not e.hit:
                 line += f"  {e.reason}"
                 if self.on_miss != "error":
@@ -75,18 +83,22 @@ class LoadReport:
 
 
 def load_compiled(recipe: str | Path | Recipe, pipe: Any = None, *, cache: str | Path | None = None,
-                  remote: str | None = None, on_miss: str = "compile", strict_shapes: bool = False) -> Any:
+                  remote: str | Remote | None = None, on_miss: str = "compile", strict_shapes: bool = False) -> Any:
     """Load ``recipe``'s pipeline (or take ``pipe``), install its cached artifacts, compile it.
 
     ``on_miss`` acts at load when a component x shape has no usable entry: ``"compile"`` (warn, then
     compile on first call as torch.compile would), ``"eager"`` (warn, run that shape eagerly) or
     ``"error"`` (raise :class:`aotbuild.CacheMiss`). ``strict_shapes=True`` acts at call time: a call
     at a shape that was not built raises :class:`aotbuild.ShapeNotBuilt` instead of compiling.
+    ``remote`` (``"file:///shared/cache"``, ``"hf://org/cache"``) fetches only the entries this load
+    needs and the local store lacks, verified, into the local store first; without it there is no
+    network access at all.
     The report is ``pipe.aotbuild_report`` and is logged at INFO.
     """
-    if remote is not None:
-        raise UsageError("remote caches are not supported yet: pull the cache into a local folder and pass "
-                         "cache=... (remote support arrives with `aotbuild pull`)")
+    if isinstance(remote, str):
+        from aotbuild.remote import parse_remote
+
+        remote = parse_remote(remote)
     if on_miss not in ON_MISS:
         raise UsageError(f"on_miss={on_miss!r} is not allowed (allowed: {', '.join(ON_MISS)})")
     recipe = recipe if isinstance(recipe, Recipe) else load_recipe(recipe)
@@ -102,9 +114,10 @@ def load_compiled(recipe: str | Path | Recipe, pipe: Any = None, *, cache: str |
     else:
         _check_pipe(pipe, ctx)
 
-    report = LoadReport(recipe.name, str(root), on_miss=on_miss)
+    report = LoadReport(recipe.name, str(root), on_miss=on_miss, remote=remote.url if remote else "")
     blocker = ctx.target.install_blocker()
     plans = []  # (component, module, verified entries)
+    remote_down = ""
     for component in recipe.compile.components:
         module = getattr(pipe, component, None)
         if module is None:
@@ -115,6 +128,18 @@ def load_compiled(recipe: str | Path | Recipe, pipe: Any = None, *, cache: str |
             factors = ctx.factors(component, cls_name, config, shape, type(pipe).__name__)
             key = keys.key_of(factors)
             entry, why = store.open_entry(key) if not blocker else (None, blocker)
+            pulled, remote_note = False, ""
+            if entry is None and remote is not None and not blocker:
+                try:  # a remote that is down is a miss with its reason, not a crash
+                    fetched = remote_down or remote.fetch(key, store)  # "" when it is now in the local store
+                except RemoteError as exc:
+                    # huggingface_hub already retried for ~20 s: do not pay that again for every key
+                    fetched = remote_down = f"{exc} (not retried for the other entries)"
+                if fetched:
+                    remote_note = f" ({remote.url}: {fetched})"
+                else:
+                    entry, why = store.open_entry(key)
+                    pulled = entry is not None
             if entry is not None and recipe.strategy == "aot-package":
                 from aotbuild.targets import aoti
 
@@ -122,9 +147,10 @@ def load_compiled(recipe: str | Path | Recipe, pipe: Any = None, *, cache: str |
                 entry = None if why else entry
             if entry is not None:
                 entries.append(entry)
-                report.entries.append(ReportEntry(component, shape, key, True))
+                report.entries.append(ReportEntry(component, shape, key, True, pulled=pulled))
             else:
                 reason = why if why != "not built" else explain_miss(store, recipe, component, shape, factors)
+                reason += remote_note
                 report.entries.append(ReportEntry(component, shape, key, False, reason))
         plans.append((component, module, entries))
 

@@ -17,7 +17,7 @@ import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from aotbuild.errors import StoreError, UsageError
 from aotbuild.layout import Layout, safe_relpath
@@ -42,6 +42,15 @@ class Entry:
     files: tuple[tuple[str, Path], ...]
 
 
+@contextlib.contextmanager
+def _open_source(source: Path | BinaryIO) -> Iterator[BinaryIO]:
+    if isinstance(source, (str, os.PathLike)):
+        with open(source, "rb") as f:
+            yield f
+    else:
+        yield source
+
+
 class Store:
     def __init__(self, root: Path):
         self.layout = Layout(Path(root))
@@ -56,13 +65,16 @@ class Store:
         self.layout.tmp.mkdir(parents=True, exist_ok=True)
         return tempfile.mkstemp(prefix="w.", dir=self.layout.tmp)
 
-    def put_blob(self, source: Path) -> tuple[str, int]:
-        """Copy ``source`` into the store; return (sha256, size). Existing blobs are kept."""
+    def put_blob(self, source: Path | BinaryIO, expect: str | None = None) -> tuple[str, int]:
+        """Copy ``source`` (a path or a binary stream) into the store; return (sha256, size).
+
+        Existing blobs are kept. With ``expect``, content whose hash differs is refused with a
+        StoreError and nothing is stored (a pulled blob that does not match its name)."""
         fd, tmp = self._tempfile()
         h = hashlib.sha256()
         size = 0
         try:
-            with os.fdopen(fd, "wb") as out, open(source, "rb") as src:
+            with os.fdopen(fd, "wb") as out, _open_source(source) as src:
                 while chunk := src.read(_CHUNK):
                     h.update(chunk)
                     out.write(chunk)
@@ -70,6 +82,8 @@ class Store:
                 out.flush()
                 os.fsync(out.fileno())
             digest = h.hexdigest()
+            if expect is not None and digest != expect:
+                raise StoreError(f"blob {expect[:12]} does not match its content (sha256 {digest[:12]}): refused")
             final = self.layout.blob(digest)
             if final.is_file() and final.stat().st_size == size:
                 os.unlink(tmp)
@@ -82,6 +96,13 @@ class Store:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
             raise
+
+    def has_blob(self, digest: str, size: int) -> bool:
+        """A blob of that name and size is stored (its hash is checked when an entry is opened)."""
+        try:
+            return self.layout.blob(digest).stat().st_size == size
+        except FileNotFoundError:
+            return False
 
     def put_manifest(self, key: str, manifest: dict[str, Any]) -> Path:
         """Write the manifest last, atomically; every blob it names must already be stored."""

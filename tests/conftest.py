@@ -52,3 +52,19 @@ def built_cache(tmp_path_factory) -> tuple[Path, dict]:
                    env={"TORCHINDUCTOR_CACHE_DIR": str(inductor), "AOTBUILD_CACHE": ""})
     assert proc.returncode == 0, proc.stderr[-3000:]
     return root, json.loads(proc.stdout)
+
+
+@pytest.fixture
+def no_ambient_hf_auth(tmp_path, monkeypatch):
+    """No token from the environment or ~/.cache/huggingface, no offline mode, caches under tmp_path.
+    huggingface_hub reads HF_HOME once at import, so the derived constants are patched too."""
+    from huggingface_hub import constants
+
+    for var in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_OIDC_RESOURCE", "HF_OIDC_ID_TOKEN", "HF_HUB_OFFLINE"):
+        monkeypatch.delenv(var, raising=False)
+    home = tmp_path / "hf_home"
+    monkeypatch.setenv("HF_HOME", str(home))
+    monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(home / "token"))
+    monkeypatch.setattr(constants, "HF_STORED_TOKENS_PATH", str(home / "stored_tokens"))
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(home / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)

@@ -28,6 +28,7 @@ WARM_LOAD = textwrap.dedent("""
     from aotbuild.models import load_pipeline, resolve_model, warmup_kwargs
 
     recipe_path, cache = sys.argv[1], sys.argv[2]
+    remote = sys.argv[3] if len(sys.argv) > 3 else None
     recipe = load_recipe(recipe_path)
     shape = recipe.shapes[0]
     # Eager reference, same process, same seed.
@@ -36,7 +37,7 @@ WARM_LOAD = textwrap.dedent("""
 
     inductor = Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
     assert not inductor.exists() or not any(inductor.iterdir()), "inductor cache must start empty"
-    pipe = load_compiled(recipe_path, cache=cache, on_miss="error", strict_shapes=True)
+    pipe = load_compiled(recipe_path, cache=cache, on_miss="error", strict_shapes=True, remote=remote)
     kernels_after_install = sorted(p.relative_to(inductor).as_posix() for p in inductor.rglob("*")
                                    if p.suffix in (".so", ".cpp"))
     out = pipe(**warmup_kwargs(recipe, shape), output_type="pt").images
@@ -53,14 +54,16 @@ WARM_LOAD = textwrap.dedent("""
         "counters": dict(counters["inductor"]), "max_diff": (out - ref).abs().max().item(),
         "kernels_after_install": kernels_after_install, "kernels_after_call": kernels_after_call,
         "strict": strict, "dispatch": pipe.unet.forward.calls,
+        "pulled": sum(e.pulled for e in pipe.aotbuild_report.entries),
     }))
 """)
 
 
-def warm_load(recipe: Path, cache: Path, inductor: Path, cwd: Path) -> dict:
+def warm_load(recipe: Path, cache: Path, inductor: Path, cwd: Path, remote: str | None = None) -> dict:
     script = cwd / "warm_load.py"
     script.write_text(WARM_LOAD)
-    proc = run_python(f"import runpy, sys; sys.argv = ['w', {str(recipe)!r}, {str(cache)!r}]; "
+    argv = [str(recipe), str(cache)] + ([remote] if remote else [])
+    proc = run_python(f"import runpy, sys; sys.argv = ['w', *{argv!r}]; "
                       f"runpy.run_path({str(script)!r}, run_name='__main__')",
                       env={"TORCHINDUCTOR_CACHE_DIR": str(inductor), "AOTBUILD_CACHE": ""}, cwd=cwd)
     assert proc.returncode == 0, proc.stderr[-4000:]

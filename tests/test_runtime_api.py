@@ -1,4 +1,4 @@
-"""load_compiled's argument checks, plan on unreachable models, and the recompile limit."""
+"""load_compiled's argument checks, unreachable models and remotes, and the recompile limit."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ from aotbuild.recipe import load_recipe, parse_recipe
 from tests.conftest import TINY_RECIPE, run_cli
 
 
-def test_remote_is_reserved():
-    with pytest.raises(UsageError, match="remote caches are not supported yet"):
-        load_compiled(TINY_RECIPE, remote="hf://org/cache")
+def test_bad_remote_url_is_a_usage_error():
+    with pytest.raises(UsageError, match="is not a remote: use file:///"):
+        load_compiled(TINY_RECIPE, remote="s3://bucket/cache")
 
 
 def test_on_miss_must_be_known():
@@ -95,3 +95,19 @@ def test_more_static_shapes_than_dynamos_default_limit():
     compiled = get_target("inductor").compile(module, recipe, "cpu")
     for n in range(1, 11):
         assert compiled(torch.ones(n, 4)).shape == (n, 4)
+
+
+@pytest.mark.slow  # huggingface_hub retries a refused connection for ~20 s before it gives up
+def test_an_unreachable_remote_is_a_miss_with_its_reason(tiny_pipe, models_dir, monkeypatch, no_ambient_hf_auth):
+    """Production must not crash because the remote is down: the entry misses, on_miss decides."""
+    from aotbuild import CacheMiss
+    from aotbuild.remote import HubRemote
+
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # nothing listens on the discard port
+    calls = []
+    real_fetch = HubRemote.fetch
+    monkeypatch.setattr(HubRemote, "fetch", lambda self, *a: calls.append(a) or real_fetch(self, *a))
+    with pytest.raises(CacheMiss, match=r"hf://org/cache: .*the Hub cannot be reached") as info:
+        load_compiled(TINY_RECIPE, tiny_pipe, cache=models_dir, remote="hf://org/cache", on_miss="error")
+    assert str(info.value).count("the Hub cannot be reached") == 2  # both entries say why
+    assert len(calls) == 1  # one wait for the remote, not one per entry

@@ -1,0 +1,351 @@
+"""Remote caches: where CI pushes built entries and where serving machines pull them from.
+
+    file:///shared/aotbuild            a folder with the local store's own layout (blobs/, manifests/)
+    hf://owner/repo[@revision]         a Hugging Face Hub model repo, through huggingface_hub
+    hf://datasets/owner/repo[@revision]  the same on a dataset repo
+
+One rule holds for both: a reader never sees a manifest whose blobs are missing. A folder remote
+writes each blob to a temporary file and renames it into place, then the manifest the same way.
+The Hub gets the packs in one commit, then the manifests in a second one. An interrupted push leaves
+at most unreferenced blobs or packs, never an entry that points at nothing.
+
+Content addressing makes pushes incremental. A folder remote receives only the blobs it lacks; the
+Hub receives one pack per entry it lacks. The Hub limits files per repo and per folder, and one job
+can leave hundreds of small files, so there each entry travels as one uncompressed tar of its
+blobs, named by the tar's own sha256 (two pushers of one key never overwrite each other's pack).
+
+Pulls verify before anything is used: a pulled blob is hashed as it is written and refused when it
+does not match its name; a pack is hashed before it is opened, and its members must be plain files
+named by the digests its manifest lists. Nothing is deserialised before that (manifests are JSON).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import tarfile
+import tempfile
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from aotbuild.errors import RemoteError, StoreError, UsageError
+from aotbuild.layout import safe_relpath
+from aotbuild.store import Entry, Store, sha256_file
+
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+_HF = re.compile(r"^hf://(?:(?P<kind>datasets|models)/)?(?P<repo>[\w.-]+/[\w.-]+)(?:@(?P<rev>[\w./-]+))?/?$")
+#: Operations per Hub commit: big pushes go in several pack commits, all before the manifest commits.
+HUB_COMMIT_BATCH = 100
+
+
+@dataclass
+class PushResult:
+    sent: list[str] = field(default_factory=list)  # keys whose entry the remote did not have
+    present: list[str] = field(default_factory=list)  # keys the remote already had
+    bytes_sent: int = 0
+
+
+class Remote:
+    """Where entries are pushed and pulled. Subclasses: FolderRemote, HubRemote."""
+
+    url: str
+
+    def keys(self) -> set[str]:
+        """Every key with a manifest on the remote (one listing, for plans and pushes)."""
+        raise NotImplementedError
+
+    def fetch(self, key: str, store: Store) -> str:
+        """Copy the entry ``key`` into ``store``, verified. "" when pulled, else why not."""
+        raise NotImplementedError
+
+    def push(self, entries: list[Entry], progress: Callable[[str], None] | None = None) -> PushResult:
+        """Send every entry the remote lacks: blobs (or packs) first, manifests last."""
+        raise NotImplementedError
+
+
+def parse_remote(url: str) -> Remote:
+    """``file:///abs/path``, ``hf://owner/repo[@rev]`` or ``hf://datasets/owner/repo[@rev]``."""
+    url = url.strip()
+    if url.startswith("file://"):
+        path = url[len("file://"):]
+        if not path.startswith("/"):
+            raise UsageError(f"remote {url!r}: a folder remote is file:///absolute/path (three slashes)")
+        return FolderRemote(url, Path(path))
+    match = _HF.match(url)
+    if match:
+        repo_type = "dataset" if match["kind"] == "datasets" else "model"
+        return HubRemote(url, match["repo"], repo_type, match["rev"])
+    if url.startswith("hf://"):
+        raise UsageError(f"remote {url!r}: expected hf://owner/repo[@revision] or hf://datasets/owner/repo[@revision]")
+    raise UsageError(f"{url!r} is not a remote: use file:///shared/folder or hf://owner/repo "
+                     f"(hf://datasets/owner/repo for a dataset repo)")
+
+
+def _checked_files(key: str, manifest: dict[str, Any]) -> list[tuple[str, int]]:
+    """(digest, size) of every file a pulled manifest names, after checking it is well formed."""
+    if manifest.get("key") != key:
+        raise StoreError(f"the remote's manifest for {key[:12]} names another key")
+    out = []
+    for item in manifest.get("files", []):
+        safe_relpath(str(item.get("path", "")))
+        digest, size = str(item.get("sha256", "")), item.get("size")
+        if not _HEX64.match(digest) or not isinstance(size, int) or size < 0:
+            raise StoreError(f"the remote's manifest for {key[:12]} has a malformed file record")
+        out.append((digest, size))
+    return out
+
+
+def _ingest(store: Store, key: str, manifest: dict[str, Any],
+            blobs: Callable[[list[tuple[str, int]]], Iterator[tuple[str, BinaryIO]]]) -> str:
+    """Store every blob ``blobs`` yields (each refused unless it hashes to its name), then the manifest."""
+    try:
+        wanted = _checked_files(key, manifest)
+        missing = {d: s for d, s in wanted if not store.has_blob(d, s)}
+        if missing:
+            for digest, stream in blobs(sorted(missing.items())):
+                if digest not in missing:
+                    raise StoreError(f"the remote sent {digest[:12]}, which entry {key[:12]} does not name")
+                got, size = store.put_blob(stream, expect=digest)
+                if size != missing[digest]:
+                    raise StoreError(f"blob {digest[:12]} has {size} bytes, the manifest says {missing[digest]}")
+        local = {k: v for k, v in manifest.items() if k != "pack"}
+        store.put_manifest(key, local)  # refuses if any blob is still missing
+    except RemoteError:  # the remote failed midway (network, auth): the caller reports it
+        raise
+    except StoreError as exc:
+        return f"refused: {exc}"
+    except OSError as exc:
+        return f"could not write to the local cache {store.root}: {exc}"
+    return ""
+
+
+class FolderRemote(Remote):
+    """A shared folder laid out like a local store: it can also be used directly as ``--cache``."""
+
+    def __init__(self, url: str, path: Path):
+        self.url = url
+        self.store = Store(path)
+
+    def keys(self) -> set[str]:
+        folder = self.store.layout.manifests
+        if not folder.is_dir():
+            return set()
+        return {p.stem for p in folder.glob("*/*.json") if _HEX64.match(p.stem)}
+
+    def fetch(self, key: str, store: Store) -> str:
+        manifest = self.store.read_manifest(key)
+        if manifest is None:
+            return "not on the remote"
+
+        def blobs(wanted: list[tuple[str, int]]) -> Iterator[tuple[str, BinaryIO]]:
+            for digest, _ in wanted:
+                try:
+                    with open(self.store.layout.blob(digest), "rb") as f:
+                        yield digest, f
+                except FileNotFoundError:
+                    raise StoreError(f"blob {digest[:12]} is missing on the remote") from None
+
+        return _ingest(store, key, manifest, blobs)
+
+    def push(self, entries: list[Entry], progress: Callable[[str], None] | None = None) -> PushResult:
+        result = PushResult()
+        try:
+            for entry in entries:
+                if self.store.check_entry(entry.key)[0]:
+                    result.present.append(entry.key)
+                    continue
+                by_path = {item["path"]: item for item in entry.manifest["files"]}
+                for rel, blob in entry.files:
+                    digest, size = by_path[rel]["sha256"], int(by_path[rel]["size"])
+                    if not self.store.has_blob(digest, size):
+                        self.store.put_blob(blob, expect=digest)
+                        result.bytes_sent += size
+                self.store.put_manifest(entry.key, entry.manifest)
+                result.sent.append(entry.key)
+                if progress:
+                    progress(entry.key)
+        except OSError as exc:
+            raise RemoteError(f"cannot write to {self.url}: {exc}") from None
+        return result
+
+
+class HubRemote(Remote):
+    """A Hugging Face Hub repo: ``manifests/<2 hex>/<key>.json`` and ``packs/<2 hex>/<sha256>.tar``.
+
+    Credentials are huggingface_hub's own (``HF_TOKEN``, ``hf auth login``); reading a public repo
+    needs none. ``HF_ENDPOINT`` is read when the remote is used, not when huggingface_hub is imported."""
+
+    def __init__(self, url: str, repo_id: str, repo_type: str, revision: str | None):
+        self.url = url
+        self.repo_id = repo_id
+        self.repo_type = repo_type
+        self.revision = revision
+        self.endpoint = os.environ.get("HF_ENDPOINT") or None
+
+    @staticmethod
+    def manifest_path(key: str) -> str:
+        return f"manifests/{key[:2]}/{key}.json"
+
+    @staticmethod
+    def pack_path(digest: str) -> str:
+        return f"packs/{digest[:2]}/{digest}.tar"
+
+    def _call(self, what: str, fn: Callable[[], Any]) -> Any:
+        """Run a huggingface_hub call; its failures become one RemoteError naming the next step."""
+        from huggingface_hub import errors
+
+        try:
+            return fn()
+        except errors.LocalEntryNotFoundError:  # huggingface_hub's word for "could not reach the Hub"
+            raise RemoteError(f"{self.url}: {what} failed: the Hub cannot be reached (network, HF_ENDPOINT, "
+                              f"HF_HUB_OFFLINE)") from None
+        except errors.EntryNotFoundError:  # the file or folder is not there: the caller decides what it means
+            raise
+        except errors.RepositoryNotFoundError:
+            raise RemoteError(f"{self.url}: the repo does not exist or this token cannot see it (create it with "
+                              f"`hf repo create {self.repo_id} --repo-type {self.repo_type}`, or set HF_TOKEN)") \
+                from None
+        except errors.RevisionNotFoundError:
+            raise RemoteError(f"{self.url}: no revision {self.revision!r} in the repo") from None
+        except errors.HfHubHTTPError as exc:
+            status = getattr(exc.response, "status_code", None)
+            hint = " (writing needs a token with write access: set HF_TOKEN)" if status in (401, 403) else ""
+            raise RemoteError(f"{self.url}: {what} failed: {str(exc).splitlines()[0]}{hint}") from None
+        except Exception as exc:  # network errors come from httpx and the OS: name them, no traceback
+            raise RemoteError(f"{self.url}: {what} failed: {type(exc).__name__}: {exc}") from None
+
+    def _api(self) -> Any:
+        from huggingface_hub import HfApi
+
+        return HfApi(endpoint=self.endpoint)
+
+    def _list(self, folder: str) -> list[str]:
+        from huggingface_hub import errors
+        from huggingface_hub.hf_api import RepoFile
+
+        api = self._api()
+        try:
+            items = self._call(f"listing {folder}/", lambda: list(api.list_repo_tree(
+                self.repo_id, path_in_repo=folder, recursive=True, repo_type=self.repo_type,
+                revision=self.revision)))
+        except errors.EntryNotFoundError:
+            return []
+        return [item.path for item in items if isinstance(item, RepoFile)]
+
+    def keys(self) -> set[str]:
+        return {Path(p).stem for p in self._list("manifests") if p.endswith(".json") and _HEX64.match(Path(p).stem)}
+
+    def _download(self, filename: str, folder: Path) -> Path | None:
+        from huggingface_hub import errors, hf_hub_download
+
+        try:
+            return Path(self._call(f"downloading {filename}", lambda: hf_hub_download(
+                self.repo_id, filename, repo_type=self.repo_type, revision=self.revision,
+                local_dir=str(folder), endpoint=self.endpoint)))
+        except errors.EntryNotFoundError:
+            return None
+
+    def fetch(self, key: str, store: Store) -> str:
+        try:
+            store.layout.tmp.mkdir(parents=True, exist_ok=True)
+            folder = Path(tempfile.mkdtemp(prefix="pull.", dir=store.layout.tmp))
+        except OSError as exc:
+            return f"could not write to the local cache {store.root}: {exc}"
+        try:
+            path = self._download(self.manifest_path(key), folder)
+            if path is None:
+                return "not on the remote"
+            try:
+                manifest = json.loads(path.read_text(encoding="utf-8"))
+                pack = manifest["pack"]
+                pack_digest, pack_size = str(pack["sha256"]), int(pack["size"])
+                if not _HEX64.match(pack_digest):
+                    raise ValueError("malformed pack digest")
+            except (ValueError, KeyError, TypeError) as exc:
+                return f"refused: the remote's manifest for {key[:12]} is malformed ({exc})"
+
+            def blobs(wanted: list[tuple[str, int]]) -> Iterator[tuple[str, BinaryIO]]:
+                tar_path = self._download(self.pack_path(pack_digest), folder)
+                if tar_path is None:
+                    raise StoreError(f"pack {pack_digest[:12]} of {key[:12]} is missing on the remote")
+                if tar_path.stat().st_size != pack_size or sha256_file(tar_path) != pack_digest:
+                    raise StoreError(f"pack {pack_digest[:12]} of {key[:12]} does not match its hash")
+                yield from _read_pack(tar_path, {d for d, _ in wanted})
+
+            return _ingest(store, key, manifest, blobs)
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+
+    def push(self, entries: list[Entry], progress: Callable[[str], None] | None = None) -> PushResult:
+        from huggingface_hub import CommitOperationAdd
+
+        result = PushResult()
+        on_remote = self.keys()
+        todo = [e for e in entries if e.key not in on_remote]
+        result.present = [e.key for e in entries if e.key in on_remote]
+        if not todo:
+            return result
+        packs_there = set(self._list("packs"))
+        api = self._api()
+        staging = Path(tempfile.mkdtemp(prefix="aotbuild-push."))
+        try:
+            pack_ops, manifest_ops = [], []
+            for entry in todo:
+                pack, digest, size = _write_pack(entry, staging)
+                if self.pack_path(digest) not in packs_there:
+                    pack_ops.append(CommitOperationAdd(self.pack_path(digest), str(pack)))
+                    packs_there.add(self.pack_path(digest))
+                    result.bytes_sent += size
+                remote_manifest = {**entry.manifest, "pack": {"sha256": digest, "size": size,
+                                                              "path": self.pack_path(digest)}}
+                text = json.dumps(remote_manifest, indent=1, sort_keys=True) + "\n"
+                manifest_ops.append(CommitOperationAdd(self.manifest_path(entry.key), text.encode()))
+            # Packs first, in their own commits; manifests only once every pack has landed.
+            for ops, what in ((pack_ops, "packs"), (manifest_ops, "manifests")):
+                for i in range(0, len(ops), HUB_COMMIT_BATCH):
+                    batch = ops[i:i + HUB_COMMIT_BATCH]
+                    self._call(f"committing {what}", lambda b=batch, w=what: api.create_commit(
+                        self.repo_id, operations=b, commit_message=f"aotbuild: {len(b)} {w}",
+                        repo_type=self.repo_type, revision=self.revision))
+                    if progress:
+                        progress(f"{what} {min(i + HUB_COMMIT_BATCH, len(ops))}/{len(ops)}")
+            result.sent = [e.key for e in todo]
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+        return result
+
+
+def _write_pack(entry: Entry, folder: Path) -> tuple[Path, str, int]:
+    """One uncompressed tar of the entry's blobs, each named by its digest; reproducible bytes."""
+    digests = {item["path"]: item["sha256"] for item in entry.manifest["files"]}
+    members = sorted({digests[rel]: blob for rel, blob in entry.files}.items())
+    path = folder / f"{entry.key}.tar"
+    with tarfile.open(path, "w", format=tarfile.USTAR_FORMAT) as tar:
+        for digest, blob in members:
+            info = tarfile.TarInfo(digest)
+            info.size, info.mode, info.mtime = blob.stat().st_size, 0o444, 0
+            with open(blob, "rb") as f:
+                tar.addfile(info, f)
+    return path, sha256_file(path), path.stat().st_size
+
+
+def _read_pack(path: Path, wanted: set[str]) -> Iterator[tuple[str, BinaryIO]]:
+    """The wanted members of a verified pack: plain files named by a digest, nothing else is read."""
+    with tarfile.open(path, "r:") as tar:
+        for member in tar:
+            if not member.isreg() or not _HEX64.match(member.name):
+                raise StoreError(f"pack member {member.name!r} is not a plain file named by its sha256")
+            if member.name not in wanted:
+                continue
+            stream = tar.extractfile(member)
+            assert stream is not None
+            with contextlib.closing(stream):
+                yield member.name, stream
+
+
+__all__ = ["Remote", "FolderRemote", "HubRemote", "PushResult", "parse_remote"]

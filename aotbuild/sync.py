@@ -1,0 +1,98 @@
+"""``aotbuild push`` and ``aotbuild pull``: which entries move between the local store and a remote.
+
+The transports live in :mod:`aotbuild.remote`; this module decides what to send or fetch. A push
+takes keys (hex prefixes of at least 8 characters) or recipes (the jobs they plan in this
+environment); a pull takes recipes, because only a recipe says which keys *this* machine needs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from aotbuild.errors import UsageError
+from aotbuild.layout import resolve_cache_root
+from aotbuild.planner import HIT, MISS, Job, plan
+from aotbuild.remote import PushResult, Remote
+from aotbuild.store import Entry, Store
+
+PULLED, CACHED, MISSING, REFUSED, UNAVAILABLE = "pulled", "cached", "missing", "refused", "unavailable"
+
+
+def _is_key_prefix(text: str) -> bool:
+    return len(text) >= 8 and all(c in "0123456789abcdef" for c in text.lower()) and not Path(text).exists()
+
+
+@dataclass
+class PushReport:
+    remote: str
+    result: PushResult
+    skipped: list[tuple[str, str]] = field(default_factory=list)  # (what, why not pushed)
+
+    def as_json(self) -> dict[str, Any]:
+        return {"remote": self.remote, "sent": self.result.sent, "present": self.result.present,
+                "bytes_sent": self.result.bytes_sent, "skipped": [{"what": w, "reason": r} for w, r in self.skipped]}
+
+
+def push(items: list[str] | tuple[str, ...], remote: Remote, cache: str | Path | None = None,
+         progress: Callable[[str], None] | None = None) -> PushReport:
+    """Push KEYS or RECIPES (files or folders); none means every entry of the local store.
+
+    Every entry is hash-verified locally before it is sent: a corrupt entry is skipped, named, and
+    never pushed."""
+    store = Store(resolve_cache_root(cache))
+    keys: list[str] = []
+    skipped: list[tuple[str, str]] = []
+    recipes = [i for i in items if not _is_key_prefix(i)]
+    keys += [store.resolve_prefix(i) for i in items if _is_key_prefix(i)]
+    if recipes:
+        for job in plan(recipes, store.root):
+            if job.status == HIT and job.key:
+                keys.append(job.key)
+            else:
+                skipped.append((job.label, job.reason or job.status))
+    if not items:
+        keys = [m["key"] for m in store.iter_manifests()]
+    entries: list[Entry] = []
+    for key in dict.fromkeys(keys):
+        entry, why = store.open_entry(key)
+        if entry is None:
+            skipped.append((key[:12], why))
+        else:
+            entries.append(entry)
+    return PushReport(remote.url, remote.push(entries, progress), skipped)
+
+
+@dataclass
+class PullItem:
+    job: Job
+    status: str  # pulled | cached | missing | refused | unavailable
+    reason: str = ""
+
+    def as_json(self) -> dict[str, Any]:
+        return {**self.job.as_json(), "status": self.status, "reason": self.reason}
+
+
+def pull(recipes: list[str] | tuple[str, ...], remote: Remote, cache: str | Path | None = None) -> list[PullItem]:
+    """Fetch, verified, every job of RECIPES that the local store lacks and the remote has."""
+    if not recipes:
+        raise UsageError("name the recipes to pull: only a recipe says which keys this machine needs")
+    store = Store(resolve_cache_root(cache))
+    jobs = plan(list(recipes), store.root)
+    wanted = [j for j in jobs if j.status == MISS]
+    on_remote = remote.keys() if wanted else set()
+    out = []
+    for job in jobs:
+        if job.status == HIT:
+            out.append(PullItem(job, CACHED))
+        elif job.status != MISS or job.key is None:
+            out.append(PullItem(job, UNAVAILABLE, job.reason))
+        elif job.key not in on_remote:
+            out.append(PullItem(job, MISSING, f"not on {remote.url}"))
+        else:
+            why = remote.fetch(job.key, store)
+            out.append(PullItem(job, REFUSED if why else PULLED, why))
+    return out
+

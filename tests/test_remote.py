@@ -1,0 +1,216 @@
+"""Remotes with small real entries (no compiles): file:// for real, concurrency, a killed push, shards."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from aotbuild.errors import RemoteError, UsageError
+from aotbuild.planner import MISS, Job, parse_shard, shard_jobs
+from aotbuild.recipe import parse_recipe
+from aotbuild.remote import FolderRemote, HubRemote, parse_remote
+from aotbuild.store import Store
+from tests.conftest import REPO
+
+
+def key_of(name: str) -> str:
+    return hashlib.sha256(name.encode()).hexdigest()
+
+
+def add_entry(store: Store, tmp_path: Path, name: str, files: dict[str, bytes]) -> str:
+    """A stand-in entry made of small real files, stored the way the builder stores one."""
+    key = key_of(name)
+    items = []
+    for rel, data in files.items():
+        src = tmp_path / "src" / name / rel
+        src.parent.mkdir(parents=True, exist_ok=True)
+        src.write_bytes(data)
+        digest, size = store.put_blob(src)
+        items.append({"path": rel, "sha256": digest, "size": size})
+    store.put_manifest(key, {"key": key, "recipe": name, "component": "unet", "files": items, "factors": {}})
+    return key
+
+
+def entries(store: Store, *keys: str):
+    out = []
+    for key in keys:
+        entry, why = store.open_entry(key)
+        assert entry is not None, why
+        out.append(entry)
+    return out
+
+
+@pytest.mark.parametrize("url,kind,expected", [
+    ("file:///srv/aot", FolderRemote, "/srv/aot"),
+    ("hf://org/cache", HubRemote, ("org/cache", "model", None)),
+    ("hf://datasets/org/cache@v2", HubRemote, ("org/cache", "dataset", "v2")),
+])
+def test_parse_remote(url, kind, expected):
+    remote = parse_remote(url)
+    assert isinstance(remote, kind)
+    if kind is FolderRemote:
+        assert str(remote.store.root) == expected
+    else:
+        assert (remote.repo_id, remote.repo_type, remote.revision) == expected
+
+
+@pytest.mark.parametrize("url,message", [
+    ("file://relative/dir", "three slashes"),
+    ("hf://only-one-part", "hf://owner/repo"),
+    ("s3://bucket/x", "is not a remote"),
+])
+def test_bad_remote_urls_say_what_is_allowed(url, message):
+    with pytest.raises(UsageError, match=message):
+        parse_remote(url)
+
+
+def test_folder_push_is_incremental_and_pull_verifies(tmp_path):
+    local = Store(tmp_path / "local")
+    a = add_entry(local, tmp_path, "a", {"k/x.so": b"kernel-a", "shared.py": b"same in both"})
+    b = add_entry(local, tmp_path, "b", {"k/y.so": b"kernel-b", "shared.py": b"same in both"})
+    remote = parse_remote(f"file://{tmp_path / 'remote'}")
+    first = remote.push(entries(local, a))
+    assert first.sent == [a] and first.bytes_sent == len(b"kernel-a") + len(b"same in both")
+    second = remote.push(entries(local, a, b))
+    assert second.present == [a] and second.sent == [b]
+    assert second.bytes_sent == len(b"kernel-b")  # the shared blob was already there
+    assert remote.keys() == {a, b}
+
+    other = Store(tmp_path / "other")
+    assert remote.fetch(a, other) == ""
+    entry, why = other.open_entry(a)
+    assert entry is not None and {rel for rel, _ in entry.files} == {"k/x.so", "shared.py"}
+    assert remote.fetch(key_of("nope"), other) == "not on the remote"
+
+
+def test_a_tampered_remote_blob_is_refused_and_nothing_is_stored(tmp_path):
+    local = Store(tmp_path / "local")
+    a = add_entry(local, tmp_path, "a", {"x.so": b"kernel-a"})
+    remote = parse_remote(f"file://{tmp_path / 'remote'}")
+    remote.push(entries(local, a))
+    blob = remote.store.layout.blob(local.read_manifest(a)["files"][0]["sha256"])
+    blob.chmod(0o644)
+    blob.write_bytes(b"kernel-A")  # same size, other bytes
+    other = Store(tmp_path / "other")
+    why = remote.fetch(a, other)
+    assert why.startswith("refused") and "does not match its content" in why
+    assert not other.has(a)
+    assert not [p for p in other.layout.blobs.rglob("*") if p.is_file()] if other.layout.blobs.exists() else True
+    assert not list(other.layout.tmp.iterdir())  # no temp file left behind
+
+
+def test_pushing_to_an_unwritable_folder_is_one_clear_error(tmp_path):
+    local = Store(tmp_path / "local")
+    a = add_entry(local, tmp_path, "a", {"x.so": b"kernel-a"})
+    target = tmp_path / "ro"
+    target.mkdir()
+    target.chmod(0o555)
+    try:
+        if os.access(target, os.W_OK):
+            pytest.skip("running as root: permissions are not enforced")
+        with pytest.raises(RemoteError, match="cannot write to file://"):
+            parse_remote(f"file://{target}").push(entries(local, a))
+    finally:
+        target.chmod(0o755)
+
+
+PUSHER = textwrap.dedent("""
+    import sys, time
+    from pathlib import Path
+    from aotbuild.remote import parse_remote
+    from aotbuild.store import Store
+    local, url, delay = Store(Path(sys.argv[1])), sys.argv[2], float(sys.argv[3])
+    remote = parse_remote(url)
+    if delay:  # slow every blob write down, so the parent can kill the push midway
+        put = remote.store.put_blob
+        def slow(*a, **k):
+            out = put(*a, **k)
+            print("blob", flush=True)
+            time.sleep(delay)
+            return out
+        remote.store.put_blob = slow
+    keys = [m["key"] for m in local.iter_manifests()]
+    found = [local.open_entry(k)[0] for k in keys]
+    print("RESULT", len(remote.push(found).sent), flush=True)
+""")
+
+
+def _spawn(tmp_path: Path, local: Path, remote: str, delay: float = 0.0) -> subprocess.Popen:
+    script = tmp_path / "pusher.py"
+    script.write_text(PUSHER)
+    return subprocess.Popen([sys.executable, str(script), str(local), remote, str(delay)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+
+
+def test_two_concurrent_pushers_both_succeed(tmp_path):
+    local = Store(tmp_path / "local")
+    keys = [add_entry(local, tmp_path, f"e{i}", {f"f{j}.so": os.urandom(20_000) for j in range(5)})
+            for i in range(8)]
+    url = f"file://{tmp_path / 'remote'}"
+    procs = [_spawn(tmp_path, local.root, url) for _ in range(2)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [o[1][-2000:] for o in outs]
+    remote = parse_remote(url)
+    assert remote.keys() == set(keys)
+    for key in keys:  # every entry whole and hash-correct
+        assert remote.store.open_entry(key)[0] is not None
+
+
+def test_a_killed_push_leaves_no_manifest_without_its_blobs(tmp_path):
+    local = Store(tmp_path / "local")
+    keys = [add_entry(local, tmp_path, f"e{i}", {f"f{j}.so": os.urandom(1000) for j in range(3)}) for i in range(4)]
+    url = f"file://{tmp_path / 'remote'}"
+    proc = _spawn(tmp_path, local.root, url, delay=0.5)
+    assert proc.stdout is not None
+    lines = 0
+    while lines < 4:  # the first entry is whole and pushed, the second half-way
+        if proc.stdout.readline().startswith("blob"):
+            lines += 1
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    remote = parse_remote(url)
+    present = remote.keys()
+    assert 0 < len(present) < len(keys)
+    for key in present:  # whatever manifest is there points at whole blobs
+        assert remote.store.open_entry(key)[0] is not None
+    # the next push completes the job
+    assert _spawn(tmp_path, local.root, url).wait(timeout=120) == 0
+    assert remote.keys() == set(keys)
+
+
+def _job(name: str, key: str | None) -> Job:
+    recipe = parse_recipe({"model": "builtin:tiny-sd", "device": "cpu", "shapes": [{"height": 64, "width": 64}]},
+                          f"{name}.yaml")
+    return Job(recipe, "unet", recipe.shapes[0], key, {} if key else None, MISS if key else "unavailable", "")
+
+
+def test_shards_split_every_key_once_whatever_is_cached():
+    jobs = [_job(f"r{i}", key_of(f"k{i}")) for i in range(10)] + [_job("twin", key_of("k3")), _job("gone", None)]
+    shards = [shard_jobs(jobs, i, 3) for i in (1, 2, 3)]
+    keys = [{j.key for j in s if j.key} for s in shards]
+    assert set().union(*keys) == {j.key for j in jobs if j.key}
+    assert sum(len(k) for k in keys) == 10  # disjoint: each key in one shard
+    assert max(map(len, keys)) - min(map(len, keys)) <= 1  # balanced
+    twin_shard = [i for i, s in enumerate(shards) if any(j.recipe.name == "twin" for j in s)]
+    k3_shard = [i for i, s in enumerate(shards) if any(j.recipe.name == "r3" for j in s)]
+    assert twin_shard == k3_shard  # two recipes sharing a job share its shard
+    hit = [Job(j.recipe, j.component, j.shape, j.key, j.factors, "hit", "") if j.key == key_of("k0") else j
+           for j in jobs]
+    assert [j.key for j in shard_jobs(hit, 2, 3)] == [j.key for j in shards[1]]  # status does not matter
+
+
+@pytest.mark.parametrize("text", ["0/3", "4/3", "1/0", "a/b", "2"])
+def test_bad_shard_specs(text):
+    with pytest.raises(UsageError, match="--shard"):
+        parse_shard(text)
+
+
+def test_parse_shard():
+    assert parse_shard("2/4") == (2, 4)

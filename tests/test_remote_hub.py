@@ -1,0 +1,179 @@
+"""hf:// remotes through huggingface_hub's real client, against the loopback Hub stand-in.
+
+The stand-in (tests/fakes/hub_server.py) serves the endpoints huggingface_hub calls for tree
+listings, downloads (resolve) and commits (preupload + NDJSON commit, files sent inline as "regular"
+uploads). It does not cover LFS or Xet transfers: on the real Hub, large packs travel through them,
+inside huggingface_hub and below the API aotbuild uses.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import tarfile
+import threading
+
+import pytest
+
+from aotbuild.errors import RemoteError
+from aotbuild.remote import HubRemote, parse_remote
+from aotbuild.store import Store
+from tests.fakes.hub_server import HubStandIn
+from tests.test_remote import add_entry, entries, key_of
+
+REPO_ID = "org/aot-cache"
+URL = f"hf://datasets/{REPO_ID}"
+TOKEN = "hf_test_write"
+
+
+@pytest.fixture
+def hub(monkeypatch, no_ambient_hf_auth):
+    with HubStandIn(write_token=TOKEN) as server:
+        server.create_repo(REPO_ID, repo_type="dataset")
+        monkeypatch.setenv("HF_ENDPOINT", server.endpoint)
+        yield server
+
+
+def writer(monkeypatch) -> HubRemote:
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    remote = parse_remote(URL)
+    assert isinstance(remote, HubRemote)
+    return remote
+
+
+def test_push_commits_packs_before_manifests_and_is_incremental(hub, monkeypatch, tmp_path):
+    local = Store(tmp_path / "local")
+    a = add_entry(local, tmp_path, "a", {f"k/{i}.so": bytes([i]) * 100 for i in range(50)})
+    b = add_entry(local, tmp_path, "b", {"w.py": b"wrapper"})
+    remote = writer(monkeypatch)
+    result = remote.push(entries(local, a, b))
+    assert sorted(result.sent) == sorted([a, b])
+    commits = [c for c in hub.commits(REPO_ID, repo_type="dataset") if c["paths"]]
+    assert len(commits) == 2
+    assert all(p.startswith("packs/") for p in commits[0]["paths"])  # every pack lands first
+    assert all(p.startswith("manifests/") for p in commits[1]["paths"])
+    files = hub.files(REPO_ID, repo_type="dataset")
+    assert len(files) == 4  # 51 blobs travel as 2 packs + 2 manifests (the Hub limits file counts)
+    again = remote.push(entries(local, a, b))
+    assert again.sent == [] and sorted(again.present) == sorted([a, b])
+    assert len([c for c in hub.commits(REPO_ID, repo_type="dataset") if c["paths"]]) == 2
+
+
+def test_read_only_pull_needs_no_token(hub, monkeypatch, tmp_path):
+    local = Store(tmp_path / "local")
+    a = add_entry(local, tmp_path, "a", {"x.so": b"kernel", "y.py": b"wrapper"})
+    writer(monkeypatch).push(entries(local, a))
+    monkeypatch.delenv("HF_TOKEN")
+    reader = parse_remote(URL)
+    assert reader.keys() == {a}
+    other = Store(tmp_path / "other")
+    assert reader.fetch(a, other) == ""
+    entry, why = other.open_entry(a)
+    assert entry is not None and {r: p.read_bytes() for r, p in entry.files} == {"x.so": b"kernel", "y.py": b"wrapper"}
+    assert "pack" not in other.read_manifest(a)
+    assert reader.fetch(key_of("absent"), other) == "not on the remote"
+    with pytest.raises(RemoteError, match="token"):  # and it cannot write
+        reader.push(entries(local, add_entry(local, tmp_path, "b", {"z": b"z"})))
+
+
+def test_a_failed_push_leaves_no_manifest_and_a_retry_completes(hub, monkeypatch, tmp_path):
+    local = Store(tmp_path / "local")
+    a = add_entry(local, tmp_path, "a", {"x.so": b"kernel"})
+    remote = writer(monkeypatch)
+    hub.fail_commits = 1  # the packs commit fails
+    with pytest.raises(RemoteError, match="committing packs failed"):
+        remote.push(entries(local, a))
+    assert remote.keys() == set()
+
+    from huggingface_hub import HfApi
+
+    real = HfApi.create_commit
+
+    def manifests_fail(self, *args, **kwargs):  # fault injection: the second commit dies
+        if "manifests" in kwargs.get("commit_message", ""):
+            raise ConnectionError("connection reset")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(HfApi, "create_commit", manifests_fail)
+    with pytest.raises(RemoteError, match="connection reset"):
+        remote.push(entries(local, a))
+    assert remote.keys() == set()  # the pack is there, but no reader sees an entry
+    assert any(p.startswith("packs/") for p in hub.files(REPO_ID, repo_type="dataset"))
+    monkeypatch.setattr(HfApi, "create_commit", real)
+    assert remote.push(entries(local, a)).sent == [a]
+    assert remote.fetch(a, Store(tmp_path / "other")) == ""
+
+
+def test_concurrent_pushers_both_land(hub, monkeypatch, tmp_path):
+    local = Store(tmp_path / "local")
+    keys = [add_entry(local, tmp_path, f"e{i}", {"x.so": f"kernel {i}".encode(), "same.py": b"shared"})
+            for i in range(6)]
+    remote = writer(monkeypatch)
+    errors = []
+
+    def push(part):
+        try:
+            parse_remote(URL).push(entries(local, *part))
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=push, args=(keys[:4],)), threading.Thread(target=push, args=(keys[2:],))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert errors == []
+    assert remote.keys() == set(keys)
+    other = Store(tmp_path / "other")
+    assert all(remote.fetch(k, other) == "" for k in keys)
+
+
+def _tar(members: dict[str, bytes]) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        for name, data in members.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
+
+
+def test_a_tampered_pack_is_refused_before_it_is_opened(hub, monkeypatch, tmp_path):
+    local = Store(tmp_path / "local")
+    a = add_entry(local, tmp_path, "a", {"x.so": b"kernel"})
+    remote = writer(monkeypatch)
+    remote.push(entries(local, a))
+    manifest_path = HubRemote.manifest_path(a)
+    manifest = json.loads(hub.files(REPO_ID, repo_type="dataset")[manifest_path])
+    hub.commit_files(REPO_ID, {manifest["pack"]["path"]: _tar({"0" * 64: b"evil"})}, repo_type="dataset")
+    other = Store(tmp_path / "other")
+    why = remote.fetch(a, other)
+    assert why.startswith("refused") and "does not match its hash" in why
+    assert not other.has(a)
+
+
+@pytest.mark.parametrize("member", ["../escape", "/abs/path", "a" * 63 + "/"])
+def test_a_pack_with_unsafe_members_is_refused_before_anything_is_written(hub, monkeypatch, tmp_path, member):
+    """Even a pack whose hash matches its manifest (whoever wrote the remote made both) is read
+    member by member: only plain files named by a digest the manifest lists are stored."""
+    import hashlib
+
+    digest = hashlib.sha256(b"payload").hexdigest()
+    key = key_of("evil")
+    pack = _tar({member: b"payload"})
+    pack_digest = hashlib.sha256(pack).hexdigest()
+    manifest = {"key": key, "files": [{"path": "x.so", "sha256": digest, "size": 7}],
+                "pack": {"sha256": pack_digest, "size": len(pack), "path": HubRemote.pack_path(pack_digest)}}
+    hub.commit_files(REPO_ID, {HubRemote.pack_path(pack_digest): pack,
+                               HubRemote.manifest_path(key): json.dumps(manifest).encode()}, repo_type="dataset")
+    other = Store(tmp_path / "other")
+    why = parse_remote(URL).fetch(key, other)
+    assert why.startswith("refused") and "not a plain file named by its sha256" in why
+    assert not other.has(key)
+    assert not (tmp_path / "escape").exists() and not (tmp_path / "other" / "escape").exists()
+
+
+def test_unknown_repo_says_how_to_create_it(hub, monkeypatch):
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    with pytest.raises(RemoteError, match="hf repo create"):
+        parse_remote("hf://datasets/org/nothing-here").keys()
