@@ -14,28 +14,32 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from aotbuild import __version__
-from aotbuild.layout import resolve_cache_root
+from aotbuild.errors import StoreError
+from aotbuild.layout import format_size, resolve_cache_root, resolve_max_size
+from aotbuild.locks import flocked, store_lock
 from aotbuild.planner import HIT, MISS, UNAVAILABLE, Job, plan, shard_jobs
 from aotbuild.recipe import Recipe, recipe_to_dict
 from aotbuild.store import Store
 from aotbuild.targets import get_target
 
 if TYPE_CHECKING:
+    from aotbuild.manage import GcReport
     from aotbuild.remote import Remote
 
 BUILT, CACHED, FAILED, SKIPPED, ON_REMOTE = "built", "cached", "failed", "skipped", "remote"
+UNCACHED = "uncached"  # compiled, but the entry could not be written (no space left, read-only store)
 
 
 @dataclass
 class JobResult:
     job: Job
-    status: str  # built | cached | failed | skipped | remote (on the remote named, not built here)
+    status: str  # built | cached | failed | uncached | skipped | remote (on the remote named, not built here)
     seconds: float = 0.0
     size: int = 0
     reason: str = ""
@@ -50,16 +54,20 @@ class JobResult:
 class BuildReport:
     cache: str
     results: list[JobResult]
+    gc: GcReport | None = None  # when the build took the cache past its size limit
+    note: str = ""
 
     @property
     def failed(self) -> list[JobResult]:
-        return [r for r in self.results if r.status == FAILED]
+        """Jobs that failed, or compiled but could not be stored."""
+        return [r for r in self.results if r.status in (FAILED, UNCACHED)]
 
     def as_json(self) -> dict[str, Any]:
         counts: dict[str, int] = {}
         for r in self.results:
             counts[r.status] = counts.get(r.status, 0) + 1
-        return {"cache": self.cache, "jobs": [r.as_json() for r in self.results], "counts": counts}
+        return {"cache": self.cache, "jobs": [r.as_json() for r in self.results], "counts": counts,
+                **({"gc": self.gc.as_json()} if self.gc else {}), **({"note": self.note} if self.note else {})}
 
 
 #: progress(event, n, total, job, result): event is "start", "tick" (result.status holds the worker's
@@ -69,20 +77,31 @@ Progress = Callable[[str, int, int, Job, "JobResult | None"], None]
 
 def build(recipes: list[str] | list[Recipe], cache: str | Path | None = None, *,
           progress: Progress | None = None, shard: tuple[int, int] | None = None,
-          remote: Remote | None = None) -> BuildReport:
-    """Build every missing job of ``recipes``; jobs already cached are left alone.
+          remote: Remote | None = None, max_size: int | None = None) -> BuildReport:
+    """Build every missing job of ``recipes``; jobs already cached (and intact) are left alone.
 
     ``shard=(I, N)`` builds only shard I of N of the full job list (planner.shard). With ``remote``,
-    a job the remote already holds is not built ("on remote"): pushing it again would send nothing."""
+    a job the remote already holds is not built ("on remote"): pushing it again would send nothing.
+    ``max_size`` (default: ``AOTBUILD_MAX_SIZE``, then ``[tool.aotbuild] max_size``) is the cache's
+    size limit: an entry bigger than it is not stored, and after the build ``gc`` removes the least
+    recently used entries until the cache fits (never one this build needs)."""
     root = resolve_cache_root(cache)
     store = Store(root)
+    limit = max_size if max_size is not None else resolve_max_size()
     jobs = plan(recipes, root)
     if shard is not None:
         jobs = shard_jobs(jobs, *shard)
+    for i, job in enumerate(jobs):
+        if job.status == HIT and job.key:  # plan only checked sizes: a damaged blob means rebuild
+            entry, why = store.open_entry(job.key)
+            if entry is None:
+                jobs[i] = replace(job, status=MISS, reason=f"rebuilt: {why}")
     on_remote = remote.keys() if remote is not None and any(j.status == MISS for j in jobs) else set()
     results: dict[int, JobResult] = {}
     for i, job in enumerate(jobs):
         if job.status == HIT:
+            assert job.key is not None
+            store.touch(job.key)
             results[i] = JobResult(job, CACHED, size=_entry_size(store, job.key))
         elif job.status == UNAVAILABLE:
             results[i] = JobResult(job, SKIPPED, reason=job.reason)
@@ -99,12 +118,23 @@ def build(recipes: list[str] | list[Recipe], cache: str | Path | None = None, *,
             result = JobResult(job, prior.status if prior.status != BUILT else CACHED, size=prior.size,
                                reason=prior.reason)
         else:
-            result = _build_one(store, job, _ticker(progress, n + 1, len(todo), job) if progress else None)
+            result = _build_one(store, job, _ticker(progress, n + 1, len(todo), job) if progress else None,
+                                limit)
             done_keys[job.key] = result
         results[i] = result
         if progress:
             progress("end", n + 1, len(todo), job, result)
-    return BuildReport(str(root), [results[i] for i in range(len(jobs))])
+    report = BuildReport(str(root), [results[i] for i in range(len(jobs))])
+    if limit is not None and any(r.status == BUILT for r in report.results):
+        from aotbuild.manage import gc, store_size
+
+        if store_size(store) > limit:
+            needed = frozenset(r.job.key for r in report.results if r.job.key)
+            try:
+                report.gc = gc(store, max_size=limit, keep=needed)
+            except StoreError as exc:  # the entries are stored; only the clean-up could not run
+                report.note = f"the cache is over its size limit and gc could not run: {exc}"
+    return report
 
 
 def _entry_size(store: Store, key: str | None) -> int:
@@ -112,64 +142,89 @@ def _entry_size(store: Store, key: str | None) -> int:
     return store.blob_size(manifest) if manifest else 0
 
 
-def _build_one(store: Store, job: Job, tick: Callable[[float, str], None] | None = None) -> JobResult:
+def _build_one(store: Store, job: Job, tick: Callable[[float, str], None] | None = None,
+               limit: int | None = None) -> JobResult:
     assert job.key is not None and job.factors is not None
     target = get_target(job.recipe.target)
-    store.layout.tmp.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f"job-{job.key[:12]}.", dir=store.layout.tmp))
     started = time.perf_counter()
     log_path = store.root / "logs" / f"{job.key[:16]}.log"
     try:
-        spec = {"recipe": str(Path(job.recipe.source).absolute()), "component": job.component,
-                "shape": job.shape.as_dict(), "cache_root": str(store.root), "key": job.key,
-                "factors": job.factors, "result": str(staging / "result.json")}
-        (staging / "job.json").write_text(json.dumps(spec))
-        env = {**os.environ, **target.capture_env(staging), "PYTHONUNBUFFERED": "1"}
-        env = {k: v for k, v in env.items() if v is not None}
-        with open(staging / "worker.log", "wb") as log:
-            proc = subprocess.Popen([sys.executable, "-m", "aotbuild.worker", str(staging / "job.json")],
-                                    env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-            try:
-                while proc.poll() is None:
-                    if tick:
-                        tick(time.perf_counter() - started, _read_phase(staging))
-                    time.sleep(0.5)
-            except BaseException:  # Ctrl-C: stop the job, keep nothing
-                proc.kill()
-                proc.wait()
-                raise
-        seconds = time.perf_counter() - started
-        result = _read_result(staging / "result.json")
-        if proc.returncode != 0 or "error" in result:
-            reason = result.get("error") or f"worker exited with {proc.returncode}{_tail(staging / 'worker.log')}"
-            _keep_log(staging / "worker.log", log_path)
-            return JobResult(job, FAILED, seconds, reason=f"{reason} (log: {log_path})")
-        files = target.collect(staging, job.recipe.strategy)
-        if not files:
-            return JobResult(job, FAILED, seconds, reason="the job compiled nothing: no artifact to store")
-        entries = []
-        for rel, path in files:
-            digest, size = store.put_blob(path)
-            entries.append({"path": rel, "sha256": digest, "size": size})
-        manifest = {
-            "format": job.factors["format"], "key": job.key, "recipe": job.recipe.name,
-            "component": job.component, "shape": job.shape.as_dict(), "target": job.recipe.target,
-            "strategy": job.recipe.strategy, "factors": job.factors, "files": entries,
-            "signatures": result["signatures"],
-            # True only if AOTInductor compiled a tensor's value into a package: see packages[].baked
-            "embeds_weights": target.embeds_weights or any(p["baked"] for p in result.get("packages", [])),
-            **({"packages": result["packages"]} if "packages" in result else {}),
-            "build": {"created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                      "seconds": round(seconds, 3), "aotbuild": __version__, **{k: result.get(k) for k in
-                                                                              ("seconds", "counters")}},
-            "recipe_data": recipe_to_dict(job.recipe),
-        }
-        store.put_manifest(job.key, manifest)
-        return JobResult(job, BUILT, seconds, size=sum(e["size"] for e in entries), details=result)
+        store.layout.tmp.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f"job-{job.key[:12]}.", dir=store.layout.tmp))
+    except OSError as exc:  # a full disk or a read-only store: this job cannot even start
+        return JobResult(job, FAILED, 0.0, reason=f"cannot create the job's folder in {store.layout.tmp}: {exc}")
+    try:
+        # Held while the job runs: `aotbuild verify` leaves a staging folder alone while it is locked.
+        with flocked(staging / ".lock", exclusive=True, timeout=0):
+            spec = {"recipe": str(Path(job.recipe.source).absolute()), "component": job.component,
+                    "shape": job.shape.as_dict(), "cache_root": str(store.root), "key": job.key,
+                    "factors": job.factors, "result": str(staging / "result.json")}
+            (staging / "job.json").write_text(json.dumps(spec))
+            env = {**os.environ, **target.capture_env(staging), "PYTHONUNBUFFERED": "1"}
+            env = {k: v for k, v in env.items() if v is not None}
+            with open(staging / "worker.log", "wb") as log:
+                proc = subprocess.Popen([sys.executable, "-m", "aotbuild.worker", str(staging / "job.json")],
+                                        env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+                try:
+                    while proc.poll() is None:
+                        if tick:
+                            tick(time.perf_counter() - started, _read_phase(staging))
+                        time.sleep(0.5)
+                except BaseException:  # Ctrl-C: stop the job, keep nothing
+                    proc.kill()
+                    proc.wait()
+                    raise
+            seconds = time.perf_counter() - started
+            result = _read_result(staging / "result.json")
+            if proc.returncode != 0 or "error" in result:
+                reason = result.get("error") or f"worker exited with {proc.returncode}{_tail(staging / 'worker.log')}"
+                _keep_log(staging / "worker.log", log_path)
+                return JobResult(job, FAILED, seconds, reason=f"{reason} (log: {log_path})")
+            files = target.collect(staging, job.recipe.strategy)
+            if not files:
+                return JobResult(job, FAILED, seconds, reason="the job compiled nothing: no artifact to store")
+            return store_job(store, job, files, result, seconds, limit)
     except OSError as exc:
-        return JobResult(job, FAILED, time.perf_counter() - started, reason=f"cannot store the result: {exc}")
+        return JobResult(job, FAILED, time.perf_counter() - started, reason=f"cannot run the job: {exc}")
     finally:
         store.clean_staging(staging)
+
+
+def store_job(store: Store, job: Job, files: list[tuple[str, Path]], result: dict[str, Any], seconds: float,
+              limit: int | None = None) -> JobResult:
+    """Blobs, then the manifest, under the shared store lock. A failure to write (no space left, a
+    read-only store, a lock timeout) loses the cache entry, not the build: status "uncached"."""
+    assert job.key is not None and job.factors is not None
+    size = sum(path.stat().st_size for _, path in files)
+    if limit is not None and size > limit:
+        return JobResult(job, FAILED, seconds, size=size,
+                         reason=f"the entry is {format_size(size)}, bigger than the cache's size limit "
+                                f"{format_size(limit)}: nothing stored (raise max_size, docs/cache.md)")
+    target = get_target(job.recipe.target)
+    try:
+        with store_lock(store.root, exclusive=False):
+            entries = []
+            for rel, path in files:
+                digest, blob_size = store.put_blob(path)
+                entries.append({"path": rel, "sha256": digest, "size": blob_size})
+            manifest = {
+                "format": job.factors["format"], "key": job.key, "recipe": job.recipe.name,
+                "component": job.component, "shape": job.shape.as_dict(), "target": job.recipe.target,
+                "strategy": job.recipe.strategy, "factors": job.factors, "files": entries,
+                "signatures": result["signatures"],
+                # True only if AOTInductor compiled a tensor's value into a package: see packages[].baked
+                "embeds_weights": target.embeds_weights or any(p["baked"] for p in result.get("packages", [])),
+                **({"packages": result["packages"]} if "packages" in result else {}),
+                "build": {"created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                          "seconds": round(seconds, 3), "aotbuild": __version__,
+                          **{k: result.get(k) for k in ("seconds", "counters")}},
+                "recipe_data": recipe_to_dict(job.recipe),
+            }
+            store.put_manifest(job.key, manifest)
+    except OSError as exc:  # put_blob/put_manifest removed their temp files already
+        return JobResult(job, UNCACHED, seconds, size=size,
+                         reason=f"compiled, but not stored in the cache: {exc}")
+    return JobResult(job, BUILT, seconds, size=sum(e["size"] for e in entries), details=result)
 
 
 def _ticker(progress: Progress, n: int, total: int, job: Job) -> Callable[[float, str], None]:

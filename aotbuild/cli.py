@@ -20,12 +20,9 @@ REMOTE = "remote"  # plan --remote: not cached here, on the remote
 
 
 def _human_size(n: int) -> str:
-    size = float(n)
-    for unit in ("B", "KB", "MB", "GB"):
-        if size < 1024 or unit == "GB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    return f"{n} B"  # pragma: no cover
+    from aotbuild.layout import format_size
+
+    return format_size(n)
 
 
 def _table(rows: list[list[str]], header: list[str]) -> str:
@@ -109,7 +106,7 @@ def build(recipes: tuple[str, ...], cache: str | None, as_json: bool, shard: str
     """
 
     def go() -> int:
-        from aotbuild.builder import BUILT, CACHED, FAILED
+        from aotbuild.builder import BUILT, CACHED
         from aotbuild.builder import build as run_build
         from aotbuild.planner import parse_shard
 
@@ -131,7 +128,12 @@ def build(recipes: tuple[str, ...], cache: str | None, as_json: bool, shard: str
             click.echo(f"cache: {report.cache}")
             if pushed is not None:
                 _echo_push(pushed)
-        return EXIT_FAILED if any(r.status == FAILED for r in report.results) else EXIT_OK
+            if report.note:
+                click.echo(f"note: {report.note}")
+            if report.gc is not None:
+                click.echo(f"gc: removed {len(report.gc.removed)} least recently used entries to keep the cache "
+                           f"under its size limit ({_human_size(report.gc.size_after)} now)")
+        return EXIT_FAILED if report.failed else EXIT_OK
 
     _run(go)
 
@@ -363,6 +365,125 @@ def show(key: str, cache: str | None, as_json: bool) -> None:
         for path, value in flatten(manifest.get("factors", {})).items():
             click.echo(f"  {path} = {json.dumps(value)}")
         click.echo(f"signatures: {len(manifest.get('signatures', []))} call signature(s) built")
+        return EXIT_OK
+
+    _run(go)
+
+
+@main.command()
+@cache_option
+@json_option
+@click.option("--fix", is_flag=True, help="Repair: drop damaged entries (the next build rebuilds them), orphans "
+                                          "and leftovers of dead writers.")
+def verify(cache: str | None, as_json: bool, fix: bool) -> None:
+    """Check every entry's blobs by hash; list every problem. Exit 1 when there is any.
+
+    Problems: a blob whose content does not match its name, a missing blob, a malformed manifest, an
+    orphan blob no manifest names, a temp file or build folder left by a writer that died.
+
+    \b
+    Examples:
+      aotbuild verify
+      aotbuild verify --fix
+    """
+
+    def go() -> int:
+        from aotbuild.layout import resolve_cache_root
+        from aotbuild.manage import verify as run_verify
+        from aotbuild.store import Store
+
+        store = Store(resolve_cache_root(cache))
+        problems = run_verify(store, fix=fix)
+        if as_json:
+            _emit_json({"cache": str(store.root), "fixed": fix, "problems": [p.as_json() for p in problems]})
+        else:
+            for p in problems:
+                key = f" (entry {p.key[:12]})" if p.key else ""
+                click.echo(f"{p.kind:<9} {p.path}: {p.detail}{key}")
+            verb = "fixed" if fix else "found"
+            hint = "" if fix or not problems else "; run `aotbuild verify --fix` to repair"
+            click.echo(f"{len(problems)} problem(s) {verb} in {store.root}{hint}")
+        return EXIT_FAILED if problems else EXIT_OK
+
+    _run(go)
+
+
+@main.command()
+@cache_option
+@json_option
+@click.option("--max-size", "max_size", metavar="SIZE",
+              help="Remove least recently used entries until the cache fits (20GB, 500MB, 1.5GiB). Default: "
+                   "AOTBUILD_MAX_SIZE, then [tool.aotbuild] max_size.")
+@click.option("--stale", is_flag=True, help="Remove entries that can never match this environment again "
+                                            "(another torch, Python, CPU ISA or GPU, or an older format).")
+@click.option("--dry-run", is_flag=True, help="Say what would be removed; remove nothing.")
+def gc(cache: str | None, as_json: bool, max_size: str | None, stale: bool, dry_run: bool) -> None:
+    """Shrink the cache: to a size limit (least recently used first) and/or drop stale entries.
+
+    A load or a build that uses an entry makes it recent. Manifests go before their blobs, so an
+    interrupted gc never leaves an entry pointing at nothing.
+
+    \b
+    Examples:
+      aotbuild gc --max-size 50GB --dry-run
+      aotbuild gc --stale
+    """
+
+    def go() -> int:
+        from aotbuild.errors import UsageError
+        from aotbuild.layout import resolve_cache_root, resolve_max_size
+        from aotbuild.manage import gc as run_gc
+        from aotbuild.store import Store
+
+        limit = resolve_max_size(max_size)
+        if limit is None and not stale:
+            raise UsageError("say what to collect: --max-size SIZE (or a configured max_size), --stale, or both")
+        store = Store(resolve_cache_root(cache))
+        report = run_gc(store, max_size=limit, stale=stale, dry_run=dry_run)
+        if as_json:
+            _emit_json({"cache": str(store.root), **report.as_json()})
+            return EXIT_OK
+        for key, why, size in report.removed:
+            click.echo(f"{'would remove' if dry_run else 'removed'} {key[:12]}  {_human_size(size):>9}  {why}")
+        click.echo(f"{store.root}: {_human_size(report.size_before)} -> {_human_size(report.size_after)}"
+                   + (" (dry run)" if dry_run else ""))
+        return EXIT_OK
+
+    _run(go)
+
+
+@main.command()
+@click.argument("items", nargs=-1, required=True)
+@cache_option
+@json_option
+def rm(items: tuple[str, ...], cache: str | None, as_json: bool) -> None:
+    """Remove entries: KEYS (hex prefixes, 8+ characters) or every entry of RECIPES (any environment).
+
+    \b
+    Examples:
+      aotbuild rm 3f1c9a0b
+      aotbuild rm recipes/tiny_sd_cpu.yaml
+    """
+
+    def go() -> int:
+        from aotbuild.layout import resolve_cache_root
+        from aotbuild.manage import rm as run_rm
+        from aotbuild.planner import load_recipes
+        from aotbuild.store import Store
+        from aotbuild.sync import _is_key_prefix
+
+        store = Store(resolve_cache_root(cache))
+        keys = [store.resolve_prefix(i) for i in items if _is_key_prefix(i)]
+        names = {r.name for r in load_recipes([i for i in items if not _is_key_prefix(i)])} \
+            if any(not _is_key_prefix(i) for i in items) else set()
+        keys += [m["key"] for m in store.iter_manifests() if m.get("recipe") in names]
+        removed = run_rm(store, keys)
+        if as_json:
+            _emit_json({"cache": str(store.root), "removed": [{"key": k, "freed": n} for k, n in removed]})
+        else:
+            for key, freed in removed:
+                click.echo(f"removed {key[:12]} ({_human_size(freed)} freed)")
+            click.echo(f"{len(removed)} entries removed from {store.root}")
         return EXIT_OK
 
     _run(go)

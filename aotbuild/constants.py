@@ -15,6 +15,11 @@ FORMAT_VERSION = 1
 ENV_CACHE = "AOTBUILD_CACHE"
 #: The remote cache the CLI pushes to and pulls from when ``--remote`` is not given.
 ENV_REMOTE = "AOTBUILD_REMOTE"
+#: Seconds to wait for another aotbuild process's store lock before giving up with the lock's path.
+ENV_LOCK_TIMEOUT = "AOTBUILD_LOCK_TIMEOUT"
+DEFAULT_LOCK_TIMEOUT = 60.0
+#: The cache's size limit ("20GB"); ``[tool.aotbuild] max_size`` loses to it, ``--max-size`` wins.
+ENV_MAX_SIZE = "AOTBUILD_MAX_SIZE"
 #: Where PyTorch Inductor keeps its own on-disk cache (FX graphs, kernels).
 ENV_INDUCTOR_CACHE = "TORCHINDUCTOR_CACHE_DIR"
 
@@ -29,3 +34,15 @@ DEFAULT_WARMUP_PROMPT = "a photo of a cat"
 
 def env_cache_root() -> str | None:
     return os.environ.get(ENV_CACHE) or None
+
+
+def lock_timeout() -> float:
+    value = os.environ.get(ENV_LOCK_TIMEOUT)
+    try:
+        return float(value) if value else DEFAULT_LOCK_TIMEOUT
+    except ValueError:
+        return DEFAULT_LOCK_TIMEOUT
+
+
+def env_max_size() -> str | None:
+    return os.environ.get(ENV_MAX_SIZE) or None

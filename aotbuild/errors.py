@@ -23,8 +23,14 @@ class RecipeError(AotbuildError, ValueError):
         self.source = source
         self.key = key
         self.message = message
-        where = f"{source}: {key}: " if key else f"{source}: "
-        super().__init__(where + message)
+        where = f"{source}: {_printable(key)}: " if key else f"{source}: "
+        super().__init__(where + _printable(message))
+
+
+def _printable(text: str) -> str:
+    """One line whatever a recipe holds: a newline or control character in a key or value is shown
+    escaped (``\\n``), not printed."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(text))
 
 
 class UsageError(AotbuildError, ValueError):

@@ -4,6 +4,7 @@
     <root>/manifests/<2 hex>/<key>.json      one JSON manifest per job key, written after its blobs
     <root>/models/<name>-v<N>/               built-in models, created on first use
     <root>/tmp/                              staging for atomic writes (same filesystem as blobs)
+    <root>/locks/store.lock                  writers share it, gc/rm/verify --fix take it alone
 
 It also owns the cache-root rule (``--cache`` > ``AOTBUILD_CACHE`` > ``[tool.aotbuild] cache`` in
 the nearest ``pyproject.toml`` > ``~/.cache/aotbuild``) and rejects relative paths that would
@@ -35,8 +36,10 @@ def resolve_cache_root(cli_value: str | os.PathLike | None = None, start: Path |
     return Path(constants.DEFAULT_CACHE_ROOT).expanduser().absolute()
 
 
-def _pyproject_cache(start: Path) -> Path | None:
-    """``[tool.aotbuild] cache`` of the nearest ``pyproject.toml``, relative to that file's folder."""
+def _pyproject_setting(start: Path, name: str) -> tuple[Path, object] | None:
+    """(folder of the nearest ``pyproject.toml``, its ``[tool.aotbuild] <name>``), or None.
+
+    The nearest pyproject.toml decides, even by saying nothing."""
     try:
         import tomllib
     except ImportError:  # Python 3.10
@@ -49,13 +52,57 @@ def _pyproject_cache(start: Path) -> Path | None:
                 data = tomllib.loads(candidate.read_text(encoding="utf-8"))
             except (OSError, ValueError) as exc:
                 raise UsageError(f"{candidate}: cannot read [tool.aotbuild]: {exc}") from None
-            value = data.get("tool", {}).get("aotbuild", {}).get("cache")
-            if value is None:
-                return None  # the nearest pyproject.toml decides, even by saying nothing
-            if not isinstance(value, str) or not value:
-                raise UsageError(f"{candidate}: [tool.aotbuild] cache must be a folder path")
-            return (folder / Path(value).expanduser()).absolute()
+            value = data.get("tool", {}).get("aotbuild", {}).get(name)
+            return None if value is None else (folder, value)
     return None
+
+
+def _pyproject_cache(start: Path) -> Path | None:
+    """``[tool.aotbuild] cache`` of the nearest ``pyproject.toml``, relative to that file's folder."""
+    found = _pyproject_setting(start, "cache")
+    if found is None:
+        return None
+    folder, value = found
+    if not isinstance(value, str) or not value:
+        raise UsageError(f"{folder / 'pyproject.toml'}: [tool.aotbuild] cache must be a folder path")
+    return (folder / Path(value).expanduser()).absolute()
+
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "t": 1000**4,
+          "ki": 1024, "mi": 1024**2, "gi": 1024**3, "ti": 1024**4}
+
+
+def parse_size(text: str | int) -> int:
+    """Bytes from ``"20GB"``, ``"500MB"``, ``"1.5GiB"``, ``"4096"`` (decimal units; ``*iB`` binary)."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        return text
+    match = _SIZE.match(str(text))
+    if not match:
+        raise UsageError(f"{text!r} is not a size: use e.g. 20GB, 500MB, 1.5GiB or a number of bytes")
+    unit = (match[2] or "").lower().rstrip("b")
+    return int(float(match[1]) * _UNITS[unit])
+
+
+def format_size(n: int) -> str:
+    """``4485120`` -> ``"4.3 MB"`` (binary multiples, as ``du -h`` shows them)."""
+    size = float(n)
+    for unit in ("B", "KB", "MB", "GB"):
+        if size < 1024 or unit == "GB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{n} B"  # pragma: no cover
+
+
+def resolve_max_size(cli_value: str | None = None, start: Path | None = None) -> int | None:
+    """The cache's size limit: ``--max-size`` > ``AOTBUILD_MAX_SIZE`` > ``[tool.aotbuild] max_size``."""
+    if cli_value:
+        return parse_size(cli_value)
+    env = constants.env_max_size()
+    if env:
+        return parse_size(env)
+    found = _pyproject_setting(start or Path.cwd(), "max_size")
+    return parse_size(found[1]) if found else None  # type: ignore[arg-type]
 
 
 def safe_relpath(rel: str) -> PurePosixPath:
@@ -85,6 +132,10 @@ class Layout:
     @property
     def tmp(self) -> Path:
         return self.root / "tmp"
+
+    @property
+    def locks(self) -> Path:
+        return self.root / "locks"
 
     def blob(self, digest: str) -> Path:
         if not _HEX64.match(digest):

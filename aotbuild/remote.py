@@ -22,6 +22,7 @@ named by the digests its manifest lists. Nothing is deserialised before that (ma
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import re
@@ -34,8 +35,8 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from aotbuild.errors import RemoteError, StoreError, UsageError
-from aotbuild.layout import safe_relpath
-from aotbuild.store import Entry, Store, sha256_file
+from aotbuild.locks import flocked, store_lock
+from aotbuild.store import Entry, Store, check_manifest, sha256_file
 
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 _HF = re.compile(r"^hf://(?:(?P<kind>datasets|models)/)?(?P<repo>[\w.-]+/[\w.-]+)(?:@(?P<rev>[\w./-]+))?/?$")
@@ -63,8 +64,10 @@ class Remote:
         """Copy the entry ``key`` into ``store``, verified. "" when pulled, else why not."""
         raise NotImplementedError
 
-    def push(self, entries: list[Entry], progress: Callable[[str], None] | None = None) -> PushResult:
-        """Send every entry the remote lacks: blobs (or packs) first, manifests last."""
+    def push(self, entries: list[Entry], progress: Callable[[str], None] | None = None,
+             workdir: Path | None = None) -> PushResult:
+        """Send every entry the remote lacks: blobs (or packs) first, manifests last. ``workdir``:
+        where a remote that packs entries may stage them (the local store's ``tmp/``)."""
         raise NotImplementedError
 
 
@@ -86,35 +89,44 @@ def parse_remote(url: str) -> Remote:
                      f"(hf://datasets/owner/repo for a dataset repo)")
 
 
+def pull_entry(remote: Remote, key: str, store: Store) -> str:
+    """Fetch one entry into ``store``: "" or why not (the download takes no lock; storing it does).
+
+    RemoteError (the remote failed) propagates; a local store that cannot be written is a reason."""
+    try:
+        return remote.fetch(key, store)
+    except RemoteError:
+        raise
+    except OSError as exc:  # a read-only store, a lock timeout
+        return f"cannot write to the local cache {store.root}: {exc}"
+
+
 def _checked_files(key: str, manifest: dict[str, Any]) -> list[tuple[str, int]]:
-    """(digest, size) of every file a pulled manifest names, after checking it is well formed."""
-    if manifest.get("key") != key:
-        raise StoreError(f"the remote's manifest for {key[:12]} names another key")
-    out = []
-    for item in manifest.get("files", []):
-        safe_relpath(str(item.get("path", "")))
-        digest, size = str(item.get("sha256", "")), item.get("size")
-        if not _HEX64.match(digest) or not isinstance(size, int) or size < 0:
-            raise StoreError(f"the remote's manifest for {key[:12]} has a malformed file record")
-        out.append((digest, size))
-    return out
+    """(digest, size) of every file a pulled manifest names, after checking the whole manifest."""
+    problem = check_manifest(key, manifest)
+    if problem:
+        raise StoreError(f"the remote's manifest for {key[:12]} is malformed: {problem}")
+    return [(item["sha256"], item["size"]) for item in manifest["files"]]
 
 
 def _ingest(store: Store, key: str, manifest: dict[str, Any],
             blobs: Callable[[list[tuple[str, int]]], Iterator[tuple[str, BinaryIO]]]) -> str:
-    """Store every blob ``blobs`` yields (each refused unless it hashes to its name), then the manifest."""
+    """Store every blob ``blobs`` yields (each refused unless it hashes to its name), then the
+    manifest, as a writer of ``store`` (its shared lock: gc cannot take a blob from under us)."""
     try:
         wanted = _checked_files(key, manifest)
-        missing = {d: s for d, s in wanted if not store.has_blob(d, s)}
-        if missing:
-            for digest, stream in blobs(sorted(missing.items())):
-                if digest not in missing:
-                    raise StoreError(f"the remote sent {digest[:12]}, which entry {key[:12]} does not name")
-                got, size = store.put_blob(stream, expect=digest)
-                if size != missing[digest]:
-                    raise StoreError(f"blob {digest[:12]} has {size} bytes, the manifest says {missing[digest]}")
-        local = {k: v for k, v in manifest.items() if k != "pack"}
-        store.put_manifest(key, local)  # refuses if any blob is still missing
+        with store_lock(store.root, exclusive=False):
+            missing = {d: s for d, s in wanted if not store.has_blob(d, s, verify=True)}
+            if missing:
+                for digest, stream in blobs(sorted(missing.items())):
+                    if digest not in missing:
+                        raise StoreError(f"the remote sent {digest[:12]}, which entry {key[:12]} does not name")
+                    _, size = store.put_blob(stream, expect=digest)
+                    if size != missing[digest]:
+                        raise StoreError(f"blob {digest[:12]} has {size} bytes, the manifest says "
+                                         f"{missing[digest]}")
+            local = {k: v for k, v in manifest.items() if k != "pack"}
+            store.put_manifest(key, local)  # refuses if any blob is still missing
     except RemoteError:  # the remote failed midway (network, auth): the caller reports it
         raise
     except StoreError as exc:
@@ -138,40 +150,51 @@ class FolderRemote(Remote):
         return {p.stem for p in folder.glob("*/*.json") if _HEX64.match(p.stem)}
 
     def fetch(self, key: str, store: Store) -> str:
-        manifest = self.store.read_manifest(key)
+        try:
+            manifest = self.store.load_manifest(key)
+        except ValueError as exc:
+            return f"refused: the remote's manifest is malformed ({exc})"
+        except OSError as exc:
+            raise RemoteError(f"{self.url}: cannot read the manifest of {key[:12]}: {exc}") from None
         if manifest is None:
             return "not on the remote"
 
         def blobs(wanted: list[tuple[str, int]]) -> Iterator[tuple[str, BinaryIO]]:
             for digest, _ in wanted:
                 try:
-                    with open(self.store.layout.blob(digest), "rb") as f:
-                        yield digest, f
+                    f = open(self.store.layout.blob(digest), "rb")  # noqa: SIM115 - closed below
                 except FileNotFoundError:
                     raise StoreError(f"blob {digest[:12]} is missing on the remote") from None
+                with f:
+                    yield digest, f
 
         return _ingest(store, key, manifest, blobs)
 
-    def push(self, entries: list[Entry], progress: Callable[[str], None] | None = None) -> PushResult:
+    def push(self, entries: list[Entry], progress: Callable[[str], None] | None = None,
+             workdir: Path | None = None) -> PushResult:
         result = PushResult()
         try:
-            for entry in entries:
-                if self.store.check_entry(entry.key)[0]:
-                    result.present.append(entry.key)
-                    continue
-                by_path = {item["path"]: item for item in entry.manifest["files"]}
-                for rel, blob in entry.files:
-                    digest, size = by_path[rel]["sha256"], int(by_path[rel]["size"])
-                    if not self.store.has_blob(digest, size):
-                        self.store.put_blob(blob, expect=digest)
-                        result.bytes_sent += size
-                self.store.put_manifest(entry.key, entry.manifest)
-                result.sent.append(entry.key)
-                if progress:
-                    progress(entry.key)
+            with store_lock(self.store.root, exclusive=False):  # the folder may be gc'd as a --cache
+                self._push(entries, result, progress)
         except OSError as exc:
             raise RemoteError(f"cannot write to {self.url}: {exc}") from None
         return result
+
+    def _push(self, entries: list[Entry], result: PushResult, progress: Callable[[str], None] | None) -> None:
+        for entry in entries:
+            if self.store.check_entry(entry.key)[0]:
+                result.present.append(entry.key)
+                continue
+            by_path = {item["path"]: item for item in entry.manifest["files"]}
+            for rel, blob in entry.files:
+                digest, size = by_path[rel]["sha256"], int(by_path[rel]["size"])
+                if not self.store.has_blob(digest, size, verify=True):
+                    self.store.put_blob(blob, expect=digest)
+                    result.bytes_sent += size
+            self.store.put_manifest(entry.key, entry.manifest)
+            result.sent.append(entry.key)
+            if progress:
+                progress(entry.key)
 
 
 class HubRemote(Remote):
@@ -216,6 +239,10 @@ class HubRemote(Remote):
             status = getattr(exc.response, "status_code", None)
             hint = " (writing needs a token with write access: set HF_TOKEN)" if status in (401, 403) else ""
             raise RemoteError(f"{self.url}: {what} failed: {str(exc).splitlines()[0]}{hint}") from None
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EROFS):  # ours, not the Hub's
+                raise StoreError(f"{what} from {self.url}: cannot write here: {exc}") from None
+            raise RemoteError(f"{self.url}: {what} failed: {type(exc).__name__}: {exc}") from None
         except Exception as exc:  # network errors come from httpx and the OS: name them, no traceback
             raise RemoteError(f"{self.url}: {what} failed: {type(exc).__name__}: {exc}") from None
 
@@ -256,32 +283,44 @@ class HubRemote(Remote):
             folder = Path(tempfile.mkdtemp(prefix="pull.", dir=store.layout.tmp))
         except OSError as exc:
             return f"could not write to the local cache {store.root}: {exc}"
-        try:
-            path = self._download(self.manifest_path(key), folder)
-            if path is None:
-                return "not on the remote"
-            try:
-                manifest = json.loads(path.read_text(encoding="utf-8"))
-                pack = manifest["pack"]
-                pack_digest, pack_size = str(pack["sha256"]), int(pack["size"])
-                if not _HEX64.match(pack_digest):
-                    raise ValueError("malformed pack digest")
-            except (ValueError, KeyError, TypeError) as exc:
-                return f"refused: the remote's manifest for {key[:12]} is malformed ({exc})"
-
-            def blobs(wanted: list[tuple[str, int]]) -> Iterator[tuple[str, BinaryIO]]:
-                tar_path = self._download(self.pack_path(pack_digest), folder)
-                if tar_path is None:
-                    raise StoreError(f"pack {pack_digest[:12]} of {key[:12]} is missing on the remote")
-                if tar_path.stat().st_size != pack_size or sha256_file(tar_path) != pack_digest:
-                    raise StoreError(f"pack {pack_digest[:12]} of {key[:12]} does not match its hash")
-                yield from _read_pack(tar_path, {d for d, _ in wanted})
-
-            return _ingest(store, key, manifest, blobs)
+        try:  # the folder's lock tells `aotbuild verify` that a download is alive in it
+            with flocked(folder / ".lock", exclusive=True, timeout=0):
+                return self._fetch(key, store, folder)
         finally:
             shutil.rmtree(folder, ignore_errors=True)
 
-    def push(self, entries: list[Entry], progress: Callable[[str], None] | None = None) -> PushResult:
+    def _fetch(self, key: str, store: Store, folder: Path) -> str:
+        path = self._download(self.manifest_path(key), folder)
+        if path is None:
+            return "not on the remote"
+        try:
+            manifest = json.loads(path.read_text(encoding="utf-8"))
+            pack = manifest["pack"]
+            pack_digest, pack_size = str(pack["sha256"]), int(pack["size"])
+            if not _HEX64.match(pack_digest):
+                raise ValueError("malformed pack digest")
+            wanted = _checked_files(key, manifest)
+        except (ValueError, KeyError, TypeError, StoreError) as exc:
+            return f"refused: the remote's manifest for {key[:12]} is malformed ({exc})"
+        tar_path = None
+        if any(not store.has_blob(d, size, verify=True) for d, size in wanted):
+            # Downloaded and verified before any lock is taken: a long download holds up no one.
+            tar_path = self._download(self.pack_path(pack_digest), folder)
+            if tar_path is None:
+                return f"refused: pack {pack_digest[:12]} of {key[:12]} is missing on the remote"
+            if tar_path.stat().st_size != pack_size or sha256_file(tar_path) != pack_digest:
+                return f"refused: pack {pack_digest[:12]} of {key[:12]} does not match its hash"
+
+        def blobs(missing: list[tuple[str, int]]) -> Iterator[tuple[str, BinaryIO]]:
+            assert tar_path is not None
+            yield from _read_pack(tar_path, {d for d, _ in missing})
+
+        return _ingest(store, key, manifest, blobs)
+
+    def push(self, entries: list[Entry], progress: Callable[[str], None] | None = None,
+             workdir: Path | None = None) -> PushResult:
+        """Packs are written under ``workdir`` (the local store's ``tmp/``, so a big push does not
+        fill a small system /tmp), committed and deleted batch by batch; the manifests go last."""
         from huggingface_hub import CommitOperationAdd
 
         result = PushResult()
@@ -292,28 +331,46 @@ class HubRemote(Remote):
             return result
         packs_there = set(self._list("packs"))
         api = self._api()
-        staging = Path(tempfile.mkdtemp(prefix="aotbuild-push."))
+
+        def commit(ops: list[Any], what: str) -> None:
+            self._call(f"committing {what}", lambda: api.create_commit(
+                self.repo_id, operations=ops, commit_message=f"aotbuild: {len(ops)} {what}",
+                repo_type=self.repo_type, revision=self.revision))
+
+        manifest_ops = []
         try:
-            pack_ops, manifest_ops = [], []
-            for entry in todo:
-                pack, digest, size = _write_pack(entry, staging)
-                if self.pack_path(digest) not in packs_there:
-                    pack_ops.append(CommitOperationAdd(self.pack_path(digest), str(pack)))
-                    packs_there.add(self.pack_path(digest))
-                    result.bytes_sent += size
-                remote_manifest = {**entry.manifest, "pack": {"sha256": digest, "size": size,
-                                                              "path": self.pack_path(digest)}}
-                text = json.dumps(remote_manifest, indent=1, sort_keys=True) + "\n"
-                manifest_ops.append(CommitOperationAdd(self.manifest_path(entry.key), text.encode()))
-            # Packs first, in their own commits; manifests only once every pack has landed.
-            for ops, what in ((pack_ops, "packs"), (manifest_ops, "manifests")):
-                for i in range(0, len(ops), HUB_COMMIT_BATCH):
-                    batch = ops[i:i + HUB_COMMIT_BATCH]
-                    self._call(f"committing {what}", lambda b=batch, w=what: api.create_commit(
-                        self.repo_id, operations=b, commit_message=f"aotbuild: {len(b)} {w}",
-                        repo_type=self.repo_type, revision=self.revision))
+            if workdir is not None:
+                workdir.mkdir(parents=True, exist_ok=True)
+            staging = Path(tempfile.mkdtemp(prefix="push.", dir=workdir))
+        except OSError as exc:
+            raise StoreError(f"cannot stage packs for {self.url}: {exc}") from None
+        try:
+            with flocked(staging / ".lock", exclusive=True, timeout=0):
+                for i in range(0, len(todo), HUB_COMMIT_BATCH):
+                    pack_ops = []
+                    for entry in todo[i:i + HUB_COMMIT_BATCH]:
+                        try:
+                            pack, digest, size = _write_pack(entry, staging)
+                        except OSError as exc:
+                            raise StoreError(f"cannot write the pack of {entry.key[:12]} in {staging}: "
+                                             f"{exc}") from None
+                        if self.pack_path(digest) not in packs_there:
+                            pack_ops.append(CommitOperationAdd(self.pack_path(digest), str(pack)))
+                            packs_there.add(self.pack_path(digest))
+                            result.bytes_sent += size
+                        remote_manifest = {**entry.manifest, "pack": {"sha256": digest, "size": size,
+                                                                      "path": self.pack_path(digest)}}
+                        text = json.dumps(remote_manifest, indent=1, sort_keys=True) + "\n"
+                        manifest_ops.append(CommitOperationAdd(self.manifest_path(entry.key), text.encode()))
+                    if pack_ops:
+                        commit(pack_ops, "packs")
+                    for leftover in staging.glob("*.tar"):
+                        leftover.unlink()
                     if progress:
-                        progress(f"{what} {min(i + HUB_COMMIT_BATCH, len(ops))}/{len(ops)}")
+                        progress(f"packs {min(i + HUB_COMMIT_BATCH, len(todo))}/{len(todo)}")
+                # Only once every pack has landed: the manifests that name them.
+                for i in range(0, len(manifest_ops), HUB_COMMIT_BATCH):
+                    commit(manifest_ops[i:i + HUB_COMMIT_BATCH], "manifests")
             result.sent = [e.key for e in todo]
         finally:
             shutil.rmtree(staging, ignore_errors=True)
@@ -348,4 +405,4 @@ def _read_pack(path: Path, wanted: set[str]) -> Iterator[tuple[str, BinaryIO]]:
                 yield member.name, stream
 
 
-__all__ = ["Remote", "FolderRemote", "HubRemote", "PushResult", "parse_remote"]
+__all__ = ["Remote", "FolderRemote", "HubRemote", "PushResult", "parse_remote", "pull_entry"]

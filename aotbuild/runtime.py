@@ -16,6 +16,7 @@ from aotbuild import keys, models
 from aotbuild.dispatch import install_dispatcher
 from aotbuild.errors import CacheMiss, RemoteError, TargetUnavailable, UsageError
 from aotbuild.layout import resolve_cache_root
+from aotbuild.locks import store_lock
 from aotbuild.planner import Context
 from aotbuild.recipe import Recipe, Shape, load_recipe
 from aotbuild.store import Entry, Store
@@ -95,10 +96,10 @@ def load_compiled(recipe: str | Path | Recipe, pipe: Any = None, *, cache: str |
     network access at all.
     The report is ``pipe.aotbuild_report`` and is logged at INFO.
     """
-    if isinstance(remote, str):
-        from aotbuild.remote import parse_remote
+    if remote is not None:
+        from aotbuild.remote import parse_remote, pull_entry
 
-        remote = parse_remote(remote)
+        remote = parse_remote(remote) if isinstance(remote, str) else remote
     if on_miss not in ON_MISS:
         raise UsageError(f"on_miss={on_miss!r} is not allowed (allowed: {', '.join(ON_MISS)})")
     recipe = recipe if isinstance(recipe, Recipe) else load_recipe(recipe)
@@ -114,81 +115,86 @@ def load_compiled(recipe: str | Path | Recipe, pipe: Any = None, *, cache: str |
     else:
         _check_pipe(pipe, ctx)
 
-    report = LoadReport(recipe.name, str(root), on_miss=on_miss, remote=remote.url if remote else "")
-    blocker = ctx.target.install_blocker()
-    plans = []  # (component, module, verified entries)
-    remote_down = ""
-    for component in recipe.compile.components:
-        module = getattr(pipe, component, None)
-        if module is None:
-            raise recipe.error("compile.components", f"the pipeline has no component {component!r}")
-        cls_name, config = models.module_config(module)
-        entries: list[Entry] = []
-        for shape in recipe.shapes:
-            factors = ctx.factors(component, cls_name, config, shape, type(pipe).__name__)
-            key = keys.key_of(factors)
-            entry, why = store.open_entry(key) if not blocker else (None, blocker)
-            pulled, remote_note = False, ""
-            if entry is None and remote is not None and not blocker:
-                try:  # a remote that is down is a miss with its reason, not a crash
-                    fetched = remote_down or remote.fetch(key, store)  # "" when it is now in the local store
-                except RemoteError as exc:
-                    # huggingface_hub already retried for ~20 s: do not pay that again for every key
-                    fetched = remote_down = f"{exc} (not retried for the other entries)"
-                if fetched:
-                    remote_note = f" ({remote.url}: {fetched})"
+    # As a reader of the store (its shared lock) from the hash check to the last file installed,
+    # so gc or rm cannot remove an entry in between. A read-only store needs no lock.
+    with store_lock(root, exclusive=False):
+        report = LoadReport(recipe.name, str(root), on_miss=on_miss, remote=remote.url if remote else "")
+        blocker = ctx.target.install_blocker()
+        plans = []  # (component, module, verified entries)
+        remote_down = ""
+        for component in recipe.compile.components:
+            module = getattr(pipe, component, None)
+            if module is None:
+                raise recipe.error("compile.components", f"the pipeline has no component {component!r}")
+            cls_name, config = models.module_config(module)
+            entries: list[Entry] = []
+            for shape in recipe.shapes:
+                factors = ctx.factors(component, cls_name, config, shape, type(pipe).__name__)
+                key = keys.key_of(factors)
+                entry, why = store.open_entry(key) if not blocker else (None, blocker)
+                pulled, remote_note = False, ""
+                if entry is None and remote is not None and not blocker:
+                    try:  # a remote that is down is a miss with its reason, not a crash
+                        fetched = remote_down or pull_entry(remote, key, store)  # "" when it is now local
+                    except RemoteError as exc:
+                        # huggingface_hub already retried for ~20 s: do not pay that again for every key
+                        fetched = remote_down = f"{exc} (not retried for the other entries)"
+                    if fetched:
+                        remote_note = f" ({remote.url}: {fetched})"
+                    else:
+                        entry, why = store.open_entry(key)
+                        pulled = entry is not None
+                if entry is not None and recipe.strategy == "aot-package":
+                    from aotbuild.targets import aoti
+
+                    why = aoti.check_baked(module, component, entry.manifest.get("packages", []))
+                    entry = None if why else entry
+                if entry is not None:
+                    store.touch(key)  # recency for gc; skipped where the store is read-only
+                    entries.append(entry)
+                    report.entries.append(ReportEntry(component, shape, key, True, pulled=pulled))
                 else:
-                    entry, why = store.open_entry(key)
-                    pulled = entry is not None
-            if entry is not None and recipe.strategy == "aot-package":
-                from aotbuild.targets import aoti
+                    reason = why if why != "not built" else explain_miss(store, recipe, component, shape, factors)
+                    reason += remote_note
+                    report.entries.append(ReportEntry(component, shape, key, False, reason))
+            plans.append((component, module, entries))
 
-                why = aoti.check_baked(module, component, entry.manifest.get("packages", []))
-                entry = None if why else entry
-            if entry is not None:
-                entries.append(entry)
-                report.entries.append(ReportEntry(component, shape, key, True, pulled=pulled))
+        if report.misses and on_miss == "error":
+            raise CacheMiss(str(report))
+        aot = recipe.strategy == "aot-package"
+        files = [f for _, _, entries in plans for e in entries for f in e.files]
+        if aot:  # only the loader's probe files go to Inductor's cache; packages are loaded below
+            from aotbuild.targets import aoti
+
+            files = [(rel.split("/", 1)[1], p) for rel, p in files if rel.startswith(aoti.PROBE_DIR + "/")]
+        if files:
+            result = ctx.target.install(files, ctx.device)
+            report.installed_files, report.present_files = result.installed, result.present
+            report.install_folder = result.folder
+        # A call at an unbuilt shape: strict_shapes raises; on_miss="eager" keeps such calls eager; otherwise
+        # (on_miss "compile" or "error", which acted at load) it compiles, as plain torch.compile would.
+        policy = "error" if strict_shapes else ("eager" if on_miss == "eager" else "compile")
+        for component, module, entries in plans:
+            if aot:  # no torch.compile unless a call needs it: importing Dynamo alone costs ~0.7 s here
+                fallback = _lazy_compile(ctx, module) if policy == "compile" else None
+            elif entries or policy == "compile":
+                fallback = ctx.target.compile(module, recipe, ctx.device)
             else:
-                reason = why if why != "not built" else explain_miss(store, recipe, component, shape, factors)
-                reason += remote_note
-                report.entries.append(ReportEntry(component, shape, key, False, reason))
-        plans.append((component, module, entries))
-
-    if report.misses and on_miss == "error":
-        raise CacheMiss(str(report))
-    aot = recipe.strategy == "aot-package"
-    files = [f for _, _, entries in plans for e in entries for f in e.files]
-    if aot:  # only the loader's probe files go to Inductor's cache; packages are loaded below
-        from aotbuild.targets import aoti
-
-        files = [(rel.split("/", 1)[1], p) for rel, p in files if rel.startswith(aoti.PROBE_DIR + "/")]
-    if files:
-        result = ctx.target.install(files, ctx.device)
-        report.installed_files, report.present_files = result.installed, result.present
-        report.install_folder = result.folder
-    # A call at an unbuilt shape: strict_shapes raises; on_miss="eager" keeps such calls eager; otherwise
-    # (on_miss "compile" or "error", which acted at load) it compiles, as plain torch.compile would.
-    policy = "error" if strict_shapes else ("eager" if on_miss == "eager" else "compile")
-    for component, module, entries in plans:
-        if aot:  # no torch.compile unless a call needs it: importing Dynamo alone costs ~0.7 s here
-            fallback = _lazy_compile(ctx, module) if policy == "compile" else None
-        elif entries or policy == "compile":
-            fallback = ctx.target.compile(module, recipe, ctx.device)
-        else:
-            fallback = None
-        if aot:
-            packages = [(package, dict(e.files)[package["path"]]) for e in entries
-                        for package in e.manifest.get("packages", [])]
-            routes = aoti.load_packages(module, component, packages, ctx.device)
-            if recipe.compile.scope == "regional":  # the component runs eagerly, its blocks dispatch
-                for name, block in aoti.repeated_blocks(module):
-                    block_fallback = _lazy_compile(ctx, block, scope="full") if policy == "compile" else None
-                    install_dispatcher(block, f"{component}.{name}", routes.get(name, {}), block_fallback, policy)
+                fallback = None
+            if aot:
+                packages = [(package, dict(e.files)[package["path"]]) for e in entries
+                            for package in e.manifest.get("packages", [])]
+                routes = aoti.load_packages(module, component, packages, ctx.device)
+                if recipe.compile.scope == "regional":  # the component runs eagerly, its blocks dispatch
+                    for name, block in aoti.repeated_blocks(module):
+                        block_fallback = _lazy_compile(ctx, block, scope="full") if policy == "compile" else None
+                        install_dispatcher(block, f"{component}.{name}", routes.get(name, {}), block_fallback, policy)
+                    continue
+                install_dispatcher(module, component, routes.get("", {}), fallback, policy)
                 continue
-            install_dispatcher(module, component, routes.get("", {}), fallback, policy)
-            continue
-        routes = {sig: fallback for e in entries for sig in e.manifest.get("signatures", [])}
-        install_dispatcher(module, component, routes, fallback, policy)
+            routes = {sig: fallback for e in entries for sig in e.manifest.get("signatures", [])}
+            install_dispatcher(module, component, routes, fallback, policy)
+
     pipe.aotbuild_report = report
     log.info("%s", report)
     if report.misses:

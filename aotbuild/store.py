@@ -1,8 +1,9 @@
 """The content-addressed store: blobs named by their sha256 and one JSON manifest per key.
 
 Writes go to a temporary file in ``tmp/`` and are renamed into place, blobs before the manifest
-that names them, so a reader sees either no entry or a whole one. Reads never write: a store baked
-into a read-only image, or owned by another user, loads fine. Every blob is hash-verified before
+that names them, so a reader sees either no entry or a whole one. Reads write nothing but a
+recency touch (``touch``, skipped where it fails): a store baked into a read-only image, or owned
+by another user, loads fine. Every blob is hash-verified before
 it is handed out; a corrupt or missing blob makes its entry a miss, never a load.
 """
 
@@ -20,7 +21,12 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from aotbuild.errors import StoreError, UsageError
-from aotbuild.layout import Layout, safe_relpath
+from aotbuild.layout import _HEX64, Layout, safe_relpath
+
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - Windows
+    fcntl = None  # type: ignore[assignment]
 
 _CHUNK = 1 << 20
 
@@ -40,6 +46,34 @@ class Entry:
     key: str
     manifest: dict[str, Any]
     files: tuple[tuple[str, Path], ...]
+
+
+def check_manifest(key: str, data: Any) -> str:
+    """Why ``data`` is not a well-formed manifest for ``key``, or "". Checked once on every read,
+    so no caller meets a file record without a safe path, a sha256 and a size."""
+    if not isinstance(data, dict) or data.get("key") != key:
+        return "not a manifest for its key"
+    files = data.get("files")
+    if not isinstance(files, list):
+        return "no file list"
+    paths = set()
+    for item in files:
+        if not isinstance(item, dict) or not isinstance(item.get("path"), str):
+            return "a file record has no path"
+        try:
+            safe_relpath(item["path"])
+        except StoreError as exc:
+            return str(exc)
+        if not isinstance(item.get("sha256"), str) or not _HEX64.match(item["sha256"]):
+            return f"file {item['path']!r} has no valid sha256"
+        if not isinstance(item.get("size"), int) or isinstance(item["size"], bool) or item["size"] < 0:
+            return f"file {item['path']!r} has no valid size"
+        paths.add(item["path"])
+    packages = data.get("packages", [])
+    if not isinstance(packages, list) or any(not isinstance(p, dict) or p.get("path") not in paths
+                                             for p in packages):
+        return "a package names a file the entry does not have"
+    return ""
 
 
 @contextlib.contextmanager
@@ -62,8 +96,13 @@ class Store:
     # -- writing ------------------------------------------------------------------------------
 
     def _tempfile(self) -> tuple[int, str]:
+        """A temp file in ``tmp/``, locked while its writer has it open: ``verify`` reports only
+        temp files nobody holds (their writer died)."""
         self.layout.tmp.mkdir(parents=True, exist_ok=True)
-        return tempfile.mkstemp(prefix="w.", dir=self.layout.tmp)
+        fd, path = tempfile.mkstemp(prefix="w.", dir=self.layout.tmp)
+        if fcntl is not None:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return fd, path
 
     def put_blob(self, source: Path | BinaryIO, expect: str | None = None) -> tuple[str, int]:
         """Copy ``source`` (a path or a binary stream) into the store; return (sha256, size).
@@ -85,8 +124,8 @@ class Store:
             if expect is not None and digest != expect:
                 raise StoreError(f"blob {expect[:12]} does not match its content (sha256 {digest[:12]}): refused")
             final = self.layout.blob(digest)
-            if final.is_file() and final.stat().st_size == size:
-                os.unlink(tmp)
+            if final.is_file() and final.stat().st_size == size and sha256_file(final) == digest:
+                os.unlink(tmp)  # already there and intact (a damaged one is replaced below)
             else:
                 final.parent.mkdir(parents=True, exist_ok=True)
                 os.chmod(tmp, 0o444)
@@ -97,12 +136,15 @@ class Store:
                 os.unlink(tmp)
             raise
 
-    def has_blob(self, digest: str, size: int) -> bool:
-        """A blob of that name and size is stored (its hash is checked when an entry is opened)."""
+    def has_blob(self, digest: str, size: int, *, verify: bool = False) -> bool:
+        """A blob of that name and size is stored (and, with ``verify``, hashes to its name)."""
+        blob = self.layout.blob(digest)
         try:
-            return self.layout.blob(digest).stat().st_size == size
+            if blob.stat().st_size != size:
+                return False
         except FileNotFoundError:
             return False
+        return not verify or sha256_file(blob) == digest
 
     def put_manifest(self, key: str, manifest: dict[str, Any]) -> Path:
         """Write the manifest last, atomically; every blob it names must already be stored."""
@@ -118,6 +160,7 @@ class Store:
                 out.flush()
                 os.fsync(out.fileno())
             final.parent.mkdir(parents=True, exist_ok=True)
+            os.chmod(tmp, 0o644)  # mkstemp makes 0600: other users of a shared store must read it
             os.replace(tmp, final)
         except BaseException:
             with contextlib.suppress(OSError):
@@ -128,16 +171,23 @@ class Store:
     # -- reading ------------------------------------------------------------------------------
 
     def read_manifest(self, key: str) -> dict[str, Any] | None:
-        """The manifest for ``key``, or None when there is none or it is not valid JSON."""
+        """The manifest for ``key``, or None when there is none, it cannot be read, or it is malformed."""
+        try:
+            return self.load_manifest(key)
+        except (OSError, ValueError):
+            return None
+
+    def load_manifest(self, key: str) -> dict[str, Any] | None:
+        """The manifest for ``key``; None when there is none. Raises OSError when it cannot be read
+        (permissions) and ValueError when it is malformed: ``gc`` must tell those apart from absent."""
         path = self.layout.manifest(key)
         try:
             data = json.loads(path.read_text(encoding="utf-8"))
         except FileNotFoundError:
             return None
-        except (OSError, ValueError):
-            return None
-        if not isinstance(data, dict) or data.get("key") != key:
-            return None
+        problem = check_manifest(key, data)
+        if problem:
+            raise ValueError(f"{path}: {problem}")
         return data
 
     def has(self, key: str) -> bool:
@@ -153,28 +203,29 @@ class Store:
         return entry is not None, why
 
     def _entry(self, key: str, verify_hashes: bool) -> tuple[Entry | None, str]:
-        manifest = self.read_manifest(key)
+        try:
+            manifest = self.load_manifest(key)
+        except OSError as exc:
+            return None, f"manifest cannot be read: {exc}"
+        except ValueError as exc:
+            return None, f"manifest is malformed: {exc}"
         if manifest is None:
-            if self.layout.manifest(key).is_file():
-                return None, "manifest is unreadable or malformed"
             return None, "not built"
         files = []
-        try:
-            for item in manifest["files"]:
-                rel, digest, size = item["path"], item["sha256"], int(item["size"])
-                safe_relpath(rel)  # a path that would escape its folder makes the entry unusable
-                blob = self.layout.blob(digest)
-                try:
-                    actual_size = blob.stat().st_size
-                except FileNotFoundError:
-                    return None, f"blob {digest[:12]} of {rel} is missing"
+        for item in manifest["files"]:
+            rel, digest, size = item["path"], item["sha256"], item["size"]
+            blob = self.layout.blob(digest)
+            try:
+                actual_size = blob.stat().st_size
                 if actual_size != size:
                     return None, f"blob {digest[:12]} of {rel} has {actual_size} bytes, expected {size}"
                 if verify_hashes and sha256_file(blob) != digest:
                     return None, f"blob {digest[:12]} of {rel} is corrupt (hash mismatch)"
-                files.append((rel, blob))
-        except (KeyError, TypeError, ValueError, StoreError) as exc:
-            return None, f"manifest is malformed: {exc}"
+            except FileNotFoundError:  # missing, or removed by gc while we read
+                return None, f"blob {digest[:12]} of {rel} is missing"
+            except OSError as exc:
+                return None, f"blob {digest[:12]} of {rel} cannot be read: {exc}"
+            files.append((rel, blob))
         return Entry(key, manifest, tuple(files)), ""
 
     def iter_manifests(self) -> Iterator[dict[str, Any]]:
@@ -196,6 +247,29 @@ class Store:
         if len(matches) > 1:
             raise UsageError(f"{prefix} matches {len(matches)} keys; give more characters")
         return matches[0]
+
+    def touch(self, key: str) -> None:
+        """Mark ``key`` as used now (the manifest's mtime is its recency for ``gc``); a no-op where
+        the store is read-only."""
+        with contextlib.suppress(OSError):
+            os.utime(self.layout.manifest(key))
+
+    def manifest_files(self) -> Iterator[Path]:
+        """Every ``manifests/<2 hex>/<name>.json`` file, well named or not."""
+        if self.layout.manifests.is_dir():
+            yield from sorted(self.layout.manifests.glob("*/*.json"))
+
+    def blob_files(self) -> Iterator[Path]:
+        if self.layout.blobs.is_dir():
+            yield from sorted(p for p in self.layout.blobs.glob("*/*") if p.is_file())
+
+    def remove_manifest(self, key: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.layout.manifest(key))
+
+    def remove_blob(self, digest: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.layout.blob(digest))
 
     def blob_size(self, manifest: dict[str, Any]) -> int:
         return sum(int(item.get("size", 0)) for item in manifest.get("files", []))

@@ -15,7 +15,7 @@ from typing import Any
 from aotbuild.errors import UsageError
 from aotbuild.layout import resolve_cache_root
 from aotbuild.planner import HIT, MISS, Job, plan
-from aotbuild.remote import PushResult, Remote
+from aotbuild.remote import PushResult, Remote, pull_entry
 from aotbuild.store import Entry, Store
 
 PULLED, CACHED, MISSING, REFUSED, UNAVAILABLE = "pulled", "cached", "missing", "refused", "unavailable"
@@ -62,7 +62,7 @@ def push(items: list[str] | tuple[str, ...], remote: Remote, cache: str | Path |
             skipped.append((key[:12], why))
         else:
             entries.append(entry)
-    return PushReport(remote.url, remote.push(entries, progress), skipped)
+    return PushReport(remote.url, remote.push(entries, progress, workdir=store.layout.tmp), skipped)
 
 
 @dataclass
@@ -92,7 +92,7 @@ def pull(recipes: list[str] | tuple[str, ...], remote: Remote, cache: str | Path
         elif job.key not in on_remote:
             out.append(PullItem(job, MISSING, f"not on {remote.url}"))
         else:
-            why = remote.fetch(job.key, store)
+            why = pull_entry(remote, job.key, store)
             out.append(PullItem(job, REFUSED if why else PULLED, why))
     return out
 

@@ -65,7 +65,8 @@ def test_malformed_manifest_is_a_miss(tmp_path):
     path = store.layout.manifest(KEY)
     path.parent.mkdir(parents=True)
     path.write_text("{not json")
-    assert store.open_entry(KEY) == (None, "manifest is unreadable or malformed")
+    entry, why = store.open_entry(KEY)
+    assert entry is None and why.startswith("manifest is malformed")
     path.write_text(json.dumps({"key": KEY, "files": [{"path": "../escape", "sha256": "cd" * 32, "size": 1}]}))
     entry, why = store.open_entry(KEY)
     assert entry is None and "unsafe artifact path" in why

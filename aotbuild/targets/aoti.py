@@ -34,6 +34,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -120,13 +121,14 @@ def check_baked(module: Any, component: str, packages: list[dict[str, Any]]) -> 
 
 
 def _package(module: Any, sig: str, args: tuple[Any, ...], kwargs: dict[str, Any], workdir: Path,
-             inductor_configs: dict[str, Any]) -> dict[str, Any]:
+             inductor_configs: dict[str, Any], group: str = "") -> dict[str, Any]:
     """Export one recorded call of ``module``, package it without weights, probe it; its manifest record."""
     import torch
 
     if "forward" in vars(module):  # export the module itself, not our dispatcher
         del module.forward
-    name = hashlib.sha256(sig.encode()).hexdigest()[:20]
+    # Named by everything that tells packages apart: two block classes can share a signature.
+    name = hashlib.sha256(f"{group}\n{sig}".encode()).hexdigest()[:20]
     path = workdir / PACKAGE_DIR / f"{name}.pt2"
     path.parent.mkdir(parents=True, exist_ok=True)
     with torch.no_grad():
@@ -157,9 +159,19 @@ def repeated_blocks(module: Any) -> list[tuple[str, Any]]:
     return [(name, m) for name, m in module.named_modules() if name and type(m).__name__ in classes]
 
 
-def _state_shape(module: Any) -> str:
+def _structure(module: Any) -> str:
+    """What must be equal for two instances to share one package: every tensor's name, shape and
+    dtype, and every submodule's class, attention processor and plain attributes (a forward chunk
+    size, a flag) that could change the code the block runs without adding a tensor."""
     state = {**dict(module.named_parameters()), **dict(module.named_buffers())}
-    return json.dumps(sorted((k, list(t.shape), str(t.dtype)) for k, t in state.items()))
+    tensors = sorted((k, list(t.shape), str(t.dtype)) for k, t in state.items())
+    parts = []
+    for name, sub in module.named_modules():
+        plain = {k: v for k, v in sorted(vars(sub).items())
+                 if isinstance(v, (bool, int, float, str, type(None))) and k != "training"}
+        processor = getattr(sub, "processor", None)
+        parts.append([name, type(sub).__qualname__, type(processor).__qualname__ if processor else None, plain])
+    return json.dumps([tensors, parts], default=str)
 
 
 class BlockRecorder:
@@ -176,7 +188,7 @@ class BlockRecorder:
         self.groups: dict[tuple[str, str, str], dict[str, Any]] = {}
         self.blocks = repeated_blocks(module)
         for name, block in self.blocks:
-            group_of = (type(block).__name__, _state_shape(block))
+            group_of = (type(block).__name__, _structure(block))
             install_dispatcher(block, f"{component}.{name}", {}, block.forward, "record",
                                on_record=self._recorder(name, group_of))
 
@@ -199,10 +211,11 @@ class BlockRecorder:
         for block in named.values():
             vars(block).pop("forward", None)
         packages = []
-        for (cls, sig, _), group in sorted(self.groups.items()):
+        for (cls, sig, structure), group in sorted(self.groups.items()):
             exporter = named[group["instances"][0]]
             args, kwargs = group["call"]
-            package = _package(exporter, sig, args, kwargs, workdir, inductor_configs)
+            package = _package(exporter, sig, args, kwargs, workdir, inductor_configs,
+                               group=f"{cls}\n{structure}")
             if package["baked"]:  # a tensor compiled in would be the exporter's value for every instance
                 raise PackageMismatch(f"{cls}: AOTInductor compiled {len(package['baked'])} tensors into the "
                                       f"package (e.g. {next(iter(package['baked']))}), so it cannot be shared "
@@ -313,12 +326,18 @@ def load_packages(module: Any, component: str, packages: list[tuple[dict[str, An
 
     from aotbuild.targets.folder import lay_tree
 
-    folder = Path(tempfile.mkdtemp(prefix="aotbuild-aoti-"))
-    lay_tree([(Path(p["path"]).name, blob) for p, blob in packages], folder)
     named = dict(module.named_modules())
     routes: dict[str, dict[str, Callable[..., Any]]] = {}
+    models = {}
+    folder = Path(tempfile.mkdtemp(prefix="aotbuild-aoti-"))
+    try:  # the loader extracts what it needs: the links are only its way in
+        lay_tree([(Path(p["path"]).name, blob) for p, blob in packages], folder)
+        for package, _ in packages:
+            models[package["path"]] = torch._inductor.aoti_load_package(str(folder / Path(package["path"]).name))
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
     for package, _ in packages:
-        model = torch._inductor.aoti_load_package(str(folder / Path(package["path"]).name))
+        model = models[package["path"]]
         shared: dict[str, Any] = {}
         for instance in package.get("instances", [""]):
             owner = named.get(instance)

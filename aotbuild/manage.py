@@ -1,0 +1,326 @@
+"""Cache management: ``verify [--fix]``, ``gc`` (size limit, stale entries), ``rm``.
+
+Every change holds the store lock exclusively (aotbuild/locks.py), so no writer is midway, and
+removes manifests *before* the blobs they name: at every instant, including after a crash or an
+error halfway through, each manifest on disk points at blobs that exist.
+
+Recency is the manifest's mtime, refreshed by each load and each build that finds the entry
+(``Store.touch``). It needs no index to keep consistent, works on a read-only store (the touch is
+skipped) and on NFS; diskcache's SQLite index, the other candidate, is not safe on network
+filesystems, where shared caches live (docs/cache.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from aotbuild import constants
+from aotbuild.errors import StoreError
+from aotbuild.layout import _HEX64
+from aotbuild.locks import is_unlocked, store_lock
+from aotbuild.store import Store, sha256_file
+
+CORRUPT, MISSING, MALFORMED, UNREADABLE, ORPHAN, TEMP = "corrupt", "missing", "malformed", "unreadable", "orphan", \
+    "temp"
+
+
+@dataclass
+class Problem:
+    kind: str  # corrupt | missing | malformed | unreadable | orphan | temp
+    path: Path
+    detail: str
+    key: str | None = None
+    blob: str | None = None  # the digest a "missing" problem is about
+
+    def as_json(self) -> dict[str, Any]:
+        return {"kind": self.kind, "path": str(self.path), "detail": self.detail, "key": self.key}
+
+
+@contextlib.contextmanager
+def _exclusive(store: Store, *, required: bool) -> Iterator[None]:
+    """The store lock, exclusively. A read-only store (no lock file possible) has no writers to
+    wait for: a check proceeds unlocked, a change fails anyway."""
+    with contextlib.ExitStack() as stack:
+        try:
+            stack.enter_context(store_lock(store.root, exclusive=True))
+        except StoreError as exc:
+            if required or "cannot open the lock file" not in str(exc):
+                raise
+        yield
+
+
+def _scan(store: Store) -> list[Problem]:
+    """Every problem, with every blob hashed once. Takes no lock: ``verify`` confirms what it found
+    under the lock afterwards, so writers are not held up while a large store is hashed."""
+    problems: list[Problem] = []
+    named: dict[str, list[str]] = {}
+    checked: dict[str, str] = {}  # digest -> "" if good, else why not
+    for path in store.manifest_files():
+        manifest, problem = _read(store, path)
+        if problem is not None:
+            problems.append(problem)
+            continue
+        assert manifest is not None
+        key = path.stem
+        for item in manifest["files"]:
+            digest, rel = item["sha256"], item["path"]
+            named.setdefault(digest, []).append(key)
+            if digest not in checked:
+                checked[digest] = _blob_problem(store, digest, item["size"])
+            if checked[digest] == MISSING:
+                problems.append(Problem(MISSING, path, f"blob {digest[:12]} of {rel} is missing", key, digest))
+            elif checked[digest]:
+                problems.append(Problem(CORRUPT, store.layout.blob(digest), f"{checked[digest]} ({rel})", key))
+    for blob in store.blob_files():
+        if blob.name not in named:
+            problems.append(Problem(ORPHAN, blob, f"{blob.stat().st_size} bytes that no manifest names"))
+    problems += [Problem(TEMP, p, "left by a writer that died (killed, out of space)") for p in _leftovers(store)]
+    return problems
+
+
+def _read(store: Store, path: Path) -> tuple[dict[str, Any] | None, Problem | None]:
+    if not _HEX64.match(path.stem):
+        return None, Problem(MALFORMED, path, "not named by a key")
+    try:
+        manifest = store.load_manifest(path.stem)
+    except OSError as exc:
+        return None, Problem(UNREADABLE, path, f"cannot be read ({exc.strerror or exc}): its entry's owner must fix "
+                                               f"permissions", path.stem)
+    except ValueError as exc:
+        return None, Problem(MALFORMED, path, str(exc).replace(f"{path}: ", ""))
+    if manifest is None:  # removed since it was listed
+        return None, None
+    return manifest, None
+
+
+def _blob_problem(store: Store, digest: str, size: int) -> str:
+    blob = store.layout.blob(digest)
+    try:
+        if blob.stat().st_size != size:
+            return f"has {blob.stat().st_size} bytes, expected {size}"
+        if sha256_file(blob) != digest:
+            return "content does not match its name (hash mismatch)"
+    except FileNotFoundError:
+        return MISSING
+    return ""
+
+
+def _leftovers(store: Store) -> list[Path]:
+    """Temp files and folders in ``tmp/`` whose writer is gone (nobody holds their lock)."""
+    if not store.layout.tmp.is_dir():
+        return []
+    out = []
+    for item in sorted(store.layout.tmp.iterdir()):
+        lock = item / ".lock" if item.is_dir() else item
+        if is_unlocked(lock):
+            out.append(item)
+    return out
+
+
+def _named(store: Store) -> tuple[dict[str, list[str]], dict[str, dict[str, Any]]]:
+    """(digest -> keys that name it, key -> manifest), without hashing. Refuses to go on when a
+    manifest cannot be read or parsed: its blobs would look unreferenced, and deleting them would
+    leave that manifest pointing at nothing."""
+    named: dict[str, list[str]] = {}
+    manifests = {}
+    for path in store.manifest_files():
+        manifest, problem = _read(store, path)
+        if problem is not None:
+            raise StoreError(f"{path}: {problem.detail}; run `aotbuild verify` (and `--fix` for a malformed one) "
+                             f"before collecting")
+        if manifest is not None:
+            manifests[path.stem] = manifest
+            for digest, _ in _items(manifest):
+                named.setdefault(digest, []).append(path.stem)
+    return named, manifests
+
+
+def _confirmed(store: Store, problem: Problem, named: dict[str, list[str]]) -> bool:
+    """Does a problem found without the lock still hold, now that no writer is midway?"""
+    path = problem.path
+    if problem.kind == MISSING:
+        return path.exists() and problem.blob is not None and not store.layout.blob(problem.blob).exists()
+    if not path.exists():
+        return False
+    if problem.kind == CORRUPT:
+        return sha256_file(path) != path.name
+    if problem.kind == ORPHAN:
+        return path.name not in named
+    if problem.kind == TEMP:
+        return is_unlocked(path / ".lock" if path.is_dir() else path)
+    return _read(store, path)[1] is not None
+
+
+def verify(store: Store, *, fix: bool = False) -> list[Problem]:
+    """Every problem in the store (bad hash, missing blob, malformed manifest, orphan, stale temp).
+
+    The hashing runs without a lock; what it found is then confirmed under the exclusive store lock
+    (held briefly), so a writer midway is never reported. With ``fix``, still under the lock:
+    entries whose blobs are missing or corrupt lose their manifest first, then corrupt and orphan
+    blobs, malformed manifests and temp leftovers are deleted; the next build rebuilds those entries.
+    An unreadable manifest (permissions) is reported, never deleted."""
+    found = _scan(store)
+    if not found:
+        return []
+    with _exclusive(store, required=fix):
+        named = _named_lenient(store)
+        problems = [p for p in found if _confirmed(store, p, named)]
+        if fix:
+            bad = {p.path.name for p in problems if p.kind == CORRUPT}
+            broken = {p.key for p in problems if p.kind in (CORRUPT, MISSING) and p.key}
+            broken |= {k for d in bad for k in named.get(d, [])}
+            for key in sorted(broken):  # manifests first
+                store.remove_manifest(key)
+            for p in problems:
+                if p.kind == MALFORMED:
+                    p.path.unlink(missing_ok=True)
+            for p in problems:
+                if p.kind in (CORRUPT, ORPHAN):
+                    p.path.unlink(missing_ok=True)
+                elif p.kind == TEMP:
+                    _remove(p.path)
+            for digest, keys in named.items():  # blobs only the removed manifests named
+                if all(k in broken for k in keys):
+                    store.remove_blob(digest)
+    return problems
+
+
+def _named_lenient(store: Store) -> dict[str, list[str]]:
+    named: dict[str, list[str]] = {}
+    for path in store.manifest_files():
+        manifest = store.read_manifest(path.stem) if _HEX64.match(path.stem) else None
+        for digest, _ in _items(manifest or {}):
+            named.setdefault(digest, []).append(path.stem)
+    return named
+
+
+def _remove(path: Path) -> None:
+    import shutil
+
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def store_size(store: Store) -> int:
+    """Bytes of every blob on disk (shared blobs count once)."""
+    return sum(p.stat().st_size for p in store.blob_files())
+
+
+@dataclass
+class GcReport:
+    removed: list[tuple[str, str, int]] = field(default_factory=list)  # (key, why, bytes only it held)
+    size_before: int = 0
+    size_after: int = 0
+    dry_run: bool = False
+
+    def as_json(self) -> dict[str, Any]:
+        return {"removed": [{"key": k, "reason": r, "size": s} for k, r, s in self.removed],
+                "size_before": self.size_before, "size_after": self.size_after, "dry_run": self.dry_run}
+
+
+def stale_reasons(manifests: dict[str, dict[str, Any]]) -> dict[str, str]:
+    """Entries that can never match this environment again, and why (another torch, ISA, ...)."""
+    from aotbuild import keys
+    from aotbuild.targets import get_target, target_names
+
+    env = keys.environment_factors()
+    fingerprints: dict[tuple[str, str], dict[str, Any] | None] = {}
+    out = {}
+    for key, manifest in manifests.items():
+        factors = manifest.get("factors", {})
+        if factors.get("format") != constants.FORMAT_VERSION:
+            out[key] = f"format {factors.get('format')}, this aotbuild writes {constants.FORMAT_VERSION}"
+            continue
+        diff = keys.differences({"env": factors.get("env", {})}, {"env": env})
+        device = factors.get("device", {})
+        target, kind = manifest.get("target"), device.get("device_kind")
+        if not diff and target in target_names() and kind:
+            if (target, kind) not in fingerprints:  # compare only where this machine can say
+                fingerprints[(target, kind)] = None
+                with contextlib.suppress(Exception):
+                    t = get_target(target)
+                    if t.availability(kind).ok:
+                        fingerprints[(target, kind)] = t.fingerprint(kind)
+            here = fingerprints[(target, kind)]
+            if here is not None:
+                diff = keys.differences({"device": device}, {"device": here})
+        if diff:
+            out[key] = "; ".join(diff[:2])
+    return out
+
+
+def gc(store: Store, *, max_size: int | None = None, stale: bool = False, dry_run: bool = False,
+       keep: frozenset[str] = frozenset()) -> GcReport:
+    """Remove entries until the blobs of the rest fit in ``max_size`` (least recently used first),
+    and/or entries that are ``stale``. ``keep`` (the keys a build just needed) are never removed for
+    size, even if the rest cannot fit without them. A dry run takes no lock and changes nothing."""
+    with contextlib.ExitStack() as stack:
+        if not dry_run:
+            stack.enter_context(store_lock(store.root, exclusive=True))
+        report = GcReport(size_before=store_size(store), dry_run=dry_run)
+        named, manifests = _named(store)
+        sizes = {d: s for m in manifests.values() for d, s in _items(m)}
+        victims: dict[str, str] = dict(stale_reasons(manifests)) if stale else {}
+        if max_size is not None:
+            def recency(key: str) -> float:
+                with contextlib.suppress(OSError):
+                    return store.layout.manifest(key).stat().st_mtime
+                return 0.0
+
+            refs = {d: {k for k in keys if k not in victims} for d, keys in named.items()}
+            total = sum(s for d, s in sizes.items() if refs.get(d))
+            for key in sorted((k for k in manifests if k not in victims and k not in keep), key=recency):
+                if total <= max_size:
+                    break
+                victims[key] = "least recently used"
+                for digest, size in _items(manifests[key]):
+                    refs[digest].discard(key)
+                    if not refs[digest]:
+                        total -= size
+        for key, why in victims.items():
+            only = {d for d, _ in _items(manifests[key]) if set(named.get(d, [])) <= set(victims)}
+            report.removed.append((key, why, sum(sizes[d] for d in only)))
+        if dry_run:
+            report.size_after = report.size_before - sum(s for _, _, s in report.removed)
+            return report
+        for key in victims:  # manifests first: no manifest ever points at a deleted blob
+            store.remove_manifest(key)
+        live = {d for d, keys in named.items() if any(k not in victims for k in keys)}
+        for blob in store.blob_files():
+            if blob.name not in live:
+                blob.unlink(missing_ok=True)
+        report.size_after = store_size(store)
+    return report
+
+
+def _items(manifest: dict[str, Any]) -> Iterator[tuple[str, int]]:
+    """(digest, size) of each distinct blob a (validated) manifest names."""
+    seen = set()
+    for item in manifest.get("files", []):
+        if item["sha256"] not in seen:
+            seen.add(item["sha256"])
+            yield item["sha256"], item["size"]
+
+
+def rm(store: Store, keys: list[str]) -> list[tuple[str, int]]:
+    """Remove these entries: manifests, then the blobs no other entry names. (key, bytes freed)."""
+    with store_lock(store.root, exclusive=True):
+        named, manifests = _named(store)
+        gone = set(keys) & set(manifests)
+        for key in sorted(gone):
+            store.remove_manifest(key)
+        freed = dict.fromkeys(gone, 0)
+        removed: set[str] = set()
+        for key in sorted(gone):
+            for digest, size in _items(manifests[key]):
+                if digest not in removed and all(k in gone for k in named.get(digest, [])):
+                    store.remove_blob(digest)
+                    removed.add(digest)
+                    freed[key] += size
+        return sorted(freed.items())
