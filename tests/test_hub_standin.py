@@ -1,20 +1,32 @@
 """The Hub stand-in (tests/fakes/hub_server.py) proven with huggingface_hub's real public functions: what
 works against it here is what the real Hub client does (preupload + NDJSON commit, HEAD + GET on resolve
-URLs, tree listings), with no network and no LFS/Xet transfer."""
+URLs, tree listings), with no network and no Xet transfer. LFS (batch + PUT + verify, ``lfsFile`` commit
+lines) is opt-in with ``lfs_threshold``, and needs huggingface_hub's Xet path off (``HF_HUB_DISABLE_XET``)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
 import pytest
-from huggingface_hub import CommitOperationAdd, HfApi, hf_hub_download, snapshot_download
+from huggingface_hub import (
+    CommitOperationAdd,
+    HfApi,
+    constants,
+    get_hf_file_metadata,
+    hf_hub_download,
+    hf_hub_url,
+    snapshot_download,
+)
 from huggingface_hub.errors import (
+    BadRequestError,
     EntryNotFoundError,
     HfHubHTTPError,
     RemoteEntryNotFoundError,
@@ -23,7 +35,7 @@ from huggingface_hub.errors import (
 )
 
 from tests.conftest import REPO
-from tests.fakes.hub_server import HubStandIn, git_blob_oid
+from tests.fakes.hub_server import HubStandIn, git_blob_oid, lfs_pointer
 
 TOKEN = "hf_test_write"
 KEY = "ab" + "0123456789abcdef" * 3 + "0123456789ab"  # 64 hex, like a manifest key
@@ -51,6 +63,28 @@ def _local(tmp_path: Path, name: str, data: bytes) -> str:
 def _commit(api: HfApi, repo_id: str, repo_type: str, files: dict[str, str], message: str = "push"):
     ops = [CommitOperationAdd(path_in_repo=p, path_or_fileobj=local) for p, local in files.items()]
     return api.create_commit(repo_id, operations=ops, commit_message=message, repo_type=repo_type, revision="main")
+
+
+@pytest.fixture
+def no_xet(monkeypatch):
+    """huggingface_hub uploads every "lfs" file through Xet whenever hf_xet is installed (a client-side choice:
+    ``is_xet_available()``); HF_HUB_DISABLE_XET is its documented switch back to the LFS basic transfer. It is
+    read once at import, so the constant is patched too."""
+    monkeypatch.setenv("HF_HUB_DISABLE_XET", "1")
+    monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", True)
+
+
+def _http(method: str, url: str, body: bytes | dict | None = None, token: str | None = None):
+    """(status, headers, body) of a raw request, errors included."""
+    data = json.dumps(body).encode() if isinstance(body, dict) else body
+    request = urllib.request.Request(url, data=data, method=method)
+    if token:
+        request.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(request) as response:
+            return response.status, response.headers, response.read()
+    except urllib.error.HTTPError as err:
+        return err.code, err.headers, err.read()
 
 
 @pytest.mark.parametrize("repo_type", ["model", "dataset"])
@@ -217,6 +251,121 @@ def test_runs_as_a_separate_process(tmp_path):
             state = json.load(response)
         assert state["repos"]["dataset:owner/data"]["branches"]["main"] == info.oid
         assert list(state["repos"]["dataset:owner/data"]["files"]) == [MANIFEST]
+        assert state["lfs_threshold"] is None
+        assert _http("POST", f"{endpoint}/_standin/lfs_threshold", {"threshold": 1024})[0] == 200
+        with urllib.request.urlopen(f"{endpoint}/_standin/state") as response:
+            assert json.load(response)["lfs_threshold"] == 1024
     finally:
         proc.terminate()
         assert proc.wait(10) == 0
+
+
+@pytest.mark.parametrize("repo_type", ["model", "dataset"])
+def test_lfs_threshold_sends_large_files_through_lfs(hub, tmp_path, no_xet, repo_type):
+    hub.lfs_threshold = 1024
+    hub.create_repo("owner/cache", repo_type=repo_type)
+    manifest, blob = b'{"key": "%s"}' % KEY.encode(), bytes(range(256)) * 40  # 76 bytes inline, 10240 via LFS
+    sha = hashlib.sha256(blob).hexdigest()
+    writer = HfApi(endpoint=hub.endpoint, token=TOKEN)
+    files = {MANIFEST: _local(tmp_path, "m.json", manifest), "blobs/aa/blob.bin": _local(tmp_path, "b.bin", blob)}
+    info = _commit(writer, "owner/cache", repo_type, files)
+
+    prefix, api = "" if repo_type == "model" else "/datasets", f"/api/{repo_type}s/owner/cache"
+    lfs = f"{prefix}/owner/cache.git/info/lfs/objects"
+    assert hub.requests == [("POST", f"{api}/preupload/main"), ("POST", f"{lfs}/batch"), ("PUT", f"{lfs}/{sha}"),
+                            ("POST", f"{lfs}/verify"), ("POST", f"{api}/commit/main")]  # one PUT: the large file
+    assert hub.files("owner/cache", repo_type) == {MANIFEST: manifest, "blobs/aa/blob.bin": blob}
+    assert hub.lfs_files("owner/cache", repo_type) == {"blobs/aa/blob.bin": sha}  # the manifest went inline
+    assert hub.lfs_objects("owner/cache", repo_type) == {sha: blob}
+    assert hub.commits("owner/cache", repo_type)[-1]["paths"] == [MANIFEST, "blobs/aa/blob.bin"]
+
+    reader = HfApi(endpoint=hub.endpoint)
+    tree = {e.path: e for e in reader.list_repo_tree("owner/cache", recursive=True, repo_type=repo_type)}
+    big, small = tree["blobs/aa/blob.bin"], tree[MANIFEST]
+    assert (big.size, big.blob_id, big.lfs.sha256, big.lfs.size, big.lfs.pointer_size, big.xet_hash) == (
+        len(blob), git_blob_oid(lfs_pointer(blob)), sha, len(blob), len(lfs_pointer(blob)), None)
+    assert (small.size, small.blob_id, small.lfs) == (len(manifest), git_blob_oid(manifest), None)
+    meta = get_hf_file_metadata(hf_hub_url("owner/cache", "blobs/aa/blob.bin", repo_type=repo_type,
+                                           endpoint=hub.endpoint))
+    assert (meta.etag, meta.size, meta.commit_hash, meta.xet_file_data) == (sha, len(blob), info.oid, None)
+    for path, data, etag in ((MANIFEST, manifest, git_blob_oid(manifest)), ("blobs/aa/blob.bin", blob, sha)):
+        local = Path(hf_hub_download("owner/cache", path, repo_type=repo_type, cache_dir=tmp_path / "cache",
+                                     endpoint=hub.endpoint, token=False))
+        assert local.read_bytes() == data and local.resolve().name == etag  # cached blob named by its etag
+    assert not any("xet" in p.lower() for _, p in hub.requests)
+
+    # Unchanged: the batch answers "already stored" (no actions => no PUT) and the commit is skipped as a no-op.
+    before = len(hub.requests)
+    again = _commit(writer, "owner/cache", repo_type, files, "again")
+    assert again.oid == info.oid and len(hub.commits("owner/cache", repo_type)) == 2
+    assert [m for m, p in hub.requests[before:] if m != "GET"] == ["POST", "POST"]  # preupload + batch
+
+
+def test_lfs_commit_of_an_object_never_uploaded_changes_nothing(hub, tmp_path, no_xet):
+    hub.lfs_threshold = 100
+    for name in ("owner/a", "owner/b"):
+        hub.create_repo(name, repo_type="dataset")
+    api = HfApi(endpoint=hub.endpoint, token=TOKEN)
+    big = CommitOperationAdd("big.bin", path_or_fileobj=_local(tmp_path, "big", b"x" * 500))
+    api.preupload_lfs_files("owner/a", additions=[big], repo_type="dataset")  # uploaded to owner/a only
+    assert list(hub.lfs_objects("owner/a", "dataset")) == [hashlib.sha256(b"x" * 500).hexdigest()]
+    before = hub.commits("owner/b", "dataset")
+    small = CommitOperationAdd(MANIFEST, path_or_fileobj=_local(tmp_path, "m", b"{}"))
+    # LFS objects are per repo (as on the Hub): owner/b never got this one, so its lfsFile line is refused.
+    with pytest.raises(BadRequestError) as err:
+        api.create_commit("owner/b", operations=[big, small], commit_message="x", repo_type="dataset")
+    assert err.value.response.status_code == 400 and "big.bin" in err.value.response.headers["X-Error-Message"]
+    assert hub.commits("owner/b", "dataset") == before  # nothing applied, not even the small file
+    assert hub.files("owner/b", "dataset") == {}
+
+    # The same, straight over HTTP, with an oid no repo has.
+    header = {"key": "header", "value": {"summary": "raw"}}
+    line = {"key": "lfsFile", "value": {"path": "c.bin", "algo": "sha256", "oid": "c" * 64, "size": 3}}
+    payload = b"\n".join(json.dumps(x).encode() for x in (header, line))
+    status, _, _ = _http("POST", f"{hub.endpoint}/api/datasets/owner/a/commit/main", payload, TOKEN)
+    assert status == 400 and len(hub.commits("owner/a", "dataset")) == 1 and hub.files("owner/a", "dataset") == {}
+
+
+def test_lfs_endpoints_check_the_token_and_the_bytes(hub):
+    hub.create_repo("owner/model")
+    data, other = b"large object" * 10, b"something else" * 10
+    oid = hashlib.sha256(data).hexdigest()
+    batch = f"{hub.endpoint}/owner/model.git/info/lfs/objects/batch"
+    request = {"operation": "upload", "transfers": ["basic", "multipart"], "hash_algo": "sha256",
+               "objects": [{"oid": oid, "size": len(data)}, {"oid": "nope", "size": 1}], "ref": {"name": "main"}}
+    for token in (None, "hf_wrong"):
+        assert _http("POST", batch, request, token)[0] == 401
+    status, headers, body = _http("POST", batch, request, TOKEN)
+    answer = json.loads(body)
+    assert status == 200 and headers["Content-Type"] == "application/vnd.git-lfs+json"
+    assert answer["transfer"] == "basic" and answer["objects"][1]["error"]["code"] == 422
+    actions = answer["objects"][0]["actions"]
+    href = actions["upload"]["href"]
+    assert href.startswith(f"{hub.endpoint}/owner/model.git/info/lfs/objects/{oid}?")
+    assert _http("PUT", href.replace("signature=", "signature=0"), data)[0] == 403  # a forged href
+    assert _http("PUT", href, other[:len(data)])[0] == 400  # bytes that do not hash to the oid
+    assert _http("POST", actions["verify"]["href"], {"oid": oid, "size": len(data)}, TOKEN)[0] == 404
+    assert hub.lfs_objects("owner/model") == {}
+    assert _http("PUT", href, data)[0] == 200  # the signed href is the credential (no Authorization header)
+    assert _http("POST", actions["verify"]["href"], {"oid": oid, "size": len(data)}, TOKEN)[0] == 200
+    assert hub.lfs_objects("owner/model") == {oid: data}
+    again = json.loads(_http("POST", batch, request, TOKEN)[2])["objects"][0]
+    assert again == {"oid": oid, "size": len(data)}  # already stored: no actions
+    assert _http("POST", batch, {**request, "transfers": ["xet"]}, TOKEN)[0] == 422  # never offers Xet
+
+
+def test_xet_is_not_served(hub, tmp_path, monkeypatch):
+    """Without HF_HUB_DISABLE_XET, huggingface_hub (hf_xet installed) asks for a Xet write token instead of
+    calling the LFS batch endpoint: the stand-in refuses it (400, with the hint), and nothing is committed."""
+    pytest.importorskip("hf_xet")
+    monkeypatch.delenv("HF_HUB_DISABLE_XET", raising=False)
+    monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", False)
+    hub.lfs_threshold = 100
+    hub.create_repo("owner/model")
+    with pytest.raises(OSError, match="xet-write-token"):  # hf_xet's ConnectionError, raised from Rust
+        _commit(HfApi(endpoint=hub.endpoint, token=TOKEN), "owner/model", "model",
+                {"big.bin": _local(tmp_path, "big", b"x" * 500)})
+    assert ("GET", "/api/models/owner/model/xet-write-token/main") in hub.requests
+    assert not any("/lfs/" in p or "/commit/" in p for _, p in hub.requests)
+    status, headers, _ = _http("GET", f"{hub.endpoint}/api/models/owner/model/xet-write-token/main", token=TOKEN)
+    assert status == 400 and "HF_HUB_DISABLE_XET" in headers["X-Error-Message"]

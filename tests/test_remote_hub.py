@@ -177,3 +177,27 @@ def test_unknown_repo_says_how_to_create_it(hub, monkeypatch):
     monkeypatch.setenv("HF_TOKEN", TOKEN)
     with pytest.raises(RemoteError, match="hf repo create"):
         parse_remote("hf://datasets/org/nothing-here").keys()
+
+
+def test_large_packs_travel_through_the_lfs_endpoints(hub, monkeypatch, tmp_path):
+    """With the Hub answering "lfs" for large files (as it does), packs go through the LFS batch API
+    and a PUT of the object, then the commit names them; a pull reads them back byte-identical.
+    Xet, which huggingface_hub prefers when hf_xet is installed, is switched off: the stand-in does
+    not speak it (docs/ci.md)."""
+    from huggingface_hub import constants
+
+    monkeypatch.setenv("HF_HUB_DISABLE_XET", "1")
+    monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", True)
+    hub.lfs_threshold = 2000
+    local = Store(tmp_path / "local")
+    a = add_entry(local, tmp_path, "a", {"big.so": bytes(range(256)) * 40, "small.py": b"wrapper"})
+    remote = writer(monkeypatch)
+    assert remote.push(entries(local, a)).sent == [a]
+    paths = [path for _, path in hub.requests]
+    assert any(p.endswith(".git/info/lfs/objects/batch") for p in paths)
+    assert any("/info/lfs/objects/" in p and "batch" not in p and "verify" not in p for p in paths)  # the PUT
+    assert any(p.startswith("packs/") for p in hub.lfs_files(REPO_ID, repo_type="dataset"))
+    monkeypatch.delenv("HF_TOKEN")
+    other = Store(tmp_path / "other")
+    assert parse_remote(URL).fetch(a, other) == ""
+    assert {r: p.read_bytes() for r, p in other.open_entry(a)[0].files}["big.so"] == bytes(range(256)) * 40
