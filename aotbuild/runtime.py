@@ -97,7 +97,7 @@ def load_compiled(recipe: str | Path | Recipe, pipe: Any = None, *, cache: str |
     The report is ``pipe.aotbuild_report`` and is logged at INFO.
     """
     if remote is not None:
-        from aotbuild.remote import parse_remote, pull_entry
+        from aotbuild.remote import parse_remote
 
         remote = parse_remote(remote) if isinstance(remote, str) else remote
     if on_miss not in ON_MISS:
@@ -115,35 +115,29 @@ def load_compiled(recipe: str | Path | Recipe, pipe: Any = None, *, cache: str |
     else:
         _check_pipe(pipe, ctx)
 
+    blocker = ctx.target.install_blocker()
+    wanted = []  # (component, module, shape, factors, key)
+    for component in recipe.compile.components:
+        module = getattr(pipe, component, None)
+        if module is None:
+            raise recipe.error("compile.components", f"the pipeline has no component {component!r}")
+        cls_name, config = models.module_config(module)
+        for shape in recipe.shapes:
+            factors = ctx.factors(component, cls_name, config, shape, type(pipe).__name__)
+            wanted.append((component, module, shape, factors, keys.key_of(factors)))
+    pulled, remote_notes = _pull_missing(store, remote, [w[4] for w in wanted]) if remote and not blocker \
+        else (set(), {})
+
     # As a reader of the store (its shared lock) from the hash check to the last file installed,
     # so gc or rm cannot remove an entry in between. A read-only store needs no lock.
     with store_lock(root, exclusive=False):
         report = LoadReport(recipe.name, str(root), on_miss=on_miss, remote=remote.url if remote else "")
-        blocker = ctx.target.install_blocker()
         plans = []  # (component, module, verified entries)
-        remote_down = ""
         for component in recipe.compile.components:
-            module = getattr(pipe, component, None)
-            if module is None:
-                raise recipe.error("compile.components", f"the pipeline has no component {component!r}")
-            cls_name, config = models.module_config(module)
+            module = getattr(pipe, component)
             entries: list[Entry] = []
-            for shape in recipe.shapes:
-                factors = ctx.factors(component, cls_name, config, shape, type(pipe).__name__)
-                key = keys.key_of(factors)
+            for _, _, shape, factors, key in (w for w in wanted if w[0] == component):
                 entry, why = store.open_entry(key) if not blocker else (None, blocker)
-                pulled, remote_note = False, ""
-                if entry is None and remote is not None and not blocker:
-                    try:  # a remote that is down is a miss with its reason, not a crash
-                        fetched = remote_down or pull_entry(remote, key, store)  # "" when it is now local
-                    except RemoteError as exc:
-                        # huggingface_hub already retried for ~20 s: do not pay that again for every key
-                        fetched = remote_down = f"{exc} (not retried for the other entries)"
-                    if fetched:
-                        remote_note = f" ({remote.url}: {fetched})"
-                    else:
-                        entry, why = store.open_entry(key)
-                        pulled = entry is not None
                 if entry is not None and recipe.strategy == "aot-package":
                     from aotbuild.targets import aoti
 
@@ -152,10 +146,10 @@ def load_compiled(recipe: str | Path | Recipe, pipe: Any = None, *, cache: str |
                 if entry is not None:
                     store.touch(key)  # recency for gc; skipped where the store is read-only
                     entries.append(entry)
-                    report.entries.append(ReportEntry(component, shape, key, True, pulled=pulled))
+                    report.entries.append(ReportEntry(component, shape, key, True, pulled=key in pulled))
                 else:
                     reason = why if why != "not built" else explain_miss(store, recipe, component, shape, factors)
-                    reason += remote_note
+                    reason += remote_notes.get(key, "")
                     report.entries.append(ReportEntry(component, shape, key, False, reason))
             plans.append((component, module, entries))
 
@@ -201,6 +195,29 @@ def load_compiled(recipe: str | Path | Recipe, pipe: Any = None, *, cache: str |
         warnings.warn(f"aotbuild: {len(report.misses)} cache miss(es) for {recipe.name}; "
                       f"see pipe.aotbuild_report", stacklevel=2)
     return pipe
+
+
+def _pull_missing(store: Store, remote: Remote, wanted: list[str]) -> tuple[set[str], dict[str, str]]:
+    """Fetch the keys the local store lacks (before the load takes its lock: a download may be long).
+
+    Returns (keys pulled, key -> why not, as a note for the miss). A remote that is down is tried
+    once: huggingface_hub already retried for ~20 s, so the other keys do not pay that again."""
+    from aotbuild.remote import pull_entry
+
+    pulled, notes = set(), {}
+    down = ""
+    for key in dict.fromkeys(wanted):
+        if store.check_entry(key)[0]:
+            continue
+        try:
+            why = down or pull_entry(remote, key, store)  # "" when it is now in the local store
+        except RemoteError as exc:
+            why = down = f"{exc} (not retried for the other entries)"
+        if why:
+            notes[key] = f" ({remote.url}: {why})"
+        else:
+            pulled.add(key)
+    return pulled, notes
 
 
 def _lazy_compile(ctx: Context, module: Any, scope: str | None = None) -> Any:
