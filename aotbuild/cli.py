@@ -470,12 +470,12 @@ def rm(items: tuple[str, ...], cache: str | None, as_json: bool) -> None:
         from aotbuild.manage import rm as run_rm
         from aotbuild.planner import load_recipes
         from aotbuild.store import Store
-        from aotbuild.sync import _is_key_prefix
+        from aotbuild.sync import is_key_prefix
 
         store = Store(resolve_cache_root(cache))
-        keys = [store.resolve_prefix(i) for i in items if _is_key_prefix(i)]
-        names = {r.name for r in load_recipes([i for i in items if not _is_key_prefix(i)])} \
-            if any(not _is_key_prefix(i) for i in items) else set()
+        keys = [store.resolve_prefix(i) for i in items if is_key_prefix(i)]
+        names = {r.name for r in load_recipes([i for i in items if not is_key_prefix(i)])} \
+            if any(not is_key_prefix(i) for i in items) else set()
         keys += [m["key"] for m in store.iter_manifests() if m.get("recipe") in names]
         removed = run_rm(store, keys)
         if as_json:

@@ -75,9 +75,10 @@ def _scan(store: Store) -> list[Problem]:
                 problems.append(Problem(MISSING, path, f"blob {digest[:12]} of {rel} is missing", key, digest))
             elif checked[digest]:
                 problems.append(Problem(CORRUPT, store.layout.blob(digest), f"{checked[digest]} ({rel})", key))
-    for blob in store.blob_files():
-        if blob.name not in named:
-            problems.append(Problem(ORPHAN, blob, f"{blob.stat().st_size} bytes that no manifest names"))
+    if not any(p.kind == UNREADABLE for p in problems):  # else an unreadable manifest's blobs look orphaned
+        for blob in store.blob_files():
+            if blob.name not in named:
+                problems.append(Problem(ORPHAN, blob, f"{blob.stat().st_size} bytes that no manifest names"))
     problems += [Problem(TEMP, p, "left by a writer that died (killed, out of space)") for p in _leftovers(store)]
     return problems
 
@@ -121,15 +122,17 @@ def _leftovers(store: Store) -> list[Path]:
     return out
 
 
-def _named(store: Store) -> tuple[dict[str, list[str]], dict[str, dict[str, Any]]]:
-    """(digest -> keys that name it, key -> manifest), without hashing. Refuses to go on when a
-    manifest cannot be read or parsed: its blobs would look unreferenced, and deleting them would
-    leave that manifest pointing at nothing."""
+def _named(store: Store, *, strict: bool = True) -> tuple[dict[str, list[str]], dict[str, dict[str, Any]]]:
+    """(digest -> keys that name it, key -> manifest), without hashing.
+
+    ``strict`` (gc, rm) refuses to go on when a manifest cannot be read or parsed: its blobs would
+    look unreferenced, and deleting them would leave that manifest pointing at nothing. Otherwise
+    (verify) such manifests are skipped; verify then lists no orphans while one is unreadable."""
     named: dict[str, list[str]] = {}
     manifests = {}
     for path in store.manifest_files():
         manifest, problem = _read(store, path)
-        if problem is not None:
+        if problem is not None and strict:
             raise StoreError(f"{path}: {problem.detail}; run `aotbuild verify` (and `--fix` for a malformed one) "
                              f"before collecting")
         if manifest is not None:
@@ -167,7 +170,7 @@ def verify(store: Store, *, fix: bool = False) -> list[Problem]:
     if not found:
         return []
     with _exclusive(store, required=fix):
-        named = _named_lenient(store)
+        named, _ = _named(store, strict=False)
         problems = [p for p in found if _confirmed(store, p, named)]
         if fix:
             bad = {p.path.name for p in problems if p.kind == CORRUPT}
@@ -187,15 +190,6 @@ def verify(store: Store, *, fix: bool = False) -> list[Problem]:
                 if all(k in broken for k in keys):
                     store.remove_blob(digest)
     return problems
-
-
-def _named_lenient(store: Store) -> dict[str, list[str]]:
-    named: dict[str, list[str]] = {}
-    for path in store.manifest_files():
-        manifest = store.read_manifest(path.stem) if _HEX64.match(path.stem) else None
-        for digest, _ in _items(manifest or {}):
-            named.setdefault(digest, []).append(path.stem)
-    return named
 
 
 def _remove(path: Path) -> None:

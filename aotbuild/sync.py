@@ -21,7 +21,7 @@ from aotbuild.store import Entry, Store
 PULLED, CACHED, MISSING, REFUSED, UNAVAILABLE = "pulled", "cached", "missing", "refused", "unavailable"
 
 
-def _is_key_prefix(text: str) -> bool:
+def is_key_prefix(text: str) -> bool:
     return len(text) >= 8 and all(c in "0123456789abcdef" for c in text.lower()) and not Path(text).exists()
 
 
@@ -45,8 +45,8 @@ def push(items: list[str] | tuple[str, ...], remote: Remote, cache: str | Path |
     store = Store(resolve_cache_root(cache))
     keys: list[str] = []
     skipped: list[tuple[str, str]] = []
-    recipes = [i for i in items if not _is_key_prefix(i)]
-    keys += [store.resolve_prefix(i) for i in items if _is_key_prefix(i)]
+    recipes = [i for i in items if not is_key_prefix(i)]
+    keys += [store.resolve_prefix(i) for i in items if is_key_prefix(i)]
     if recipes:
         for job in plan(recipes, store.root):
             if job.status == HIT and job.key:

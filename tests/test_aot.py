@@ -66,8 +66,8 @@ def _tiny_unet_params(cache):
 FRESH = textwrap.dedent("""
     import json, sys
     from pathlib import Path
-    import torch
     from aotbuild import ShapeNotBuilt, load_compiled, load_recipe
+    from aotbuild.dispatch import Dispatcher
     from aotbuild.models import load_pipeline, resolve_model, warmup_kwargs
     recipe_path, cache = sys.argv[1:3]
     r = load_recipe(recipe_path)
@@ -76,6 +76,8 @@ FRESH = textwrap.dedent("""
     pipe = load_compiled(recipe_path, cache=cache, on_miss="error", strict_shapes=True)
     out = pipe(**warmup_kwargs(r, r.shapes[0]), output_type="pt").images
     from torch._dynamo.utils import counters
+    # every dispatcher aotbuild installed: the UNet's own ("") or, for scope: regional, its blocks'
+    dispatchers = {n: m.forward for n, m in pipe.unet.named_modules() if isinstance(vars(m).get("forward"), Dispatcher)}
     strict = None
     try:
         pipe(prompt="x", height=32, width=32, num_inference_steps=1, guidance_scale=0.0)
@@ -83,22 +85,29 @@ FRESH = textwrap.dedent("""
         strict = str(exc)
     print("RESULT " + json.dumps({"unique_graphs": counters["stats"].get("unique_graphs", 0),
                                   "max_diff": (out - ref).abs().max().item(), "strict": strict,
-                                  "calls": pipe.unet.forward.calls}))
+                                  "calls": {n: d.calls for n, d in dispatchers.items()},
+                                  "swaps": sum(r.runner.swaps for d in dispatchers.values()
+                                               for r in d.routes.values())}))
 """)
 
 
-def test_fresh_process_load_runs_no_dynamo(aot_cache, tmp_path):
-    recipe, cache, _ = aot_cache
+def run_fresh(recipe, cache, tmp_path) -> dict:
+    """Load in a fresh process with an empty Inductor cache; what FRESH measured."""
     script = tmp_path / "fresh.py"
     script.write_text(FRESH)
     proc = run_python(f"import runpy, sys; sys.argv = ['f', {str(recipe)!r}, {str(cache)!r}]; "
                       f"runpy.run_path({str(script)!r}, run_name='__main__')",
                       env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "empty-inductor")})
     assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))[7:])
+    return json.loads(next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))[7:])
+
+
+def test_fresh_process_load_runs_no_dynamo(aot_cache, tmp_path):
+    recipe, cache, _ = aot_cache
+    result = run_fresh(recipe, cache, tmp_path)
     assert result["unique_graphs"] == 0
     assert result["max_diff"] <= 1e-4
-    assert result["calls"] == {"built": 2, "unbuilt": 1} and "1x4x4x4" in result["strict"]
+    assert result["calls"] == {"": {"built": 2, "unbuilt": 1}} and "1x4x4x4" in result["strict"]
 
 
 def captured_call(pipe, recipe):
@@ -208,45 +217,15 @@ def regional_cache(tmp_path_factory, models_dir):
     return recipe, root / "cache", json.loads(proc.stdout)
 
 
-REGIONAL = textwrap.dedent("""
-    import json, sys
-    from pathlib import Path
-    from aotbuild import ShapeNotBuilt, load_compiled, load_recipe
-    from aotbuild.models import load_pipeline, resolve_model, warmup_kwargs
-    recipe_path, cache = sys.argv[1:3]
-    r = load_recipe(recipe_path)
-    eager = load_pipeline(r, resolve_model(r, Path(cache)), "float32")
-    ref = eager(**warmup_kwargs(r, r.shapes[0]), output_type="pt").images
-    pipe = load_compiled(recipe_path, cache=cache, on_miss="error", strict_shapes=True)
-    out = pipe(**warmup_kwargs(r, r.shapes[0]), output_type="pt").images
-    from torch._dynamo.utils import counters
-    blocks = {n: m.forward for n, m in pipe.unet.named_modules() if type(m).__name__ == "BasicTransformerBlock"}
-    strict = None
-    try:
-        pipe(prompt="x", height=32, width=32, num_inference_steps=1, guidance_scale=0.0)
-    except ShapeNotBuilt as exc:
-        strict = str(exc)
-    print("RESULT " + json.dumps({"unique_graphs": counters["stats"].get("unique_graphs", 0),
-                                  "max_diff": (out - ref).abs().max().item(), "strict": strict,
-                                  "calls": {n: f.calls for n, f in blocks.items()},
-                                  "swaps": sum(r.runner.swaps for f in blocks.values() for r in f.routes.values())}))
-""")
-
-
 def test_regional_packages_are_shared_by_block_instances(regional_cache, tmp_path):
     recipe, cache, report = regional_cache
     manifest = json.loads(run_cli("show", "--json", "--cache", str(cache), report["jobs"][0]["key"][:12]).stdout)
     instances = [len(p["instances"]) for p in manifest["packages"]]
     # The tiny UNet has 4 transformer blocks: 3 at width 8 share one package, the middle one has its own.
     assert sorted(instances) == [1, 3] and {p["block_class"] for p in manifest["packages"]} == {"BasicTransformerBlock"}
-    script = tmp_path / "regional.py"
-    script.write_text(REGIONAL)
-    proc = run_python(f"import runpy, sys; sys.argv = ['f', {str(recipe)!r}, {str(cache)!r}]; "
-                      f"runpy.run_path({str(script)!r}, run_name='__main__')",
-                      env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "empty-inductor")})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))[7:])
+    result = run_fresh(recipe, cache, tmp_path)
     assert result["unique_graphs"] == 0
     assert result["max_diff"] <= 1e-4  # every instance ran with its own weights
-    assert all(c["built"] == 2 for c in result["calls"].values()) and result["swaps"] > 0
+    assert len(result["calls"]) == 4 and all(c["built"] == 2 for c in result["calls"].values())
+    assert result["swaps"] > 0
     assert "transformer_blocks.0 was called with" in result["strict"]

@@ -263,7 +263,7 @@ HOLDER = textwrap.dedent("""
 
 
 @pytest.mark.parametrize("held", ["x", "s"])
-def test_a_held_lock_gives_a_clear_timeout_naming_it(tmp_path, held):
+def test_a_held_lock_gives_a_clear_timeout_naming_it(tmp_path, monkeypatch, held):
     store = Store(tmp_path / "c")
     add_entry(store, tmp_path, "a", {"x.so": b"kernel"})
     proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(store.root), held], stdout=subprocess.PIPE, text=True,
@@ -277,11 +277,8 @@ def test_a_held_lock_gives_a_clear_timeout_naming_it(tmp_path, held):
             from aotbuild.planner import plan
 
             job = plan([str(TINY_RECIPE)], store.root)[0]
-            os.environ["AOTBUILD_LOCK_TIMEOUT"] = "0.5"
-            try:
-                result = store_job(store, job, artifacts(tmp_path, job.key), {"signatures": []}, 1.0)
-            finally:
-                del os.environ["AOTBUILD_LOCK_TIMEOUT"]
+            monkeypatch.setenv("AOTBUILD_LOCK_TIMEOUT", "0.5")
+            result = store_job(store, job, artifacts(tmp_path, job.key), {"signatures": []}, 1.0)
             assert result.status == UNCACHED and "timed out" in result.reason
     finally:
         proc.kill()
@@ -548,3 +545,21 @@ def test_instances_whose_code_differs_do_not_share_a_regional_package():
     assert _structure(a) == _structure(b)  # same shapes, same code: one package serves both
     c.set_chunk_feed_forward(2, 1)  # a plain attribute that changes what forward runs
     assert _structure(c) != _structure(a)
+
+
+def test_verify_fix_never_deletes_what_an_unreadable_manifest_names(tmp_path, monkeypatch):
+    """Another user's manifest we may not read (faked: this suite runs as root, which reads all)."""
+    store = Store(tmp_path / "c")
+    mine = add_entry(store, tmp_path, "mine", {"x.so": b"mine"})
+    theirs = add_entry(store, tmp_path, "theirs", {"y.so": b"theirs"})
+    real = Store.load_manifest
+
+    def load(self, key):
+        if key == theirs:
+            raise PermissionError(13, "Permission denied")
+        return real(self, key)
+
+    monkeypatch.setattr(Store, "load_manifest", load)
+    assert [(p.kind, p.key) for p in verify(store, fix=True)] == [("unreadable", theirs)]
+    monkeypatch.undo()
+    assert store.open_entry(theirs)[0] is not None and store.open_entry(mine)[0] is not None
