@@ -490,6 +490,55 @@ def rm(items: tuple[str, ...], cache: str | None, as_json: bool) -> None:
 
 
 @main.command()
+@click.argument("recipe")
+@cache_option
+@json_option
+@click.option("--shape", metavar="HxW[xB]", help="The recipe's shape to measure (default: its first).")
+@click.option("--repeats", type=click.IntRange(1, 50), default=1, show_default=True,
+              help="Fresh processes per mode; the table shows medians.")
+@click.option("--calls", type=click.IntRange(1, 1000), default=3, show_default=True,
+              help="Calls after the first, for the steady-state time.")
+@click.option("--modes", default="eager,cold,warm", show_default=True,
+              help="Which to measure, comma-separated (cold costs a full compile).")
+@click.option("--plot", "plot_file", metavar="FILE.png", type=click.Path(dir_okay=False),
+              help="Also draw the results (needs pip install 'aotbuild[plot]').")
+def bench(recipe: str, cache: str | None, as_json: bool, shape: str | None, repeats: int, calls: int, modes: str,
+          plot_file: str | None) -> None:
+    """Measure RECIPE on this machine: eager vs cold compile vs aotbuild warm load.
+
+    Each mode runs in a fresh process, timed from process start (imports included) to the first
+    pipeline output, with the compiler caches pointed at empty folders: eager runs uncompiled, cold
+    compiles as torch.compile would without any cache, warm loads from the aotbuild cache with
+    load_compiled(on_miss="error"). Jobs the cache lacks for that shape are built first.
+
+    \b
+    Examples:
+      aotbuild bench recipes/tiny_sd_cpu.yaml
+      aotbuild bench recipes/tiny_sd_cpu.yaml --shape 64x96 --repeats 3 --plot bench.png
+    """
+
+    def go() -> int:
+        from aotbuild import bench as benchmod
+
+        if plot_file:
+            benchmod.require_matplotlib()  # before minutes of measuring, not after
+        chosen = tuple(m.strip() for m in modes.split(",") if m.strip())
+        report = benchmod.bench(recipe, cache, shape=shape, repeats=repeats, calls=calls, modes=chosen,
+                                progress=lambda text: click.echo(text, err=True))
+        if plot_file:
+            benchmod.plot(report, plot_file)
+        if as_json:
+            _emit_json(report.as_json())
+        else:
+            click.echo(report.text())
+            if plot_file:
+                click.echo(f"plot: {plot_file}")
+        return EXIT_OK
+
+    _run(go)
+
+
+@main.command()
 @json_option
 def targets(as_json: bool) -> None:
     """List every target: available here or not (and why), versions, default device and dtype.

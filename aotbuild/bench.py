@@ -1,0 +1,335 @@
+"""``aotbuild bench``: eager vs cold compile vs warm load for one recipe, on the user's machine.
+
+Each mode runs in a fresh process (``python -m aotbuild.bench --child ...``), timed from the moment
+the parent starts it (interpreter start and imports included) to the pipeline's first output, then
+``calls`` more calls for the steady state:
+
+- ``eager``: the pipeline as loaded, nothing compiled;
+- ``cold``: the recipe's compile applied to each component (``target.compile``: what torch.compile
+  costs a fresh process without any cache), with the compiler caches pointed at empty folders;
+- ``warm``: ``load_compiled(recipe, on_miss="error")`` from the aotbuild cache, compiler caches again
+  empty, so everything the first call needs comes from the aotbuild cache.
+
+Jobs the cache lacks for the measured shape are built first, as ``aotbuild build`` would, and the
+build is reported apart. The parent imports neither torch nor diffusers: the children do.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from aotbuild.errors import AotbuildError, UsageError
+
+MODES = ("eager", "cold", "warm")
+LABELS = {"eager": "eager (no compile)", "cold": "cold compile", "warm": "aotbuild warm load"}
+RESULT = "AOTBUILD-BENCH-RESULT "
+
+
+@dataclass(frozen=True)
+class Run:
+    """One fresh process of one mode."""
+
+    first: float  # seconds from process start to the first pipeline output
+    steady: float  # seconds, median of the calls after the first
+    rss_mb: float  # peak resident memory of the process
+    graphs: int  # Dynamo graphs compiled in the process (0: no torch.compile at all)
+    cache_hits: int  # Inductor FX graph cache hits / misses
+    cache_misses: int
+
+
+@dataclass
+class BenchReport:
+    recipe: str
+    source: str
+    model: str
+    target: str
+    strategy: str
+    scope: str
+    components: list[str]
+    shape: str
+    machine: dict[str, Any]
+    repeats: int
+    calls: int
+    runs: dict[str, list[Run]] = field(default_factory=dict)
+    built: list[dict[str, Any]] = field(default_factory=list)  # jobs built before measuring
+
+    def median(self, mode: str, attr: str) -> float:
+        return statistics.median(getattr(r, attr) for r in self.runs[mode])
+
+    def ratios(self) -> list[tuple[str, float, str]]:
+        """(label, value, what it means) for every pair of modes measured."""
+        out = []
+        if "warm" in self.runs and "cold" in self.runs:
+            warm, cold = self.median("warm", "first"), self.median("cold", "first")
+            out.append(("warm load / cold compile", warm / cold,
+                        f"saves {cold - warm:.1f} s per fresh process"))
+        if "warm" in self.runs and "eager" in self.runs:
+            out.append(("warm load / eager", self.median("warm", "first") / self.median("eager", "first"),
+                        "the price of starting compiled"))
+            out.append(("warm steady / eager steady",
+                        self.median("warm", "steady") / self.median("eager", "steady"), "< 1: compiling pays"))
+        if "cold" in self.runs and "eager" in self.runs and "warm" not in self.runs:
+            out.append(("cold compile / eager", self.median("cold", "first") / self.median("eager", "first"), ""))
+        return out
+
+    def as_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["medians"] = {m: {a: self.median(m, a) for a in ("first", "steady", "rss_mb")} for m in self.runs}
+        data["ratios"] = {label: value for label, value, _ in self.ratios()}
+        return data
+
+    def text(self) -> str:
+        m = self.machine
+        lines = [f"{self.recipe} ({self.model}): {', '.join(self.components)} at {self.shape}; {self.target} on "
+                 f"{m.get('device', '?')}, {self.strategy}" + (f", scope {self.scope}" if self.scope != "full" else ""),
+                 f"machine: {machine_text(m)}",
+                 f"median of {self.repeats} fresh process(es) per mode; steady = median of {self.calls} call(s) "
+                 "after the first", ""]
+        header = ["mode", "load -> first output", "steady call", "peak RSS", "graphs compiled", "Inductor cache"]
+        rows = []
+        for mode, runs in self.runs.items():
+            cache = "-" if mode == "eager" else f"{runs[0].cache_hits} hit, {runs[0].cache_misses} miss"
+            rows.append([LABELS[mode], f"{self.median(mode, 'first'):.2f} s",
+                         f"{self.median(mode, 'steady') * 1000:.1f} ms", f"{self.median(mode, 'rss_mb'):.0f} MB",
+                         "-" if mode == "eager" else str(runs[0].graphs), cache])
+        if self.target != "inductor":  # the FX graph cache is Inductor's; other backends keep their own
+            header, rows = header[:-1], [r[:-1] for r in rows]
+        widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+        for row in [header, *rows]:
+            cells = [row[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(row[1:], widths[1:], strict=True)]
+            lines.append("  ".join(cells).rstrip())
+        if self.ratios():
+            lines.append("")
+            width = max(len(label) for label, _, _ in self.ratios())
+            for label, value, meaning in self.ratios():
+                lines.append(f"{label:<{width}} = {value:.3f}" + (f"  ({meaning})" if meaning else ""))
+        if "warm" in self.runs and self.strategy == "jit-cache" and self.target == "inductor":
+            lines.append("A warm jit-cache load still traces with Dynamo (graphs compiled > 0) but takes every "
+                         "kernel from the cache (0 miss); strategy: aot-package skips Dynamo too.")
+        return "\n".join(lines)
+
+
+def machine_text(m: dict[str, Any]) -> str:
+    parts = [f"{m.get('cpus')} CPUs", m.get("cpu_model") or m.get("arch", "?")]
+    if m.get("capability"):
+        parts.append(f"ISA {m['capability']}")
+    if m.get("device_name"):
+        parts.append(m["device_name"])
+    parts.append(f"torch {m.get('torch')}, Python {m.get('python')}")
+    return ", ".join(str(p) for p in parts)
+
+
+def parse_shape(text: str) -> tuple[int, int, int]:
+    """``"64x96"`` or ``"64x96x2"`` (height x width [x batch]) -> (height, width, batch)."""
+    parts = text.lower().split("x")
+    try:
+        numbers = [int(p) for p in parts]
+    except ValueError:
+        numbers = []
+    if len(numbers) not in (2, 3) or min(numbers) < 1:
+        raise UsageError(f"--shape {text!r}: expected HEIGHTxWIDTH or HEIGHTxWIDTHxBATCH, e.g. 64x96")
+    return numbers[0], numbers[1], numbers[2] if len(numbers) == 3 else 1
+
+
+def pick_shape(recipe: Any, text: str | None) -> Any:
+    if text is None:
+        return recipe.shapes[0]
+    height, width, batch = parse_shape(text)
+    for shape in recipe.shapes:
+        if (shape.height, shape.width, shape.batch_size) == (height, width, batch):
+            return shape
+    raise UsageError(f"--shape {text}: {recipe.source} does not build it (its shapes: "
+                     f"{', '.join(map(str, recipe.shapes))}); add it to the recipe's shapes first")
+
+
+def require_matplotlib() -> None:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise UsageError("--plot needs matplotlib: pip install 'aotbuild[plot]' (or pip install matplotlib)") \
+            from None
+
+
+def plot(report: BenchReport, path: str | Path) -> Path:
+    """Draw the report as a PNG: load -> first output and steady call time per mode."""
+    require_matplotlib()
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    modes = list(report.runs)
+    colors = {"eager": "#8c8c8c", "cold": "#d62728", "warm": "#2ca02c"}
+    fig, axes = plt.subplots(1, 2, figsize=(10, 1.2 + 0.55 * len(modes)), constrained_layout=True)
+    for ax, attr, unit, scale, title in ((axes[0], "first", "s", 1.0, "process start -> first output"),
+                                         (axes[1], "steady", "ms", 1000.0, "steady call")):
+        values = [report.median(m, attr) * scale for m in modes]
+        lows = [v - min(getattr(r, attr) for r in report.runs[m]) * scale for m, v in zip(modes, values, strict=True)]
+        highs = [max(getattr(r, attr) for r in report.runs[m]) * scale - v for m, v in zip(modes, values, strict=True)]
+        ax.barh([LABELS[m] for m in modes], values, color=[colors[m] for m in modes],
+                xerr=[lows, highs] if report.repeats > 1 else None, capsize=3)
+        for i, v in enumerate(values):
+            ax.text(v, i, f" {v:.1f} {unit}" if v >= 10 else f" {v:.2f} {unit}", va="center", fontsize=9)
+        ax.set_xlabel(unit)
+        ax.set_title(title, fontsize=10)
+        ax.invert_yaxis()
+        ax.margins(x=0.25)
+    axes[1].set_yticklabels([])
+    fig.suptitle(f"{report.recipe}: {', '.join(report.components)} at {report.shape} ({report.strategy}); "
+                 f"{machine_text(report.machine)}", fontsize=9)
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def bench(recipe_path: str | Path, cache: str | Path | None = None, *, shape: str | None = None,
+          repeats: int = 1, calls: int = 3, modes: tuple[str, ...] = MODES,
+          progress: Callable[[str], None] | None = None) -> BenchReport:
+    """Measure ``modes`` for one shape of ``recipe_path``, each in ``repeats`` fresh processes."""
+    from aotbuild.errors import TargetUnavailable
+    from aotbuild.layout import resolve_cache_root
+    from aotbuild.planner import HIT, UNAVAILABLE, plan
+    from aotbuild.recipe import load_recipe
+
+    unknown = [m for m in modes if m not in MODES]
+    if unknown or not modes:
+        raise UsageError(f"--modes: {', '.join(unknown) or 'none given'}: allowed: {', '.join(MODES)}")
+    say = progress or (lambda text: None)
+    recipe = load_recipe(recipe_path)
+    chosen = pick_shape(recipe, shape)
+    one = replace(recipe, shapes=(chosen,))
+    root = resolve_cache_root(cache)
+    jobs = plan([one], root)
+    blocked = [j for j in jobs if j.status == UNAVAILABLE]
+    if blocked:
+        raise TargetUnavailable(f"cannot bench {recipe.source}: {blocked[0].reason}")
+    report = BenchReport(recipe.name, recipe.source, recipe.model.id, recipe.target, recipe.strategy,
+                         recipe.compile.scope, list(recipe.compile.components), str(chosen), {}, repeats, calls)
+    if "warm" in modes and any(j.status != HIT for j in jobs):
+        from aotbuild.builder import build
+
+        say(f"building {sum(j.status != HIT for j in jobs)} job(s) the cache lacks for {chosen} first "
+            f"(as `aotbuild build` would) ...")
+        built = build([one], root)
+        report.built = [{"job": r.job.label, "status": r.status, "seconds": round(r.seconds, 1), "reason": r.reason}
+                        for r in built.results]
+        if built.failed:
+            r = built.failed[0]
+            raise AotbuildError(f"cannot bench: building {r.job.label} failed: {r.reason}; run "
+                                f"`aotbuild build {recipe.source}` to see the whole log")
+    index = list(recipe.shapes).index(chosen)
+    work = Path(tempfile.mkdtemp(prefix="aotbuild-bench."))
+    try:
+        for i in range(repeats):
+            for mode in modes:
+                say(f"round {i + 1}/{repeats}: {LABELS[mode]} in a fresh process ...")
+                run, machine = _run_child(mode, recipe, index, root, calls, work / f"{mode}-{i}")
+                report.runs.setdefault(mode, []).append(run)
+                report.machine = report.machine or machine
+                say(f"  first output after {run.first:.2f} s")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return report
+
+
+def _run_child(mode: str, recipe: Any, index: int, root: Path, calls: int, workdir: Path) -> tuple[Run, dict]:
+    from aotbuild.targets import get_target
+
+    workdir.mkdir(parents=True)
+    env = dict(os.environ)
+    for name, value in get_target(recipe.target).capture_env(workdir).items():  # empty compiler caches
+        if value is None:
+            env.pop(name, None)
+        else:
+            env[name] = value
+    start = time.time()
+    proc = subprocess.run([sys.executable, "-m", "aotbuild.bench", "--child", mode, recipe.source, str(index),
+                           str(root), str(calls), repr(start)], env=env, capture_output=True, text=True)
+    line = next((x for x in proc.stdout.splitlines() if x.startswith(RESULT)), None)
+    if proc.returncode or line is None:
+        last = next((x for x in reversed(proc.stderr.strip().splitlines()) if x.strip()), "no output")
+        hint = " (the cache does not serve this machine: see `aotbuild plan`)" if "CacheMiss" in proc.stderr else ""
+        raise AotbuildError(f"bench: the {LABELS[mode]} process failed (exit {proc.returncode}): {last.strip()}{hint}")
+    data = json.loads(line[len(RESULT):])
+    return Run(**data["run"]), data["machine"]
+
+
+def child(mode: str, source: str, index: int, cache: str, calls: int, start: float) -> dict[str, Any]:
+    """The measured process: load, (compile), first call, ``calls`` steady calls."""
+    from aotbuild import models
+    from aotbuild.recipe import load_recipe
+
+    recipe = load_recipe(source)
+    shape = recipe.shapes[index]
+    recipe = replace(recipe, shapes=(shape,))
+    from aotbuild.planner import Context
+
+    ctx = Context.create(recipe, Path(cache))
+    if ctx.problem:
+        raise AotbuildError(ctx.problem)
+    if mode == "warm":
+        from aotbuild.runtime import load_compiled
+
+        pipe = load_compiled(recipe, cache=cache, on_miss="error")
+    else:
+        assert ctx.model is not None
+        pipe = models.load_pipeline(recipe, ctx.model, ctx.dtype)
+        models.place_pipeline(pipe, recipe, ctx.device)
+        if mode == "cold":
+            for component in recipe.compile.components:
+                module = getattr(pipe, component)
+                module.forward = ctx.target.compile(module, recipe, ctx.device)
+    kwargs = models.warmup_kwargs(recipe, shape, defaults=ctx.target.warmup_defaults)
+    pipe(**kwargs)
+    first = time.time() - start
+    times = []
+    for _ in range(calls):
+        kwargs = models.warmup_kwargs(recipe, shape, defaults=ctx.target.warmup_defaults)
+        t = time.perf_counter()
+        pipe(**kwargs)
+        times.append(time.perf_counter() - t)
+    import resource
+
+    import torch
+    from torch._dynamo.utils import counters
+
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1024 * 1024 if sys.platform == "darwin" else 1024)
+    machine = {"cpus": os.cpu_count(), "arch": platform.machine(), "cpu_model": _cpu_model(),
+               "capability": torch.backends.cpu.get_cpu_capability(), "torch": torch.__version__,
+               "python": platform.python_version(), "device": ctx.device,
+               "device_name": torch.cuda.get_device_name(ctx.device) if ctx.device.startswith("cuda") else ""}
+    run = Run(first=first, steady=statistics.median(times), rss_mb=rss,
+              graphs=int(counters["stats"].get("unique_graphs", 0)),
+              cache_hits=int(counters["inductor"].get("fxgraph_cache_hit", 0)),
+              cache_misses=int(counters["inductor"].get("fxgraph_cache_miss", 0)))
+    return {"run": asdict(run), "machine": machine}
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return " ".join(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return platform.processor()
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--child"]:
+        mode, source, index, cache, calls, start = sys.argv[2:8]
+        print(RESULT + json.dumps(child(mode, source, int(index), cache, int(calls), float(start))), flush=True)

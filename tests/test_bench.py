@@ -1,0 +1,132 @@
+"""``aotbuild bench``: the table, the plot, its errors, and real fresh-process measurements."""
+
+from __future__ import annotations
+
+import json
+import sys
+import textwrap
+
+import pytest
+from click.testing import CliRunner
+
+from aotbuild import bench
+from aotbuild.cli import main
+from aotbuild.errors import UsageError
+from aotbuild.recipe import load_recipe
+from tests.conftest import REPO, TINY_RECIPE, run_cli
+
+FAKES = {"PYTHONPATH": f"{REPO}:{REPO / 'tests' / 'fakes'}"}
+
+
+def report(repeats: int = 1) -> bench.BenchReport:
+    r = bench.BenchReport("tiny", "tiny.yaml", "builtin:tiny-sd", "inductor", "jit-cache", "full", ["unet"],
+                          "64x64", {"cpus": 2, "arch": "x86_64", "cpu_model": "Test CPU", "capability": "AVX2",
+                                    "torch": "2.13.0", "python": "3.11", "device": "cpu"}, repeats, 3)
+    r.runs = {"eager": [bench.Run(7.0 + i, 0.030, 390, 0, 0, 0) for i in range(repeats)],
+              "cold": [bench.Run(70.0 + i, 0.025, 550, 1, 0, 1) for i in range(repeats)],
+              "warm": [bench.Run(17.5 + i, 0.026, 500, 1, 1, 0) for i in range(repeats)]}
+    return r
+
+
+def test_table_shows_medians_cache_counters_and_ratios():
+    text = report(repeats=3).text()
+    lines = text.splitlines()
+    assert "2 CPUs, Test CPU, ISA AVX2, torch 2.13.0" in text
+    cold = next(x for x in lines if x.startswith("cold compile"))
+    assert "71.00 s" in cold and "25.0 ms" in cold and "550 MB" in cold and "0 hit, 1 miss" in cold
+    warm = next(x for x in lines if x.startswith("aotbuild warm load"))
+    assert "18.50 s" in warm and "1 hit, 0 miss" in warm
+    assert "warm load / cold compile   = 0.261  (saves 52.5 s per fresh process)" in text
+    assert "warm load / eager          = 2.312" in text
+
+
+def test_json_has_every_run_and_the_medians():
+    data = report(repeats=3).as_json()
+    assert len(data["runs"]["cold"]) == 3 and data["medians"]["warm"]["first"] == 18.5
+    assert data["ratios"]["warm load / cold compile"] == pytest.approx(18.5 / 71.0)
+    json.dumps(data)
+
+
+def test_ratios_only_for_measured_modes():
+    r = report()
+    del r.runs["cold"]
+    labels = [label for label, _, _ in r.ratios()]
+    assert labels == ["warm load / eager", "warm steady / eager steady"]
+
+
+def test_plot_writes_a_png(tmp_path):
+    out = bench.plot(report(repeats=3), tmp_path / "sub" / "bench.png")
+    data = out.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+def test_plot_without_matplotlib_says_how_to_install(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(UsageError, match=r"pip install 'aotbuild\[plot\]'"):
+        bench.plot(report(), tmp_path / "b.png")
+    # The CLI checks before measuring anything: it fails at once and builds nothing.
+    result = CliRunner().invoke(main, ["bench", str(TINY_RECIPE), "--plot", str(tmp_path / "b.png")])
+    assert result.exit_code == 2 and "aotbuild[plot]" in result.output
+    assert not (tmp_path / "aotcache" / "entries").exists()
+
+
+@pytest.mark.parametrize("text,expected", [("64x96", (64, 96, 1)), ("64X64x2", (64, 64, 2))])
+def test_parse_shape(text, expected):
+    assert bench.parse_shape(text) == expected
+
+
+@pytest.mark.parametrize("text", ["64", "64x", "axb", "64x64x2x1", "0x64"])
+def test_bad_shape_text(text):
+    with pytest.raises(UsageError, match="expected HEIGHTxWIDTH"):
+        bench.parse_shape(text)
+
+
+def test_shape_not_in_the_recipe_names_the_recipes_shapes():
+    recipe = load_recipe(TINY_RECIPE)
+    assert str(bench.pick_shape(recipe, "64x96")) == "64x96"
+    with pytest.raises(UsageError, match=r"its shapes: 64x64, 64x96\); add it to the recipe"):
+        bench.pick_shape(recipe, "128x128")
+
+
+def test_bad_mode_is_a_usage_error():
+    proc = run_cli("bench", str(TINY_RECIPE), "--modes", "eager,hot")
+    assert proc.returncode == 2 and "--modes: hot: allowed: eager, cold, warm" in proc.stderr
+
+
+def test_real_eager_and_warm_load_in_fresh_processes(built_cache):
+    """On the tiny recipe built for real: the warm process takes its kernels from the aotbuild
+    cache (an FX graph cache hit, no miss) with an empty Inductor cache; nothing is rebuilt."""
+    root, _ = built_cache
+    proc = run_cli("bench", "--json", "--cache", str(root), str(TINY_RECIPE), "--modes", "eager,warm",
+                   "--calls", "1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(proc.stdout)
+    assert data["built"] == []  # everything was cached
+    eager, warm = data["runs"]["eager"][0], data["runs"]["warm"][0]
+    assert eager["graphs"] == 0 and eager["cache_hits"] == 0
+    assert warm["cache_hits"] >= 1 and warm["cache_misses"] == 0
+    assert warm["first"] > 0 and eager["steady"] > 0 and data["machine"]["cpus"] >= 1
+    assert "round 1/1: aotbuild warm load in a fresh process" in proc.stderr
+
+
+def test_standin_target_builds_what_is_missing_then_measures_all_three(tmp_path):
+    """Through the Neuron stand-in (a fast compile): bench builds the missing job first, the cold
+    process compiles, and the table names every mode."""
+    path = tmp_path / "tiny_neuron.yaml"
+    path.write_text(textwrap.dedent("""
+        model: {id: builtin:tiny-sd, dtype: float32}
+        target: neuron
+        device: cpu
+        compile: {components: [unet]}
+        shapes: [{height: 64, width: 64}, {height: 32, width: 32}]
+        warmup: {guidance_scale: 0.0}
+    """))
+    cache = tmp_path / "cache"
+    proc = run_cli("bench", "--cache", str(cache), str(path), "--shape", "32x32", "--calls", "1", env=FAKES)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "building 1 job(s) the cache lacks for 32x32 first" in proc.stderr
+    for label in ("eager (no compile)", "cold compile", "aotbuild warm load", "warm load / cold compile"):
+        assert label in proc.stdout
+    assert "Inductor cache" not in proc.stdout  # Inductor's counters say nothing about another backend
+    plan = json.loads(run_cli("plan", "--json", "--cache", str(cache), str(path), env=FAKES).stdout)
+    assert sorted((j["shape"]["height"], j["status"]) for j in plan["jobs"]) == [(32, "hit"), (64, "miss")]
