@@ -10,8 +10,9 @@ the parent starts it (interpreter start and imports included) to the pipeline's 
 - ``warm``: ``load_compiled(recipe, on_miss="error")`` from the aotbuild cache, compiler caches again
   empty, so everything the first call needs comes from the aotbuild cache.
 
-Jobs the cache lacks for the measured shape are built first, as ``aotbuild build`` would, and the
-build is reported apart. The parent imports neither torch nor diffusers: the children do.
+When ``warm`` is measured, jobs the cache lacks for the measured shape are built first, as
+``aotbuild build`` would, and the build is reported apart. The parent plans (which imports torch for
+the key factors) but never loads a pipeline: only the children do.
 """
 
 from __future__ import annotations
@@ -164,31 +165,42 @@ def require_matplotlib() -> None:
 
 def plot(report: BenchReport, path: str | Path) -> Path:
     """Draw the report as a PNG: load -> first output and steady call time per mode."""
+    series = [(LABELS[m], [r.first for r in runs], [r.steady for r in runs], COLORS[m])
+              for m, runs in report.runs.items()]
+    title = (f"{report.recipe}: {', '.join(report.components)} at {report.shape} ({report.strategy}); "
+             f"{machine_text(report.machine)}")
+    return draw(path, title, series)
+
+
+COLORS = {"eager": "#8c8c8c", "cold": "#d62728", "warm": "#2ca02c"}
+
+
+def draw(path: str | Path, title: str, series: list[tuple[str, list[float], list[float], str]]) -> Path:
+    """Two bar panels, one bar per (label, first-output seconds, steady-call seconds, colour): the
+    median, with the min-max range when there are several runs. Shared with benchmarks/."""
     require_matplotlib()
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    modes = list(report.runs)
-    colors = {"eager": "#8c8c8c", "cold": "#d62728", "warm": "#2ca02c"}
-    fig, axes = plt.subplots(1, 2, figsize=(10, 1.2 + 0.55 * len(modes)), constrained_layout=True)
-    for ax, attr, unit, scale, title in ((axes[0], "first", "s", 1.0, "process start -> first output"),
-                                         (axes[1], "steady", "ms", 1000.0, "steady call")):
-        values = [report.median(m, attr) * scale for m in modes]
-        lows = [v - min(getattr(r, attr) for r in report.runs[m]) * scale for m, v in zip(modes, values, strict=True)]
-        highs = [max(getattr(r, attr) for r in report.runs[m]) * scale - v for m, v in zip(modes, values, strict=True)]
-        ax.barh([LABELS[m] for m in modes], values, color=[colors[m] for m in modes],
-                xerr=[lows, highs] if report.repeats > 1 else None, capsize=3)
+    fig, axes = plt.subplots(1, 2, figsize=(10, 1.2 + 0.55 * len(series)), constrained_layout=True)
+    for ax, col, unit, scale, name in ((axes[0], 1, "s", 1.0, "process start -> first output"),
+                                       (axes[1], 2, "ms", 1000.0, "steady call")):
+        samples = [[v * scale for v in s[col]] for s in series]
+        values = [statistics.median(x) for x in samples]
+        spread = [[v - min(x) for v, x in zip(values, samples, strict=True)],
+                  [max(x) - v for v, x in zip(values, samples, strict=True)]]
+        ax.barh([s[0] for s in series], values, color=[s[3] for s in series],
+                xerr=spread if any(len(x) > 1 for x in samples) else None, capsize=3)
         for i, v in enumerate(values):
             ax.text(v, i, f" {v:.1f} {unit}" if v >= 10 else f" {v:.2f} {unit}", va="center", fontsize=9)
         ax.set_xlabel(unit)
-        ax.set_title(title, fontsize=10)
+        ax.set_title(name, fontsize=10)
         ax.invert_yaxis()
         ax.margins(x=0.25)
     axes[1].set_yticklabels([])
-    fig.suptitle(f"{report.recipe}: {', '.join(report.components)} at {report.shape} ({report.strategy}); "
-                 f"{machine_text(report.machine)}", fontsize=9)
+    fig.suptitle(title, fontsize=9)
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)

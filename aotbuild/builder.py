@@ -217,7 +217,7 @@ def store_job(store: Store, job: Job, files: list[tuple[str, Path]], result: dic
                 **({"packages": result["packages"]} if "packages" in result else {}),
                 "build": {"created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                           "seconds": round(seconds, 3), "aotbuild": __version__,
-                          **{k: result.get(k) for k in ("seconds", "counters")}},
+                          "phases": result.get("seconds"), "counters": result.get("counters")},
                 "recipe_data": recipe_to_dict(job.recipe),
             }
             store.put_manifest(job.key, manifest)

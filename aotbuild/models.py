@@ -42,6 +42,14 @@ class ResolvedModel:
         return out
 
 
+def _local_folder(recipe: Recipe) -> Path | None:
+    """``model.id`` as a local folder: a relative path is looked up next to the recipe first (a
+    recipe and its model move together), then in the current directory; None if neither exists."""
+    path = Path(recipe.model.id).expanduser()
+    candidates = [path] if path.is_absolute() else [Path(recipe.source).parent / path, path]
+    return next((c for c in candidates if c.is_dir()), None)
+
+
 def resolve_model(recipe: Recipe, cache_root: Path) -> ResolvedModel:
     spec = recipe.model
     if builtin.is_builtin(spec.id):
@@ -49,14 +57,18 @@ def resolve_model(recipe: Recipe, cache_root: Path) -> ResolvedModel:
         folder = builtin.ensure(spec.id, Layout(cache_root).models)
         return ResolvedModel(str(folder), True, _read_json(folder / "model_index.json"), model.version,
                              {"id": spec.id, "builtin_version": model.version})
-    folder = Path(spec.id).expanduser()
-    if folder.is_dir():
+    folder = _local_folder(recipe)
+    if folder is not None:
         index = folder / "model_index.json"
         if not index.is_file():
             raise recipe.error("model.id", f"{spec.id} is a folder without model_index.json (not a diffusers pipeline)")
-        return ResolvedModel(str(folder.absolute()), True, _read_json(index), None, {"id": spec.id, "local": True})
+        return ResolvedModel(str(folder.resolve()), True, _read_json(index), None, {"id": spec.id, "local": True})
     if spec.id.startswith((".", "/", "~")):
-        raise recipe.error("model.id", f"no such folder: {spec.id}")
+        tried = [Path(spec.id).expanduser().resolve()]
+        if not Path(spec.id).expanduser().is_absolute():
+            tried.insert(0, (Path(recipe.source).parent / spec.id).resolve())
+        looked = " and ".join(map(str, dict.fromkeys(tried)))
+        raise recipe.error("model.id", f"no such folder: {spec.id} (looked for {looked})")
     path = _hub_file(spec.id, "model_index.json", spec.revision)
     return ResolvedModel(spec.id, False, _read_json(path), None, {"id": spec.id, "revision": spec.revision})
 

@@ -1,6 +1,6 @@
 """Recipes: YAML files that declare what to compile, validated into immutable objects.
 
-The schema below is the single source of truth: validation walks it, ``docs/recipe.md`` is checked
+The schema below is the single source of truth: validation walks it, ``docs/recipes.md`` is checked
 against it by a test, and every error names the file, the key and what is allowed. YAML is imported
 inside :func:`load_recipe` only, so the runtime's import stays light.
 """

@@ -33,3 +33,23 @@ def test_documented_choices_match_schema():
         for key, field in specs.items():
             for choice in field.choices:
                 assert choice in rows[key], f"{key}: {choice} is allowed but not documented"
+
+
+def test_every_command_has_help_with_an_example():
+    from click.testing import CliRunner
+
+    from aotbuild.cli import main
+
+    runner = CliRunner()
+    for name in [None, *main.commands]:
+        result = runner.invoke(main, [name, "--help"] if name else ["--help"])
+        assert result.exit_code == 0, name
+        assert "Example" in result.output and "aotbuild " in result.output.split("Example", 1)[1], name
+
+
+def test_cli_reference_lists_every_command():
+    from aotbuild.cli import main
+
+    text = (REPO / "docs" / "cli.md").read_text()
+    for name in main.commands:
+        assert f"aotbuild {name} " in text and f"`{name}`" in text, name

@@ -5,10 +5,12 @@ from __future__ import annotations
 import os
 import shutil
 import socket
+from pathlib import Path
 
 import pytest
 
 from aotbuild import keys
+from aotbuild.errors import RecipeError
 from aotbuild.planner import Context, jobs_for
 from aotbuild.recipe import load_recipe, parse_recipe
 from aotbuild.store import Store
@@ -124,3 +126,26 @@ def test_thread_count_is_a_factor_only_when_threads_are_pinned(models_dir, monke
     monkeypatch.setattr(torch, "get_num_threads", lambda: 64)
     assert plan_keys(default, models_dir) == before[0]  # dynamic threads: valid for any count
     assert plan_keys(pinned, models_dir) != before[1]
+
+
+def test_relative_model_folder_is_found_next_to_the_recipe(models_dir, tmp_path, monkeypatch):
+    """A recipe and its model move together: ``id: ../model`` means next to the recipe's folder,
+    from any cwd, and the key is the same as from anywhere else."""
+    import yaml
+
+    from aotbuild.models import resolve_model
+
+    model = next(p for p in (models_dir / "models").iterdir() if p.is_dir())
+    shutil.copytree(model, tmp_path / "project" / "model")
+    data = base_data()
+    data["model"]["id"] = "../model"
+    recipe_file = tmp_path / "project" / "recipes" / "r.yaml"
+    recipe_file.parent.mkdir()
+    recipe_file.write_text(yaml.safe_dump(data))
+    monkeypatch.chdir(tmp_path)  # ../model from here does not exist
+    recipe = load_recipe(recipe_file)
+    assert Path(resolve_model(recipe, tmp_path).location) == (tmp_path / "project" / "model").resolve()
+    data["model"]["id"] = "../missing"
+    recipe_file.write_text(yaml.safe_dump(data))
+    with pytest.raises(RecipeError, match=r"model.id: no such folder: ../missing \(looked for .*project/missing and "):
+        resolve_model(load_recipe(recipe_file), tmp_path)

@@ -4,7 +4,7 @@
 compile in well under a minute on two CPU cores. It is created deterministically (fixed seeds, fixed
 configs) on first use, saved with ``save_pretrained`` under ``models/`` in the cache root, and then
 loaded with ``from_pretrained`` like any other model, so every code path is the one a Hub model
-takes. ``VERSION`` is a key factor: bump it whenever anything below changes the saved model.
+takes. ``TinySD.version`` is a key factor: bump it whenever anything below changes the saved model.
 """
 
 from __future__ import annotations

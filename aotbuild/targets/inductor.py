@@ -81,7 +81,7 @@ class InductorTarget(Target):
         options = dict(spec.options)
         if _parse_device(device)[0] == "cpu":
             # CPU kernels otherwise bake in torch.get_num_threads(): a 2-core CI build would miss on a
-            # 16-core server. Measured cost: see docs/inductor.md and benchmarks/cold_vs_warm.py.
+            # 16-core server. Measured cost: see docs/cache.md (Threads) and benchmarks/cold_vs_warm.py.
             options.setdefault("cpp.dynamic_threads", True)
         settings = {
             "backend": "inductor", "scope": spec.scope, "mode": spec.mode, "fullgraph": spec.fullgraph,
