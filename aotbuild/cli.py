@@ -359,7 +359,10 @@ def show(key: str, cache: str | None, as_json: bool) -> None:
             click.echo(f"{field + ':':<12}{manifest.get(field)}")
         click.echo(f"{'shape:':<12}{_shape_text(manifest.get('shape'))}")
         b = manifest.get("build", {})
-        click.echo(f"{'built:':<12}{b.get('created')} in {b.get('seconds')} s by aotbuild {b.get('aotbuild')}")
+        seconds = b.get("seconds")
+        if isinstance(seconds, dict):  # entries written before 0.1.0's fix held the phases here
+            seconds = round(sum(v for v in seconds.values() if isinstance(v, int | float)), 1)
+        click.echo(f"{'built:':<12}{b.get('created')} in {seconds} s by aotbuild {b.get('aotbuild')}")
         click.echo(f"{'size:':<12}{_human_size(store.blob_size(manifest))} in {len(manifest.get('files', []))} files")
         click.echo("factors:")
         for path, value in flatten(manifest.get("factors", {})).items():

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -90,9 +91,29 @@ class Job:
                 "shape": self.shape.as_dict(), "key": self.key, "status": self.status, "reason": self.reason}
 
 
+def explain_miss(manifests: Iterable[dict[str, Any]], recipe_name: str, component: str,
+                 factors: dict[str, Any]) -> str:
+    """Why a job is not built: the factors that differ from the nearest entry for the same component
+    (an entry of the same recipe wins a tie; a renamed or copied recipe still finds its entries)."""
+    best: tuple[int, int, list[str]] | None = None
+    for manifest in manifests:
+        if manifest.get("component") != component:
+            continue
+        diff = keys.differences(manifest.get("factors", {}), factors)
+        rank = (len(diff), manifest.get("recipe") != recipe_name)
+        if best is None or rank < best[:2]:
+            best = (*rank, diff)
+    if best is None:
+        return f"not built: the cache has no entry for a {component}"
+    diff = best[2]
+    shown = "; ".join(diff[:3]) + (f"; and {len(diff) - 3} more" if len(diff) > 3 else "")
+    return f"not built: {shown}"
+
+
 def jobs_for(ctx: Context, store: Store) -> list[Job]:
     recipe = ctx.recipe
     jobs = []
+    manifests: list[dict[str, Any]] | None = None  # read once, on the first miss to explain
     for component in recipe.compile.components:
         config: tuple[str, dict[str, Any]] | None = None
         problem = ctx.problem
@@ -109,6 +130,9 @@ def jobs_for(ctx: Context, store: Store) -> list[Job]:
             factors = ctx.factors(component, config[0], config[1], shape, _pipeline_class(ctx))
             key = keys.key_of(factors)
             ok, why = store.check_entry(key)
+            if why == "not built":
+                manifests = list(store.iter_manifests()) if manifests is None else manifests
+                why = explain_miss(manifests, recipe.name, component, factors)
             jobs.append(Job(recipe, component, shape, key, factors, HIT if ok else MISS, why))
     return jobs
 
@@ -174,5 +198,5 @@ def shard_jobs(jobs: list[Job], index: int, count: int) -> list[Job]:
     return [j for j in jobs if (order[j.key] % count if j.key else 0) == index - 1]
 
 
-__all__ = ["Context", "Job", "plan", "jobs_for", "load_recipes", "parse_shard", "shard_jobs", "HIT", "MISS",
-           "UNAVAILABLE"]
+__all__ = ["Context", "Job", "plan", "jobs_for", "explain_miss", "load_recipes", "parse_shard", "shard_jobs",
+           "HIT", "MISS", "UNAVAILABLE"]

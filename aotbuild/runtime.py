@@ -17,7 +17,7 @@ from aotbuild.dispatch import install_dispatcher
 from aotbuild.errors import CacheMiss, RemoteError, TargetUnavailable, UsageError
 from aotbuild.layout import resolve_cache_root
 from aotbuild.locks import store_lock
-from aotbuild.planner import Context
+from aotbuild.planner import Context, explain_miss
 from aotbuild.recipe import Recipe, Shape, load_recipe
 from aotbuild.store import Entry, Store
 
@@ -148,7 +148,8 @@ def load_compiled(recipe: str | Path | Recipe, pipe: Any = None, *, cache: str |
                     entries.append(entry)
                     report.entries.append(ReportEntry(component, shape, key, True, pulled=key in pulled))
                 else:
-                    reason = why if why != "not built" else explain_miss(store, recipe, component, shape, factors)
+                    reason = why if why != "not built" else explain_miss(store.iter_manifests(), recipe.name,
+                                                                         component, factors)
                     reason += remote_notes.get(key, "")
                     report.entries.append(ReportEntry(component, shape, key, False, reason))
             plans.append((component, module, entries))
@@ -240,21 +241,6 @@ def _lazy_compile(ctx: Context, module: Any, scope: str | None = None) -> Any:
         return compiled[0](*args, **kwargs)
 
     return run
-
-
-def explain_miss(store: Store, recipe: Recipe, component: str, shape: Shape, factors: dict[str, Any]) -> str:
-    """Name the factors that differ from the nearest entry of the same recipe and component."""
-    best: list[str] | None = None
-    for manifest in store.iter_manifests():
-        if manifest.get("recipe") != recipe.name or manifest.get("component") != component:
-            continue
-        diff = keys.differences(manifest.get("factors", {}), factors)
-        if best is None or len(diff) < len(best):
-            best = diff
-    if best is None:
-        return f"not built: the cache has no entry for {recipe.name}:{component}"
-    shown = "; ".join(best[:3]) + (f"; and {len(best) - 3} more" if len(best) > 3 else "")
-    return f"not built: {shown}"
 
 
 def _check_pipe(pipe: Any, ctx: Context) -> None:

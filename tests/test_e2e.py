@@ -183,7 +183,7 @@ def test_on_miss_error_names_the_differing_factor(built_cache, tmp_path):
 
 
 def test_on_miss_error_on_empty_cache(models_dir, tmp_path):
-    with pytest.raises(CacheMiss, match="no entry for tiny_sd_cpu:unet"):
+    with pytest.raises(CacheMiss, match="the cache has no entry for a unet"):
         load_compiled(TINY_RECIPE, cache=models_dir, on_miss="error")
 
 
