@@ -1,6 +1,6 @@
 """Cold compile vs warm loads on builtin:tiny-sd, measured side by side in fresh processes.
 
-    python benchmarks/cold_vs_warm.py [--repeats 3]
+    python benchmarks/cold_vs_warm.py [--repeats 3] [--plot benchmarks/cold_vs_warm.png]
 
 Modes (each a fresh process, load -> first image timed from the top of the process):
   eager      no compile at all
@@ -81,11 +81,16 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--modes", default="eager,cold,pt-warm,aotbuild,aot-package,aot-regional",
                     help="comma-separated subset, for a quick look (ratios need their modes)")
+    ap.add_argument("--plot", metavar="FILE.png", help="also draw the medians (needs matplotlib)")
     ap.add_argument("--child", nargs=3)
     args = ap.parse_args()
     if args.child:
         child(*args.child)
         return
+    if args.plot:
+        from aotbuild.bench import require_matplotlib
+
+        require_matplotlib()
     work = Path(tempfile.mkdtemp(prefix="aotbench."))
     try:
         recipe = work / "tiny_sd_cpu.yaml"  # one shape: each cold compile costs a minute here
@@ -119,8 +124,13 @@ def main() -> None:
                 results[mode].append(run_child(mode, *runs[mode]))
         med = {m: statistics.median(r["first"] for r in rs) for m, rs in results.items()}
         steady = {m: statistics.median(r["steady"] for r in rs) for m, rs in results.items()}
-        print(f"\nbuiltin:tiny-sd, 64x64, 2 steps; {os.cpu_count()} CPUs; median of {args.repeats}; "
-              f"torch {__import__('torch').__version__}")
+        import torch
+
+        from aotbuild.bench import _cpu_model
+
+        machine = (f"{os.cpu_count()} CPUs, {_cpu_model()}, ISA {torch.backends.cpu.get_cpu_capability()}, "
+                   f"torch {torch.__version__}")
+        print(f"\nbuiltin:tiny-sd, 64x64, 2 steps; {machine}; median of {args.repeats}")
         rss = {m: statistics.median(r["rss_mb"] for r in rs) for m, rs in results.items()}
         print(f"{'mode':<12} {'load->first output (s)':>24} {'steady call (ms)':>18} {'peak RSS (MB)':>15}")
         for m in results:
@@ -141,6 +151,18 @@ def main() -> None:
         for label, a, b, table, goal in ratios:
             if a in table and b in table:
                 print(f"{label:<36} = {table[a] / table[b]:.3f}" + (f"  (goal {goal})" if goal else ""))
+        if args.plot:
+            from aotbuild.bench import draw
+
+            names = {"eager": "eager", "cold": "cold torch.compile", "pt-warm": "PyTorch warm cache",
+                     "aotbuild": "aotbuild jit-cache", "aot-package": "aotbuild aot-package",
+                     "aot-regional": "aot-package regional"}
+            colors = {"eager": "#8c8c8c", "cold": "#d62728", "pt-warm": "#ff7f0e", "aotbuild": "#2ca02c",
+                      "aot-package": "#1f77b4", "aot-regional": "#17becf"}
+            draw(args.plot, f"builtin:tiny-sd UNet, 64x64, 2 steps, fresh processes; {machine}",
+                 [(names[m], [r["first"] for r in rs], [r["steady"] for r in rs], colors[m])
+                  for m, rs in results.items()])
+            print(f"plot: {args.plot}")
         if "aotbuild" in results:
             print(f"fxgraph counters, aotbuild runs: {[r['counters'] for r in results['aotbuild']]}")
         for m in ("aot-package", "aot-regional"):
