@@ -178,6 +178,9 @@ def _build_one(store: Store, job: Job, tick: Callable[[float, str], None] | None
             result = _read_result(staging / "result.json")
             if proc.returncode != 0 or "error" in result:
                 reason = result.get("error") or f"worker exited with {proc.returncode}{_tail(staging / 'worker.log')}"
+                reason = " ".join(reason.split())  # one line in the table, whatever the exception said
+                if len(reason) > 300:  # some compiler errors list every option they know: the log has it all
+                    reason = reason[:300] + " ..."
                 _keep_log(staging / "worker.log", log_path)
                 return JobResult(job, FAILED, seconds, reason=f"{reason} (log: {log_path})")
             files = target.collect(staging, job.recipe.strategy)

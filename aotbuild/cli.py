@@ -7,6 +7,7 @@ miss under ``--fail-on-miss``), never a traceback. ``--json`` output follows doc
 from __future__ import annotations
 
 import json
+import logging
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -43,10 +44,40 @@ def _run(fn: Callable[[], int | None]) -> None:
     except AotbuildError as exc:
         click.echo(f"error: {exc}", err=True)
         code = exc.exit_code
+    except OSError as exc:  # the file system said no where no module expected it: still one line
+        where = f"{exc.filename}: " if exc.filename else ""
+        click.echo(f"error: {where}{exc.strerror or exc}; check the path and its permissions (--cache DIR, "
+                   "AOTBUILD_CACHE)", err=True)
+        code = EXIT_FAILED
     except KeyboardInterrupt:
         click.echo("interrupted", err=True)
         code = 130
     sys.exit(code)
+
+
+class _EchoHandler(logging.Handler):
+    """Writes to whatever stderr is at the time (click's test runner swaps it)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        click.echo(self.format(record), err=True)
+
+
+def _quiet_libraries() -> None:
+    """What a command prints is aotbuild's: transformers' and diffusers' advisories (e.g. the
+    torchvision notice on every import) and progress bars go, unless the user set these variables.
+    Build jobs inherit them; their logs keep every error. aotbuild's own notes go to stderr."""
+    import os
+
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    log = logging.getLogger("aotbuild")
+    if not log.handlers:
+        handler = _EchoHandler()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+        log.propagate = False
 
 
 cache_option = click.option("--cache", "cache", envvar="AOTBUILD_CACHE", type=click.Path(file_okay=False),
@@ -55,6 +86,19 @@ cache_option = click.option("--cache", "cache", envvar="AOTBUILD_CACHE", type=cl
 json_option = click.option("--json", "as_json", is_flag=True, help="Machine-readable output (docs/cli.md).")
 shard_option = click.option("--shard", "shard", metavar="I/N",
                             help="Only shard I of N (1-based) of the full job list: one per CI runner (docs/ci.md).")
+
+
+def _no_cache(root: Any, as_json: bool, empty: dict[str, Any]) -> bool:
+    """A read-only command on a cache root that does not exist says so, and creates nothing (a
+    mistyped --cache otherwise reads as an empty, healthy cache)."""
+    if root.exists():
+        return False
+    if as_json:
+        _emit_json({"cache": str(root), **empty})
+    else:
+        click.echo(f"no cache at {root} (nothing was built there; the root is --cache, else AOTBUILD_CACHE, else "
+                   "[tool.aotbuild] cache in the nearest pyproject.toml, else ~/.cache/aotbuild)")
+    return True
 
 
 def remote_option(help_text: str, name: str = "--remote") -> Callable[..., Any]:
@@ -79,11 +123,15 @@ def _remote(url: str | None, required: bool = False) -> Any:
 def main() -> None:
     """Ahead-of-time compile-and-cache for PyTorch and diffusers pipelines.
 
+    Start with `aotbuild build RECIPE`, then load it with aotbuild.load_compiled(RECIPE);
+    docs/quickstart.md walks through it.
+
     \b
     Example:
       aotbuild build recipes/tiny_sd_cpu.yaml
       aotbuild plan recipes/
     """
+    _quiet_libraries()
 
 
 @main.command()
@@ -221,13 +269,18 @@ def pull(recipes: tuple[str, ...], remote: str | None, cache: str | None, as_jso
 def _progress() -> Callable[..., None]:
     """One line per job; on a terminal it updates in place with the phase and elapsed time."""
     live = sys.stderr.isatty()
+    heartbeat = {"next": 0.0}  # without a terminal (CI logs): one line a minute, so a long compile shows life
 
     def show(event: str, n: int, total: int, job: Any, result: Any) -> None:
         head = f"[{n}/{total}] {job.label} ({job.key[:12]})"
         if event == "start" and not live:
+            heartbeat["next"] = 60.0
             click.echo(f"{head} building ...", err=True)
         elif event == "tick" and live:
             click.echo(f"\r\033[K{head} {result.status} {result.seconds:5.0f} s", nl=False, err=True)
+        elif event == "tick" and result.seconds >= heartbeat["next"]:
+            heartbeat["next"] = result.seconds + 60.0
+            click.echo(f"{head} {result.status} ({result.seconds:.0f} s so far)", err=True)
         elif event == "end":
             prefix = "\r\033[K" if live else ""
             note = f": {result.reason}" if result.reason else ""
@@ -300,6 +353,8 @@ def ls(cache: str | None, as_json: bool) -> None:
         from aotbuild.layout import resolve_cache_root
         from aotbuild.store import Store
 
+        if _no_cache(resolve_cache_root(cache), as_json, {"models": [], "entries": []}):
+            return EXIT_OK
         store = Store(resolve_cache_root(cache))
         manifests = list(store.iter_manifests())
         models = sorted(p.name for p in store.layout.models.iterdir()
@@ -395,6 +450,8 @@ def verify(cache: str | None, as_json: bool, fix: bool) -> None:
         from aotbuild.manage import verify as run_verify
         from aotbuild.store import Store
 
+        if _no_cache(resolve_cache_root(cache), as_json, {"fixed": fix, "problems": []}):
+            return EXIT_OK
         store = Store(resolve_cache_root(cache))
         problems = run_verify(store, fix=fix)
         if as_json:
@@ -441,8 +498,13 @@ def gc(cache: str | None, as_json: bool, max_size: str | None, stale: bool, dry_
         limit = resolve_max_size(max_size)
         if limit is None and not stale:
             raise UsageError("say what to collect: --max-size SIZE (or a configured max_size), --stale, or both")
+        if _no_cache(resolve_cache_root(cache), as_json, {"removed": [], "size_before": 0, "size_after": 0,
+                                                          "dry_run": dry_run}):
+            return EXIT_OK
         store = Store(resolve_cache_root(cache))
         report = run_gc(store, max_size=limit, stale=stale, dry_run=dry_run)
+        if not report.removed and not as_json:
+            click.echo("nothing to remove" + (f" (under {_human_size(limit)})" if limit is not None else ""))
         if as_json:
             _emit_json({"cache": str(store.root), **report.as_json()})
             return EXIT_OK
@@ -462,6 +524,9 @@ def gc(cache: str | None, as_json: bool, max_size: str | None, stale: bool, dry_
 def rm(items: tuple[str, ...], cache: str | None, as_json: bool) -> None:
     """Remove entries: KEYS (hex prefixes, 8+ characters) or every entry of RECIPES (any environment).
 
+    A recipe's entries are those built under its name (the file name without .yaml), whatever
+    their key: a copy of a recipe under another name removes nothing of the original's.
+
     \b
     Examples:
       aotbuild rm 3f1c9a0b
@@ -469,12 +534,19 @@ def rm(items: tuple[str, ...], cache: str | None, as_json: bool) -> None:
     """
 
     def go() -> int:
+        from pathlib import Path
+
+        from aotbuild.errors import UsageError
         from aotbuild.layout import resolve_cache_root
         from aotbuild.manage import rm as run_rm
         from aotbuild.planner import load_recipes
         from aotbuild.store import Store
         from aotbuild.sync import is_key_prefix
 
+        for item in items:
+            if not is_key_prefix(item) and not Path(item).exists():
+                raise UsageError(f"{item}: not a key (a hex prefix of 8+ characters; `aotbuild ls` lists them) "
+                                 "nor a recipe file or folder")
         store = Store(resolve_cache_root(cache))
         keys = [store.resolve_prefix(i) for i in items if is_key_prefix(i)]
         names = {r.name for r in load_recipes([i for i in items if not is_key_prefix(i)])} \
@@ -486,7 +558,7 @@ def rm(items: tuple[str, ...], cache: str | None, as_json: bool) -> None:
         else:
             for key, freed in removed:
                 click.echo(f"removed {key[:12]} ({_human_size(freed)} freed)")
-            click.echo(f"{len(removed)} entries removed from {store.root}")
+            click.echo(f"{len(removed)} {'entry' if len(removed) == 1 else 'entries'} removed from {store.root}")
         return EXIT_OK
 
     _run(go)

@@ -95,14 +95,43 @@ class Dispatcher:
             self.routes[sig] = self.fallback
             return self.fallback(*args, **kwargs)
         if self.on_unbuilt == "error":
-            raise ShapeNotBuilt(f"{self.component} was called with {describe(sig)}, a shape this cache did not "
-                                f"build (strict_shapes=True); add it to the recipe's shapes and rebuild")
+            built = sorted(self.routes)
+            shown = "; ".join(describe(b) for b in built[:3]) + (f"; +{len(built) - 3} more" if len(built) > 3 else "")
+            raise ShapeNotBuilt(f"{self.component} was called with {describe(sig)}, which this cache did not build "
+                                f"(strict_shapes=True); built: {shown or 'nothing'}.{_batch_hint(sig, built)} Call "
+                                f"the pipeline as the recipe's warmup does, or add the shape to the recipe and rebuild")
         if self.on_unbuilt == "eager" or self.fallback is None:
             import torch
 
             with torch.compiler.set_stance("force_eager"):
                 return self.eager(*args, **kwargs)
         return self.fallback(*args, **kwargs)
+
+
+def _first_tensor(sig: str) -> list[int] | None:
+    def walk(v: Any) -> list[int] | None:
+        if isinstance(v, list) and v[:1] == ["tensor"]:
+            return list(v[1])
+        for x in (v.values() if isinstance(v, dict) else v if isinstance(v, list) else ()):
+            found = walk(x)
+            if found is not None:
+                return found
+        return None
+
+    data = json.loads(sig)
+    return walk(data["args"]) or walk(data["kwargs"])
+
+
+def _batch_hint(sig: str, built: list[str]) -> str:
+    """The most common unbuilt call: the batch is twice (or half) a built one's, because classifier-
+    free guidance (guidance_scale > 1) runs the UNet on the conditional and unconditional halves."""
+    called = _first_tensor(sig)
+    for b in built:
+        other = _first_tensor(b)
+        if called and other and called[1:] == other[1:] and called[0] in (2 * other[0], other[0] // 2):
+            return (f" The batch is {'twice' if called[0] > other[0] else 'half'} a built one's: guidance_scale "
+                    "above 1 doubles it (classifier-free guidance), so call with the recipe's guidance_scale.")
+    return ""
 
 
 def install_dispatcher(module: Any, component: str, routes: dict[str, Callable[..., Any]],

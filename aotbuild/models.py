@@ -80,7 +80,19 @@ def _hub_file(repo_id: str, filename: str, revision: str | None) -> Path:
         return Path(hf_hub_download(repo_id, filename, revision=revision))
     except Exception as exc:  # offline, gated, missing: one line says which
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ModelUnavailable(f"cannot fetch {filename} of {repo_id}: {type(exc).__name__}: {reason}") from None
+        if len(reason) > 200:
+            reason = reason[:200] + " ..."
+        name = type(exc).__name__
+        if "LocalEntryNotFound" in name or "Connect" in name or "Offline" in name:
+            hint = ("; no network? pre-download it (hf download), set HF_HUB_OFFLINE=1 to use only the local "
+                    "Hugging Face cache, or point model.id at a local folder")
+        elif "GatedRepo" in name or "401" in reason or "403" in reason:
+            hint = "; a gated or private repo: accept its terms on the Hub and set HF_TOKEN"
+        elif "RepositoryNotFound" in name:
+            hint = "; check model.id (owner/name), or set HF_TOKEN for a private repo"
+        else:
+            hint = ""
+        raise ModelUnavailable(f"cannot fetch {filename} of {repo_id}: {name}: {reason}{hint}") from None
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -107,16 +119,27 @@ def architecture_config(config: dict[str, Any]) -> dict[str, Any]:
 def check_components(recipe: Recipe, model: ResolvedModel) -> None:
     """Unknown components, and regional scope on a component that has no ``_repeated_blocks``."""
     known = model.components()
+    modules = [n for n, (_, cls) in known.items() if _is_module_class(cls)]
     for name in recipe.compile.components:
         if name not in known:
             raise recipe.error("compile.components", f"{name!r} is not a component of {recipe.model.id}"
                                                      f"{_suggest(name, list(known))} (components: {', '.join(known)})")
+        if name not in modules:
+            raise recipe.error("compile.components", f"{name!r} ({known[name][1]}) is not a torch module: there is "
+                                                     f"nothing to compile (compilable: {', '.join(modules)})")
         if recipe.compile.scope == "regional":
             library, class_name = known[name]
             blocks = _repeated_blocks(library, class_name)
             if not blocks:
                 raise recipe.error("compile.scope", f"regional scope needs a component with _repeated_blocks; "
                                                     f"{name} ({class_name}) has none: use scope: full")
+
+
+def _is_module_class(class_name: str) -> bool:
+    """Schedulers, tokenizers and image processors are pipeline components but not modules; told by
+    their class names (diffusers and transformers name them so) to avoid importing either library."""
+    return not (class_name.endswith("Scheduler") or any(w in class_name for w in ("Tokenizer", "Processor",
+                                                                                    "FeatureExtractor")))
 
 
 def _repeated_blocks(library: str, class_name: str) -> tuple[str, ...]:

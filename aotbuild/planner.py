@@ -92,17 +92,22 @@ class Job:
 
 
 def explain_miss(manifests: Iterable[dict[str, Any]], recipe_name: str, component: str,
-                 factors: dict[str, Any]) -> str:
+                 factors: dict[str, Any], root: Path | None = None) -> str:
     """Why a job is not built: the factors that differ from the nearest entry for the same component
     (an entry of the same recipe wins a tie; a renamed or copied recipe still finds its entries)."""
     best: tuple[int, int, list[str]] | None = None
+    seen = 0
     for manifest in manifests:
+        seen += 1
         if manifest.get("component") != component:
             continue
         diff = keys.differences(manifest.get("factors", {}), factors)
         rank = (len(diff), manifest.get("recipe") != recipe_name)
         if best is None or rank < best[:2]:
             best = (*rank, diff)
+    if best is None and not seen and root is not None:  # the classic: built into another cache root
+        return (f"not built: the cache at {root} is empty (the one you built into? --cache, else AOTBUILD_CACHE, "
+                "else [tool.aotbuild] cache in the nearest pyproject.toml, else ~/.cache/aotbuild)")
     if best is None:
         return f"not built: the cache has no entry for a {component}"
     diff = best[2]
@@ -132,7 +137,7 @@ def jobs_for(ctx: Context, store: Store) -> list[Job]:
             ok, why = store.check_entry(key)
             if why == "not built":
                 manifests = list(store.iter_manifests()) if manifests is None else manifests
-                why = explain_miss(manifests, recipe.name, component, factors)
+                why = explain_miss(manifests, recipe.name, component, factors, store.root)
             jobs.append(Job(recipe, component, shape, key, factors, HIT if ok else MISS, why))
     return jobs
 

@@ -300,6 +300,17 @@ def parse_recipe(data: Any, source: str = "<recipe>", name: str | None = None) -
 
 def _check_combinations(recipe: Recipe) -> None:
     """Rules that span keys. Target-specific rules live with the target (``validate``)."""
+    from aotbuild import builtin
+
+    if builtin.is_builtin(recipe.model.id):
+        name = recipe.model.id[len(builtin.PREFIX):]
+        if name not in builtin.BUILTINS:
+            known = [builtin.PREFIX + n for n in sorted(builtin.BUILTINS)]
+            raise recipe.error("model.id", f"unknown built-in model {recipe.model.id!r}"
+                                           f"{_suggest(recipe.model.id, known)} (known: {', '.join(known)})")
+        if recipe.model.revision:
+            raise recipe.error("model.revision", "a built-in model has no revisions (it is created locally): "
+                                                 "remove model.revision")
     if recipe.offload == "model" and recipe.compile.scope != "regional":
         raise recipe.error("offload", "model offload needs compile.scope: regional (offload hooks cannot be traced)")
     from aotbuild.targets import get_target
@@ -326,9 +337,13 @@ def load_recipe(path: str | Path) -> Recipe:
         mark = getattr(exc, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise RecipeError(source, None, f"is not valid YAML: {where}{problem}") from None
+        raise RecipeError(source, None, f"is not valid YAML: {where}{problem} (check the indentation and the "
+                                        "colons around there)") from None
     except RecursionError:
         raise RecipeError(source, None, "is not valid YAML: nested too deeply") from None
+    if data is None:
+        raise RecipeError(source, None, "is empty: a recipe needs at least model and shapes "
+                                        "(recipes/tiny_sd_cpu.yaml is a complete example)")
     return parse_recipe(data, source)
 
 

@@ -143,13 +143,20 @@ class FolderRemote(Remote):
         self.url = url
         self.store = Store(path)
 
+    def _check_root(self) -> None:
+        """A remote folder that does not exist is a typo or an unmounted share, not an empty remote."""
+        if not self.store.root.is_dir():
+            raise RemoteError(f"{self.url}: no such folder (not mounted? a push creates it; its parent must exist)")
+
     def keys(self) -> set[str]:
+        self._check_root()
         folder = self.store.layout.manifests
         if not folder.is_dir():
             return set()
         return {p.stem for p in folder.glob("*/*.json") if _HEX64.match(p.stem)}
 
     def fetch(self, key: str, store: Store) -> str:
+        self._check_root()
         try:
             manifest = self.store.load_manifest(key)
         except ValueError as exc:
@@ -173,6 +180,9 @@ class FolderRemote(Remote):
     def push(self, entries: list[Entry], progress: Callable[[str], None] | None = None,
              workdir: Path | None = None) -> PushResult:
         result = PushResult()
+        if not self.store.root.parent.is_dir():  # never create a whole tree from a typo
+            raise RemoteError(f"{self.url}: {self.store.root.parent} does not exist (not mounted?); create the "
+                              "remote folder's parent first")
         try:
             with store_lock(self.store.root, exclusive=False):  # the folder may be gc'd as a --cache
                 self._push(entries, result, progress)

@@ -70,8 +70,8 @@ class LoadReport:
         pulled = sum(e.pulled for e in self.entries)
         lines = [f"aotbuild: {self.recipe}: {len(self.hits)} hit, {len(self.misses)} miss "
                  + (f"({pulled} pulled from {self.remote}) " if pulled else "")
-                 + f"(cache {self.cache}; {self.installed_files} files installed, {self.present_files} already "
-                 f"in {self.install_folder or 'the compiler cache'})"]
+                 + f"(cache {self.cache}; {self.installed_files} files installed into the compiler's cache "
+                 f"{self.install_folder or 'folder'}, {self.present_files} were already there)"]
         for e in self.entries:
             status = "hit " if e.hit else "MISS"
             line = f"  {status} {e.component:<14} {str(e.shape):<12} {e.key[:12]}" + ("  pulled" if e.pulled else "")
@@ -149,13 +149,14 @@ def load_compiled(recipe: str | Path | Recipe, pipe: Any = None, *, cache: str |
                     report.entries.append(ReportEntry(component, shape, key, True, pulled=key in pulled))
                 else:
                     reason = why if why != "not built" else explain_miss(store.iter_manifests(), recipe.name,
-                                                                         component, factors)
+                                                                         component, factors, root)
                     reason += remote_notes.get(key, "")
                     report.entries.append(ReportEntry(component, shape, key, False, reason))
             plans.append((component, module, entries))
 
         if report.misses and on_miss == "error":
-            raise CacheMiss(str(report))
+            raise CacheMiss(f"{report}\n  next: `aotbuild build {recipe.source}` builds them here"
+                            + (" (or load with remote=URL to fetch CI-built entries)" if remote is None else ""))
         aot = recipe.strategy == "aot-package"
         files = [f for _, _, entries in plans for e in entries for f in e.files]
         if aot:  # only the loader's probe files go to Inductor's cache; packages are loaded below
@@ -193,8 +194,12 @@ def load_compiled(recipe: str | Path | Recipe, pipe: Any = None, *, cache: str |
     pipe.aotbuild_report = report
     log.info("%s", report)
     if report.misses:
-        warnings.warn(f"aotbuild: {len(report.misses)} cache miss(es) for {recipe.name}; "
-                      f"see pipe.aotbuild_report", stacklevel=2)
+        then = "compiles on first call" if on_miss == "compile" else "runs eagerly"
+        misses = "; ".join(f"{e.component} {e.shape} ({e.key[:12]}): {e.reason}" for e in report.misses[:3])
+        more = f"; and {len(report.misses) - 3} more" if len(report.misses) > 3 else ""
+        warnings.warn(f"aotbuild: {recipe.name}: {len(report.misses)} of {len(report.entries)} entries missed, each "
+                      f"{then}: {misses}{more} (pipe.aotbuild_report has them all; `aotbuild build "
+                      f"{recipe.source}` builds them)", stacklevel=2)
     return pipe
 
 

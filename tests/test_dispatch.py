@@ -40,6 +40,12 @@ def test_strict_raises_shape_not_built():
     with pytest.raises(ShapeNotBuilt, match=r"arg\[0\]=4x3:float32") as info:
         m(torch.zeros(4, 3), flag=None)
     assert isinstance(info.value, CacheMiss)
+    assert "built: arg[0]=2x3:float32" in str(info.value)
+    # Twice a built batch: most likely guidance_scale above 1 (classifier-free guidance).
+    assert "The batch is twice a built one's: guidance_scale above 1" in str(info.value)
+    with pytest.raises(ShapeNotBuilt) as info:
+        m(torch.zeros(3, 3), flag=None)
+    assert "guidance" not in str(info.value)
 
 
 def test_eager_policy_bypasses_compiled():

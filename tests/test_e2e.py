@@ -183,8 +183,11 @@ def test_on_miss_error_names_the_differing_factor(built_cache, tmp_path):
 
 
 def test_on_miss_error_on_empty_cache(models_dir, tmp_path):
-    with pytest.raises(CacheMiss, match="the cache has no entry for a unet"):
+    """The first-hour trap: loading from another cache root than the build's. The miss says the
+    cache is empty, where it is, and how the root is chosen; the error says what to run next."""
+    with pytest.raises(CacheMiss, match=f"the cache at {models_dir} is empty .*AOTBUILD_CACHE") as info:
         load_compiled(TINY_RECIPE, cache=models_dir, on_miss="error")
+    assert f"next: `aotbuild build {TINY_RECIPE}`" in str(info.value)
 
 
 def test_fx_graph_cache_off_makes_every_entry_a_miss(built_cache):
@@ -193,3 +196,32 @@ def test_fx_graph_cache_off_makes_every_entry_a_miss(built_cache):
     root, _ = built_cache
     with inductor_config.patch(fx_graph_cache=False), pytest.raises(CacheMiss, match="FX graph cache is off"):
         load_compiled(TINY_RECIPE, cache=root, on_miss="error")
+
+
+def test_cli_output_is_aotbuild_s_own(tmp_path):
+    """First use of the built-in model: one line says it is being created; transformers' torchvision
+    notice and the libraries' progress bars stay out of the command's output."""
+    proc = run_cli("plan", "--cache", str(tmp_path / "fresh"), str(TINY_RECIPE))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.startswith("creating builtin:tiny-sd in ") and "first use" in proc.stderr
+    for noise in ("torchvision", "Writing model shards", "it/s", "Loading"):
+        assert noise not in proc.stderr, proc.stderr
+    assert "not built: the cache at" in proc.stdout and "is empty" in proc.stdout
+
+
+def test_build_progress_without_a_terminal_shows_life_once_a_minute(capsys):
+    from types import SimpleNamespace
+
+    from aotbuild.cli import _progress
+
+    show = _progress()
+    job = SimpleNamespace(label="r:unet@64x64", key="ab" * 32)
+    show("start", 1, 2, job, None)
+    for seconds in (0.5, 30.0, 61.0, 90.0, 121.5):
+        show("tick", 1, 2, job, SimpleNamespace(status="compiling and warming up", seconds=seconds))
+    show("end", 1, 2, job, SimpleNamespace(status="built", seconds=130.2, reason=""))
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == ["[1/2] r:unet@64x64 (abababababab) building ...",
+                     "[1/2] r:unet@64x64 (abababababab) compiling and warming up (61 s so far)",
+                     "[1/2] r:unet@64x64 (abababababab) compiling and warming up (122 s so far)",
+                     "[1/2] r:unet@64x64 (abababababab) built in 130.2 s"]

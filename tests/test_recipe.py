@@ -59,6 +59,15 @@ BAD = [
     (GOOD.replace("guidance_scale: 0.0", "height: 64"), "warmup.height: cannot be set here: shapes sets it"),
     ("model: [unclosed\n", "is not valid YAML: line"),
     ("- just\n- a list\n", "expected a mapping of recipe keys at the top level"),
+    ("", "is empty: a recipe needs at least model and shapes"),
+    (GOOD.replace("builtin:tiny-sd", "builtin:tiny-sdxl"),
+     "model.id: unknown built-in model 'builtin:tiny-sdxl'; did you"),
+    (GOOD.replace("{id: builtin:tiny-sd}", "{id: builtin:tiny-sd, revision: main}"),
+     "model.revision: a built-in model has no revisions"),
+    (GOOD + "compile: {options: {max_autotun: true}}\n",
+     "compile.options.max_autotun: not an Inductor option; did you mean 'max_autotune'?"),
+    (GOOD + "compile: {options: {cpp.dynamic_threads: 'no'}}\n",
+     "compile.options.cpp.dynamic_threads: 'no' is a str; this option takes a bool"),
 ]
 
 
@@ -106,6 +115,10 @@ def test_component_checks_need_the_model(tmp_path, models_dir):
     regional = parse_recipe({**_good(), "compile": {"components": ["vae"], "scope": "regional"}}, "r.yaml")
     with pytest.raises(RecipeError, match="compile.scope: regional scope needs a component with _repeated_blocks"):
         check_components(regional, resolve_model(regional, models_dir))
+    tokenizer = parse_recipe({**_good(), "compile": {"components": ["tokenizer"]}}, "r.yaml")
+    with pytest.raises(RecipeError, match=r"'tokenizer' \(CLIPTokenizer\) is not a torch module: .*"
+                                          r"\(compilable: text_encoder, unet, vae\)"):
+        check_components(tokenizer, resolve_model(tokenizer, models_dir))
     ok = parse_recipe({**_good(), "compile": {"components": ["unet"], "scope": "regional"}}, "r.yaml")
     check_components(ok, resolve_model(ok, models_dir))
 

@@ -106,6 +106,21 @@ def test_a_tampered_remote_blob_is_refused_and_nothing_is_stored(tmp_path):
     assert not list(other.layout.tmp.iterdir())  # no temp file left behind
 
 
+def test_a_missing_remote_folder_is_an_error_not_an_empty_remote(tmp_path):
+    """A typo or an unmounted share: reads say so instead of "not on the remote", and a push does
+    not create a whole tree (it creates the remote folder itself only inside an existing parent)."""
+    local = Store(tmp_path / "local")
+    a = add_entry(local, tmp_path, "a", {"x.so": b"kernel-a"})
+    gone = parse_remote(f"file://{tmp_path / 'unmounted' / 'cache'}")
+    with pytest.raises(RemoteError, match="no such folder"):
+        gone.keys()
+    with pytest.raises(RemoteError, match="no such folder"):
+        gone.fetch(a, Store(tmp_path / "other"))
+    with pytest.raises(RemoteError, match="does not exist"):
+        gone.push(entries(local, a))
+    assert not (tmp_path / "unmounted").exists()
+
+
 def test_pushing_to_an_unwritable_folder_is_one_clear_error(tmp_path):
     local = Store(tmp_path / "local")
     a = add_entry(local, tmp_path, "a", {"x.so": b"kernel-a"})

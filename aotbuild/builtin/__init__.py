@@ -9,12 +9,13 @@ takes. ``TinySD.version`` is a key factor: bump it whenever anything below chang
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import tempfile
 from pathlib import Path
 
-from aotbuild.errors import UsageError
+from aotbuild.errors import StoreError, UsageError
 
 PREFIX = "builtin:"
 TOKENIZER_DIR = Path(__file__).with_name("tiny_clip_tokenizer")
@@ -102,8 +103,13 @@ def ensure(model_id: str, models_dir: Path) -> Path:
     folder = models_dir / model.folder_name
     if (folder / "model_index.json").is_file():
         return folder
-    models_dir.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{model.folder_name}.", dir=models_dir))
+    try:
+        models_dir.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{model.folder_name}.", dir=models_dir))
+    except OSError as exc:
+        raise StoreError(f"cannot create {model_id} in {models_dir}: {exc.strerror or exc}; use a writable cache "
+                         "(--cache DIR or AOTBUILD_CACHE)") from None
+    logging.getLogger("aotbuild").info("creating %s in %s (first use; a few seconds) ...", model_id, folder)
     try:
         model.create(staging)
         try:

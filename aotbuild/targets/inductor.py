@@ -69,6 +69,8 @@ class InductorTarget(Target):
 
     def validate(self, recipe: Recipe) -> None:
         super().validate(recipe)
+        if recipe.compile.options:
+            _check_options(recipe)
         if recipe.strategy == "aot-package":
             if not recipe.compile.fullgraph:
                 raise recipe.error("compile.fullgraph", "strategy aot-package exports whole modules (the "
@@ -216,3 +218,24 @@ def _raise_recompile_limit(n_shapes: int) -> None:
 
 
 __all__ = ["InductorTarget", "active_cache_dir"]
+
+
+def _check_options(recipe: Recipe) -> None:
+    """The checks torch.compile makes on ``options`` (torch/__init__.py ``apply_options``), made when
+    the recipe is read: a typo is one line at ``plan`` time, not a failed job with a 20 kB message."""
+    from typing import get_origin
+
+    from torch._inductor import config
+
+    from aotbuild.recipe import _suggest
+
+    current = config.get_config_copy()
+    for key, value in recipe.compile.options.items():
+        name = key.replace("-", "_")
+        if name not in current:
+            raise recipe.error(f"compile.options.{key}", f"not an Inductor option{_suggest(name, list(current))} "
+                                                         "(torch._inductor.list_options() lists them)")
+        kind = config.get_type(name)  # type: ignore[attr-defined]
+        if get_origin(kind) is None and isinstance(kind, type) and not isinstance(value, kind):
+            raise recipe.error(f"compile.options.{key}", f"{value!r} is a {type(value).__name__}; this option "
+                                                         f"takes a {type(current[name]).__name__}")
