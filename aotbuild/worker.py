@@ -37,6 +37,7 @@ def run(job: dict) -> dict:
     assert ctx.model is not None
     pipe = models.load_pipeline(recipe, ctx.model, ctx.dtype)
     models.place_pipeline(pipe, recipe, ctx.device)
+    models.check_warmup_arguments(pipe, recipe)
     module = getattr(pipe, component)
     cls_name, config = models.module_config(module)
     factors = ctx.factors(component, cls_name, config, shape, type(pipe).__name__)
