@@ -53,3 +53,41 @@ def test_cli_reference_lists_every_command():
     text = (REPO / "docs" / "cli.md").read_text()
     for name in main.commands:
         assert f"aotbuild {name} " in text and f"`{name}`" in text, name
+
+
+TYPE_WORDS = {"str": "text", "str?": "text", "int": "int", "bool": "bool", "list[str]": "list of text",
+              "mapping": "mapping", "shapes": "list"}
+
+
+def _default_text(field: Field) -> str | None:
+    """What the default column must say; None: a default derived elsewhere ("none" or "target's")."""
+    if field.required:
+        return "required"
+    value = field.default
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, tuple):
+        return "[" + ", ".join(value) + "]"
+    if isinstance(value, dict):
+        return "{}" if not value else str(value)
+    return str(value)
+
+
+def test_documented_types_and_defaults_match_schema():
+    text = (REPO / "docs" / "recipes.md").read_text()
+    rows = {m.group(1): [c.strip() for c in m.group(0).split(" | ")]
+            for m in re.finditer(r"^\| `([^`]+)` \|.*$", text, flags=re.M)}
+    fields = {f"shapes[].{k}": v for k, v in SHAPE_SCHEMA.items()}
+    for name, spec in SCHEMA.items():
+        fields.update({name: spec} if isinstance(spec, Field) else {f"{name}.{k}": v for k, v in spec.items()})
+    for key, field in fields.items():
+        _, kind, default = rows[key][:3]
+        assert kind == TYPE_WORDS[field.type], f"{key}: type {kind!r}"
+        expected = _default_text(field)
+        shown = default.split(" (")[0]
+        if expected is None:
+            assert shown == "none" or shown.endswith("'s"), f"{key}: default {default!r}"
+        else:
+            assert shown == expected, f"{key}: default {default!r}, the schema says {expected!r}"
