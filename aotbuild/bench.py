@@ -193,8 +193,8 @@ def draw(path: str | Path, title: str, series: list[tuple[str, list[float], list
                   [max(x) - v for v, x in zip(values, samples, strict=True)]]
         ax.barh([s[0] for s in series], values, color=[s[3] for s in series],
                 xerr=spread if any(len(x) > 1 for x in samples) else None, capsize=3)
-        for i, v in enumerate(values):
-            ax.text(v, i, f" {v:.1f} {unit}" if v >= 10 else f" {v:.2f} {unit}", va="center", fontsize=9)
+        for i, (v, x) in enumerate(zip(values, samples, strict=True)):  # right of the bar and its range
+            ax.text(max(x), i, f"  {v:.1f} {unit}" if v >= 10 else f"  {v:.2f} {unit}", va="center", fontsize=9)
         ax.set_xlabel(unit)
         ax.set_title(name, fontsize=10)
         ax.invert_yaxis()

@@ -64,9 +64,9 @@ def resolve_model(recipe: Recipe, cache_root: Path) -> ResolvedModel:
             raise recipe.error("model.id", f"{spec.id} is a folder without model_index.json (not a diffusers pipeline)")
         return ResolvedModel(str(folder.resolve()), True, _read_json(index), None, {"id": spec.id, "local": True})
     if spec.id.startswith((".", "/", "~")):
-        tried = [Path(spec.id).expanduser().resolve()]
-        if not Path(spec.id).expanduser().is_absolute():
-            tried.insert(0, (Path(recipe.source).parent / spec.id).resolve())
+        if Path(spec.id).expanduser().is_absolute():
+            raise recipe.error("model.id", f"no such folder: {spec.id}")
+        tried = [(Path(recipe.source).parent / spec.id).resolve(), Path(spec.id).expanduser().resolve()]
         looked = " and ".join(map(str, dict.fromkeys(tried)))
         raise recipe.error("model.id", f"no such folder: {spec.id} (looked for {looked})")
     path = _hub_file(spec.id, "model_index.json", spec.revision)

@@ -106,8 +106,7 @@ def explain_miss(manifests: Iterable[dict[str, Any]], recipe_name: str, componen
         if best is None or rank < best[:2]:
             best = (*rank, diff)
     if best is None and not seen and root is not None:  # the classic: built into another cache root
-        return (f"not built: the cache at {root} is empty (the one you built into? --cache, else AOTBUILD_CACHE, "
-                "else [tool.aotbuild] cache in the nearest pyproject.toml, else ~/.cache/aotbuild)")
+        return f"not built: the cache at {root} is empty (built into another? pass --cache or set AOTBUILD_CACHE)"
     if best is None:
         return f"not built: the cache has no entry for a {component}"
     diff = best[2]

@@ -82,6 +82,7 @@ def main() -> None:
     ap.add_argument("--modes", default="eager,cold,pt-warm,aotbuild,aot-package,aot-regional",
                     help="comma-separated subset, for a quick look (ratios need their modes)")
     ap.add_argument("--plot", metavar="FILE.png", help="also draw the medians (needs matplotlib)")
+    ap.add_argument("--save", metavar="FILE.json", help="also write every run's figures")
     ap.add_argument("--child", nargs=3)
     args = ap.parse_args()
     if args.child:
@@ -151,6 +152,9 @@ def main() -> None:
         for label, a, b, table, goal in ratios:
             if a in table and b in table:
                 print(f"{label:<36} = {table[a] / table[b]:.3f}" + (f"  (goal {goal})" if goal else ""))
+        if args.save:
+            Path(args.save).write_text(json.dumps({"machine": machine, "repeats": args.repeats, "runs": results},
+                                                  indent=1))
         if args.plot:
             from aotbuild.bench import draw
 
