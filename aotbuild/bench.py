@@ -45,7 +45,7 @@ class Run:
     first: float  # seconds from process start to the first pipeline output
     steady: float  # seconds, median of the calls after the first
     rss_mb: float  # peak resident memory of the process
-    graphs: int  # Dynamo graphs compiled in the process (0: no torch.compile at all)
+    graphs: int  # Dynamo graphs traced in the process (0: no torch.compile at all)
     cache_hits: int  # Inductor FX graph cache hits / misses
     cache_misses: int
 
@@ -98,7 +98,7 @@ class BenchReport:
                  f"machine: {machine_text(m)}",
                  f"median of {self.repeats} fresh process(es) per mode; steady = median of {self.calls} call(s) "
                  "after the first", ""]
-        header = ["mode", "load -> first output", "steady call", "peak RSS", "graphs compiled", "Inductor cache"]
+        header = ["mode", "load -> first output", "steady call", "peak RSS", "Dynamo graphs", "Inductor FX cache"]
         rows = []
         for mode, runs in self.runs.items():
             cache = "-" if mode == "eager" else f"{runs[0].cache_hits} hit, {runs[0].cache_misses} miss"
@@ -117,8 +117,8 @@ class BenchReport:
             for label, value, meaning in self.ratios():
                 lines.append(f"{label:<{width}} = {value:.3f}" + (f"  ({meaning})" if meaning else ""))
         if "warm" in self.runs and self.strategy == "jit-cache" and self.target == "inductor":
-            lines.append("A warm jit-cache load still traces with Dynamo (graphs compiled > 0) but takes every "
-                         "kernel from the cache (0 miss); strategy: aot-package skips Dynamo too.")
+            lines.append("A warm jit-cache load still traces with Dynamo (its graphs above) but compiles no "
+                         "kernel (0 miss); strategy: aot-package skips Dynamo too.")
         return "\n".join(lines)
 
 

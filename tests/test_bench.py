@@ -127,6 +127,6 @@ def test_standin_target_builds_what_is_missing_then_measures_all_three(tmp_path)
     assert "building 1 job(s) the cache lacks for 32x32 first" in proc.stderr
     for label in ("eager (no compile)", "cold compile", "aotbuild warm load", "warm load / cold compile"):
         assert label in proc.stdout
-    assert "Inductor cache" not in proc.stdout  # Inductor's counters say nothing about another backend
+    assert "Inductor FX cache" not in proc.stdout  # Inductor's counters say nothing about another backend
     plan = json.loads(run_cli("plan", "--json", "--cache", str(cache), str(path), env=FAKES).stdout)
     assert sorted((j["shape"]["height"], j["status"]) for j in plan["jobs"]) == [(32, "hit"), (64, "miss")]
