@@ -231,14 +231,15 @@ def bench(recipe_path: str | Path, cache: str | Path | None = None, *, shape: st
         raise TargetUnavailable(f"cannot bench {recipe.source}: {blocked[0].reason}")
     report = BenchReport(recipe.name, recipe.source, recipe.model.id, recipe.target, recipe.strategy,
                          recipe.compile.scope, list(recipe.compile.components), str(chosen), {}, repeats, calls)
-    if "warm" in modes and any(j.status != HIT for j in jobs):
-        from aotbuild.builder import build
+    if "warm" in modes:  # build also re-hashes what plan counted as hits (plan checks sizes only)
+        from aotbuild.builder import CACHED, build
 
-        say(f"building {sum(j.status != HIT for j in jobs)} job(s) the cache lacks for {chosen} first "
-            f"(as `aotbuild build` would) ...")
-        built = build([one], root)
+        missing = sum(j.status != HIT for j in jobs)
+        if missing:
+            say(f"building {missing} job(s) the cache lacks for {chosen} first (as `aotbuild build` would) ...")
+        built = build([one], root, progress=_build_progress(say))
         report.built = [{"job": r.job.label, "status": r.status, "seconds": round(r.seconds, 1), "reason": r.reason}
-                        for r in built.results]
+                        for r in built.results if r.status != CACHED]
         if built.failed:
             r = built.failed[0]
             raise AotbuildError(f"cannot bench: building {r.job.label} failed: {r.reason}; run "
@@ -258,6 +259,22 @@ def bench(recipe_path: str | Path, cache: str | Path | None = None, *, shape: st
     return report
 
 
+def _build_progress(say: Callable[[str], None]) -> Callable[..., None]:
+    """A line per job, and one a minute while it compiles."""
+    beat = {"next": 60.0}
+
+    def show(event: str, n: int, total: int, job: Any, result: Any) -> None:
+        if event == "start":
+            beat["next"] = 60.0
+        elif event == "tick" and result.seconds >= beat["next"]:
+            beat["next"] = result.seconds + 60.0
+            say(f"  [{n}/{total}] {job.label}: {result.status} ({result.seconds:.0f} s so far)")
+        elif event == "end":
+            say(f"  [{n}/{total}] {job.label}: {result.status} in {result.seconds:.1f} s")
+
+    return show
+
+
 def _run_child(mode: str, recipe: Any, index: int, root: Path, calls: int, workdir: Path) -> tuple[Run, dict]:
     from aotbuild.targets import get_target
 
@@ -270,14 +287,15 @@ def _run_child(mode: str, recipe: Any, index: int, root: Path, calls: int, workd
             env[name] = value
     start = time.time()
     proc = subprocess.run([sys.executable, "-m", "aotbuild.bench", "--child", mode, recipe.source, str(index),
-                           str(root), str(calls), repr(start)], env=env, capture_output=True, text=True)
+                           str(root), str(calls), repr(start)], env=env, capture_output=True, text=True,
+                          errors="replace")
     line = next((x for x in proc.stdout.splitlines() if x.startswith(RESULT)), None)
-    if proc.returncode or line is None:
-        last = next((x for x in reversed(proc.stderr.strip().splitlines()) if x.strip()), "no output")
-        hint = " (the cache does not serve this machine: see `aotbuild plan`)" if "CacheMiss" in proc.stderr else ""
-        raise AotbuildError(f"bench: the {LABELS[mode]} process failed (exit {proc.returncode}): {last.strip()}{hint}")
-    data = json.loads(line[len(RESULT):])
-    return Run(**data["run"]), data["machine"]
+    data = json.loads(line[len(RESULT):]) if line else {}
+    if "run" in data:  # measured, even if the process then failed on its way out
+        return Run(**data["run"]), data["machine"]
+    last = next((x for x in reversed(proc.stderr.strip().splitlines()) if x.strip()), "no output")
+    why = data.get("error") or last.strip()
+    raise AotbuildError(f"bench: the {LABELS[mode]} process failed (exit {proc.returncode}): {why}")
 
 
 def child(mode: str, source: str, index: int, cache: str, calls: int, start: float) -> dict[str, Any]:
@@ -290,7 +308,7 @@ def child(mode: str, source: str, index: int, cache: str, calls: int, start: flo
     recipe = replace(recipe, shapes=(shape,))
     from aotbuild.planner import Context
 
-    ctx = Context.create(recipe, Path(cache))
+    ctx = Context.create(recipe, Path(cache), resolve_model=mode != "warm")  # warm: load_compiled resolves it
     if ctx.problem:
         raise AotbuildError(ctx.problem)
     if mode == "warm":
@@ -301,6 +319,7 @@ def child(mode: str, source: str, index: int, cache: str, calls: int, start: flo
         assert ctx.model is not None
         pipe = models.load_pipeline(recipe, ctx.model, ctx.dtype)
         models.place_pipeline(pipe, recipe, ctx.device)
+        models.check_warmup_arguments(pipe, recipe)  # as a build job does: a typo would run 50 steps
         if mode == "cold":
             for component in recipe.compile.components:
                 module = getattr(pipe, component)
@@ -341,7 +360,17 @@ def _cpu_model() -> str:
     return platform.processor()
 
 
+def _child_main(argv: list[str]) -> int:
+    mode, source, index, cache, calls, start = argv
+    try:
+        result = child(mode, source, int(index), cache, int(calls), float(start))
+    except AotbuildError as exc:  # the whole message (a CacheMiss spans lines) goes back to the parent
+        print(RESULT + json.dumps({"error": " ".join(str(exc).split())}), flush=True)
+        return 1
+    print(RESULT + json.dumps(result), flush=True)
+    return 0
+
+
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--child"]:
-        mode, source, index, cache, calls, start = sys.argv[2:8]
-        print(RESULT + json.dumps(child(mode, source, int(index), cache, int(calls), float(start))), flush=True)
+        sys.exit(_child_main(sys.argv[2:8]))

@@ -19,7 +19,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from aotbuild import __version__
+from aotbuild import __version__, constants
 from aotbuild.errors import StoreError
 from aotbuild.layout import format_size, resolve_cache_root, resolve_max_size
 from aotbuild.locks import flocked, store_lock
@@ -161,6 +161,9 @@ def _build_one(store: Store, job: Job, tick: Callable[[float, str], None] | None
                     "factors": job.factors, "result": str(staging / "result.json")}
             (staging / "job.json").write_text(json.dumps(spec))
             env = {**os.environ, **target.capture_env(staging), "PYTHONUNBUFFERED": "1"}
+            for name in os.environ.get(constants.ENV_QUIETED, "").split(","):  # the log keeps every warning
+                if name.endswith("_VERBOSITY"):
+                    env.pop(name, None)
             env = {k: v for k, v in env.items() if v is not None}
             with open(staging / "worker.log", "wb") as log:
                 proc = subprocess.Popen([sys.executable, "-m", "aotbuild.worker", str(staging / "job.json")],

@@ -44,15 +44,24 @@ def _run(fn: Callable[[], int | None]) -> None:
     except AotbuildError as exc:
         click.echo(f"error: {exc}", err=True)
         code = exc.exit_code
+    except BrokenPipeError:  # `aotbuild ls | head`: the reader left, nothing to say
+        sys.stderr.close()
+        code = EXIT_OK
     except OSError as exc:  # the file system said no where no module expected it: still one line
+        import errno
+
         where = f"{exc.filename}: " if exc.filename else ""
-        click.echo(f"error: {where}{exc.strerror or exc}; check the path and its permissions (--cache DIR, "
-                   "AOTBUILD_CACHE)", err=True)
+        hint = "; check the path and its permissions (--cache DIR, AOTBUILD_CACHE)" if exc.errno in (
+            errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOENT, errno.ENOTDIR) else ""
+        click.echo(f"error: {where}{exc.strerror or exc}{hint}", err=True)
         code = EXIT_FAILED
     except KeyboardInterrupt:
         click.echo("interrupted", err=True)
         code = 130
     sys.exit(code)
+
+
+_QUIET = {"TRANSFORMERS_VERBOSITY": "error", "DIFFUSERS_VERBOSITY": "error", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
 
 
 class _EchoHandler(logging.Handler):
@@ -65,12 +74,18 @@ class _EchoHandler(logging.Handler):
 def _quiet_libraries() -> None:
     """What a command prints is aotbuild's: transformers' and diffusers' advisories (e.g. the
     torchvision notice on every import) and progress bars go, unless the user set these variables.
-    Build jobs inherit them; their logs keep every error. aotbuild's own notes go to stderr."""
+    The names set here are listed in AOTBUILD_QUIETED: build jobs, whose logs are for a human
+    chasing a failure, get the verbosity back. aotbuild's own notes go to stderr."""
     import os
 
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    from aotbuild.constants import ENV_QUIETED
+
+    ours = set(filter(None, os.environ.get(ENV_QUIETED, "").split(",")))
+    for name, value in _QUIET.items():
+        if name not in os.environ or name in ours:
+            os.environ[name] = value
+            ours.add(name)
+    os.environ[ENV_QUIETED] = ",".join(sorted(ours))  # builder gives jobs the user's settings back
     log = logging.getLogger("aotbuild")
     if not log.handlers:
         handler = _EchoHandler()

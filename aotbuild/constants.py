@@ -20,6 +20,8 @@ ENV_LOCK_TIMEOUT = "AOTBUILD_LOCK_TIMEOUT"
 DEFAULT_LOCK_TIMEOUT = 60.0
 #: The cache's size limit ("20GB"); ``[tool.aotbuild] max_size`` loses to it, ``--max-size`` wins.
 ENV_MAX_SIZE = "AOTBUILD_MAX_SIZE"
+#: Set by the CLI: the library variables it quieted itself (build jobs get their verbosity back).
+ENV_QUIETED = "AOTBUILD_QUIETED"
 #: Where PyTorch Inductor keeps its own on-disk cache (FX graphs, kernels).
 ENV_INDUCTOR_CACHE = "TORCHINDUCTOR_CACHE_DIR"
 

@@ -128,7 +128,7 @@ def _batch_hint(sig: str, built: list[str]) -> str:
     called = _first_tensor(sig)
     for b in built:
         other = _first_tensor(b)
-        if called and other and called[1:] == other[1:] and called[0] in (2 * other[0], other[0] // 2):
+        if called and other and called[1:] == other[1:] and (called[0] == 2 * other[0] or 2 * called[0] == other[0]):
             return (f" The batch is {'twice' if called[0] > other[0] else 'half'} a built one's: guidance_scale "
                     "above 1 doubles it (classifier-free guidance), so call with the recipe's guidance_scale.")
     return ""

@@ -110,6 +110,8 @@ def explain_miss(manifests: Iterable[dict[str, Any]], recipe_name: str, componen
     if best is None:
         return f"not built: the cache has no entry for a {component}"
     diff = best[2]
+    if not diff:  # same factors, another key: an entry written by another aotbuild key format
+        return "not built: an entry with these factors has another key (written by another aotbuild version?)"
     shown = "; ".join(diff[:3]) + (f"; and {len(diff) - 3} more" if len(diff) > 3 else "")
     return f"not built: {shown}"
 

@@ -133,6 +133,7 @@ def load_compiled(recipe: str | Path | Recipe, pipe: Any = None, *, cache: str |
     with store_lock(root, exclusive=False):
         report = LoadReport(recipe.name, str(root), on_miss=on_miss, remote=remote.url if remote else "")
         plans = []  # (component, module, verified entries)
+        manifests: list[dict[str, Any]] | None = None  # read once, on the first miss to explain
         for component in recipe.compile.components:
             module = getattr(pipe, component)
             entries: list[Entry] = []
@@ -148,8 +149,10 @@ def load_compiled(recipe: str | Path | Recipe, pipe: Any = None, *, cache: str |
                     entries.append(entry)
                     report.entries.append(ReportEntry(component, shape, key, True, pulled=key in pulled))
                 else:
-                    reason = why if why != "not built" else explain_miss(store.iter_manifests(), recipe.name,
-                                                                         component, factors, root)
+                    if why == "not built":
+                        manifests = list(store.iter_manifests()) if manifests is None else manifests
+                        why = explain_miss(manifests, recipe.name, component, factors, root)
+                    reason = why
                     reason += remote_notes.get(key, "")
                     report.entries.append(ReportEntry(component, shape, key, False, reason))
             plans.append((component, module, entries))

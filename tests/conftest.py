@@ -23,6 +23,23 @@ def isolated_cache(tmp_path, monkeypatch):
     return root
 
 
+@pytest.fixture(autouse=True)
+def restore_process_state():
+    """A CLI command run in-process (click's CliRunner) sets library variables and the aotbuild
+    logger's handler: undone after each test, so later tests (and their subprocesses) see neither."""
+    import logging
+
+    env = dict(os.environ)
+    log = logging.getLogger("aotbuild")
+    handlers, level, propagate = list(log.handlers), log.level, log.propagate
+    yield
+    os.environ.clear()
+    os.environ.update(env)
+    log.handlers[:] = handlers
+    log.setLevel(level)
+    log.propagate = propagate
+
+
 def run_cli(*args: str, env: dict | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "aotbuild.cli", *args], capture_output=True, text=True,
                           env={**os.environ, **(env or {})}, cwd=cwd or REPO)

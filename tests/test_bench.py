@@ -67,7 +67,7 @@ def test_plot_without_matplotlib_says_how_to_install(monkeypatch, tmp_path):
     # The CLI checks before measuring anything: it fails at once and builds nothing.
     result = CliRunner().invoke(main, ["bench", str(TINY_RECIPE), "--plot", str(tmp_path / "b.png")])
     assert result.exit_code == 2 and "aotbuild[plot]" in result.output
-    assert not (tmp_path / "aotcache" / "entries").exists()
+    assert "round 1/1" not in result.output and not (tmp_path / "aotcache").exists()  # nothing ran or was built
 
 
 @pytest.mark.parametrize("text,expected", [("64x96", (64, 96, 1)), ("64X64x2", (64, 64, 2))])
@@ -130,3 +130,18 @@ def test_standin_target_builds_what_is_missing_then_measures_all_three(tmp_path)
     assert "Inductor FX cache" not in proc.stdout  # Inductor's counters say nothing about another backend
     plan = json.loads(run_cli("plan", "--json", "--cache", str(cache), str(path), env=FAKES).stdout)
     assert sorted((j["shape"]["height"], j["status"]) for j in plan["jobs"]) == [(32, "hit"), (64, "miss")]
+
+
+def test_a_failing_child_sends_its_whole_error_back(monkeypatch, capsys):
+    """A CacheMiss spans lines: the child sends it whole, on its result line, for the parent to show."""
+    from aotbuild.errors import CacheMiss
+
+    def miss(*args):
+        raise CacheMiss("aotbuild: tiny: 0 hit, 1 miss\n  MISS unet 64x64 ab12  not built: shape.height\n  next: build")
+
+    monkeypatch.setattr(bench, "child", miss)
+    assert bench._child_main(["warm", "r.yaml", "0", "/c", "1", "0.0"]) == 1
+    line = capsys.readouterr().out.strip()
+    assert line.startswith(bench.RESULT)
+    assert json.loads(line[len(bench.RESULT):]) == {
+        "error": "aotbuild: tiny: 0 hit, 1 miss MISS unet 64x64 ab12 not built: shape.height next: build"}

@@ -230,3 +230,21 @@ def test_build_progress_without_a_terminal_shows_life_once_a_minute(capsys):
                      "[1/2] r:unet@64x64 (abababababab) compiling and warming up (61 s so far)",
                      "[1/2] r:unet@64x64 (abababababab) compiling and warming up (122 s so far)",
                      "[1/2] r:unet@64x64 (abababababab) built in 130.2 s"]
+
+
+def test_read_only_commands_on_a_missing_cache_say_so_and_create_nothing(tmp_path):
+    missing = tmp_path / "typo"
+    for command in (["ls"], ["verify"], ["gc", "--max-size", "1GB"]):
+        proc = run_cli(*command, "--cache", str(missing))
+        assert proc.returncode == 0 and f"no cache at {missing}" in proc.stdout, (command, proc.stderr)
+    assert json.loads(run_cli("verify", "--json", "--cache", str(missing)).stdout)["problems"] == []
+    assert not missing.exists()
+
+
+def test_a_cache_that_cannot_be_created_is_one_line(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    proc = run_cli("plan", "--cache", str(blocker / "cache"), str(TINY_RECIPE))
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert proc.stderr.startswith("error: cannot create builtin:tiny-sd in ") and "--cache DIR" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1

@@ -149,3 +149,28 @@ def test_relative_model_folder_is_found_next_to_the_recipe(models_dir, tmp_path,
     recipe_file.write_text(yaml.safe_dump(data))
     with pytest.raises(RecipeError, match=r"model.id: no such folder: ../missing \(looked for .*project/missing and "):
         resolve_model(load_recipe(recipe_file), tmp_path)
+
+
+def test_a_miss_is_explained_by_the_nearest_entry_for_the_component():
+    """Fewest differing factors wins, across recipes (a copied recipe finds its original's entries);
+    on a tie the entry of the same recipe wins; an empty cache is named as such."""
+    from aotbuild.planner import explain_miss
+
+    here = {"shape": {"height": 64, "width": 64}, "warmup": {"guidance_scale": 0.0}, "env": {"torch": "2.13"}}
+
+    def entry(recipe, component="unet", **changes):
+        factors = {k: dict(v) for k, v in here.items()}
+        for path, value in changes.items():
+            section, name = path.split("__")
+            factors[section][name] = value
+        return {"recipe": recipe, "component": component, "factors": factors}
+
+    two_off = entry("mine", shape__height=96, env__torch="2.12")
+    one_off = entry("original", warmup__guidance_scale=5.0)
+    assert explain_miss([two_off, one_off], "mine", "unet", here) == \
+        "not built: warmup.guidance_scale: 5.0 in the cache, 0.0 here"
+    tie = entry("mine", shape__width=96)
+    assert explain_miss([one_off, tie], "mine", "unet", here) == "not built: shape.width: 96 in the cache, 64 here"
+    assert explain_miss([entry("x", component="vae")], "mine", "unet", here) == \
+        "not built: the cache has no entry for a unet"
+    assert "the cache at /c is empty" in explain_miss([], "mine", "unet", here, Path("/c"))

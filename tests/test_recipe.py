@@ -148,3 +148,18 @@ def test_warmup_arguments_must_be_named_parameters_of_the_pipeline():
     with pytest.raises(RecipeError, match=r"r.yaml: warmup.num_inference_step: not an argument of "
                                           r"FakePipeline.__call__; did you mean 'num_inference_steps'\?"):
         check_warmup_arguments(FakePipeline(), typo)
+
+
+def test_list_and_mapping_options_reach_torch_compile_and_the_key_as_plain_values():
+    """YAML lists and mappings are frozen in a Recipe; the compile settings (what torch.compile
+    gets and what the key hashes) hold plain lists and dicts again."""
+    import json
+
+    from aotbuild.targets import get_target
+
+    options = {"custom_should_partition_ops": ["aten::mm"], "post_grad_fusion_options": {}}
+    recipe = parse_recipe({**_good(), "compile": {"options": options}}, "r.yaml")
+    settings = get_target("inductor").compile_settings(recipe, "cpu")
+    assert settings["options"]["custom_should_partition_ops"] == ["aten::mm"]
+    assert type(settings["options"]["post_grad_fusion_options"]) is dict
+    json.dumps(settings)  # keys are sha256 of canonical JSON

@@ -100,9 +100,11 @@ class FolderCacheTarget(Target):
                                                f"(got {recipe.compile.mode!r})")
 
     def compile_settings(self, recipe: Recipe, device: str) -> dict[str, Any]:
+        from aotbuild.recipe import thaw
+
         spec = recipe.compile
         return {"backend": self.name, "scope": spec.scope, "mode": spec.mode, "fullgraph": spec.fullgraph,
-                "dynamic": spec.dynamic, "options": dict(sorted(dict(spec.options).items()))}
+                "dynamic": spec.dynamic, "options": dict(sorted(thaw(spec.options).items()))}
 
     def compile(self, module: torch.nn.Module, recipe: Recipe, device: str) -> Callable[..., Any]:
         import torch

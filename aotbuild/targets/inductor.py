@@ -79,8 +79,10 @@ class InductorTarget(Target):
                 raise recipe.error("offload", "strategy aot-package cannot run under model offload")
 
     def compile_settings(self, recipe: Recipe, device: str) -> dict[str, Any]:
+        from aotbuild.recipe import thaw
+
         spec = recipe.compile
-        options = dict(spec.options)
+        options = thaw(spec.options)  # plain lists and dicts: what torch.compile and JSON expect
         if _parse_device(device)[0] == "cpu":
             # CPU kernels otherwise bake in torch.get_num_threads(): a 2-core CI build would miss on a
             # 16-core server. Measured cost: see docs/cache.md (Threads) and benchmarks/cold_vs_warm.py.
@@ -137,8 +139,10 @@ class InductorTarget(Target):
     def capture_env(self, workdir: Path) -> dict[str, str | None]:
         # The caches must be on in the job even if the user's environment turned them off: what they
         # write is the artifact.
+        # TRITON_CACHE_DIR would send Triton's kernels elsewhere (uncaptured): they belong under the
+        # Inductor cache folder, where torch puts them by default.
         return {constants.ENV_INDUCTOR_CACHE: str(workdir / "inductor"), "TORCHINDUCTOR_FX_GRAPH_CACHE": "1",
-                "TORCHINDUCTOR_AUTOGRAD_CACHE": "1"}
+                "TORCHINDUCTOR_AUTOGRAD_CACHE": "1", "TRITON_CACHE_DIR": None}
 
     def collect(self, workdir: Path, strategy: str) -> list[tuple[str, Path]]:
         if strategy == "aot-package":
@@ -227,15 +231,17 @@ def _check_options(recipe: Recipe) -> None:
 
     from torch._inductor import config
 
-    from aotbuild.recipe import _suggest
+    from aotbuild.recipe import _suggest, thaw
 
     current = config.get_config_copy()
-    for key, value in recipe.compile.options.items():
+    for key, value in thaw(recipe.compile.options).items():
         name = key.replace("-", "_")
         if name not in current:
             raise recipe.error(f"compile.options.{key}", f"not an Inductor option{_suggest(name, list(current))} "
                                                          "(torch._inductor.list_options() lists them)")
         kind = config.get_type(name)  # type: ignore[attr-defined]
         if get_origin(kind) is None and isinstance(kind, type) and not isinstance(value, kind):
+            takes = "has no declared type, and torch.compile refuses it" if kind is type(None) \
+                else f"takes a {kind.__name__}"
             raise recipe.error(f"compile.options.{key}", f"{value!r} is a {type(value).__name__}; this option "
-                                                         f"takes a {type(current[name]).__name__}")
+                                                         f"{takes}")
