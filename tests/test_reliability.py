@@ -391,7 +391,7 @@ def test_rm_removes_entries_and_only_their_own_blobs(tmp_path):
     assert rm(store, [a]) == [(a, len(b"only-a"))]
     assert not store.has(a) and store.open_entry(b)[0] is not None
     out = run_cli("rm", b[:10], "--cache", str(store.root))
-    assert out.returncode == 0 and "1 entries removed" in out.stdout
+    assert out.returncode == 0 and "1 entry removed" in out.stdout
     assert not list(store.blob_files())
 
 

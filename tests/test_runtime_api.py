@@ -62,7 +62,7 @@ def test_passed_pipe_misses_run_eager_when_asked(tiny_pipe, models_dir):
 
     recipe = load_recipe(TINY_RECIPE)
     expected = tiny_pipe(**warmup_kwargs(recipe, recipe.shapes[0]), output_type="pt").images
-    with pytest.warns(UserWarning, match="2 cache miss"):
+    with pytest.warns(UserWarning, match="tiny_sd_cpu: 2 of 2 entries missed, each runs eagerly: unet 64x64"):
         pipe = load_compiled(recipe, tiny_pipe, cache=models_dir, on_miss="eager")
     assert [e.hit for e in pipe.aotbuild_report.entries] == [False, False]
     out = pipe(**warmup_kwargs(recipe, recipe.shapes[0]), output_type="pt").images
