@@ -44,8 +44,10 @@ def _run(fn: Callable[[], int | None]) -> None:
     except AotbuildError as exc:
         click.echo(f"error: {exc}", err=True)
         code = exc.exit_code
-    except BrokenPipeError:  # `aotbuild ls | head`: the reader left, nothing to say
-        sys.stderr.close()
+    except BrokenPipeError:  # `aotbuild ls | head`: the reader left, nothing to say (Python docs' recipe)
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         code = EXIT_OK
     except OSError as exc:  # the file system said no where no module expected it: still one line
         import errno

@@ -158,8 +158,10 @@ def load_compiled(recipe: str | Path | Recipe, pipe: Any = None, *, cache: str |
             plans.append((component, module, entries))
 
         if report.misses and on_miss == "error":
-            raise CacheMiss(f"{report}\n  next: `aotbuild build {recipe.source}` builds them here"
-                            + (" (or load with remote=URL to fetch CI-built entries)" if remote is None else ""))
+            nxt = "" if blocker else (f"\n  next: `aotbuild build {recipe.source}` builds them here"
+                                      + (" (or load with remote=URL to fetch CI-built entries)" if remote is None
+                                         else ""))
+            raise CacheMiss(f"{report}{nxt}")
         aot = recipe.strategy == "aot-package"
         files = [f for _, _, entries in plans for e in entries for f in e.files]
         if aot:  # only the loader's probe files go to Inductor's cache; packages are loaded below
@@ -200,9 +202,9 @@ def load_compiled(recipe: str | Path | Recipe, pipe: Any = None, *, cache: str |
         then = "compiles on first call" if on_miss == "compile" else "runs eagerly"
         misses = "; ".join(f"{e.component} {e.shape} ({e.key[:12]}): {e.reason}" for e in report.misses[:3])
         more = f"; and {len(report.misses) - 3} more" if len(report.misses) > 3 else ""
+        build = "" if blocker else f"; `aotbuild build {recipe.source}` builds them"
         warnings.warn(f"aotbuild: {recipe.name}: {len(report.misses)} of {len(report.entries)} entries missed, each "
-                      f"{then}: {misses}{more} (pipe.aotbuild_report has them all; `aotbuild build "
-                      f"{recipe.source}` builds them)", stacklevel=2)
+                      f"{then}: {misses}{more} (pipe.aotbuild_report has them all{build})", stacklevel=2)
     return pipe
 
 
