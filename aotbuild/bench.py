@@ -159,7 +159,8 @@ def require_matplotlib() -> None:
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        raise UsageError("--plot needs matplotlib: pip install 'aotbuild[plot]' (or pip install matplotlib)") \
+        raise UsageError("--plot needs matplotlib: pip install 'aotbuild[plot]' (from a clone: pip install -e "
+                         "'.[plot]'; or pip install matplotlib)") \
             from None
 
 

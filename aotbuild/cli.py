@@ -434,7 +434,10 @@ def show(key: str, cache: str | None, as_json: bool) -> None:
         seconds = b.get("seconds")
         if isinstance(seconds, dict):  # entries written before 0.1.0's fix held the phases here
             seconds = round(sum(v for v in seconds.values() if isinstance(v, int | float)), 1)
-        click.echo(f"{'built:':<12}{b.get('created')} in {seconds} s by aotbuild {b.get('aotbuild')}")
+        phases = b.get("phases")
+        split = (" (" + ", ".join(f"{k.replace('_', ' ')} {v:.1f} s" for k, v in phases.items()
+                                  if isinstance(v, int | float)) + ")") if isinstance(phases, dict) else ""
+        click.echo(f"{'built:':<12}{b.get('created')} in {seconds} s{split} by aotbuild {b.get('aotbuild')}")
         click.echo(f"{'size:':<12}{_human_size(store.blob_size(manifest))} in {len(manifest.get('files', []))} files")
         click.echo("factors:")
         for path, value in flatten(manifest.get("factors", {})).items():
