@@ -211,8 +211,10 @@ def draw(path: str | Path, title: str, series: list[tuple[str, list[float], list
 
 def bench(recipe_path: str | Path, cache: str | Path | None = None, *, shape: str | None = None,
           repeats: int = 1, calls: int = 3, modes: tuple[str, ...] = MODES,
-          progress: Callable[[str], None] | None = None) -> BenchReport:
-    """Measure ``modes`` for one shape of ``recipe_path``, each in ``repeats`` fresh processes."""
+          progress: Callable[[str], None] | None = None, build_progress: Any = None) -> BenchReport:
+    """Measure ``modes`` for one shape of ``recipe_path``, each in ``repeats`` fresh processes.
+
+    ``progress`` gets a line per step; ``build_progress`` is passed to :func:`aotbuild.build`."""
     from aotbuild.errors import TargetUnavailable
     from aotbuild.layout import resolve_cache_root
     from aotbuild.planner import HIT, UNAVAILABLE, plan
@@ -238,7 +240,7 @@ def bench(recipe_path: str | Path, cache: str | Path | None = None, *, shape: st
         missing = sum(j.status != HIT for j in jobs)
         if missing:
             say(f"building {missing} job(s) the cache lacks for {chosen} first (as `aotbuild build` would) ...")
-        built = build([one], root, progress=_build_progress(say))
+        built = build([one], root, progress=build_progress)
         report.built = [{"job": r.job.label, "status": r.status, "seconds": round(r.seconds, 1), "reason": r.reason}
                         for r in built.results if r.status != CACHED]
         if built.failed:
@@ -258,22 +260,6 @@ def bench(recipe_path: str | Path, cache: str | Path | None = None, *, shape: st
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return report
-
-
-def _build_progress(say: Callable[[str], None]) -> Callable[..., None]:
-    """A line per job, and one a minute while it compiles."""
-    beat = {"next": 60.0}
-
-    def show(event: str, n: int, total: int, job: Any, result: Any) -> None:
-        if event == "start":
-            beat["next"] = 60.0
-        elif event == "tick" and result.seconds >= beat["next"]:
-            beat["next"] = result.seconds + 60.0
-            say(f"  [{n}/{total}] {job.label}: {result.status} ({result.seconds:.0f} s so far)")
-        elif event == "end":
-            say(f"  [{n}/{total}] {job.label}: {result.status} in {result.seconds:.1f} s")
-
-    return show
 
 
 def _run_child(mode: str, recipe: Any, index: int, root: Path, calls: int, workdir: Path) -> tuple[Run, dict]:

@@ -619,7 +619,7 @@ def bench(recipe: str, cache: str | None, as_json: bool, shape: str | None, repe
             benchmod.require_matplotlib()  # before minutes of measuring, not after
         chosen = tuple(m.strip() for m in modes.split(",") if m.strip())
         report = benchmod.bench(recipe, cache, shape=shape, repeats=repeats, calls=calls, modes=chosen,
-                                progress=lambda text: click.echo(text, err=True))
+                                progress=lambda text: click.echo(text, err=True), build_progress=_progress())
         if plot_file:
             benchmod.plot(report, plot_file)
         if as_json:
