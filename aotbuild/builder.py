@@ -23,6 +23,7 @@ from aotbuild import __version__, constants
 from aotbuild.errors import StoreError
 from aotbuild.layout import format_size, resolve_cache_root, resolve_max_size
 from aotbuild.locks import flocked, store_lock
+from aotbuild.manifest import FileRecord, Manifest, Proof
 from aotbuild.planner import HIT, MISS, UNAVAILABLE, Job, plan, shard_jobs
 from aotbuild.recipe import Recipe, recipe_to_dict
 from aotbuild.store import Store
@@ -139,7 +140,7 @@ def build(recipes: list[str] | list[Recipe], cache: str | Path | None = None, *,
 
 def _entry_size(store: Store, key: str | None) -> int:
     manifest = store.read_manifest(key) if key else None
-    return store.blob_size(manifest) if manifest else 0
+    return manifest.size if manifest else 0
 
 
 def _build_one(store: Store, job: Job, tick: Callable[[float, str], None] | None = None,
@@ -160,35 +161,18 @@ def _build_one(store: Store, job: Job, tick: Callable[[float, str], None] | None
                     "shape": job.shape.as_dict(), "cache_root": str(store.root), "key": job.key,
                     "factors": job.factors, "result": str(staging / "result.json")}
             (staging / "job.json").write_text(json.dumps(spec))
-            env = {**os.environ, **target.capture_env(staging), "PYTHONUNBUFFERED": "1"}
-            for name in os.environ.get(constants.ENV_QUIETED, "").split(","):  # the log keeps every warning
-                if name.endswith("_VERBOSITY"):
-                    env.pop(name, None)
-            env = {k: v for k, v in env.items() if v is not None}
-            with open(staging / "worker.log", "wb") as log:
-                proc = subprocess.Popen([sys.executable, "-m", "aotbuild.worker", str(staging / "job.json")],
-                                        env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-                try:
-                    while proc.poll() is None:
-                        if tick:
-                            tick(time.perf_counter() - started, _read_phase(staging))
-                        time.sleep(0.5)
-                except BaseException:  # Ctrl-C: stop the job, keep nothing
-                    proc.kill()
-                    proc.wait()
-                    raise
+            code = _run_child("aotbuild.worker", staging / "job.json", _child_env(target.capture_env(staging)),
+                              staging / "worker.log", staging, tick, started)
             seconds = time.perf_counter() - started
             result = _read_result(staging / "result.json")
-            if proc.returncode != 0 or "error" in result:
-                reason = result.get("error") or f"worker exited with {proc.returncode}{_tail(staging / 'worker.log')}"
-                reason = " ".join(reason.split())  # one line in the table, whatever the exception said
-                if len(reason) > 300:  # some compiler errors list every option they know: the log has it all
-                    reason = reason[:300] + " ..."
+            if code != 0 or "error" in result:
+                reason = result.get("error") or f"worker exited with {code}{_tail(staging / 'worker.log')}"
                 _keep_log(staging / "worker.log", log_path)
-                return JobResult(job, FAILED, seconds, reason=f"{reason} (log: {log_path})")
+                return JobResult(job, FAILED, seconds, reason=f"{_one_line(reason)} (log: {log_path})")
             files = target.collect(staging, job.recipe.strategy)
             if not files:
                 return JobResult(job, FAILED, seconds, reason="the job compiled nothing: no artifact to store")
+            seconds = time.perf_counter() - started
             return store_job(store, job, files, result, seconds, limit)
     except OSError as exc:
         return JobResult(job, FAILED, time.perf_counter() - started, reason=f"cannot run the job: {exc}")
@@ -196,8 +180,58 @@ def _build_one(store: Store, job: Job, tick: Callable[[float, str], None] | None
         store.clean_staging(staging)
 
 
+def _child_env(extra: dict[str, str | None]) -> dict[str, str]:
+    env = {**os.environ, **extra, "PYTHONUNBUFFERED": "1"}
+    for name in os.environ.get(constants.ENV_QUIETED, "").split(","):  # the log keeps every warning
+        if name.endswith("_VERBOSITY"):
+            env.pop(name, None)
+    return {k: v for k, v in env.items() if v is not None}
+
+
+def _run_child(module: str, spec: Path, env: dict[str, str], log_path: Path, staging: Path,
+               tick: Callable[[float, str], None] | None, started: float, cwd: Path | None = None) -> int:
+    """``python -m MODULE SPEC`` with its output in ``log_path``; ticks while it runs; its exit code."""
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", module, str(spec)], env=env, stdout=log,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=cwd)
+        try:
+            while proc.poll() is None:
+                if tick:
+                    tick(time.perf_counter() - started, _read_phase(staging))
+                time.sleep(0.5)
+        except BaseException:  # Ctrl-C: stop the job, keep nothing
+            proc.kill()
+            proc.wait()
+            raise
+    return proc.returncode
+
+
+def _one_line(reason: str) -> str:
+    reason = " ".join(reason.split())  # one line in the table, whatever the exception said
+    return reason[:300] + " ..." if len(reason) > 300 else reason  # the log has it all
+
+
+def make_manifest(job: Job, records: list[FileRecord], result: dict[str, Any], seconds: float,
+                  proof: Proof | None = None) -> Manifest:
+    assert job.key is not None and job.factors is not None
+    packages = tuple(result.get("packages", ()))
+    return Manifest(
+        format=job.factors["format"], key=job.key, recipe=job.recipe.name, component=job.component,
+        shape=job.shape.as_dict(), target=job.recipe.target, strategy=job.recipe.strategy,
+        factors=job.factors, files=tuple(records), signatures=tuple(result["signatures"]),
+        # True only if AOTInductor compiled a tensor's value into a package: see packages[].baked
+        embeds_weights=get_target(job.recipe.target).embeds_weights or any(p["baked"] for p in packages),
+        packages=packages,
+        build={"created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+               "seconds": round(seconds, 3), "aotbuild": __version__,
+               "phases": result.get("seconds"), "counters": result.get("counters")},
+        recipe_data=recipe_to_dict(job.recipe),
+        proof=proof,
+    )
+
+
 def store_job(store: Store, job: Job, files: list[tuple[str, Path]], result: dict[str, Any], seconds: float,
-              limit: int | None = None) -> JobResult:
+              limit: int | None = None, proof: Proof | None = None) -> JobResult:
     """Blobs, then the manifest, under the shared store lock. A failure to write (no space left, a
     read-only store, a lock timeout) loses the cache entry, not the build: status "uncached"."""
     assert job.key is not None and job.factors is not None
@@ -206,31 +240,18 @@ def store_job(store: Store, job: Job, files: list[tuple[str, Path]], result: dic
         return JobResult(job, FAILED, seconds, size=size,
                          reason=f"the entry is {format_size(size)}, bigger than the cache's size limit "
                                 f"{format_size(limit)}: nothing stored (raise max_size, docs/cache.md)")
-    target = get_target(job.recipe.target)
     try:
         with store_lock(store.root, exclusive=False):
-            entries = []
+            records = []
             for rel, path in files:
                 digest, blob_size = store.put_blob(path)
-                entries.append({"path": rel, "sha256": digest, "size": blob_size})
-            manifest = {
-                "format": job.factors["format"], "key": job.key, "recipe": job.recipe.name,
-                "component": job.component, "shape": job.shape.as_dict(), "target": job.recipe.target,
-                "strategy": job.recipe.strategy, "factors": job.factors, "files": entries,
-                "signatures": result["signatures"],
-                # True only if AOTInductor compiled a tensor's value into a package: see packages[].baked
-                "embeds_weights": target.embeds_weights or any(p["baked"] for p in result.get("packages", [])),
-                **({"packages": result["packages"]} if "packages" in result else {}),
-                "build": {"created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                          "seconds": round(seconds, 3), "aotbuild": __version__,
-                          "phases": result.get("seconds"), "counters": result.get("counters")},
-                "recipe_data": recipe_to_dict(job.recipe),
-            }
-            store.put_manifest(job.key, manifest)
+                records.append(FileRecord(rel, digest, blob_size))
+            manifest = make_manifest(job, records, result, seconds, proof)
+            store.put_manifest(manifest)
     except OSError as exc:  # put_blob/put_manifest removed their temp files already
         return JobResult(job, UNCACHED, seconds, size=size,
                          reason=f"compiled, but not stored in the cache: {exc}")
-    return JobResult(job, BUILT, seconds, size=sum(e["size"] for e in entries), details=result)
+    return JobResult(job, BUILT, seconds, size=manifest.size, details=result)
 
 
 def _ticker(progress: Progress, n: int, total: int, job: Job) -> Callable[[float, str], None]:

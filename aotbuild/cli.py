@@ -378,13 +378,12 @@ def ls(cache: str | None, as_json: bool) -> None:
                         if p.is_dir() and not p.name.startswith(".")) if store.layout.models.is_dir() else []
         if as_json:
             _emit_json({"cache": str(store.root), "models": models, "entries": [
-                {"key": m["key"], "recipe": m.get("recipe"), "component": m.get("component"),
-                 "shape": m.get("shape"), "target": m.get("target"), "size": store.blob_size(m),
-                 "created": m.get("build", {}).get("created")} for m in manifests]})
+                {"key": m.key, "recipe": m.recipe, "component": m.component,
+                 "shape": dict(m.shape), "target": m.target, "size": m.size,
+                 "created": _created(m)} for m in manifests]})
             return EXIT_OK
-        rows = [[m["key"][:12], m.get("recipe", "?"), m.get("component", "?"), _shape_text(m.get("shape")),
-                 m.get("target", "?"), _human_size(store.blob_size(m)), m.get("build", {}).get("created", "?")]
-                for m in manifests]
+        rows = [[m.key[:12], m.recipe, m.component, _shape_text(m.shape), m.target, _human_size(m.size),
+                 _created(m) or "?"] for m in manifests]
         click.echo(_table(rows, ["key", "recipe", "component", "shape", "target", "size", "created"]))
         click.echo(f"{len(manifests)} entries in {store.root}")
         for name in models:
@@ -395,10 +394,13 @@ def ls(cache: str | None, as_json: bool) -> None:
 
 
 def _shape_text(shape: Any) -> str:
-    if not isinstance(shape, dict):
-        return "?"
-    text = f"{shape.get('height')}x{shape.get('width')}"
-    return text if shape.get("batch_size", 1) == 1 else f"{text}x{shape['batch_size']}"
+    text = f"{shape['height']}x{shape['width']}"
+    return text if shape["batch_size"] == 1 else f"{text}x{shape['batch_size']}"
+
+
+def _created(manifest: Any) -> str | None:
+    created = manifest.build.get("created")
+    return created if isinstance(created, str) else None
 
 
 @main.command()
@@ -420,17 +422,21 @@ def show(key: str, cache: str | None, as_json: bool) -> None:
 
         store = Store(resolve_cache_root(cache))
         full = store.resolve_prefix(key)
-        manifest = store.read_manifest(full)
+        try:
+            manifest = store.load_manifest(full)
+        except (OSError, ValueError) as exc:
+            raise AotbuildError(f"entry {full[:12]} cannot be used: {str(exc).replace(str(store.root) + '/', '')}; "
+                                f"run `aotbuild verify`") from None
         if manifest is None:
-            raise AotbuildError(f"entry {full[:12]} is unreadable; run `aotbuild verify`")
+            raise AotbuildError(f"entry {full[:12]} was removed meanwhile")
         if as_json:
-            _emit_json(manifest)
+            _emit_json(manifest.as_json())
             return EXIT_OK
         click.echo(f"key:        {full}")
         for field in ("recipe", "component", "target", "strategy"):
-            click.echo(f"{field + ':':<12}{manifest.get(field)}")
-        click.echo(f"{'shape:':<12}{_shape_text(manifest.get('shape'))}")
-        b = manifest.get("build", {})
+            click.echo(f"{field + ':':<12}{getattr(manifest, field)}")
+        click.echo(f"{'shape:':<12}{_shape_text(manifest.shape)}")
+        b = manifest.build
         seconds = b.get("seconds")
         if isinstance(seconds, dict):  # entries written before 0.1.0's fix held the phases here
             seconds = round(sum(v for v in seconds.values() if isinstance(v, int | float)), 1)
@@ -438,11 +444,19 @@ def show(key: str, cache: str | None, as_json: bool) -> None:
         split = (" (" + ", ".join(f"{k.replace('_', ' ')} {v:.1f} s" for k, v in phases.items()
                                   if isinstance(v, int | float)) + ")") if isinstance(phases, dict) else ""
         click.echo(f"{'built:':<12}{b.get('created')} in {seconds} s{split} by aotbuild {b.get('aotbuild')}")
-        click.echo(f"{'size:':<12}{_human_size(store.blob_size(manifest))} in {len(manifest.get('files', []))} files")
+        click.echo(f"{'size:':<12}{_human_size(manifest.size)} in {len(manifest.files)} files")
+        proof = manifest.proof
+        if proof is None:
+            click.echo(f"{'proof:':<12}none (built before aotbuild proved entries)")
+        else:
+            click.echo(f"{'proof:':<12}served by a fresh process in {proof.load_s:.1f} s: {proof.compiles} compiles "
+                       f"({proof.counter or 'compiler counters'}), {proof.instances} module instance(s), "
+                       f"{proof.calls} call(s), max |compiled - eager| {proof.max_abs_diff:.2e} "
+                       f"(tolerance {proof.tolerance:.0e})")
         click.echo("factors:")
-        for path, value in flatten(manifest.get("factors", {})).items():
+        for path, value in flatten(dict(manifest.factors)).items():
             click.echo(f"  {path} = {json.dumps(value)}")
-        click.echo(f"signatures: {len(manifest.get('signatures', []))} call signature(s) built")
+        click.echo(f"signatures: {len(manifest.signatures)} call signature(s) built")
         return EXIT_OK
 
     _run(go)
@@ -571,7 +585,7 @@ def rm(items: tuple[str, ...], cache: str | None, as_json: bool) -> None:
         keys = [store.resolve_prefix(i) for i in items if is_key_prefix(i)]
         names = {r.name for r in load_recipes([i for i in items if not is_key_prefix(i)])} \
             if any(not is_key_prefix(i) for i in items) else set()
-        keys += [m["key"] for m in store.iter_manifests() if m.get("recipe") in names]
+        keys += [m.key for m in store.iter_manifests() if m.recipe in names]
         removed = run_rm(store, keys)
         if as_json:
             _emit_json({"cache": str(store.root), "removed": [{"key": k, "freed": n} for k, n in removed]})

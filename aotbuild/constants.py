@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 
 #: Bumped whenever the meaning of a key factor or the manifest layout changes: old entries then miss.
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 
 #: Cache root from the environment; ``--cache`` wins over it, ``pyproject.toml`` loses to it.
 ENV_CACHE = "AOTBUILD_CACHE"

@@ -21,7 +21,7 @@ from pathlib import Path, PurePosixPath
 from aotbuild import constants
 from aotbuild.errors import StoreError, UsageError
 
-_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+HEX64 = re.compile(r"^[0-9a-f]{64}\Z")
 
 
 def resolve_cache_root(cli_value: str | os.PathLike | None = None, start: Path | None = None) -> Path:
@@ -138,12 +138,12 @@ class Layout:
         return self.root / "locks"
 
     def blob(self, digest: str) -> Path:
-        if not _HEX64.match(digest):
+        if not HEX64.match(digest):
             raise StoreError(f"not a sha256 digest: {digest!r}")
         return self.blobs / digest[:2] / digest
 
     def manifest(self, key: str) -> Path:
-        if not _HEX64.match(key):
+        if not HEX64.match(key):
             raise StoreError(f"not a cache key: {key!r}")
         return self.manifests / key[:2] / f"{key}.json"
 

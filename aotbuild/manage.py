@@ -13,15 +13,16 @@ filesystems, where shared caches live (docs/cache.md).
 from __future__ import annotations
 
 import contextlib
+import stat
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from aotbuild import constants
 from aotbuild.errors import StoreError
-from aotbuild.layout import _HEX64
+from aotbuild.layout import HEX64
 from aotbuild.locks import is_unlocked, store_lock
+from aotbuild.manifest import Manifest, StaleManifest
 from aotbuild.store import Store, sha256_file
 
 CORRUPT, MISSING, MALFORMED, UNREADABLE, ORPHAN, TEMP = "corrupt", "missing", "malformed", "unreadable", "orphan", \
@@ -64,13 +65,14 @@ def _scan(store: Store) -> list[Problem]:
         if problem is not None:
             problems.append(problem)
             continue
-        assert manifest is not None
+        if manifest is None:  # removed since it was listed
+            continue
         key = path.stem
-        for item in manifest["files"]:
-            digest, rel = item["sha256"], item["path"]
+        for item in manifest.files:
+            digest, rel = item.sha256, item.path
             named.setdefault(digest, []).append(key)
             if digest not in checked:
-                checked[digest] = _blob_problem(store, digest, item["size"])
+                checked[digest] = _blob_problem(store, digest, item.size)
             if checked[digest] == MISSING:
                 problems.append(Problem(MISSING, path, f"blob {digest[:12]} of {rel} is missing", key, digest))
             elif checked[digest]:
@@ -83,24 +85,28 @@ def _scan(store: Store) -> list[Problem]:
     return problems
 
 
-def _read(store: Store, path: Path) -> tuple[dict[str, Any] | None, Problem | None]:
-    if not _HEX64.match(path.stem):
-        return None, Problem(MALFORMED, path, "not named by a key")
+def _read(store: Store, path: Path) -> tuple[Manifest | StaleManifest | None, Problem | None]:
+    """The manifest at ``path`` (a StaleManifest for another format: its blobs are still named),
+    or the problem that makes it no entry."""
+    if not HEX64.match(path.stem) or path.parent.name != path.stem[:2]:
+        return None, Problem(MALFORMED, path, "not named by a key in its key's folder")
     try:
         manifest = store.load_manifest(path.stem)
     except OSError as exc:
         return None, Problem(UNREADABLE, path, f"cannot be read ({exc.strerror or exc}): its entry's owner must fix "
                                                f"permissions", path.stem)
+    except StaleManifest as exc:
+        return exc, None
     except ValueError as exc:
         return None, Problem(MALFORMED, path, str(exc).replace(f"{path}: ", ""))
-    if manifest is None:  # removed since it was listed
-        return None, None
     return manifest, None
 
 
 def _blob_problem(store: Store, digest: str, size: int) -> str:
     blob = store.layout.blob(digest)
     try:
+        if not stat.S_ISREG(blob.lstat().st_mode):
+            return "not a regular file"
         if blob.stat().st_size != size:
             return f"has {blob.stat().st_size} bytes, expected {size}"
         if sha256_file(blob) != digest:
@@ -122,14 +128,14 @@ def _leftovers(store: Store) -> list[Path]:
     return out
 
 
-def _named(store: Store, *, strict: bool = True) -> tuple[dict[str, list[str]], dict[str, dict[str, Any]]]:
+def _named(store: Store, *, strict: bool = True) -> tuple[dict[str, list[str]], dict[str, Manifest | StaleManifest]]:
     """(digest -> keys that name it, key -> manifest), without hashing.
 
     ``strict`` (gc, rm) refuses to go on when a manifest cannot be read or parsed: its blobs would
     look unreferenced, and deleting them would leave that manifest pointing at nothing. Otherwise
     (verify) such manifests are skipped; verify then lists no orphans while one is unreadable."""
     named: dict[str, list[str]] = {}
-    manifests = {}
+    manifests: dict[str, Manifest | StaleManifest] = {}
     for path in store.manifest_files():
         manifest, problem = _read(store, path)
         if problem is not None and strict:
@@ -150,7 +156,7 @@ def _confirmed(store: Store, problem: Problem, named: dict[str, list[str]]) -> b
     if not path.exists():
         return False
     if problem.kind == CORRUPT:
-        return sha256_file(path) != path.name
+        return bool(_blob_problem(store, path.name, path.stat().st_size if path.is_file() else -1))
     if problem.kind == ORPHAN:
         return path.name not in named
     if problem.kind == TEMP:
@@ -180,11 +186,9 @@ def verify(store: Store, *, fix: bool = False) -> list[Problem]:
                 store.remove_manifest(key)
             for p in problems:
                 if p.kind == MALFORMED:
-                    p.path.unlink(missing_ok=True)
+                    _remove(p.path)
             for p in problems:
-                if p.kind in (CORRUPT, ORPHAN):
-                    p.path.unlink(missing_ok=True)
-                elif p.kind == TEMP:
+                if p.kind in (CORRUPT, ORPHAN, TEMP):
                     _remove(p.path)
             for digest, keys in named.items():  # blobs only the removed manifests named
                 if all(k in broken for k in keys):
@@ -218,7 +222,7 @@ class GcReport:
                 "size_before": self.size_before, "size_after": self.size_after, "dry_run": self.dry_run}
 
 
-def stale_reasons(manifests: dict[str, dict[str, Any]]) -> dict[str, str]:
+def stale_reasons(manifests: dict[str, Manifest | StaleManifest]) -> dict[str, str]:
     """Entries that can never match this environment again, and why (another torch, ISA, ...)."""
     from aotbuild import keys
     from aotbuild.targets import get_target, target_names
@@ -227,13 +231,14 @@ def stale_reasons(manifests: dict[str, dict[str, Any]]) -> dict[str, str]:
     fingerprints: dict[tuple[str, str], dict[str, Any] | None] = {}
     out = {}
     for key, manifest in manifests.items():
-        factors = manifest.get("factors", {})
-        if factors.get("format") != constants.FORMAT_VERSION:
-            out[key] = f"format {factors.get('format')}, this aotbuild writes {constants.FORMAT_VERSION}"
+        if isinstance(manifest, StaleManifest):
+            out[key] = str(manifest)
             continue
-        diff = keys.differences({"env": factors.get("env", {})}, {"env": env})
-        device = factors.get("device", {})
-        target, kind = manifest.get("target"), device.get("device_kind")
+        factors = manifest.factors
+        diff = keys.differences({"env": factors["env"]}, {"env": env})
+        device = factors["device"]
+        kind = device.get("device_kind") if isinstance(device.get("device_kind"), str) else None
+        target = manifest.target
         if not diff and target in target_names() and kind:
             if (target, kind) not in fingerprints:  # compare only where this machine can say
                 fingerprints[(target, kind)] = None
@@ -293,13 +298,13 @@ def gc(store: Store, *, max_size: int | None = None, stale: bool = False, dry_ru
     return report
 
 
-def _items(manifest: dict[str, Any]) -> Iterator[tuple[str, int]]:
-    """(digest, size) of each distinct blob a (validated) manifest names."""
+def _items(manifest: Manifest | StaleManifest) -> Iterator[tuple[str, int]]:
+    """(digest, size) of each distinct blob a (validated, or stale) manifest names."""
     seen = set()
-    for item in manifest.get("files", []):
-        if item["sha256"] not in seen:
-            seen.add(item["sha256"])
-            yield item["sha256"], item["size"]
+    for item in manifest.files:
+        if item.sha256 not in seen:
+            seen.add(item.sha256)
+            yield item.sha256, item.size
 
 
 def rm(store: Store, keys: list[str]) -> list[tuple[str, int]]:

@@ -13,6 +13,7 @@ from typing import Any
 
 from aotbuild import keys, models
 from aotbuild.layout import resolve_cache_root
+from aotbuild.manifest import Manifest
 from aotbuild.recipe import Recipe, Shape, find_recipes, load_recipe
 from aotbuild.store import Store
 from aotbuild.targets import Target, get_target
@@ -91,7 +92,7 @@ class Job:
                 "shape": self.shape.as_dict(), "key": self.key, "status": self.status, "reason": self.reason}
 
 
-def explain_miss(manifests: Iterable[dict[str, Any]], recipe_name: str, component: str,
+def explain_miss(manifests: Iterable[Manifest], recipe_name: str, component: str,
                  factors: dict[str, Any], root: Path | None = None) -> str:
     """Why a job is not built: the factors that differ from the nearest entry for the same component
     (an entry of the same recipe wins a tie; a renamed or copied recipe still finds its entries)."""
@@ -99,10 +100,10 @@ def explain_miss(manifests: Iterable[dict[str, Any]], recipe_name: str, componen
     seen = 0
     for manifest in manifests:
         seen += 1
-        if manifest.get("component") != component:
+        if manifest.component != component:
             continue
-        diff = keys.differences(manifest.get("factors", {}), factors)
-        rank = (len(diff), manifest.get("recipe") != recipe_name)
+        diff = keys.differences(dict(manifest.factors), factors)
+        rank = (len(diff), manifest.recipe != recipe_name)
         if best is None or rank < best[:2]:
             best = (*rank, diff)
     if best is None and not seen and root is not None:  # the classic: built into another cache root
@@ -119,7 +120,7 @@ def explain_miss(manifests: Iterable[dict[str, Any]], recipe_name: str, componen
 def jobs_for(ctx: Context, store: Store) -> list[Job]:
     recipe = ctx.recipe
     jobs = []
-    manifests: list[dict[str, Any]] | None = None  # read once, on the first miss to explain
+    manifests: list[Manifest] | None = None  # read once, on the first miss to explain
     for component in recipe.compile.components:
         config: tuple[str, dict[str, Any]] | None = None
         problem = ctx.problem

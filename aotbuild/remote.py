@@ -23,22 +23,23 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import json
 import os
 import re
 import shutil
 import tarfile
 import tempfile
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from aotbuild import manifest as codec
 from aotbuild.errors import RemoteError, StoreError, UsageError
+from aotbuild.layout import HEX64
 from aotbuild.locks import flocked, store_lock
-from aotbuild.store import Entry, Store, check_manifest, sha256_file
+from aotbuild.manifest import Manifest, ManifestError, StaleManifest
+from aotbuild.store import Entry, Store, sha256_file
 
-_HEX64 = re.compile(r"^[0-9a-f]{64}$")
 _HF = re.compile(r"^hf://(?:(?P<kind>datasets|models)/)?(?P<repo>[\w.-]+/[\w.-]+)(?:@(?P<rev>[\w./-]+))?/?$")
 #: Operations per Hub commit: big pushes go in several pack commits, all before the manifest commits.
 HUB_COMMIT_BATCH = 100
@@ -101,20 +102,12 @@ def pull_entry(remote: Remote, key: str, store: Store) -> str:
         return f"cannot write to the local cache {store.root}: {exc}"
 
 
-def _checked_files(key: str, manifest: dict[str, Any]) -> list[tuple[str, int]]:
-    """(digest, size) of every file a pulled manifest names, after checking the whole manifest."""
-    problem = check_manifest(key, manifest)
-    if problem:
-        raise StoreError(f"the remote's manifest for {key[:12]} is malformed: {problem}")
-    return [(item["sha256"], item["size"]) for item in manifest["files"]]
-
-
-def _ingest(store: Store, key: str, manifest: dict[str, Any],
+def _ingest(store: Store, key: str, manifest: Manifest,
             blobs: Callable[[list[tuple[str, int]]], Iterator[tuple[str, BinaryIO]]]) -> str:
     """Store every blob ``blobs`` yields (each refused unless it hashes to its name), then the
     manifest, as a writer of ``store`` (its shared lock: gc cannot take a blob from under us)."""
     try:
-        wanted = _checked_files(key, manifest)
+        wanted = manifest.blobs()
         with store_lock(store.root, exclusive=False):
             missing = {d: s for d, s in wanted if not store.has_blob(d, s, verify=True)}
             if missing:
@@ -125,8 +118,7 @@ def _ingest(store: Store, key: str, manifest: dict[str, Any],
                     if size != missing[digest]:
                         raise StoreError(f"blob {digest[:12]} has {size} bytes, the manifest says "
                                          f"{missing[digest]}")
-            local = {k: v for k, v in manifest.items() if k != "pack"}
-            store.put_manifest(key, local)  # refuses if any blob is still missing
+            store.put_manifest(manifest.without_pack())  # refuses if any blob is still missing
     except RemoteError:  # the remote failed midway (network, auth): the caller reports it
         raise
     except StoreError as exc:
@@ -153,12 +145,14 @@ class FolderRemote(Remote):
         folder = self.store.layout.manifests
         if not folder.is_dir():
             return set()
-        return {p.stem for p in folder.glob("*/*.json") if _HEX64.match(p.stem)}
+        return {p.stem for p in folder.glob("*/*.json") if HEX64.match(p.stem)}
 
     def fetch(self, key: str, store: Store) -> str:
         self._check_root()
         try:
             manifest = self.store.load_manifest(key)
+        except StaleManifest as exc:
+            return f"refused: the remote's entry is stale ({exc})"
         except ValueError as exc:
             return f"refused: the remote's manifest is malformed ({exc})"
         except OSError as exc:
@@ -195,13 +189,13 @@ class FolderRemote(Remote):
             if self.store.check_entry(entry.key)[0]:
                 result.present.append(entry.key)
                 continue
-            by_path = {item["path"]: item for item in entry.manifest["files"]}
+            by_path = {item.path: item for item in entry.manifest.files}
             for rel, blob in entry.files:
-                digest, size = by_path[rel]["sha256"], int(by_path[rel]["size"])
+                digest, size = by_path[rel].sha256, by_path[rel].size
                 if not self.store.has_blob(digest, size, verify=True):
                     self.store.put_blob(blob, expect=digest)
                     result.bytes_sent += size
-            self.store.put_manifest(entry.key, entry.manifest)
+            self.store.put_manifest(entry.manifest)
             result.sent.append(entry.key)
             if progress:
                 progress(entry.key)
@@ -275,7 +269,7 @@ class HubRemote(Remote):
         return [item.path for item in items if isinstance(item, RepoFile)]
 
     def keys(self) -> set[str]:
-        return {Path(p).stem for p in self._list("manifests") if p.endswith(".json") and _HEX64.match(Path(p).stem)}
+        return {Path(p).stem for p in self._list("manifests") if p.endswith(".json") and HEX64.match(Path(p).stem)}
 
     def _download(self, filename: str, folder: Path) -> Path | None:
         from huggingface_hub import errors, hf_hub_download
@@ -304,13 +298,14 @@ class HubRemote(Remote):
         if path is None:
             return "not on the remote"
         try:
-            manifest = json.loads(path.read_text(encoding="utf-8"))
-            pack = manifest["pack"]
-            pack_digest, pack_size = str(pack["sha256"]), int(pack["size"])
-            if not _HEX64.match(pack_digest):
-                raise ValueError("malformed pack digest")
-            wanted = _checked_files(key, manifest)
-        except (ValueError, KeyError, TypeError, StoreError) as exc:
+            manifest = codec.read(path, key)
+            if manifest is None or manifest.pack is None:
+                raise ManifestError("no pack")
+            pack_digest, pack_size = manifest.pack["sha256"], manifest.pack["size"]
+            wanted = manifest.blobs()
+        except StaleManifest as exc:
+            return f"refused: the remote's entry for {key[:12]} is stale ({exc})"
+        except (ValueError, OSError) as exc:
             return f"refused: the remote's manifest for {key[:12]} is malformed ({exc})"
         tar_path = None
         if any(not store.has_blob(d, size, verify=True) for d, size in wanted):
@@ -368,9 +363,8 @@ class HubRemote(Remote):
                             pack_ops.append(CommitOperationAdd(self.pack_path(digest), str(pack)))
                             packs_there.add(self.pack_path(digest))
                             result.bytes_sent += size
-                        remote_manifest = {**entry.manifest, "pack": {"sha256": digest, "size": size,
-                                                                      "path": self.pack_path(digest)}}
-                        text = json.dumps(remote_manifest, indent=1, sort_keys=True) + "\n"
+                        text = replace(entry.manifest, pack={"sha256": digest, "size": size,
+                                                             "path": self.pack_path(digest)}).to_json()
                         manifest_ops.append(CommitOperationAdd(self.manifest_path(entry.key), text.encode()))
                     if pack_ops:
                         commit(pack_ops, "packs")
@@ -389,7 +383,7 @@ class HubRemote(Remote):
 
 def _write_pack(entry: Entry, folder: Path) -> tuple[Path, str, int]:
     """One uncompressed tar of the entry's blobs, each named by its digest; reproducible bytes."""
-    digests = {item["path"]: item["sha256"] for item in entry.manifest["files"]}
+    digests = {item.path: item.sha256 for item in entry.manifest.files}
     members = sorted({digests[rel]: blob for rel, blob in entry.files}.items())
     path = folder / f"{entry.key}.tar"
     with tarfile.open(path, "w", format=tarfile.USTAR_FORMAT) as tar:
@@ -405,7 +399,7 @@ def _read_pack(path: Path, wanted: set[str]) -> Iterator[tuple[str, BinaryIO]]:
     """The wanted members of a verified pack: plain files named by a digest, nothing else is read."""
     with tarfile.open(path, "r:") as tar:
         for member in tar:
-            if not member.isreg() or not _HEX64.match(member.name):
+            if not member.isreg() or not HEX64.match(member.name):
                 raise StoreError(f"pack member {member.name!r} is not a plain file named by its sha256")
             if member.name not in wanted:
                 continue

@@ -17,6 +17,7 @@ from aotbuild.dispatch import install_dispatcher
 from aotbuild.errors import CacheMiss, RemoteError, TargetUnavailable, UsageError
 from aotbuild.layout import resolve_cache_root
 from aotbuild.locks import store_lock
+from aotbuild.manifest import Manifest
 from aotbuild.planner import Context, explain_miss
 from aotbuild.recipe import Recipe, Shape, load_recipe
 from aotbuild.store import Entry, Store
@@ -133,7 +134,7 @@ def load_compiled(recipe: str | Path | Recipe, pipe: Any = None, *, cache: str |
     with store_lock(root, exclusive=False):
         report = LoadReport(recipe.name, str(root), on_miss=on_miss, remote=remote.url if remote else "")
         plans = []  # (component, module, verified entries)
-        manifests: list[dict[str, Any]] | None = None  # read once, on the first miss to explain
+        manifests: list[Manifest] | None = None  # read once, on the first miss to explain
         for component in recipe.compile.components:
             module = getattr(pipe, component)
             entries: list[Entry] = []
@@ -142,7 +143,7 @@ def load_compiled(recipe: str | Path | Recipe, pipe: Any = None, *, cache: str |
                 if entry is not None and recipe.strategy == "aot-package":
                     from aotbuild.targets import aoti
 
-                    why = aoti.check_baked(module, component, entry.manifest.get("packages", []))
+                    why = aoti.check_baked(module, component, entry.manifest.packages)
                     entry = None if why else entry
                 if entry is not None:
                     store.touch(key)  # recency for gc; skipped where the store is read-only
@@ -184,7 +185,7 @@ def load_compiled(recipe: str | Path | Recipe, pipe: Any = None, *, cache: str |
                 fallback = None
             if aot:
                 packages = [(package, dict(e.files)[package["path"]]) for e in entries
-                            for package in e.manifest.get("packages", [])]
+                            for package in e.manifest.packages]
                 routes = aoti.load_packages(module, component, packages, ctx.device)
                 if recipe.compile.scope == "regional":  # the component runs eagerly, its blocks dispatch
                     for name, block in aoti.repeated_blocks(module):
@@ -193,7 +194,7 @@ def load_compiled(recipe: str | Path | Recipe, pipe: Any = None, *, cache: str |
                     continue
                 install_dispatcher(module, component, routes.get("", {}), fallback, policy)
                 continue
-            routes = {sig: fallback for e in entries for sig in e.manifest.get("signatures", [])}
+            routes = {sig: fallback for e in entries for sig in e.manifest.signatures}
             install_dispatcher(module, component, routes, fallback, policy)
 
     pipe.aotbuild_report = report

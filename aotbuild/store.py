@@ -11,17 +11,18 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import os
 import shutil
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import BinaryIO
 
+from aotbuild import manifest as codec
 from aotbuild.errors import StoreError, UsageError
-from aotbuild.layout import _HEX64, Layout, safe_relpath
+from aotbuild.layout import HEX64, Layout
+from aotbuild.manifest import Manifest, ManifestError, StaleManifest
 
 try:
     import fcntl
@@ -44,36 +45,8 @@ class Entry:
     """A manifest whose blobs all verified: ``files`` maps each relative path to its blob."""
 
     key: str
-    manifest: dict[str, Any]
+    manifest: Manifest
     files: tuple[tuple[str, Path], ...]
-
-
-def check_manifest(key: str, data: Any) -> str:
-    """Why ``data`` is not a well-formed manifest for ``key``, or "". Checked once on every read,
-    so no caller meets a file record without a safe path, a sha256 and a size."""
-    if not isinstance(data, dict) or data.get("key") != key:
-        return "not a manifest for its key"
-    files = data.get("files")
-    if not isinstance(files, list):
-        return "no file list"
-    paths = set()
-    for item in files:
-        if not isinstance(item, dict) or not isinstance(item.get("path"), str):
-            return "a file record has no path"
-        try:
-            safe_relpath(item["path"])
-        except StoreError as exc:
-            return str(exc)
-        if not isinstance(item.get("sha256"), str) or not _HEX64.match(item["sha256"]):
-            return f"file {item['path']!r} has no valid sha256"
-        if not isinstance(item.get("size"), int) or isinstance(item["size"], bool) or item["size"] < 0:
-            return f"file {item['path']!r} has no valid size"
-        paths.add(item["path"])
-    packages = data.get("packages", [])
-    if not isinstance(packages, list) or any(not isinstance(p, dict) or p.get("path") not in paths
-                                             for p in packages):
-        return "a package names a file the entry does not have"
-    return ""
 
 
 @contextlib.contextmanager
@@ -146,17 +119,18 @@ class Store:
             return False
         return not verify or sha256_file(blob) == digest
 
-    def put_manifest(self, key: str, manifest: dict[str, Any]) -> Path:
+    def put_manifest(self, manifest: Manifest) -> Path:
         """Write the manifest last, atomically; every blob it names must already be stored."""
-        for item in manifest.get("files", []):
-            if not self.layout.blob(item["sha256"]).is_file():
-                raise StoreError(f"refusing to write manifest {key[:12]}: blob {item['sha256'][:12]} is missing")
+        key = manifest.key
+        for item in manifest.files:
+            if not self.layout.blob(item.sha256).is_file():
+                raise StoreError(f"refusing to write manifest {key[:12]}: blob {item.sha256[:12]} is missing")
+        text = manifest.without_pack().to_json()  # the codec refuses what no reader would accept
         final = self.layout.manifest(key)
         fd, tmp = self._tempfile()
         try:
             with os.fdopen(fd, "w", encoding="utf-8") as out:
-                json.dump(manifest, out, indent=1, sort_keys=True)
-                out.write("\n")
+                out.write(text)
                 out.flush()
                 os.fsync(out.fileno())
             final.parent.mkdir(parents=True, exist_ok=True)
@@ -170,25 +144,22 @@ class Store:
 
     # -- reading ------------------------------------------------------------------------------
 
-    def read_manifest(self, key: str) -> dict[str, Any] | None:
-        """The manifest for ``key``, or None when there is none, it cannot be read, or it is malformed."""
+    def read_manifest(self, key: str) -> Manifest | None:
+        """The manifest for ``key``, or None when there is none, it cannot be read, or it is malformed or stale."""
         try:
             return self.load_manifest(key)
         except (OSError, ValueError):
             return None
 
-    def load_manifest(self, key: str) -> dict[str, Any] | None:
+    def load_manifest(self, key: str) -> Manifest | None:
         """The manifest for ``key``; None when there is none. Raises OSError when it cannot be read
-        (permissions) and ValueError when it is malformed: ``gc`` must tell those apart from absent."""
+        (permissions), ManifestError when it is malformed and StaleManifest when it is of another
+        format (both ValueErrors): ``gc`` must tell those apart from absent."""
         path = self.layout.manifest(key)
         try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            return None
-        problem = check_manifest(key, data)
-        if problem:
-            raise ValueError(f"{path}: {problem}")
-        return data
+            return codec.read(path, key)
+        except ManifestError as exc:
+            raise ManifestError(f"{path}: {exc}") from None
 
     def has(self, key: str) -> bool:
         return self.layout.manifest(key).is_file()
@@ -207,13 +178,15 @@ class Store:
             manifest = self.load_manifest(key)
         except OSError as exc:
             return None, f"manifest cannot be read: {exc}"
+        except StaleManifest as exc:
+            return None, f"stale: the entry is of {exc} (`aotbuild gc --stale` removes it)"
         except ValueError as exc:
             return None, f"manifest is malformed: {exc}"
         if manifest is None:
             return None, "not built"
         files = []
-        for item in manifest["files"]:
-            rel, digest, size = item["path"], item["sha256"], item["size"]
+        for item in manifest.files:
+            rel, digest, size = item.path, item.sha256, item.size
             blob = self.layout.blob(digest)
             try:
                 actual_size = blob.stat().st_size
@@ -228,11 +201,11 @@ class Store:
             files.append((rel, blob))
         return Entry(key, manifest, tuple(files)), ""
 
-    def iter_manifests(self) -> Iterator[dict[str, Any]]:
-        if not self.layout.manifests.is_dir():
-            return
-        for path in sorted(self.layout.manifests.glob("*/*.json")):
-            data = self.read_manifest(path.stem) if len(path.stem) == 64 else None
+    def iter_manifests(self) -> Iterator[Manifest]:
+        """Every readable, well-formed manifest of this format, stored under its own name."""
+        for path in self.manifest_files():
+            data = self.read_manifest(path.stem) if HEX64.match(path.stem) and path.parent.name == path.stem[:2] \
+                else None
             if data is not None:
                 yield data
 
@@ -271,8 +244,8 @@ class Store:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.layout.blob(digest))
 
-    def blob_size(self, manifest: dict[str, Any]) -> int:
-        return sum(int(item.get("size", 0)) for item in manifest.get("files", []))
+    def blob_size(self, manifest: Manifest) -> int:
+        return manifest.size
 
     def clean_staging(self, path: Path) -> None:
         shutil.rmtree(path, ignore_errors=True)

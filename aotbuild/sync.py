@@ -54,7 +54,7 @@ def push(items: list[str] | tuple[str, ...], remote: Remote, cache: str | Path |
             else:
                 skipped.append((job.label, job.reason or job.status))
     if not items:
-        keys = [m["key"] for m in store.iter_manifests()]
+        keys = [m.key for m in store.iter_manifests()]
     entries: list[Entry] = []
     for key in dict.fromkeys(keys):
         entry, why = store.open_entry(key)

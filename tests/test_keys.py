@@ -155,15 +155,16 @@ def test_a_miss_is_explained_by_the_nearest_entry_for_the_component():
     """Fewest differing factors wins, across recipes (a copied recipe finds its original's entries);
     on a tie the entry of the same recipe wins; an empty cache is named as such."""
     from aotbuild.planner import explain_miss
+    from tests import manifests
 
-    here = {"shape": {"height": 64, "width": 64}, "warmup": {"guidance_scale": 0.0}, "env": {"torch": "2.13"}}
+    here = manifests.factors(env={"torch": "2.13"})
 
     def entry(recipe, component="unet", **changes):
-        factors = {k: dict(v) for k, v in here.items()}
+        factors = manifests.factors(env={"torch": "2.13"}, component={"name": component})
         for path, value in changes.items():
             section, name = path.split("__")
             factors[section][name] = value
-        return {"recipe": recipe, "component": component, "factors": factors}
+        return manifests.manifest(factors, recipe=recipe)
 
     two_off = entry("mine", shape__height=96, env__torch="2.12")
     one_off = entry("original", warmup__guidance_scale=5.0)

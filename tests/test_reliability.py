@@ -17,6 +17,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -26,6 +27,7 @@ from aotbuild.builder import BUILT, CACHED, FAILED, UNCACHED, store_job
 from aotbuild.errors import StoreError
 from aotbuild.manage import gc, rm, verify
 from aotbuild.store import Store
+from tests import manifests
 from tests.conftest import REPO, TINY_RECIPE, run_cli
 from tests.test_remote import add_entry
 
@@ -67,8 +69,8 @@ def cache(models_dir, tmp_path) -> Path:
 def check_no_dangling(store: Store) -> None:
     """The invariant: every manifest on disk names blobs that exist."""
     for m in store.iter_manifests():
-        for item in m["files"]:
-            assert store.layout.blob(item["sha256"]).is_file(), f"{m['key'][:12]} points at a missing blob"
+        for item in m.files:
+            assert store.layout.blob(item.sha256).is_file(), f"{m.key[:12]} points at a missing blob"
 
 
 # -- 2, 3: damaged blobs are never a hit and the next build rebuilds them ---------------------------
@@ -79,7 +81,7 @@ def test_a_damaged_blob_is_a_miss_and_the_next_build_rebuilds_it(cache, fake_com
     assert {r.status for r in first.results} == {BUILT}
     store = Store(cache)
     key = first.results[0].job.key
-    blob = store.layout.blob(store.read_manifest(key)["files"][0]["sha256"])
+    blob = store.layout.blob(store.read_manifest(key).files[0].sha256)
     blob.chmod(0o644)
     data = blob.read_bytes()
     blob.write_bytes({"flip": bytes([data[0] ^ 1]) + data[1:], "truncate": data[:-1], "empty": b""}[damage])
@@ -112,6 +114,7 @@ WRITER = textwrap.dedent("""
     from pathlib import Path
     from aotbuild.locks import store_lock
     from aotbuild.store import Store
+    from tests import manifests
 
     class Slow:  # a blob that takes its time to arrive, so the writer dies midway through it
         def __init__(self):
@@ -127,7 +130,7 @@ WRITER = textwrap.dedent("""
     with store_lock(store.root, exclusive=False):
         store.put_blob(Path(sys.argv[2]))          # a first blob, whole
         store.put_blob(Slow())                      # killed while this one is written
-        store.put_manifest("ab" * 32, {"key": "ab" * 32, "files": []})
+        store.put_manifest(manifests.manifest(manifests.factors("killed")))
 """)
 
 
@@ -201,7 +204,7 @@ def test_two_processes_building_one_recipe_at_once(tmp_path):
     assert [p.returncode for p in procs] == [0, 0], [err[-2000:] for _, err in outs]
     store = Store(root)
     manifests = list(store.iter_manifests())
-    assert len(manifests) == 2 and len({m["key"] for m in manifests}) == 2  # one entry per key
+    assert len(manifests) == 2 and len({m.key for m in manifests}) == 2  # one entry per key
     assert verify(store) == []  # identical bytes: every blob hashes to its name, nothing left over
     for report in (json.loads(out) for out, _ in outs):
         assert {j["status"] for j in report["jobs"]} <= {"built", "cached"}
@@ -219,7 +222,7 @@ def test_readers_never_see_a_partial_manifest_while_writers_and_gc_replace_it(tm
     def writer():
         i = 0
         while not stop.is_set():
-            store.put_manifest(key, {**manifest, "padding": "p" * (i % 5000), "n": i})
+            store.put_manifest(replace(manifest, build={"padding": "p" * (i % 5000), "n": i}))
             i += 1
 
     def collector():
@@ -241,7 +244,7 @@ def test_readers_never_see_a_partial_manifest_while_writers_and_gc_replace_it(tm
             except ValueError:
                 errors.append(text[:80])
                 continue
-            if data.get("key") != key or data["files"] != manifest["files"]:
+            if data.get("key") != key or data["files"] != [f.as_json() for f in manifest.files]:
                 errors.append("wrong content")
     finally:
         stop.set()
@@ -304,7 +307,7 @@ def test_gc_to_a_size_limit_keeps_recently_used_entries(tmp_path):
     assert {k for k, _, _ in dry.removed} == set(keys[1:4]) and len(list(store.iter_manifests())) == 6
     report = gc(store, max_size=3500)
     assert report.size_after <= 3500
-    assert {m["key"] for m in store.iter_manifests()} == {keys[0], keys[4], keys[5]}
+    assert {m.key for m in store.iter_manifests()} == {keys[0], keys[4], keys[5]}
     assert all(why == "least recently used" for _, why, _ in report.removed)
     check_no_dangling(store)
 
@@ -315,7 +318,7 @@ def test_a_build_past_the_limit_collects_old_entries_and_keeps_its_own(cache, fa
     report = builder.build([str(TINY_RECIPE)], cache, max_size=3 * ARTIFACT_SIZE * 2 + 1500)
     built = [r.job.key for r in report.results if r.status == BUILT]
     assert len(built) == 2 and report.gc is not None
-    left = {m["key"] for m in store.iter_manifests()}
+    left = {m.key for m in store.iter_manifests()}
     assert set(built) <= left and len(left & set(old)) == 1 and old[3] in left  # the newest old one stays
 
 
@@ -403,9 +406,9 @@ def test_a_pulled_manifest_with_an_unsafe_path_is_refused(tmp_path, path):
 
     remote_store = Store(tmp_path / "remote")
     key = add_entry(remote_store, tmp_path, "a", {"x.so": b"kernel"})
-    manifest = remote_store.read_manifest(key)
-    manifest["files"][0]["path"] = path
-    remote_store.put_manifest(key, manifest)
+    data = remote_store.read_manifest(key).as_json()
+    data["files"][0]["path"] = path
+    manifests.write_raw(remote_store, key, data)  # the codec would refuse to write it
     local = Store(tmp_path / "local")
     why = parse_remote(f"file://{remote_store.root}").fetch(key, local)
     assert why.startswith("refused") and "unsafe artifact path" in why, why
@@ -430,7 +433,7 @@ def test_a_tampered_pickle_is_refused_before_anything_deserialises_it(tmp_path):
     marker = tmp_path / "marker"
     remote_store = Store(tmp_path / "remote")
     key = add_entry(remote_store, tmp_path, "a", {"fxgraph/entry": pickle.dumps({"graph": "honest"})})
-    blob = remote_store.layout.blob(remote_store.read_manifest(key)["files"][0]["sha256"])
+    blob = remote_store.layout.blob(remote_store.read_manifest(key).files[0].sha256)
     blob.chmod(0o644)
     blob.write_bytes(pickle.dumps(_Marker(str(marker))))
     local = Store(tmp_path / "local")
@@ -459,8 +462,7 @@ def test_each_key_factor_alone_is_a_miss_naming_it(cache, path, value, named):
     cached[path[0]][path[1]] = value
     assert key_for(cached) != job.key
     store = Store(cache)
-    store.put_manifest(key_for(cached), {"key": key_for(cached), "recipe": job.recipe.name,
-                                         "component": job.component, "files": [], "factors": cached})
+    store.put_manifest(manifests.manifest(cached, recipe=job.recipe.name))
     why = next(j.reason for j in plan([str(TINY_RECIPE)], cache) if j.key == job.key)  # as `aotbuild plan` says
     assert named in why and why.count(";") == 0  # that factor and only that one
 
@@ -487,8 +489,9 @@ def test_gc_stale_removes_what_can_never_match_this_environment(cache, tmp_path)
         src = tmp_path / name
         src.write_bytes(name.encode())
         digest, size = store.put_blob(src)
-        store.put_manifest(key, {"key": key, "recipe": job.recipe.name, "component": "unet", "target": "inductor",
-                                 "files": [{"path": "x", "sha256": digest, "size": size}], "factors": factors})
+        data = manifests.manifest(factors, [("x", digest, size)], recipe=job.recipe.name).as_json()
+        data["format"] = factors["format"]  # an older aotbuild wrote the old format's manifests
+        manifests.write_raw(store, key, data)
         keys[name] = key
     report = gc(store, stale=True)
     reasons = {k: why for k, why, _ in report.removed}
@@ -496,7 +499,7 @@ def test_gc_stale_removes_what_can_never_match_this_environment(cache, tmp_path)
     assert "env.torch: 2.5.1+cpu in the cache" in reasons[keys["older torch"]]
     assert "device.cpu_isa: SVE256 in the cache" in reasons[keys["other ISA"]]
     assert "format 0" in reasons[keys["old format"]]
-    assert [m["key"] for m in store.iter_manifests()] == [keys["current"]]
+    assert [m.key for m in store.iter_manifests()] == [keys["current"]]
     check_no_dangling(store)
 
 
@@ -504,7 +507,7 @@ def test_manifests_are_readable_by_the_other_users_of_a_shared_store(tmp_path):
     store = Store(tmp_path / "c")
     key = add_entry(store, tmp_path, "a", {"x.so": b"kernel"})
     assert store.layout.manifest(key).stat().st_mode & 0o777 == 0o644
-    blob = store.layout.blob(store.read_manifest(key)["files"][0]["sha256"])
+    blob = store.layout.blob(store.read_manifest(key).files[0].sha256)
     assert blob.stat().st_mode & 0o777 == 0o444
 
 

@@ -17,6 +17,7 @@ from aotbuild.planner import MISS, Job, parse_shard, shard_jobs
 from aotbuild.recipe import parse_recipe
 from aotbuild.remote import FolderRemote, HubRemote, parse_remote
 from aotbuild.store import Store
+from tests import manifests
 from tests.conftest import REPO
 
 
@@ -26,16 +27,7 @@ def key_of(name: str) -> str:
 
 def add_entry(store: Store, tmp_path: Path, name: str, files: dict[str, bytes]) -> str:
     """A stand-in entry made of small real files, stored the way the builder stores one."""
-    key = key_of(name)
-    items = []
-    for rel, data in files.items():
-        src = tmp_path / "src" / name / rel
-        src.parent.mkdir(parents=True, exist_ok=True)
-        src.write_bytes(data)
-        digest, size = store.put_blob(src)
-        items.append({"path": rel, "sha256": digest, "size": size})
-    store.put_manifest(key, {"key": key, "recipe": name, "component": "unet", "files": items, "factors": {}})
-    return key
+    return manifests.add_entry(store, tmp_path / "src", name, files)
 
 
 def entries(store: Store, *keys: str):
@@ -95,7 +87,7 @@ def test_a_tampered_remote_blob_is_refused_and_nothing_is_stored(tmp_path):
     a = add_entry(local, tmp_path, "a", {"x.so": b"kernel-a"})
     remote = parse_remote(f"file://{tmp_path / 'remote'}")
     remote.push(entries(local, a))
-    blob = remote.store.layout.blob(local.read_manifest(a)["files"][0]["sha256"])
+    blob = remote.store.layout.blob(local.read_manifest(a).files[0].sha256)
     blob.chmod(0o644)
     blob.write_bytes(b"kernel-A")  # same size, other bytes
     other = Store(tmp_path / "other")
@@ -151,7 +143,7 @@ PUSHER = textwrap.dedent("""
             time.sleep(delay)
             return out
         remote.store.put_blob = slow
-    keys = [m["key"] for m in local.iter_manifests()]
+    keys = [m.key for m in local.iter_manifests()]
     found = [local.open_entry(k)[0] for k in keys]
     print("RESULT", len(remote.push(found).sent), flush=True)
 """)

@@ -18,6 +18,7 @@ import pytest
 from aotbuild.errors import RemoteError
 from aotbuild.remote import HubRemote, parse_remote
 from aotbuild.store import Store
+from tests import manifests
 from tests.fakes.hub_server import HubStandIn
 from tests.test_remote import add_entry, entries, key_of
 
@@ -70,7 +71,7 @@ def test_read_only_pull_needs_no_token(hub, monkeypatch, tmp_path):
     assert reader.fetch(a, other) == ""
     entry, why = other.open_entry(a)
     assert entry is not None and {r: p.read_bytes() for r, p in entry.files} == {"x.so": b"kernel", "y.py": b"wrapper"}
-    assert "pack" not in other.read_manifest(a)
+    assert other.read_manifest(a).pack is None and '"pack"' not in other.layout.manifest(a).read_text()
     assert reader.fetch(key_of("absent"), other) == "not on the remote"
     with pytest.raises(RemoteError, match="token"):  # and it cannot write
         reader.push(entries(local, add_entry(local, tmp_path, "b", {"z": b"z"})))
@@ -159,11 +160,11 @@ def test_a_pack_with_unsafe_members_is_refused_before_anything_is_written(hub, m
     import hashlib
 
     digest = hashlib.sha256(b"payload").hexdigest()
-    key = key_of("evil")
     pack = _tar({member: b"payload"})
     pack_digest = hashlib.sha256(pack).hexdigest()
-    manifest = {"key": key, "files": [{"path": "x.so", "sha256": digest, "size": 7}],
-                "pack": {"sha256": pack_digest, "size": len(pack), "path": HubRemote.pack_path(pack_digest)}}
+    m = manifests.manifest(manifests.factors("evil"), [("x.so", digest, 7)],
+                           pack={"sha256": pack_digest, "size": len(pack), "path": HubRemote.pack_path(pack_digest)})
+    key, manifest = m.key, m.as_json()
     hub.commit_files(REPO_ID, {HubRemote.pack_path(pack_digest): pack,
                                HubRemote.manifest_path(key): json.dumps(manifest).encode()}, repo_type="dataset")
     other = Store(tmp_path / "other")

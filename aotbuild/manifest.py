@@ -1,0 +1,390 @@
+"""The manifest codec: the one place that turns a manifest into bytes and bytes back into a manifest.
+
+A manifest is read from stores and remotes that other people can write (a shared folder, a Hub
+repo, a pull request's CI cache), so decoding treats it as hostile input: the file must be a
+regular file of at most ``MAX_BYTES``, its JSON at most ``MAX_DEPTH`` deep (checked *before*
+parsing, so a 100,000-deep document costs a scan, not a RecursionError), and every field is
+type-checked here, once. Whatever passes is a :class:`Manifest` whose fields every reader (store,
+manage, cli, remote, runtime) can use without another check.
+
+The key binding: ``key`` must be the key of ``factors`` and the name the manifest is stored under.
+A manifest copied under another key's name is malformed, never a hit for the wrong job.
+
+A manifest of another ``format`` is :class:`StaleManifest` (written by an older aotbuild, or a
+newer one): not malformed, a miss that ``gc --stale`` removes. Its file list is still read (when it
+is well formed) so that collecting it frees its blobs and nothing is orphaned.
+
+The store only writes manifests (store.py); codec and files stay apart (STYLE.md #2).
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import math
+import os
+import re
+import stat
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from aotbuild import constants
+from aotbuild.layout import HEX64
+
+#: A manifest file larger than this is refused before it is read.
+MAX_BYTES = 16 * 1024 * 1024
+#: JSON nesting deeper than this is refused before it is parsed.
+MAX_DEPTH = 32
+#: Longest string a manifest may hold where a name or signature is expected.
+MAX_NAME = 4096
+
+_STRINGS = re.compile(r'"(?:[^"\\]|\\.)*"', re.DOTALL)
+_BRACKETS = re.compile(r"[\[\]{}]")
+
+
+class ManifestError(ValueError):
+    """The manifest is malformed: it is no entry, for any reader."""
+
+
+class StaleManifest(ValueError):
+    """The manifest is of another format: a miss that ``gc --stale`` removes, not damage."""
+
+    def __init__(self, message: str, format: Any, files: tuple[FileRecord, ...] = ()):
+        super().__init__(message)
+        self.format = format
+        self.files = files
+
+
+@dataclass(frozen=True)
+class FileRecord:
+    path: str  # relative, inside the entry (layout.safe_relpath holds)
+    sha256: str
+    size: int
+
+    def as_json(self) -> dict[str, Any]:
+        return {"path": self.path, "sha256": self.sha256, "size": self.size}
+
+
+@dataclass(frozen=True)
+class Proof:
+    """What the fresh process that served the entry before it was stored saw."""
+
+    load_s: float  # seconds to load the staged entry in that process
+    compiles: int  # compiles it caused there: must be 0 (the strategy's own counter)
+    max_abs_diff: float  # largest |compiled - eager| over every proof call
+    tolerance: float  # the bound it was held to (per dtype, docs/cache.md)
+    instances: int  # module instances called (every block instance for regional scope)
+    calls: int = 0  # component calls compared
+    counter: str = ""  # what "compiles" counted (e.g. "fx graph cache misses")
+
+    def as_json(self) -> dict[str, Any]:
+        return {"load_s": self.load_s, "compiles": self.compiles, "max_abs_diff": self.max_abs_diff,
+                "tolerance": self.tolerance, "instances": self.instances, "calls": self.calls,
+                "counter": self.counter}
+
+
+@dataclass(frozen=True)
+class Manifest:
+    key: str
+    recipe: str
+    component: str
+    shape: Mapping[str, int]
+    target: str
+    strategy: str
+    factors: Mapping[str, Any]
+    files: tuple[FileRecord, ...]
+    signatures: tuple[str, ...] = ()
+    embeds_weights: bool = False
+    packages: tuple[Mapping[str, Any], ...] = ()
+    build: Mapping[str, Any] = field(default_factory=dict)
+    recipe_data: Mapping[str, Any] = field(default_factory=dict)
+    proof: Proof | None = None
+    pack: Mapping[str, Any] | None = None  # a Hub remote's copy only: the tar that holds the blobs
+    format: int = constants.FORMAT_VERSION
+
+    # -- encoding -----------------------------------------------------------------------------
+
+    def as_json(self) -> dict[str, Any]:
+        data: dict[str, Any] = {
+            "format": self.format, "key": self.key, "recipe": self.recipe, "component": self.component,
+            "shape": dict(self.shape), "target": self.target, "strategy": self.strategy,
+            "factors": _plain(self.factors), "files": [f.as_json() for f in self.files],
+            "signatures": list(self.signatures), "embeds_weights": self.embeds_weights,
+            "build": _plain(self.build), "recipe_data": _plain(self.recipe_data),
+        }
+        if self.packages:
+            data["packages"] = [_plain(p) for p in self.packages]
+        if self.proof is not None:
+            data["proof"] = self.proof.as_json()
+        if self.pack is not None:
+            data["pack"] = _plain(self.pack)
+        return data
+
+    def to_json(self) -> str:
+        """Canonical text: sorted keys, one value a line; checked by decoding it again."""
+        text = json.dumps(self.as_json(), indent=1, sort_keys=True, allow_nan=False) + "\n"
+        from_json(text, self.key)  # never write what no reader would accept
+        return text
+
+    # -- reading helpers ----------------------------------------------------------------------
+
+    @property
+    def size(self) -> int:
+        """Bytes of its distinct blobs."""
+        return sum(size for _, size in self.blobs())
+
+    def blobs(self) -> list[tuple[str, int]]:
+        """(digest, size) of each distinct blob, in file order."""
+        seen: dict[str, int] = {}
+        for f in self.files:
+            seen.setdefault(f.sha256, f.size)
+        return list(seen.items())
+
+    def without_pack(self) -> Manifest:
+        from dataclasses import replace
+
+        return replace(self, pack=None)
+
+
+# -- decoding ---------------------------------------------------------------------------------
+
+def read(path: Path, key: str) -> Manifest | None:
+    """The manifest stored at ``path`` for ``key``; None when there is no such file.
+
+    Raises OSError when it cannot be read (permissions), ManifestError when it is malformed (not a
+    regular file, too big, too deep, a wrong field) and StaleManifest when it is of another format.
+    Opens without blocking, so a FIFO planted under a manifest's name cannot hang a reader."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOFOLLOW", 0))
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.EMLINK):
+            raise ManifestError("a symbolic link, not a manifest file") from None
+        if exc.errno in (errno.ENXIO, errno.EISDIR):  # a FIFO without a writer; a folder
+            raise ManifestError("not a regular file") from None
+        raise
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise ManifestError("not a regular file")
+        if info.st_size > MAX_BYTES:
+            raise ManifestError(f"{info.st_size} bytes, more than a manifest may have ({MAX_BYTES})")
+        chunks, total = [], 0
+        while chunk := os.read(fd, 1 << 20):
+            chunks.append(chunk)
+            total += len(chunk)
+            if total > MAX_BYTES:  # grew while we read
+                raise ManifestError(f"more than {MAX_BYTES} bytes")
+    finally:
+        os.close(fd)
+    return from_json(b"".join(chunks), key)
+
+
+def from_json(text: str | bytes, key: str) -> Manifest:
+    """Decode and check a manifest that must be the one for ``key``."""
+    if isinstance(text, bytes):
+        if len(text) > MAX_BYTES:
+            raise ManifestError(f"{len(text)} bytes, more than a manifest may have ({MAX_BYTES})")
+        try:
+            text = text.decode("utf-8")
+        except UnicodeDecodeError:
+            raise ManifestError("not UTF-8 text") from None
+    if len(text) > MAX_BYTES:
+        raise ManifestError(f"more than {MAX_BYTES} characters")
+    depth = json_depth(text)
+    if depth > MAX_DEPTH:
+        raise ManifestError(f"JSON nested {depth} deep, more than a manifest may be ({MAX_DEPTH})")
+    try:
+        data = json.loads(text, parse_constant=_no_constant)
+    except (ValueError, RecursionError) as exc:
+        raise ManifestError(f"not JSON ({str(exc)[:80]})") from None
+    return from_dict(data, key)
+
+
+def json_depth(text: str) -> int:
+    """Deepest nesting of ``[`` and ``{`` in JSON text (strings skipped), without parsing it."""
+    depth = deepest = 0
+    for m in _BRACKETS.finditer(_STRINGS.sub("", text)):
+        if m.group() in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        else:
+            depth -= 1
+    return deepest
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def from_dict(data: Any, key: str) -> Manifest:
+    """Check a decoded manifest field by field; see the module docstring for what is refused."""
+    c = _Checker()
+    if not isinstance(data, dict):
+        raise ManifestError("not a JSON object")
+    fmt = data.get("format")
+    files = c.files(data.get("files"))
+    if fmt != constants.FORMAT_VERSION:
+        shown = fmt if isinstance(fmt, (int, str)) and len(str(fmt)) < 20 else "unknown"
+        raise StaleManifest(f"format {shown}, this aotbuild reads {constants.FORMAT_VERSION}", shown, files)
+    if data.get("key") != key:
+        raise ManifestError("its key is not the name it is stored under")
+    factors = c.factors(data.get("factors"))
+    from aotbuild.keys import key_of  # keys imports recipe; the codec stays importable alone
+
+    try:
+        bound = key_of(factors)
+    except ValueError:  # NaN or infinity in a factor
+        raise ManifestError("factors are not canonical JSON") from None
+    if bound != key:
+        raise ManifestError("its key is not the key of its factors (copied under another key's name?)")
+    paths = {f.path for f in files}
+    manifest = Manifest(
+        format=fmt, key=key,
+        recipe=c.name(data.get("recipe"), "recipe"),
+        component=c.name(data.get("component"), "component"),
+        shape=c.shape(data.get("shape"), "shape"),
+        target=c.name(data.get("target"), "target"),
+        strategy=c.name(data.get("strategy"), "strategy"),
+        factors=factors, files=files,
+        signatures=tuple(c.name(s, "signatures[]") for s in c.list_of(data.get("signatures", []), "signatures")),
+        embeds_weights=c.boolean(data.get("embeds_weights", False), "embeds_weights"),
+        packages=tuple(c.package(p, paths) for p in c.list_of(data.get("packages", []), "packages")),
+        build=c.obj(data.get("build", {}), "build"),
+        recipe_data=c.obj(data.get("recipe_data", {}), "recipe_data"),
+        proof=c.proof(data["proof"]) if data.get("proof") is not None else None,
+        pack=c.pack(data["pack"]) if data.get("pack") is not None else None,
+    )
+    if (manifest.component != factors["component"]["name"] or dict(manifest.shape) != factors["shape"]
+            or manifest.target != factors["target"]["name"] or manifest.strategy != factors["target"]["strategy"]):
+        raise ManifestError("its component, shape, target or strategy differ from its factors")
+    return manifest
+
+
+class _Checker:
+    def fail(self, where: str, what: str) -> ManifestError:
+        return ManifestError(f"{where}: {what}")
+
+    def name(self, value: Any, where: str) -> str:
+        if not isinstance(value, str) or not value or len(value) > MAX_NAME:
+            raise self.fail(where, "not a non-empty string of at most 4096 characters")
+        return value
+
+    def integer(self, value: Any, where: str, low: int = 0) -> int:
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            raise self.fail(where, f"not an integer >= {low}")
+        return value
+
+    def number(self, value: Any, where: str) -> float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise self.fail(where, "not a finite number")
+        return float(value)
+
+    def boolean(self, value: Any, where: str) -> bool:
+        if not isinstance(value, bool):
+            raise self.fail(where, "not true or false")
+        return value
+
+    def obj(self, value: Any, where: str) -> dict[str, Any]:
+        if not isinstance(value, dict):
+            raise self.fail(where, "not an object")
+        return value
+
+    def list_of(self, value: Any, where: str) -> list[Any]:
+        if not isinstance(value, list):
+            raise self.fail(where, "not a list")
+        return value
+
+    def files(self, value: Any) -> tuple[FileRecord, ...]:
+        from aotbuild.errors import StoreError
+        from aotbuild.layout import safe_relpath
+
+        out, seen = [], set()
+        for item in self.list_of(value, "files"):
+            item = self.obj(item, "files[]")
+            path = self.name(item.get("path"), "files[].path")
+            try:
+                safe_relpath(path)
+            except StoreError as exc:
+                raise self.fail("files[].path", str(exc)) from None
+            if path in seen:
+                raise self.fail("files[].path", f"{path!r} listed twice")
+            seen.add(path)
+            digest = item.get("sha256")
+            if not isinstance(digest, str) or not HEX64.match(digest):
+                raise self.fail(f"file {path!r}", "no valid sha256")
+            out.append(FileRecord(path, digest, self.integer(item.get("size"), f"file {path!r} size")))
+        return tuple(out)
+
+    def shape(self, value: Any, where: str) -> dict[str, int]:
+        value = self.obj(value, where)
+        if set(value) != {"height", "width", "batch_size"}:
+            raise self.fail(where, "not {height, width, batch_size}")
+        return {k: self.integer(value[k], f"{where}.{k}", 1) for k in ("height", "width", "batch_size")}
+
+    def factors(self, value: Any) -> dict[str, Any]:
+        value = self.obj(value, "factors")
+        for section in ("model", "component", "target", "compile", "warmup", "env", "device"):
+            self.obj(value.get(section), f"factors.{section}")
+        if value.get("format") != constants.FORMAT_VERSION:
+            raise self.fail("factors.format", "differs from the manifest's format")
+        self.shape(value.get("shape"), "factors.shape")
+        component = value["component"]
+        for name in ("name", "class", "dtype"):
+            self.name(component.get(name), f"factors.component.{name}")
+        self.obj(component.get("config"), "factors.component.config")
+        for name in ("name", "strategy"):
+            self.name(value["target"].get(name), f"factors.target.{name}")
+        return value
+
+    def package(self, value: Any, paths: set[str]) -> dict[str, Any]:
+        value = self.obj(value, "packages[]")
+        path = self.name(value.get("path"), "packages[].path")
+        if path not in paths:
+            raise self.fail("packages[].path", f"names {path!r}, a file the entry does not have")
+        self.name(value.get("signature"), "packages[].signature")
+        for instance in self.list_of(value.get("instances", [""]), "packages[].instances"):
+            if not isinstance(instance, str) or len(instance) > MAX_NAME:
+                raise self.fail("packages[].instances", "not a list of names")
+        constants_ = self.obj(value.get("constants", {}), "packages[].constants")
+        for fqn, meta in constants_.items():
+            if (not isinstance(meta, list) or len(meta) != 3 or not isinstance(meta[0], list)
+                    or not all(isinstance(d, int) and not isinstance(d, bool) for d in meta[0])
+                    or not isinstance(meta[1], str) or not isinstance(meta[2], str)):
+                raise self.fail(f"packages[].constants[{fqn[:40]!r}]", "not [shape, dtype, device]")
+        for fqn, digest in self.obj(value.get("baked", {}), "packages[].baked").items():
+            if not isinstance(digest, str):
+                raise self.fail(f"packages[].baked[{fqn[:40]!r}]", "not a digest")
+        if value.get("strides") is not None:
+            self.list_of(value["strides"], "packages[].strides")
+        return value
+
+    def proof(self, value: Any) -> Proof:
+        value = self.obj(value, "proof")
+        return Proof(load_s=self.number(value.get("load_s"), "proof.load_s"),
+                     compiles=self.integer(value.get("compiles"), "proof.compiles"),
+                     max_abs_diff=self.number(value.get("max_abs_diff"), "proof.max_abs_diff"),
+                     tolerance=self.number(value.get("tolerance"), "proof.tolerance"),
+                     instances=self.integer(value.get("instances"), "proof.instances"),
+                     calls=self.integer(value.get("calls", 0), "proof.calls"),
+                     counter=str(value.get("counter", ""))[:200])
+
+    def pack(self, value: Any) -> dict[str, Any]:
+        value = self.obj(value, "pack")
+        digest = value.get("sha256")
+        if not isinstance(digest, str) or not HEX64.match(digest):
+            raise self.fail("pack.sha256", "not a sha256")
+        self.integer(value.get("size"), "pack.size")
+        return value
+
+
+def _plain(value: Any) -> Any:
+    """A JSON-ready copy (mappings and tuples made dicts and lists)."""
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value

@@ -1,0 +1,215 @@
+"""The manifest codec against hostile and broken manifests: every reader says "malformed" (or
+"stale") in one line, never a traceback, never a hang, and never serves the entry."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from click.testing import CliRunner
+
+from aotbuild import constants
+from aotbuild import manifest as codec
+from aotbuild.cli import main
+from aotbuild.manage import gc, verify
+from aotbuild.manifest import ManifestError, StaleManifest
+from aotbuild.remote import parse_remote
+from aotbuild.store import Store
+from tests import manifests
+from tests.conftest import REPO
+
+
+@pytest.fixture
+def store(tmp_path) -> Store:
+    return Store(tmp_path / "c")
+
+
+def good(store: Store, tmp_path, name: str = "good") -> str:
+    return manifests.add_entry(store, tmp_path / "src", name, {"x.so": b"kernel-" + name.encode()})
+
+
+def valid(store: Store, key: str) -> dict:
+    return json.loads(store.layout.manifest(key).read_text())
+
+
+def cli(*args: str) -> tuple[int, str]:
+    result = CliRunner().invoke(main, list(args), catch_exceptions=True)
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
+    return result.exit_code, result.output
+
+
+def _set(data: dict, path: str, value) -> dict:
+    *parents, leaf = path.split(".")
+    node = data
+    for p in parents:
+        node = node[p]
+    node[leaf] = value
+    return data
+
+
+LYING_FIELDS = [  # (field path, value, what the reason names)
+    ("signatures", 5, "signatures"),
+    ("signatures", [1, 2], "signatures"),
+    ("factors", [1], "factors"),
+    ("build", [], "build"),
+    ("files", {"x": 1}, "files"),
+    ("shape", {"height": "64", "width": 64, "batch_size": 1}, "shape"),
+    ("embeds_weights", "no", "embeds_weights"),
+    ("proof", {"load_s": 1.0, "compiles": "0", "max_abs_diff": 0, "tolerance": 1e-4, "instances": 1}, "proof"),
+    ("packages", [{"path": "not-a-file.pt2", "signature": "s"}], "packages"),
+    ("packages", [{"path": "x.so", "signature": "s", "constants": {"w": 5}}], "constants"),
+    ("recipe", "", "recipe"),
+    ("component", "vae", "differ from its factors"),
+]
+
+
+@pytest.mark.parametrize("field,value,named", LYING_FIELDS, ids=[f"{f}={v!r}"[:40] for f, v, _ in LYING_FIELDS])
+def test_a_manifest_that_parses_but_lies_is_malformed_for_every_reader(store, tmp_path, field, value, named):
+    key = good(store, tmp_path)
+    manifests.write_raw(store, key, _set(valid(store, key), field, value))
+    entry, why = store.open_entry(key)
+    assert entry is None and why.startswith("manifest is malformed") and named in why, why
+    assert list(store.iter_manifests()) == []
+    code, out = cli("ls", "--cache", str(store.root))
+    assert code == 0 and "0 entries" in out and "Traceback" not in out
+    code, out = cli("show", "--cache", str(store.root), key[:12])
+    assert code == 1 and out.count("\n") == 1 and "cannot be used" in out and named in out, out
+    code, out = cli("verify", "--cache", str(store.root))
+    assert code == 1 and "malformed" in out and "Traceback" not in out
+    code, out = cli("gc", "--stale", "--cache", str(store.root))
+    assert code == 1 and out.count("\n") == 1 and "Traceback" not in out, out  # refuses to guess: verify first
+    code, out = cli("verify", "--fix", "--cache", str(store.root))
+    assert code == 1 and not store.layout.manifest(key).exists()
+    assert cli("verify", "--cache", str(store.root))[0] == 0  # its orphan blob went with it
+
+
+def test_a_manifest_copied_under_another_keys_name_is_no_hit(store, tmp_path):
+    """The swapped-manifest attack: a real entry's manifest renamed, and then its key field edited too."""
+    a, b = good(store, tmp_path, "a"), manifests.manifest(manifests.factors("b")).key
+    manifests.write_raw(store, b, valid(store, a))
+    assert "not the name it is stored under" in store.open_entry(b)[1]
+    manifests.write_raw(store, b, {**valid(store, a), "key": b})
+    entry, why = store.open_entry(b)
+    assert entry is None and "not the key of its factors" in why
+    assert [m.key for m in store.iter_manifests()] == [a]
+    problems = verify(store)
+    assert [p.kind for p in problems] == ["malformed"] and problems[0].key is None
+
+
+def test_json_nested_100000_deep_is_refused_by_counting_not_recursing(store, tmp_path):
+    key = good(store, tmp_path)
+    deep = '{"key": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    manifests.write_raw(store, key, deep)
+    with pytest.raises(ManifestError, match=f"nested 100001 deep, more than a manifest may be \\({codec.MAX_DEPTH}\\)"):
+        codec.read(store.layout.manifest(key), key)
+    assert codec.json_depth('{"a": "[[[[[[", "b": [[1]]}') == 3  # brackets inside strings do not count
+    code, out = cli("verify", "--cache", str(store.root))
+    assert code == 1 and "nested 100001 deep" in out
+
+
+@pytest.mark.parametrize("text,named", [
+    (b"\xff\xfe{}", "not UTF-8"),
+    (b'{"format": 2, "key": NaN}', "not JSON"),
+    (b"[]", "not a JSON object"),
+    (b"", "not JSON"),
+])
+def test_bytes_that_are_no_manifest(store, tmp_path, text, named):
+    key = good(store, tmp_path)
+    store.layout.manifest(key).write_bytes(text)
+    assert named in store.open_entry(key)[1]
+
+
+def test_a_manifest_bigger_than_the_cap_is_refused_unread(store, tmp_path, monkeypatch):
+    key = good(store, tmp_path)
+    monkeypatch.setattr(codec, "MAX_BYTES", 1000)
+    manifests.write_raw(store, key, {**valid(store, key), "build": {"pad": "x" * 2000}})
+    assert "more than a manifest may have (1000)" in store.open_entry(key)[1]
+
+
+def test_nan_or_a_duplicate_file_in_a_manifest_is_refused(store, tmp_path):
+    key = good(store, tmp_path)
+    data = valid(store, key)
+    manifests.write_raw(store, key, {**data, "files": data["files"] * 2})
+    assert "listed twice" in store.open_entry(key)[1]
+
+
+@pytest.mark.parametrize("kind", ["fifo", "folder", "symlink"])
+def test_a_manifest_that_is_no_regular_file_never_hangs_a_reader(store, tmp_path, kind):
+    key = good(store, tmp_path)
+    path = store.layout.manifest(key)
+    path.unlink()
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "folder":
+        path.mkdir()
+    else:
+        path.symlink_to("/etc/passwd")
+    for args in (["verify"], ["ls"], ["show", key[:12]], ["gc", "--stale"], ["verify", "--fix"]):
+        proc = subprocess.run([sys.executable, "-m", "aotbuild.cli", *args, "--cache", str(store.root)],
+                              capture_output=True, text=True, timeout=120, cwd=REPO)
+        assert "Traceback" not in proc.stderr and proc.returncode in (0, 1), (args, proc.stderr)
+        if args == ["verify"]:
+            assert proc.returncode == 1 and "malformed" in proc.stdout, proc.stdout
+    assert store.open_entry(key)[0] is None
+    assert not os.path.lexists(path)  # verify --fix removed it
+    assert os.path.exists("/etc/passwd")
+
+
+def test_a_manifest_in_the_wrong_folder_is_reported_and_fixed(store, tmp_path):
+    key = good(store, tmp_path)
+    wrong = store.layout.manifests / ("00" if not key.startswith("00") else "11") / f"{key}.json"
+    wrong.parent.mkdir()
+    os.rename(store.layout.manifest(key), wrong)
+    problems = verify(store)
+    assert {p.kind for p in problems} == {"malformed", "orphan"}
+    assert any("its key's folder" in p.detail for p in problems)
+    verify(store, fix=True)
+    assert verify(store) == [] and not wrong.exists()
+
+
+def test_an_older_format_is_stale_not_malformed_and_gc_stale_frees_it(store, tmp_path):
+    key = good(store, tmp_path)
+    old = valid(store, key)
+    old["format"] = old["factors"]["format"] = constants.FORMAT_VERSION - 1
+    manifests.write_raw(store, key, old)
+    with pytest.raises(StaleManifest) as info:
+        codec.read(store.layout.manifest(key), key)
+    assert info.value.files and not isinstance(info.value, ManifestError)
+    entry, why = store.open_entry(key)
+    assert entry is None and why.startswith("stale: the entry is of format 1") and "gc --stale" in why
+    assert verify(store) == []  # stale is no damage: nothing to fix, its blobs are no orphans
+    report = gc(store, stale=True)
+    assert [(k, why) for k, why, _ in report.removed] == [(key, f"format 1, this aotbuild reads "
+                                                               f"{constants.FORMAT_VERSION}")]
+    assert not store.layout.manifest(key).exists() and verify(store) == []
+    assert not list(store.blob_files())  # its blob went with it
+
+
+def test_a_remote_cannot_hand_over_a_lying_or_stale_manifest(store, tmp_path):
+    remote_store = Store(tmp_path / "remote")
+    key = good(remote_store, tmp_path)
+    remote = parse_remote(f"file://{remote_store.root}")
+    manifests.write_raw(remote_store, key, {**valid(remote_store, key), "signatures": 5})
+    why = remote.fetch(key, store)
+    assert why.startswith("refused: the remote's manifest is malformed") and "signatures" in why
+    stale = {**valid(remote_store, key), "signatures": [], "format": 1}
+    manifests.write_raw(remote_store, key, stale)
+    assert remote.fetch(key, store).startswith("refused: the remote's entry is stale")
+    assert not store.has(key) and not list(store.blob_files())
+
+
+def test_the_codec_round_trips_and_refuses_to_write_what_it_cannot_read(store, tmp_path):
+    from aotbuild.manifest import Proof
+
+    f = manifests.factors("rt")
+    m = manifests.manifest(f, [("a/x.so", "cd" * 32, 3)], signatures=("sig",),
+                           proof=Proof(load_s=1.5, compiles=0, max_abs_diff=1e-7, tolerance=1e-4, instances=4))
+    assert codec.from_json(m.to_json(), m.key) == m
+    with pytest.raises(ManifestError, match="not the key of its factors"):
+        codec.from_json(json.dumps({**m.as_json(), "factors": manifests.factors("other")}), m.key)
+    bad = manifests.manifest(f, [("../up", "cd" * 32, 3)])
+    with pytest.raises(ManifestError, match="unsafe"):
+        bad.to_json()
