@@ -110,3 +110,14 @@ def test_plan_lists_each_recipe_s_component(builtin_root):
         (Path(v[0]).stem, v[1], "miss") for v in NEW_BUILTINS.values()}
     assert "creating" not in proc.stderr  # the session's models were found, not created again
 
+
+def test_the_default_component_on_a_transformer_model_says_what_to_name(builtin_root):
+    """compile.components defaults to [unet]; a Flux or SD3 recipe without it is told to name the transformer."""
+    from aotbuild.errors import RecipeError
+    from aotbuild.recipe import parse_recipe
+
+    recipe = parse_recipe({"model": "builtin:tiny-flux", "shapes": [{"height": 64, "width": 64}]}, "r.yaml")
+    with pytest.raises(RecipeError, match=r"compile.components: 'unet' is not a component of builtin:tiny-flux; "
+                                          r"compile.components defaults to \[unet\].*compile.components: "
+                                          r"\[transformer\]"):
+        models.check_components(recipe, models.resolve_model(recipe, builtin_root))
