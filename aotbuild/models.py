@@ -15,7 +15,7 @@ from typing import Any
 from aotbuild import builtin
 from aotbuild.errors import ModelUnavailable
 from aotbuild.layout import Layout
-from aotbuild.recipe import Recipe, _suggest
+from aotbuild.recipe import CompileSpec, Recipe, _suggest
 
 __all__ = ["ModelUnavailable", "ResolvedModel", "resolve_model", "load_pipeline", "place_pipeline",
            "warmup_kwargs", "component_config", "module_config", "check_components"]
@@ -122,8 +122,14 @@ def check_components(recipe: Recipe, model: ResolvedModel) -> None:
     modules = [n for n, (_, cls) in known.items() if _is_module_class(cls)]
     for name in recipe.compile.components:
         if name not in known:
+            hint = _suggest(name, list(known))
+            if recipe.compile.components == CompileSpec.components and modules:
+                # The default ([unet]) names SD/SDXL's denoiser; transformer models (SD3, Flux) have none.
+                denoiser = next((n for n in modules if "transformer" in n or "unet" in n), modules[0])
+                hint = (f"; compile.components defaults to [{name}], which this model lacks: name what to compile, "
+                        f"e.g. compile.components: [{denoiser}]")
             raise recipe.error("compile.components", f"{name!r} is not a component of {recipe.model.id}"
-                                                     f"{_suggest(name, list(known))} (components: {', '.join(known)})")
+                                                     f"{hint} (components: {', '.join(known)})")
         if name not in modules:
             raise recipe.error("compile.components", f"{name!r} ({known[name][1]}) is not a torch module: there is "
                                                      f"nothing to compile (compilable: {', '.join(modules)})")

@@ -44,7 +44,8 @@ class Field:
 
 SCHEMA: dict[str, dict[str, Field] | Field] = {
     "model": {
-        "id": Field("str", required=True, doc="Hub id, local folder, or builtin:tiny-sd"),
+        "id": Field("str", required=True, doc="Hub id, local folder, or builtin:NAME (tiny-sd, tiny-sdxl, tiny-sd3, "
+                                              "tiny-flux)"),
         "revision": Field("str?", doc="Hub revision; pin a commit sha for production"),
         "pipeline": Field("str?", doc="diffusers pipeline class; default: model_index.json's"),
         "dtype": Field("str?", choices=DTYPES, doc="default: the target's (float32 inductor, bfloat16 neuron/tpu)"),

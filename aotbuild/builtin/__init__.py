@@ -1,10 +1,20 @@
 """Built-in tiny models, for machines that cannot reach a model hub (CI, tests, first runs).
 
-``builtin:tiny-sd`` is a real ``StableDiffusionPipeline`` with random weights, small enough to
-compile in well under a minute on two CPU cores. It is created deterministically (fixed seeds, fixed
-configs) on first use, saved with ``save_pretrained`` under ``models/`` in the cache root, and then
-loaded with ``from_pretrained`` like any other model, so every code path is the one a Hub model
-takes. ``TinySD.version`` is a key factor: bump it whenever anything below changes the saved model.
+Each is a real diffusers pipeline with random weights, small enough that Inductor compiles its
+denoiser in a minute or two on two CPU cores:
+
+* ``builtin:tiny-sd``: ``StableDiffusionPipeline`` (UNet2DConditionModel, one CLIP text encoder);
+* ``builtin:tiny-sdxl``: ``StableDiffusionXLPipeline`` (UNet with SDXL's ``text_time`` conditioning,
+  CLIPTextModel and CLIPTextModelWithProjection);
+* ``builtin:tiny-sd3``: ``StableDiffusion3Pipeline`` (SD3Transformer2DModel, two CLIP encoders, T5);
+* ``builtin:tiny-flux``: ``FluxPipeline`` (FluxTransformer2DModel with double- and single-stream
+  blocks, CLIP, T5, guidance embedding as in FLUX.1-dev).
+
+A model is created deterministically (fixed seeds, fixed configs, tokenizers built from files shipped
+here or from code) on first use, saved with ``save_pretrained`` under ``models/`` in the cache root,
+and then loaded with ``from_pretrained`` like any other model, so every code path is the one a Hub
+model takes. Each model's ``version`` is a key factor: bump it whenever anything below changes what
+that model saves.
 """
 
 from __future__ import annotations
@@ -77,7 +87,194 @@ class TinySD(BuiltinModel):
         pipe.save_pretrained(str(folder), safe_serialization=True)
 
 
-BUILTINS: dict[str, BuiltinModel] = {m.name: m for m in (TinySD(),)}
+#: T5 tokenizer vocabulary: whole words that prompts often use (one token each), then single
+#: characters, so any ASCII text tokenizes without ``<unk>``. Scores are Unigram log-probabilities:
+#: a word beats spelling it out. Token ids are positions here: any change to either bumps the
+#: versions of the models that use it (tiny-sd3, tiny-flux).
+T5_WORDS = ("a", "an", "the", "of", "and", "in", "on", "with", "at", "photo", "picture", "painting", "cat", "dog",
+            "man", "woman", "city", "house", "tree", "sky", "sea", "red", "blue", "green", "white", "black",
+            "small", "big", "cute", "astronaut", "riding", "horse", "mountain", "sunset", "portrait", "style")
+T5_CHARS = ("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
+            ".,;:!?'\"()[]{}<>-_+=*/\\|&%$#@~^`")
+
+
+def t5_tokenizer(model_max_length: int = 512):
+    """A tiny T5 (Unigram, SentencePiece-style) tokenizer built in code: nothing to download.
+
+    Laid out like T5's own: ``<pad>`` 0, ``</s>`` 1, ``<unk>`` 2, whitespace split then ``▁`` word
+    prefixes, ``</s>`` appended; no sentinel ``<extra_id_N>`` tokens (the encoder never sees them)."""
+    from tokenizers import Tokenizer, decoders, pre_tokenizers, processors
+    from tokenizers.models import Unigram
+    from transformers import T5TokenizerFast
+
+    vocab = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -2.0)]
+    vocab += [("\u2581" + w, -4.0) for w in T5_WORDS]
+    vocab += [(c, -8.0) for c in T5_CHARS]
+    tok = Tokenizer(Unigram(vocab, unk_id=2, byte_fallback=False))
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.WhitespaceSplit(),
+        pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="always", split=True),
+    ])
+    tok.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme="always", split=True)
+    tok.post_processor = processors.TemplateProcessing(
+        single=["$A", "</s>"], pair=["$A", "</s>", "$B", "</s>"], special_tokens=[("</s>", 1)])
+    return T5TokenizerFast(tokenizer_object=tok, extra_ids=0, additional_special_tokens=[], eos_token="</s>",
+                           unk_token="<unk>", pad_token="<pad>", model_max_length=model_max_length)
+
+
+def _clip_tokenizer():
+    from transformers import CLIPTokenizer
+
+    return CLIPTokenizer.from_pretrained(str(TOKENIZER_DIR), model_max_length=77)
+
+
+def _clip_text_encoder(tokenizer, hidden_size: int, with_projection: bool):
+    """A 2-layer CLIP text encoder (SDXL and SD3 read the penultimate layer's hidden states)."""
+    import torch
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
+
+    torch.manual_seed(0)
+    cls = CLIPTextModelWithProjection if with_projection else CLIPTextModel
+    return cls(CLIPTextConfig(
+        vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+        num_attention_heads=2, num_hidden_layers=2, max_position_embeddings=77, projection_dim=hidden_size,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    ))
+
+
+def _t5_encoder(tokenizer, d_model: int):
+    import torch
+    from transformers import T5Config, T5EncoderModel
+
+    torch.manual_seed(0)
+    return T5EncoderModel(T5Config(
+        vocab_size=len(tokenizer), d_model=d_model, d_kv=d_model // 4, d_ff=2 * d_model, num_layers=2,
+        num_heads=4, relative_attention_num_buckets=8, relative_attention_max_distance=32,
+        feed_forward_proj="gated-gelu", dropout_rate=0.0, pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id, decoder_start_token_id=tokenizer.pad_token_id,
+        is_encoder_decoder=False, use_cache=False, tie_word_embeddings=False,
+    ))
+
+
+def _vae(latent_channels: int, **config):
+    """Four levels make the VAE scale factor 8, as in the real models: 64x64 pixels are 8x8 latents."""
+    import torch
+    from diffusers import AutoencoderKL
+
+    torch.manual_seed(0)
+    return AutoencoderKL(
+        in_channels=3, out_channels=3, latent_channels=latent_channels, layers_per_block=1,
+        block_out_channels=(8, 8, 8, 8), norm_num_groups=4,
+        down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4, **config,
+    )
+
+
+class TinySDXL(BuiltinModel):
+    """SDXL's layout: a UNet with ``text_time`` added conditioning (pooled text embedding + the six
+    size/crop ids), cross-attending to two CLIP encoders' concatenated penultimate hidden states."""
+
+    name = "tiny-sdxl"
+    version = 1
+
+    def create(self, folder: Path) -> None:
+        import torch
+        from diffusers import EulerDiscreteScheduler, StableDiffusionXLPipeline, UNet2DConditionModel
+
+        tokenizer, tokenizer_2 = _clip_tokenizer(), _clip_tokenizer()
+        text_encoder = _clip_text_encoder(tokenizer, 16, with_projection=False)
+        text_encoder_2 = _clip_text_encoder(tokenizer_2, 16, with_projection=True)
+        addition_time_embed_dim = 8
+        torch.manual_seed(0)
+        unet = UNet2DConditionModel(
+            sample_size=8, in_channels=4, out_channels=4, layers_per_block=1, block_out_channels=(8, 16),
+            norm_num_groups=4, down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+            up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"), attention_head_dim=(2, 4),
+            transformer_layers_per_block=(1, 2), use_linear_projection=True,
+            cross_attention_dim=text_encoder.config.hidden_size + text_encoder_2.config.hidden_size,
+            addition_embed_type="text_time", addition_time_embed_dim=addition_time_embed_dim,
+            # six time ids (original size, crop top-left, target size), each embedded, + the pooled text
+            projection_class_embeddings_input_dim=6 * addition_time_embed_dim + text_encoder_2.config.projection_dim,
+        )
+        vae = _vae(4, scaling_factor=0.13025, force_upcast=False)
+        scheduler = EulerDiscreteScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
+                                           steps_offset=1, timestep_spacing="leading")
+        pipe = StableDiffusionXLPipeline(
+            vae=vae, text_encoder=text_encoder, text_encoder_2=text_encoder_2, tokenizer=tokenizer,
+            tokenizer_2=tokenizer_2, unet=unet, scheduler=scheduler, add_watermarker=False,
+        )
+        pipe.save_pretrained(str(folder), safe_serialization=True)
+
+
+class TinySD3(BuiltinModel):
+    """SD3's layout: an MMDiT of JointTransformerBlocks (the last one ``context_pre_only``) over
+    2x2 latent patches; text from two CLIP encoders (pooled and penultimate) and T5."""
+
+    name = "tiny-sd3"
+    version = 1
+
+    def create(self, folder: Path) -> None:
+        import torch
+        from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
+
+        tokenizer, tokenizer_2, tokenizer_3 = _clip_tokenizer(), _clip_tokenizer(), t5_tokenizer(256)
+        text_encoder = _clip_text_encoder(tokenizer, 16, with_projection=True)
+        text_encoder_2 = _clip_text_encoder(tokenizer_2, 16, with_projection=True)
+        # The pipeline pads the two CLIP encoders' concatenated hidden states to T5's width.
+        t5_width = text_encoder.config.hidden_size + text_encoder_2.config.hidden_size
+        text_encoder_3 = _t5_encoder(tokenizer_3, t5_width)
+        torch.manual_seed(0)
+        transformer = SD3Transformer2DModel(
+            sample_size=8, patch_size=2, in_channels=4, out_channels=4, num_layers=3, attention_head_dim=16,
+            num_attention_heads=2, joint_attention_dim=t5_width, caption_projection_dim=32,
+            pooled_projection_dim=text_encoder.config.projection_dim + text_encoder_2.config.projection_dim,
+            pos_embed_max_size=32,
+        )
+        vae = _vae(4, use_quant_conv=False, use_post_quant_conv=False, scaling_factor=1.5305, shift_factor=0.0609)
+        scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0)
+        pipe = StableDiffusion3Pipeline(
+            transformer=transformer, scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
+            text_encoder_2=text_encoder_2, tokenizer_2=tokenizer_2, text_encoder_3=text_encoder_3,
+            tokenizer_3=tokenizer_3,
+        )
+        pipe.save_pretrained(str(folder), safe_serialization=True)
+
+
+class TinyFlux(BuiltinModel):
+    """FLUX.1-dev's layout: double-stream then single-stream blocks over 2x2-packed latents, CLIP's
+    pooled output and T5's hidden states as text, guidance as an embedded input (no CFG)."""
+
+    name = "tiny-flux"
+    version = 1
+
+    def create(self, folder: Path) -> None:
+        import torch
+        from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+
+        tokenizer, tokenizer_2 = _clip_tokenizer(), t5_tokenizer(512)
+        text_encoder = _clip_text_encoder(tokenizer, 16, with_projection=False)
+        text_encoder_2 = _t5_encoder(tokenizer_2, 32)
+        latent_channels = 4
+        torch.manual_seed(0)
+        transformer = FluxTransformer2DModel(
+            patch_size=1, in_channels=4 * latent_channels, num_layers=2, num_single_layers=2,
+            attention_head_dim=16, num_attention_heads=2, joint_attention_dim=text_encoder_2.config.d_model,
+            pooled_projection_dim=text_encoder.config.hidden_size, guidance_embeds=True,
+            axes_dims_rope=(4, 6, 6),  # sums to attention_head_dim
+        )
+        vae = _vae(latent_channels, use_quant_conv=False, use_post_quant_conv=False, scaling_factor=0.3611,
+                   shift_factor=0.1159)
+        scheduler = FlowMatchEulerDiscreteScheduler(
+            shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15, base_image_seq_len=256,
+            max_image_seq_len=4096)
+        pipe = FluxPipeline(
+            scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
+            text_encoder_2=text_encoder_2, tokenizer_2=tokenizer_2, transformer=transformer,
+        )
+        pipe.save_pretrained(str(folder), safe_serialization=True)
+
+
+BUILTINS: dict[str, BuiltinModel] = {m.name: m for m in (TinySD(), TinySDXL(), TinySD3(), TinyFlux())}
 
 
 def is_builtin(model_id: str) -> bool:
