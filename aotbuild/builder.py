@@ -25,6 +25,7 @@ from aotbuild.layout import format_size, resolve_cache_root, resolve_max_size
 from aotbuild.locks import flocked, store_lock
 from aotbuild.manifest import FileRecord, Manifest, Proof
 from aotbuild.planner import HIT, MISS, UNAVAILABLE, Job, plan, shard_jobs
+from aotbuild.proof import ProofFailed
 from aotbuild.recipe import Recipe, recipe_to_dict
 from aotbuild.store import Store
 from aotbuild.targets import get_target
@@ -172,8 +173,17 @@ def _build_one(store: Store, job: Job, tick: Callable[[float, str], None] | None
             files = target.collect(staging, job.recipe.strategy)
             if not files:
                 return JobResult(job, FAILED, seconds, reason="the job compiled nothing: no artifact to store")
+            (staging / "phase").write_text("proving: a fresh process serves the entry")
+            try:
+                t_proof = time.perf_counter()
+                proof = _prove(job, files, result, seconds, staging, store.root, tick, started)
+                result.setdefault("seconds", {})["proof"] = round(time.perf_counter() - t_proof, 3)
+            except ProofFailed as exc:
+                _keep_log(staging / "proof" / "proof.log", log_path)
+                return JobResult(job, FAILED, time.perf_counter() - started,
+                                 reason=f"{_one_line(str(exc))} (log: {log_path})")
             seconds = time.perf_counter() - started
-            return store_job(store, job, files, result, seconds, limit)
+            return store_job(store, job, files, result, seconds, limit, proof)
     except OSError as exc:
         return JobResult(job, FAILED, time.perf_counter() - started, reason=f"cannot run the job: {exc}")
     finally:
@@ -209,6 +219,34 @@ def _run_child(module: str, spec: Path, env: dict[str, str], log_path: Path, sta
 def _one_line(reason: str) -> str:
     reason = " ".join(reason.split())  # one line in the table, whatever the exception said
     return reason[:300] + " ..." if len(reason) > 300 else reason  # the log has it all
+
+
+def _prove(job: Job, files: list[tuple[str, Path]], result: dict[str, Any], seconds: float, staging: Path,
+           cache_root: Path, tick: Callable[[float, str], None] | None, started: float) -> Proof:
+    """Serve the job's files from a throwaway store in a fresh process (aotbuild/proof.py)."""
+    from aotbuild.proof import verdict
+
+    assert job.key is not None
+    folder = staging / "proof"
+    cwd = folder / "cwd"
+    cwd.mkdir(parents=True)
+    trial = Store(folder / "store")
+    records = [FileRecord(rel, *trial.put_blob(path)) for rel, path in files]
+    trial.put_manifest(make_manifest(job, records, result, seconds))
+    spec = {"recipe": str(Path(job.recipe.source).absolute()), "component": job.component,
+            "shape": job.shape.as_dict(), "cache_root": str(cache_root), "store": str(trial.root),
+            "result": str(folder / "result.json")}
+    (folder / "proof.json").write_text(json.dumps(spec))
+    target = get_target(job.recipe.target)
+    # Every compiler cache empty, no aotbuild cache from the environment, another directory: the
+    # process can only use what the entry holds.
+    env = _child_env({**target.capture_env(folder / "caches"), constants.ENV_CACHE: None})
+    code = _run_child("aotbuild.proof", folder / "proof.json", env, folder / "proof.log", staging, tick, started,
+                      cwd=cwd)
+    outcome = _read_result(folder / "result.json")
+    if code != 0 and "error" not in outcome:
+        outcome = {"error": f"exited with {code}{_tail(folder / 'proof.log')}"}
+    return verdict(outcome, job.label)
 
 
 def make_manifest(job: Job, records: list[FileRecord], result: dict[str, Any], seconds: float,

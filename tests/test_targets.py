@@ -8,7 +8,9 @@ fakes never leak into the other tests' process.
 from __future__ import annotations
 
 import json
+import re
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -212,3 +214,31 @@ def test_captured_tree_refuses_symlinks_and_special_files(tmp_path):
     os.mkfifo(base / "fifo")
     with pytest.raises(StoreError, match="not a regular file"):
         collect_tree(base)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("target,scope,fault,named", [
+    ("tpu", "regional", "first-instance", "time(s) (files the compiler wrote to TORCH_TPU_TIER3"),
+    ("neuron", "full", "drift", "differs from eager by 0.01"),
+])
+def test_an_entry_that_fails_its_proof_is_never_stored(tmp_path, target, scope, fault, named):
+    """A compiler whose artifacts serve only the first block instance in a fresh process, and one
+    whose compiled graph drifts from eager: the build fails with the reason, and stores nothing."""
+    path = tmp_path / f"tiny_{target}.yaml"
+    path.write_text(textwrap.dedent(f"""
+        model: {{id: builtin:tiny-sd, dtype: float32}}
+        target: {target}
+        device: cpu
+        compile: {{components: [unet], scope: {scope}}}
+        shapes: [{{height: 64, width: 64}}]
+        warmup: {{guidance_scale: 0.0}}
+    """))
+    cache = tmp_path / "cache"
+    build = run_cli("build", "--json", "--cache", str(cache), str(path), env={**FAKES, "AOTBUILD_STANDIN_FAULT": fault})
+    assert build.returncode == 1, build.stderr[-3000:]
+    job = json.loads(build.stdout)["jobs"][0]
+    assert job["status"] == "failed" and named in job["reason"] and "nothing was stored" in job["reason"], job
+    assert not list((cache / "manifests").glob("*/*.json")) and not list((cache / "blobs").glob("*/*"))
+    assert run_cli("verify", "--cache", str(cache)).returncode == 0  # and nothing left behind
+    log = Path(re.search(r"\(log: (\S+)\)$", job["reason"]).group(1))
+    assert log.is_file() and log.parent == cache / "logs"

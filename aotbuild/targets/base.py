@@ -87,6 +87,11 @@ class Target:
         """After the job: (relative path, file) for every artifact it produced."""
         raise NotImplementedError
 
+    def compile_counter(self, strategy: str) -> tuple[str, Callable[[], int]]:
+        """What the proof counts as a compile in this process for ``strategy``, and a function that
+        returns that count so far (aotbuild/proof.py takes the difference over the proof's calls)."""
+        raise NotImplementedError
+
     def install_blocker(self) -> str:
         """Why this process could not use installed artifacts (then every entry is a miss), or ""."""
         return ""

@@ -129,6 +129,16 @@ class FolderCacheTarget(Target):
     def collect(self, workdir: Path, strategy: str) -> list[tuple[str, Path]]:
         return collect_tree(workdir / "compiler-cache")
 
+    def compile_counter(self, strategy: str) -> tuple[str, Callable[[], int]]:
+        """A persistent-cache compiler writes what it compiles into its cache folder, and only reads
+        what it finds there: every new file is a compile."""
+
+        def files() -> int:
+            folder = os.environ.get(self.cache_env)
+            return sum(len(names) for _, _, names in os.walk(folder)) if folder else 0
+
+        return f"files the compiler wrote to {self.cache_env}", files
+
     def install(self, files: Iterable[tuple[str, Path]], device: str) -> InstallResult:
         folder = os.environ.get(self.cache_env)
         if not folder:

@@ -164,6 +164,14 @@ class InductorTarget(Target):
                 found.append((_TRITON.sub(_DEVICE_SLOT, rel), path))
         return found
 
+    def compile_counter(self, strategy: str) -> tuple[str, Callable[[], int]]:
+        from torch._dynamo.utils import counters
+
+        if strategy == "aot-package":  # every call must reach a package: any Dynamo graph is a fallback compile
+            return "Dynamo graphs traced", lambda: int(counters["stats"]["unique_graphs"])
+        # A jit-cache load traces with Dynamo (that is not compiling) and must hit the FX graph cache.
+        return "FX graph cache misses", lambda: int(counters["inductor"]["fxgraph_cache_miss"])
+
     def install_blocker(self) -> str:
         import torch._inductor.config as inductor_config
 

@@ -19,14 +19,21 @@ from pathlib import Path
 
 import torch
 
+#: Faults a test can ask of a stand-in, to prove the proof catches them (AOTBUILD_STANDIN_FAULT):
+#: "first-instance": only the first artifact a process loads is served, later ones compile again (a
+#: regional entry that serves its first block only); "drift": compiled graphs return eager + 0.01.
+FAULT = "AOTBUILD_STANDIN_FAULT"
+
 
 def make_backend(name: str, env_var: str, suffix: str, stats: dict):
     def backend(gm: torch.fx.GraphModule, example_inputs):
+        fault = os.environ.get(FAULT, "")
         folder = Path(os.environ.get(env_var) or Path(tempfile.gettempdir()) / f"standin-{name}")
         shapes = [(tuple(t.shape), str(t.dtype)) if isinstance(t, torch.Tensor) else repr(t) for t in example_inputs]
         digest = hashlib.sha256((gm.code + repr(shapes)).encode()).hexdigest()
         path = folder / f"MODULE_{digest[:20]}" / f"model.{suffix}"
-        if path.is_file() and path.read_text() == digest:
+        served = not (fault == "first-instance" and stats["loads"] >= 1)
+        if path.is_file() and path.read_text() == digest and served:
             stats["loads"] += 1
         else:
             stats["compiles"] += 1
@@ -35,6 +42,14 @@ def make_backend(name: str, env_var: str, suffix: str, stats: dict):
             tmp.write_text(digest)
             os.replace(tmp, path)
             (path.parent / "compile_flags.json").write_text('{"target": "standin"}')
+            if not served:  # a real compiler would write a new artifact, not the same bytes again
+                (path.parent / f"recompiled-{stats['compiles']}").write_text(digest)
+        if fault == "drift":
+            def drifted(*args):
+                out = gm.forward(*args)
+                return [o + 0.01 if isinstance(o, torch.Tensor) and o.is_floating_point() else o for o in out] \
+                    if isinstance(out, (list, tuple)) else out
+            return drifted
         return gm.forward
 
     torch._dynamo.register_backend(compiler_fn=backend, name=name)

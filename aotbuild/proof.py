@@ -1,0 +1,202 @@
+"""The proof: no entry is stored until a fresh process has served it with 0 compiles, equal to eager.
+
+Build side (``prove``, called by the builder once a job's worker has finished): the job's files go
+into a throwaway store inside the job's staging folder, and a fresh process
+(``python -m aotbuild.proof SPEC.json``) is started with every compiler cache pointed at an empty
+folder (the target's ``capture_env``) and another working directory. That process
+
+1. loads the pipeline and runs the recipe's warmup call eagerly, recording every call of the
+   component (its inputs and outputs) and which module instances ran (every repeated block instance,
+   for regional scope);
+2. loads the entry from the throwaway store with ``load_compiled(on_miss="error",
+   strict_shapes=True)``: exactly what a serving process does;
+3. calls the component again with every recorded input and compares each output with eager's
+   (max absolute difference), while the target counts what it compiled (``Target.compile_counter``:
+   for jit-cache, FX graph cache misses; for aot-package, Dynamo graphs, since every call must be
+   routed to a package; for folder-cache targets such as Neuron and TPU, new files in the compiler's
+   cache folder).
+
+Any compile, any difference above the dtype's tolerance, or any error fails the job with the reason
+and the fix, and nothing is stored. What it measured is the manifest's ``proof``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+import traceback
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+#: The largest |compiled - eager| accepted, per dtype. float32: the issue's bound, 1e-4, about 800
+#: ulps at magnitude 1: Inductor reorders and fuses reductions, so a few ulps per op add up over a
+#: network, and measured differences on the tiny models are below 1e-5. Half precisions round every
+#: intermediate to 11 (float16) or 8 (bfloat16) bits of mantissa, so the same reordering moves a
+#: result by ~1e-3 (float16) and ~1e-2 (bfloat16) at magnitude 1; the bounds leave a margin of
+#: about 5x over that (docs/cache.md, "The proof").
+TOLERANCE = {"float32": 1e-4, "float64": 1e-6, "float16": 5e-3, "bfloat16": 5e-2}
+
+
+class ProofFailed(Exception):
+    """The fresh process did not serve the entry with 0 compiles and output equal to eager."""
+
+
+def tolerance(dtype: str) -> float:
+    return TOLERANCE.get(dtype, 1e-4)
+
+
+# -- the fresh process ------------------------------------------------------------------------
+
+def _tensors(value: Any) -> list[Any]:
+    """Every tensor in an output (a tensor, a tuple, a diffusers BaseOutput, a dict), in order."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):  # BaseOutput is an OrderedDict
+        return [t for v in value.values() for t in _tensors(v)]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    return []
+
+
+def _clone(value: Any) -> Any:
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, (list, tuple)):
+        return type(value)(_clone(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _clone(v) for k, v in value.items()}
+    return value
+
+
+def block_instances(module: Any, recipe: Any) -> list[tuple[str, Any]]:
+    """(name, instance) of every repeated block a regional recipe compiles; [("", module)] for full."""
+    if recipe.compile.scope != "regional":
+        return [("", module)]
+    from aotbuild.targets import aoti
+
+    return aoti.repeated_blocks(module)
+
+
+def serve(spec: dict[str, Any]) -> dict[str, Any]:
+    """Run in the fresh process: returns the proof's figures, or raises with the reason."""
+    import torch
+
+    from aotbuild import models
+    from aotbuild.planner import Context
+    from aotbuild.recipe import Shape, load_recipe
+    from aotbuild.runtime import load_compiled
+
+    shape = Shape(**spec["shape"])
+    component = spec["component"]
+    full = load_recipe(spec["recipe"])
+    # This job alone: the entry holds one component at one shape (neither is a key factor).
+    recipe = replace(full, shapes=(shape,), compile=replace(full.compile, components=(component,)))
+    ctx = Context.create(recipe, Path(spec["cache_root"]))
+    if ctx.problem:
+        raise RuntimeError(ctx.problem)
+    assert ctx.model is not None
+    pipe = models.load_pipeline(recipe, ctx.model, ctx.dtype)
+    models.place_pipeline(pipe, recipe, ctx.device)
+    module = getattr(pipe, component)
+
+    # 1. Eager: what the component is called with, what it returns, which instances run.
+    calls: list[tuple[Any, Any, list[Any]]] = []
+    ran: set[str] = set()
+    instances = block_instances(module, recipe)
+
+    def recording(name: str, forward: Any, top: bool) -> Any:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            ran.add(name)
+            if not top:
+                return forward(*args, **kwargs)
+            inputs = (_clone(args), _clone(kwargs))
+            out = forward(*args, **kwargs)
+            calls.append((*inputs, [t.detach().clone() for t in _tensors(out)]))
+            return out
+
+        return run
+
+    for name, block in instances:
+        if block is not module:
+            block.forward = recording(name, block.forward, top=False)
+    module.forward = recording("", module.forward, top=True)
+    try:
+        pipe(**models.warmup_kwargs(recipe, shape, defaults=ctx.target.warmup_defaults))
+    finally:
+        for _, block in instances:
+            vars(block).pop("forward", None)
+        vars(module).pop("forward", None)
+    if not calls:
+        raise RuntimeError(f"the warmup never called {component}")
+    expected = {n for n, b in instances if b is not module} or {""}
+    if ran & expected != expected:
+        missing = sorted(expected - ran)
+        raise RuntimeError(f"the warmup never ran {len(missing)} of the blocks (e.g. {missing[0]})")
+
+    # 2. Load the entry the way a serving process does.
+    t0 = time.perf_counter()
+    load_compiled(recipe, pipe, cache=spec["store"], on_miss="error", strict_shapes=True)
+    counter_name, count = ctx.target.compile_counter(recipe.strategy)
+    before = count()
+
+    # 3. Every recorded call through the loaded entry, compared with eager.
+    worst = 0.0
+    first_call_s = None
+    with torch.no_grad():
+        for args, kwargs, eager in calls:
+            out = _tensors(module(*args, **kwargs))
+            if first_call_s is None:
+                first_call_s = time.perf_counter() - t0
+            if len(out) != len(eager):
+                raise RuntimeError(f"{component} returned {len(out)} tensors served, {len(eager)} eager")
+            for a, b in zip(out, eager, strict=True):
+                if a.shape != b.shape:
+                    raise RuntimeError(f"{component} returned shape {list(a.shape)} served, {list(b.shape)} eager")
+                if a.numel():
+                    worst = max(worst, float((a.float() - b.float()).abs().max()))
+    return {"compiles": int(count() - before), "counter": counter_name, "max_abs_diff": worst,
+            "tolerance": tolerance(ctx.dtype), "instances": len(expected), "calls": len(calls),
+            "load_s": round(first_call_s or 0.0, 3)}
+
+
+def main(argv: list[str]) -> int:
+    spec = json.loads(Path(argv[0]).read_text())
+    try:
+        result = serve(spec)
+    except BaseException as exc:  # the parent reads the reason from the result file
+        traceback.print_exc()
+        result = {"error": f"{type(exc).__name__}: {exc}".strip()}
+    Path(spec["result"]).write_text(json.dumps(result))
+    return 1 if "error" in result else 0
+
+
+# -- the build side ---------------------------------------------------------------------------
+
+def verdict(result: dict[str, Any], label: str) -> Any:
+    """The Proof for a passing result; ProofFailed, with the reason and the fix, for any other."""
+    from aotbuild.manifest import Proof
+
+    if "error" in result:
+        raise ProofFailed(f"a fresh process could not serve the entry, so nothing was stored: {result['error']}")
+    proof = Proof(load_s=float(result["load_s"]), compiles=int(result["compiles"]),
+                  max_abs_diff=float(result["max_abs_diff"]), tolerance=float(result["tolerance"]),
+                  instances=int(result["instances"]), calls=int(result["calls"]), counter=str(result["counter"]))
+    if proof.compiles:
+        raise ProofFailed(f"a fresh process loading the entry compiled {proof.compiles} time(s) "
+                          f"({proof.counter}) for {label}: the artifacts do not cover every call, so nothing was "
+                          f"stored; the log has the compiler's reasons")
+    if not proof.max_abs_diff <= proof.tolerance:
+        raise ProofFailed(f"the served {label} differs from eager by {proof.max_abs_diff:.3g} (tolerance "
+                          f"{proof.tolerance:.0e}): nothing was stored; compile options that trade accuracy "
+                          f"for speed are the usual cause (compile.options)")
+    return proof
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
