@@ -10,7 +10,8 @@ The factors are everything that can change a compiled artifact and nothing that 
 ``target``          target name and ``strategy``
 ``compile``         the exact compile settings (scope, mode, fullgraph, dynamic, options, backend)
 ``shape``           height, width, batch_size (images per prompt)
-``warmup``          every warmup argument but the prompt text (guidance changes the UNet's batch)
+``warmup``          every warmup argument but the prompt text; prompts only as ``{"texts": N}`` (guidance
+                    and a list of prompts change the denoiser's batch)
 ``env``             torch version and git build, diffusers, transformers, python major.minor
 ``device``          the target's fingerprint: device kind and, for CPU Inductor, machine and vector
                     ISA; for CUDA the compute capability, CUDA and Triton versions

@@ -145,11 +145,21 @@ class Recipe:
         return {**dict(defaults or {}), **thaw(self.warmup)}
 
     def warmup_factors(self, defaults: Mapping[str, Any] | None = None) -> dict[str, Any]:
-        """Every warmup argument but the prompt text: they shape what components see."""
+        """Every warmup argument but the prompt text: they shape what components see.
+
+        A prompt's text stays out, its structure goes in: ``prompt: [a cat, a dog]`` runs the
+        denoiser at twice the batch of ``prompt: a cat``, so each prompt argument is keyed as
+        ``{"texts": N}`` (the default prompt is one text)."""
         from aotbuild.constants import PROMPT_ARGUMENTS
 
         args = self.warmup_arguments(defaults)
-        return {k: args[k] for k in sorted(args) if k not in PROMPT_ARGUMENTS}
+        args.setdefault("prompt", "")
+        return {k: ({"texts": prompt_count(args[k])} if k in PROMPT_ARGUMENTS else args[k]) for k in sorted(args)}
+
+
+def prompt_count(value: Any) -> int:
+    """How many texts a prompt argument holds: a list holds one per item, anything else one."""
+    return len(value) if isinstance(value, (list, tuple)) else 1
 
 
 # ---------------------------------------------------------------------------------------------
