@@ -94,7 +94,12 @@ class FolderCacheTarget(Target):
                                          f"(allowed: {self.name}, {self.name}:N, cpu)")
 
     def validate(self, recipe: Recipe) -> None:
+        from aotbuild.recipe import thaw
+        from aotbuild.targets import options
+
         super().validate(recipe)
+        for key, value in thaw(recipe.compile.options).items():  # no declared types: plain numbers and flags
+            options.check(recipe, key, value)
         if recipe.compile.mode != "default":
             raise recipe.error("compile.mode", f"target {self.name} supports only mode: default "
                                                f"(got {recipe.compile.mode!r})")

@@ -235,11 +235,10 @@ __all__ = ["InductorTarget", "active_cache_dir"]
 def _check_options(recipe: Recipe) -> None:
     """The checks torch.compile makes on ``options`` (torch/__init__.py ``apply_options``), made when
     the recipe is read: a typo is one line at ``plan`` time, not a failed job with a 20 kB message."""
-    from typing import get_origin
-
     from torch._inductor import config
 
     from aotbuild.recipe import _suggest, thaw
+    from aotbuild.targets import options
 
     current = config.get_config_copy()
     for key, value in thaw(recipe.compile.options).items():
@@ -247,9 +246,4 @@ def _check_options(recipe: Recipe) -> None:
         if name not in current:
             raise recipe.error(f"compile.options.{key}", f"not an Inductor option{_suggest(name, list(current))} "
                                                          "(torch._inductor.list_options() lists them)")
-        kind = config.get_type(name)  # type: ignore[attr-defined]
-        if get_origin(kind) is None and isinstance(kind, type) and not isinstance(value, kind):
-            takes = "has no declared type, and torch.compile refuses it" if kind is type(None) \
-                else f"takes a {kind.__name__}"
-            raise recipe.error(f"compile.options.{key}", f"{value!r} is a {type(value).__name__}; this option "
-                                                         f"{takes}")
+        options.check(recipe, key, value, config.get_type(name))  # type: ignore[attr-defined]
