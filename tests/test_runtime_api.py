@@ -83,6 +83,7 @@ def test_plan_lists_unreachable_hub_model_as_unavailable(tmp_path):
     assert run_cli("plan", "--fail-on-miss", str(recipe), env=env).returncode == 3
 
 
+@pytest.mark.slow  # compiles for real
 def test_more_static_shapes_than_dynamos_default_limit():
     """Dynamo's default recompile_limit (8) makes a 9th static shape a hard error under fullgraph;
     the inductor target raises it to cover the recipe's shapes."""
