@@ -82,6 +82,10 @@ def _scan(store: Store) -> list[Problem]:
             if blob.name not in named:
                 problems.append(Problem(ORPHAN, blob, f"{blob.stat().st_size} bytes that no manifest names"))
     problems += [Problem(TEMP, p, "left by a writer that died (killed, out of space)") for p in _leftovers(store)]
+    from aotbuild.builtin import dead_staging
+
+    problems += [Problem(TEMP, p, "a built-in model whose creation was killed midway")
+                 for p in dead_staging(store.layout.models)]
     return problems
 
 
@@ -160,7 +164,10 @@ def _confirmed(store: Store, problem: Problem, named: dict[str, list[str]]) -> b
     if problem.kind == ORPHAN:
         return path.name not in named
     if problem.kind == TEMP:
-        return is_unlocked(path / ".lock" if path.is_dir() else path)
+        from aotbuild.builtin import STAGING_LOCK
+
+        lock = path / STAGING_LOCK if (path / STAGING_LOCK).exists() else path / ".lock" if path.is_dir() else path
+        return is_unlocked(lock)
     return _read(store, path)[1] is not None
 
 
