@@ -74,15 +74,23 @@ def resolve_model(recipe: Recipe, cache_root: Path) -> ResolvedModel:
 
 
 def _hub_file(repo_id: str, filename: str, revision: str | None) -> Path:
+    from aotbuild import hub
+
+    down = "" if hub.offline_mode() else hub.unreachable()
     try:
         from huggingface_hub import hf_hub_download
 
-        return Path(hf_hub_download(repo_id, filename, revision=revision))
+        # Unreachable: the local Hugging Face cache may still have it; asked without the network.
+        return Path(hf_hub_download(repo_id, filename, revision=revision, local_files_only=bool(down)))
     except Exception as exc:  # offline, gated, missing: one line says which
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         if len(reason) > 200:
             reason = reason[:200] + " ..."
         name = type(exc).__name__
+        if down:
+            raise ModelUnavailable(f"cannot fetch {filename} of {repo_id}: {down}, and the local Hugging "
+                                   f"Face cache does not have it; pre-download it (hf download) or point model.id at "
+                                   f"a local folder") from None
         if "LocalEntryNotFound" in name or "Connect" in name or "Offline" in name:
             hint = ("; no network? pre-download it (hf download), set HF_HUB_OFFLINE=1 to use only the local "
                     "Hugging Face cache, or point model.id at a local folder")
