@@ -1,0 +1,165 @@
+"""scope: regional without compiling: input layouts and the stride guard, the block recorder."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from aotbuild.errors import PackageMismatch
+from aotbuild.targets import aoti
+
+
+def test_strides_match_ignores_size_one_dims_and_empty_tensors():
+    full = torch.zeros(1, 24, 32)
+    tail = full[:, 8:]  # what a Flux single-stream block passes on: its output's image half
+    assert tail.stride() == (768, 32, 1) and tail.is_contiguous()  # PyTorch ignores the size-1 dim too
+    assert tail.contiguous() is tail  # so .contiguous() cannot give it a fresh tensor's (512, 32, 1)
+    assert aoti.strides_match(tail.shape, tail.stride(), [512, 32, 1])
+    batch2 = torch.zeros(2, 24, 32)[:, 8:]
+    assert not aoti.strides_match(batch2.shape, batch2.stride(), [512, 32, 1])
+    assert aoti.strides_match((0, 16), (1, 0), [16, 1])  # nothing is read from an empty tensor
+    assert aoti.strides_match((3, 0, 4), (99, 7, 5), [0, 4, 1])
+    assert not aoti.strides_match((4, 4), (4, 1), [1, 4])
+    assert not aoti.strides_match((4, 4), (4, 1), [16, 4, 1])  # another rank never matches
+
+
+@pytest.mark.parametrize("shape,strides,ok", [
+    ((2, 16, 32), (512, 32, 1), True),  # contiguous
+    ((2, 16, 32), (768, 32, 1), True),  # a slice along dim 1
+    ((4, 3), (1, 4), True),  # transposed
+    ((1, 16), (0, 1), True),  # stride 0 on a size-1 dim is harmless
+    ((4, 16), (0, 1), False),  # expanded: four rows share one
+    ((4, 4), (2, 1), False),  # overlapping windows
+    ((4, 4), (4, 4), False),  # two dims on one stride
+    ((0, 4), (0, 0), True),  # empty
+    ((2, 3), (1,), False),  # rank mismatch
+])
+def test_copyable_layouts(shape, strides, ok):
+    assert aoti.copyable(shape, strides) is ok
+
+
+def test_relayout_gives_exactly_the_strides_asked_for():
+    t = torch.arange(16 * 32, dtype=torch.float32).reshape(1, 16, 32)
+    out = aoti.relayout(t, [768, 32, 1])
+    assert out.stride() == (768, 32, 1) and torch.equal(out, t)
+    out = aoti.relayout(torch.arange(6.0).reshape(2, 3), [1, 2])  # column-major
+    assert out.stride() == (1, 2) and torch.equal(out, torch.arange(6.0).reshape(2, 3))
+
+
+def test_snapshot_keeps_a_strided_input_and_densifies_an_expanded_one():
+    sliced = torch.randn(2, 24, 32)[:, 8:]
+    expanded = torch.randn(1, 8).expand(4, 8)
+    (a, b), _ = aoti.snapshot((sliced, expanded), {})
+    assert a.stride() == sliced.stride() and torch.equal(a, sliced)
+    assert b.stride() == (8, 1) and torch.equal(b, expanded)
+
+
+class _FakeModel:
+    """What ``aoti_load_package`` returns, as far as the runner uses it; records what it was given."""
+
+    def __init__(self):
+        self.seen = []
+
+    def load_constants(self, tensors, check_full_update, user_managed):
+        pass
+
+    def __call__(self, *args, **kwargs):
+        self.seen.append((args, kwargs))
+        return kwargs["hidden_states"]
+
+
+def _guard(strides):
+    model = _FakeModel()
+    package = {"constants": {}, "strides": strides}
+    return aoti._stride_guard(aoti.PackageRunner(model, nn.Module(), "transformer.single_transformer_blocks.1",
+                                                 package, "cpu")), model
+
+
+def test_guard_passes_a_batch_one_slice_as_it_is():
+    """The issue-12 bug: at batch 1 a slice differs from a fresh tensor only in the size-1 dim."""
+    run, model = _guard([[256, 32, 1], [512, 32, 1]])
+    out = torch.randn(1, 24, 32)
+    encoder, hidden = out[:, :8], out[:, 8:]
+    run(hidden_states=hidden, encoder_hidden_states=encoder)  # kwargs are compared in name order
+    (_, kwargs), = model.seen
+    assert kwargs["hidden_states"] is hidden and kwargs["encoder_hidden_states"] is encoder
+
+
+def test_guard_copies_into_the_package_strides_where_they_matter():
+    run, model = _guard([[256, 32, 1], [768, 32, 1]])  # built for slices at batch 2
+    encoder, hidden = torch.randn(2, 8, 32), torch.randn(2, 16, 32)  # called with fresh tensors
+    run(hidden_states=hidden, encoder_hidden_states=encoder)
+    (_, kwargs), = model.seen
+    assert kwargs["encoder_hidden_states"] is encoder
+    assert kwargs["hidden_states"].stride() == (768, 32, 1) and torch.equal(kwargs["hidden_states"], hidden)
+
+
+def test_guard_refuses_a_layout_no_copy_can_make():
+    run, _ = _guard([[0, 1]])  # a package built for an expanded input (aotbuild never builds one)
+    with pytest.raises(PackageMismatch, match=r"built for \[0, 1\], which no copy can make"):
+        run(hidden_states=torch.randn(4, 8))
+    run, _ = _guard([[8, 1], [8, 1]])
+    with pytest.raises(PackageMismatch, match="called with 1 tensors, its AOT package was built for 2"):
+        run(hidden_states=torch.randn(4, 8))
+
+
+class ToyBlock(nn.Module):
+    """Returns slices of one output, as Flux's single-stream blocks do."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, hidden_states, encoder_hidden_states, scale=1.0):
+        text = encoder_hidden_states.shape[1]
+        x = self.proj(torch.cat([encoder_hidden_states, hidden_states], dim=1)) * scale
+        return x[:, :text], x[:, text:]
+
+
+class Toy(nn.Module):
+    _repeated_blocks = ["ToyBlock"]
+
+    def __init__(self, n: int = 3):
+        super().__init__()
+        self.blocks = nn.ModuleList(ToyBlock() for _ in range(n))
+
+    def forward(self, hidden_states, encoder_hidden_states, scales=None):
+        for block, scale in zip(self.blocks, scales or [1.0] * len(self.blocks), strict=True):
+            encoder_hidden_states, hidden_states = block(hidden_states=hidden_states,
+                                                         encoder_hidden_states=encoder_hidden_states, scale=scale)
+        return hidden_states
+
+
+def test_recorder_keeps_every_instance_call_and_one_snapshot_per_group():
+    toy = Toy(3)
+    recorder = aoti.BlockRecorder(toy, "transformer")
+    with torch.no_grad():
+        toy(torch.randn(2, 5, 8), torch.randn(2, 3, 8))
+    (key, packages), = recorder.groups.items()
+    assert len(packages) == 1 and packages[0]["instances"] == ["blocks.0", "blocks.1", "blocks.2"]
+    sig = key[1]
+    strides = {name: calls[sig]["strides"] for name, calls in recorder.calls.items()}
+    # kwargs in name order: encoder_hidden_states, hidden_states; blocks 1 and 2 get slices of (2, 8, 8)
+    assert strides == {"blocks.0": [[24, 8, 1], [40, 8, 1]], "blocks.1": [[64, 8, 1], [64, 8, 1]],
+                       "blocks.2": [[64, 8, 1], [64, 8, 1]]}
+    # The package is exported for what most instances receive: only blocks.0 will copy its inputs.
+    recorder.plan_layouts()
+    assert packages[0]["layout"] == [[64, 8, 1], [64, 8, 1]]
+    assert {name: calls[sig]["copies"] for name, calls in recorder.calls.items()} == {
+        "blocks.0": True, "blocks.1": False, "blocks.2": False}
+    args, kwargs = aoti._relaid(packages[0]["call"], packages[0]["layout"])
+    assert kwargs["hidden_states"].stride() == (64, 8, 1) and kwargs["encoder_hidden_states"].stride() == (64, 8, 1)
+    assert torch.equal(kwargs["hidden_states"], packages[0]["call"][1]["hidden_states"])
+
+
+def test_recorder_gives_an_instance_with_other_float_arguments_its_own_package():
+    """torch.export bakes a float argument into the package: no guard could fix another value."""
+    toy = Toy(3)
+    recorder = aoti.BlockRecorder(toy, "transformer")
+    with torch.no_grad():
+        toy(torch.randn(1, 5, 8), torch.randn(1, 3, 8), scales=[1.0, 1.0, 0.5])
+    (_, packages), = recorder.groups.items()
+    assert [p["instances"] for p in packages] == [["blocks.0", "blocks.1"], ["blocks.2"]]
+    assert [p["floats"] for p in packages] == [[1.0], [0.5]]
+    assert recorder.calls["blocks.2"][next(iter(recorder.calls["blocks.2"]))]["package"] == 1
