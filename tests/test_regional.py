@@ -163,3 +163,128 @@ def test_recorder_gives_an_instance_with_other_float_arguments_its_own_package()
     assert [p["instances"] for p in packages] == [["blocks.0", "blocks.1"], ["blocks.2"]]
     assert [p["floats"] for p in packages] == [[1.0], [0.5]]
     assert recorder.calls["blocks.2"][next(iter(recorder.calls["blocks.2"]))]["package"] == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# compile.blocks: regional scope for models without _repeated_blocks
+# ---------------------------------------------------------------------------------------------
+
+def _recipe(**compile_section):
+    from aotbuild.recipe import parse_recipe
+
+    return parse_recipe({"model": "builtin:tiny-sd", "device": "cpu", "shapes": [{"height": 64, "width": 64}],
+                         "compile": {"components": ["transformer"], **compile_section}}, "r.yaml")
+
+
+@pytest.mark.parametrize("section,expected", [
+    ({"blocks": ["JointTransformerBlock"]}, "compile.blocks: names the blocks that scope: regional compiles: set "
+                                            "compile.scope: regional"),
+    ({"scope": "regional", "blocks": ["JointTransformerBlock x3"]}, "'JointTransformerBlock x3' is not a class name"),
+    ({"scope": "regional", "blocks": []}, "compile.blocks: expected a non-empty list of names"),
+    ({"scope": "regional", "blocks": ["A", "A"]}, "compile.blocks: lists a name twice"),
+])
+def test_blocks_recipe_errors(section, expected):
+    from aotbuild.errors import RecipeError
+
+    with pytest.raises(RecipeError) as info:
+        _recipe(**section)
+    assert expected in str(info.value)
+
+
+def test_blocks_are_a_key_factor_and_absent_ones_change_no_key():
+    from aotbuild.recipe import recipe_to_dict
+    from aotbuild.targets import get_target
+
+    plain, named = _recipe(scope="regional"), _recipe(scope="regional", blocks="JointTransformerBlock")
+    assert named.compile.blocks == ("JointTransformerBlock",) and plain.compile.blocks is None
+    for target in ("inductor", "neuron", "tpu"):
+        settings = get_target(target).compile_settings
+        assert "blocks" not in settings(plain, "cpu")  # recipes without compile.blocks keep their keys
+        assert settings(named, "cpu")["blocks"] == ["JointTransformerBlock"]
+    both = _recipe(scope="regional", blocks=["FluxTransformerBlock", "FluxSingleTransformerBlock"])
+    reordered = _recipe(scope="regional", blocks=["FluxSingleTransformerBlock", "FluxTransformerBlock"])
+    inductor = get_target("inductor")
+    assert inductor.compile_settings(both, "cpu") == inductor.compile_settings(reordered, "cpu")
+    assert "blocks" not in recipe_to_dict(plain)["compile"]
+    assert recipe_to_dict(named)["compile"]["blocks"] == ["JointTransformerBlock"]
+
+
+@pytest.fixture(scope="module")
+def sd3_transformer():
+    from tests.tiny_pipelines import sd3_transformer as make
+
+    return make(num_layers=3)
+
+
+def test_unknown_block_class_lists_the_classes_that_repeat(sd3_transformer):
+    from aotbuild.blocks import select_blocks
+    from aotbuild.errors import RecipeError
+
+    recipe = _recipe(scope="regional", blocks=["JointTransformerBloc"])
+    with pytest.raises(RecipeError) as info:
+        select_blocks(sd3_transformer, recipe.compile.blocks, recipe)
+    text = str(info.value)
+    assert text.startswith("r.yaml: compile.blocks: SD3Transformer2DModel has no block class 'JointTransformerBloc'; "
+                           "did you mean 'JointTransformerBlock'? (its classes that repeat: JointTransformerBlock x3, ")
+    assert "Linear" not in text  # torch's own layers are not blocks
+    nested = _recipe(scope="regional", blocks=["JointTransformerBlock", "FeedForward"])
+    with pytest.raises(RecipeError, match=r"FeedForward \(transformer_blocks.0.ff\) is inside JointTransformerBlock "
+                                          r"\(transformer_blocks.0\): name only one of them"):
+        select_blocks(sd3_transformer, nested.compile.blocks, nested)
+    with pytest.raises(RecipeError, match="SD3Transformer2DModel declares no _repeated_blocks: name them in "
+                                          "compile.blocks .its classes that repeat: JointTransformerBlock x3"):
+        select_blocks(sd3_transformer, None, _recipe(scope="regional"))
+    found = select_blocks(sd3_transformer, ("JointTransformerBlock",))
+    assert [name for name, _ in found] == [f"transformer_blocks.{i}" for i in range(3)]
+    assert [b.context_pre_only for _, b in found] == [False, False, True]  # the last one differs
+
+
+def test_jit_cache_regional_compiles_each_named_block(sd3_transformer):
+    """compile_repeated_blocks' way for the recipe's classes: block.compile() on every instance (lazy:
+    nothing is compiled until a call)."""
+    import copy
+
+    from aotbuild.targets import get_target
+
+    module = copy.deepcopy(sd3_transformer)
+    recipe = _recipe(scope="regional", blocks=["JointTransformerBlock"])
+    get_target("inductor").compile(module, recipe, "cpu")
+    compiled = sorted(n for n, m in module.named_modules() if getattr(m, "_compiled_call_impl", None) is not None)
+    assert compiled == [f"transformer_blocks.{i}" for i in range(3)]
+
+
+@pytest.fixture(scope="session")
+def tiny_sd3_dir(tmp_path_factory):
+    from tests.tiny_pipelines import make_tiny_sd3
+
+    return make_tiny_sd3(tmp_path_factory.mktemp("sd3") / "tiny-sd3")
+
+
+def test_plan_checks_block_names_without_loading_weights(tiny_sd3_dir, tmp_path, monkeypatch):
+    from aotbuild import models
+    from aotbuild.errors import RecipeError
+    from aotbuild.planner import plan
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("plan loaded the pipeline")
+
+    monkeypatch.setattr(models, "load_pipeline", no_loading)
+    base = (f"model: {{id: {tiny_sd3_dir}}}\ndevice: cpu\nshapes: [{{height: 64, width: 64}}]\n"
+            "compile: {components: [transformer], scope: regional")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(base + ", blocks: [JointBlock]}\n")
+    with pytest.raises(RecipeError, match=r"bad.yaml: compile.blocks: transformer: SD3Transformer2DModel has no "
+                                          r"block class 'JointBlock'; did you mean 'JointTransformerBlock'\? \(its "
+                                          r"classes that repeat: JointTransformerBlock x3, "):
+        plan([str(bad)], tmp_path / "cache")
+    missing = tmp_path / "missing.yaml"
+    missing.write_text(base + "}\n")
+    with pytest.raises(RecipeError, match=r"compile.scope: regional scope needs a component with _repeated_blocks; "
+                                          r"transformer \(SD3Transformer2DModel\) has none: name its block classes in "
+                                          r"compile.blocks \(its classes that repeat: JointTransformerBlock x3"):
+        plan([str(missing)], tmp_path / "cache")
+    good = tmp_path / "good.yaml"
+    good.write_text(base + ", blocks: [JointTransformerBlock]}\n")
+    job, = plan([str(good)], tmp_path / "cache")
+    assert job.status == "miss" and job.factors["compile"]["blocks"] == ["JointTransformerBlock"]
+

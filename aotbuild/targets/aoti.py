@@ -43,9 +43,12 @@ import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aotbuild.errors import PackageMismatch
+
+if TYPE_CHECKING:
+    from aotbuild.recipe import Recipe
 
 PACKAGE_DIR = "aoti"
 PROBE_DIR = "inductor"
@@ -215,14 +218,14 @@ def build_packages(module: Any, calls: dict[str, tuple[tuple[Any, ...], dict[str
             for sig, (args, kwargs) in sorted(calls.items())]
 
 
-def repeated_blocks(module: Any, classes: tuple[str, ...] | None = None) -> list[tuple[str, Any]]:
+def repeated_blocks(module: Any, classes: tuple[str, ...] | None = None,
+                    recipe: Recipe | None = None) -> list[tuple[str, Any]]:
     """(name, instance) of every block of ``classes`` (a recipe's ``compile.blocks``), by default of
-    the classes diffusers lists in ``_repeated_blocks``."""
-    classes = set(classes or getattr(module, "_repeated_blocks", None) or ())
-    if not classes:
-        raise PackageMismatch(f"{type(module).__name__} declares no _repeated_blocks: scope: regional needs "
-                              f"them; use compile.scope: full")
-    return [(name, m) for name, m in module.named_modules() if name and type(m).__name__ in classes]
+    the classes diffusers lists in ``_repeated_blocks``; a recipe error naming the module's repeating
+    classes when they do not fit."""
+    from aotbuild.blocks import select_blocks
+
+    return select_blocks(module, classes, recipe)
 
 
 def _structure(module: Any) -> str:
@@ -257,7 +260,8 @@ class BlockRecorder:
     copy can change them: an instance called with other float values gets a package of its own,
     exported from a snapshot of its own call."""
 
-    def __init__(self, module: Any, component: str, classes: tuple[str, ...] | None = None):
+    def __init__(self, module: Any, component: str, classes: tuple[str, ...] | None = None,
+                 recipe: Recipe | None = None):
         from aotbuild.dispatch import install_dispatcher
 
         #: (class, signature, structure) -> its packages: each a dict with "instances", "call" (the
@@ -267,7 +271,7 @@ class BlockRecorder:
         #: in the group's list}; after :meth:`build`, also "copies": whether its input is copied
         #: into the package's layout on every call.
         self.calls: dict[str, dict[str, dict[str, Any]]] = {}
-        self.blocks = repeated_blocks(module, classes)
+        self.blocks = repeated_blocks(module, classes, recipe)
         for name, block in self.blocks:
             group_of = (type(block).__name__, _structure(block))
             install_dispatcher(block, f"{component}.{name}", {}, block.forward, "record",
