@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import textwrap
+
 import pytest
 import torch
 from torch import nn
@@ -288,3 +290,79 @@ def test_plan_checks_block_names_without_loading_weights(tiny_sd3_dir, tmp_path,
     job, = plan([str(good)], tmp_path / "cache")
     assert job.status == "miss" and job.factors["compile"]["blocks"] == ["JointTransformerBlock"]
 
+
+# ---------------------------------------------------------------------------------------------
+# For real: build with the CLI, load in a fresh process elsewhere (slow: minutes on 2 cores)
+# ---------------------------------------------------------------------------------------------
+
+def _build_and_load_fresh(tmp_path, make, recipe_text: str) -> tuple[dict, dict]:
+    """The pipeline ``make`` saves next to the recipe (model.id is relative to it), built by
+    ``aotbuild build`` into a fresh cache, then loaded in a fresh process in another folder with
+    an empty Inductor cache: (the entry's manifest, what tests/test_aot.py's FRESH measured)."""
+    import json
+
+    from tests.conftest import run_cli
+    from tests.test_aot import run_fresh
+
+    recipes = tmp_path / "recipes"
+    make(recipes / "tiny")
+    recipe = recipes / "regional.yaml"
+    recipe.write_text(recipe_text)
+    cache = tmp_path / "cache"
+    proc = run_cli("build", "--json", "--cache", str(cache), str(recipe),
+                   env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "build-inductor")})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    key = json.loads(proc.stdout)["jobs"][0]["key"]
+    manifest = json.loads(run_cli("show", "--json", "--cache", str(cache), key[:12]).stdout)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    return manifest, run_fresh(recipe, cache, tmp_path, component="transformer", cwd=elsewhere)
+
+
+@pytest.mark.slow
+def test_flux_regional_packages_serve_every_block(tmp_path):
+    """Issue 12: single-stream blocks after the first get slices; every one must run its package."""
+    from tests.tiny_pipelines import make_tiny_flux
+
+    manifest, result = _build_and_load_fresh(tmp_path, make_tiny_flux, textwrap.dedent("""
+        model: {id: ./tiny, dtype: float32}
+        target: inductor
+        device: cpu
+        strategy: aot-package
+        compile: {components: [transformer], scope: regional}
+        shapes: [{height: 64, width: 64}]
+        warmup: {num_inference_steps: 2, max_sequence_length: 8}
+    """))
+    served = {p["block_class"]: p["instances"] for p in manifest["packages"]}
+    assert served == {"FluxTransformerBlock": ["transformer_blocks.0", "transformer_blocks.1"],
+                      "FluxSingleTransformerBlock": ["single_transformer_blocks.0", "single_transformer_blocks.1"]}
+    assert result["unique_graphs"] == 0  # no Dynamo, no compile
+    assert set(result["calls"]) == {b for instances in served.values() for b in instances}
+    assert all(c["built"] == 2 for c in result["calls"].values())  # every block, both steps, by its package
+    assert result["max_diff"] <= 1e-5
+    assert "transformer_blocks.0 was called with" in result["strict"]
+
+
+@pytest.mark.slow
+def test_sd3_regional_with_named_blocks(tmp_path):
+    """SD3 lists no _repeated_blocks: compile.blocks names them. Its last block is context_pre_only,
+    a group of one, which gets a package of its own."""
+    from tests.tiny_pipelines import make_tiny_sd3
+
+    manifest, result = _build_and_load_fresh(tmp_path, make_tiny_sd3, textwrap.dedent("""
+        model: {id: ./tiny, dtype: float32}
+        target: inductor
+        device: cpu
+        strategy: aot-package
+        compile: {components: [transformer], scope: regional, blocks: [JointTransformerBlock]}
+        shapes: [{height: 64, width: 64}]
+        warmup: {num_inference_steps: 2, guidance_scale: 0.0, max_sequence_length: 8}
+    """))
+    assert manifest["factors"]["compile"]["blocks"] == ["JointTransformerBlock"]
+    assert sorted(p["instances"] for p in manifest["packages"]) == [
+        ["transformer_blocks.0", "transformer_blocks.1"], ["transformer_blocks.2"]]
+    assert result["unique_graphs"] == 0
+    assert set(result["calls"]) == {f"transformer_blocks.{i}" for i in range(3)}
+    assert all(c["built"] == 2 for c in result["calls"].values())
+    assert result["max_diff"] <= 1e-5
+    assert "transformer_blocks.0 was called with" in result["strict"]
