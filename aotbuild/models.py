@@ -13,12 +13,13 @@ from pathlib import Path
 from typing import Any
 
 from aotbuild import builtin
+from aotbuild.blocks import describe_repeating
 from aotbuild.errors import ModelUnavailable
 from aotbuild.layout import Layout
 from aotbuild.recipe import CompileSpec, Recipe, _suggest
 
 __all__ = ["ModelUnavailable", "ResolvedModel", "resolve_model", "load_pipeline", "place_pipeline",
-           "warmup_kwargs", "component_config", "module_config", "check_components"]
+           "warmup_kwargs", "component_config", "module_config", "check_components", "check_blocks"]
 
 
 @dataclass(frozen=True)
@@ -125,7 +126,8 @@ def architecture_config(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def check_components(recipe: Recipe, model: ResolvedModel) -> None:
-    """Unknown components, and regional scope on a component that has no ``_repeated_blocks``."""
+    """Unknown components, and regional scope on a component that has no ``_repeated_blocks`` when the
+    recipe names no ``compile.blocks`` (those are checked by :func:`check_blocks`)."""
     known = model.components()
     modules = [n for n, (_, cls) in known.items() if _is_module_class(cls)]
     for name in recipe.compile.components:
@@ -141,12 +143,44 @@ def check_components(recipe: Recipe, model: ResolvedModel) -> None:
         if name not in modules:
             raise recipe.error("compile.components", f"{name!r} ({known[name][1]}) is not a torch module: there is "
                                                      f"nothing to compile (compilable: {', '.join(modules)})")
-        if recipe.compile.scope == "regional":
+        if recipe.compile.scope == "regional" and recipe.compile.blocks is None:
             library, class_name = known[name]
             blocks = _repeated_blocks(library, class_name)
             if not blocks:
+                module = _meta_component(model, name, recipe.model.revision)
+                repeating = f" ({describe_repeating(module)})" if module is not None else ""
                 raise recipe.error("compile.scope", f"regional scope needs a component with _repeated_blocks; "
-                                                    f"{name} ({class_name}) has none: use scope: full")
+                                                    f"{name} ({class_name}) has none: name its block classes in "
+                                                    f"compile.blocks{repeating}, or use scope: full")
+
+
+def check_blocks(recipe: Recipe, model: ResolvedModel) -> None:
+    """``compile.blocks`` against each component, without loading weights: the component is built
+    from its config on the meta device. Where that cannot be done here (a class this environment
+    cannot import or build), nothing is checked: each build job checks the loaded module."""
+    if recipe.compile.scope != "regional" or recipe.compile.blocks is None:
+        return
+    from aotbuild.blocks import block_problem
+
+    for name in recipe.compile.components:
+        module = _meta_component(model, name, recipe.model.revision)
+        if module is None:
+            continue
+        key, why = block_problem(module, recipe.compile.blocks)
+        if why:
+            raise recipe.error(key, f"{name}: {why}")
+
+
+def _meta_component(model: ResolvedModel, name: str, revision: str | None) -> Any:
+    """Component ``name`` built from its ``config.json`` on the meta device (no weights), or None."""
+    from aotbuild.blocks import meta_module
+
+    library, class_name = model.components()[name]
+    try:
+        config = _read_json(_config_path(model, name, revision))
+    except ModelUnavailable:
+        return None
+    return meta_module(library, class_name, config)
 
 
 def _is_module_class(class_name: str) -> bool:
@@ -168,12 +202,14 @@ def _repeated_blocks(library: str, class_name: str) -> tuple[str, ...]:
 
 def component_config(model: ResolvedModel, name: str, revision: str | None) -> tuple[str, dict[str, Any]]:
     """(class name, architecture config) of one component, from its ``config.json``."""
-    library, class_name = model.components()[name]
+    _, class_name = model.components()[name]
+    return class_name, architecture_config(_read_json(_config_path(model, name, revision)))
+
+
+def _config_path(model: ResolvedModel, name: str, revision: str | None) -> Path:
     if model.is_local:
-        path = Path(model.location) / name / "config.json"
-    else:
-        path = _hub_file(model.location, f"{name}/config.json", revision)
-    return class_name, architecture_config(_read_json(path))
+        return Path(model.location) / name / "config.json"
+    return _hub_file(model.location, f"{name}/config.json", revision)
 
 
 def load_pipeline(recipe: Recipe, model: ResolvedModel, dtype: str) -> Any:

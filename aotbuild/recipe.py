@@ -59,6 +59,8 @@ SCHEMA: dict[str, dict[str, Field] | Field] = {
     "compile": {
         "components": Field("list[str]", ("unet",), doc="pipeline components to compile"),
         "scope": Field("str", "full", SCOPES, "full: torch.compile(module); regional: compile_repeated_blocks"),
+        "blocks": Field("list[str]", None, doc="block classes of scope: regional; default: the model's "
+                                               "_repeated_blocks"),
         "mode": Field("str", "default", MODES, "torch.compile's mode"),
         "fullgraph": Field("bool", True, doc="torch.compile's fullgraph"),
         "dynamic": Field("bool", False, doc="torch.compile's dynamic; static-shape targets need false"),
@@ -104,6 +106,7 @@ class ModelSpec:
 class CompileSpec:
     components: tuple[str, ...] = ("unet",)
     scope: str = "full"
+    blocks: tuple[str, ...] | None = None  # regional: the block classes; None: the model's _repeated_blocks
     mode: str = "default"
     fullgraph: bool = True
     dynamic: bool = False
@@ -322,6 +325,13 @@ def _check_combinations(recipe: Recipe) -> None:
         if recipe.model.revision:
             raise recipe.error("model.revision", "a built-in model has no revisions (it is created locally): "
                                                  "remove model.revision")
+    if recipe.compile.blocks is not None:
+        if recipe.compile.scope != "regional":
+            raise recipe.error("compile.blocks", "names the blocks that scope: regional compiles: set compile.scope: "
+                                                 "regional, or remove compile.blocks")
+        for name in recipe.compile.blocks:
+            if not name.isidentifier():
+                raise recipe.error("compile.blocks", f"{name!r} is not a class name (e.g. JointTransformerBlock)")
     if recipe.offload == "model" and recipe.compile.scope != "regional":
         raise recipe.error("offload", "model offload needs compile.scope: regional (offload hooks cannot be traced)")
     from aotbuild.targets import get_target
@@ -473,7 +483,8 @@ def recipe_to_dict(recipe: Recipe) -> dict[str, Any]:
     return json.loads(json.dumps({
         "name": recipe.name, "model": recipe.model.__dict__, "target": recipe.target, "device": recipe.device,
         "strategy": recipe.strategy, "offload": recipe.offload,
-        "compile": {**recipe.compile.__dict__, "components": list(recipe.compile.components),
+        "compile": {**{k: v for k, v in recipe.compile.__dict__.items() if k != "blocks" or v is not None},
+                    "components": list(recipe.compile.components),
                     "options": thaw(recipe.compile.options)},
         "shapes": [s.as_dict() for s in recipe.shapes], "warmup": thaw(recipe.warmup),
     }))

@@ -58,7 +58,7 @@ def run(job: dict) -> dict:
         options = ctx.target.compile_settings(recipe, ctx.device)["options"]
         workdir = Path(job["result"]).parent
         if recipe.compile.scope == "regional":  # one package per repeated block class x signature
-            recorder = aoti.BlockRecorder(module, component)
+            recorder = aoti.BlockRecorder(module, component, recipe.compile.blocks, recipe)
             pipe(**warmup)  # eager: records the exact calls the pipeline makes to each block
             _phase(job, "exporting and packaging")
             extra["packages"] = recorder.build(workdir, options)

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from aotbuild import constants
+from aotbuild.blocks import blocks_setting, compile_regional
 from aotbuild.layout import safe_relpath
 from aotbuild.targets.base import Availability, InstallResult, Target
 
@@ -88,8 +89,8 @@ class InductorTarget(Target):
             # 16-core server. Measured cost: see docs/cache.md (Threads) and benchmarks/cold_vs_warm.py.
             options.setdefault("cpp.dynamic_threads", True)
         settings = {
-            "backend": "inductor", "scope": spec.scope, "mode": spec.mode, "fullgraph": spec.fullgraph,
-            "dynamic": spec.dynamic, "options": dict(sorted(options.items())),
+            "backend": "inductor", "scope": spec.scope, **blocks_setting(recipe), "mode": spec.mode,
+            "fullgraph": spec.fullgraph, "dynamic": spec.dynamic, "options": dict(sorted(options.items())),
         }
         if _parse_device(device)[0] == "cpu" and not options.get("cpp.dynamic_threads"):
             # Kernels then bake in the thread count: it must be a key factor.
@@ -132,7 +133,7 @@ class InductorTarget(Target):
         kwargs = {"backend": "inductor", "fullgraph": settings["fullgraph"], "dynamic": settings["dynamic"],
                   "options": options or None}
         if settings["scope"] == "regional":
-            module.compile_repeated_blocks(**kwargs)
+            compile_regional(module, recipe, kwargs)
             return module.forward
         return torch.compile(module.forward, **kwargs)
 
