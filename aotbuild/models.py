@@ -212,7 +212,7 @@ def _config_path(model: ResolvedModel, name: str, revision: str | None) -> Path:
     return _hub_file(model.location, f"{name}/config.json", revision)
 
 
-def load_pipeline(recipe: Recipe, model: ResolvedModel, dtype: str) -> Any:
+def load_pipeline(recipe: Recipe, model: ResolvedModel, dtype: str, *, quiet: bool = False) -> Any:
     """``from_pretrained`` with the recipe's dtype, variant, revision and pipeline class."""
     import diffusers
     import torch
@@ -234,7 +234,7 @@ def load_pipeline(recipe: Recipe, model: ResolvedModel, dtype: str) -> Any:
     if recipe.model.revision and not model.is_local:
         kwargs["revision"] = recipe.model.revision
     pipe = cls.from_pretrained(model.location, **kwargs)
-    if hasattr(pipe, "set_progress_bar_config"):
+    if quiet and hasattr(pipe, "set_progress_bar_config"):  # build jobs and benchmarks; a user's pipe keeps its bar
         pipe.set_progress_bar_config(disable=True)
     return pipe
 

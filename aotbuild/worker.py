@@ -35,7 +35,7 @@ def run(job: dict) -> dict:
     if ctx.problem:
         raise RuntimeError(ctx.problem)
     assert ctx.model is not None
-    pipe = models.load_pipeline(recipe, ctx.model, ctx.dtype)
+    pipe = models.load_pipeline(recipe, ctx.model, ctx.dtype, quiet=True)
     models.place_pipeline(pipe, recipe, ctx.device)
     models.check_warmup_arguments(pipe, recipe)
     module = getattr(pipe, component)
