@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from aotbuild import __version__, constants
 from aotbuild.errors import StoreError
+from aotbuild.journal import entry_writer
 from aotbuild.layout import format_size, resolve_cache_root, resolve_max_size
 from aotbuild.locks import flocked, store_lock
 from aotbuild.manifest import FileRecord, Manifest, Proof
@@ -304,14 +305,15 @@ def store_job(store: Store, job: Job, files: list[tuple[str, Path]], result: dic
                          reason=f"the entry is {format_size(size)}, bigger than the cache's size limit "
                                 f"{format_size(limit)}: nothing stored (raise max_size, docs/cache.md)")
     try:
-        with store_lock(store.root, exclusive=False):
+        # Journaled: a failure halfway (no space left) removes the blobs it wrote (journal.py).
+        with entry_writer(store) as writer, store_lock(store.root, exclusive=False):
             records = []
             for rel, path in files:
-                digest, blob_size = store.put_blob(path)
+                digest, blob_size = writer.put_blob(path)
                 records.append(FileRecord(rel, digest, blob_size))
             manifest = make_manifest(job, records, result, seconds, proof)
-            store.put_manifest(manifest)
-    except OSError as exc:  # put_blob/put_manifest removed their temp files already
+            writer.put_manifest(manifest)
+    except OSError as exc:  # put_blob/put_manifest removed their temp files, the writer its blobs
         return JobResult(job, UNCACHED, seconds, size=size,
                          reason=f"compiled, but not stored in the cache: {exc}")
     return JobResult(job, BUILT, seconds, size=manifest.size, details=result)

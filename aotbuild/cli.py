@@ -490,8 +490,10 @@ def verify(cache: str | None, as_json: bool, fix: bool) -> None:
         problems = run_verify(store, fix=fix)
         remain = [p for p in problems if not fix or p.remains()]
         if as_json:
+            from aotbuild.journal import notes
+
             _emit_json({"cache": str(store.root), "fixed": fix, "problems": [p.as_json() for p in problems],
-                        "remaining": [p.as_json() for p in remain]})
+                        "remaining": [p.as_json() for p in remain], "notes": notes(store)})
         else:
             for p in problems:
                 key = f" (entry {p.key[:12]})" if p.key else ""
