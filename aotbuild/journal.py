@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
 
 from aotbuild.errors import StoreError
-from aotbuild.layout import HEX64
+from aotbuild.layout import HEX64, shared_dirs
 from aotbuild.locks import is_unlocked, store_lock
 
 if TYPE_CHECKING:
@@ -51,7 +51,7 @@ class EntryWriter:
 
     def __init__(self, store: Store):
         self.store = store
-        store.layout.tmp.mkdir(parents=True, exist_ok=True)
+        shared_dirs(store.layout.tmp)
         fd, path = tempfile.mkstemp(prefix=PREFIX, dir=store.layout.tmp)
         if fcntl is not None:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

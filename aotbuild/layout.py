@@ -149,3 +149,24 @@ class Layout:
 
     def under(self, folder: Path, rel: str) -> Path:
         return folder.joinpath(*safe_relpath(rel).parts)
+
+
+def shared_dirs(path: Path, mode: int = 0o755) -> None:
+    """``mkdir -p path``, every folder it creates readable by every user of a shared store
+    (``mode`` despite the umask: another account loads from it; docs/security.md)."""
+    missing = []
+    p = Path(path)
+    while not p.exists():
+        missing.append(p)
+        if p.parent == p:
+            break
+        p = p.parent
+    for folder in reversed(missing):
+        try:
+            folder.mkdir()
+        except FileExistsError:
+            continue
+        try:
+            os.chmod(folder, mode)
+        except OSError:
+            pass

@@ -665,3 +665,18 @@ def test_a_builtin_model_is_shared_readable_and_a_killed_creation_is_reclaimed(t
     modes = {p.relative_to(folder).as_posix(): stat.S_IMODE(p.stat().st_mode) for p in (folder, *folder.rglob("*"))}
     assert modes["."] == 0o755 and modes["unet"] == 0o755 and modes["unet/config.json"] == 0o644
     assert not (folder / builtin.STAGING_LOCK).exists()
+
+
+def test_a_store_written_under_umask_077_is_readable_by_other_users(tmp_path):
+    import stat
+
+    old = os.umask(0o077)
+    try:
+        store = Store(tmp_path / "c")
+        key = add_entry(store, tmp_path, "a", {"x.so": b"kernel"})
+    finally:
+        os.umask(old)
+    for path in (store.root / "blobs", store.layout.blob(store.read_manifest(key).files[0].sha256).parent,
+                 store.layout.manifest(key).parent, store.layout.locks):
+        assert stat.S_IMODE(path.stat().st_mode) == 0o755, path
+    assert stat.S_IMODE(store.layout.manifest(key).stat().st_mode) == 0o644
