@@ -212,10 +212,10 @@ def test_blocks_are_a_key_factor_and_absent_ones_change_no_key():
 
 
 @pytest.fixture(scope="module")
-def sd3_transformer():
-    from tests.tiny_pipelines import sd3_transformer as make
+def sd3_transformer(tiny_sd3_dir):
+    from diffusers import SD3Transformer2DModel
 
-    return make(num_layers=3)
+    return SD3Transformer2DModel.from_pretrained(str(tiny_sd3_dir / "transformer"))
 
 
 def test_unknown_block_class_lists_the_classes_that_repeat(sd3_transformer):
@@ -255,11 +255,12 @@ def test_jit_cache_regional_compiles_each_named_block(sd3_transformer):
     assert compiled == [f"transformer_blocks.{i}" for i in range(3)]
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def tiny_sd3_dir(tmp_path_factory):
-    from tests.tiny_pipelines import make_tiny_sd3
+    """builtin:tiny-sd3 (3 JointTransformerBlocks, the last context_pre_only) as a plain folder."""
+    from aotbuild import builtin
 
-    return make_tiny_sd3(tmp_path_factory.mktemp("sd3") / "tiny-sd3")
+    return builtin.ensure("builtin:tiny-sd3", tmp_path_factory.mktemp("sd3") / "models")
 
 
 def test_plan_checks_block_names_without_loading_weights(tiny_sd3_dir, tmp_path, monkeypatch):
