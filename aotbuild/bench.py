@@ -302,6 +302,7 @@ def child(mode: str, source: str, index: int, cache: str, calls: int, start: flo
         from aotbuild.runtime import load_compiled
 
         pipe = load_compiled(recipe, cache=cache, on_miss="error")
+        pipe.set_progress_bar_config(disable=True)  # as the other modes: timings, not bars
     else:
         assert ctx.model is not None
         pipe = models.load_pipeline(recipe, ctx.model, ctx.dtype, quiet=True)

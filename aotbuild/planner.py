@@ -66,6 +66,18 @@ class Context:
         )
 
 
+def job_pipeline(recipe: Recipe, cache_root: Path) -> tuple[Context, Any]:
+    """For a build job, a proof or a benchmark child: the recipe's context and its pipeline, loaded
+    (progress bar off) and placed on the recipe's device; RuntimeError when it cannot be."""
+    ctx = Context.create(recipe, cache_root)
+    if ctx.problem:
+        raise RuntimeError(ctx.problem)
+    assert ctx.model is not None
+    pipe = models.load_pipeline(recipe, ctx.model, ctx.dtype, quiet=True)
+    models.place_pipeline(pipe, recipe, ctx.device)
+    return ctx, pipe
+
+
 def _builtin_version(recipe: Recipe) -> int | None:
     """Known from the id alone, so a caller that passes its own pipeline gets the same key."""
     from aotbuild import builtin

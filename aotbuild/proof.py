@@ -88,7 +88,7 @@ def serve(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     from aotbuild import models
-    from aotbuild.planner import Context
+    from aotbuild.planner import job_pipeline
     from aotbuild.recipe import Shape, load_recipe
     from aotbuild.runtime import load_compiled
 
@@ -97,12 +97,7 @@ def serve(spec: dict[str, Any]) -> dict[str, Any]:
     full = load_recipe(spec["recipe"])
     # This job alone: the entry holds one component at one shape (neither is a key factor).
     recipe = replace(full, shapes=(shape,), compile=replace(full.compile, components=(component,)))
-    ctx = Context.create(recipe, Path(spec["cache_root"]))
-    if ctx.problem:
-        raise RuntimeError(ctx.problem)
-    assert ctx.model is not None
-    pipe = models.load_pipeline(recipe, ctx.model, ctx.dtype, quiet=True)
-    models.place_pipeline(pipe, recipe, ctx.device)
+    ctx, pipe = job_pipeline(recipe, Path(spec["cache_root"]))
     module = getattr(pipe, component)
 
     # 1. Eager: what the component is called with, what it returns, which instances run.
