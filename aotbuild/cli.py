@@ -657,6 +657,50 @@ def bench(recipe: str, cache: str | None, as_json: bool, shape: str | None, repe
 
 
 @main.command()
+@click.option("--target", "target", default="inductor", show_default=True,
+              help="The target to check: inductor, neuron or tpu.")
+@click.option("--device", default=None, help="The device to check (default: the target's).")
+@cache_option
+@remote_option("A remote to check (default: AOTBUILD_REMOTE; skipped when neither is set).")
+@click.option("--deep", is_flag=True, help="Hash every blob of the store, as `aotbuild verify` does.")
+@click.option("--no-roundtrip", "no_roundtrip", is_flag=True, help="Skip the tiny build (a minute or two).")
+@json_option
+def doctor(target: str, device: str | None, cache: str | None, remote: str | None, deep: bool, no_roundtrip: bool,
+           as_json: bool) -> None:
+    """Check that this machine can build and serve a cache: toolchain, caches, disk, store, remote,
+    and a roundtrip (the built-in tiny model built, proven by a fresh process serving it with 0
+    compiles, in a temporary cache). Exit 0 when every check passes or is skipped, 1 otherwise.
+
+    \b
+    Examples:
+      aotbuild doctor
+      aotbuild doctor --device cuda --json
+    """
+
+    def go() -> int:
+        from aotbuild.doctor import doctor as run_doctor
+        from aotbuild.errors import UsageError
+        from aotbuild.targets import target_names
+
+        if target not in target_names():
+            raise UsageError(f"--target {target!r} is not a target (known: {', '.join(target_names())})")
+        report = run_doctor(target, device, cache, remote, deep=deep, roundtrip=not no_roundtrip,
+                            progress=None if as_json else _progress())
+        if as_json:
+            _emit_json(report.as_json())
+        else:
+            for c in report.checks:
+                state = "skip" if c.skipped else "ok" if c.ok else "FAIL"
+                fix = f"\n{'':16}fix: {c.fix}" if c.fix and not c.ok else ""
+                click.echo(f"{state:<5} {c.name:<10} {c.detail}{fix}")
+            click.echo("this machine can build and serve caches" if report.ok else
+                       "a check failed: fix it, then run aotbuild doctor again")
+        return EXIT_OK if report.ok else EXIT_FAILED
+
+    _run(go)
+
+
+@main.command()
 @json_option
 def targets(as_json: bool) -> None:
     """List every target: available here or not (and why), versions, default device and dtype.
