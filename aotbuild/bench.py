@@ -218,13 +218,13 @@ def bench(recipe_path: str | Path, cache: str | Path | None = None, *, shape: st
     from aotbuild.errors import TargetUnavailable
     from aotbuild.layout import resolve_cache_root
     from aotbuild.planner import HIT, UNAVAILABLE, plan
-    from aotbuild.recipe import load_recipe
+    from aotbuild.recipe import as_recipe
 
     unknown = [m for m in modes if m not in MODES]
     if unknown or not modes:
         raise UsageError(f"--modes: {', '.join(unknown) or 'none given'}: allowed: {', '.join(MODES)}")
     say = progress or (lambda text: None)
-    recipe = load_recipe(recipe_path)
+    recipe = as_recipe(recipe_path)
     chosen = pick_shape(recipe, shape)
     one = replace(recipe, shapes=(chosen,))
     root = resolve_cache_root(cache)
@@ -263,9 +263,12 @@ def bench(recipe_path: str | Path, cache: str | Path | None = None, *, shape: st
 
 
 def _run_child(mode: str, recipe: Any, index: int, root: Path, calls: int, workdir: Path) -> tuple[Run, dict]:
+    from aotbuild.recipe import recipe_spec
     from aotbuild.targets import get_target
 
     workdir.mkdir(parents=True)
+    spec = workdir / "recipe.json"  # the recipe's data: the child never re-reads the recipe file
+    spec.write_text(json.dumps(recipe_spec(recipe)))
     env = dict(os.environ)
     for name, value in get_target(recipe.target).capture_env(workdir).items():  # empty compiler caches
         if value is None:
@@ -273,7 +276,7 @@ def _run_child(mode: str, recipe: Any, index: int, root: Path, calls: int, workd
         else:
             env[name] = value
     start = time.time()
-    proc = subprocess.run([sys.executable, "-m", "aotbuild.bench", "--child", mode, recipe.source, str(index),
+    proc = subprocess.run([sys.executable, "-m", "aotbuild.bench", "--child", mode, str(spec), str(index),
                            str(root), str(calls), repr(start)], env=env, capture_output=True, text=True,
                           errors="replace")
     line = next((x for x in proc.stdout.splitlines() if x.startswith(RESULT)), None)
@@ -285,12 +288,12 @@ def _run_child(mode: str, recipe: Any, index: int, root: Path, calls: int, workd
     raise AotbuildError(f"bench: the {LABELS[mode]} process failed (exit {proc.returncode}): {why}")
 
 
-def child(mode: str, source: str, index: int, cache: str, calls: int, start: float) -> dict[str, Any]:
+def child(mode: str, spec: str, index: int, cache: str, calls: int, start: float) -> dict[str, Any]:
     """The measured process: load, (compile), first call, ``calls`` steady calls."""
     from aotbuild import models
-    from aotbuild.recipe import load_recipe
+    from aotbuild.recipe import recipe_from_spec
 
-    recipe = load_recipe(source)
+    recipe = recipe_from_spec(json.loads(Path(spec).read_text()))
     shape = recipe.shapes[index]
     recipe = replace(recipe, shapes=(shape,))
     from aotbuild.planner import Context
@@ -349,9 +352,9 @@ def _cpu_model() -> str:
 
 
 def _child_main(argv: list[str]) -> int:
-    mode, source, index, cache, calls, start = argv
+    mode, spec, index, cache, calls, start = argv
     try:
-        result = child(mode, source, int(index), cache, int(calls), float(start))
+        result = child(mode, spec, int(index), cache, int(calls), float(start))
     except AotbuildError as exc:  # the whole message (a CacheMiss spans lines) goes back to the parent
         print(RESULT + json.dumps({"error": " ".join(str(exc).split())}), flush=True)
         return 1

@@ -6,7 +6,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -170,7 +170,10 @@ def load_recipes(paths: list[str] | tuple[str, ...]) -> list[Recipe]:
         from aotbuild.errors import UsageError
 
         raise UsageError(f"no recipes (*.yaml) found in {', '.join(map(str, paths))}")
-    recipes = [load_recipe(p) for p in files]
+    return _unique_names([load_recipe(p) for p in files])
+
+
+def _unique_names(recipes: list[Recipe]) -> list[Recipe]:
     names: dict[str, str] = {}
     for r in recipes:
         if r.name in names:
@@ -181,11 +184,42 @@ def load_recipes(paths: list[str] | tuple[str, ...]) -> list[Recipe]:
     return recipes
 
 
-def plan(recipes: list[str] | tuple[str, ...] | list[Recipe], cache: str | Path | None = None) -> list[Job]:
-    """Every job of every recipe, sorted by key (jobs without a key last), with hit/miss status."""
+#: What ``plan`` and ``build`` accept: recipe files or folders, recipe data (dicts), Recipe objects,
+#: one of them or a list of them.
+Recipes = str | Path | Recipe | Mapping[str, Any] | Sequence[str | Path | Recipe | Mapping[str, Any]]
+
+
+def resolve_recipes(recipes: Recipes) -> list[Recipe]:
+    """Recipe objects for ``recipes``: paths are read (folders searched), dicts validated
+    (:func:`aotbuild.recipe.parse_recipe`), Recipes taken as they are; names must differ."""
+    from aotbuild.recipe import parse_recipe
+
+    items = [recipes] if isinstance(recipes, (str, Path, Recipe, Mapping)) else list(recipes)
+    paths = [str(r) for r in items if isinstance(r, (str, Path))]
+    loaded = iter(load_recipes(paths) if paths else [])
+    out: list[Recipe] = []
+    for item in items:
+        if isinstance(item, Recipe):
+            out.append(item)
+        elif isinstance(item, Mapping):
+            out.append(parse_recipe(dict(item)))
+        elif isinstance(item, (str, Path)):
+            out.extend(loaded)  # every file found, once, where the first path stood
+        else:
+            from aotbuild.recipe import as_recipe
+
+            as_recipe(item)  # raises, naming what was given
+    return _unique_names(out)
+
+
+def plan(recipes: Recipes, cache: str | Path | None = None) -> list[Job]:
+    """Every job of every recipe, sorted by key (jobs without a key last), with hit/miss status.
+
+    ``recipes``: recipe files or folders, recipe data as dicts (validated like a file), Recipe
+    objects, or a list mixing them."""
     root = resolve_cache_root(cache)
     store = Store(root)
-    loaded = [r for r in recipes if isinstance(r, Recipe)] or load_recipes([str(r) for r in recipes])
+    loaded = resolve_recipes(recipes)
     jobs: list[Job] = []
     for recipe in loaded:
         ctx = Context.create(recipe, root)
