@@ -349,10 +349,38 @@ def plan(recipes: tuple[str, ...], cache: str | None, as_json: bool, fail_on_mis
             hits = sum(j.status == HIT for j in jobs)
             there_text = f", {sum(j.status == REMOTE for j in jobs)} on {target.url}" if target else ""
             click.echo(f"{hits}/{len(jobs)} jobs cached in {resolve_cache_root(cache)}{there_text}")
+            cost = _estimate_text([j for j in jobs if j.status == MISS])
+            if cost:
+                click.echo(cost)
         missing = any(j.status not in (HIT, REMOTE) for j in jobs)
         return EXIT_MISS if (fail_on_miss and missing) else EXIT_OK
 
     _run(go)
+
+
+def _estimate_text(misses: list) -> str:
+    """The misses' estimated total build time and size, from the nearest cached entries."""
+    from aotbuild.layout import format_size
+
+    known = [j for j in misses if j.estimated_build_s is not None]
+    if not misses:
+        return ""
+    if not known:
+        return f"to build {len(misses)} job(s): no estimate (no similar entry in the cache)"
+    seconds = sum(j.estimated_build_s for j in known)
+    size = sum(j.estimated_size or 0 for j in known)
+    unknown = len(misses) - len(known)
+    return (f"to build {len(misses)} job(s): about {_duration(seconds)} and {format_size(size)}"
+            + (f" for {len(known)} of them ({unknown} without a similar entry to estimate from)" if unknown else "")
+            + " (estimated from the nearest cached entries)")
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 5400:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
 
 
 @main.command(name="ls")
