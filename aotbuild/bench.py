@@ -193,13 +193,15 @@ def pick_shape(recipe: Any, text: str | None) -> Any:
                      f"{', '.join(map(str, recipe.shapes))}); add it to the recipe's shapes first")
 
 
+#: How to install the plot extra; README.md and docs/ say it in these words (tests/test_bench.py).
+PLOT_INSTALL = "pip install 'aotbuild[plot]' (from a clone: pip install -e '.[plot]')"
+
+
 def require_matplotlib() -> None:
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        raise UsageError("--plot needs matplotlib: pip install 'aotbuild[plot]' (from a clone: pip install -e "
-                         "'.[plot]'; or pip install matplotlib)") \
-            from None
+        raise UsageError(f"--plot needs matplotlib: {PLOT_INSTALL}") from None
 
 
 def plot(report: BenchReport, path: str | Path) -> Path:

@@ -118,6 +118,18 @@ def test_plot_without_matplotlib_says_how_to_install(monkeypatch, tmp_path):
     assert "round 1/1" not in result.output and not (tmp_path / "aotcache").exists()  # nothing ran or was built
 
 
+def test_the_plot_install_hint_reads_the_same_everywhere():
+    """The README, the docs and the CLI's message give the same command (an extra, then a clone's)."""
+    import re
+
+    hint = "`pip install 'aotbuild[plot]'` (from a clone: `pip install -e '.[plot]'`)"
+    assert bench.PLOT_INSTALL == hint.replace("`", "")
+    for doc in ("README.md", "docs/cli.md", "docs/quickstart.md"):
+        text = " ".join((REPO / doc).read_text().split())
+        assert hint in text, doc
+        assert len(re.findall(r"aotbuild\[plot\]", text)) == text.count(hint), doc
+
+
 @pytest.mark.parametrize("text,expected", [("64x96", (64, 96, 1)), ("64X64x2", (64, 64, 2))])
 def test_parse_shape(text, expected):
     assert bench.parse_shape(text) == expected
