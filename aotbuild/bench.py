@@ -261,7 +261,7 @@ def bench(recipe_path: str | Path | Any, cache: str | Path | None = None, *, sha
     from aotbuild.errors import TargetUnavailable
     from aotbuild.layout import resolve_cache_root
     from aotbuild.planner import HIT, UNAVAILABLE, plan
-    from aotbuild.recipe import as_recipe
+    from aotbuild.recipe import as_recipe, build_hint
 
     unknown = [m for m in modes if m not in MODES]
     if unknown or not modes:
@@ -290,7 +290,7 @@ def bench(recipe_path: str | Path | Any, cache: str | Path | None = None, *, sha
         if built.failed:
             r = built.failed[0]
             raise AotbuildError(f"cannot bench: building {r.job.label} failed: {r.reason}; run "
-                                f"`aotbuild build {recipe.source}` to see the whole log")
+                                f"{build_hint(recipe)} to see the whole log")
     index = list(recipe.shapes).index(chosen)
     counts = {mode: cold_repeats if mode == "cold" else repeats for mode in modes}
     rounds = max(counts.values())

@@ -332,6 +332,11 @@ def parse_recipe(data: Any, source: str = DATA_SOURCE, name: str | None = None, 
     return recipe
 
 
+def build_hint(recipe: Recipe) -> str:
+    """How to build ``recipe``: the CLI for a file, the Python call for data without one."""
+    return "`aotbuild.build(recipe)`" if recipe.source == DATA_SOURCE else f"`aotbuild build {recipe.source}`"
+
+
 def content_name(data: Any) -> str:
     """``recipe-<12 hex>``: the sha256 of the data's canonical JSON (sorted keys, no spaces)."""
     import hashlib

@@ -20,7 +20,7 @@ from aotbuild.layout import resolve_cache_root
 from aotbuild.locks import store_lock
 from aotbuild.manifest import Manifest
 from aotbuild.planner import Context, explain_miss
-from aotbuild.recipe import Recipe, Shape, as_recipe
+from aotbuild.recipe import Recipe, Shape, as_recipe, build_hint
 from aotbuild.store import Entry, Store
 
 if TYPE_CHECKING:
@@ -163,7 +163,7 @@ def load_compiled(recipe: str | Path | Recipe | Mapping[str, Any], pipe: Any = N
             plans.append((component, module, entries))
 
         if report.misses and on_miss == "error":
-            nxt = "" if blocker else (f"\n  next: `aotbuild build {recipe.source}` builds them here"
+            nxt = "" if blocker else (f"\n  next: {build_hint(recipe)} builds them here"
                                       + (" (or load with remote=URL to fetch CI-built entries)" if remote is None
                                          else ""))
             raise CacheMiss(f"{report}{nxt}")
@@ -207,7 +207,7 @@ def load_compiled(recipe: str | Path | Recipe | Mapping[str, Any], pipe: Any = N
         then = "compiles on first call" if on_miss == "compile" else "runs eagerly"
         misses = "; ".join(f"{e.component} {e.shape} ({e.key[:12]}): {e.reason}" for e in report.misses[:3])
         more = f"; and {len(report.misses) - 3} more" if len(report.misses) > 3 else ""
-        build = "" if blocker else f"; `aotbuild build {recipe.source}` builds them"
+        build = "" if blocker else f"; {build_hint(recipe)} builds them"
         warnings.warn(f"aotbuild: {recipe.name}: {len(report.misses)} of {len(report.entries)} entries missed, each "
                       f"{then}: {misses}{more} (pipe.aotbuild_report has them all{build})", stacklevel=2)
     return pipe

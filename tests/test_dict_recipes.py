@@ -61,6 +61,21 @@ def test_a_dict_plans_like_its_file(models_dir):
     assert len(mixed) == 3
 
 
+def test_a_miss_of_a_dict_recipe_says_how_to_build_it_from_python(tiny_pipe_for_dict, models_dir):
+    with pytest.raises(aotbuild.CacheMiss) as info:
+        aotbuild.load_compiled(TINY, pipe=tiny_pipe_for_dict, cache=models_dir, on_miss="error")
+    text = str(info.value)
+    assert "`aotbuild.build(recipe)` builds them" in text and "aotbuild build <recipe>" not in text
+
+
+@pytest.fixture(scope="module")
+def tiny_pipe_for_dict(models_dir):
+    from aotbuild.models import load_pipeline, resolve_model
+
+    recipe = parse_recipe(TINY)
+    return load_pipeline(recipe, resolve_model(recipe, models_dir), "float32")
+
+
 def test_the_child_spec_carries_data_not_a_path(tmp_path):
     path = tmp_path / "r.yaml"
     path.write_text(TINY_RECIPE.read_text())
