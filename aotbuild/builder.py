@@ -26,9 +26,9 @@ from aotbuild.journal import entry_writer
 from aotbuild.layout import format_size, resolve_cache_root, resolve_max_size
 from aotbuild.locks import flocked, store_lock
 from aotbuild.manifest import FileRecord, Manifest, Proof
-from aotbuild.planner import HIT, MISS, UNAVAILABLE, Job, plan, shard_jobs
+from aotbuild.planner import HIT, MISS, UNAVAILABLE, Job, Recipes, plan, shard_jobs
 from aotbuild.proof import ProofFailed
-from aotbuild.recipe import Recipe, recipe_to_dict
+from aotbuild.recipe import recipe_spec, recipe_to_dict
 from aotbuild.store import Store
 from aotbuild.targets import get_target
 
@@ -79,10 +79,13 @@ class BuildReport:
 Progress = Callable[[str, int, int, Job, "JobResult | None"], None]
 
 
-def build(recipes: list[str] | list[Recipe], cache: str | Path | None = None, *,
+def build(recipes: Recipes, cache: str | Path | None = None, *,
           progress: Progress | None = None, shard: tuple[int, int] | None = None,
           remote: Remote | None = None, max_size: int | None = None) -> BuildReport:
     """Build every missing job of ``recipes``; jobs already cached (and intact) are left alone.
+
+    ``recipes``: recipe files or folders, recipe data as dicts, Recipe objects, or a list of them
+    (as :func:`aotbuild.plan`).
 
     ``shard=(I, N)`` builds only shard I of N of the full job list (planner.shard). With ``remote``,
     a job the remote already holds is not built ("on remote"): pushing it again would send nothing.
@@ -184,7 +187,7 @@ def _build_one(store: Store, job: Job, tick: Callable[[float, str], None] | None
     try:
         # Held while the job runs: `aotbuild verify` leaves a staging folder alone while it is locked.
         with flocked(staging / ".lock", exclusive=True, timeout=0):
-            spec = {"recipe": str(Path(job.recipe.source).absolute()), "component": job.component,
+            spec = {"recipe": recipe_spec(job.recipe), "component": job.component,
                     "shape": job.shape.as_dict(), "cache_root": str(store.root), "key": job.key,
                     "factors": job.factors, "result": str(staging / "result.json")}
             (staging / "job.json").write_text(json.dumps(spec))
@@ -259,7 +262,7 @@ def _prove(job: Job, files: list[tuple[str, Path]], result: dict[str, Any], seco
     trial = Store(folder / "store")
     records = [FileRecord(rel, *trial.put_blob(path)) for rel, path in files]
     trial.put_manifest(make_manifest(job, records, result, seconds))
-    spec = {"recipe": str(Path(job.recipe.source).absolute()), "component": job.component,
+    spec = {"recipe": recipe_spec(job.recipe), "component": job.component,
             "shape": job.shape.as_dict(), "cache_root": str(cache_root), "store": str(trial.root),
             "result": str(folder / "result.json")}
     (folder / "proof.json").write_text(json.dumps(spec))

@@ -349,10 +349,38 @@ def plan(recipes: tuple[str, ...], cache: str | None, as_json: bool, fail_on_mis
             hits = sum(j.status == HIT for j in jobs)
             there_text = f", {sum(j.status == REMOTE for j in jobs)} on {target.url}" if target else ""
             click.echo(f"{hits}/{len(jobs)} jobs cached in {resolve_cache_root(cache)}{there_text}")
+            cost = _estimate_text([j for j in jobs if j.status == MISS])
+            if cost:
+                click.echo(cost)
         missing = any(j.status not in (HIT, REMOTE) for j in jobs)
         return EXIT_MISS if (fail_on_miss and missing) else EXIT_OK
 
     _run(go)
+
+
+def _estimate_text(misses: list) -> str:
+    """The misses' estimated total build time and size, from the nearest cached entries."""
+    from aotbuild.layout import format_size
+
+    known = [j for j in misses if j.estimated_build_s is not None]
+    if not misses:
+        return ""
+    if not known:
+        return f"to build {len(misses)} job(s): no estimate (no similar entry in the cache)"
+    seconds = sum(j.estimated_build_s for j in known)
+    size = sum(j.estimated_size or 0 for j in known)
+    unknown = len(misses) - len(known)
+    return (f"to build {len(misses)} job(s): about {_duration(seconds)} and {format_size(size)}"
+            + (f" for {len(known)} of them ({unknown} without a similar entry to estimate from)" if unknown else "")
+            + " (estimated from the nearest cached entries)")
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 5400:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
 
 
 @main.command(name="ls")
@@ -612,27 +640,31 @@ def rm(items: tuple[str, ...], cache: str | None, as_json: bool) -> None:
 @cache_option
 @json_option
 @click.option("--shape", metavar="HxW[xB]", help="The recipe's shape to measure (default: its first).")
-@click.option("--repeats", type=click.IntRange(1, 50), default=1, show_default=True,
-              help="Fresh processes per mode; the table shows medians.")
+@click.option("--repeats", type=click.IntRange(1, 50), default=3, show_default=True,
+              help="Fresh processes for eager and warm; the table shows min / median / max.")
+@click.option("--cold-repeats", type=click.IntRange(1, 50), default=1, show_default=True,
+              help="Fresh processes for cold (each pays a full compile).")
 @click.option("--calls", type=click.IntRange(1, 1000), default=3, show_default=True,
               help="Calls after the first, for the steady-state time.")
 @click.option("--modes", default="eager,cold,warm", show_default=True,
               help="Which to measure, comma-separated (cold costs a full compile).")
 @click.option("--plot", "plot_file", metavar="FILE.png", type=click.Path(dir_okay=False),
               help="Also draw the results (needs pip install 'aotbuild[plot]').")
-def bench(recipe: str, cache: str | None, as_json: bool, shape: str | None, repeats: int, calls: int, modes: str,
-          plot_file: str | None) -> None:
+def bench(recipe: str, cache: str | None, as_json: bool, shape: str | None, repeats: int, cold_repeats: int,
+          calls: int, modes: str, plot_file: str | None) -> None:
     """Measure RECIPE on this machine: eager vs cold compile vs aotbuild warm load.
 
     Each mode runs in a fresh process, timed from process start (imports included) to the first
     pipeline output, with the compiler caches pointed at empty folders: eager runs uncompiled, cold
     compiles as torch.compile would without any cache, warm loads from the aotbuild cache with
-    load_compiled(on_miss="error"). Jobs the cache lacks for that shape are built first.
+    load_compiled(on_miss="error"). Jobs the cache lacks for that shape are built first. Eager and
+    warm run in 3 processes each (--repeats), cold in one (--cold-repeats); a busy machine (load
+    average above half the cores) is warned about on stderr.
 
     \b
     Examples:
       aotbuild bench recipes/tiny_sd_cpu.yaml
-      aotbuild bench recipes/tiny_sd_cpu.yaml --shape 64x96 --repeats 3 --plot bench.png
+      aotbuild bench recipes/tiny_sd_cpu.yaml --shape 64x96 --cold-repeats 3 --plot bench.png
     """
 
     def go() -> int:
@@ -641,8 +673,9 @@ def bench(recipe: str, cache: str | None, as_json: bool, shape: str | None, repe
         if plot_file:
             benchmod.require_matplotlib()  # before minutes of measuring, not after
         chosen = tuple(m.strip() for m in modes.split(",") if m.strip())
-        report = benchmod.bench(recipe, cache, shape=shape, repeats=repeats, calls=calls, modes=chosen,
-                                progress=lambda text: click.echo(text, err=True), build_progress=_progress())
+        report = benchmod.bench(recipe, cache, shape=shape, repeats=repeats, cold_repeats=cold_repeats, calls=calls,
+                                modes=chosen, progress=lambda text: click.echo(text, err=True),
+                                build_progress=_progress(), warn=lambda text: click.echo(text, err=True))
         if plot_file:
             benchmod.plot(report, plot_file)
         if as_json:

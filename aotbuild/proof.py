@@ -95,12 +95,12 @@ def serve(spec: dict[str, Any]) -> dict[str, Any]:
     from aotbuild import models
     from aotbuild.dispatch import signature
     from aotbuild.planner import job_pipeline
-    from aotbuild.recipe import Shape, load_recipe
+    from aotbuild.recipe import Shape, recipe_from_spec
     from aotbuild.runtime import load_compiled
 
     shape = Shape(**spec["shape"])
     component = spec["component"]
-    full = load_recipe(spec["recipe"])
+    full = recipe_from_spec(spec["recipe"])
     # This job alone: the entry holds one component at one shape (neither is a key factor).
     recipe = replace(full, shapes=(shape,), compile=replace(full.compile, components=(component,)))
     ctx, pipe = job_pipeline(recipe, Path(spec["cache_root"]))

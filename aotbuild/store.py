@@ -218,8 +218,10 @@ class Store:
 
     def resolve_prefix(self, prefix: str) -> str:
         prefix = prefix.lower()
-        if len(prefix) < 8 or any(c not in "0123456789abcdef" for c in prefix):
-            raise UsageError(f"{prefix!r} is not a key: give at least 8 hex characters")
+        if any(c not in "0123456789abcdef" for c in prefix):
+            raise UsageError(f"{prefix!r} is not a key: keys are hex (0-9, a-f); `aotbuild ls` lists them")
+        if len(prefix) < 8:
+            raise UsageError(f"{prefix!r} is too short for a key: give at least 8 hex characters")
         folder = self.layout.manifests / prefix[:2]
         matches = sorted(p.stem for p in folder.glob(f"{prefix}*.json")) if folder.is_dir() else []
         if not matches:

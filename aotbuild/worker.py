@@ -26,9 +26,9 @@ def run(job: dict) -> dict:
     from aotbuild import keys, models
     from aotbuild.dispatch import install_dispatcher
     from aotbuild.planner import job_pipeline
-    from aotbuild.recipe import Shape, load_recipe
+    from aotbuild.recipe import Shape, recipe_from_spec
 
-    recipe = load_recipe(job["recipe"])
+    recipe = recipe_from_spec(job["recipe"])  # the recipe's data: the file may have changed since the plan
     shape = Shape(**job["shape"])
     component = job["component"]
     ctx, pipe = job_pipeline(recipe, Path(job["cache_root"]))
