@@ -79,4 +79,4 @@ def test_plan_estimates_misses_from_a_cached_neighbour(tmp_path, models_dir):
     out = {j["key"]: j for j in json.loads(proc.stdout)["jobs"]}
     assert out[missing.key]["estimated_build_s"] == 42.5 and out[missing.key]["estimated_size"] == 4096
     text = run_cli("plan", "--cache", str(root), str(recipe)).stdout
-    assert "to build 1 job(s): about 42 s and 4.0 KB (estimated from the nearest cached entries)" in text, text
+    assert "to build 1 job(s): about 42 s and 4.1 KB (estimated from the nearest cached entries)" in text, text
