@@ -22,10 +22,8 @@ and the fix, and nothing is stored. What it measured is the manifest's ``proof``
 
 from __future__ import annotations
 
-import json
 import sys
 import time
-import traceback
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -171,14 +169,9 @@ def serve(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def main(argv: list[str]) -> int:
-    spec = json.loads(Path(argv[0]).read_text())
-    try:
-        result = serve(spec)
-    except BaseException as exc:  # the parent reads the reason from the result file
-        traceback.print_exc()
-        result = {"error": f"{type(exc).__name__}: {exc}".strip()}
-    Path(spec["result"]).write_text(json.dumps(result))
-    return 1 if "error" in result else 0
+    from aotbuild.worker import child_main
+
+    return child_main(argv, serve)
 
 
 # -- the build side ---------------------------------------------------------------------------

@@ -12,6 +12,7 @@ import json
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -121,18 +122,21 @@ def _check_batch(pipe, recipe, component: str, shape, warmup: dict, batches: lis
                            f"record; set it in the shape (batch_size) or leave it out of the warmup")
 
 
-def main(argv: list[str]) -> int:
-    job_file = Path(argv[0])
-    job = json.loads(job_file.read_text())
+def child_main(argv: list[str], fn: Callable[[dict], dict]) -> int:
+    """A child process of the builder (a job, a proof): read the spec file, run, write the result
+    (or ``{"error": ...}``, which the parent reports) where the spec says."""
+    spec = json.loads(Path(argv[0]).read_text())
     try:
-        result = run(job)
+        result = fn(spec)
     except BaseException as exc:  # the parent reads the reason from the result file
         traceback.print_exc()
         result = {"error": f"{type(exc).__name__}: {exc}".strip()}
-        Path(job["result"]).write_text(json.dumps(result))
-        return 1
-    Path(job["result"]).write_text(json.dumps(result))
-    return 0
+    Path(spec["result"]).write_text(json.dumps(result))
+    return 1 if "error" in result else 0
+
+
+def main(argv: list[str]) -> int:
+    return child_main(argv, run)
 
 
 if __name__ == "__main__":
