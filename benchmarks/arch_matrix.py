@@ -40,8 +40,6 @@ import harness
 
 STRATEGIES = ("jit-cache", "aot-package")
 SCOPES = ("full", "regional")
-#: Regional scope for a denoiser that declares no ``_repeated_blocks``: the block classes to compile.
-BLOCKS = {"tiny-sd3": ["JointTransformerBlock"]}
 RESULT = "ARCH-MATRIX-RESULT "
 
 
@@ -97,7 +95,7 @@ HEADER = ["arch", "strategy", "scope", "cell", "build", "build s", "proof s", "p
 
 def run_cell(cell: Cell, work: Path, say: Any) -> None:
     folder = work / f"{cell.arch}-{cell.strategy}-{cell.scope}"
-    blocks = BLOCKS.get(cell.arch) if cell.scope == "regional" else None
+    blocks = harness.REGIONAL_BLOCKS.get(cell.arch) if cell.scope == "regional" else None
     recipe = harness.derive_recipe(harness.ARCHS[cell.arch],
                                    folder / f"{cell.arch.replace('-', '_')}_{cell.strategy.replace('-', '_')}_"
                                             f"{cell.scope}.yaml",

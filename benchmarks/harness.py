@@ -28,6 +28,9 @@ RECIPES = REPO / "recipes"
 ARCHS = {"tiny-sd": RECIPES / "tiny_sd_cpu.yaml", "tiny-sdxl": RECIPES / "tiny_sdxl_cpu.yaml",
          "tiny-sd3": RECIPES / "tiny_sd3_cpu.yaml", "tiny-flux": RECIPES / "tiny_flux_cpu.yaml"}
 
+#: Regional scope for a denoiser that declares no ``_repeated_blocks``: the block classes to compile.
+REGIONAL_BLOCKS = {"tiny-sd3": ["JointTransformerBlock"]}
+
 
 def derive_recipe(base: Path, dest: Path, *, strategy: str, scope: str = "full",
                   blocks: list[str] | None = None) -> Path:
