@@ -304,7 +304,7 @@ def child(mode: str, source: str, index: int, cache: str, calls: int, start: flo
         pipe = load_compiled(recipe, cache=cache, on_miss="error")
     else:
         assert ctx.model is not None
-        pipe = models.load_pipeline(recipe, ctx.model, ctx.dtype)
+        pipe = models.load_pipeline(recipe, ctx.model, ctx.dtype, quiet=True)
         models.place_pipeline(pipe, recipe, ctx.device)
         models.check_warmup_arguments(pipe, recipe)  # as a build job does: a typo would run 50 steps
         if mode == "cold":

@@ -7,6 +7,7 @@ reported with the end of its log (kept under ``<cache>/logs``) and never stored;
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -120,8 +121,8 @@ def build(recipes: list[str] | list[Recipe], cache: str | Path | None = None, *,
             result = JobResult(job, prior.status if prior.status != BUILT else CACHED, size=prior.size,
                                reason=prior.reason)
         else:
-            result = _build_one(store, job, _ticker(progress, n + 1, len(todo), job) if progress else None,
-                                limit)
+            tick = _ticker(progress, n + 1, len(todo), job) if progress else None
+            result = _build_once(store, job, tick, limit)
             done_keys[job.key] = result
         results[i] = result
         if progress:
@@ -137,6 +138,30 @@ def build(recipes: list[str] | list[Recipe], cache: str | Path | None = None, *,
             except StoreError as exc:  # the entries are stored; only the clean-up could not run
                 report.note = f"the cache is over its size limit and gc could not run: {exc}"
     return report
+
+
+def _build_once(store: Store, job: Job, tick: Callable[[float, str], None] | None, limit: int | None) -> JobResult:
+    """Build ``job`` under its per-key lock: a second builder of the same job (another CI shard,
+    another terminal) waits for the first, showing that it waits, then finds the entry cached."""
+    assert job.key is not None
+    lock = store.layout.locks / f"build-{job.key[:32]}.lock"
+    started = time.perf_counter()
+    try:
+        with contextlib.ExitStack() as held:
+            try:
+                held.enter_context(flocked(lock, exclusive=True, timeout=0))
+            except StoreError:
+                if tick:
+                    tick(0.0, "waiting: another aotbuild process is building this job")
+                held.enter_context(flocked(lock, exclusive=True, timeout=float("inf")))
+                entry, _ = store.open_entry(job.key)
+                if entry is not None:
+                    store.touch(job.key)
+                    return JobResult(job, CACHED, time.perf_counter() - started, size=entry.manifest.size,
+                                     reason="built meanwhile by another aotbuild process")
+            return _build_one(store, job, tick, limit)
+    except StoreError as exc:  # the lock file cannot be created: a read-only store
+        return JobResult(job, FAILED, 0.0, reason=f"cannot build into {store.root}: {exc}")
 
 
 def _entry_size(store: Store, key: str | None) -> int:

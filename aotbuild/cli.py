@@ -488,16 +488,23 @@ def verify(cache: str | None, as_json: bool, fix: bool) -> None:
             return EXIT_OK
         store = Store(resolve_cache_root(cache))
         problems = run_verify(store, fix=fix)
+        remain = [p for p in problems if not fix or p.remains()]
         if as_json:
-            _emit_json({"cache": str(store.root), "fixed": fix, "problems": [p.as_json() for p in problems]})
+            _emit_json({"cache": str(store.root), "fixed": fix, "problems": [p.as_json() for p in problems],
+                        "remaining": [p.as_json() for p in remain]})
         else:
             for p in problems:
                 key = f" (entry {p.key[:12]})" if p.key else ""
-                click.echo(f"{p.kind:<9} {p.path}: {p.detail}{key}")
-            verb = "fixed" if fix else "found"
-            hint = "" if fix or not problems else "; run `aotbuild verify --fix` to repair"
-            click.echo(f"{len(problems)} problem(s) {verb} in {store.root}{hint}")
-        return EXIT_FAILED if problems else EXIT_OK
+                left = "  (remains)" if fix and p in remain else ""
+                click.echo(f"{p.kind:<9} {p.path}: {p.detail}{key}{left}")
+            if fix:
+                click.echo(f"{len(problems) - len(remain)} problem(s) fixed in {store.root}"
+                           + (f"; {len(remain)} remain (an unreadable manifest is never deleted: its owner must "
+                              f"fix its permissions)" if remain else ""))
+            else:
+                hint = "; run `aotbuild verify --fix` to repair" if problems else ""
+                click.echo(f"{len(problems)} problem(s) found in {store.root}{hint}")
+        return EXIT_FAILED if remain else EXIT_OK
 
     _run(go)
 

@@ -22,6 +22,9 @@ DEFAULT_LOCK_TIMEOUT = 60.0
 ENV_MAX_SIZE = "AOTBUILD_MAX_SIZE"
 #: Set by the CLI: the library variables it quieted itself (build jobs get their verbosity back).
 ENV_QUIETED = "AOTBUILD_QUIETED"
+#: Compiler options a recipe may set although they are free-form (strings, paths, lists): comma-separated
+#: names, or "*". An environment variable, because in CI a pull request controls recipes and pyproject.toml.
+ENV_ALLOW_OPTIONS = "AOTBUILD_ALLOW_OPTIONS"
 #: Where PyTorch Inductor keeps its own on-disk cache (FX graphs, kernels).
 ENV_INDUCTOR_CACHE = "TORCHINDUCTOR_CACHE_DIR"
 
@@ -48,3 +51,7 @@ def lock_timeout() -> float:
 
 def env_max_size() -> str | None:
     return os.environ.get(ENV_MAX_SIZE) or None
+
+
+def env_allowed_options() -> str:
+    return os.environ.get(ENV_ALLOW_OPTIONS, "")

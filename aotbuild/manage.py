@@ -13,6 +13,7 @@ filesystems, where shared caches live (docs/cache.md).
 from __future__ import annotations
 
 import contextlib
+import os
 import stat
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -39,6 +40,12 @@ class Problem:
 
     def as_json(self) -> dict[str, Any]:
         return {"kind": self.kind, "path": str(self.path), "detail": self.detail, "key": self.key}
+
+    def remains(self) -> bool:
+        """After ``verify --fix``: is this problem still there? (An unreadable manifest always is.)"""
+        if self.kind == UNREADABLE:
+            return True
+        return os.path.lexists(self.path)
 
 
 @contextlib.contextmanager
@@ -80,8 +87,17 @@ def _scan(store: Store) -> list[Problem]:
     if not any(p.kind == UNREADABLE for p in problems):  # else an unreadable manifest's blobs look orphaned
         for blob in store.blob_files():
             if blob.name not in named:
-                problems.append(Problem(ORPHAN, blob, f"{blob.stat().st_size} bytes that no manifest names"))
+                what = f"{blob.lstat().st_size} bytes" if stat.S_ISREG(blob.lstat().st_mode) else "not a regular file"
+                problems.append(Problem(ORPHAN, blob, f"{what} that no manifest names"))
+        if store.layout.blobs.is_dir():  # a folder where a blob belongs, which no manifest names
+            problems += [Problem(ORPHAN, p, "a folder that no manifest names") for p in
+                         sorted(store.layout.blobs.glob("*/*")) if p.is_dir() and not p.is_symlink()
+                         and p.name not in named]
     problems += [Problem(TEMP, p, "left by a writer that died (killed, out of space)") for p in _leftovers(store)]
+    from aotbuild.builtin import dead_staging
+
+    problems += [Problem(TEMP, p, "a built-in model whose creation was killed midway")
+                 for p in dead_staging(store.layout.models)]
     return problems
 
 
@@ -153,14 +169,17 @@ def _confirmed(store: Store, problem: Problem, named: dict[str, list[str]]) -> b
     path = problem.path
     if problem.kind == MISSING:
         return path.exists() and problem.blob is not None and not store.layout.blob(problem.blob).exists()
-    if not path.exists():
+    if not os.path.lexists(path):
         return False
     if problem.kind == CORRUPT:
         return bool(_blob_problem(store, path.name, path.stat().st_size if path.is_file() else -1))
     if problem.kind == ORPHAN:
-        return path.name not in named
+        return path.name not in named and os.path.lexists(path)
     if problem.kind == TEMP:
-        return is_unlocked(path / ".lock" if path.is_dir() else path)
+        from aotbuild.builtin import STAGING_LOCK
+
+        lock = path / STAGING_LOCK if (path / STAGING_LOCK).exists() else path / ".lock" if path.is_dir() else path
+        return is_unlocked(lock)
     return _read(store, path)[1] is not None
 
 
@@ -207,7 +226,7 @@ def _remove(path: Path) -> None:
 
 def store_size(store: Store) -> int:
     """Bytes of every blob on disk (shared blobs count once)."""
-    return sum(p.stat().st_size for p in store.blob_files())
+    return sum(p.lstat().st_size for p in store.blob_files())
 
 
 @dataclass

@@ -13,12 +13,13 @@ from pathlib import Path
 from typing import Any
 
 from aotbuild import builtin
+from aotbuild.blocks import describe_repeating
 from aotbuild.errors import ModelUnavailable
 from aotbuild.layout import Layout
 from aotbuild.recipe import CompileSpec, Recipe, _suggest
 
 __all__ = ["ModelUnavailable", "ResolvedModel", "resolve_model", "load_pipeline", "place_pipeline",
-           "warmup_kwargs", "component_config", "module_config", "check_components"]
+           "warmup_kwargs", "component_config", "module_config", "check_components", "check_blocks"]
 
 
 @dataclass(frozen=True)
@@ -74,15 +75,23 @@ def resolve_model(recipe: Recipe, cache_root: Path) -> ResolvedModel:
 
 
 def _hub_file(repo_id: str, filename: str, revision: str | None) -> Path:
+    from aotbuild import hub
+
+    down = "" if hub.offline_mode() else hub.unreachable()
     try:
         from huggingface_hub import hf_hub_download
 
-        return Path(hf_hub_download(repo_id, filename, revision=revision))
+        # Unreachable: the local Hugging Face cache may still have it; asked without the network.
+        return Path(hf_hub_download(repo_id, filename, revision=revision, local_files_only=bool(down)))
     except Exception as exc:  # offline, gated, missing: one line says which
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         if len(reason) > 200:
             reason = reason[:200] + " ..."
         name = type(exc).__name__
+        if down:
+            raise ModelUnavailable(f"cannot fetch {filename} of {repo_id}: {down}, and the local Hugging "
+                                   f"Face cache does not have it; pre-download it (hf download) or point model.id at "
+                                   f"a local folder") from None
         if "LocalEntryNotFound" in name or "Connect" in name or "Offline" in name:
             hint = ("; no network? pre-download it (hf download), set HF_HUB_OFFLINE=1 to use only the local "
                     "Hugging Face cache, or point model.id at a local folder")
@@ -117,7 +126,8 @@ def architecture_config(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def check_components(recipe: Recipe, model: ResolvedModel) -> None:
-    """Unknown components, and regional scope on a component that has no ``_repeated_blocks``."""
+    """Unknown components, and regional scope on a component that has no ``_repeated_blocks`` when the
+    recipe names no ``compile.blocks`` (those are checked by :func:`check_blocks`)."""
     known = model.components()
     modules = [n for n, (_, cls) in known.items() if _is_module_class(cls)]
     for name in recipe.compile.components:
@@ -133,12 +143,44 @@ def check_components(recipe: Recipe, model: ResolvedModel) -> None:
         if name not in modules:
             raise recipe.error("compile.components", f"{name!r} ({known[name][1]}) is not a torch module: there is "
                                                      f"nothing to compile (compilable: {', '.join(modules)})")
-        if recipe.compile.scope == "regional":
+        if recipe.compile.scope == "regional" and recipe.compile.blocks is None:
             library, class_name = known[name]
             blocks = _repeated_blocks(library, class_name)
             if not blocks:
+                module = _meta_component(model, name, recipe.model.revision)
+                repeating = f" ({describe_repeating(module)})" if module is not None else ""
                 raise recipe.error("compile.scope", f"regional scope needs a component with _repeated_blocks; "
-                                                    f"{name} ({class_name}) has none: use scope: full")
+                                                    f"{name} ({class_name}) has none: name its block classes in "
+                                                    f"compile.blocks{repeating}, or use scope: full")
+
+
+def check_blocks(recipe: Recipe, model: ResolvedModel) -> None:
+    """``compile.blocks`` against each component, without loading weights: the component is built
+    from its config on the meta device. Where that cannot be done here (a class this environment
+    cannot import or build), nothing is checked: each build job checks the loaded module."""
+    if recipe.compile.scope != "regional" or recipe.compile.blocks is None:
+        return
+    from aotbuild.blocks import block_problem
+
+    for name in recipe.compile.components:
+        module = _meta_component(model, name, recipe.model.revision)
+        if module is None:
+            continue
+        key, why = block_problem(module, recipe.compile.blocks)
+        if why:
+            raise recipe.error(key, f"{name}: {why}")
+
+
+def _meta_component(model: ResolvedModel, name: str, revision: str | None) -> Any:
+    """Component ``name`` built from its ``config.json`` on the meta device (no weights), or None."""
+    from aotbuild.blocks import meta_module
+
+    library, class_name = model.components()[name]
+    try:
+        config = _read_json(_config_path(model, name, revision))
+    except ModelUnavailable:
+        return None
+    return meta_module(library, class_name, config)
 
 
 def _is_module_class(class_name: str) -> bool:
@@ -160,15 +202,17 @@ def _repeated_blocks(library: str, class_name: str) -> tuple[str, ...]:
 
 def component_config(model: ResolvedModel, name: str, revision: str | None) -> tuple[str, dict[str, Any]]:
     """(class name, architecture config) of one component, from its ``config.json``."""
-    library, class_name = model.components()[name]
+    _, class_name = model.components()[name]
+    return class_name, architecture_config(_read_json(_config_path(model, name, revision)))
+
+
+def _config_path(model: ResolvedModel, name: str, revision: str | None) -> Path:
     if model.is_local:
-        path = Path(model.location) / name / "config.json"
-    else:
-        path = _hub_file(model.location, f"{name}/config.json", revision)
-    return class_name, architecture_config(_read_json(path))
+        return Path(model.location) / name / "config.json"
+    return _hub_file(model.location, f"{name}/config.json", revision)
 
 
-def load_pipeline(recipe: Recipe, model: ResolvedModel, dtype: str) -> Any:
+def load_pipeline(recipe: Recipe, model: ResolvedModel, dtype: str, *, quiet: bool = False) -> Any:
     """``from_pretrained`` with the recipe's dtype, variant, revision and pipeline class."""
     import diffusers
     import torch
@@ -190,7 +234,7 @@ def load_pipeline(recipe: Recipe, model: ResolvedModel, dtype: str) -> Any:
     if recipe.model.revision and not model.is_local:
         kwargs["revision"] = recipe.model.revision
     pipe = cls.from_pretrained(model.location, **kwargs)
-    if hasattr(pipe, "set_progress_bar_config"):
+    if quiet and hasattr(pipe, "set_progress_bar_config"):  # build jobs and benchmarks; a user's pipe keeps its bar
         pipe.set_progress_bar_config(disable=True)
     return pipe
 

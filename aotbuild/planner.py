@@ -176,7 +176,10 @@ def plan(recipes: list[str] | tuple[str, ...] | list[Recipe], cache: str | Path 
     loaded = [r for r in recipes if isinstance(r, Recipe)] or load_recipes([str(r) for r in recipes])
     jobs: list[Job] = []
     for recipe in loaded:
-        jobs.extend(jobs_for(Context.create(recipe, root), store))
+        ctx = Context.create(recipe, root)
+        if ctx.model is not None and not ctx.problem:  # only plan: jobs and loads check the loaded module
+            models.check_blocks(recipe, ctx.model)
+        jobs.extend(jobs_for(ctx, store))
     return sorted(jobs, key=lambda j: (j.key is None, j.key or "", j.label))
 
 

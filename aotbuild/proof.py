@@ -78,9 +78,9 @@ def block_instances(module: Any, recipe: Any) -> list[tuple[str, Any]]:
     """(name, instance) of every repeated block a regional recipe compiles; [("", module)] for full."""
     if recipe.compile.scope != "regional":
         return [("", module)]
-    from aotbuild.targets import aoti
+    from aotbuild.blocks import select_blocks
 
-    return aoti.repeated_blocks(module)
+    return select_blocks(module, recipe.compile.blocks, recipe)
 
 
 def serve(spec: dict[str, Any]) -> dict[str, Any]:
@@ -101,7 +101,7 @@ def serve(spec: dict[str, Any]) -> dict[str, Any]:
     if ctx.problem:
         raise RuntimeError(ctx.problem)
     assert ctx.model is not None
-    pipe = models.load_pipeline(recipe, ctx.model, ctx.dtype)
+    pipe = models.load_pipeline(recipe, ctx.model, ctx.dtype, quiet=True)
     models.place_pipeline(pipe, recipe, ctx.device)
     module = getattr(pipe, component)
 

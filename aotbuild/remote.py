@@ -226,6 +226,12 @@ class HubRemote(Remote):
         """Run a huggingface_hub call; its failures become one RemoteError naming the next step."""
         from huggingface_hub import errors
 
+        from aotbuild import hub
+
+        down = "" if hub.offline_mode() else hub.unreachable(self.endpoint)
+        if down:
+            raise RemoteError(f"{self.url}: {what} failed: the Hub cannot be reached: {down} (network, "
+                              f"HF_ENDPOINT)")
         try:
             return fn()
         except errors.LocalEntryNotFoundError:  # huggingface_hub's word for "could not reach the Hub"

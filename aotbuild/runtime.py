@@ -188,7 +188,7 @@ def load_compiled(recipe: str | Path | Recipe, pipe: Any = None, *, cache: str |
                             for package in e.manifest.packages]
                 routes = aoti.load_packages(module, component, packages, ctx.device)
                 if recipe.compile.scope == "regional":  # the component runs eagerly, its blocks dispatch
-                    for name, block in aoti.repeated_blocks(module):
+                    for name, block in aoti.repeated_blocks(module, recipe.compile.blocks, recipe):
                         block_fallback = _lazy_compile(ctx, block, scope="full") if policy == "compile" else None
                         install_dispatcher(block, f"{component}.{name}", routes.get(name, {}), block_fallback, policy)
                     continue

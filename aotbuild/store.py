@@ -10,9 +10,11 @@ it is handed out; a corrupt or missing blob makes its entry a miss, never a load
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import os
 import shutil
+import stat
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -33,8 +35,13 @@ _CHUNK = 1 << 20
 
 
 def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
+    """The file's sha256. Opened without blocking and refused unless a regular file (OSError):
+    a FIFO planted where a blob belongs must not hang a reader."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise IsADirectoryError(errno.EISDIR, "not a regular file", str(path))
+        h = hashlib.sha256()
         while chunk := f.read(_CHUNK):
             h.update(chunk)
     return h.hexdigest()
@@ -233,8 +240,9 @@ class Store:
             yield from sorted(self.layout.manifests.glob("*/*.json"))
 
     def blob_files(self) -> Iterator[Path]:
+        """Everything under ``blobs/<2 hex>/`` but folders: a FIFO or link there is reported too."""
         if self.layout.blobs.is_dir():
-            yield from sorted(p for p in self.layout.blobs.glob("*/*") if p.is_file())
+            yield from sorted(p for p in self.layout.blobs.glob("*/*") if p.is_symlink() or not p.is_dir())
 
     def remove_manifest(self, key: str) -> None:
         with contextlib.suppress(FileNotFoundError):

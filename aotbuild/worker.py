@@ -35,7 +35,7 @@ def run(job: dict) -> dict:
     if ctx.problem:
         raise RuntimeError(ctx.problem)
     assert ctx.model is not None
-    pipe = models.load_pipeline(recipe, ctx.model, ctx.dtype)
+    pipe = models.load_pipeline(recipe, ctx.model, ctx.dtype, quiet=True)
     models.place_pipeline(pipe, recipe, ctx.device)
     models.check_warmup_arguments(pipe, recipe)
     module = getattr(pipe, component)
@@ -58,7 +58,7 @@ def run(job: dict) -> dict:
         options = ctx.target.compile_settings(recipe, ctx.device)["options"]
         workdir = Path(job["result"]).parent
         if recipe.compile.scope == "regional":  # one package per repeated block class x signature
-            recorder = aoti.BlockRecorder(module, component)
+            recorder = aoti.BlockRecorder(module, component, recipe.compile.blocks, recipe)
             pipe(**warmup)  # eager: records the exact calls the pipeline makes to each block
             _phase(job, "exporting and packaging")
             extra["packages"] = recorder.build(workdir, options)

@@ -69,15 +69,16 @@ FRESH = textwrap.dedent("""
     from aotbuild import ShapeNotBuilt, load_compiled, load_recipe
     from aotbuild.dispatch import Dispatcher
     from aotbuild.models import load_pipeline, resolve_model, warmup_kwargs
-    recipe_path, cache = sys.argv[1:3]
+    recipe_path, cache, component = sys.argv[1:4]
     r = load_recipe(recipe_path)
     eager = load_pipeline(r, resolve_model(r, Path(cache)), "float32")
     ref = eager(**warmup_kwargs(r, r.shapes[0]), output_type="pt").images
     pipe = load_compiled(recipe_path, cache=cache, on_miss="error", strict_shapes=True)
     out = pipe(**warmup_kwargs(r, r.shapes[0]), output_type="pt").images
     from torch._dynamo.utils import counters
-    # every dispatcher aotbuild installed: the UNet's own ("") or, for scope: regional, its blocks'
-    dispatchers = {n: m.forward for n, m in pipe.unet.named_modules() if isinstance(vars(m).get("forward"), Dispatcher)}
+    # every dispatcher aotbuild installed: the component's own ("") or, for scope: regional, its blocks'
+    dispatchers = {n: m.forward for n, m in getattr(pipe, component).named_modules()
+                   if isinstance(vars(m).get("forward"), Dispatcher)}
     strict = None
     try:
         pipe(prompt="x", height=32, width=32, num_inference_steps=1, guidance_scale=0.0)
@@ -91,13 +92,13 @@ FRESH = textwrap.dedent("""
 """)
 
 
-def run_fresh(recipe, cache, tmp_path) -> dict:
+def run_fresh(recipe, cache, tmp_path, component: str = "unet", cwd=None) -> dict:
     """Load in a fresh process with an empty Inductor cache; what FRESH measured."""
     script = tmp_path / "fresh.py"
     script.write_text(FRESH)
-    proc = run_python(f"import runpy, sys; sys.argv = ['f', {str(recipe)!r}, {str(cache)!r}]; "
+    proc = run_python(f"import runpy, sys; sys.argv = ['f', {str(recipe)!r}, {str(cache)!r}, {component!r}]; "
                       f"runpy.run_path({str(script)!r}, run_name='__main__')",
-                      env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "empty-inductor")})
+                      env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "empty-inductor")}, cwd=cwd)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))[7:])
 

@@ -93,6 +93,7 @@ def test_bad_mode_is_a_usage_error():
     assert proc.returncode == 2 and "--modes: hot: allowed: eager, cold, warm" in proc.stderr
 
 
+@pytest.mark.slow  # compiles for real
 def test_real_eager_and_warm_load_in_fresh_processes(built_cache):
     """On the tiny recipe built for real: the warm process takes its kernels from the aotbuild
     cache (an FX graph cache hit, no miss) with an empty Inductor cache; nothing is rebuilt."""
@@ -109,6 +110,7 @@ def test_real_eager_and_warm_load_in_fresh_processes(built_cache):
     assert "round 1/1: aotbuild warm load in a fresh process" in proc.stderr
 
 
+@pytest.mark.slow  # compiles for real
 def test_standin_target_builds_what_is_missing_then_measures_all_three(tmp_path):
     """Through the Neuron stand-in (a fast compile): bench builds the missing job first, the cold
     process compiles, and the table names every mode."""

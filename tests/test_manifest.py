@@ -82,7 +82,7 @@ def test_a_manifest_that_parses_but_lies_is_malformed_for_every_reader(store, tm
     code, out = cli("gc", "--stale", "--cache", str(store.root))
     assert code == 1 and out.count("\n") == 1 and "Traceback" not in out, out  # refuses to guess: verify first
     code, out = cli("verify", "--fix", "--cache", str(store.root))
-    assert code == 1 and not store.layout.manifest(key).exists()
+    assert code == 0 and not store.layout.manifest(key).exists()  # fixed: nothing remains
     assert cli("verify", "--cache", str(store.root))[0] == 0  # its orphan blob went with it
 
 
@@ -213,3 +213,47 @@ def test_the_codec_round_trips_and_refuses_to_write_what_it_cannot_read(store, t
     bad = manifests.manifest(f, [("../up", "cd" * 32, 3)])
     with pytest.raises(ManifestError, match="unsafe"):
         bad.to_json()
+
+
+@pytest.mark.parametrize("kind", ["fifo", "folder", "symlink"])
+@pytest.mark.parametrize("named", [True, False], ids=["named", "orphan"])
+def test_verify_keeps_going_past_odd_blobs_and_fix_leaves_nothing_to_report(store, tmp_path, kind, named):
+    """A blob replaced by a folder stopped verify; a FIFO hung it. Now each is reported (corrupt when a
+    manifest names it, orphan when none does), --fix removes it, and verify then exits 0."""
+    key = good(store, tmp_path)
+    other = good(store, tmp_path, "other")
+    victim = store.layout.blob(store.read_manifest(key).files[0].sha256)
+    if not named:
+        store.remove_manifest(key)
+    victim.chmod(0o644)
+    victim.unlink()
+    if kind == "fifo":
+        os.mkfifo(victim)
+    elif kind == "folder":
+        victim.mkdir()
+        (victim / "x").write_text("x")
+    else:
+        victim.symlink_to("/etc/passwd")
+    code, out = cli("verify", "--cache", str(store.root))
+    assert code == 1 and ("corrupt" if named else "orphan") in out and "Traceback" not in out, out
+    assert store.open_entry(key)[0] is None
+    code, out = cli("verify", "--fix", "--cache", str(store.root))
+    assert code == 0 and "fixed" in out and "remain" not in out, out
+    assert cli("verify", "--cache", str(store.root)) == (0, f"0 problem(s) found in {store.root}\n")
+    assert store.open_entry(other)[0] is not None and os.path.exists("/etc/passwd")
+
+
+def test_verify_fix_says_what_remains_and_exits_1_for_an_unreadable_manifest(store, tmp_path, monkeypatch):
+    key = good(store, tmp_path)
+    real = Store.load_manifest
+
+    def load(self, k):
+        if k == key:
+            raise PermissionError(13, "Permission denied")
+        return real(self, k)
+
+    monkeypatch.setattr(Store, "load_manifest", load)
+    code, out = cli("verify", "--fix", "--json", "--cache", str(store.root))
+    report = json.loads(out)
+    assert code == 1 and [p["kind"] for p in report["remaining"]] == ["unreadable"]
+    assert store.layout.manifest(key).exists()

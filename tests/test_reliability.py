@@ -150,7 +150,7 @@ def test_a_killed_writer_leaves_a_miss_and_verify_fix_reclaims_its_leftovers(tmp
     kinds = sorted(p["kind"] for p in json.loads(found.stdout)["problems"])
     assert kinds == ["orphan", "temp"]  # the whole first blob, and the half-written temp file
     fixed = run_cli("verify", "--fix", "--cache", str(root))
-    assert fixed.returncode == 1 and "2 problem(s) fixed" in fixed.stdout
+    assert fixed.returncode == 0 and "2 problem(s) fixed" in fixed.stdout
     assert run_cli("verify", "--cache", str(root)).returncode == 0
     assert not list(store.blob_files()) and not list(store.layout.tmp.iterdir())
 
@@ -166,7 +166,7 @@ def test_verify_lists_a_corrupt_blob_and_fix_repairs(tmp_path):
     assert found.returncode == 1
     assert "corrupt" in found.stdout and "hash mismatch" in found.stdout and a[:12] in found.stdout
     assert "aotbuild verify --fix" in found.stdout  # the next step
-    assert run_cli("verify", "--fix", "--cache", str(store.root)).returncode == 1
+    assert run_cli("verify", "--fix", "--cache", str(store.root)).returncode == 0  # everything it found is fixed
     assert run_cli("verify", "--cache", str(store.root)).returncode == 0
     assert not store.has(a) and store.open_entry(b)[0] is not None  # b keeps the blob they shared
     check_no_dangling(store)
@@ -206,8 +206,12 @@ def test_two_processes_building_one_recipe_at_once(tmp_path):
     manifests = list(store.iter_manifests())
     assert len(manifests) == 2 and len({m.key for m in manifests}) == 2  # one entry per key
     assert verify(store) == []  # identical bytes: every blob hashes to its name, nothing left over
-    for report in (json.loads(out) for out, _ in outs):
+    reports = [json.loads(out) for out, _ in outs]
+    for report in reports:
         assert {j["status"] for j in report["jobs"]} <= {"built", "cached"}
+    # Each job compiled once: the second builder of a job waited for the first (per-key lock).
+    built = sorted(j["key"] for r in reports for j in r["jobs"] if j["status"] == "built")
+    assert built == sorted({m.key for m in manifests})
 
 
 # -- 6: readers never see a partial manifest -------------------------------------------------------
@@ -563,3 +567,34 @@ def test_verify_fix_never_deletes_what_an_unreadable_manifest_names(tmp_path, mo
     assert [(p.kind, p.key) for p in verify(store, fix=True)] == [("unreadable", theirs)]
     monkeypatch.undo()
     assert store.open_entry(theirs)[0] is not None and store.open_entry(mine)[0] is not None
+
+
+def test_a_builtin_model_is_shared_readable_and_a_killed_creation_is_reclaimed(tmp_path):
+    """mkdtemp made the model folder 0700: another account could not load from a shared store.
+    A creation killed midway left models/.tiny-sd-v1.* that nothing reported."""
+    import stat
+
+    from aotbuild import builtin
+    from aotbuild.locks import flocked
+
+    store = Store(tmp_path / "c")
+    models = store.layout.models
+    models.mkdir(parents=True)
+    dead = models / ".tiny-sd-v1.killed"
+    dead.mkdir()
+    (dead / builtin.STAGING_LOCK).write_text("")
+    (dead / "unet").mkdir()
+    alive = models / ".tiny-sd-v1.alive"  # another process creating it right now
+    alive.mkdir()
+    with flocked(alive / builtin.STAGING_LOCK, exclusive=True, timeout=0):
+        problems = verify(store)
+        assert [(p.kind, p.path) for p in problems] == [("temp", dead)]
+        old = os.umask(0o077)
+        try:
+            folder = builtin.ensure("builtin:tiny-sd", models)
+        finally:
+            os.umask(old)
+        assert not dead.exists() and alive.exists()  # the dead writer's folder reclaimed, the live one kept
+    modes = {p.relative_to(folder).as_posix(): stat.S_IMODE(p.stat().st_mode) for p in (folder, *folder.rglob("*"))}
+    assert modes["."] == 0o755 and modes["unet"] == 0o755 and modes["unet/config.json"] == 0o644
+    assert not (folder / builtin.STAGING_LOCK).exists()

@@ -147,6 +147,7 @@ LOAD = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # builds and proves through the stand-ins (a minute each on 2 cores)
 @pytest.mark.parametrize("target,vendor,scope,suffix", [
     ("neuron", "torch_neuronx", "full", "model.neff"),
     ("tpu", "torch_tpu", "regional", "model.bin"),

@@ -293,27 +293,62 @@ def lookup(model_id: str) -> BuiltinModel:
 def ensure(model_id: str, models_dir: Path) -> Path:
     """Return the folder of a built-in model under ``models_dir``, creating it on first use.
 
-    Creation happens in a temporary sibling folder that is renamed into place, so concurrent
-    first uses never see a half-written model: the loser of the race discards its copy.
+    Creation happens in a temporary sibling folder (``.<name>.*``, locked while its writer lives)
+    that is renamed into place, so concurrent first uses never see a half-written model: the loser
+    of the race discards its copy. A writer killed midway leaves its folder unlocked: the next
+    creation removes it (and ``aotbuild verify`` reports it). The model is readable by every user
+    of a shared store (folders 0755, files 0644), whatever the umask.
     """
+    from aotbuild.locks import flocked
+
     model = lookup(model_id)
     folder = models_dir / model.folder_name
     if (folder / "model_index.json").is_file():
         return folder
     try:
         models_dir.mkdir(parents=True, exist_ok=True)
+        remove_dead_staging(models_dir)
         staging = Path(tempfile.mkdtemp(prefix=f".{model.folder_name}.", dir=models_dir))
     except OSError as exc:
         raise StoreError(f"cannot create {model_id} in {models_dir}: {exc.strerror or exc}; use a writable cache "
                          "(--cache DIR or AOTBUILD_CACHE)") from None
     logging.getLogger("aotbuild").info("creating %s in %s (first use; a few seconds) ...", model_id, folder)
     try:
-        model.create(staging)
-        try:
-            os.rename(staging, folder)
-        except OSError:
-            if not (folder / "model_index.json").is_file():
-                raise
+        with flocked(staging / STAGING_LOCK, exclusive=True, timeout=0):
+            model.create(staging)
+            (staging / STAGING_LOCK).unlink()
+            _share(staging)
+            try:
+                os.rename(staging, folder)
+            except OSError:
+                if not (folder / "model_index.json").is_file():
+                    raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return folder
+
+
+STAGING_LOCK = ".creating.lock"
+
+
+def dead_staging(models_dir: Path) -> list[Path]:
+    """Staging folders of built-in models whose writer died (killed while creating a model)."""
+    from aotbuild.locks import is_unlocked
+
+    if not models_dir.is_dir():
+        return []
+    return [p for p in sorted(models_dir.glob(".*.*")) if p.is_dir() and (p / STAGING_LOCK).is_file()
+            and is_unlocked(p / STAGING_LOCK)]
+
+
+def remove_dead_staging(models_dir: Path) -> None:
+    for path in dead_staging(models_dir):
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _share(folder: Path) -> None:
+    """Folders 0755 and files 0644: another account loading from a shared store must read them
+    (mkdtemp makes 0700)."""
+    for path in (folder, *folder.rglob("*")):
+        if not path.is_symlink():
+            os.chmod(path, 0o755 if path.is_dir() else 0o644)

@@ -16,7 +16,8 @@ weights into the package). Should a torch still compile a tensor in, its sha256 
 
 ``scope: regional`` packages each repeated block class (diffusers' ``_repeated_blocks``) once per
 call signature; the package is shared by every instance called with that signature, each
-instance's own weights swapped in before its call.
+instance's own weights swapped in before its call. The build records every instance's input
+strides (``BlockRecorder.calls``), so it knows which instances' inputs the load will copy.
 
 Load: packages are hard-linked into a per-process folder and loaded; each is handed the live
 weights of the component with ``load_constants(..., user_managed=True)`` (shared, not copied)
@@ -26,7 +27,9 @@ Before every call the runner checks that the component still holds the same tens
 ``pipe.to(...)``, a dtype change or a LoRA fuse that replaced them, it re-supplies them when they
 still fit and raises a clear error when they do not. Input checking is off in AOTInductor's runner
 (a batch-4 input to a batch-2 package silently returns batch 2), so the dispatcher only ever routes
-a call whose signature, and tensor strides, match what the package was built for.
+a call whose signature matches the package's, and an input whose strides differ from the ones the
+package reads with (where they matter: not in dimensions of size 1) is first copied into exactly
+those strides.
 """
 
 from __future__ import annotations
@@ -40,9 +43,12 @@ import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aotbuild.errors import PackageMismatch
+
+if TYPE_CHECKING:
+    from aotbuild.recipe import Recipe
 
 PACKAGE_DIR = "aoti"
 PROBE_DIR = "inductor"
@@ -52,7 +58,13 @@ def _clone(value: Any) -> Any:
     import torch
 
     if isinstance(value, torch.Tensor):
-        return value.detach().clone()
+        t = value.detach()
+        # Keep the caller's layout (a slice stays strided: the package is exported for what the
+        # pipeline passes); a layout where elements share memory (expand) is made dense instead, so
+        # a package never expects one and every input can be copied into what it was built for.
+        if copyable(t.shape, t.stride()):
+            return relayout(t, t.stride())
+        return t.clone(memory_format=torch.contiguous_format)
     if isinstance(value, (list, tuple)):
         return type(value)(_clone(v) for v in value)
     if isinstance(value, dict):
@@ -64,11 +76,65 @@ def snapshot(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, 
     return _clone(args), _clone(kwargs)
 
 
-def _strides(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[list[int]]:
-    import torch
-    from torch.utils._pytree import tree_leaves
+def _flatten(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[Any], Any]:
+    """The call's leaves, kwargs in name order (the package itself reorders kwargs to its own spec, so
+    the order a caller writes them in must not matter here either)."""
+    from torch.utils._pytree import tree_flatten
 
-    return [list(t.stride()) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    return tree_flatten((args, dict(sorted(kwargs.items()))))
+
+
+def _tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+    import torch
+
+    return [t for t in _flatten(args, kwargs)[0] if isinstance(t, torch.Tensor)]
+
+
+def _strides(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[list[int]]:
+    return [list(t.stride()) for t in _tensors(args, kwargs)]
+
+
+def _floats(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[float]:
+    """Float arguments: not in a signature (Dynamo does not specialize on them), but torch.export
+    bakes their values into the package."""
+    return [x for x in _flatten(args, kwargs)[0] if isinstance(x, float)]
+
+
+def strides_match(shape: Any, strides: Any, want: Any) -> bool:
+    """Whether a tensor with ``strides`` is laid out as ``want`` where it matters: a dimension of size 1
+    is only ever read at index 0, so its stride is never used (PyTorch's ``is_contiguous`` ignores it
+    too, so ``.contiguous()`` leaves it as it is), and an empty tensor is never read at all."""
+    if len(strides) != len(want) or len(shape) != len(want):
+        return False
+    if 0 in shape:
+        return True
+    return all(n == 1 or s == w for n, s, w in zip(shape, strides, want, strict=True))
+
+
+def copyable(shape: Any, strides: Any) -> bool:
+    """Whether a tensor of ``shape`` can be given ``strides`` by copying into them: no two elements
+    share memory (a dimension of size 1 or an empty tensor excepted). Expanded tensors (stride 0)
+    and overlapping views cannot; strided slices and permutations can."""
+    if len(shape) != len(strides):
+        return False
+    if 0 in shape:
+        return True
+    span = 0  # highest offset reachable through the smaller strides
+    for n, s in sorted(((n, s) for n, s in zip(shape, strides, strict=True) if n != 1), key=lambda d: d[1]):
+        if s <= span:
+            return False
+        span += s * (n - 1)
+    return True
+
+
+def relayout(t: Any, strides: Any) -> Any:
+    """A copy of ``t`` with exactly ``strides`` (``.contiguous()`` would keep a size-1 dimension's
+    stride, and could not make a strided layout); ``strides`` must be :func:`copyable`."""
+    import torch
+
+    out = torch.empty_strided(tuple(t.shape), tuple(strides), dtype=t.dtype, device=t.device)
+    out.copy_(t)
+    return out
 
 
 def constant_meta(module: Any, fqns: list[str]) -> dict[str, list[Any]]:
@@ -127,8 +193,10 @@ def _package(module: Any, sig: str, args: tuple[Any, ...], kwargs: dict[str, Any
 
     if "forward" in vars(module):  # export the module itself, not our dispatcher
         del module.forward
-    # Named by everything that tells packages apart: two block classes can share a signature.
-    name = hashlib.sha256(f"{group}\n{sig}".encode()).hexdigest()[:20]
+    # Named by everything that tells packages apart: two block classes can share a signature, and
+    # one class's instances can need two packages (another input layout, another float argument).
+    strides = _strides(args, kwargs)
+    name = hashlib.sha256(f"{group}\n{sig}\n{json.dumps(strides)}\n{_floats(args, kwargs)!r}".encode()).hexdigest()[:20]
     path = workdir / PACKAGE_DIR / f"{name}.pt2"
     path.parent.mkdir(parents=True, exist_ok=True)
     with torch.no_grad():
@@ -139,7 +207,7 @@ def _package(module: Any, sig: str, args: tuple[Any, ...], kwargs: dict[str, Any
                "always_keep_tensor_constants": True}
     torch._inductor.aoti_compile_and_package(exported, package_path=str(path), inductor_configs=configs)
     fqns = _probe(path, workdir / PROBE_DIR)
-    return {"signature": sig, "path": f"{PACKAGE_DIR}/{path.name}", "strides": _strides(args, kwargs),
+    return {"signature": sig, "path": f"{PACKAGE_DIR}/{path.name}", "strides": strides,
             "constants": constant_meta(module, fqns), "baked": baked_digests(module, fqns)}
 
 
@@ -150,13 +218,14 @@ def build_packages(module: Any, calls: dict[str, tuple[tuple[Any, ...], dict[str
             for sig, (args, kwargs) in sorted(calls.items())]
 
 
-def repeated_blocks(module: Any) -> list[tuple[str, Any]]:
-    """(name, instance) of every block of the classes diffusers lists in ``_repeated_blocks``."""
-    classes = set(getattr(module, "_repeated_blocks", None) or ())
-    if not classes:
-        raise PackageMismatch(f"{type(module).__name__} declares no _repeated_blocks: scope: regional needs "
-                              f"them; use compile.scope: full")
-    return [(name, m) for name, m in module.named_modules() if name and type(m).__name__ in classes]
+def repeated_blocks(module: Any, classes: tuple[str, ...] | None = None,
+                    recipe: Recipe | None = None) -> list[tuple[str, Any]]:
+    """(name, instance) of every block of ``classes`` (a recipe's ``compile.blocks``), by default of
+    the classes diffusers lists in ``_repeated_blocks``; a recipe error naming the module's repeating
+    classes when they do not fit."""
+    from aotbuild.blocks import select_blocks
+
+    return select_blocks(module, classes, recipe)
 
 
 def _structure(module: Any) -> str:
@@ -178,15 +247,31 @@ class BlockRecorder:
     """Build side of ``scope: regional``: records the calls of every repeated block during an eager warmup.
 
     Instances of one class that are called with one signature and hold tensors of the same shapes
-    form a group: one package, exported from the first instance, serves them all with each
-    instance's own weights. Only the first call of each group is kept (one snapshot per group, not
-    one per instance: a block's activations can be large)."""
+    form a group: one package, exported from the group's first instance, serves them all with each
+    instance's own weights. One call per group is kept (a snapshot of the first instance's inputs,
+    not one per instance: a block's activations can be large); of every other instance only what
+    its call looked like is kept (``calls``): its input strides and float arguments.
 
-    def __init__(self, module: Any, component: str):
+    That is enough to know at build time how each instance will be served. Input strides that
+    differ from the package's are fixed at every call by a copy into the package's layout (the
+    load's stride guard): so the package is exported for the layout most instances of the group
+    receive (Flux's single-stream blocks after the first get slices of the previous block's output)
+    and only the others copy. Float arguments are baked into a package by ``torch.export`` and no
+    copy can change them: an instance called with other float values gets a package of its own,
+    exported from a snapshot of its own call."""
+
+    def __init__(self, module: Any, component: str, classes: tuple[str, ...] | None = None,
+                 recipe: Recipe | None = None):
         from aotbuild.dispatch import install_dispatcher
 
-        self.groups: dict[tuple[str, str, str], dict[str, Any]] = {}
-        self.blocks = repeated_blocks(module)
+        #: (class, signature, structure) -> its packages: each a dict with "instances", "call" (the
+        #: snapshot to export) and "floats"; more than one only when instances' floats differ.
+        self.groups: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
+        #: instance -> signature -> {"strides": [...], "floats": [...], "group": key, "package": index
+        #: in the group's list}; after :meth:`build`, also "copies": whether its input is copied
+        #: into the package's layout on every call.
+        self.calls: dict[str, dict[str, dict[str, Any]]] = {}
+        self.blocks = repeated_blocks(module, classes, recipe)
         for name, block in self.blocks:
             group_of = (type(block).__name__, _structure(block))
             install_dispatcher(block, f"{component}.{name}", {}, block.forward, "record",
@@ -194,11 +279,16 @@ class BlockRecorder:
 
     def _recorder(self, name: str, group_of: tuple[str, str]) -> Callable[..., None]:
         def record(sig: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            group = self.groups.get((group_of[0], sig, group_of[1]))
-            if group is None:
-                self.groups[(group_of[0], sig, group_of[1])] = {"instances": [name], "call": snapshot(args, kwargs)}
-            elif name not in group["instances"]:
-                group["instances"].append(name)
+            key = (group_of[0], sig, group_of[1])
+            floats = _floats(args, kwargs)
+            packages = self.groups.setdefault(key, [])
+            index = next((i for i, p in enumerate(packages) if p["floats"] == floats), None)
+            if index is None:
+                index = len(packages)
+                packages.append({"instances": [], "call": snapshot(args, kwargs), "floats": floats})
+            packages[index]["instances"].append(name)
+            self.calls.setdefault(name, {})[sig] = {"strides": _strides(args, kwargs), "floats": floats,
+                                                    "group": key, "package": index}
 
         return record
 
@@ -206,22 +296,72 @@ class BlockRecorder:
     def signatures(self) -> list[str]:
         return sorted({sig for _, sig, _ in self.groups})
 
+    def _layout(self, sig: str, package: dict[str, Any]) -> list[list[int]]:
+        """Per input tensor, the strides to export with: the layout most of the package's instances
+        receive (the first instance's on a tie), among those a copy can produce."""
+        shapes = [list(t.shape) for t in _tensors(*package["call"])]
+        chosen = []
+        for i, shape in enumerate(shapes):
+            seen: dict[tuple[Any, ...], tuple[int, list[int]]] = {}
+            for instance in package["instances"]:
+                strides = self.calls[instance][sig]["strides"][i]
+                if not copyable(shape, strides):
+                    continue
+                # Equal where it matters (dims of size 1 and empty tensors aside): one layout.
+                norm = ("empty",) if 0 in shape else tuple(s if n != 1 else None
+                                                           for n, s in zip(shape, strides, strict=True))
+                count, first = seen.get(norm, (0, strides))
+                seen[norm] = (count + 1, first)
+            best = max(seen.values(), key=lambda v: v[0], default=None)  # max keeps the first of a tie
+            chosen.append(best[1] if best else list(_tensors(*package["call"])[i].stride()))
+        return chosen
+
+    def plan_layouts(self) -> None:
+        """Decide each package's input layout (``package["layout"]``) and so, per instance, whether
+        the load will copy its inputs (``calls[instance][signature]["copies"]``). Nothing is exported."""
+        for (_, sig, _), packages in self.groups.items():
+            for package in packages:
+                package["layout"] = layout = self._layout(sig, package)
+                shapes = [t.shape for t in _tensors(*package["call"])]
+                for instance in package["instances"]:
+                    call = self.calls[instance][sig]
+                    call["copies"] = not all(strides_match(*layouts)
+                                             for layouts in zip(shapes, call["strides"], layout, strict=True))
+
     def build(self, workdir: Path, inductor_configs: dict[str, Any]) -> list[dict[str, Any]]:
         named = dict(self.blocks)
         for block in named.values():
             vars(block).pop("forward", None)
-        packages = []
-        for (cls, sig, structure), group in sorted(self.groups.items()):
-            exporter = named[group["instances"][0]]
-            args, kwargs = group["call"]
-            package = _package(exporter, sig, args, kwargs, workdir, inductor_configs,
-                               group=f"{cls}\n{structure}")
-            if package["baked"]:  # a tensor compiled in would be the exporter's value for every instance
-                raise PackageMismatch(f"{cls}: AOTInductor compiled {len(package['baked'])} tensors into the "
-                                      f"package (e.g. {next(iter(package['baked']))}), so it cannot be shared "
-                                      f"by instances; use compile.scope: full")
-            packages.append({**package, "block_class": cls, "instances": group["instances"]})
-        return packages
+        self.plan_layouts()
+        built = []
+        for (cls, sig, structure), packages in sorted(self.groups.items()):
+            for package in packages:
+                exporter = named[package["instances"][0]]
+                args, kwargs = _relaid(package["call"], package["layout"])
+                record = _package(exporter, sig, args, kwargs, workdir, inductor_configs,
+                                  group=f"{cls}\n{structure}")
+                if record["baked"]:  # a tensor compiled in would be the exporter's value for every instance
+                    raise PackageMismatch(f"{cls}: AOTInductor compiled {len(record['baked'])} tensors into the "
+                                          f"package (e.g. {next(iter(record['baked']))}), so it cannot be shared "
+                                          f"by instances; use compile.scope: full")
+                built.append({**record, "block_class": cls, "instances": package["instances"]})
+        return built
+
+
+def _relaid(call: tuple[tuple[Any, ...], dict[str, Any]],
+            layout: list[list[int]]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """A recorded call with each input tensor in ``layout`` (copied where its strides differ)."""
+    import torch
+    from torch.utils._pytree import tree_unflatten
+
+    leaves, spec = _flatten(*call)
+    wanted = iter(layout)
+    for i, x in enumerate(leaves):
+        if isinstance(x, torch.Tensor):
+            want = next(wanted)
+            if not strides_match(x.shape, x.stride(), want):
+                leaves[i] = relayout(x, want)
+    return tree_unflatten(leaves, spec)
 
 
 def _probe(package: Path, probe_cache: Path) -> list[str]:
@@ -313,8 +453,33 @@ class PackageRunner:
             self.shared["owner"] = self
         return self.model(*args, **kwargs)
 
-    def fits(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-        return self.strides is None or _strides(args, kwargs) == self.strides
+    def adapt(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """The call's inputs laid out as the package reads them. A package reads each input with the
+        strides it was built for, so an input whose strides differ where it matters is copied into
+        exactly those strides (``.contiguous()`` would not do: it keeps a size-1 dimension's stride
+        and cannot make a strided layout). The inputs themselves when nothing differs (the usual case)."""
+        if self.strides is None:
+            return args, kwargs
+        import torch
+        from torch.utils._pytree import tree_unflatten
+
+        leaves, spec = _flatten(args, kwargs)
+        positions = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+        if len(positions) != len(self.strides):
+            raise PackageMismatch(f"{self.component}: called with {len(positions)} tensors, its AOT package was "
+                                  f"built for {len(self.strides)}; rebuild the recipe")
+        changed = False
+        for i, want in zip(positions, self.strides, strict=True):
+            t = leaves[i]
+            if strides_match(t.shape, t.stride(), want):
+                continue
+            if t.dim() != len(want) or not copyable(t.shape, want):
+                raise PackageMismatch(f"{self.component}: an input of shape {list(t.shape)} has strides "
+                                      f"{list(t.stride())}; its AOT package was built for {want}, which no copy "
+                                      f"can make; rebuild the recipe")
+            leaves[i] = relayout(t, want)
+            changed = True
+        return tree_unflatten(leaves, spec) if changed else (args, kwargs)
 
 
 def load_packages(module: Any, component: str, packages: list[tuple[dict[str, Any], Path]],
@@ -352,27 +517,11 @@ def load_packages(module: Any, component: str, packages: list[tuple[dict[str, An
 
 def _stride_guard(runner: PackageRunner) -> Callable[..., Any]:
     def run(*args: Any, **kwargs: Any) -> Any:
-        if not runner.fits(args, kwargs):
-            # A package reads its inputs with the strides it was built for; copy to those.
-            args, kwargs = _contiguous(args), _contiguous(kwargs)
-            if not runner.fits(args, kwargs):
-                raise PackageMismatch(f"{runner.component}: input strides differ from the AOT package's")
+        args, kwargs = runner.adapt(args, kwargs)
         return runner(*args, **kwargs)
 
     run.runner = runner  # type: ignore[attr-defined]
     return run
-
-
-def _contiguous(value: Any) -> Any:
-    import torch
-
-    if isinstance(value, torch.Tensor):
-        return value.contiguous()
-    if isinstance(value, (list, tuple)):
-        return type(value)(_contiguous(v) for v in value)
-    if isinstance(value, dict):
-        return {k: _contiguous(v) for k, v in value.items()}
-    return value
 
 
 if __name__ == "__main__":  # the load probe: python -m aotbuild.targets.aoti PACKAGE

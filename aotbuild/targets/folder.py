@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from aotbuild.blocks import blocks_setting, compile_regional
 from aotbuild.errors import StoreError
 from aotbuild.layout import safe_relpath
 from aotbuild.targets.base import Availability, InstallResult, Target
@@ -94,7 +95,12 @@ class FolderCacheTarget(Target):
                                          f"(allowed: {self.name}, {self.name}:N, cpu)")
 
     def validate(self, recipe: Recipe) -> None:
+        from aotbuild.recipe import thaw
+        from aotbuild.targets import options
+
         super().validate(recipe)
+        for key, value in thaw(recipe.compile.options).items():  # no declared types: plain numbers and flags
+            options.check(recipe, key, value)
         if recipe.compile.mode != "default":
             raise recipe.error("compile.mode", f"target {self.name} supports only mode: default "
                                                f"(got {recipe.compile.mode!r})")
@@ -103,8 +109,9 @@ class FolderCacheTarget(Target):
         from aotbuild.recipe import thaw
 
         spec = recipe.compile
-        return {"backend": self.name, "scope": spec.scope, "mode": spec.mode, "fullgraph": spec.fullgraph,
-                "dynamic": spec.dynamic, "options": dict(sorted(thaw(spec.options).items()))}
+        return {"backend": self.name, "scope": spec.scope, **blocks_setting(recipe), "mode": spec.mode,
+                "fullgraph": spec.fullgraph, "dynamic": spec.dynamic,
+                "options": dict(sorted(thaw(spec.options).items()))}
 
     def compile(self, module: torch.nn.Module, recipe: Recipe, device: str) -> Callable[..., Any]:
         import torch
@@ -117,7 +124,7 @@ class FolderCacheTarget(Target):
         kwargs = {"backend": self.name, "fullgraph": settings["fullgraph"], "dynamic": False,
                   "options": settings["options"] or None}
         if settings["scope"] == "regional":
-            module.compile_repeated_blocks(**kwargs)
+            compile_regional(module, recipe, kwargs)
             return module.forward
         return torch.compile(module.forward, **kwargs)
 

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from aotbuild import constants
+from aotbuild.blocks import blocks_setting, compile_regional
 from aotbuild.layout import safe_relpath
 from aotbuild.targets.base import Availability, InstallResult, Target
 
@@ -88,8 +89,8 @@ class InductorTarget(Target):
             # 16-core server. Measured cost: see docs/cache.md (Threads) and benchmarks/cold_vs_warm.py.
             options.setdefault("cpp.dynamic_threads", True)
         settings = {
-            "backend": "inductor", "scope": spec.scope, "mode": spec.mode, "fullgraph": spec.fullgraph,
-            "dynamic": spec.dynamic, "options": dict(sorted(options.items())),
+            "backend": "inductor", "scope": spec.scope, **blocks_setting(recipe), "mode": spec.mode,
+            "fullgraph": spec.fullgraph, "dynamic": spec.dynamic, "options": dict(sorted(options.items())),
         }
         if _parse_device(device)[0] == "cpu" and not options.get("cpp.dynamic_threads"):
             # Kernels then bake in the thread count: it must be a key factor.
@@ -132,7 +133,7 @@ class InductorTarget(Target):
         kwargs = {"backend": "inductor", "fullgraph": settings["fullgraph"], "dynamic": settings["dynamic"],
                   "options": options or None}
         if settings["scope"] == "regional":
-            module.compile_repeated_blocks(**kwargs)
+            compile_regional(module, recipe, kwargs)
             return module.forward
         return torch.compile(module.forward, **kwargs)
 
@@ -235,11 +236,10 @@ __all__ = ["InductorTarget", "active_cache_dir"]
 def _check_options(recipe: Recipe) -> None:
     """The checks torch.compile makes on ``options`` (torch/__init__.py ``apply_options``), made when
     the recipe is read: a typo is one line at ``plan`` time, not a failed job with a 20 kB message."""
-    from typing import get_origin
-
     from torch._inductor import config
 
     from aotbuild.recipe import _suggest, thaw
+    from aotbuild.targets import options
 
     current = config.get_config_copy()
     for key, value in thaw(recipe.compile.options).items():
@@ -247,9 +247,4 @@ def _check_options(recipe: Recipe) -> None:
         if name not in current:
             raise recipe.error(f"compile.options.{key}", f"not an Inductor option{_suggest(name, list(current))} "
                                                          "(torch._inductor.list_options() lists them)")
-        kind = config.get_type(name)  # type: ignore[attr-defined]
-        if get_origin(kind) is None and isinstance(kind, type) and not isinstance(value, kind):
-            takes = "has no declared type, and torch.compile refuses it" if kind is type(None) \
-                else f"takes a {kind.__name__}"
-            raise recipe.error(f"compile.options.{key}", f"{value!r} is a {type(value).__name__}; this option "
-                                                         f"{takes}")
+        options.check(recipe, key, value, config.get_type(name))  # type: ignore[attr-defined]

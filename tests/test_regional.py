@@ -1,0 +1,368 @@
+"""scope: regional without compiling: input layouts and the stride guard, the block recorder."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+import torch
+from torch import nn
+
+from aotbuild.errors import PackageMismatch
+from aotbuild.targets import aoti
+
+
+def test_strides_match_ignores_size_one_dims_and_empty_tensors():
+    full = torch.zeros(1, 24, 32)
+    tail = full[:, 8:]  # what a Flux single-stream block passes on: its output's image half
+    assert tail.stride() == (768, 32, 1) and tail.is_contiguous()  # PyTorch ignores the size-1 dim too
+    assert tail.contiguous() is tail  # so .contiguous() cannot give it a fresh tensor's (512, 32, 1)
+    assert aoti.strides_match(tail.shape, tail.stride(), [512, 32, 1])
+    batch2 = torch.zeros(2, 24, 32)[:, 8:]
+    assert not aoti.strides_match(batch2.shape, batch2.stride(), [512, 32, 1])
+    assert aoti.strides_match((0, 16), (1, 0), [16, 1])  # nothing is read from an empty tensor
+    assert aoti.strides_match((3, 0, 4), (99, 7, 5), [0, 4, 1])
+    assert not aoti.strides_match((4, 4), (4, 1), [1, 4])
+    assert not aoti.strides_match((4, 4), (4, 1), [16, 4, 1])  # another rank never matches
+
+
+@pytest.mark.parametrize("shape,strides,ok", [
+    ((2, 16, 32), (512, 32, 1), True),  # contiguous
+    ((2, 16, 32), (768, 32, 1), True),  # a slice along dim 1
+    ((4, 3), (1, 4), True),  # transposed
+    ((1, 16), (0, 1), True),  # stride 0 on a size-1 dim is harmless
+    ((4, 16), (0, 1), False),  # expanded: four rows share one
+    ((4, 4), (2, 1), False),  # overlapping windows
+    ((4, 4), (4, 4), False),  # two dims on one stride
+    ((0, 4), (0, 0), True),  # empty
+    ((2, 3), (1,), False),  # rank mismatch
+])
+def test_copyable_layouts(shape, strides, ok):
+    assert aoti.copyable(shape, strides) is ok
+
+
+def test_relayout_gives_exactly_the_strides_asked_for():
+    t = torch.arange(16 * 32, dtype=torch.float32).reshape(1, 16, 32)
+    out = aoti.relayout(t, [768, 32, 1])
+    assert out.stride() == (768, 32, 1) and torch.equal(out, t)
+    out = aoti.relayout(torch.arange(6.0).reshape(2, 3), [1, 2])  # column-major
+    assert out.stride() == (1, 2) and torch.equal(out, torch.arange(6.0).reshape(2, 3))
+
+
+def test_snapshot_keeps_a_strided_input_and_densifies_an_expanded_one():
+    sliced = torch.randn(2, 24, 32)[:, 8:]
+    expanded = torch.randn(1, 8).expand(4, 8)
+    (a, b), _ = aoti.snapshot((sliced, expanded), {})
+    assert a.stride() == sliced.stride() and torch.equal(a, sliced)
+    assert b.stride() == (8, 1) and torch.equal(b, expanded)
+
+
+class _FakeModel:
+    """What ``aoti_load_package`` returns, as far as the runner uses it; records what it was given."""
+
+    def __init__(self):
+        self.seen = []
+
+    def load_constants(self, tensors, check_full_update, user_managed):
+        pass
+
+    def __call__(self, *args, **kwargs):
+        self.seen.append((args, kwargs))
+        return kwargs["hidden_states"]
+
+
+def _guard(strides):
+    model = _FakeModel()
+    package = {"constants": {}, "strides": strides}
+    return aoti._stride_guard(aoti.PackageRunner(model, nn.Module(), "transformer.single_transformer_blocks.1",
+                                                 package, "cpu")), model
+
+
+def test_guard_passes_a_batch_one_slice_as_it_is():
+    """The issue-12 bug: at batch 1 a slice differs from a fresh tensor only in the size-1 dim."""
+    run, model = _guard([[256, 32, 1], [512, 32, 1]])
+    out = torch.randn(1, 24, 32)
+    encoder, hidden = out[:, :8], out[:, 8:]
+    run(hidden_states=hidden, encoder_hidden_states=encoder)  # kwargs are compared in name order
+    (_, kwargs), = model.seen
+    assert kwargs["hidden_states"] is hidden and kwargs["encoder_hidden_states"] is encoder
+
+
+def test_guard_copies_into_the_package_strides_where_they_matter():
+    run, model = _guard([[256, 32, 1], [768, 32, 1]])  # built for slices at batch 2
+    encoder, hidden = torch.randn(2, 8, 32), torch.randn(2, 16, 32)  # called with fresh tensors
+    run(hidden_states=hidden, encoder_hidden_states=encoder)
+    (_, kwargs), = model.seen
+    assert kwargs["encoder_hidden_states"] is encoder
+    assert kwargs["hidden_states"].stride() == (768, 32, 1) and torch.equal(kwargs["hidden_states"], hidden)
+
+
+def test_guard_refuses_a_layout_no_copy_can_make():
+    run, _ = _guard([[0, 1]])  # a package built for an expanded input (aotbuild never builds one)
+    with pytest.raises(PackageMismatch, match=r"built for \[0, 1\], which no copy can make"):
+        run(hidden_states=torch.randn(4, 8))
+    run, _ = _guard([[8, 1], [8, 1]])
+    with pytest.raises(PackageMismatch, match="called with 1 tensors, its AOT package was built for 2"):
+        run(hidden_states=torch.randn(4, 8))
+
+
+class ToyBlock(nn.Module):
+    """Returns slices of one output, as Flux's single-stream blocks do."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, hidden_states, encoder_hidden_states, scale=1.0):
+        text = encoder_hidden_states.shape[1]
+        x = self.proj(torch.cat([encoder_hidden_states, hidden_states], dim=1)) * scale
+        return x[:, :text], x[:, text:]
+
+
+class Toy(nn.Module):
+    _repeated_blocks = ["ToyBlock"]
+
+    def __init__(self, n: int = 3):
+        super().__init__()
+        self.blocks = nn.ModuleList(ToyBlock() for _ in range(n))
+
+    def forward(self, hidden_states, encoder_hidden_states, scales=None):
+        for block, scale in zip(self.blocks, scales or [1.0] * len(self.blocks), strict=True):
+            encoder_hidden_states, hidden_states = block(hidden_states=hidden_states,
+                                                         encoder_hidden_states=encoder_hidden_states, scale=scale)
+        return hidden_states
+
+
+def test_recorder_keeps_every_instance_call_and_one_snapshot_per_group():
+    toy = Toy(3)
+    recorder = aoti.BlockRecorder(toy, "transformer")
+    with torch.no_grad():
+        toy(torch.randn(2, 5, 8), torch.randn(2, 3, 8))
+    (key, packages), = recorder.groups.items()
+    assert len(packages) == 1 and packages[0]["instances"] == ["blocks.0", "blocks.1", "blocks.2"]
+    sig = key[1]
+    strides = {name: calls[sig]["strides"] for name, calls in recorder.calls.items()}
+    # kwargs in name order: encoder_hidden_states, hidden_states; blocks 1 and 2 get slices of (2, 8, 8)
+    assert strides == {"blocks.0": [[24, 8, 1], [40, 8, 1]], "blocks.1": [[64, 8, 1], [64, 8, 1]],
+                       "blocks.2": [[64, 8, 1], [64, 8, 1]]}
+    # The package is exported for what most instances receive: only blocks.0 will copy its inputs.
+    recorder.plan_layouts()
+    assert packages[0]["layout"] == [[64, 8, 1], [64, 8, 1]]
+    assert {name: calls[sig]["copies"] for name, calls in recorder.calls.items()} == {
+        "blocks.0": True, "blocks.1": False, "blocks.2": False}
+    args, kwargs = aoti._relaid(packages[0]["call"], packages[0]["layout"])
+    assert kwargs["hidden_states"].stride() == (64, 8, 1) and kwargs["encoder_hidden_states"].stride() == (64, 8, 1)
+    assert torch.equal(kwargs["hidden_states"], packages[0]["call"][1]["hidden_states"])
+
+
+def test_recorder_gives_an_instance_with_other_float_arguments_its_own_package():
+    """torch.export bakes a float argument into the package: no guard could fix another value."""
+    toy = Toy(3)
+    recorder = aoti.BlockRecorder(toy, "transformer")
+    with torch.no_grad():
+        toy(torch.randn(1, 5, 8), torch.randn(1, 3, 8), scales=[1.0, 1.0, 0.5])
+    (_, packages), = recorder.groups.items()
+    assert [p["instances"] for p in packages] == [["blocks.0", "blocks.1"], ["blocks.2"]]
+    assert [p["floats"] for p in packages] == [[1.0], [0.5]]
+    assert recorder.calls["blocks.2"][next(iter(recorder.calls["blocks.2"]))]["package"] == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# compile.blocks: regional scope for models without _repeated_blocks
+# ---------------------------------------------------------------------------------------------
+
+def _recipe(**compile_section):
+    from aotbuild.recipe import parse_recipe
+
+    return parse_recipe({"model": "builtin:tiny-sd", "device": "cpu", "shapes": [{"height": 64, "width": 64}],
+                         "compile": {"components": ["transformer"], **compile_section}}, "r.yaml")
+
+
+@pytest.mark.parametrize("section,expected", [
+    ({"blocks": ["JointTransformerBlock"]}, "compile.blocks: names the blocks that scope: regional compiles: set "
+                                            "compile.scope: regional"),
+    ({"scope": "regional", "blocks": ["JointTransformerBlock x3"]}, "'JointTransformerBlock x3' is not a class name"),
+    ({"scope": "regional", "blocks": []}, "compile.blocks: expected a non-empty list of names"),
+    ({"scope": "regional", "blocks": ["A", "A"]}, "compile.blocks: lists a name twice"),
+])
+def test_blocks_recipe_errors(section, expected):
+    from aotbuild.errors import RecipeError
+
+    with pytest.raises(RecipeError) as info:
+        _recipe(**section)
+    assert expected in str(info.value)
+
+
+def test_blocks_are_a_key_factor_and_absent_ones_change_no_key():
+    from aotbuild.recipe import recipe_to_dict
+    from aotbuild.targets import get_target
+
+    plain, named = _recipe(scope="regional"), _recipe(scope="regional", blocks="JointTransformerBlock")
+    assert named.compile.blocks == ("JointTransformerBlock",) and plain.compile.blocks is None
+    for target in ("inductor", "neuron", "tpu"):
+        settings = get_target(target).compile_settings
+        assert "blocks" not in settings(plain, "cpu")  # recipes without compile.blocks keep their keys
+        assert settings(named, "cpu")["blocks"] == ["JointTransformerBlock"]
+    both = _recipe(scope="regional", blocks=["FluxTransformerBlock", "FluxSingleTransformerBlock"])
+    reordered = _recipe(scope="regional", blocks=["FluxSingleTransformerBlock", "FluxTransformerBlock"])
+    inductor = get_target("inductor")
+    assert inductor.compile_settings(both, "cpu") == inductor.compile_settings(reordered, "cpu")
+    assert "blocks" not in recipe_to_dict(plain)["compile"]
+    assert recipe_to_dict(named)["compile"]["blocks"] == ["JointTransformerBlock"]
+
+
+@pytest.fixture(scope="module")
+def sd3_transformer():
+    from tests.tiny_pipelines import sd3_transformer as make
+
+    return make(num_layers=3)
+
+
+def test_unknown_block_class_lists_the_classes_that_repeat(sd3_transformer):
+    from aotbuild.blocks import select_blocks
+    from aotbuild.errors import RecipeError
+
+    recipe = _recipe(scope="regional", blocks=["JointTransformerBloc"])
+    with pytest.raises(RecipeError) as info:
+        select_blocks(sd3_transformer, recipe.compile.blocks, recipe)
+    text = str(info.value)
+    assert text.startswith("r.yaml: compile.blocks: SD3Transformer2DModel has no block class 'JointTransformerBloc'; "
+                           "did you mean 'JointTransformerBlock'? (its classes that repeat: JointTransformerBlock x3, ")
+    assert "Linear" not in text  # torch's own layers are not blocks
+    nested = _recipe(scope="regional", blocks=["JointTransformerBlock", "FeedForward"])
+    with pytest.raises(RecipeError, match=r"FeedForward \(transformer_blocks.0.ff\) is inside JointTransformerBlock "
+                                          r"\(transformer_blocks.0\): name only one of them"):
+        select_blocks(sd3_transformer, nested.compile.blocks, nested)
+    with pytest.raises(RecipeError, match="SD3Transformer2DModel declares no _repeated_blocks: name them in "
+                                          "compile.blocks .its classes that repeat: JointTransformerBlock x3"):
+        select_blocks(sd3_transformer, None, _recipe(scope="regional"))
+    found = select_blocks(sd3_transformer, ("JointTransformerBlock",))
+    assert [name for name, _ in found] == [f"transformer_blocks.{i}" for i in range(3)]
+    assert [b.context_pre_only for _, b in found] == [False, False, True]  # the last one differs
+
+
+def test_jit_cache_regional_compiles_each_named_block(sd3_transformer):
+    """compile_repeated_blocks' way for the recipe's classes: block.compile() on every instance (lazy:
+    nothing is compiled until a call)."""
+    import copy
+
+    from aotbuild.targets import get_target
+
+    module = copy.deepcopy(sd3_transformer)
+    recipe = _recipe(scope="regional", blocks=["JointTransformerBlock"])
+    get_target("inductor").compile(module, recipe, "cpu")
+    compiled = sorted(n for n, m in module.named_modules() if getattr(m, "_compiled_call_impl", None) is not None)
+    assert compiled == [f"transformer_blocks.{i}" for i in range(3)]
+
+
+@pytest.fixture(scope="session")
+def tiny_sd3_dir(tmp_path_factory):
+    from tests.tiny_pipelines import make_tiny_sd3
+
+    return make_tiny_sd3(tmp_path_factory.mktemp("sd3") / "tiny-sd3")
+
+
+def test_plan_checks_block_names_without_loading_weights(tiny_sd3_dir, tmp_path, monkeypatch):
+    from aotbuild import models
+    from aotbuild.errors import RecipeError
+    from aotbuild.planner import plan
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("plan loaded the pipeline")
+
+    monkeypatch.setattr(models, "load_pipeline", no_loading)
+    base = (f"model: {{id: {tiny_sd3_dir}}}\ndevice: cpu\nshapes: [{{height: 64, width: 64}}]\n"
+            "compile: {components: [transformer], scope: regional")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(base + ", blocks: [JointBlock]}\n")
+    with pytest.raises(RecipeError, match=r"bad.yaml: compile.blocks: transformer: SD3Transformer2DModel has no "
+                                          r"block class 'JointBlock'; did you mean 'JointTransformerBlock'\? \(its "
+                                          r"classes that repeat: JointTransformerBlock x3, "):
+        plan([str(bad)], tmp_path / "cache")
+    missing = tmp_path / "missing.yaml"
+    missing.write_text(base + "}\n")
+    with pytest.raises(RecipeError, match=r"compile.scope: regional scope needs a component with _repeated_blocks; "
+                                          r"transformer \(SD3Transformer2DModel\) has none: name its block classes in "
+                                          r"compile.blocks \(its classes that repeat: JointTransformerBlock x3"):
+        plan([str(missing)], tmp_path / "cache")
+    good = tmp_path / "good.yaml"
+    good.write_text(base + ", blocks: [JointTransformerBlock]}\n")
+    job, = plan([str(good)], tmp_path / "cache")
+    assert job.status == "miss" and job.factors["compile"]["blocks"] == ["JointTransformerBlock"]
+
+
+# ---------------------------------------------------------------------------------------------
+# For real: build with the CLI, load in a fresh process elsewhere (slow: minutes on 2 cores)
+# ---------------------------------------------------------------------------------------------
+
+def _build_and_load_fresh(tmp_path, make, recipe_text: str) -> tuple[dict, dict]:
+    """The pipeline ``make`` saves next to the recipe (model.id is relative to it), built by
+    ``aotbuild build`` into a fresh cache, then loaded in a fresh process in another folder with
+    an empty Inductor cache: (the entry's manifest, what tests/test_aot.py's FRESH measured)."""
+    import json
+
+    from tests.conftest import run_cli
+    from tests.test_aot import run_fresh
+
+    recipes = tmp_path / "recipes"
+    make(recipes / "tiny")
+    recipe = recipes / "regional.yaml"
+    recipe.write_text(recipe_text)
+    cache = tmp_path / "cache"
+    proc = run_cli("build", "--json", "--cache", str(cache), str(recipe),
+                   env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "build-inductor")})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    key = json.loads(proc.stdout)["jobs"][0]["key"]
+    manifest = json.loads(run_cli("show", "--json", "--cache", str(cache), key[:12]).stdout)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    return manifest, run_fresh(recipe, cache, tmp_path, component="transformer", cwd=elsewhere)
+
+
+@pytest.mark.slow
+def test_flux_regional_packages_serve_every_block(tmp_path):
+    """Issue 12: single-stream blocks after the first get slices; every one must run its package."""
+    from tests.tiny_pipelines import make_tiny_flux
+
+    manifest, result = _build_and_load_fresh(tmp_path, make_tiny_flux, textwrap.dedent("""
+        model: {id: ./tiny, dtype: float32}
+        target: inductor
+        device: cpu
+        strategy: aot-package
+        compile: {components: [transformer], scope: regional}
+        shapes: [{height: 64, width: 64}]
+        warmup: {num_inference_steps: 2, max_sequence_length: 8}
+    """))
+    served = {p["block_class"]: p["instances"] for p in manifest["packages"]}
+    assert served == {"FluxTransformerBlock": ["transformer_blocks.0", "transformer_blocks.1"],
+                      "FluxSingleTransformerBlock": ["single_transformer_blocks.0", "single_transformer_blocks.1"]}
+    assert result["unique_graphs"] == 0  # no Dynamo, no compile
+    assert set(result["calls"]) == {b for instances in served.values() for b in instances}
+    assert all(c["built"] == 2 for c in result["calls"].values())  # every block, both steps, by its package
+    assert result["max_diff"] <= 1e-5
+    assert "transformer_blocks.0 was called with" in result["strict"]
+
+
+@pytest.mark.slow
+def test_sd3_regional_with_named_blocks(tmp_path):
+    """SD3 lists no _repeated_blocks: compile.blocks names them. Its last block is context_pre_only,
+    a group of one, which gets a package of its own."""
+    from tests.tiny_pipelines import make_tiny_sd3
+
+    manifest, result = _build_and_load_fresh(tmp_path, make_tiny_sd3, textwrap.dedent("""
+        model: {id: ./tiny, dtype: float32}
+        target: inductor
+        device: cpu
+        strategy: aot-package
+        compile: {components: [transformer], scope: regional, blocks: [JointTransformerBlock]}
+        shapes: [{height: 64, width: 64}]
+        warmup: {num_inference_steps: 2, guidance_scale: 0.0, max_sequence_length: 8}
+    """))
+    assert manifest["factors"]["compile"]["blocks"] == ["JointTransformerBlock"]
+    assert sorted(p["instances"] for p in manifest["packages"]) == [
+        ["transformer_blocks.0", "transformer_blocks.1"], ["transformer_blocks.2"]]
+    assert result["unique_graphs"] == 0
+    assert set(result["calls"]) == {f"transformer_blocks.{i}" for i in range(3)}
+    assert all(c["built"] == 2 for c in result["calls"].values())
+    assert result["max_diff"] <= 1e-5
+    assert "transformer_blocks.0 was called with" in result["strict"]
