@@ -32,6 +32,7 @@ _LAZY = {
     "plan": "aotbuild.planner",
     "load_recipe": "aotbuild.recipe",
     "Recipe": "aotbuild.recipe",
+    "parse_recipe": "aotbuild.recipe",
     "push": "aotbuild.sync",
     "pull": "aotbuild.sync",
     "parse_remote": "aotbuild.remote",
@@ -40,12 +41,12 @@ _LAZY = {
 __all__ = ["AotbuildError", "CacheMiss", "DeviceError", "ModelUnavailable", "PackageMismatch",
            "RecipeError", "RemoteError", "ShapeNotBuilt", "StoreError",
            "TargetUnavailable", "UsageError", "__version__", "load_compiled", "LoadReport", "build", "plan",
-           "load_recipe", "Recipe", "push", "pull", "parse_remote"]
+           "load_recipe", "parse_recipe", "Recipe", "push", "pull", "parse_remote"]
 
 if TYPE_CHECKING:
     from aotbuild.builder import build
     from aotbuild.planner import plan
-    from aotbuild.recipe import Recipe, load_recipe
+    from aotbuild.recipe import Recipe, load_recipe, parse_recipe
     from aotbuild.remote import parse_remote
     from aotbuild.runtime import LoadReport, load_compiled
     from aotbuild.sync import pull, push

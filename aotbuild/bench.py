@@ -61,13 +61,19 @@ class BenchReport:
     components: list[str]
     shape: str
     machine: dict[str, Any]
-    repeats: int
+    repeats: int  # fresh processes for eager and warm
     calls: int
     runs: dict[str, list[Run]] = field(default_factory=dict)
+    cold_repeats: int = 1  # fresh processes for cold (each pays a full compile)
+    load_average: float | None = None  # the 1-minute load average when measuring began
     built: list[dict[str, Any]] = field(default_factory=list)  # jobs built before measuring
 
     def median(self, mode: str, attr: str) -> float:
         return statistics.median(getattr(r, attr) for r in self.runs[mode])
+
+    def spread(self, mode: str, attr: str) -> dict[str, float]:
+        values = [getattr(r, attr) for r in self.runs[mode]]
+        return {"min": min(values), "median": statistics.median(values), "max": max(values)}
 
     def ratios(self) -> list[tuple[str, float, str]]:
         """(label, value, what it means) for every pair of modes measured."""
@@ -88,6 +94,7 @@ class BenchReport:
     def as_json(self) -> dict[str, Any]:
         data = asdict(self)
         data["medians"] = {m: {a: self.median(m, a) for a in ("first", "steady", "rss_mb")} for m in self.runs}
+        data["spread"] = {m: {a: self.spread(m, a) for a in ("first", "steady")} for m in self.runs}
         data["ratios"] = {label: value for label, value, _ in self.ratios()}
         return data
 
@@ -96,14 +103,17 @@ class BenchReport:
         lines = [f"{self.recipe} ({self.model}): {', '.join(self.components)} at {self.shape}; {self.target} on "
                  f"{m.get('device', '?')}, {self.strategy}" + (f", scope {self.scope}" if self.scope != "full" else ""),
                  f"machine: {machine_text(m)}",
-                 f"median of {self.repeats} fresh process(es) per mode; steady = median of {self.calls} call(s) "
-                 "after the first", ""]
-        header = ["mode", "load -> first output", "steady call", "peak RSS", "Dynamo graphs", "Inductor FX cache"]
+                 f"{self._processes_text()}; times are min / median / max over the processes; steady = "
+                 f"median of {self.calls} call(s) after the first", ""]
+        header = ["mode", "runs", "load -> first output", "steady call", "peak RSS", "Dynamo graphs",
+                  "Inductor FX cache"]
         rows = []
         for mode, runs in self.runs.items():
             cache = "-" if mode == "eager" else f"{runs[0].cache_hits} hit, {runs[0].cache_misses} miss"
-            rows.append([LABELS[mode], f"{self.median(mode, 'first'):.2f} s",
-                         f"{self.median(mode, 'steady') * 1000:.1f} ms", f"{self.median(mode, 'rss_mb'):.0f} MB",
+            first = self.spread(mode, "first")
+            steady = {k: v * 1000 for k, v in self.spread(mode, "steady").items()}
+            rows.append([LABELS[mode], str(len(runs)), _three(first, "{:.2f}", "s"), _three(steady, "{:.1f}", "ms"),
+                         f"{self.median(mode, 'rss_mb'):.0f} MB",
                          "-" if mode == "eager" else str(runs[0].graphs), cache])
         if self.target != "inductor":  # the FX graph cache is Inductor's; other backends keep their own
             header, rows = header[:-1], [r[:-1] for r in rows]
@@ -120,6 +130,34 @@ class BenchReport:
             lines.append("A warm jit-cache load still traces with Dynamo (its graphs above) but compiles no "
                          "kernel (0 miss); strategy: aot-package skips Dynamo too.")
         return "\n".join(lines)
+
+
+    def _processes_text(self) -> str:
+        counts = {mode: len(runs) for mode, runs in self.runs.items()}
+        if len(set(counts.values())) <= 1:
+            return f"{next(iter(counts.values()), self.repeats)} fresh process(es) per mode"
+        return "fresh processes: " + ", ".join(f"{n} {mode}" for mode, n in counts.items())
+
+
+def _three(values: dict[str, float], fmt: str, unit: str) -> str:
+    """``1.20 / 1.31 / 1.45 s`` (min / median / max), or one value for a single run."""
+    if values["min"] == values["max"]:
+        return f"{fmt.format(values['median'])} {unit}"
+    return " / ".join(fmt.format(values[k]) for k in ("min", "median", "max")) + f" {unit}"
+
+
+def load_warning() -> str:
+    """One line when the 1-minute load average is above half the cores (the timings are then
+    unreliable: other processes take the CPU), else ""."""
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):  # not on every platform
+        return ""
+    cores = os.cpu_count() or 1
+    if load <= cores / 2:
+        return ""
+    return (f"warning: the load average is {load:.1f} on {cores} cores: other processes compete for the CPU, "
+            "so these timings may be unreliable (and spread widely); measure on an idle machine")
 
 
 def machine_text(m: dict[str, Any]) -> str:
@@ -155,13 +193,15 @@ def pick_shape(recipe: Any, text: str | None) -> Any:
                      f"{', '.join(map(str, recipe.shapes))}); add it to the recipe's shapes first")
 
 
+#: How to install the plot extra; README.md and docs/ say it in these words (tests/test_bench.py).
+PLOT_INSTALL = "pip install 'aotbuild[plot]' (from a clone: pip install -e '.[plot]')"
+
+
 def require_matplotlib() -> None:
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        raise UsageError("--plot needs matplotlib: pip install 'aotbuild[plot]' (from a clone: pip install -e "
-                         "'.[plot]'; or pip install matplotlib)") \
-            from None
+        raise UsageError(f"--plot needs matplotlib: {PLOT_INSTALL}") from None
 
 
 def plot(report: BenchReport, path: str | Path) -> Path:
@@ -209,22 +249,25 @@ def draw(path: str | Path, title: str, series: list[tuple[str, list[float], list
     return out
 
 
-def bench(recipe_path: str | Path, cache: str | Path | None = None, *, shape: str | None = None,
-          repeats: int = 1, calls: int = 3, modes: tuple[str, ...] = MODES,
-          progress: Callable[[str], None] | None = None, build_progress: Any = None) -> BenchReport:
-    """Measure ``modes`` for one shape of ``recipe_path``, each in ``repeats`` fresh processes.
+def bench(recipe_path: str | Path | Any, cache: str | Path | None = None, *, shape: str | None = None,
+          repeats: int = 3, calls: int = 3, modes: tuple[str, ...] = MODES, cold_repeats: int = 1,
+          progress: Callable[[str], None] | None = None, build_progress: Any = None,
+          warn: Callable[[str], None] | None = None) -> BenchReport:
+    """Measure ``modes`` for one shape of ``recipe_path`` (a path, a dict or a Recipe): eager and
+    warm in ``repeats`` fresh processes each, cold (a full compile each) in ``cold_repeats``.
 
-    ``progress`` gets a line per step; ``build_progress`` is passed to :func:`aotbuild.build`."""
+    ``progress`` gets a line per step; ``build_progress`` is passed to :func:`aotbuild.build`;
+    ``warn`` gets :func:`load_warning`'s line when the machine is busy."""
     from aotbuild.errors import TargetUnavailable
     from aotbuild.layout import resolve_cache_root
     from aotbuild.planner import HIT, UNAVAILABLE, plan
-    from aotbuild.recipe import load_recipe
+    from aotbuild.recipe import as_recipe, build_hint
 
     unknown = [m for m in modes if m not in MODES]
     if unknown or not modes:
         raise UsageError(f"--modes: {', '.join(unknown) or 'none given'}: allowed: {', '.join(MODES)}")
     say = progress or (lambda text: None)
-    recipe = load_recipe(recipe_path)
+    recipe = as_recipe(recipe_path)
     chosen = pick_shape(recipe, shape)
     one = replace(recipe, shapes=(chosen,))
     root = resolve_cache_root(cache)
@@ -233,7 +276,8 @@ def bench(recipe_path: str | Path, cache: str | Path | None = None, *, shape: st
     if blocked:
         raise TargetUnavailable(f"cannot bench {recipe.source}: {blocked[0].reason}")
     report = BenchReport(recipe.name, recipe.source, recipe.model.id, recipe.target, recipe.strategy,
-                         recipe.compile.scope, list(recipe.compile.components), str(chosen), {}, repeats, calls)
+                         recipe.compile.scope, list(recipe.compile.components), str(chosen), {}, repeats, calls,
+                         cold_repeats=cold_repeats)
     if "warm" in modes:  # build also re-hashes what plan counted as hits (plan checks sizes only)
         from aotbuild.builder import CACHED, build
 
@@ -246,13 +290,22 @@ def bench(recipe_path: str | Path, cache: str | Path | None = None, *, shape: st
         if built.failed:
             r = built.failed[0]
             raise AotbuildError(f"cannot bench: building {r.job.label} failed: {r.reason}; run "
-                                f"`aotbuild build {recipe.source}` to see the whole log")
+                                f"{build_hint(recipe)} to see the whole log")
     index = list(recipe.shapes).index(chosen)
+    counts = {mode: cold_repeats if mode == "cold" else repeats for mode in modes}
+    rounds = max(counts.values())
+    warning = load_warning()
+    if warning and warn:
+        warn(warning)
+    if hasattr(os, "getloadavg"):
+        report.load_average = round(os.getloadavg()[0], 2)
     work = Path(tempfile.mkdtemp(prefix="aotbuild-bench."))
     try:
-        for i in range(repeats):
+        for i in range(rounds):  # interleaved: a slow spell of the machine hits every mode alike
             for mode in modes:
-                say(f"round {i + 1}/{repeats}: {LABELS[mode]} in a fresh process ...")
+                if i >= counts[mode]:
+                    continue
+                say(f"round {i + 1}/{rounds}: {LABELS[mode]} in a fresh process ...")
                 run, machine = _run_child(mode, recipe, index, root, calls, work / f"{mode}-{i}")
                 report.runs.setdefault(mode, []).append(run)
                 report.machine = report.machine or machine
@@ -263,9 +316,12 @@ def bench(recipe_path: str | Path, cache: str | Path | None = None, *, shape: st
 
 
 def _run_child(mode: str, recipe: Any, index: int, root: Path, calls: int, workdir: Path) -> tuple[Run, dict]:
+    from aotbuild.recipe import recipe_spec
     from aotbuild.targets import get_target
 
     workdir.mkdir(parents=True)
+    spec = workdir / "recipe.json"  # the recipe's data: the child never re-reads the recipe file
+    spec.write_text(json.dumps(recipe_spec(recipe)))
     env = dict(os.environ)
     for name, value in get_target(recipe.target).capture_env(workdir).items():  # empty compiler caches
         if value is None:
@@ -273,7 +329,7 @@ def _run_child(mode: str, recipe: Any, index: int, root: Path, calls: int, workd
         else:
             env[name] = value
     start = time.time()
-    proc = subprocess.run([sys.executable, "-m", "aotbuild.bench", "--child", mode, recipe.source, str(index),
+    proc = subprocess.run([sys.executable, "-m", "aotbuild.bench", "--child", mode, str(spec), str(index),
                            str(root), str(calls), repr(start)], env=env, capture_output=True, text=True,
                           errors="replace")
     line = next((x for x in proc.stdout.splitlines() if x.startswith(RESULT)), None)
@@ -285,12 +341,12 @@ def _run_child(mode: str, recipe: Any, index: int, root: Path, calls: int, workd
     raise AotbuildError(f"bench: the {LABELS[mode]} process failed (exit {proc.returncode}): {why}")
 
 
-def child(mode: str, source: str, index: int, cache: str, calls: int, start: float) -> dict[str, Any]:
+def child(mode: str, spec: str, index: int, cache: str, calls: int, start: float) -> dict[str, Any]:
     """The measured process: load, (compile), first call, ``calls`` steady calls."""
     from aotbuild import models
-    from aotbuild.recipe import load_recipe
+    from aotbuild.recipe import recipe_from_spec
 
-    recipe = load_recipe(source)
+    recipe = recipe_from_spec(json.loads(Path(spec).read_text()))
     shape = recipe.shapes[index]
     recipe = replace(recipe, shapes=(shape,))
     from aotbuild.planner import Context
@@ -302,6 +358,7 @@ def child(mode: str, source: str, index: int, cache: str, calls: int, start: flo
         from aotbuild.runtime import load_compiled
 
         pipe = load_compiled(recipe, cache=cache, on_miss="error")
+        pipe.set_progress_bar_config(disable=True)  # as the other modes: timings, not bars
     else:
         assert ctx.model is not None
         pipe = models.load_pipeline(recipe, ctx.model, ctx.dtype, quiet=True)
@@ -348,9 +405,9 @@ def _cpu_model() -> str:
 
 
 def _child_main(argv: list[str]) -> int:
-    mode, source, index, cache, calls, start = argv
+    mode, spec, index, cache, calls, start = argv
     try:
-        result = child(mode, source, int(index), cache, int(calls), float(start))
+        result = child(mode, spec, int(index), cache, int(calls), float(start))
     except AotbuildError as exc:  # the whole message (a CacheMiss spans lines) goes back to the parent
         print(RESULT + json.dumps({"error": " ".join(str(exc).split())}), flush=True)
         return 1

@@ -22,12 +22,13 @@ from typing import TYPE_CHECKING, Any
 
 from aotbuild import __version__, constants
 from aotbuild.errors import StoreError
+from aotbuild.journal import entry_writer
 from aotbuild.layout import format_size, resolve_cache_root, resolve_max_size
 from aotbuild.locks import flocked, store_lock
 from aotbuild.manifest import FileRecord, Manifest, Proof
-from aotbuild.planner import HIT, MISS, UNAVAILABLE, Job, plan, shard_jobs
+from aotbuild.planner import HIT, MISS, UNAVAILABLE, Job, Recipes, plan, shard_jobs
 from aotbuild.proof import ProofFailed
-from aotbuild.recipe import Recipe, recipe_to_dict
+from aotbuild.recipe import recipe_spec, recipe_to_dict
 from aotbuild.store import Store
 from aotbuild.targets import get_target
 
@@ -78,10 +79,13 @@ class BuildReport:
 Progress = Callable[[str, int, int, Job, "JobResult | None"], None]
 
 
-def build(recipes: list[str] | list[Recipe], cache: str | Path | None = None, *,
+def build(recipes: Recipes, cache: str | Path | None = None, *,
           progress: Progress | None = None, shard: tuple[int, int] | None = None,
           remote: Remote | None = None, max_size: int | None = None) -> BuildReport:
     """Build every missing job of ``recipes``; jobs already cached (and intact) are left alone.
+
+    ``recipes``: recipe files or folders, recipe data as dicts, Recipe objects, or a list of them
+    (as :func:`aotbuild.plan`).
 
     ``shard=(I, N)`` builds only shard I of N of the full job list (planner.shard). With ``remote``,
     a job the remote already holds is not built ("on remote"): pushing it again would send nothing.
@@ -183,7 +187,7 @@ def _build_one(store: Store, job: Job, tick: Callable[[float, str], None] | None
     try:
         # Held while the job runs: `aotbuild verify` leaves a staging folder alone while it is locked.
         with flocked(staging / ".lock", exclusive=True, timeout=0):
-            spec = {"recipe": str(Path(job.recipe.source).absolute()), "component": job.component,
+            spec = {"recipe": recipe_spec(job.recipe), "component": job.component,
                     "shape": job.shape.as_dict(), "cache_root": str(store.root), "key": job.key,
                     "factors": job.factors, "result": str(staging / "result.json")}
             (staging / "job.json").write_text(json.dumps(spec))
@@ -258,7 +262,7 @@ def _prove(job: Job, files: list[tuple[str, Path]], result: dict[str, Any], seco
     trial = Store(folder / "store")
     records = [FileRecord(rel, *trial.put_blob(path)) for rel, path in files]
     trial.put_manifest(make_manifest(job, records, result, seconds))
-    spec = {"recipe": str(Path(job.recipe.source).absolute()), "component": job.component,
+    spec = {"recipe": recipe_spec(job.recipe), "component": job.component,
             "shape": job.shape.as_dict(), "cache_root": str(cache_root), "store": str(trial.root),
             "result": str(folder / "result.json")}
     (folder / "proof.json").write_text(json.dumps(spec))
@@ -304,14 +308,15 @@ def store_job(store: Store, job: Job, files: list[tuple[str, Path]], result: dic
                          reason=f"the entry is {format_size(size)}, bigger than the cache's size limit "
                                 f"{format_size(limit)}: nothing stored (raise max_size, docs/cache.md)")
     try:
-        with store_lock(store.root, exclusive=False):
+        # Journaled: a failure halfway (no space left) removes the blobs it wrote (journal.py).
+        with entry_writer(store) as writer, store_lock(store.root, exclusive=False):
             records = []
             for rel, path in files:
-                digest, blob_size = store.put_blob(path)
+                digest, blob_size = writer.put_blob(path)
                 records.append(FileRecord(rel, digest, blob_size))
             manifest = make_manifest(job, records, result, seconds, proof)
-            store.put_manifest(manifest)
-    except OSError as exc:  # put_blob/put_manifest removed their temp files already
+            writer.put_manifest(manifest)
+    except OSError as exc:  # put_blob/put_manifest removed their temp files, the writer its blobs
         return JobResult(job, UNCACHED, seconds, size=size,
                          reason=f"compiled, but not stored in the cache: {exc}")
     return JobResult(job, BUILT, seconds, size=manifest.size, details=result)

@@ -349,10 +349,38 @@ def plan(recipes: tuple[str, ...], cache: str | None, as_json: bool, fail_on_mis
             hits = sum(j.status == HIT for j in jobs)
             there_text = f", {sum(j.status == REMOTE for j in jobs)} on {target.url}" if target else ""
             click.echo(f"{hits}/{len(jobs)} jobs cached in {resolve_cache_root(cache)}{there_text}")
+            cost = _estimate_text([j for j in jobs if j.status == MISS])
+            if cost:
+                click.echo(cost)
         missing = any(j.status not in (HIT, REMOTE) for j in jobs)
         return EXIT_MISS if (fail_on_miss and missing) else EXIT_OK
 
     _run(go)
+
+
+def _estimate_text(misses: list) -> str:
+    """The misses' estimated total build time and size, from the nearest cached entries."""
+    from aotbuild.layout import format_size
+
+    known = [j for j in misses if j.estimated_build_s is not None]
+    if not misses:
+        return ""
+    if not known:
+        return f"to build {len(misses)} job(s): no estimate (no similar entry in the cache)"
+    seconds = sum(j.estimated_build_s for j in known)
+    size = sum(j.estimated_size or 0 for j in known)
+    unknown = len(misses) - len(known)
+    return (f"to build {len(misses)} job(s): about {_duration(seconds)} and {format_size(size)}"
+            + (f" for {len(known)} of them ({unknown} without a similar entry to estimate from)" if unknown else "")
+            + " (estimated from the nearest cached entries)")
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 5400:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
 
 
 @main.command(name="ls")
@@ -490,8 +518,10 @@ def verify(cache: str | None, as_json: bool, fix: bool) -> None:
         problems = run_verify(store, fix=fix)
         remain = [p for p in problems if not fix or p.remains()]
         if as_json:
+            from aotbuild.journal import notes
+
             _emit_json({"cache": str(store.root), "fixed": fix, "problems": [p.as_json() for p in problems],
-                        "remaining": [p.as_json() for p in remain]})
+                        "remaining": [p.as_json() for p in remain], "notes": notes(store)})
         else:
             for p in problems:
                 key = f" (entry {p.key[:12]})" if p.key else ""
@@ -610,27 +640,31 @@ def rm(items: tuple[str, ...], cache: str | None, as_json: bool) -> None:
 @cache_option
 @json_option
 @click.option("--shape", metavar="HxW[xB]", help="The recipe's shape to measure (default: its first).")
-@click.option("--repeats", type=click.IntRange(1, 50), default=1, show_default=True,
-              help="Fresh processes per mode; the table shows medians.")
+@click.option("--repeats", type=click.IntRange(1, 50), default=3, show_default=True,
+              help="Fresh processes for eager and warm; the table shows min / median / max.")
+@click.option("--cold-repeats", type=click.IntRange(1, 50), default=1, show_default=True,
+              help="Fresh processes for cold (each pays a full compile).")
 @click.option("--calls", type=click.IntRange(1, 1000), default=3, show_default=True,
               help="Calls after the first, for the steady-state time.")
 @click.option("--modes", default="eager,cold,warm", show_default=True,
               help="Which to measure, comma-separated (cold costs a full compile).")
 @click.option("--plot", "plot_file", metavar="FILE.png", type=click.Path(dir_okay=False),
               help="Also draw the results (needs pip install 'aotbuild[plot]').")
-def bench(recipe: str, cache: str | None, as_json: bool, shape: str | None, repeats: int, calls: int, modes: str,
-          plot_file: str | None) -> None:
+def bench(recipe: str, cache: str | None, as_json: bool, shape: str | None, repeats: int, cold_repeats: int,
+          calls: int, modes: str, plot_file: str | None) -> None:
     """Measure RECIPE on this machine: eager vs cold compile vs aotbuild warm load.
 
     Each mode runs in a fresh process, timed from process start (imports included) to the first
     pipeline output, with the compiler caches pointed at empty folders: eager runs uncompiled, cold
     compiles as torch.compile would without any cache, warm loads from the aotbuild cache with
-    load_compiled(on_miss="error"). Jobs the cache lacks for that shape are built first.
+    load_compiled(on_miss="error"). Jobs the cache lacks for that shape are built first. Eager and
+    warm run in 3 processes each (--repeats), cold in one (--cold-repeats); a busy machine (load
+    average above half the cores) is warned about on stderr.
 
     \b
     Examples:
       aotbuild bench recipes/tiny_sd_cpu.yaml
-      aotbuild bench recipes/tiny_sd_cpu.yaml --shape 64x96 --repeats 3 --plot bench.png
+      aotbuild bench recipes/tiny_sd_cpu.yaml --shape 64x96 --cold-repeats 3 --plot bench.png
     """
 
     def go() -> int:
@@ -639,8 +673,9 @@ def bench(recipe: str, cache: str | None, as_json: bool, shape: str | None, repe
         if plot_file:
             benchmod.require_matplotlib()  # before minutes of measuring, not after
         chosen = tuple(m.strip() for m in modes.split(",") if m.strip())
-        report = benchmod.bench(recipe, cache, shape=shape, repeats=repeats, calls=calls, modes=chosen,
-                                progress=lambda text: click.echo(text, err=True), build_progress=_progress())
+        report = benchmod.bench(recipe, cache, shape=shape, repeats=repeats, cold_repeats=cold_repeats, calls=calls,
+                                modes=chosen, progress=lambda text: click.echo(text, err=True),
+                                build_progress=_progress(), warn=lambda text: click.echo(text, err=True))
         if plot_file:
             benchmod.plot(report, plot_file)
         if as_json:
@@ -650,6 +685,50 @@ def bench(recipe: str, cache: str | None, as_json: bool, shape: str | None, repe
             if plot_file:
                 click.echo(f"plot: {plot_file}")
         return EXIT_OK
+
+    _run(go)
+
+
+@main.command()
+@click.option("--target", "target", default="inductor", show_default=True,
+              help="The target to check: inductor, neuron or tpu.")
+@click.option("--device", default=None, help="The device to check (default: the target's).")
+@cache_option
+@remote_option("A remote to check (default: AOTBUILD_REMOTE; skipped when neither is set).")
+@click.option("--deep", is_flag=True, help="Hash every blob of the store, as `aotbuild verify` does.")
+@click.option("--no-roundtrip", "no_roundtrip", is_flag=True, help="Skip the tiny build (a minute or two).")
+@json_option
+def doctor(target: str, device: str | None, cache: str | None, remote: str | None, deep: bool, no_roundtrip: bool,
+           as_json: bool) -> None:
+    """Check that this machine can build and serve a cache: toolchain, caches, disk, store, remote,
+    and a roundtrip (the built-in tiny model built, proven by a fresh process serving it with 0
+    compiles, in a temporary cache). Exit 0 when every check passes or is skipped, 1 otherwise.
+
+    \b
+    Examples:
+      aotbuild doctor
+      aotbuild doctor --device cuda --json
+    """
+
+    def go() -> int:
+        from aotbuild.doctor import doctor as run_doctor
+        from aotbuild.errors import UsageError
+        from aotbuild.targets import target_names
+
+        if target not in target_names():
+            raise UsageError(f"--target {target!r} is not a target (known: {', '.join(target_names())})")
+        report = run_doctor(target, device, cache, remote, deep=deep, roundtrip=not no_roundtrip,
+                            progress=None if as_json else _progress())
+        if as_json:
+            _emit_json(report.as_json())
+        else:
+            for c in report.checks:
+                state = "skip" if c.skipped else "ok" if c.ok else "FAIL"
+                fix = f"\n{'':16}fix: {c.fix}" if c.fix and not c.ok else ""
+                click.echo(f"{state:<5} {c.name:<10} {c.detail}{fix}")
+            click.echo("this machine can build and serve caches" if report.ok else
+                       "a check failed: fix it, then run aotbuild doctor again")
+        return EXIT_OK if report.ok else EXIT_FAILED
 
     _run(go)
 

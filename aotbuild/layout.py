@@ -85,12 +85,13 @@ def parse_size(text: str | int) -> int:
 
 
 def format_size(n: int) -> str:
-    """``4485120`` -> ``"4.3 MB"`` (binary multiples, as ``du -h`` shows them)."""
+    """``4485120`` -> ``"4.5 MB"``: decimal units, as ``parse_size`` reads them (``--max-size 20GB``
+    is 20 * 10**9 bytes and is shown back as ``20.0 GB``)."""
     size = float(n)
-    for unit in ("B", "KB", "MB", "GB"):
-        if size < 1024 or unit == "GB":
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if size < 1000 or unit == "TB":
             return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
+        size /= 1000
     return f"{n} B"  # pragma: no cover
 
 
@@ -149,3 +150,24 @@ class Layout:
 
     def under(self, folder: Path, rel: str) -> Path:
         return folder.joinpath(*safe_relpath(rel).parts)
+
+
+def shared_dirs(path: Path, mode: int = 0o755) -> None:
+    """``mkdir -p path``, every folder it creates readable by every user of a shared store
+    (``mode`` despite the umask: another account loads from it; docs/security.md)."""
+    missing = []
+    p = Path(path)
+    while not p.exists():
+        missing.append(p)
+        if p.parent == p:
+            break
+        p = p.parent
+    for folder in reversed(missing):
+        try:
+            folder.mkdir()
+        except FileExistsError:
+            continue
+        try:
+            os.chmod(folder, mode)
+        except OSError:
+            pass

@@ -73,7 +73,9 @@ def _open(path: Path) -> int:
     try:
         return os.open(path, os.O_RDWR)
     except FileNotFoundError:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        from aotbuild.layout import shared_dirs
+
+        shared_dirs(path.parent)
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666)
         except FileExistsError:  # another process created it first

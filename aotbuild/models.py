@@ -47,7 +47,7 @@ def _local_folder(recipe: Recipe) -> Path | None:
     """``model.id`` as a local folder: a relative path is looked up next to the recipe first (a
     recipe and its model move together), then in the current directory; None if neither exists."""
     path = Path(recipe.model.id).expanduser()
-    candidates = [path] if path.is_absolute() else [Path(recipe.source).parent / path, path]
+    candidates = [path] if path.is_absolute() else [recipe.base / path, path]
     return next((c for c in candidates if c.is_dir()), None)
 
 
@@ -67,7 +67,7 @@ def resolve_model(recipe: Recipe, cache_root: Path) -> ResolvedModel:
     if spec.id.startswith((".", "/", "~")):
         if Path(spec.id).expanduser().is_absolute():
             raise recipe.error("model.id", f"no such folder: {spec.id}")
-        tried = [(Path(recipe.source).parent / spec.id).resolve(), Path(spec.id).expanduser().resolve()]
+        tried = [(recipe.base / spec.id).resolve(), Path(spec.id).expanduser().resolve()]
         looked = " and ".join(map(str, dict.fromkeys(tried)))
         raise recipe.error("model.id", f"no such folder: {spec.id} (looked for {looked})")
     path = _hub_file(spec.id, "model_index.json", spec.revision)

@@ -6,7 +6,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -66,6 +66,18 @@ class Context:
         )
 
 
+def job_pipeline(recipe: Recipe, cache_root: Path) -> tuple[Context, Any]:
+    """For a build job, a proof or a benchmark child: the recipe's context and its pipeline, loaded
+    (progress bar off) and placed on the recipe's device; RuntimeError when it cannot be."""
+    ctx = Context.create(recipe, cache_root)
+    if ctx.problem:
+        raise RuntimeError(ctx.problem)
+    assert ctx.model is not None
+    pipe = models.load_pipeline(recipe, ctx.model, ctx.dtype, quiet=True)
+    models.place_pipeline(pipe, recipe, ctx.device)
+    return ctx, pipe
+
+
 def _builtin_version(recipe: Recipe) -> int | None:
     """Known from the id alone, so a caller that passes its own pipeline gets the same key."""
     from aotbuild import builtin
@@ -82,14 +94,51 @@ class Job:
     factors: dict[str, Any] | None
     status: str  # hit | miss | unavailable
     reason: str = ""
+    #: A miss's expected build time and entry size, from the nearest cached entry (estimate()).
+    estimated_build_s: float | None = None
+    estimated_size: int | None = None
 
     @property
     def label(self) -> str:
         return f"{self.recipe.name}:{self.component}@{self.shape}"
 
     def as_json(self) -> dict[str, Any]:
-        return {"recipe": self.recipe.name, "source": self.recipe.source, "component": self.component,
+        data = {"recipe": self.recipe.name, "source": self.recipe.source, "component": self.component,
                 "shape": self.shape.as_dict(), "key": self.key, "status": self.status, "reason": self.reason}
+        if self.status == MISS:
+            data.update(estimated_build_s=self.estimated_build_s, estimated_size=self.estimated_size)
+        return data
+
+
+#: The factors an entry must share with a job to estimate its cost: the same kind of compile of the
+#: same kind of module on the same kind of device (differing shapes, dtypes, versions are fine).
+ESTIMATE_SAME = (("component", "class"), ("target", "name"), ("target", "strategy"), ("compile", "scope"),
+                 ("device",))
+
+
+def _factor(factors: Any, path: tuple[str, ...]) -> Any:
+    for part in path:
+        factors = factors.get(part) if isinstance(factors, dict) else None
+    return factors
+
+
+def estimate(manifests: Iterable[Manifest], factors: dict[str, Any],
+             recipe_name: str = "") -> tuple[float, int] | None:
+    """(build seconds, entry bytes) of the nearest cached entry: the same component class, target,
+    strategy, scope and device fingerprint, then the fewest differing factors (an entry of the same
+    recipe, then the smaller key, wins a tie); None when no entry qualifies."""
+    best: tuple[tuple[int, bool, str], float, int] | None = None
+    for manifest in manifests:
+        cached = dict(manifest.factors)
+        if any(_factor(cached, p) != _factor(factors, p) for p in ESTIMATE_SAME):
+            continue
+        seconds = manifest.build.get("seconds") if isinstance(manifest.build, Mapping) else None
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or seconds < 0:
+            continue  # an entry without a recorded build time cannot estimate one
+        rank = (len(keys.differences(cached, factors)), manifest.recipe != recipe_name, manifest.key)
+        if best is None or rank < best[0]:
+            best = (rank, float(seconds), manifest.size)
+    return None if best is None else (best[1], best[2])
 
 
 def explain_miss(manifests: Iterable[Manifest], recipe_name: str, component: str,
@@ -137,10 +186,15 @@ def jobs_for(ctx: Context, store: Store) -> list[Job]:
             factors = ctx.factors(component, config[0], config[1], shape, _pipeline_class(ctx))
             key = keys.key_of(factors)
             ok, why = store.check_entry(key)
-            if why == "not built":
+            cost = None
+            if not ok:
                 manifests = list(store.iter_manifests()) if manifests is None else manifests
+                cost = estimate(manifests, factors, recipe.name)
+            if why == "not built":
+                assert manifests is not None
                 why = explain_miss(manifests, recipe.name, component, factors, store.root)
-            jobs.append(Job(recipe, component, shape, key, factors, HIT if ok else MISS, why))
+            jobs.append(Job(recipe, component, shape, key, factors, HIT if ok else MISS, why,
+                            *(cost or (None, None))))
     return jobs
 
 
@@ -158,7 +212,10 @@ def load_recipes(paths: list[str] | tuple[str, ...]) -> list[Recipe]:
         from aotbuild.errors import UsageError
 
         raise UsageError(f"no recipes (*.yaml) found in {', '.join(map(str, paths))}")
-    recipes = [load_recipe(p) for p in files]
+    return _unique_names([load_recipe(p) for p in files])
+
+
+def _unique_names(recipes: list[Recipe]) -> list[Recipe]:
     names: dict[str, str] = {}
     for r in recipes:
         if r.name in names:
@@ -169,11 +226,42 @@ def load_recipes(paths: list[str] | tuple[str, ...]) -> list[Recipe]:
     return recipes
 
 
-def plan(recipes: list[str] | tuple[str, ...] | list[Recipe], cache: str | Path | None = None) -> list[Job]:
-    """Every job of every recipe, sorted by key (jobs without a key last), with hit/miss status."""
+#: What ``plan`` and ``build`` accept: recipe files or folders, recipe data (dicts), Recipe objects,
+#: one of them or a list of them.
+Recipes = str | Path | Recipe | Mapping[str, Any] | Sequence[str | Path | Recipe | Mapping[str, Any]]
+
+
+def resolve_recipes(recipes: Recipes) -> list[Recipe]:
+    """Recipe objects for ``recipes``: paths are read (folders searched), dicts validated
+    (:func:`aotbuild.recipe.parse_recipe`), Recipes taken as they are; names must differ."""
+    from aotbuild.recipe import parse_recipe
+
+    items = [recipes] if isinstance(recipes, (str, Path, Recipe, Mapping)) else list(recipes)
+    paths = [str(r) for r in items if isinstance(r, (str, Path))]
+    loaded = iter(load_recipes(paths) if paths else [])
+    out: list[Recipe] = []
+    for item in items:
+        if isinstance(item, Recipe):
+            out.append(item)
+        elif isinstance(item, Mapping):
+            out.append(parse_recipe(dict(item)))
+        elif isinstance(item, (str, Path)):
+            out.extend(loaded)  # every file found, once, where the first path stood
+        else:
+            from aotbuild.recipe import as_recipe
+
+            as_recipe(item)  # raises, naming what was given
+    return _unique_names(out)
+
+
+def plan(recipes: Recipes, cache: str | Path | None = None) -> list[Job]:
+    """Every job of every recipe, sorted by key (jobs without a key last), with hit/miss status.
+
+    ``recipes``: recipe files or folders, recipe data as dicts (validated like a file), Recipe
+    objects, or a list mixing them."""
     root = resolve_cache_root(cache)
     store = Store(root)
-    loaded = [r for r in recipes if isinstance(r, Recipe)] or load_recipes([str(r) for r in recipes])
+    loaded = resolve_recipes(recipes)
     jobs: list[Job] = []
     for recipe in loaded:
         ctx = Context.create(recipe, root)
@@ -208,5 +296,5 @@ def shard_jobs(jobs: list[Job], index: int, count: int) -> list[Job]:
     return [j for j in jobs if (order[j.key] % count if j.key else 0) == index - 1]
 
 
-__all__ = ["Context", "Job", "plan", "jobs_for", "explain_miss", "load_recipes", "parse_shard", "shard_jobs",
-           "HIT", "MISS", "UNAVAILABLE"]
+__all__ = ["Context", "Job", "plan", "jobs_for", "explain_miss", "estimate", "load_recipes", "resolve_recipes",
+           "parse_shard", "shard_jobs", "HIT", "MISS", "UNAVAILABLE"]

@@ -39,6 +39,11 @@ from typing import Any
 TOLERANCE = {"float32": 1e-4, "float64": 1e-6, "float16": 5e-3, "bfloat16": 5e-2}
 
 
+#: Calls kept per call signature (their inputs and eager outputs are held in memory until replayed):
+#: every signature, through every instance, without holding a long warmup's every step.
+CALLS_PER_SIGNATURE = 2
+
+
 class ProofFailed(Exception):
     """The fresh process did not serve the entry with 0 compiles and output equal to eager."""
 
@@ -88,21 +93,17 @@ def serve(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     from aotbuild import models
-    from aotbuild.planner import Context
-    from aotbuild.recipe import Shape, load_recipe
+    from aotbuild.dispatch import signature
+    from aotbuild.planner import job_pipeline
+    from aotbuild.recipe import Shape, recipe_from_spec
     from aotbuild.runtime import load_compiled
 
     shape = Shape(**spec["shape"])
     component = spec["component"]
-    full = load_recipe(spec["recipe"])
+    full = recipe_from_spec(spec["recipe"])
     # This job alone: the entry holds one component at one shape (neither is a key factor).
     recipe = replace(full, shapes=(shape,), compile=replace(full.compile, components=(component,)))
-    ctx = Context.create(recipe, Path(spec["cache_root"]))
-    if ctx.problem:
-        raise RuntimeError(ctx.problem)
-    assert ctx.model is not None
-    pipe = models.load_pipeline(recipe, ctx.model, ctx.dtype, quiet=True)
-    models.place_pipeline(pipe, recipe, ctx.device)
+    ctx, pipe = job_pipeline(recipe, Path(spec["cache_root"]))
     module = getattr(pipe, component)
 
     # 1. Eager: what the component is called with, what it returns, which instances run.
@@ -110,11 +111,15 @@ def serve(spec: dict[str, Any]) -> dict[str, Any]:
     ran: set[str] = set()
     instances = block_instances(module, recipe)
 
+    per_signature: dict[str, int] = {}
+
     def recording(name: str, forward: Any, top: bool) -> Any:
         def run(*args: Any, **kwargs: Any) -> Any:
             ran.add(name)
-            if not top:
+            sig = signature(args, kwargs) if top else ""
+            if not top or per_signature.get(sig, 0) >= CALLS_PER_SIGNATURE:
                 return forward(*args, **kwargs)
+            per_signature[sig] = per_signature.get(sig, 0) + 1
             inputs = (_clone(args), _clone(kwargs))
             out = forward(*args, **kwargs)
             calls.append((*inputs, [t.detach().clone() for t in _tensors(out)]))

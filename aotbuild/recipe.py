@@ -139,6 +139,14 @@ class Recipe:
     compile: CompileSpec
     shapes: tuple[Shape, ...]
     warmup: Mapping[str, Any]
+    #: The folder a relative ``model.id`` is resolved against; None: the recipe file's folder. A job
+    #: or proof process gets it from its parent (it runs elsewhere) instead of re-reading the file.
+    folder: str | None = field(default=None, compare=False)
+
+    @property
+    def base(self) -> Path:
+        """Where a relative path in the recipe is resolved: ``folder``, else the file's folder."""
+        return Path(self.folder) if self.folder else Path(self.source).parent
 
     def error(self, key: str | None, message: str) -> RecipeError:
         return RecipeError(self.source, key, message)
@@ -284,8 +292,18 @@ class _Checker:
         return tuple(shapes)
 
 
-def parse_recipe(data: Any, source: str = "<recipe>", name: str | None = None) -> Recipe:
-    """Validate already-parsed YAML data into a :class:`Recipe`."""
+#: The source of a recipe given as data (a dict), not read from a file.
+DATA_SOURCE = "<recipe>"
+
+
+def parse_recipe(data: Any, source: str = DATA_SOURCE, name: str | None = None, *,
+                 folder: str | None = None) -> Recipe:
+    """Validate recipe data (a YAML file's structure, e.g. a plain dict) into a :class:`Recipe`.
+
+    Validated exactly like a file: every error is a :class:`RecipeError` naming the key. ``name``
+    defaults to the file's stem, or for data without a file to ``recipe-<12 hex>``, derived from
+    the content (the same data always gets the same name). ``folder``: where a relative
+    ``model.id`` folder is resolved (default: the file's folder; for data, the working directory)."""
     check = _Checker(source)
     if not isinstance(data, dict):
         raise check.fail(None, f"expected a mapping of recipe keys at the top level, got {_describe(data)}")
@@ -303,13 +321,55 @@ def parse_recipe(data: Any, source: str = "<recipe>", name: str | None = None) -
         if arg in WARMUP_FORBIDDEN:
             owner = "shapes" if arg in SHAPE_OWNED else "aotbuild"
             raise check.fail(f"warmup.{arg}", f"cannot be set here: {owner} sets it")
+    if not name:
+        name = content_name(data) if source == DATA_SOURCE else Path(source).stem
     recipe = Recipe(
-        name=name or Path(source).stem, source=source, model=model, target=top["target"],
+        name=name, source=source, folder=folder, model=model, target=top["target"],
         device=top["device"], strategy=top["strategy"], offload=top["offload"], compile=compile_spec,
         shapes=shapes, warmup=warmup,
     )
     _check_combinations(recipe)
     return recipe
+
+
+def build_hint(recipe: Recipe) -> str:
+    """How to build ``recipe``: the CLI for a file, the Python call for data without one."""
+    return "`aotbuild.build(recipe)`" if recipe.source == DATA_SOURCE else f"`aotbuild build {recipe.source}`"
+
+
+def content_name(data: Any) -> str:
+    """``recipe-<12 hex>``: the sha256 of the data's canonical JSON (sorted keys, no spaces)."""
+    import hashlib
+
+    text = json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=repr)
+    return "recipe-" + hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def as_recipe(value: Any) -> Recipe:
+    """A :class:`Recipe` from a Recipe, a path to a recipe file, or recipe data (a mapping)."""
+    if isinstance(value, Recipe):
+        return value
+    if isinstance(value, Mapping):
+        return parse_recipe(dict(value))
+    if isinstance(value, (str, Path)):
+        return load_recipe(value)
+    raise RecipeError(DATA_SOURCE, None, f"expected a recipe file's path, a dict of recipe keys or a Recipe, got "
+                                         f"{_describe(value)}")
+
+
+def recipe_spec(recipe: Recipe) -> dict[str, Any]:
+    """The recipe as JSON for a child process (a build job, the proof, a bench run): its validated
+    data, name and source, and the absolute folder relative paths resolve against (the child runs
+    in another directory). The child never re-reads the recipe file: :func:`recipe_from_spec`."""
+    data = recipe_to_dict(recipe)
+    data.pop("name")
+    return {"data": data, "name": recipe.name, "source": recipe.source,
+            "folder": str(recipe.base.absolute())}
+
+
+def recipe_from_spec(spec: Mapping[str, Any]) -> Recipe:
+    """The :class:`Recipe` that :func:`recipe_spec` wrote, validated again."""
+    return parse_recipe(spec["data"], spec["source"], spec["name"], folder=spec["folder"])
 
 
 def _check_combinations(recipe: Recipe) -> None:

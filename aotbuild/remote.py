@@ -35,6 +35,7 @@ from typing import Any, BinaryIO
 
 from aotbuild import manifest as codec
 from aotbuild.errors import RemoteError, StoreError, UsageError
+from aotbuild.journal import entry_writer
 from aotbuild.layout import HEX64
 from aotbuild.locks import flocked, store_lock
 from aotbuild.manifest import Manifest, ManifestError, StaleManifest
@@ -108,17 +109,18 @@ def _ingest(store: Store, key: str, manifest: Manifest,
     manifest, as a writer of ``store`` (its shared lock: gc cannot take a blob from under us)."""
     try:
         wanted = manifest.blobs()
-        with store_lock(store.root, exclusive=False):
+        # Journaled: a refused or broken pull removes the blobs it wrote (journal.py).
+        with entry_writer(store) as writer, store_lock(store.root, exclusive=False):
             missing = {d: s for d, s in wanted if not store.has_blob(d, s, verify=True)}
             if missing:
                 for digest, stream in blobs(sorted(missing.items())):
                     if digest not in missing:
                         raise StoreError(f"the remote sent {digest[:12]}, which entry {key[:12]} does not name")
-                    _, size = store.put_blob(stream, expect=digest)
+                    _, size = writer.put_blob(stream, expect=digest)
                     if size != missing[digest]:
                         raise StoreError(f"blob {digest[:12]} has {size} bytes, the manifest says "
                                          f"{missing[digest]}")
-            store.put_manifest(manifest.without_pack())  # refuses if any blob is still missing
+            writer.put_manifest(manifest.without_pack())  # refuses if any blob is still missing
     except RemoteError:  # the remote failed midway (network, auth): the caller reports it
         raise
     except StoreError as exc:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -19,7 +20,7 @@ from aotbuild.layout import resolve_cache_root
 from aotbuild.locks import store_lock
 from aotbuild.manifest import Manifest
 from aotbuild.planner import Context, explain_miss
-from aotbuild.recipe import Recipe, Shape, load_recipe
+from aotbuild.recipe import Recipe, Shape, as_recipe, build_hint
 from aotbuild.store import Entry, Store
 
 if TYPE_CHECKING:
@@ -84,9 +85,12 @@ class LoadReport:
         return "\n".join(lines)
 
 
-def load_compiled(recipe: str | Path | Recipe, pipe: Any = None, *, cache: str | Path | None = None,
+def load_compiled(recipe: str | Path | Recipe | Mapping[str, Any], pipe: Any = None, *, cache: str | Path | None = None,
                   remote: str | Remote | None = None, on_miss: str = "compile", strict_shapes: bool = False) -> Any:
     """Load ``recipe``'s pipeline (or take ``pipe``), install its cached artifacts, compile it.
+
+    ``recipe``: a recipe file's path, recipe data as a dict (the YAML's structure, validated like a
+    file: :func:`aotbuild.parse_recipe`) or a :class:`aotbuild.Recipe`.
 
     ``on_miss`` acts at load when a component x shape has no usable entry: ``"compile"`` (warn, then
     compile on first call as torch.compile would), ``"eager"`` (warn, run that shape eagerly) or
@@ -103,7 +107,7 @@ def load_compiled(recipe: str | Path | Recipe, pipe: Any = None, *, cache: str |
         remote = parse_remote(remote) if isinstance(remote, str) else remote
     if on_miss not in ON_MISS:
         raise UsageError(f"on_miss={on_miss!r} is not allowed (allowed: {', '.join(ON_MISS)})")
-    recipe = recipe if isinstance(recipe, Recipe) else load_recipe(recipe)
+    recipe = as_recipe(recipe)
     root = resolve_cache_root(cache)
     store = Store(root)
     ctx = Context.create(recipe, root, resolve_model=pipe is None)
@@ -159,7 +163,7 @@ def load_compiled(recipe: str | Path | Recipe, pipe: Any = None, *, cache: str |
             plans.append((component, module, entries))
 
         if report.misses and on_miss == "error":
-            nxt = "" if blocker else (f"\n  next: `aotbuild build {recipe.source}` builds them here"
+            nxt = "" if blocker else (f"\n  next: {build_hint(recipe)} builds them here"
                                       + (" (or load with remote=URL to fetch CI-built entries)" if remote is None
                                          else ""))
             raise CacheMiss(f"{report}{nxt}")
@@ -203,7 +207,7 @@ def load_compiled(recipe: str | Path | Recipe, pipe: Any = None, *, cache: str |
         then = "compiles on first call" if on_miss == "compile" else "runs eagerly"
         misses = "; ".join(f"{e.component} {e.shape} ({e.key[:12]}): {e.reason}" for e in report.misses[:3])
         more = f"; and {len(report.misses) - 3} more" if len(report.misses) > 3 else ""
-        build = "" if blocker else f"; `aotbuild build {recipe.source}` builds them"
+        build = "" if blocker else f"; {build_hint(recipe)} builds them"
         warnings.warn(f"aotbuild: {recipe.name}: {len(report.misses)} of {len(report.entries)} entries missed, each "
                       f"{then}: {misses}{more} (pipe.aotbuild_report has them all{build})", stacklevel=2)
     return pipe

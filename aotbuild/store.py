@@ -23,7 +23,7 @@ from typing import BinaryIO
 
 from aotbuild import manifest as codec
 from aotbuild.errors import StoreError, UsageError
-from aotbuild.layout import HEX64, Layout
+from aotbuild.layout import HEX64, Layout, shared_dirs
 from aotbuild.manifest import Manifest, ManifestError, StaleManifest
 
 try:
@@ -78,7 +78,7 @@ class Store:
     def _tempfile(self) -> tuple[int, str]:
         """A temp file in ``tmp/``, locked while its writer has it open: ``verify`` reports only
         temp files nobody holds (their writer died)."""
-        self.layout.tmp.mkdir(parents=True, exist_ok=True)
+        shared_dirs(self.layout.tmp)
         fd, path = tempfile.mkstemp(prefix="w.", dir=self.layout.tmp)
         if fcntl is not None:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -107,7 +107,7 @@ class Store:
             if final.is_file() and final.stat().st_size == size and sha256_file(final) == digest:
                 os.unlink(tmp)  # already there and intact (a damaged one is replaced below)
             else:
-                final.parent.mkdir(parents=True, exist_ok=True)
+                shared_dirs(final.parent)
                 os.chmod(tmp, 0o444)
                 os.replace(tmp, final)
             return digest, size
@@ -140,7 +140,7 @@ class Store:
                 out.write(text)
                 out.flush()
                 os.fsync(out.fileno())
-            final.parent.mkdir(parents=True, exist_ok=True)
+            shared_dirs(final.parent)
             os.chmod(tmp, 0o644)  # mkstemp makes 0600: other users of a shared store must read it
             os.replace(tmp, final)
         except BaseException:
@@ -218,8 +218,10 @@ class Store:
 
     def resolve_prefix(self, prefix: str) -> str:
         prefix = prefix.lower()
-        if len(prefix) < 8 or any(c not in "0123456789abcdef" for c in prefix):
-            raise UsageError(f"{prefix!r} is not a key: give at least 8 hex characters")
+        if any(c not in "0123456789abcdef" for c in prefix):
+            raise UsageError(f"{prefix!r} is not a key: keys are hex (0-9, a-f); `aotbuild ls` lists them")
+        if len(prefix) < 8:
+            raise UsageError(f"{prefix!r} is too short for a key: give at least 8 hex characters")
         folder = self.layout.manifests / prefix[:2]
         matches = sorted(p.stem for p in folder.glob(f"{prefix}*.json")) if folder.is_dir() else []
         if not matches:

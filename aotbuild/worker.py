@@ -25,18 +25,13 @@ def run(job: dict) -> dict:
     _phase(job, "loading the pipeline")
     from aotbuild import keys, models
     from aotbuild.dispatch import install_dispatcher
-    from aotbuild.planner import Context
-    from aotbuild.recipe import Shape, load_recipe
+    from aotbuild.planner import job_pipeline
+    from aotbuild.recipe import Shape, recipe_from_spec
 
-    recipe = load_recipe(job["recipe"])
+    recipe = recipe_from_spec(job["recipe"])  # the recipe's data: the file may have changed since the plan
     shape = Shape(**job["shape"])
     component = job["component"]
-    ctx = Context.create(recipe, Path(job["cache_root"]))
-    if ctx.problem:
-        raise RuntimeError(ctx.problem)
-    assert ctx.model is not None
-    pipe = models.load_pipeline(recipe, ctx.model, ctx.dtype, quiet=True)
-    models.place_pipeline(pipe, recipe, ctx.device)
+    ctx, pipe = job_pipeline(recipe, Path(job["cache_root"]))
     models.check_warmup_arguments(pipe, recipe)
     module = getattr(pipe, component)
     cls_name, config = models.module_config(module)

@@ -46,17 +46,21 @@ def manifest(f: dict[str, Any], files: list[tuple[str, str, int]] = (), recipe: 
 
 def add_entry(store: Store, src: Path, name: str, blobs: dict[str, bytes], recipe: str | None = None,
               **sections: dict[str, Any]) -> str:
-    """Store small real files as one entry, the way the builder does: blobs, then the manifest."""
+    """Store small real files as one entry, the way the builder does: journaled, blobs, then the manifest."""
+    from aotbuild.journal import entry_writer
+    from aotbuild.locks import store_lock
+
     f = factors(name, **sections)
     items = []
-    for rel, data in blobs.items():
-        path = src / name / rel
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(data)
-        digest, size = store.put_blob(path)
-        items.append((rel, digest, size))
-    m = manifest(f, items, recipe=recipe or name)
-    store.put_manifest(m)
+    with entry_writer(store) as writer, store_lock(store.root, exclusive=False):
+        for rel, data in blobs.items():
+            path = src / name / rel
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(data)
+            digest, size = writer.put_blob(path)
+            items.append((rel, digest, size))
+        m = manifest(f, items, recipe=recipe or name)
+        writer.put_manifest(m)
     return m.key
 
 

@@ -28,14 +28,15 @@ def report(repeats: int = 1) -> bench.BenchReport:
     return r
 
 
-def test_table_shows_medians_cache_counters_and_ratios():
+def test_table_shows_min_median_max_cache_counters_and_ratios():
     text = report(repeats=3).text()
     lines = text.splitlines()
     assert "2 CPUs, Test CPU, ISA AVX2, torch 2.13.0" in text
+    assert "3 fresh process(es) per mode; times are min / median / max" in text
     cold = next(x for x in lines if x.startswith("cold compile"))
-    assert "71.00 s" in cold and "25.0 ms" in cold and "550 MB" in cold and "0 hit, 1 miss" in cold
+    assert "70.00 / 71.00 / 72.00 s" in cold and "25.0 ms" in cold and "550 MB" in cold and "0 hit, 1 miss" in cold
     warm = next(x for x in lines if x.startswith("aotbuild warm load"))
-    assert "18.50 s" in warm and "1 hit, 0 miss" in warm
+    assert "17.50 / 18.50 / 19.50 s" in warm and "1 hit, 0 miss" in warm
     assert "warm load / cold compile   = 0.261  (saves 52.5 s per fresh process)" in text
     assert "warm load / eager          = 2.312" in text
 
@@ -43,8 +44,55 @@ def test_table_shows_medians_cache_counters_and_ratios():
 def test_json_has_every_run_and_the_medians():
     data = report(repeats=3).as_json()
     assert len(data["runs"]["cold"]) == 3 and data["medians"]["warm"]["first"] == 18.5
+    assert data["spread"]["eager"]["first"] == {"min": 7.0, "median": 8.0, "max": 9.0}
+    assert data["repeats"] == 3 and data["cold_repeats"] == 1
     assert data["ratios"]["warm load / cold compile"] == pytest.approx(18.5 / 71.0)
     json.dumps(data)
+
+
+def test_cold_once_by_default_is_said_per_mode():
+    r = report(repeats=3)
+    r.runs["cold"] = r.runs["cold"][:1]
+    text = r.text()
+    assert "fresh processes: 3 eager, 1 cold, 3 warm" in text
+    cold = next(x for x in text.splitlines() if x.startswith("cold compile"))
+    assert " 70.00 s" in cold and "/" not in cold.split("70.00 s")[0].split("cold compile")[1]
+
+
+def test_defaults_three_processes_for_eager_and_warm_one_cold(monkeypatch, tmp_path):
+    """The parent's loop, with the child and the build faked: who runs how often, in which order."""
+    import aotbuild.builder
+
+    ran = []
+
+    def fake_child(mode, recipe, index, root, calls, workdir):
+        ran.append(mode)
+        return bench.Run(1.0, 0.01, 100, 0, 0, 0), {"cpus": 2}
+
+    class Built:
+        results, failed = [], []
+
+    monkeypatch.setattr(bench, "_run_child", fake_child)
+    monkeypatch.setattr(aotbuild.builder, "build", lambda *a, **k: Built())
+    monkeypatch.setattr(bench, "load_warning", lambda: "warning: busy")
+    warned = []
+    r = bench.bench(TINY_RECIPE, tmp_path / "c", warn=warned.append)
+    assert ran == ["eager", "cold", "warm", "eager", "warm", "eager", "warm"]
+    assert {m: len(v) for m, v in r.runs.items()} == {"eager": 3, "cold": 1, "warm": 3}
+    assert warned == ["warning: busy"]
+    ran.clear()
+    bench.bench(TINY_RECIPE, tmp_path / "c", repeats=1, cold_repeats=2, modes=("eager", "cold"))
+    assert ran == ["eager", "cold", "cold"]
+
+
+@pytest.mark.parametrize(("load", "cores", "warns"), [(1.2, 2, True), (0.9, 2, False), (3.0, 8, False)])
+def test_a_busy_machine_is_warned_about(monkeypatch, load, cores, warns):
+    monkeypatch.setattr(bench.os, "getloadavg", lambda: (load, 0.0, 0.0))
+    monkeypatch.setattr(bench.os, "cpu_count", lambda: cores)
+    line = bench.load_warning()
+    assert bool(line) is warns
+    if warns:
+        assert line.startswith(f"warning: the load average is {load:.1f} on {cores} cores") and "\n" not in line
 
 
 def test_ratios_only_for_measured_modes():
@@ -68,6 +116,18 @@ def test_plot_without_matplotlib_says_how_to_install(monkeypatch, tmp_path):
     result = CliRunner().invoke(main, ["bench", str(TINY_RECIPE), "--plot", str(tmp_path / "b.png")])
     assert result.exit_code == 2 and "aotbuild[plot]" in result.output
     assert "round 1/1" not in result.output and not (tmp_path / "aotcache").exists()  # nothing ran or was built
+
+
+def test_the_plot_install_hint_reads_the_same_everywhere():
+    """The README, the docs and the CLI's message give the same command (an extra, then a clone's)."""
+    import re
+
+    hint = "`pip install 'aotbuild[plot]'` (from a clone: `pip install -e '.[plot]'`)"
+    assert bench.PLOT_INSTALL == hint.replace("`", "")
+    for doc in ("README.md", "docs/cli.md", "docs/quickstart.md"):
+        text = " ".join((REPO / doc).read_text().split())
+        assert hint in text, doc
+        assert len(re.findall(r"aotbuild\[plot\]", text)) == text.count(hint), doc
 
 
 @pytest.mark.parametrize("text,expected", [("64x96", (64, 96, 1)), ("64X64x2", (64, 64, 2))])
@@ -99,7 +159,7 @@ def test_real_eager_and_warm_load_in_fresh_processes(built_cache):
     cache (an FX graph cache hit, no miss) with an empty Inductor cache; nothing is rebuilt."""
     root, _ = built_cache
     proc = run_cli("bench", "--json", "--cache", str(root), str(TINY_RECIPE), "--modes", "eager,warm",
-                   "--calls", "1")
+                   "--calls", "1", "--repeats", "1")
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads(proc.stdout)
     assert data["built"] == []  # everything was cached
@@ -124,7 +184,8 @@ def test_standin_target_builds_what_is_missing_then_measures_all_three(tmp_path)
         warmup: {guidance_scale: 0.0}
     """))
     cache = tmp_path / "cache"
-    proc = run_cli("bench", "--cache", str(cache), str(path), "--shape", "32x32", "--calls", "1", env=FAKES)
+    proc = run_cli("bench", "--cache", str(cache), str(path), "--shape", "32x32", "--calls", "1", "--repeats", "1",
+                   env=FAKES)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "building 1 job(s) the cache lacks for 32x32 first" in proc.stderr
     for label in ("eager (no compile)", "cold compile", "aotbuild warm load", "warm load / cold compile"):

@@ -212,10 +212,10 @@ def test_blocks_are_a_key_factor_and_absent_ones_change_no_key():
 
 
 @pytest.fixture(scope="module")
-def sd3_transformer():
-    from tests.tiny_pipelines import sd3_transformer as make
+def sd3_transformer(tiny_sd3_dir):
+    from diffusers import SD3Transformer2DModel
 
-    return make(num_layers=3)
+    return SD3Transformer2DModel.from_pretrained(str(tiny_sd3_dir / "transformer"))
 
 
 def test_unknown_block_class_lists_the_classes_that_repeat(sd3_transformer):
@@ -255,11 +255,12 @@ def test_jit_cache_regional_compiles_each_named_block(sd3_transformer):
     assert compiled == [f"transformer_blocks.{i}" for i in range(3)]
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def tiny_sd3_dir(tmp_path_factory):
-    from tests.tiny_pipelines import make_tiny_sd3
+    """builtin:tiny-sd3 (3 JointTransformerBlocks, the last context_pre_only) as a plain folder."""
+    from aotbuild import builtin
 
-    return make_tiny_sd3(tmp_path_factory.mktemp("sd3") / "tiny-sd3")
+    return builtin.ensure("builtin:tiny-sd3", tmp_path_factory.mktemp("sd3") / "models")
 
 
 def test_plan_checks_block_names_without_loading_weights(tiny_sd3_dir, tmp_path, monkeypatch):
@@ -295,17 +296,17 @@ def test_plan_checks_block_names_without_loading_weights(tiny_sd3_dir, tmp_path,
 # For real: build with the CLI, load in a fresh process elsewhere (slow: minutes on 2 cores)
 # ---------------------------------------------------------------------------------------------
 
-def _build_and_load_fresh(tmp_path, make, recipe_text: str) -> tuple[dict, dict]:
-    """The pipeline ``make`` saves next to the recipe (model.id is relative to it), built by
-    ``aotbuild build`` into a fresh cache, then loaded in a fresh process in another folder with
-    an empty Inductor cache: (the entry's manifest, what tests/test_aot.py's FRESH measured)."""
+def _build_and_load_fresh(tmp_path, recipe_text: str) -> tuple[dict, dict]:
+    """A recipe of a built-in model, built by ``aotbuild build`` into a fresh cache (with its
+    proof), then loaded in a fresh process in another folder with an empty Inductor cache: (the
+    entry's manifest, what tests/test_aot.py's FRESH measured)."""
     import json
 
     from tests.conftest import run_cli
     from tests.test_aot import run_fresh
 
     recipes = tmp_path / "recipes"
-    make(recipes / "tiny")
+    recipes.mkdir()
     recipe = recipes / "regional.yaml"
     recipe.write_text(recipe_text)
     cache = tmp_path / "cache"
@@ -322,10 +323,8 @@ def _build_and_load_fresh(tmp_path, make, recipe_text: str) -> tuple[dict, dict]
 @pytest.mark.slow
 def test_flux_regional_packages_serve_every_block(tmp_path):
     """Issue 12: single-stream blocks after the first get slices; every one must run its package."""
-    from tests.tiny_pipelines import make_tiny_flux
-
-    manifest, result = _build_and_load_fresh(tmp_path, make_tiny_flux, textwrap.dedent("""
-        model: {id: ./tiny, dtype: float32}
+    manifest, result = _build_and_load_fresh(tmp_path, textwrap.dedent("""
+        model: {id: builtin:tiny-flux, dtype: float32}
         target: inductor
         device: cpu
         strategy: aot-package
@@ -333,6 +332,7 @@ def test_flux_regional_packages_serve_every_block(tmp_path):
         shapes: [{height: 64, width: 64}]
         warmup: {num_inference_steps: 2, max_sequence_length: 8}
     """))
+    assert manifest["proof"]["instances"] == 4 and manifest["proof"]["compiles"] == 0  # the build's own proof
     served = {p["block_class"]: p["instances"] for p in manifest["packages"]}
     assert served == {"FluxTransformerBlock": ["transformer_blocks.0", "transformer_blocks.1"],
                       "FluxSingleTransformerBlock": ["single_transformer_blocks.0", "single_transformer_blocks.1"]}
@@ -347,10 +347,8 @@ def test_flux_regional_packages_serve_every_block(tmp_path):
 def test_sd3_regional_with_named_blocks(tmp_path):
     """SD3 lists no _repeated_blocks: compile.blocks names them. Its last block is context_pre_only,
     a group of one, which gets a package of its own."""
-    from tests.tiny_pipelines import make_tiny_sd3
-
-    manifest, result = _build_and_load_fresh(tmp_path, make_tiny_sd3, textwrap.dedent("""
-        model: {id: ./tiny, dtype: float32}
+    manifest, result = _build_and_load_fresh(tmp_path, textwrap.dedent("""
+        model: {id: builtin:tiny-sd3, dtype: float32}
         target: inductor
         device: cpu
         strategy: aot-package
@@ -359,6 +357,7 @@ def test_sd3_regional_with_named_blocks(tmp_path):
         warmup: {num_inference_steps: 2, guidance_scale: 0.0, max_sequence_length: 8}
     """))
     assert manifest["factors"]["compile"]["blocks"] == ["JointTransformerBlock"]
+    assert manifest["proof"]["instances"] == 3 and manifest["proof"]["compiles"] == 0
     assert sorted(p["instances"] for p in manifest["packages"]) == [
         ["transformer_blocks.0", "transformer_blocks.1"], ["transformer_blocks.2"]]
     assert result["unique_graphs"] == 0

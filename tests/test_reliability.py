@@ -389,6 +389,73 @@ def test_no_space_left_cleans_up_and_the_build_continues_uncached(cache, fake_co
     check_no_dangling(store)
 
 
+def test_no_space_left_after_some_blobs_leaves_no_orphan(cache, fake_compiles, monkeypatch):
+    """The disk fills after the entry's first blob: that blob is removed at once (journal.py), so
+    verify finds nothing to fix."""
+    real_put = Store.put_blob
+    calls = []
+
+    def put_blob(self, source, expect=None):
+        calls.append(expect)
+        if len(calls) == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_put(self, source, expect)
+
+    monkeypatch.setattr(Store, "put_blob", put_blob)
+    report = builder.build([str(TINY_RECIPE)], cache)
+    assert sorted(r.status for r in report.results) == [BUILT, UNCACHED]
+    store = Store(cache)
+    assert verify(store) == []  # no orphan blob, no journal, no temp file: without --fix
+    assert not list(store.layout.tmp.iterdir())
+
+
+KILLED_JOURNALED = textwrap.dedent("""
+    import sys, time
+    from pathlib import Path
+    from aotbuild.journal import entry_writer
+    from aotbuild.locks import store_lock
+    from aotbuild.store import Store
+
+    store = Store(Path(sys.argv[1]))
+    with entry_writer(store) as w, store_lock(store.root, exclusive=False):
+        w.put_blob(Path(sys.argv[2]))
+        print("one blob written", flush=True)
+        time.sleep(600)  # killed here, before its manifest
+""")
+
+
+def test_a_writer_killed_with_9_is_reclaimed_by_the_next_writer(tmp_path):
+    root = tmp_path / "c"
+    first = tmp_path / "first"
+    first.write_bytes(b"orphan-to-be")
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_JOURNALED, str(root), str(first)],
+                            stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "one blob written"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    store = Store(root)
+    assert sorted(p.kind for p in verify(store)) == ["orphan", "temp"]  # its blob, its dead journal
+    add_entry(store, tmp_path, "next", {"x.so": b"the next writer"})  # any writer reclaims first
+    assert verify(store) == []  # without --fix
+    report = json.loads(run_cli("verify", "--json", "--cache", str(root)).stdout)
+    assert report["problems"] == [] and report["notes"][-1]["reclaimed_blobs"] == [
+        hashlib.sha256(b"orphan-to-be").hexdigest()]
+
+
+def test_a_refused_pull_leaves_no_orphan(tmp_path):
+    from aotbuild.remote import parse_remote
+
+    remote_store = Store(tmp_path / "remote")
+    key = add_entry(remote_store, tmp_path, "a", {"a.so": b"good", "b.so": b"bad-to-be"})
+    bad = remote_store.layout.blob(remote_store.read_manifest(key).files[1].sha256)
+    bad.chmod(0o644)
+    bad.write_bytes(b"tampered")
+    local = Store(tmp_path / "local")
+    why = parse_remote(f"file://{remote_store.root}").fetch(key, local)
+    assert why.startswith("refused")
+    assert not local.has(key) and verify(local) == [] and not list(local.blob_files())
+
+
 # -- rm --------------------------------------------------------------------------------------------
 
 def test_rm_removes_entries_and_only_their_own_blobs(tmp_path):
@@ -598,3 +665,18 @@ def test_a_builtin_model_is_shared_readable_and_a_killed_creation_is_reclaimed(t
     modes = {p.relative_to(folder).as_posix(): stat.S_IMODE(p.stat().st_mode) for p in (folder, *folder.rglob("*"))}
     assert modes["."] == 0o755 and modes["unet"] == 0o755 and modes["unet/config.json"] == 0o644
     assert not (folder / builtin.STAGING_LOCK).exists()
+
+
+def test_a_store_written_under_umask_077_is_readable_by_other_users(tmp_path):
+    import stat
+
+    old = os.umask(0o077)
+    try:
+        store = Store(tmp_path / "c")
+        key = add_entry(store, tmp_path, "a", {"x.so": b"kernel"})
+    finally:
+        os.umask(old)
+    for path in (store.root / "blobs", store.layout.blob(store.read_manifest(key).files[0].sha256).parent,
+                 store.layout.manifest(key).parent, store.layout.locks):
+        assert stat.S_IMODE(path.stat().st_mode) == 0o755, path
+    assert stat.S_IMODE(store.layout.manifest(key).stat().st_mode) == 0o644

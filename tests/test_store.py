@@ -118,3 +118,14 @@ def test_inductor_collect_and_install(tmp_path, monkeypatch):
     assert (active / "ab/cab.main.so").stat().st_mode & 0o111
     again = target.install(collected.items(), "cuda:3")
     assert again.installed == 0 and again.present == 3
+
+
+@pytest.mark.parametrize(("prefix", "message"), [
+    ("zzzzzzzz", "'zzzzzzzz' is not a key: keys are hex (0-9, a-f)"),
+    ("abc", "'abc' is too short for a key: give at least 8 hex characters"),
+    ("abcdefgh12", "is not a key: keys are hex"),
+])
+def test_a_key_prefix_that_is_not_hex_says_so(tmp_path, prefix, message):
+    with pytest.raises(UsageError) as info:
+        Store(tmp_path).resolve_prefix(prefix)
+    assert message in str(info.value)

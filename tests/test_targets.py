@@ -147,12 +147,7 @@ LOAD = textwrap.dedent("""
 """)
 
 
-@pytest.mark.slow  # builds and proves through the stand-ins (a minute each on 2 cores)
-@pytest.mark.parametrize("target,vendor,scope,suffix", [
-    ("neuron", "torch_neuronx", "full", "model.neff"),
-    ("tpu", "torch_tpu", "regional", "model.bin"),
-])
-def test_standin_build_then_fresh_load_compiles_nothing(tmp_path, target, vendor, scope, suffix):
+def standin_recipe(tmp_path: Path, target: str, scope: str) -> Path:
     path = tmp_path / f"tiny_{target}.yaml"
     path.write_text(textwrap.dedent(f"""
         model: {{id: builtin:tiny-sd, dtype: float32}}
@@ -162,6 +157,16 @@ def test_standin_build_then_fresh_load_compiles_nothing(tmp_path, target, vendor
         shapes: [{{height: 64, width: 64}}]
         warmup: {{guidance_scale: 0.0}}
     """))
+    return path
+
+
+@pytest.mark.slow  # builds and proves through the stand-ins (a minute each on 2 cores)
+@pytest.mark.parametrize("target,vendor,scope,suffix", [
+    ("neuron", "torch_neuronx", "full", "model.neff"),
+    ("tpu", "torch_tpu", "regional", "model.bin"),
+])
+def test_standin_build_then_fresh_load_compiles_nothing(tmp_path, target, vendor, scope, suffix):
+    path = standin_recipe(tmp_path, target, scope)
     cache = tmp_path / "cache"
     build = run_cli("build", "--json", "--cache", str(cache), str(path), env=FAKES)
     assert build.returncode == 0, build.stderr[-3000:]
@@ -225,15 +230,7 @@ def test_captured_tree_refuses_symlinks_and_special_files(tmp_path):
 def test_an_entry_that_fails_its_proof_is_never_stored(tmp_path, target, scope, fault, named):
     """A compiler whose artifacts serve only the first block instance in a fresh process, and one
     whose compiled graph drifts from eager: the build fails with the reason, and stores nothing."""
-    path = tmp_path / f"tiny_{target}.yaml"
-    path.write_text(textwrap.dedent(f"""
-        model: {{id: builtin:tiny-sd, dtype: float32}}
-        target: {target}
-        device: cpu
-        compile: {{components: [unet], scope: {scope}}}
-        shapes: [{{height: 64, width: 64}}]
-        warmup: {{guidance_scale: 0.0}}
-    """))
+    path = standin_recipe(tmp_path, target, scope)
     cache = tmp_path / "cache"
     build = run_cli("build", "--json", "--cache", str(cache), str(path), env={**FAKES, "AOTBUILD_STANDIN_FAULT": fault})
     assert build.returncode == 1, build.stderr[-3000:]

@@ -1,0 +1,250 @@
+"""``aotbuild doctor``: can this machine build and serve a cache? Named checks, one command.
+
+Each check says ok, failed or skipped (it does not apply, or an earlier check failed), with a
+one-line detail and, when it fails, the fix. The last one, ``roundtrip``, builds the built-in tiny
+model for the chosen target and device into a temporary cache (never the user's store): the build's
+own proof is a fresh process serving the entry, so its figures are what a replica on this machine
+would see (compiles at load, which must be 0, and the difference from eager).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import subprocess
+import tempfile
+import textwrap
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+#: Free space below which the cache's disk fails the check (an SDXL entry is a few hundred MB).
+MIN_FREE = 2 * 10**9
+
+
+@dataclass
+class Check:
+    name: str
+    ok: bool = True
+    skipped: bool = False
+    detail: str = ""
+    fix: str = ""
+    data: dict[str, Any] = field(default_factory=dict)
+
+    def as_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        out.update(out.pop("data"))
+        return out
+
+
+@dataclass
+class Report:
+    checks: list[Check]
+
+    @property
+    def ok(self) -> bool:
+        return all(c.ok or c.skipped for c in self.checks)
+
+    def as_json(self) -> dict[str, Any]:
+        return {"ok": self.ok, "checks": [c.as_json() for c in self.checks]}
+
+
+def _failed(name: str, detail: str, fix: str, **data: Any) -> Check:
+    return Check(name, ok=False, detail=detail, fix=fix, data=data)
+
+
+def _skipped(name: str, detail: str) -> Check:
+    return Check(name, skipped=True, detail=detail)
+
+
+def check_toolchain(target_name: str, device: str) -> Check:
+    from aotbuild.targets import get_target
+
+    target = get_target(target_name)
+    available = target.availability(device)
+    versions = dict(available.versions)
+    if not available.ok:
+        return _failed("toolchain", available.reason, f"install the {target_name} toolchain, or pick another "
+                                                       f"--target (aotbuild targets lists them)", versions=versions)
+    if target_name != "inductor":
+        return Check("toolchain", detail=", ".join(f"{k} {v}" for k, v in versions.items()) or "available",
+                     data={"versions": versions})
+    import torch
+
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            return _failed("toolchain", f"CUDA is not available (torch {torch.__version__})",
+                           "install a CUDA build of torch and the NVIDIA driver")
+        major, minor = torch.cuda.get_device_capability()
+        try:
+            import triton
+
+            triton_version = triton.__version__
+        except ImportError:
+            return _failed("toolchain", "Triton is not installed: Inductor cannot generate CUDA kernels",
+                           "pip install triton (it comes with torch's CUDA wheels)")
+        detail = (f"{torch.cuda.get_device_name()} (capability {major}.{minor}), CUDA {torch.version.cuda}, "
+                  f"driver ok, Triton {triton_version}")
+        return Check("toolchain", detail=detail, data={"versions": {"cuda": torch.version.cuda,
+                                                                     "triton": triton_version}})
+    from torch._inductor.cpp_builder import get_cpp_compiler
+
+    try:
+        compiler = get_cpp_compiler()  # honours CXX, as Inductor does when it compiles
+        proc = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30)
+        if proc.returncode != 0:
+            raise OSError(proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else proc.returncode)
+    except Exception as exc:  # InvalidCxxCompiler, OSError, a timeout: the same fix
+        cxx = os.environ.get("CXX")
+        where = f" (CXX={cxx})" if cxx else ""
+        return _failed("toolchain", f"no working C++ compiler{where}: {str(exc).splitlines()[0][:160]}",
+                       "install g++ (apt-get install g++) or point CXX at a working compiler")
+    version = proc.stdout.strip().splitlines()[0] if proc.stdout.strip() else compiler
+    return Check("toolchain", detail=f"C++ compiler {compiler}: {version}", data={"compiler": compiler})
+
+
+def check_caches(cache_root: Path) -> Check:
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+
+    from aotbuild.targets.inductor import active_cache_dir
+
+    off = [name for name, on in (("FX graph cache (TORCHINDUCTOR_FX_GRAPH_CACHE)", inductor_config.fx_graph_cache),
+                                 ("AOTAutograd cache (TORCHINDUCTOR_AUTOGRAD_CACHE)",
+                                  functorch_config.enable_autograd_cache)) if not on]
+    if off:
+        return _failed("caches", f"{' and '.join(off)} off in this process: installed entries would not be used",
+                       "unset the variable or set it to 1")
+    for label, folder in (("Inductor cache folder", Path(active_cache_dir())), ("aotbuild cache", cache_root)):
+        problem = _writable(folder)
+        if problem:
+            return _failed("caches", f"the {label} {folder} is not writable: {problem}",
+                           "fix its permissions, or point it elsewhere (TORCHINDUCTOR_CACHE_DIR; --cache or "
+                           "AOTBUILD_CACHE)")
+    return Check("caches", detail=f"FX graph and AOTAutograd caches on; {active_cache_dir()} and {cache_root} "
+                                  f"writable")
+
+
+def _writable(folder: Path) -> str:
+    probe = folder
+    while not probe.exists():
+        probe = probe.parent
+    try:
+        with tempfile.NamedTemporaryFile(dir=probe, prefix=".aotbuild-doctor."):
+            pass
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    return ""
+
+
+def check_disk(cache_root: Path) -> Check:
+    from aotbuild.layout import format_size
+
+    probe = cache_root
+    while not probe.exists():
+        probe = probe.parent
+    free = shutil.disk_usage(probe).free
+    if free < MIN_FREE:
+        return _failed("disk", f"{format_size(free)} free under {probe}", f"free space: a build needs at least "
+                                                                          f"{format_size(MIN_FREE)}", free=free)
+    return Check("disk", detail=f"{format_size(free)} free under {probe}", data={"free": free})
+
+
+def check_store(cache_root: Path, deep: bool) -> Check:
+    from aotbuild.layout import format_size
+    from aotbuild.store import Store
+
+    store = Store(cache_root)
+    if not store.layout.manifests.is_dir():
+        return Check("store", detail=f"no entries yet in {cache_root}", data={"entries": 0, "size": 0})
+    entries = list(store.iter_manifests())
+    size = sum(m.size for m in entries)
+    if deep:
+        from aotbuild.manage import verify
+
+        problems = verify(store)
+        if problems:
+            return _failed("store", f"{len(problems)} problem(s), e.g. {problems[0].kind} {problems[0].path}: "
+                                    f"{problems[0].detail}", "aotbuild verify --fix", entries=len(entries))
+    broken = [m.key for m in entries if not store.check_entry(m.key)[0]]
+    if broken:
+        return _failed("store", f"{len(broken)} of {len(entries)} entries have missing or resized blobs",
+                       "aotbuild verify --fix (the next build rebuilds them)", entries=len(entries))
+    how = "every blob hashed" if deep else "sizes checked; --deep hashes every blob"
+    return Check("store", detail=f"{len(entries)} entries, {format_size(size)} ({how})",
+                 data={"entries": len(entries), "size": size})
+
+
+def check_remote(url: str | None) -> Check:
+    if not url:
+        return _skipped("remote", "no --remote and no AOTBUILD_REMOTE")
+    from aotbuild.errors import AotbuildError
+    from aotbuild.remote import parse_remote
+
+    try:
+        keys = parse_remote(url).keys()
+    except AotbuildError as exc:
+        return _failed("remote", str(exc), "check the URL, the network and HF_TOKEN (docs/ci.md)")
+    return Check("remote", detail=f"{url} answers: {len(keys)} entries")
+
+
+ROUNDTRIP = textwrap.dedent("""\
+    # aotbuild doctor's roundtrip: the built-in tiny model, one small shape
+    model: {{id: builtin:tiny-sd, dtype: float32}}
+    target: {target}
+    device: {device}
+    compile: {{components: [unet], scope: full}}
+    shapes: [{{height: 64, width: 64}}]
+    warmup: {{num_inference_steps: 1, guidance_scale: 0.0}}
+""")
+
+
+def check_roundtrip(target: str, device: str, progress: Any = None) -> Check:
+    """Build and prove the tiny model in a temporary cache; the proof is a fresh process serving it."""
+    from aotbuild.builder import BUILT, build
+
+    folder = Path(tempfile.mkdtemp(prefix="aotbuild-doctor-"))
+    try:
+        recipe = folder / "doctor.yaml"
+        recipe.write_text(ROUNDTRIP.format(target=target, device=device))
+        # The job and its proof each get empty compiler caches of their own (target.capture_env).
+        report = build([str(recipe)], folder / "cache", progress=progress)
+        result = report.results[0]
+        if result.status != BUILT:
+            return _failed("roundtrip", f"the tiny build {result.status}: {result.reason}",
+                           "fix the check that failed above; the log named in the detail has the rest")
+        from aotbuild.store import Store
+
+        manifest = Store(folder / "cache").read_manifest(result.job.key or "")
+        proof = manifest.proof if manifest else None
+        if proof is None:
+            return _failed("roundtrip", "the entry has no proof", "report this: a built entry is always proven")
+        return Check("roundtrip", detail=f"built in {result.seconds:.0f} s, then a fresh process served it: "
+                                         f"compiled_at_load {proof.compiles} ({proof.counter}), max |compiled - "
+                                         f"eager| {proof.max_abs_diff:.1e}, load {proof.load_s:.1f} s",
+                     data={"compiled_at_load": proof.compiles, "max_abs_diff": proof.max_abs_diff,
+                           "build_s": round(result.seconds, 1), "load_s": proof.load_s})
+    finally:
+        with contextlib.suppress(OSError):
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def doctor(target: str = "inductor", device: str | None = None, cache: str | Path | None = None,
+           remote: str | None = None, deep: bool = False, roundtrip: bool = True, progress: Any = None) -> Report:
+    from aotbuild import constants
+    from aotbuild.layout import resolve_cache_root
+    from aotbuild.targets import get_target
+
+    t = get_target(target)
+    device = device or (t.default_device() if t.availability().ok else "cpu")
+    root = resolve_cache_root(cache)
+    checks = [check_toolchain(target, device), check_caches(root), check_disk(root), check_store(root, deep),
+              check_remote(remote or os.environ.get(constants.ENV_REMOTE))]
+    if not roundtrip:
+        checks.append(_skipped("roundtrip", "--no-roundtrip"))
+    elif not checks[0].ok:
+        checks.append(_skipped("roundtrip", "the toolchain check failed"))
+    else:
+        checks.append(check_roundtrip(target, device, progress))
+    return Report(checks)

@@ -1,0 +1,207 @@
+"""Nothing left behind: every writer of an entry keeps a journal of the blobs it touches.
+
+A build or a pull writes an entry's blobs, then its manifest. If it fails in between (no space
+left, a refused pull, an error) or is killed, the blobs it wrote are orphans: they fill the disk and
+make ``verify`` fail until ``--fix``. So each writer first records, in a journal locked for its
+lifetime (``<cache>/tmp/j.*``), every digest it is about to store, before storing it:
+
+* on success (the manifest is written) the journal is deleted;
+* on failure the writer reclaims at once: under the exclusive store lock, each digest it created
+  that no manifest names and no other live journal lists is removed;
+* a writer killed with -9 leaves its journal unlocked; the next writer reclaims it the same way
+  before it starts, and records what it removed in ``<cache>/logs/reclaimed.jsonl``, which
+  ``aotbuild verify --json`` lists under ``notes``.
+
+A digest listed in a live journal is never removed: that writer may be about to name it, even if
+it found the blob already stored (content addressing shares blobs between entries).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, BinaryIO
+
+from aotbuild.errors import StoreError
+from aotbuild.layout import HEX64, shared_dirs
+from aotbuild.locks import is_unlocked, store_lock
+
+if TYPE_CHECKING:
+    from aotbuild.manifest import Manifest
+    from aotbuild.store import Store
+
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - Windows
+    fcntl = None  # type: ignore[assignment]
+
+PREFIX = "j."
+#: How long a failed writer or the next one waits for the exclusive lock to reclaim (seconds);
+#: past it the journal stays for the writer after.
+RECLAIM_TIMEOUT = 10.0
+
+
+class EntryWriter:
+    """Writes one entry's blobs and manifest through the store, journaled."""
+
+    def __init__(self, store: Store):
+        self.store = store
+        shared_dirs(store.layout.tmp)
+        fd, path = tempfile.mkstemp(prefix=PREFIX, dir=store.layout.tmp)
+        if fcntl is not None:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        self.fd, self.path = fd, Path(path)
+        self.created: set[str] = set()
+        self.committed = False
+
+    def _intend(self, digest: str) -> None:
+        os.write(self.fd, f"{digest}\n".encode())
+        os.fsync(self.fd)
+
+    def put_blob(self, source: Path | BinaryIO, expect: str | None = None) -> tuple[str, int]:
+        from aotbuild.store import sha256_file
+
+        digest = expect or sha256_file(Path(source))  # type: ignore[arg-type]
+        self._intend(digest)
+        existed = self.store.layout.blob(digest).is_file()
+        stored, size = self.store.put_blob(source, expect=digest)
+        if not existed:
+            self.created.add(stored)
+        return stored, size
+
+    def put_manifest(self, manifest: Manifest) -> Path:
+        path = self.store.put_manifest(manifest)
+        self.committed = True
+        return path
+
+    def close(self) -> list[str]:
+        """Delete the journal; after a failure, first remove what this writer created and no one
+        names. Returns the digests removed. Must be called without holding the store lock."""
+        removed: list[str] = []
+        try:
+            if not self.committed and self.created:
+                try:
+                    removed = reclaim(self.store, self.created, exclude=self.path)
+                except StoreError:  # no exclusive lock in time: the next writer reclaims the journal
+                    os.close(self.fd)
+                    self.fd = -1
+                    return []
+            self.path.unlink(missing_ok=True)
+        finally:
+            if self.fd >= 0:
+                os.close(self.fd)
+                self.fd = -1
+        return removed
+
+
+@contextlib.contextmanager
+def entry_writer(store: Store) -> Iterator[EntryWriter]:
+    """``with entry_writer(store) as w:`` then ``w.put_blob(...)``, ``w.put_manifest(...)`` (inside
+    the shared store lock); leaving the block without a manifest reclaims the blobs at once."""
+    reclaim_dead(store)
+    writer = EntryWriter(store)
+    try:
+        yield writer
+    finally:
+        writer.close()
+
+
+def _journal_digests(path: Path) -> set[str]:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return set()
+    return {line for line in text.split() if HEX64.match(line)}
+
+
+def _live_journals(store: Store, exclude: Path | None = None) -> set[str]:
+    out: set[str] = set()
+    for path in store.layout.tmp.glob(f"{PREFIX}*") if store.layout.tmp.is_dir() else ():
+        if path != exclude and not is_unlocked(path):
+            out |= _journal_digests(path)
+    return out
+
+
+def _named(store: Store) -> set[str] | None:
+    """Every digest a manifest names (stale manifests too); None when a manifest cannot be read
+    (its blobs could look unnamed: then nothing is removed)."""
+    from aotbuild import manifest as codec
+
+    named: set[str] = set()
+    for path in store.manifest_files():
+        try:
+            m = codec.read(path, path.stem)
+        except codec.StaleManifest as exc:
+            named |= {f.sha256 for f in exc.files}
+            continue
+        except codec.ManifestError:
+            continue  # malformed: verify reports it; what it names is no entry
+        except OSError:
+            return None
+        if m is not None:
+            named |= {f.sha256 for f in m.files}
+    return named
+
+
+def reclaim(store: Store, digests: set[str], exclude: Path | None = None) -> list[str]:
+    """Remove the blobs of ``digests`` that no manifest names and no live journal lists, under the
+    exclusive store lock (so no writer is between its blobs and its manifest)."""
+    with store_lock(store.root, exclusive=True, timeout=RECLAIM_TIMEOUT):
+        named = _named(store)
+        if named is None:
+            return []
+        busy = _live_journals(store, exclude)
+        removed = sorted(d for d in digests if d not in named and d not in busy
+                         and store.layout.blob(d).exists())
+        for digest in removed:
+            store.remove_blob(digest)
+        return removed
+
+
+def reclaim_dead(store: Store) -> None:
+    """Reclaim the journals and temp files of writers that died (nobody holds their lock)."""
+    tmp = store.layout.tmp
+    if not tmp.is_dir():
+        return
+    dead = [p for p in tmp.glob(f"{PREFIX}*") if p.is_file() and is_unlocked(p)]
+    stale_temp = [p for p in tmp.glob("w.*") if p.is_file() and is_unlocked(p)]
+    if not dead and not stale_temp:
+        return
+    try:
+        digests = set().union(*(_journal_digests(p) for p in dead)) if dead else set()
+        removed = reclaim(store, digests) if digests else []
+    except StoreError:
+        return  # busy: a later writer tries again
+    for p in (*dead, *stale_temp):
+        if is_unlocked(p):
+            p.unlink(missing_ok=True)
+    _note(store, {"reclaimed_blobs": removed, "journals": [p.name for p in dead],
+                  "temp_files": [p.name for p in stale_temp]})
+
+
+def _note(store: Store, record: dict[str, Any]) -> None:
+    with contextlib.suppress(OSError):
+        log = store.root / "logs" / "reclaimed.jsonl"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with open(log, "a", encoding="utf-8") as f:
+            f.write(json.dumps({"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **record}) + "\n")
+
+
+def notes(store: Store, last: int = 20) -> list[dict[str, Any]]:
+    """What writers reclaimed from dead ones, most recent last (for ``verify --json``)."""
+    try:
+        lines = (store.root / "logs" / "reclaimed.jsonl").read_text(encoding="utf-8").splitlines()[-last:]
+    except OSError:
+        return []
+    out = []
+    for line in lines:
+        with contextlib.suppress(ValueError):
+            data = json.loads(line)
+            if isinstance(data, dict):
+                out.append(data)
+    return out

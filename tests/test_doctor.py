@@ -1,0 +1,50 @@
+"""``aotbuild doctor``: named checks, exit 1 naming the one that failed, a real roundtrip."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.conftest import run_cli
+
+
+def checks(proc) -> dict[str, dict]:
+    return {c["name"]: c for c in json.loads(proc.stdout)["checks"]}
+
+
+def test_a_missing_compiler_fails_the_toolchain_check_and_skips_the_roundtrip(tmp_path):
+    proc = run_cli("doctor", "--json", "--cache", str(tmp_path / "c"), env={"CXX": str(tmp_path / "no-such-g++")})
+    assert proc.returncode == 1, proc.stderr
+    found = checks(proc)
+    assert json.loads(proc.stdout)["ok"] is False
+    assert not found["toolchain"]["ok"] and "no working C++ compiler (CXX=" in found["toolchain"]["detail"]
+    assert "point CXX at a working compiler" in found["toolchain"]["fix"]
+    assert found["roundtrip"]["skipped"] and "toolchain" in found["roundtrip"]["detail"]
+    text = run_cli("doctor", "--cache", str(tmp_path / "c"), env={"CXX": str(tmp_path / "no-such-g++")})
+    assert text.returncode == 1 and "FAIL  toolchain" in text.stdout and "a check failed" in text.stdout
+
+
+def test_every_check_is_named_and_a_missing_remote_fails(tmp_path):
+    (tmp_path / "c").mkdir()
+    proc = run_cli("doctor", "--json", "--no-roundtrip", "--cache", str(tmp_path / "c"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    found = checks(proc)
+    assert list(found) == ["toolchain", "caches", "disk", "store", "remote", "roundtrip"]
+    assert found["toolchain"]["ok"] and found["remote"]["skipped"] and found["roundtrip"]["skipped"]
+    assert found["disk"]["free"] > 0 and found["store"]["entries"] == 0
+    bad = run_cli("doctor", "--json", "--no-roundtrip", "--cache", str(tmp_path / "c"),
+                  "--remote", f"file://{tmp_path}/nowhere/cache")
+    assert bad.returncode == 1 and not checks(bad)["remote"]["ok"]
+    off = run_cli("doctor", "--json", "--no-roundtrip", "--cache", str(tmp_path / "c"),
+                  env={"TORCHINDUCTOR_FX_GRAPH_CACHE": "0"})
+    assert off.returncode == 1 and "FX graph cache" in checks(off)["caches"]["detail"]
+
+
+@pytest.mark.slow  # one tiny build and its proof (a minute or two on 2 cores)
+def test_the_roundtrip_builds_and_a_fresh_process_serves_with_0_compiles(tmp_path):
+    proc = run_cli("doctor", "--json", "--cache", str(tmp_path / "c"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    roundtrip = checks(proc)["roundtrip"]
+    assert roundtrip["ok"] and roundtrip["compiled_at_load"] == 0 and roundtrip["max_abs_diff"] <= 1e-4
+    assert not (tmp_path / "c").exists()  # never the user's store: a temporary cache
