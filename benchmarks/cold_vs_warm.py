@@ -1,18 +1,23 @@
-"""Cold compile vs warm loads on builtin:tiny-sd, measured side by side in fresh processes.
+"""Cold compile vs warm loads on one recipe, measured side by side in fresh processes.
 
-    python benchmarks/cold_vs_warm.py [--repeats 3] [--plot benchmarks/cold_vs_warm.png]
+    python benchmarks/cold_vs_warm.py [--recipe tiny-sd] [--repeats 3] [--plot benchmarks/cold_vs_warm.png]
 
-Modes (each a fresh process, load -> first image timed from the top of the process):
+--recipe is a recipe file or a built-in architecture (tiny-sd, the default, tiny-sdxl, tiny-sd3,
+tiny-flux: recipes/tiny_<arch>_cpu.yaml); its first shape is measured, and the aotbuild modes load
+recipes derived from it (harness.derive_recipe). Modes (each a fresh process, load -> first image
+timed from the top of the process):
   eager      no compile at all
-  cold       plain torch.compile(unet.forward, fullgraph=True, dynamic=False), empty Inductor cache
+  cold       plain torch.compile(component.forward, fullgraph=True, dynamic=False) on each of the
+             recipe's components, empty Inductor cache
   pt-warm    the same, on the Inductor cache folder a cold run left (PyTorch's own warm cache)
   aotbuild   load_compiled() from a copy of an aotbuild cache in a new folder, empty Inductor cache
   aot-package  the same with strategy: aot-package (AOTInductor packages, no Dynamo at load)
   aot-regional aot-package with compile.scope: regional (one package per repeated block and
-               signature, shared by the block's instances; the rest of the UNet runs eagerly)
+               signature, shared by the block's instances; the rest of the denoiser runs eagerly)
 Steady state is the median of 10 calls after the first (aotbuild builds CPU kernels with
 cpp.dynamic_threads; plain torch.compile does not). Peak RSS is each process's ru_maxrss.
-Prints medians and the ratios the core issue sets as goals. Never used by tests.
+Prints medians, each mode against eager and the cold compile, the ratios the core issue sets as
+goals, and each aotbuild build's phases with the proof's share of it. Never used by tests.
 """
 
 from __future__ import annotations
@@ -22,15 +27,17 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 T0 = time.perf_counter()
-REPO = Path(__file__).resolve().parents[1]
-RECIPE = REPO / "recipes" / "tiny_sd_cpu.yaml"
+
+from harness import ARCHS, REGIONAL_BLOCKS, build, child_env, derive_recipe, fmt, table  # noqa: E402
+from harness import run_child as run_script_child  # noqa: E402
+
+from aotbuild.recipe import load_recipe  # noqa: E402
 
 
 def child(mode: str, recipe: str, cache: str) -> None:
@@ -38,7 +45,6 @@ def child(mode: str, recipe: str, cache: str) -> None:
 
     from aotbuild.layout import resolve_cache_root
     from aotbuild.models import load_pipeline, resolve_model, warmup_kwargs
-    from aotbuild.recipe import load_recipe
 
     r = load_recipe(recipe)
     shape = r.shapes[0]
@@ -49,7 +55,9 @@ def child(mode: str, recipe: str, cache: str) -> None:
     else:
         pipe = load_pipeline(r, resolve_model(r, resolve_cache_root(cache)), "float32")
         if mode != "eager":
-            pipe.unet.forward = torch.compile(pipe.unet.forward, fullgraph=True, dynamic=False)
+            for name in r.compile.components:
+                module = getattr(pipe, name)
+                module.forward = torch.compile(module.forward, fullgraph=True, dynamic=False)
     pipe(**warmup_kwargs(r, shape))
     first = time.perf_counter() - T0
     times = []
@@ -67,17 +75,24 @@ def child(mode: str, recipe: str, cache: str) -> None:
                                   "unique_graphs": counters["stats"].get("unique_graphs", 0)}))
 
 
-def run_child(mode: str, recipe: Path, cache: Path, inductor: Path) -> dict:
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(inductor), "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([sys.executable, __file__, "--child", mode, str(recipe), str(cache)], env=env,
-                          capture_output=True, text=True)
-    if proc.returncode:
-        sys.exit(f"{mode} failed:\n{proc.stderr[-3000:]}")
-    return json.loads(next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))[7:])
+def run_child(mode: str, recipe: Path, cache: Path, workdir: Path) -> dict:
+    """One fresh process of ``mode``; its compiler caches under ``workdir`` (empty, unless a
+    previous process of this round left them there: pt-warm after cold)."""
+    result = run_script_child(__file__, [mode, str(recipe), str(cache)], child_env(workdir))
+    if "error" in result:
+        sys.exit(f"{mode} failed: {result['error']}")
+    return result
+
+
+#: mode -> (strategy, scope) of the aotbuild recipe it loads; the other modes load the base recipe.
+BUILDS = {"aotbuild": ("jit-cache", "full"), "aot-package": ("aot-package", "full"),
+          "aot-regional": ("aot-package", "regional")}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--recipe", default="tiny-sd", help=f"a recipe file or one of {', '.join(ARCHS)} "
+                                                        "(recipes/tiny_<arch>_cpu.yaml); its first shape is measured")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--modes", default="eager,cold,pt-warm,aotbuild,aot-package,aot-regional",
                     help="comma-separated subset, for a quick look (ratios need their modes)")
@@ -92,26 +107,26 @@ def main() -> None:
         from aotbuild.bench import require_matplotlib
 
         require_matplotlib()
+    base = ARCHS.get(args.recipe) or Path(args.recipe).absolute()
     work = Path(tempfile.mkdtemp(prefix="aotbench."))
     try:
-        recipe = work / "tiny_sd_cpu.yaml"  # one shape: each cold compile costs a minute here
-        text = RECIPE.read_text().replace("  - {height: 64, width: 96}\n", "")
-        recipe.write_text(text)
-        aot_recipe = work / "tiny_sd_aot.yaml"
-        aot_recipe.write_text(text.replace("strategy: jit-cache", "strategy: aot-package"))
-        regional_recipe = work / "tiny_sd_aot_regional.yaml"
-        regional_recipe.write_text(text.replace("strategy: jit-cache", "strategy: aot-package")
-                                   .replace("scope: full", "scope: regional"))
-        cache = work / "cache"
         modes = args.modes.split(",")
-        builds = {"aotbuild": recipe, "aot-package": aot_recipe, "aot-regional": regional_recipe}
-        to_build = [str(builds[m]) for m in modes if m in builds]
-        if to_build:
-            print(f"building the aotbuild caches once ({', '.join(m for m in modes if m in builds)}) ...", flush=True)
-            subprocess.run([sys.executable, "-m", "aotbuild.cli", "build", "--cache", str(cache), *to_build],
-                           check=True, env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(work / "build-ind")},
-                           capture_output=True)
-        results: dict[str, list[dict]] = {m: [] for m in modes}
+        stem = base.stem.removesuffix("_cpu")
+        blocks = REGIONAL_BLOCKS.get(args.recipe)
+        recipes = {mode: derive_recipe(base, work / f"{stem}_{strategy}_{scope}.yaml".replace("-", "_"),
+                                       strategy=strategy, scope=scope, blocks=blocks if scope == "regional" else None)
+                   for mode, (strategy, scope) in BUILDS.items()}
+        recipe = recipes["aotbuild"]  # the base recipe at one shape: eager, cold and pt-warm load it
+        model = load_recipe(recipe).model.id
+        cache = work / "cache"
+        builds = {}
+        for mode in (m for m in modes if m in BUILDS):
+            print(f"building the {mode} cache (strategy {BUILDS[mode][0]}, scope {BUILDS[mode][1]}) ...", flush=True)
+            builds[mode] = build(recipes[mode], cache, work / f"build-{mode}")
+            if not builds[mode].ok:  # the other modes are still measured
+                print(f"  not measured: building {recipes[mode].name} failed: {builds[mode].reason}\n"
+                      f"  the log's tail:\n{builds[mode].log_tail}", flush=True)
+        results: dict[str, list[dict]] = {m: [] for m in modes if m not in builds or builds[m].ok}
         for i in range(args.repeats):
             print(f"round {i + 1}/{args.repeats} ...", flush=True)
             shared = work / f"pt-{i}"
@@ -119,8 +134,8 @@ def main() -> None:
             shutil.copytree(cache, copy)
             runs = {"eager": (recipe, cache, work / f"eager-{i}"), "cold": (recipe, cache, shared),
                     "pt-warm": (recipe, cache, shared), "aotbuild": (recipe, copy, work / f"aot-ind-{i}"),
-                    "aot-package": (aot_recipe, copy, work / f"pkg-ind-{i}"),
-                    "aot-regional": (regional_recipe, copy, work / f"reg-ind-{i}")}
+                    "aot-package": (recipes["aot-package"], copy, work / f"pkg-ind-{i}"),
+                    "aot-regional": (recipes["aot-regional"], copy, work / f"reg-ind-{i}")}
             for mode in results:  # in this order: pt-warm reuses the folder cold left
                 results[mode].append(run_child(mode, *runs[mode]))
         med = {m: statistics.median(r["first"] for r in rs) for m, rs in results.items()}
@@ -131,11 +146,22 @@ def main() -> None:
 
         machine = (f"{os.cpu_count()} CPUs, {_cpu_model()}, ISA {torch.backends.cpu.get_cpu_capability()}, "
                    f"torch {torch.__version__}")
-        print(f"\nbuiltin:tiny-sd, 64x64, 2 steps; {machine}; median of {args.repeats}")
+        shape = load_recipe(recipe).shapes[0]
+        print(f"\n{model} ({', '.join(load_recipe(recipe).compile.components)}), {shape}; {machine}; "
+              f"median of {args.repeats}")
         rss = {m: statistics.median(r["rss_mb"] for r in rs) for m, rs in results.items()}
-        print(f"{'mode':<12} {'load->first output (s)':>24} {'steady call (ms)':>18} {'peak RSS (MB)':>15}")
+        print(f"{'mode':<12} {'load->first output (s)':>24} {'/ eager':>8} {'/ cold':>7} {'steady call (ms)':>18} "
+              f"{'peak RSS (MB)':>15}")
         for m in results:
-            print(f"{m:<12} {med[m]:>24.2f} {steady[m] * 1000:>18.1f} {rss[m]:>15.0f}")
+            vs = [fmt(med[m] / med[b] if b in med else None, ".3f") for b in ("eager", "cold")]
+            print(f"{m:<12} {med[m]:>24.2f} {vs[0]:>8} {vs[1]:>7} {steady[m] * 1000:>18.1f} {rss[m]:>15.0f}")
+        if builds:
+            print("\nthe builds (one job each), and the proof's share of each:")
+            print(table(["build", "status", "job s", "load s", "compile+warmup s", "proof s", "proof share %"],
+                        [[m, b.status, f"{b.seconds:.1f}", fmt(b.phases.get("load"), ".1f"),
+                          fmt(b.phases.get("compile_and_warmup"), ".1f"), fmt(b.proof_s, ".1f"),
+                          fmt(b.proof_share * 100 if b.proof_share is not None else None, ".0f")]
+                         for m, b in builds.items()], text_columns=2))
         print()
         ratios = [
             ("aotbuild warm / cold compile", "aotbuild", "cold", med, "<= 0.20"),
@@ -149,12 +175,13 @@ def main() -> None:
             ("aot-regional steady / eager", "aot-regional", "eager", steady, "< 1: pays"),
             ("aot-regional steady / aot-package", "aot-regional", "aot-package", steady, ""),
         ]
-        for label, a, b, table, goal in ratios:
-            if a in table and b in table:
-                print(f"{label:<36} = {table[a] / table[b]:.3f}" + (f"  (goal {goal})" if goal else ""))
+        for label, a, b, figures, goal in ratios:
+            if a in figures and b in figures:
+                print(f"{label:<36} = {figures[a] / figures[b]:.3f}" + (f"  (goal {goal})" if goal else ""))
         if args.save:
-            Path(args.save).write_text(json.dumps({"machine": machine, "repeats": args.repeats, "runs": results},
-                                                  indent=1))
+            Path(args.save).write_text(json.dumps({"machine": machine, "model": model, "shape": str(shape),
+                                                   "repeats": args.repeats, "runs": results,
+                                                   "builds": {m: b.as_json() for m, b in builds.items()}}, indent=1))
         if args.plot:
             from aotbuild.bench import draw
 
@@ -163,7 +190,7 @@ def main() -> None:
                      "aot-regional": "aot-package regional"}
             colors = {"eager": "#8c8c8c", "cold": "#d62728", "pt-warm": "#ff7f0e", "aotbuild": "#2ca02c",
                       "aot-package": "#1f77b4", "aot-regional": "#17becf"}
-            draw(args.plot, f"builtin:tiny-sd UNet, 64x64, 2 steps, fresh processes; {machine}",
+            draw(args.plot, f"{model}, {shape}, fresh processes; {machine}",
                  [(names[m], [r["first"] for r in rs], [r["steady"] for r in rs], colors[m])
                   for m, rs in results.items()])
             print(f"plot: {args.plot}")
