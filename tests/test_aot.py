@@ -202,31 +202,3 @@ def test_unbuilt_shape_follows_policy(aot_cache):
     strict = load_compiled(recipe_path, cache=cache, strict_shapes=True)
     with pytest.raises(ShapeNotBuilt):
         strict(prompt="x", height=32, width=32, num_inference_steps=1, guidance_scale=0.0)
-
-
-@pytest.fixture(scope="session")
-def regional_cache(tmp_path_factory, models_dir):
-    import shutil
-
-    root = tmp_path_factory.mktemp("aot-regional")
-    shutil.copytree(models_dir / "models", root / "cache" / "models")
-    recipe = root / "tiny_sd_aot_regional.yaml"
-    recipe.write_text(AOT_RECIPE.replace("components: [unet]", "components: [unet], scope: regional"))
-    proc = run_cli("build", "--json", "--cache", str(root / "cache"), str(recipe),
-                   env={"TORCHINDUCTOR_CACHE_DIR": str(root / "build-inductor")})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return recipe, root / "cache", json.loads(proc.stdout)
-
-
-def test_regional_packages_are_shared_by_block_instances(regional_cache, tmp_path):
-    recipe, cache, report = regional_cache
-    manifest = json.loads(run_cli("show", "--json", "--cache", str(cache), report["jobs"][0]["key"][:12]).stdout)
-    instances = [len(p["instances"]) for p in manifest["packages"]]
-    # The tiny UNet has 4 transformer blocks: 3 at width 8 share one package, the middle one has its own.
-    assert sorted(instances) == [1, 3] and {p["block_class"] for p in manifest["packages"]} == {"BasicTransformerBlock"}
-    result = run_fresh(recipe, cache, tmp_path)
-    assert result["unique_graphs"] == 0
-    assert result["max_diff"] <= 1e-4  # every instance ran with its own weights
-    assert len(result["calls"]) == 4 and all(c["built"] == 2 for c in result["calls"].values())
-    assert result["swaps"] > 0
-    assert "transformer_blocks.0 was called with" in result["strict"]
