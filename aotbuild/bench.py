@@ -115,7 +115,8 @@ class BenchReport:
             rows.append([LABELS[mode], str(len(runs)), _three(first, "{:.2f}", "s"), _three(steady, "{:.1f}", "ms"),
                          f"{self.median(mode, 'rss_mb'):.0f} MB",
                          "-" if mode == "eager" else str(runs[0].graphs), cache])
-        if self.target != "inductor":  # the FX graph cache is Inductor's; other backends keep their own
+        if not any(r.cache_hits or r.cache_misses for runs in self.runs.values() for r in runs):
+            # no run touched Inductor's FX graph cache (another backend, or aot-package): no column for it
             header, rows = header[:-1], [r[:-1] for r in rows]
         widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
         for row in [header, *rows]:
@@ -126,9 +127,10 @@ class BenchReport:
             width = max(len(label) for label, _, _ in self.ratios())
             for label, value, meaning in self.ratios():
                 lines.append(f"{label:<{width}} = {value:.3f}" + (f"  ({meaning})" if meaning else ""))
-        if "warm" in self.runs and self.strategy == "jit-cache" and self.target == "inductor":
-            lines.append("A warm jit-cache load still traces with Dynamo (its graphs above) but compiles no "
-                         "kernel (0 miss); strategy: aot-package skips Dynamo too.")
+        warm = self.runs.get("warm", [])
+        if warm and warm[0].graphs and warm[0].cache_hits and not warm[0].cache_misses:
+            lines.append(f"The warm load traced with Dynamo ({warm[0].graphs} graphs) but compiled no kernel (0 miss); "
+                         f"strategies aot-compile and aot-package skip the trace too.")
         return "\n".join(lines)
 
 

@@ -44,7 +44,7 @@ def describe_repeating(module: Any) -> str:
 
 def block_problem(module: Any, classes: tuple[str, ...] | None) -> tuple[str, str]:
     """(recipe key, why ``classes`` cannot be the blocks of ``module``), or ("", "")."""
-    from aotbuild.recipe import _suggest
+    from aotbuild.suggest import suggest
 
     cls = type(module).__name__
     if not classes:
@@ -61,7 +61,7 @@ def block_problem(module: Any, classes: tuple[str, ...] | None) -> tuple[str, st
     for name in classes:
         if name not in present:
             known = [c for c, _ in repeating_classes(module)]
-            return ("compile.blocks", f"{cls} has no block class {name!r}{_suggest(name, known)} "
+            return ("compile.blocks", f"{cls} has no block class {name!r}{suggest(name, known)} "
                                       f"({describe_repeating(module)})")
     chosen = [n for n, m in module.named_modules() if n and type(m).__name__ in classes]
     for name in chosen:  # a block inside another block would be compiled twice, once inlined

@@ -30,6 +30,7 @@ from aotbuild.planner import HIT, MISS, UNAVAILABLE, Job, Recipes, plan, shard_j
 from aotbuild.proof import ProofFailed
 from aotbuild.recipe import recipe_spec, recipe_to_dict
 from aotbuild.store import Store
+from aotbuild.strategies import get_strategy
 from aotbuild.targets import get_target
 
 if TYPE_CHECKING:
@@ -148,7 +149,7 @@ def _build_once(store: Store, job: Job, tick: Callable[[float, str], None] | Non
     """Build ``job`` under its per-key lock: a second builder of the same job (another CI shard,
     another terminal) waits for the first, showing that it waits, then finds the entry cached."""
     assert job.key is not None
-    lock = store.layout.locks / f"build-{job.key[:32]}.lock"
+    lock = store.layout.build_lock(job.key)
     started = time.perf_counter()
     try:
         with contextlib.ExitStack() as held:
@@ -178,7 +179,7 @@ def _build_one(store: Store, job: Job, tick: Callable[[float, str], None] | None
     assert job.key is not None and job.factors is not None
     target = get_target(job.recipe.target)
     started = time.perf_counter()
-    log_path = store.root / "logs" / f"{job.key[:16]}.log"
+    log_path = store.layout.job_log(job.key)
     try:
         store.layout.tmp.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f"job-{job.key[:12]}.", dir=store.layout.tmp))
@@ -199,7 +200,7 @@ def _build_one(store: Store, job: Job, tick: Callable[[float, str], None] | None
                 reason = result.get("error") or f"worker exited with {code}{_tail(staging / 'worker.log')}"
                 _keep_log(staging / "worker.log", log_path)
                 return JobResult(job, FAILED, seconds, reason=f"{_one_line(reason)} (log: {log_path})")
-            files = target.collect(staging, job.recipe.strategy)
+            files = get_strategy(job.recipe.strategy).collect(target, staging)
             if not files:
                 return JobResult(job, FAILED, seconds, reason="the job compiled nothing: no artifact to store")
             (staging / "phase").write_text("proving: a fresh process serves the entry")

@@ -14,6 +14,7 @@ from typing import Any
 
 import click
 
+from aotbuild import constants
 from aotbuild.errors import AotbuildError
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_MISS = 0, 1, 2, 3
@@ -97,7 +98,7 @@ def _quiet_libraries() -> None:
         log.propagate = False
 
 
-cache_option = click.option("--cache", "cache", envvar="AOTBUILD_CACHE", type=click.Path(file_okay=False),
+cache_option = click.option("--cache", "cache", envvar=constants.ENV_CACHE, type=click.Path(file_okay=False),
                             help="Cache root (default: AOTBUILD_CACHE, then [tool.aotbuild] cache in the nearest "
                                  "pyproject.toml, then ~/.cache/aotbuild).")
 json_option = click.option("--json", "as_json", is_flag=True, help="Machine-readable output (docs/cli.md).")
@@ -119,7 +120,7 @@ def _no_cache(root: Any, as_json: bool, empty: dict[str, Any]) -> bool:
 
 
 def remote_option(help_text: str, name: str = "--remote") -> Callable[..., Any]:
-    return click.option(name, "remote", envvar="AOTBUILD_REMOTE" if name == "--remote" else None,
+    return click.option(name, "remote", envvar=constants.ENV_REMOTE if name == "--remote" else None,
                         metavar="URL", help=help_text)
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import subprocess
 import tempfile
 import textwrap
 from dataclasses import asdict, dataclass, field
@@ -61,47 +60,8 @@ def _skipped(name: str, detail: str) -> Check:
 def check_toolchain(target_name: str, device: str) -> Check:
     from aotbuild.targets import get_target
 
-    target = get_target(target_name)
-    available = target.availability(device)
-    versions = dict(available.versions)
-    if not available.ok:
-        return _failed("toolchain", available.reason, f"install the {target_name} toolchain, or pick another "
-                                                       f"--target (aotbuild targets lists them)", versions=versions)
-    if target_name != "inductor":
-        return Check("toolchain", detail=", ".join(f"{k} {v}" for k, v in versions.items()) or "available",
-                     data={"versions": versions})
-    import torch
-
-    if device.startswith("cuda"):
-        if not torch.cuda.is_available():
-            return _failed("toolchain", f"CUDA is not available (torch {torch.__version__})",
-                           "install a CUDA build of torch and the NVIDIA driver")
-        major, minor = torch.cuda.get_device_capability()
-        try:
-            import triton
-
-            triton_version = triton.__version__
-        except ImportError:
-            return _failed("toolchain", "Triton is not installed: Inductor cannot generate CUDA kernels",
-                           "pip install triton (it comes with torch's CUDA wheels)")
-        detail = (f"{torch.cuda.get_device_name()} (capability {major}.{minor}), CUDA {torch.version.cuda}, "
-                  f"driver ok, Triton {triton_version}")
-        return Check("toolchain", detail=detail, data={"versions": {"cuda": torch.version.cuda,
-                                                                     "triton": triton_version}})
-    from torch._inductor.cpp_builder import get_cpp_compiler
-
-    try:
-        compiler = get_cpp_compiler()  # honours CXX, as Inductor does when it compiles
-        proc = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30)
-        if proc.returncode != 0:
-            raise OSError(proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else proc.returncode)
-    except Exception as exc:  # InvalidCxxCompiler, OSError, a timeout: the same fix
-        cxx = os.environ.get("CXX")
-        where = f" (CXX={cxx})" if cxx else ""
-        return _failed("toolchain", f"no working C++ compiler{where}: {str(exc).splitlines()[0][:160]}",
-                       "install g++ (apt-get install g++) or point CXX at a working compiler")
-    version = proc.stdout.strip().splitlines()[0] if proc.stdout.strip() else compiler
-    return Check("toolchain", detail=f"C++ compiler {compiler}: {version}", data={"compiler": compiler})
+    found = get_target(target_name).check_toolchain(device)
+    return Check("toolchain", ok=found.ok, detail=found.detail, fix=found.fix, data=dict(found.data))
 
 
 def check_caches(cache_root: Path) -> Check:

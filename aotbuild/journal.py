@@ -186,7 +186,7 @@ def reclaim_dead(store: Store) -> None:
 
 def _note(store: Store, record: dict[str, Any]) -> None:
     with contextlib.suppress(OSError):
-        log = store.root / "logs" / "reclaimed.jsonl"
+        log = store.layout.reclaimed_log
         log.parent.mkdir(parents=True, exist_ok=True)
         with open(log, "a", encoding="utf-8") as f:
             f.write(json.dumps({"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **record}) + "\n")
@@ -195,7 +195,7 @@ def _note(store: Store, record: dict[str, Any]) -> None:
 def notes(store: Store, last: int = 20) -> list[dict[str, Any]]:
     """What writers reclaimed from dead ones, most recent last (for ``verify --json``)."""
     try:
-        lines = (store.root / "logs" / "reclaimed.jsonl").read_text(encoding="utf-8").splitlines()[-last:]
+        lines = store.layout.reclaimed_log.read_text(encoding="utf-8").splitlines()[-last:]
     except OSError:
         return []
     out = []

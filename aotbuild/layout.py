@@ -5,6 +5,12 @@
     <root>/models/<name>-v<N>/               built-in models, created on first use
     <root>/tmp/                              staging for atomic writes (same filesystem as blobs)
     <root>/locks/store.lock                  writers share it, gc/rm/verify --fix take it alone
+    <root>/locks/build-<key prefix>.lock      one builder per job key at a time
+    <root>/logs/<key prefix>.log              a failed job's (or proof's) log
+    <root>/logs/reclaimed.jsonl               what journals reclaimed (``verify --json`` notes)
+
+Inside a job's staging folder (``<root>/tmp/job-*``) the target and the strategy name their own
+subfolders: they are the job's, not the store's.
 
 It also owns the cache-root rule (``--cache`` > ``AOTBUILD_CACHE`` > ``[tool.aotbuild] cache`` in
 the nearest ``pyproject.toml`` > ``~/.cache/aotbuild``) and rejects relative paths that would
@@ -137,6 +143,24 @@ class Layout:
     @property
     def locks(self) -> Path:
         return self.root / "locks"
+
+    @property
+    def store_lock(self) -> Path:
+        return self.locks / "store.lock"
+
+    def build_lock(self, key: str) -> Path:
+        return self.locks / f"build-{key[:32]}.lock"
+
+    @property
+    def logs(self) -> Path:
+        return self.root / "logs"
+
+    def job_log(self, key: str) -> Path:
+        return self.logs / f"{key[:16]}.log"
+
+    @property
+    def reclaimed_log(self) -> Path:
+        return self.logs / "reclaimed.jsonl"
 
     def blob(self, digest: str) -> Path:
         if not HEX64.match(digest):

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from aotbuild.constants import lock_timeout
 from aotbuild.errors import StoreError
+from aotbuild.layout import Layout, shared_dirs
 
 try:
     import fcntl
@@ -73,8 +74,6 @@ def _open(path: Path) -> int:
     try:
         return os.open(path, os.O_RDWR)
     except FileNotFoundError:
-        from aotbuild.layout import shared_dirs
-
         shared_dirs(path.parent)
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666)
@@ -89,7 +88,7 @@ def _open(path: Path) -> int:
 
 def store_lock(root: Path, *, exclusive: bool, timeout: float | None = None) -> contextlib.AbstractContextManager[bool]:
     holder = "a build or pull writing to the store" if exclusive else "gc, rm or verify --fix"
-    return flocked(Path(root) / "locks" / "store.lock", exclusive=exclusive, timeout=timeout, holder=holder)
+    return flocked(Layout(Path(root)).store_lock, exclusive=exclusive, timeout=timeout, holder=holder)
 
 
 def is_unlocked(path: Path) -> bool:

@@ -16,7 +16,8 @@ from aotbuild import builtin
 from aotbuild.blocks import describe_repeating
 from aotbuild.errors import ModelUnavailable
 from aotbuild.layout import Layout
-from aotbuild.recipe import CompileSpec, Recipe, _suggest
+from aotbuild.recipe import CompileSpec, Recipe
+from aotbuild.suggest import suggest
 
 __all__ = ["ModelUnavailable", "ResolvedModel", "resolve_model", "load_pipeline", "place_pipeline",
            "warmup_kwargs", "component_config", "module_config", "check_components", "check_blocks"]
@@ -132,7 +133,7 @@ def check_components(recipe: Recipe, model: ResolvedModel) -> None:
     modules = [n for n, (_, cls) in known.items() if _is_module_class(cls)]
     for name in recipe.compile.components:
         if name not in known:
-            hint = _suggest(name, list(known))
+            hint = suggest(name, list(known))
             if recipe.compile.components == CompileSpec.components and modules:
                 # The default ([unet]) names SD/SDXL's denoiser; transformer models (SD3, Flux) have none.
                 denoiser = next((n for n in modules if "transformer" in n or "unet" in n), modules[0])
@@ -270,7 +271,7 @@ def check_warmup_arguments(pipe: Any, recipe: Recipe) -> None:
     for arg in recipe.warmup:
         if arg not in named:
             raise recipe.error(f"warmup.{arg}", f"not an argument of {type(pipe).__name__}.__call__"
-                                                f"{_suggest(arg, named)}")
+                                                f"{suggest(arg, named)}")
 
 
 def warmup_kwargs(recipe: Recipe, shape: Any, seed: int = 0, defaults: dict[str, Any] | None = None) -> dict[str, Any]:

@@ -16,6 +16,7 @@ from aotbuild.layout import resolve_cache_root
 from aotbuild.manifest import Manifest
 from aotbuild.recipe import Recipe, Shape, find_recipes, load_recipe
 from aotbuild.store import Store
+from aotbuild.strategies import Strategy, get_strategy
 from aotbuild.targets import Target, get_target
 
 HIT, MISS, UNAVAILABLE = "hit", "miss", "unavailable"
@@ -23,10 +24,12 @@ HIT, MISS, UNAVAILABLE = "hit", "miss", "unavailable"
 
 @dataclass
 class Context:
-    """What the jobs of one recipe share. ``problem`` says why none of them can be keyed here."""
+    """What the jobs of one recipe share (its target and strategy objects among them). ``problem`` says
+    why none of them can be keyed here."""
 
     recipe: Recipe
     target: Target
+    strategy: Strategy
     device: str = ""
     dtype: str = ""
     model: models.ResolvedModel | None = None
@@ -37,7 +40,7 @@ class Context:
     @classmethod
     def create(cls, recipe: Recipe, cache_root: Path, *, resolve_model: bool = True) -> Context:
         target = get_target(recipe.target)
-        ctx = cls(recipe, target)
+        ctx = cls(recipe, target, get_strategy(recipe.strategy))
         available = target.availability(recipe.device)
         if not available.ok:
             ctx.problem = f"target unavailable: {available.reason}"

@@ -7,7 +7,6 @@ inside :func:`load_recipe` only, so the runtime's import stays light.
 
 from __future__ import annotations
 
-import difflib
 import json
 import math
 from collections.abc import Mapping
@@ -17,9 +16,13 @@ from types import MappingProxyType
 from typing import Any
 
 from aotbuild.errors import RecipeError
+from aotbuild.frozen import freeze, thaw
+from aotbuild.strategies import strategy_names
+from aotbuild.suggest import suggest
+from aotbuild.targets import target_names
 
-TARGETS = ("inductor", "neuron", "tpu")
-STRATEGIES = ("jit-cache", "aot-package")
+TARGETS = target_names()  # from the registries: a new target or strategy is allowed where it is registered
+STRATEGIES = strategy_names()
 SCOPES = ("full", "regional")
 OFFLOADS = ("none", "model")
 MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
@@ -54,7 +57,8 @@ SCHEMA: dict[str, dict[str, Field] | Field] = {
     "target": Field("str", "inductor", TARGETS, "where the compiled code runs"),
     "device": Field("str?", doc="default: the target's (inductor: cuda if available, else cpu)"),
     "strategy": Field("str", "jit-cache", STRATEGIES,
-                      "jit-cache: torch.compile with its caches captured; aot-package: AOTInductor (inductor)"),
+                      "jit-cache: torch.compile with its caches captured (any target); aot-package: "
+                      "AOTInductor packages, aot-compile: torch's aot_compile (inductor)"),
     "offload": Field("str", "none", OFFLOADS, "model: enable_model_cpu_offload(); needs scope: regional"),
     "compile": {
         "components": Field("list[str]", ("unet",), doc="pipeline components to compile"),
@@ -74,23 +78,6 @@ SHAPE_SCHEMA = {
     "width": Field("int", required=True, doc="pixels, a positive multiple of 8"),
     "batch_size": Field("int", 1, doc="images per prompt (num_images_per_prompt)"),
 }
-
-
-def _freeze(value: Any) -> Any:
-    if isinstance(value, Mapping):
-        return MappingProxyType({k: _freeze(v) for k, v in value.items()})
-    if isinstance(value, (list, tuple)):
-        return tuple(_freeze(v) for v in value)
-    return value
-
-
-def thaw(value: Any) -> Any:
-    """Plain dicts and lists again, for JSON."""
-    if isinstance(value, Mapping):
-        return {k: thaw(v) for k, v in value.items()}
-    if isinstance(value, tuple):
-        return [thaw(v) for v in value]
-    return value
 
 
 @dataclass(frozen=True)
@@ -177,11 +164,6 @@ def prompt_count(value: Any) -> int:
 # Validation
 # ---------------------------------------------------------------------------------------------
 
-def _suggest(word: str, allowed: list[str] | tuple[str, ...]) -> str:
-    close = difflib.get_close_matches(word, list(allowed), n=1, cutoff=0.6)
-    return f"; did you mean {close[0]!r}?" if close else ""
-
-
 def _describe(value: Any) -> str:
     text = repr(value)
     if len(text) > 60:
@@ -202,7 +184,7 @@ class _Checker:
                 raise self.fail(prefix or None, f"keys must be text, got {_describe(key)}")
             if key not in schema:
                 allowed = ", ".join(schema)
-                raise self.fail(f"{prefix}{key}", f"unknown key{_suggest(key, list(schema))} (allowed: {allowed})")
+                raise self.fail(f"{prefix}{key}", f"unknown key{suggest(key, list(schema))} (allowed: {allowed})")
         for key, spec in schema.items():
             if isinstance(spec, Field) and spec.required and data.get(key) is None:
                 raise self.fail(f"{prefix}{key}", f"is required ({spec.doc})")
@@ -217,7 +199,7 @@ class _Checker:
             if not isinstance(value, str) or not value.strip():
                 raise self.fail(key, f"expected a non-empty string, got {_describe(value)}")
             if spec.choices and value not in spec.choices:
-                raise self.fail(key, f"{value!r} is not allowed{_suggest(value, spec.choices)} "
+                raise self.fail(key, f"{value!r} is not allowed{suggest(value, spec.choices)} "
                                      f"(allowed: {', '.join(spec.choices)})")
             return value
         if kind == "bool":
@@ -240,7 +222,7 @@ class _Checker:
             if not isinstance(value, dict):
                 raise self.fail(key, f"expected a mapping, got {_describe(value)}")
             self.json_value(key, value)
-            return _freeze(value)
+            return freeze(value)
         raise AssertionError(kind)  # pragma: no cover
 
     def json_value(self, key: str, value: Any) -> None:
@@ -381,7 +363,7 @@ def _check_combinations(recipe: Recipe) -> None:
         if name not in builtin.BUILTINS:
             known = [builtin.PREFIX + n for n in sorted(builtin.BUILTINS)]
             raise recipe.error("model.id", f"unknown built-in model {recipe.model.id!r}"
-                                           f"{_suggest(recipe.model.id, known)} (known: {', '.join(known)})")
+                                           f"{suggest(recipe.model.id, known)} (known: {', '.join(known)})")
         if recipe.model.revision:
             raise recipe.error("model.revision", "a built-in model has no revisions (it is created locally): "
                                                  "remove model.revision")
@@ -394,9 +376,12 @@ def _check_combinations(recipe: Recipe) -> None:
                 raise recipe.error("compile.blocks", f"{name!r} is not a class name (e.g. JointTransformerBlock)")
     if recipe.offload == "model" and recipe.compile.scope != "regional":
         raise recipe.error("offload", "model offload needs compile.scope: regional (offload hooks cannot be traced)")
+    from aotbuild.strategies import get_strategy
     from aotbuild.targets import get_target
 
-    get_target(recipe.target).validate(recipe)
+    target = get_target(recipe.target)
+    target.validate(recipe)
+    get_strategy(recipe.strategy).validate(recipe, target)
 
 
 #: Caps on a recipe file, checked while it is read (recipes come from pull requests: docs/recipes.md).

@@ -9,12 +9,11 @@ from __future__ import annotations
 import logging
 import warnings
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from aotbuild import keys, models
-from aotbuild.dispatch import install_dispatcher
 from aotbuild.errors import CacheMiss, RemoteError, TargetUnavailable, UsageError
 from aotbuild.layout import resolve_cache_root
 from aotbuild.locks import store_lock
@@ -22,6 +21,7 @@ from aotbuild.manifest import Manifest
 from aotbuild.planner import Context, explain_miss
 from aotbuild.recipe import Recipe, Shape, as_recipe, build_hint
 from aotbuild.store import Entry, Store
+from aotbuild.strategies import Planned
 
 if TYPE_CHECKING:
     from aotbuild.remote import Remote
@@ -101,116 +101,130 @@ def load_compiled(recipe: str | Path | Recipe | Mapping[str, Any], pipe: Any = N
     network access at all.
     The report is ``pipe.aotbuild_report`` and is logged at INFO.
     """
-    if remote is not None:
-        from aotbuild.remote import parse_remote
-
-        remote = parse_remote(remote) if isinstance(remote, str) else remote
-    if on_miss not in ON_MISS:
-        raise UsageError(f"on_miss={on_miss!r} is not allowed (allowed: {', '.join(ON_MISS)})")
+    remote = _check_arguments(on_miss, remote)
     recipe = as_recipe(recipe)
     root = resolve_cache_root(cache)
     store = Store(root)
     ctx = Context.create(recipe, root, resolve_model=pipe is None)
     if ctx.problem:
         raise TargetUnavailable(f"{recipe.source}: {ctx.problem}")
-    if pipe is None:
-        assert ctx.model is not None
-        pipe = models.load_pipeline(recipe, ctx.model, ctx.dtype)
-        models.place_pipeline(pipe, recipe, ctx.device)
-    else:
-        _check_pipe(pipe, ctx)
-
+    pipe = _pipeline(ctx, pipe)
     blocker = ctx.target.install_blocker()
-    wanted = []  # (component, module, shape, factors, key)
-    for component in recipe.compile.components:
-        module = getattr(pipe, component, None)
-        if module is None:
-            raise recipe.error("compile.components", f"the pipeline has no component {component!r}")
-        cls_name, config = models.module_config(module)
-        for shape in recipe.shapes:
-            factors = ctx.factors(component, cls_name, config, shape, type(pipe).__name__)
-            wanted.append((component, module, shape, factors, keys.key_of(factors)))
-    pulled, remote_notes = _pull_missing(store, remote, [w[4] for w in wanted]) if remote and not blocker \
+    wanted = _wanted(ctx, pipe)
+    pulled, remote_notes = _pull_missing(store, remote, [w.key for w in wanted]) if remote and not blocker \
         else (set(), {})
-
+    report = LoadReport(recipe.name, str(root), on_miss=on_miss, remote=remote.url if remote else "")
     # As a reader of the store (its shared lock) from the hash check to the last file installed,
     # so gc or rm cannot remove an entry in between. A read-only store needs no lock.
     with store_lock(root, exclusive=False):
-        report = LoadReport(recipe.name, str(root), on_miss=on_miss, remote=remote.url if remote else "")
-        plans = []  # (component, module, verified entries)
-        manifests: list[Manifest] | None = None  # read once, on the first miss to explain
-        for component in recipe.compile.components:
-            module = getattr(pipe, component)
-            entries: list[Entry] = []
-            for _, _, shape, factors, key in (w for w in wanted if w[0] == component):
-                entry, why = store.open_entry(key) if not blocker else (None, blocker)
-                if entry is not None and recipe.strategy == "aot-package":
-                    from aotbuild.targets import aoti
-
-                    why = aoti.check_baked(module, component, entry.manifest.packages)
-                    entry = None if why else entry
-                if entry is not None:
-                    store.touch(key)  # recency for gc; skipped where the store is read-only
-                    entries.append(entry)
-                    report.entries.append(ReportEntry(component, shape, key, True, pulled=key in pulled))
-                else:
-                    if why == "not built":
-                        manifests = list(store.iter_manifests()) if manifests is None else manifests
-                        why = explain_miss(manifests, recipe.name, component, factors, root)
-                    reason = why
-                    reason += remote_notes.get(key, "")
-                    report.entries.append(ReportEntry(component, shape, key, False, reason))
-            plans.append((component, module, entries))
-
+        planned = _open_entries(ctx, store, pipe, wanted, report, blocker, pulled, remote_notes)
         if report.misses and on_miss == "error":
-            nxt = "" if blocker else (f"\n  next: {build_hint(recipe)} builds them here"
-                                      + (" (or load with remote=URL to fetch CI-built entries)" if remote is None
-                                         else ""))
-            raise CacheMiss(f"{report}{nxt}")
-        aot = recipe.strategy == "aot-package"
-        files = [f for _, _, entries in plans for e in entries for f in e.files]
-        if aot:  # only the loader's probe files go to Inductor's cache; packages are loaded below
-            from aotbuild.targets import aoti
-
-            files = [(rel.split("/", 1)[1], p) for rel, p in files if rel.startswith(aoti.PROBE_DIR + "/")]
-        if files:
-            result = ctx.target.install(files, ctx.device)
-            report.installed_files, report.present_files = result.installed, result.present
-            report.install_folder = result.folder
-        # A call at an unbuilt shape: strict_shapes raises; on_miss="eager" keeps such calls eager; otherwise
-        # (on_miss "compile" or "error", which acted at load) it compiles, as plain torch.compile would.
-        policy = "error" if strict_shapes else ("eager" if on_miss == "eager" else "compile")
-        for component, module, entries in plans:
-            if aot:  # no torch.compile unless a call needs it: importing Dynamo alone costs ~0.7 s here
-                fallback = _lazy_compile(ctx, module) if policy == "compile" else None
-            elif entries or policy == "compile":
-                fallback = ctx.target.compile(module, recipe, ctx.device)
-            else:
-                fallback = None
-            if aot:
-                packages = [(package, dict(e.files)[package["path"]]) for e in entries
-                            for package in e.manifest.packages]
-                routes = aoti.load_packages(module, component, packages, ctx.device)
-                if recipe.compile.scope == "regional":  # the component runs eagerly, its blocks dispatch
-                    for name, block in aoti.repeated_blocks(module, recipe.compile.blocks, recipe):
-                        block_fallback = _lazy_compile(ctx, block, scope="full") if policy == "compile" else None
-                        install_dispatcher(block, f"{component}.{name}", routes.get(name, {}), block_fallback, policy)
-                    continue
-                install_dispatcher(module, component, routes.get("", {}), fallback, policy)
-                continue
-            routes = {sig: fallback for e in entries for sig in e.manifest.signatures}
-            install_dispatcher(module, component, routes, fallback, policy)
-
+            raise CacheMiss(f"{report}{_next_step(recipe, blocker, remote)}")
+        installed = ctx.strategy.install(ctx, planned, _call_policy(on_miss, strict_shapes))
+        if installed is not None:
+            report.installed_files, report.present_files = installed.installed, installed.present
+            report.install_folder = installed.folder
     pipe.aotbuild_report = report
-    log.info("%s", report)
-    if report.misses:
-        then = "compiles on first call" if on_miss == "compile" else "runs eagerly"
-        misses = "; ".join(f"{e.component} {e.shape} ({e.key[:12]}): {e.reason}" for e in report.misses[:3])
-        more = f"; and {len(report.misses) - 3} more" if len(report.misses) > 3 else ""
-        build = "" if blocker else f"; {build_hint(recipe)} builds them"
-        warnings.warn(f"aotbuild: {recipe.name}: {len(report.misses)} of {len(report.entries)} entries missed, each "
-                      f"{then}: {misses}{more} (pipe.aotbuild_report has them all{build})", stacklevel=2)
+    _announce(report, recipe, on_miss, blocker)
     return pipe
+
+
+@dataclass(frozen=True)
+class _Wanted:
+    component: str
+    shape: Shape
+    factors: dict[str, Any]
+    key: str
+
+
+def _check_arguments(on_miss: str, remote: str | Remote | None) -> Remote | None:
+    if on_miss not in ON_MISS:
+        raise UsageError(f"on_miss={on_miss!r} is not allowed (allowed: {', '.join(ON_MISS)})")
+    if isinstance(remote, str):
+        from aotbuild.remote import parse_remote
+
+        return parse_remote(remote)
+    return remote
+
+
+def _pipeline(ctx: Context, pipe: Any) -> Any:
+    """The caller's pipeline, checked against the recipe's dtype and device; else the recipe's, loaded."""
+    if pipe is not None:
+        _check_pipe(pipe, ctx)
+        return pipe
+    assert ctx.model is not None
+    pipe = models.load_pipeline(ctx.recipe, ctx.model, ctx.dtype)
+    models.place_pipeline(pipe, ctx.recipe, ctx.device)
+    return pipe
+
+
+def _wanted(ctx: Context, pipe: Any) -> list[_Wanted]:
+    """Every component x shape of the recipe, keyed from the live modules (so another checkpoint of
+    another architecture gets other keys)."""
+    wanted = []
+    for component in ctx.recipe.compile.components:
+        module = getattr(pipe, component, None)
+        if module is None:
+            raise ctx.recipe.error("compile.components", f"the pipeline has no component {component!r}")
+        cls_name, config = models.module_config(module)
+        for shape in ctx.recipe.shapes:
+            factors = ctx.factors(component, cls_name, config, shape, type(pipe).__name__)
+            wanted.append(_Wanted(component, shape, factors, keys.key_of(factors)))
+    return wanted
+
+
+def _open_entries(ctx: Context, store: Store, pipe: Any, wanted: list[_Wanted], report: LoadReport, blocker: str,
+                  pulled: set[str], remote_notes: dict[str, str]) -> list[Planned]:
+    """Each wanted entry, hash-verified and checked against the live module by the strategy: a hit,
+    or a miss with its reason (the factors that differ from the nearest entry, when not built)."""
+    planned = []
+    manifests: list[Manifest] | None = None  # read once, on the first miss to explain
+    for component in ctx.recipe.compile.components:
+        module = getattr(pipe, component)
+        entries: list[Entry] = []
+        for w in (w for w in wanted if w.component == component):
+            entry, why = store.open_entry(w.key) if not blocker else (None, blocker)
+            if entry is not None:
+                why = ctx.strategy.check(module, component, entry)
+                entry = None if why else entry
+            if entry is not None:
+                store.touch(w.key)  # recency for gc; skipped where the store is read-only
+                entries.append(entry)
+                report.entries.append(ReportEntry(component, w.shape, w.key, True, pulled=w.key in pulled))
+                continue
+            if why == "not built":
+                manifests = list(store.iter_manifests()) if manifests is None else manifests
+                why = explain_miss(manifests, ctx.recipe.name, component, w.factors, store.root)
+            report.entries.append(ReportEntry(component, w.shape, w.key, False, why + remote_notes.get(w.key, "")))
+        planned.append(Planned(component, module, entries))
+    return planned
+
+
+def _next_step(recipe: Recipe, blocker: str, remote: Remote | None) -> str:
+    if blocker:
+        return ""
+    return (f"\n  next: {build_hint(recipe)} builds them here"
+            + (" (or load with remote=URL to fetch CI-built entries)" if remote is None else ""))
+
+
+def _call_policy(on_miss: str, strict_shapes: bool) -> str:
+    """What a call at an unbuilt shape does: strict_shapes raises; on_miss="eager" keeps such calls
+    eager; otherwise (on_miss "compile" or "error", which acted at load) it compiles, as plain
+    torch.compile would."""
+    return "error" if strict_shapes else ("eager" if on_miss == "eager" else "compile")
+
+
+def _announce(report: LoadReport, recipe: Recipe, on_miss: str, blocker: str) -> None:
+    """The report at INFO; a warning naming the misses, if any."""
+    log.info("%s", report)
+    if not report.misses:
+        return
+    then = "compiles on first call" if on_miss == "compile" else "runs eagerly"
+    misses = "; ".join(f"{e.component} {e.shape} ({e.key[:12]}): {e.reason}" for e in report.misses[:3])
+    more = f"; and {len(report.misses) - 3} more" if len(report.misses) > 3 else ""
+    build = "" if blocker else f"; {build_hint(recipe)} builds them"
+    warnings.warn(f"aotbuild: {recipe.name}: {len(report.misses)} of {len(report.entries)} entries missed, each "
+                  f"{then}: {misses}{more} (pipe.aotbuild_report has them all{build})", stacklevel=3)
 
 
 def _pull_missing(store: Store, remote: Remote, wanted: list[str]) -> tuple[set[str], dict[str, str]]:
@@ -234,28 +248,6 @@ def _pull_missing(store: Store, remote: Remote, wanted: list[str]) -> tuple[set[
         else:
             pulled.add(key)
     return pulled, notes
-
-
-def _lazy_compile(ctx: Context, module: Any, scope: str | None = None) -> Any:
-    """A fallback that compiles the module's own forward on its first use, not at load.
-
-    ``scope="full"`` compiles ``module`` whole whatever the recipe says (a regional recipe's block)."""
-    eager_forward = module.forward
-    compiled: list[Any] = []
-    recipe = ctx.recipe
-    if scope is not None:
-        recipe = replace(recipe, compile=replace(recipe.compile, scope=scope))
-
-    def run(*args: Any, **kwargs: Any) -> Any:
-        if not compiled:
-            dispatcher, module.forward = module.forward, eager_forward
-            try:
-                compiled.append(ctx.target.compile(module, recipe, ctx.device))
-            finally:
-                module.forward = dispatcher
-        return compiled[0](*args, **kwargs)
-
-    return run
 
 
 def _check_pipe(pipe: Any, ctx: Context) -> None:

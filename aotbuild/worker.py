@@ -25,9 +25,9 @@ def run(job: dict) -> dict:
     t0 = time.perf_counter()
     _phase(job, "loading the pipeline")
     from aotbuild import keys, models
-    from aotbuild.dispatch import install_dispatcher
     from aotbuild.planner import job_pipeline
     from aotbuild.recipe import Shape, recipe_from_spec
+    from aotbuild.strategies import BuildJob
 
     recipe = recipe_from_spec(job["recipe"])  # the recipe's data: the file may have changed since the plan
     shape = Shape(**job["shape"])
@@ -47,42 +47,18 @@ def run(job: dict) -> dict:
     batches: list[int] = []
     watch = module.register_forward_pre_hook(lambda _, args, kwargs: batches.append(_batch_of(args, kwargs)),
                                              with_kwargs=True)
-    extra: dict = {}
-    if recipe.strategy == "aot-package":
-        from aotbuild.targets import aoti
-
-        options = ctx.target.compile_settings(recipe, ctx.device)["options"]
-        workdir = Path(job["result"]).parent
-        if recipe.compile.scope == "regional":  # one package per repeated block class x signature
-            recorder = aoti.BlockRecorder(module, component, recipe.compile.blocks, recipe)
-            pipe(**warmup)  # eager: records the exact calls the pipeline makes to each block
-            _phase(job, "exporting and packaging")
-            extra["packages"] = recorder.build(workdir, options)
-            signatures = recorder.signatures
-        else:
-            calls: dict = {}
-            dispatcher = install_dispatcher(module, component, {}, module.forward, "record",
-                                            on_record=lambda sig, a, k: calls.setdefault(sig, aoti.snapshot(a, k)))
-            pipe(**warmup)  # eager: records the exact calls the pipeline makes
-            _phase(job, "exporting and packaging")
-            extra["packages"] = aoti.build_packages(module, calls, workdir, options)
-            signatures = sorted(dispatcher.built)
-    else:
-        compiled = ctx.target.compile(module, recipe, ctx.device)
-        dispatcher = install_dispatcher(module, component, {}, compiled, "record")
-        # Called exactly as a user calls it (the pipeline's own no_grad, no inference_mode): grad
-        # mode is part of what a compiled graph is guarded and cached on.
-        pipe(**warmup)
-        signatures = sorted(dispatcher.built)
+    job_spec = BuildJob(ctx, pipe, component, module, warmup, Path(job["result"]).parent,
+                        phase=lambda text: _phase(job, text))
+    built = ctx.strategy.build(job_spec)
     t_warm = time.perf_counter()
     watch.remove()
     _check_batch(pipe, recipe, component, shape, warmup, batches)
     from torch._dynamo.utils import counters
 
     return {
-        **extra,
+        **({"packages": built.records} if built.records else {}),
         "key": key,
-        "signatures": signatures,
+        "signatures": built.signatures,
         "seconds": {"load": round(t_load - t0, 3), "compile_and_warmup": round(t_warm - t_load, 3)},
         "counters": {k: int(v) for k, v in counters["inductor"].items() if "cache" in k},
         "pipeline_class": type(pipe).__name__,

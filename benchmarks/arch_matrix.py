@@ -132,7 +132,7 @@ def serve(recipe_path: str, cache: str) -> dict[str, Any]:
     assert ctx.model is not None
     eager = models.load_pipeline(recipe, ctx.model, ctx.dtype)
     models.place_pipeline(eager, recipe, ctx.device)
-    counter, compiles = ctx.target.compile_counter(recipe.strategy)
+    counter, compiles = ctx.strategy.compile_counter(ctx.target)
 
     def graphs() -> int:
         return int(counters["stats"]["unique_graphs"])

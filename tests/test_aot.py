@@ -127,7 +127,7 @@ def captured_call(pipe, recipe):
 
 def test_weights_changed_after_load_are_resupplied_or_refused(aot_cache):
     from aotbuild.recipe import load_recipe
-    from aotbuild.targets.aoti import PackageMismatch
+    from aotbuild.strategies.aoti import PackageMismatch
 
     recipe_path, cache, _ = aot_cache
     recipe = load_recipe(recipe_path)
@@ -173,7 +173,7 @@ def test_other_weights_of_the_architecture_hit_and_use_their_own_values(aot_cach
 def test_tensors_compiled_into_a_package_are_checked():
     """A safety net for a torch that inlines a tensor despite always_keep_tensor_constants: the
     package records its sha256 and other values are a miss, naming the tensor."""
-    from aotbuild.targets.aoti import _tensor_digest, check_baked
+    from aotbuild.strategies.aoti import _tensor_digest, check_baked
 
     module = torch.nn.Linear(2, 2)
     package = {"baked": {"bias": _tensor_digest(module.bias)}}
@@ -184,7 +184,7 @@ def test_tensors_compiled_into_a_package_are_checked():
 
 
 @pytest.mark.parametrize("data,expected", [
-    ({"target": "neuron", "strategy": "aot-package"}, "target neuron supports strategy jit-cache (not aot-package)"),
+    ({"target": "neuron", "strategy": "aot-package"}, "strategy aot-package runs on target inductor (not neuron)"),
     ({"strategy": "aot-package", "compile": {"fullgraph": False}}, "fullgraph must be true"),
 ])
 def test_aot_package_validation(data, expected):

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from aotbuild.errors import PackageMismatch
-from aotbuild.targets import aoti
+from aotbuild.strategies import aoti
 
 
 def test_strides_match_ignores_size_one_dims_and_empty_tensors():

@@ -610,7 +610,7 @@ def test_verify_does_not_report_a_writer_that_is_still_writing(tmp_path):
 def test_instances_whose_code_differs_do_not_share_a_regional_package():
     from diffusers.models.attention import BasicTransformerBlock
 
-    from aotbuild.targets.aoti import _structure
+    from aotbuild.strategies.aoti import _structure
 
     a, b, c = (BasicTransformerBlock(8, 2, 4, cross_attention_dim=16) for _ in range(3))
     assert _structure(a) == _structure(b)  # same shapes, same code: one package serves both

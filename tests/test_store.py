@@ -108,7 +108,7 @@ def test_inductor_collect_and_install(tmp_path, monkeypatch):
     for rel in ("fxgraph/aa/key/entry", "locks/x.lock", "ab/cab.main.so", "triton/0/HASH/k.cubin"):
         (work / "inductor" / rel).parent.mkdir(parents=True, exist_ok=True)
         (work / "inductor" / rel).write_bytes(rel.encode())
-    collected = dict(target.collect(work, "jit-cache"))
+    collected = dict(target.collect(work))
     assert sorted(collected) == ["ab/cab.main.so", "fxgraph/aa/key/entry", "triton/{device}/HASH/k.cubin"]
     active = tmp_path / "active"
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(active))

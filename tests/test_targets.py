@@ -204,15 +204,15 @@ def test_captured_tree_refuses_symlinks_and_special_files(tmp_path):
     import os
 
     from aotbuild.errors import StoreError
-    from aotbuild.targets.folder import collect_tree, lay_tree
+    from aotbuild.trees import collect_tree, lay_tree
 
     base = tmp_path / "cache"
     (base / "MODULE_a").mkdir(parents=True)
     (base / "MODULE_a" / "model.neff").write_bytes(b"neff")
     (base / "MODULE_a" / "x.lock").write_bytes(b"")
     assert [rel for rel, _ in collect_tree(base)] == ["MODULE_a/model.neff"]
-    result = lay_tree(collect_tree(base), tmp_path / "out")
-    assert result.installed == 1 and (tmp_path / "out" / "MODULE_a" / "model.neff").read_bytes() == b"neff"
+    installed, _ = lay_tree(collect_tree(base), tmp_path / "out")
+    assert installed == 1 and (tmp_path / "out" / "MODULE_a" / "model.neff").read_bytes() == b"neff"
     os.symlink("/etc/passwd", base / "MODULE_a" / "evil")
     with pytest.raises(StoreError, match="not a regular file"):
         collect_tree(base)

@@ -3,13 +3,14 @@
 A target knows whether it can run here and why not, its default device and dtype, the compile
 call, the environment fingerprint that goes into keys, how to capture what a warmup compiled and
 how to install it again so a fresh process compiles nothing. Nothing outside ``aotbuild/targets``
-branches on a target's name.
+branches on a target's name. What an entry *is* (compiler caches, AOTInductor packages, aot_compile
+functions) is the strategy's concern (``aotbuild/strategies``), not the target's.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -27,6 +28,16 @@ class Availability:
 
 
 @dataclass(frozen=True)
+class ToolchainCheck:
+    """``aotbuild doctor``'s toolchain check: whether this target can compile here, what it found, the fix."""
+
+    ok: bool
+    detail: str
+    fix: str = ""
+    data: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class InstallResult:
     installed: int  # files written
     present: int  # files already there with the same content
@@ -41,8 +52,6 @@ class Target:
     #: True when artifacts embed the weights: then the weights' identity becomes a key factor.
     embeds_weights: bool = False
 
-    #: the recipe strategies this target implements
-    strategies: tuple[str, ...] = ("jit-cache",)
     #: warmup arguments a recipe gets unless it sets them (part of the key, like the recipe's own)
     warmup_defaults: dict[str, Any] = {}
 
@@ -53,11 +62,19 @@ class Target:
     def default_device(self) -> str:
         raise NotImplementedError
 
+    def check_toolchain(self, device: str) -> ToolchainCheck:
+        """For ``aotbuild doctor``: can this target compile for ``device`` here (versions found, or the fix)."""
+        available = self.availability(device)
+        versions = dict(available.versions)
+        if not available.ok:
+            return ToolchainCheck(False, available.reason, f"install the {self.name} toolchain, or pick another "
+                                                           f"--target (aotbuild targets lists them)",
+                                  {"versions": versions})
+        return ToolchainCheck(True, ", ".join(f"{k} {v}" for k, v in versions.items()) or "available",
+                              data={"versions": versions})
+
     def validate(self, recipe: Recipe) -> None:
-        """Raise ``recipe.error(...)`` for settings this target cannot honour."""
-        if recipe.strategy not in self.strategies:
-            raise recipe.error("strategy", f"target {self.name} supports strategy {', '.join(self.strategies)} "
-                                           f"(not {recipe.strategy})")
+        """Raise ``recipe.error(...)`` for settings this target cannot honour (the strategy checks its own)."""
         if self.static_shapes and recipe.compile.dynamic:
             raise recipe.error("compile.dynamic", f"target {self.name} needs static shapes: set dynamic: false")
         if recipe.device is not None:
@@ -83,13 +100,14 @@ class Target:
         (a None value removes the variable from the job's environment)."""
         raise NotImplementedError
 
-    def collect(self, workdir: Path, strategy: str) -> list[tuple[str, Path]]:
-        """After the job: (relative path, file) for every artifact it produced."""
+    def collect(self, workdir: Path) -> list[tuple[str, Path]]:
+        """After the job: (relative path, file) for every file the job's compile left in the caches
+        ``capture_env`` pointed into ``workdir``."""
         raise NotImplementedError
 
-    def compile_counter(self, strategy: str) -> tuple[str, Callable[[], int]]:
-        """What the proof counts as a compile in this process for ``strategy``, and a function that
-        returns that count so far (aotbuild/proof.py takes the difference over the proof's calls)."""
+    def compile_counter(self) -> tuple[str, Callable[[], int]]:
+        """What counts as a compile in a process that installed this target's cached files and compiled
+        again (strategy jit-cache), and a function that returns that count so far."""
         raise NotImplementedError
 
     def install_blocker(self) -> str:
@@ -99,3 +117,14 @@ class Target:
     def install(self, files: Iterable[tuple[str, Path]], device: str) -> InstallResult:
         """Put artifacts back where this process's compiler will find them, before compiling."""
         raise NotImplementedError
+
+
+def raise_recompile_limit(n_shapes: int) -> None:
+    """One graph per static shape: Dynamo's default recompile limit (8) would make a 9th shape a hard
+    error, so a target's ``compile`` raises it to the recipe's shapes plus that margin."""
+    import torch._dynamo.config as dynamo_config
+
+    name = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
+    wanted = n_shapes + 8
+    if getattr(dynamo_config, name) < wanted:
+        setattr(dynamo_config, name, wanted)

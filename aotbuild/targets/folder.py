@@ -11,17 +11,14 @@ from __future__ import annotations
 
 import importlib
 import os
-import shutil
-import stat
 import tempfile
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from aotbuild.blocks import blocks_setting, compile_regional
-from aotbuild.errors import StoreError
-from aotbuild.layout import safe_relpath
-from aotbuild.targets.base import Availability, InstallResult, Target
+from aotbuild.targets.base import Availability, InstallResult, Target, raise_recompile_limit
+from aotbuild.trees import collect_tree, lay_tree
 
 if TYPE_CHECKING:
     import torch
@@ -95,7 +92,7 @@ class FolderCacheTarget(Target):
                                          f"(allowed: {self.name}, {self.name}:N, cpu)")
 
     def validate(self, recipe: Recipe) -> None:
-        from aotbuild.recipe import thaw
+        from aotbuild.frozen import thaw
         from aotbuild.targets import options
 
         super().validate(recipe)
@@ -106,7 +103,7 @@ class FolderCacheTarget(Target):
                                                f"(got {recipe.compile.mode!r})")
 
     def compile_settings(self, recipe: Recipe, device: str) -> dict[str, Any]:
-        from aotbuild.recipe import thaw
+        from aotbuild.frozen import thaw
 
         spec = recipe.compile
         return {"backend": self.name, "scope": spec.scope, **blocks_setting(recipe), "mode": spec.mode,
@@ -116,11 +113,9 @@ class FolderCacheTarget(Target):
     def compile(self, module: torch.nn.Module, recipe: Recipe, device: str) -> Callable[..., Any]:
         import torch
 
-        from aotbuild.targets.inductor import _raise_recompile_limit
-
         self.import_vendor()  # registers the backend
         settings = self.compile_settings(recipe, device)
-        _raise_recompile_limit(len(recipe.shapes))
+        raise_recompile_limit(len(recipe.shapes))
         kwargs = {"backend": self.name, "fullgraph": settings["fullgraph"], "dynamic": False,
                   "options": settings["options"] or None}
         if settings["scope"] == "regional":
@@ -133,10 +128,10 @@ class FolderCacheTarget(Target):
         env.update({name: None for name in self.unset_in_jobs})
         return env
 
-    def collect(self, workdir: Path, strategy: str) -> list[tuple[str, Path]]:
+    def collect(self, workdir: Path) -> list[tuple[str, Path]]:
         return collect_tree(workdir / "compiler-cache")
 
-    def compile_counter(self, strategy: str) -> tuple[str, Callable[[], int]]:
+    def compile_counter(self) -> tuple[str, Callable[[], int]]:
         """A persistent-cache compiler writes what it compiles into its cache folder, and only reads
         what it finds there: every new file is a compile."""
 
@@ -151,50 +146,4 @@ class FolderCacheTarget(Target):
         if not folder:
             folder = tempfile.mkdtemp(prefix=f"aotbuild-{self.name}-cache-")
             os.environ[self.cache_env] = folder  # read by the compiler at compile time
-        return lay_tree(files, Path(folder))
-
-
-def collect_tree(base: Path) -> list[tuple[str, Path]]:
-    """Every regular file under ``base``; a symlink, device file or other special file is refused."""
-    found = []
-    if not base.is_dir():
-        return found
-    for folder, dirs, files in os.walk(base):
-        for name in sorted(dirs):
-            if os.path.islink(os.path.join(folder, name)):
-                raise StoreError(f"refusing to capture {os.path.join(folder, name)}: a symlink")
-        dirs.sort()
-        for name in sorted(files):
-            path = Path(folder) / name
-            mode = os.lstat(path).st_mode
-            if not stat.S_ISREG(mode):
-                raise StoreError(f"refusing to capture {path}: not a regular file")
-            if name.endswith(".lock"):
-                continue
-            rel = path.relative_to(base).as_posix()
-            safe_relpath(rel)
-            found.append((rel, path))
-    return found
-
-
-def lay_tree(files: Iterable[tuple[str, Path]], folder: Path) -> InstallResult:
-    """Hard-link (else copy) each blob to ``folder/rel``; existing files of the same size stay."""
-    installed = present = 0
-    for rel, blob in files:
-        dest = folder.joinpath(*safe_relpath(rel).parts)
-        if dest.is_file() and dest.stat().st_size == blob.stat().st_size:
-            present += 1
-            continue
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        tmp = dest.with_name(f".{dest.name}.{os.getpid()}.tmp")
-        try:
-            try:
-                os.link(blob, tmp)
-            except OSError:  # another filesystem, or links not allowed
-                shutil.copyfile(blob, tmp)
-            os.replace(tmp, dest)
-        finally:
-            if tmp.exists():
-                tmp.unlink()
-        installed += 1
-    return InstallResult(installed, present, str(folder))
+        return InstallResult(*lay_tree(files, Path(folder)), folder)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import platform
 import re
+import subprocess
 import tempfile
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -24,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 from aotbuild import constants
 from aotbuild.blocks import blocks_setting, compile_regional
 from aotbuild.layout import safe_relpath
-from aotbuild.targets.base import Availability, InstallResult, Target
+from aotbuild.targets.base import Availability, InstallResult, Target, ToolchainCheck, raise_recompile_limit
 
 if TYPE_CHECKING:
     import torch
@@ -48,7 +49,6 @@ class InductorTarget(Target):
     default_dtype = "float32"
     static_shapes = True
     embeds_weights = False  # weights are graph inputs, never frozen into kernels (freezing stays off)
-    strategies = ("jit-cache", "aot-package")
 
     def availability(self, device: str | None = None) -> Availability:
         import torch
@@ -72,15 +72,48 @@ class InductorTarget(Target):
         super().validate(recipe)
         if recipe.compile.options:
             _check_options(recipe)
-        if recipe.strategy == "aot-package":
-            if not recipe.compile.fullgraph:
-                raise recipe.error("compile.fullgraph", "strategy aot-package exports whole modules (the "
-                                                        "component, or its blocks): fullgraph must be true")
-            if recipe.offload != "none":
-                raise recipe.error("offload", "strategy aot-package cannot run under model offload")
+
+    def check_toolchain(self, device: str) -> ToolchainCheck:
+        """torch's availability, then what Inductor needs to generate code: CUDA and Triton, or a C++
+        compiler (the one Inductor itself would run)."""
+        found = super().check_toolchain(device)
+        if not found.ok:
+            return found
+        import torch
+
+        if device.startswith("cuda"):
+            if not torch.cuda.is_available():
+                return ToolchainCheck(False, f"CUDA is not available (torch {torch.__version__})",
+                                      "install a CUDA build of torch and the NVIDIA driver")
+            major, minor = torch.cuda.get_device_capability()
+            try:
+                import triton
+
+                triton_version = triton.__version__
+            except ImportError:
+                return ToolchainCheck(False, "Triton is not installed: Inductor cannot generate CUDA kernels",
+                                      "pip install triton (it comes with torch's CUDA wheels)")
+            detail = (f"{torch.cuda.get_device_name()} (capability {major}.{minor}), CUDA {torch.version.cuda}, "
+                      f"driver ok, Triton {triton_version}")
+            return ToolchainCheck(True, detail, data={"versions": {"cuda": torch.version.cuda,
+                                                                   "triton": triton_version}})
+        from torch._inductor.cpp_builder import get_cpp_compiler
+
+        try:
+            compiler = get_cpp_compiler()  # honours CXX, as Inductor does when it compiles
+            proc = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30)
+            if proc.returncode != 0:
+                raise OSError(proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else proc.returncode)
+        except Exception as exc:  # InvalidCxxCompiler, OSError, a timeout: the same fix
+            cxx = os.environ.get("CXX")
+            where = f" (CXX={cxx})" if cxx else ""
+            return ToolchainCheck(False, f"no working C++ compiler{where}: {str(exc).splitlines()[0][:160]}",
+                                  "install g++ (apt-get install g++) or point CXX at a working compiler")
+        version = proc.stdout.strip().splitlines()[0] if proc.stdout.strip() else compiler
+        return ToolchainCheck(True, f"C++ compiler {compiler}: {version}", data={"compiler": compiler})
 
     def compile_settings(self, recipe: Recipe, device: str) -> dict[str, Any]:
-        from aotbuild.recipe import thaw
+        from aotbuild.frozen import thaw
 
         spec = recipe.compile
         options = thaw(spec.options)  # plain lists and dicts: what torch.compile and JSON expect
@@ -123,7 +156,7 @@ class InductorTarget(Target):
         import torch
 
         settings = self.compile_settings(recipe, device)
-        _raise_recompile_limit(len(recipe.shapes))
+        raise_recompile_limit(len(recipe.shapes))
         options = dict(settings["options"])
         if settings["mode"] != "default":
             # torch.compile takes mode or options, not both: expand the mode into its options.
@@ -145,14 +178,7 @@ class InductorTarget(Target):
         return {constants.ENV_INDUCTOR_CACHE: str(workdir / "inductor"), "TORCHINDUCTOR_FX_GRAPH_CACHE": "1",
                 "TORCHINDUCTOR_AUTOGRAD_CACHE": "1", "TRITON_CACHE_DIR": None}
 
-    def collect(self, workdir: Path, strategy: str) -> list[tuple[str, Path]]:
-        if strategy == "aot-package":
-            # The packages, and the probe files a fresh load of them left in an empty cache folder.
-            from aotbuild.targets import aoti
-            from aotbuild.targets.folder import collect_tree
-
-            return ([(f"{aoti.PACKAGE_DIR}/{rel}", p) for rel, p in collect_tree(workdir / aoti.PACKAGE_DIR)]
-                    + [(f"{aoti.PROBE_DIR}/{rel}", p) for rel, p in collect_tree(workdir / aoti.PROBE_DIR)])
+    def collect(self, workdir: Path) -> list[tuple[str, Path]]:
         base = workdir / "inductor"
         found = []
         for folder, dirs, files in os.walk(base):
@@ -165,11 +191,9 @@ class InductorTarget(Target):
                 found.append((_TRITON.sub(_DEVICE_SLOT, rel), path))
         return found
 
-    def compile_counter(self, strategy: str) -> tuple[str, Callable[[], int]]:
+    def compile_counter(self) -> tuple[str, Callable[[], int]]:
         from torch._dynamo.utils import counters
 
-        if strategy == "aot-package":  # every call must reach a package: any Dynamo graph is a fallback compile
-            return "Dynamo graphs traced", lambda: int(counters["stats"]["unique_graphs"])
         # A jit-cache load traces with Dynamo (that is not compiling) and must hit the FX graph cache.
         return "FX graph cache misses", lambda: int(counters["inductor"]["fxgraph_cache_miss"])
 
@@ -220,16 +244,6 @@ def active_cache_dir() -> str:
     return cache_dir()
 
 
-def _raise_recompile_limit(n_shapes: int) -> None:
-    """One graph per static shape: the default limit (8) would make a 9th shape a hard error."""
-    import torch._dynamo.config as dynamo_config
-
-    name = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
-    wanted = n_shapes + 8
-    if getattr(dynamo_config, name) < wanted:
-        setattr(dynamo_config, name, wanted)
-
-
 __all__ = ["InductorTarget", "active_cache_dir"]
 
 
@@ -238,13 +252,14 @@ def _check_options(recipe: Recipe) -> None:
     the recipe is read: a typo is one line at ``plan`` time, not a failed job with a 20 kB message."""
     from torch._inductor import config
 
-    from aotbuild.recipe import _suggest, thaw
+    from aotbuild.frozen import thaw
+    from aotbuild.suggest import suggest
     from aotbuild.targets import options
 
     current = config.get_config_copy()
     for key, value in thaw(recipe.compile.options).items():
         name = key.replace("-", "_")
         if name not in current:
-            raise recipe.error(f"compile.options.{key}", f"not an Inductor option{_suggest(name, list(current))} "
+            raise recipe.error(f"compile.options.{key}", f"not an Inductor option{suggest(name, list(current))} "
                                                          "(torch._inductor.list_options() lists them)")
         options.check(recipe, key, value, config.get_type(name))  # type: ignore[attr-defined]

@@ -1,4 +1,4 @@
-"""The ``aot-package`` strategy of the Inductor target: AOTInductor packages, no Dynamo at load.
+"""The mechanics of ``strategy: aot-package`` (aot_package.py): AOTInductor packages, no Dynamo at load.
 
 Build (in the job's subprocess): the warmup runs eagerly while the dispatcher records the exact
 args/kwargs of the component's first call per signature (ZeroGPU's ``aoti_capture`` does the same
@@ -367,7 +367,7 @@ def _relaid(call: tuple[tuple[Any, ...], dict[str, Any]],
 def _probe(package: Path, probe_cache: Path) -> list[str]:
     """Load the package in a fresh process with an empty Inductor cache; return its constant names."""
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(probe_cache)}
-    proc = subprocess.run([sys.executable, "-m", "aotbuild.targets.aoti", str(package)], env=env,
+    proc = subprocess.run([sys.executable, "-m", "aotbuild.strategies.aoti", str(package)], env=env,
                           capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"the package {package.name} does not load in a fresh process: "
@@ -489,7 +489,7 @@ def load_packages(module: Any, component: str, packages: list[tuple[dict[str, An
     named *.pt2."""
     import torch
 
-    from aotbuild.targets.folder import lay_tree
+    from aotbuild.trees import lay_tree
 
     named = dict(module.named_modules())
     routes: dict[str, dict[str, Callable[..., Any]]] = {}
@@ -524,7 +524,7 @@ def _stride_guard(runner: PackageRunner) -> Callable[..., Any]:
     return run
 
 
-if __name__ == "__main__":  # the load probe: python -m aotbuild.targets.aoti PACKAGE
+if __name__ == "__main__":  # the load probe: python -m aotbuild.strategies.aoti PACKAGE
     import torch
 
     loaded = torch._inductor.aoti_load_package(sys.argv[1])

@@ -1,0 +1,90 @@
+"""``strategy: aot-package``: AOTInductor packages, loaded with no Dynamo at all (mechanics: aoti.py).
+
+Build: the warmup runs eagerly while every call of the component (or, for ``scope: regional``, of
+each repeated block) is recorded; each distinct call is exported and packaged without weights, and
+a fresh process loads each package once (its constants' names, and the probe files it leaves in an
+empty Inductor folder). The entry is the packages (``aoti/``) and those probe files (``inductor/``).
+Load: the probe files go to Inductor's cache, each package is loaded and bound to the live
+module's weights, and a dispatcher routes each built signature to its package. A serving process
+that traced any Dynamo graph compiled something: that is the proof's counter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from aotbuild.dispatch import install_dispatcher
+from aotbuild.strategies import aoti
+from aotbuild.strategies.base import BuildJob, Built, Planned, Strategy, lazy_compile
+
+if TYPE_CHECKING:
+    from aotbuild.planner import Context
+    from aotbuild.recipe import Recipe
+    from aotbuild.store import Entry
+    from aotbuild.targets.base import InstallResult, Target
+
+
+class AotPackage(Strategy):
+    name = "aot-package"
+    summary = "AOTInductor packages without weights (inductor): no Dynamo at load"
+    targets = ("inductor",)
+
+    def validate(self, recipe: Recipe, target: Target) -> None:
+        super().validate(recipe, target)
+        if not recipe.compile.fullgraph:
+            raise recipe.error("compile.fullgraph", "strategy aot-package exports whole modules (the "
+                                                    "component, or its blocks): fullgraph must be true")
+        if recipe.offload != "none":
+            raise recipe.error("offload", "strategy aot-package cannot run under model offload")
+
+    def build(self, job: BuildJob) -> Built:
+        ctx = job.ctx
+        options = ctx.target.compile_settings(ctx.recipe, ctx.device)["options"]
+        if ctx.recipe.compile.scope == "regional":  # one package per repeated block class x signature
+            recorder = aoti.BlockRecorder(job.module, job.component, ctx.recipe.compile.blocks, ctx.recipe)
+            job.run_warmup()  # eager: records the exact calls the pipeline makes to each block
+            job.phase("exporting and packaging")
+            return Built(recorder.signatures, recorder.build(job.workdir, options))
+        calls: dict[str, Any] = {}
+        dispatcher = install_dispatcher(job.module, job.component, {}, job.module.forward, "record",
+                                        on_record=lambda sig, a, k: calls.setdefault(sig, aoti.snapshot(a, k)))
+        job.run_warmup()  # eager: records the exact calls the pipeline makes
+        job.phase("exporting and packaging")
+        return Built(sorted(dispatcher.built), aoti.build_packages(job.module, calls, job.workdir, options))
+
+    def collect(self, target: Target, workdir: Path) -> list[tuple[str, Path]]:
+        # The packages, and the probe files a fresh load of them left in an empty cache folder.
+        from aotbuild.trees import collect_tree
+
+        return ([(f"{aoti.PACKAGE_DIR}/{rel}", p) for rel, p in collect_tree(workdir / aoti.PACKAGE_DIR)]
+                + [(f"{aoti.PROBE_DIR}/{rel}", p) for rel, p in collect_tree(workdir / aoti.PROBE_DIR)])
+
+    def compile_counter(self, target: Target) -> tuple[str, Callable[[], int]]:
+        from torch._dynamo.utils import counters
+
+        # Every call must reach a package: any Dynamo graph is a fallback compile.
+        return "Dynamo graphs traced", lambda: int(counters["stats"]["unique_graphs"])
+
+    def check(self, module: Any, component: str, entry: Entry) -> str:
+        return aoti.check_baked(module, component, entry.manifest.packages)
+
+    def install(self, ctx: Context, planned: list[Planned], policy: str) -> InstallResult | None:
+        # Only the loader's probe files go to Inductor's cache; the packages are loaded from the store.
+        probe = aoti.PROBE_DIR + "/"
+        files = [(rel[len(probe):], p) for pl in planned for e in pl.entries for rel, p in e.files
+                 if rel.startswith(probe)]
+        result = ctx.target.install(files, ctx.device) if files else None
+        for p in planned:
+            packages = [(package, dict(e.files)[package["path"]]) for e in p.entries
+                        for package in e.manifest.packages]
+            routes = aoti.load_packages(p.module, p.component, packages, ctx.device)
+            if ctx.recipe.compile.scope == "regional":  # the component runs eagerly, its blocks dispatch
+                for name, block in aoti.repeated_blocks(p.module, ctx.recipe.compile.blocks, ctx.recipe):
+                    fallback = lazy_compile(ctx, block, scope="full") if policy == "compile" else None
+                    install_dispatcher(block, f"{p.component}.{name}", routes.get(name, {}), fallback, policy)
+            else:
+                fallback = lazy_compile(ctx, p.module) if policy == "compile" else None
+                install_dispatcher(p.module, p.component, routes.get("", {}), fallback, policy)
+        return result

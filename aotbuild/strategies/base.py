@@ -1,0 +1,146 @@
+"""The interface every strategy implements: how an entry is built, what it stores, how it is served.
+
+A *target* says where compiled code runs and how its compiler is driven (``aotbuild/targets``); a
+*strategy* says what an entry is: jit-cache stores ``torch.compile``'s own caches and re-traces at
+load, aot-package stores AOTInductor packages, aot-compile stores ``torch.compile(...).aot_compile``
+functions. A strategy owns five things, and nothing outside ``aotbuild/strategies`` branches on a
+strategy's name:
+
+1. ``validate``: which targets and recipe settings it supports, and whether this torch has what it
+   needs (refused when the recipe is read, so at ``plan`` time);
+2. ``build``: in the job's fresh process, compile the component at one shape and return the call
+   signatures it built plus the strategy's own records for the manifest (``Built``);
+3. ``collect``: after the job, the files that are the entry;
+4. ``check`` and ``install``: at load, whether a verified entry fits the live module, then put the
+   entries into the modules behind a dispatcher with the call policy (``Served``);
+5. ``compile_counter``: what its proof counts as "a compile" in a serving process.
+
+Adding a strategy is one module with a ``Strategy`` subclass and one line in the registry
+(``aotbuild/strategies/__init__.py``); docs/architecture.md shows the steps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from aotbuild.planner import Context
+    from aotbuild.recipe import Recipe
+    from aotbuild.store import Entry
+    from aotbuild.targets.base import InstallResult, Target
+
+
+@dataclass
+class BuildJob:
+    """What a strategy's ``build`` gets in the job's process: the pipeline, loaded and placed, and
+    the component to compile at the job's shape."""
+
+    ctx: Context
+    pipe: Any
+    component: str
+    module: Any
+    #: the pipeline call that warms the job's shape up (the recipe's warmup at the shape)
+    warmup: dict[str, Any]
+    #: the job's staging folder: the target's compiler caches point into it (``capture_env``)
+    workdir: Path
+    #: tells the parent what the job is doing
+    phase: Callable[[str], None] = lambda text: None
+
+    def run_warmup(self) -> None:
+        """Call the pipeline as a user does (its own no_grad, no inference_mode: grad mode is part of
+        what a compiled graph is guarded and cached on)."""
+        self.pipe(**self.warmup)
+
+
+@dataclass
+class Built:
+    """What a job built: the call signatures served, and the strategy's records for the manifest
+    (``Manifest.packages``: one per artifact, each naming its file and signature)."""
+
+    signatures: list[str]
+    records: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass
+class Planned:
+    """At load: one component, its live module and its verified entries (one per shape that hit)."""
+
+    component: str
+    module: Any
+    entries: list[Entry]
+
+
+class Strategy:
+    name: str = ""
+    #: one line for the recipe reference (docs/recipes.md)
+    summary: str = ""
+    #: the targets it runs on (None: every target)
+    targets: tuple[str, ...] | None = None
+
+    # -- when the recipe is read --------------------------------------------------------------
+
+    def availability(self) -> str:
+        """Why this process's torch cannot run the strategy, or ""."""
+        return ""
+
+    def validate(self, recipe: Recipe, target: Target) -> None:
+        """Raise ``recipe.error(...)`` for settings the strategy cannot honour."""
+        if self.targets is not None and target.name not in self.targets:
+            raise recipe.error("strategy", f"strategy {self.name} runs on target {', '.join(self.targets)} "
+                                           f"(not {target.name})")
+        why = self.availability()
+        if why:
+            raise recipe.error("strategy", f"strategy {self.name} {why}")
+
+    # -- build, in the job's fresh process ----------------------------------------------------------
+
+    def build(self, job: BuildJob) -> Built:
+        raise NotImplementedError
+
+    def collect(self, target: Target, workdir: Path) -> list[tuple[str, Path]]:
+        """After the job: (relative path, file) for every file of the entry."""
+        return target.collect(workdir)
+
+    def compile_counter(self, target: Target) -> tuple[str, Callable[[], int]]:
+        """What the proof counts as a compile in a serving process, and a function returning that count
+        so far (aotbuild/proof.py takes the difference over the proof's calls)."""
+        return target.compile_counter()
+
+    # -- load ---------------------------------------------------------------------------------------
+
+    def check(self, module: Any, component: str, entry: Entry) -> str:
+        """Why a verified entry cannot serve the live ``module`` (then it is a miss with that reason), or ""."""
+        return ""
+
+    def install(self, ctx: Context, planned: list[Planned], policy: str) -> InstallResult | None:
+        """Make each planned module serve its entries: files where the compiler reads them, a
+        dispatcher in each module's ``forward`` that routes a built signature to its artifact and any
+        other call by ``policy`` ("compile", "eager" or "error", dispatch.py). The install's figures,
+        or None when no file was installed."""
+        raise NotImplementedError
+
+
+def lazy_compile(ctx: Context, module: Any, scope: str | None = None) -> Callable[..., Any]:
+    """A fallback that compiles the module's own forward on its first use, not at load (importing
+    Dynamo alone costs ~0.7 s: an entry that serves every call never pays it).
+
+    ``scope="full"`` compiles ``module`` whole whatever the recipe says (a regional recipe's block)."""
+    eager_forward = module.forward
+    compiled: list[Any] = []
+    recipe = ctx.recipe
+    if scope is not None:
+        recipe = replace(recipe, compile=replace(recipe.compile, scope=scope))
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if not compiled:
+            dispatcher, module.forward = module.forward, eager_forward
+            try:
+                compiled.append(ctx.target.compile(module, recipe, ctx.device))
+            finally:
+                module.forward = dispatcher
+        return compiled[0](*args, **kwargs)
+
+    return run

@@ -1,0 +1,43 @@
+"""``strategy: jit-cache``: ``torch.compile``'s own caches, captured by the build and laid back at load.
+
+Build: the job compiles the component (or its repeated blocks) with the target's compile call and
+runs the warmup; everything the compiler left in its cache folder (pointed at an empty folder by the
+target's ``capture_env``) is the entry. Load: the target installs those files where this process's
+compiler reads them, and the component is compiled again with the same call, so Dynamo traces (that
+is not compiling) and every graph hits the compiler's cache. Runs on every target; what counts as a
+compile in a serving process is the target's to say (``Target.compile_counter``).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from aotbuild.dispatch import install_dispatcher
+from aotbuild.strategies.base import BuildJob, Built, Planned, Strategy
+
+if TYPE_CHECKING:
+    from aotbuild.planner import Context
+    from aotbuild.targets.base import InstallResult
+
+
+class JitCache(Strategy):
+    name = "jit-cache"
+    summary = "torch.compile with its caches captured (any target); Dynamo traces again at load"
+
+    def build(self, job: BuildJob) -> Built:
+        ctx = job.ctx
+        compiled = ctx.target.compile(job.module, ctx.recipe, ctx.device)
+        dispatcher = install_dispatcher(job.module, job.component, {}, compiled, "record")
+        job.run_warmup()
+        return Built(sorted(dispatcher.built))
+
+    def install(self, ctx: Context, planned: list[Planned], policy: str) -> InstallResult | None:
+        files = [f for p in planned for e in p.entries for f in e.files]
+        result = ctx.target.install(files, ctx.device) if files else None
+        for p in planned:
+            compiled: Any = None
+            if p.entries or policy == "compile":
+                compiled = ctx.target.compile(p.module, ctx.recipe, ctx.device)
+            routes = {sig: compiled for e in p.entries for sig in e.manifest.signatures}
+            install_dispatcher(p.module, p.component, routes, compiled, policy)
+        return result

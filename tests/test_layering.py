@@ -1,0 +1,169 @@
+"""The architecture rules of docs/architecture.md, checked on the source: no import cycles (function-level
+imports and the registries' by-name imports included), no private name imported from another module,
+every ``AOTBUILD_*`` variable named through constants.py, every store path built by layout.py, and no
+module outside a registry's package comparing a strategy's or a target's name."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "aotbuild"
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        found[name] = path
+    return found
+
+
+MODULES = _modules()
+
+
+def _walk_runtime(node: ast.AST):
+    """Every node except those under ``if TYPE_CHECKING:`` (imports for annotations only)."""
+    for child in ast.iter_child_nodes(node):
+        if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+            continue
+        yield child
+        yield from _walk_runtime(child)
+
+
+def _imports(name: str, path: Path) -> list[tuple[str, str | None, int]]:
+    """(module, imported name or None, line) of every import that runs, at any level; and every string
+    constant naming an aotbuild module (the registries import by name, builder runs ``-m`` children)."""
+    found = []
+    for node in _walk_runtime(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found += [(alias.name, None, node.lineno) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+                base = ".".join(package[:len(package) - node.level + 1] + ([base] if base else []))
+            found += [(base, alias.name, node.lineno) for alias in node.names]
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in MODULES \
+                and name != "aotbuild":  # the top package's lazy names are the public facade, not imports
+            found.append((node.value, None, node.lineno))
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    edges: dict[str, set[str]] = {m: set() for m in MODULES}
+    for name, path in MODULES.items():
+        for base, imported, _ in _imports(name, path):
+            target = f"{base}.{imported}" if imported and f"{base}.{imported}" in MODULES else base
+            if target in MODULES and target != name:
+                edges[name].add(target)
+                # importing a.b.c imports its package a.b first (not the top package: its __init__ is a
+                # facade that resolves names on first use, and every module is inside it)
+                parent = target.rpartition(".")[0]
+                while "." in parent and parent != name and not name.startswith(parent + "."):
+                    edges[name].add(parent)
+                    parent = parent.rpartition(".")[0]
+    return edges
+
+
+def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(edges[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_the_checker_sees_imports_at_every_level():
+    edges = _graph()
+    assert "aotbuild.frozen" in edges["aotbuild.targets.inductor"]  # imported inside a function
+    assert "aotbuild.targets.inductor" in edges["aotbuild.targets"]  # named in the registry
+    assert "aotbuild.strategies.aot_package" in edges["aotbuild.strategies"]
+    assert "aotbuild.worker" in edges["aotbuild.builder"]  # run as python -m aotbuild.worker
+    assert "aotbuild.planner" not in edges["aotbuild.strategies.base"]  # TYPE_CHECKING only
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_no_import_cycles():
+    assert _cycles(_graph()) == []
+
+
+def test_no_private_names_imported_across_modules():
+    crossing = [f"{name}:{line} imports {base}.{imported}"
+                for name, path in MODULES.items() for base, imported, line in _imports(name, path)
+                if base.startswith("aotbuild") and imported and imported.startswith("_")
+                and not imported.startswith("__") and f"{base}.{imported}" not in MODULES and base != name]
+    assert crossing == []
+
+
+def test_aotbuild_variables_are_named_in_constants_only():
+    named = [f"{name}:{node.lineno}: {node.value}" for name, path in MODULES.items() if name != "aotbuild.constants"
+             for node in ast.walk(ast.parse(path.read_text()))
+             if isinstance(node, ast.Constant) and isinstance(node.value, str)
+             and re.fullmatch(r"AOTBUILD_[A-Z_]+", node.value)]
+    assert named == []
+
+
+STORE_FOLDERS = ("blobs", "manifests", "models", "tmp", "locks", "logs")
+
+
+def test_store_paths_are_built_by_layout():
+    """``root / "logs"`` and friends: a store folder joined outside layout.py."""
+    built = []
+    for name, path in MODULES.items():
+        if name == "aotbuild.layout":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div) and isinstance(node.right, ast.Constant) \
+                    and node.right.value in STORE_FOLDERS:
+                built.append(f"{name}:{node.lineno}: {ast.unparse(node)}")
+    assert built == []
+
+
+def test_names_are_compared_only_inside_their_registries():
+    """``recipe.strategy == "aot-package"`` or ``target.name == "inductor"`` outside aotbuild/strategies
+    and aotbuild/targets: the interface should have been asked instead."""
+    from aotbuild.strategies import strategy_names
+    from aotbuild.targets import target_names
+
+    names = set(strategy_names()) | set(target_names())
+    compared = []
+    for name, path in MODULES.items():
+        if name.startswith(("aotbuild.strategies", "aotbuild.targets")):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Compare) and any(isinstance(op, (ast.Eq, ast.NotEq, ast.In, ast.NotIn))
+                                                     for op in node.ops):
+                values = [c.value for c in (node.left, *node.comparators) if isinstance(c, ast.Constant)]
+                if any(v in names for v in values):
+                    compared.append(f"{name}:{node.lineno}: {ast.unparse(node)}")
+    assert compared == []
