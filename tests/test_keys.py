@@ -117,26 +117,94 @@ def test_each_shape_has_its_own_key(models_dir):
     assert len(set(ks)) == 3
 
 
-@pytest.mark.parametrize("factor,value", [
-    (("env", "torch"), "2.99.0"), (("env", "diffusers"), "9.9.9"), (("env", "transformers"), "9.9.9"),
-    (("env", "python"), "3.99"), (("device", "cpu_isa"), "AVX2-other"), (("model", "builtin_version"), 99),
-    (("component", "config"), {"changed": True}),
-])
-def test_key_changes_with_environment_and_model_factors(models_dir, factor, value):
-    job = jobs_for(Context.create(load_recipe(TINY_RECIPE), models_dir), Store(models_dir))[0]
-    factors = {k: (dict(v) if isinstance(v, dict) else v) for k, v in job.factors.items()}
-    factors[factor[0]][factor[1]] = value
-    assert keys.key_of(factors) != job.key
-    diff = keys.differences(job.factors, factors)
-    assert diff and all(line.startswith(".".join(factor)) for line in diff)
-
-
-def test_environment_factors_are_what_the_key_uses(models_dir, monkeypatch):
-    """Changing what the environment reports changes the key (not a constant baked in)."""
-    reference = plan_keys(load_recipe(TINY_RECIPE), models_dir)
+def _env(**changes):
     real = keys.environment_factors()
-    monkeypatch.setattr(keys, "environment_factors", lambda: {**real, "torch": "2.14.1"})
-    assert plan_keys(load_recipe(TINY_RECIPE), models_dir) != reference
+    return lambda: {**real, **changes}
+
+
+def _other_cpu_isa(monkeypatch, root):
+    import torch
+
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2-other")
+
+
+def _other_builtin_version(monkeypatch, root):
+    """tiny-sd v99, served from a folder of that name (a copy of v1 is enough for planning)."""
+    from aotbuild import builtin
+
+    model = builtin.lookup("builtin:tiny-sd")
+    v1 = root / "models" / model.folder_name
+    monkeypatch.setattr(type(model), "version", 99)
+    (root / "models" / model.folder_name).symlink_to(v1, target_is_directory=True)
+
+
+def _other_config(monkeypatch, root):
+    from aotbuild import models
+
+    real = models.component_config
+    monkeypatch.setattr(models, "component_config",
+                        lambda *a, **k: (lambda c: (c[0], {**c[1], "changed": True}))(real(*a, **k)))
+
+
+#: Each factor a key must change with, changed where it comes from (what the environment reports, the
+#: CPU, the built-in model's version, the component's config.json), then planned as a build would.
+FACTOR_SOURCES = {
+    "env.torch": lambda mp, root: mp.setattr(keys, "environment_factors", _env(torch="2.99.0")),
+    "env.diffusers": lambda mp, root: mp.setattr(keys, "environment_factors", _env(diffusers="9.9.9")),
+    "env.transformers": lambda mp, root: mp.setattr(keys, "environment_factors", _env(transformers="9.9.9")),
+    "env.python": lambda mp, root: mp.setattr(keys, "environment_factors", _env(python="3.99")),
+    "device.cpu_isa": _other_cpu_isa,
+    "model.builtin_version": _other_builtin_version,
+    "component.config": _other_config,
+}
+
+
+def _private_root(models_dir, tmp_path) -> Path:
+    """A cache root of this test's own, holding the session's built-in model."""
+    root = tmp_path / "root"
+    shutil.copytree(models_dir / "models", root / "models", symlinks=True)
+    return root
+
+
+@pytest.mark.parametrize("factor", list(FACTOR_SOURCES))
+def test_key_changes_with_environment_and_model_factors(models_dir, tmp_path, monkeypatch, factor):
+    root = _private_root(models_dir, tmp_path)
+    before = jobs_for(Context.create(load_recipe(TINY_RECIPE), root), Store(root))
+    FACTOR_SOURCES[factor](monkeypatch, root)
+    after = jobs_for(Context.create(load_recipe(TINY_RECIPE), root), Store(root))
+    assert len(before) == len(after) == 2 and all(j.key for j in before + after)
+    for old, new in zip(before, after, strict=True):
+        assert new.key != old.key
+        diff = keys.differences(old.factors, new.factors)
+        assert diff and all(line.startswith(factor + ".") or line.startswith(factor + ":") for line in diff), diff
+
+
+def test_key_ignores_dict_order_rank_and_device_index(models_dir, tmp_path, monkeypatch):
+    """What must not matter, through the planner: the order config.json lists its keys in, the
+    launcher's rank/world variables, and which GPU of a machine the recipe names."""
+    import torch
+
+    from aotbuild import models
+
+    reference = plan_keys(load_recipe(TINY_RECIPE), models_dir)
+    real = models.component_config
+    monkeypatch.setattr(models, "component_config",
+                        lambda *a, **k: (lambda c: (c[0], dict(reversed(c[1].items()))))(real(*a, **k)))
+    for name, value in {"RANK": "3", "LOCAL_RANK": "3", "WORLD_SIZE": "8", "CUDA_VISIBLE_DEVICES": "3",
+                        "MASTER_ADDR": "10.0.0.3"}.items():
+        monkeypatch.setenv(name, value)
+    assert plan_keys(load_recipe(TINY_RECIPE), models_dir) == reference
+
+    # cuda:0 and cuda:3 of one machine (the same GPU model): one key. CUDA is faked for planning only.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    per_device = []
+    for device in ("cuda:0", "cuda:3"):
+        data = base_data()
+        data["device"] = device
+        per_device.append(plan_keys(parse_recipe(data, "r.yaml"), models_dir))
+    assert per_device[0] == per_device[1] and None not in per_device[0]
+    assert not set(per_device[0]) & set(reference)  # and the device kind itself is a factor
 
 
 def test_module_config_matches_config_file(models_dir):

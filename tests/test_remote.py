@@ -30,6 +30,16 @@ def add_entry(store: Store, tmp_path: Path, name: str, files: dict[str, bytes]) 
     return manifests.add_entry(store, tmp_path / "src", name, files)
 
 
+def blob_names(store: Store) -> set[str]:
+    """The blob files under the store's blobs/ folder (each is named by its sha256)."""
+    return {p.name for p in store.layout.blobs.rglob("*") if p.is_file()}
+
+
+def listed_blobs(store: Store, *keys: str) -> set[str]:
+    """The blobs the manifests of ``keys`` list."""
+    return {f.sha256 for key in keys for f in store.read_manifest(key).files}
+
+
 def entries(store: Store, *keys: str):
     out = []
     for key in keys:
@@ -70,10 +80,13 @@ def test_folder_push_is_incremental_and_pull_verifies(tmp_path):
     remote = parse_remote(f"file://{tmp_path / 'remote'}")
     first = remote.push(entries(local, a))
     assert first.sent == [a] and first.bytes_sent == len(b"kernel-a") + len(b"same in both")
+    assert len(blob_names(remote.store)) == 2 and blob_names(remote.store) == listed_blobs(remote.store, a)
     second = remote.push(entries(local, a, b))
     assert second.present == [a] and second.sent == [b]
     assert second.bytes_sent == len(b"kernel-b")  # the shared blob was already there
     assert remote.keys() == {a, b}
+    # The remote's blobs/ holds exactly what its manifests list: 3 blobs, the shared one once.
+    assert len(blob_names(remote.store)) == 3 and blob_names(remote.store) == listed_blobs(remote.store, a, b)
 
     other = Store(tmp_path / "other")
     assert remote.fetch(a, other) == ""
@@ -83,19 +96,23 @@ def test_folder_push_is_incremental_and_pull_verifies(tmp_path):
 
 
 def test_a_tampered_remote_blob_is_refused_and_nothing_is_stored(tmp_path):
+    """Two blobs, the second (in fetch order) tampered: the first is stored before the second is
+    refused, so "nothing is stored" checks that the refused pull removed it."""
     local = Store(tmp_path / "local")
-    a = add_entry(local, tmp_path, "a", {"x.so": b"kernel-a"})
+    a = add_entry(local, tmp_path, "a", {"x.so": b"kernel-a", "y.so": b"kernel-b"})
     remote = parse_remote(f"file://{tmp_path / 'remote'}")
     remote.push(entries(local, a))
-    blob = remote.store.layout.blob(local.read_manifest(a).files[0].sha256)
+    listed = listed_blobs(remote.store, a)
+    assert len(listed) == 2 and blob_names(remote.store) == listed  # the remote's blobs are there
+    blob = remote.store.layout.blob(max(listed))  # fetched last: blobs are fetched in digest order
     blob.chmod(0o644)
-    blob.write_bytes(b"kernel-A")  # same size, other bytes
+    blob.write_bytes(b"kernel-X")  # same size, other bytes
     other = Store(tmp_path / "other")
     why = remote.fetch(a, other)
-    assert why.startswith("refused") and "does not match its content" in why
+    assert why.startswith("refused") and "does not match its content" in why and max(listed)[:12] in why
     assert not other.has(a)
-    assert not [p for p in other.layout.blobs.rglob("*") if p.is_file()] if other.layout.blobs.exists() else True
-    assert not list(other.layout.tmp.iterdir())  # no temp file left behind
+    # Nothing anywhere in the store but its lock: no blob, no manifest, no temp file.
+    assert [p for p in other.root.rglob("*") if p.is_file() and p.suffix != ".lock"] == []
 
 
 def test_a_missing_remote_folder_is_an_error_not_an_empty_remote(tmp_path):
