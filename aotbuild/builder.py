@@ -287,8 +287,8 @@ def make_manifest(job: Job, records: list[FileRecord], result: dict[str, Any], s
         format=job.factors["format"], key=job.key, recipe=job.recipe.name, component=job.component,
         shape=job.shape.as_dict(), target=job.recipe.target, strategy=job.recipe.strategy,
         factors=job.factors, files=tuple(records), signatures=tuple(result["signatures"]),
-        # True only if AOTInductor compiled a tensor's value into a package: see packages[].baked
-        embeds_weights=get_target(job.recipe.target).embeds_weights or any(p["baked"] for p in packages),
+        embeds_weights=get_target(job.recipe.target).embeds_weights
+        or get_strategy(job.recipe.strategy).embeds_weights(packages),
         packages=packages,
         build={"created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                "seconds": round(seconds, 3), "aotbuild": __version__,

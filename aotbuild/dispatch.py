@@ -56,6 +56,11 @@ def describe(sig: str) -> str:
     return ", ".join(p.lstrip("[") for p in parts) or "no tensors"
 
 
+class RouteDeclined(Exception):
+    """Raised by a route before it runs anything: it was built for this signature but cannot serve this
+    call (its own guards refused it). The dispatcher then treats the call as unbuilt, with the reason."""
+
+
 class Dispatcher:
     """Replaces ``module.forward``: a built signature runs its route, others follow ``on_unbuilt``.
 
@@ -76,6 +81,7 @@ class Dispatcher:
         self.on_unbuilt = on_unbuilt
         self.on_record = on_record
         self.calls = {"built": 0, "unbuilt": 0}
+        self.declined = ""  # why a route last refused a call (warned about once)
 
     @property
     def built(self) -> set[str]:
@@ -84,9 +90,16 @@ class Dispatcher:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         sig = signature(args, kwargs)
         route = self.routes.get(sig)
+        why = ""
         if route is not None:
-            self.calls["built"] += 1
-            return route(*args, **kwargs)
+            try:
+                out = route(*args, **kwargs)
+            except RouteDeclined as exc:
+                why = str(exc)
+                self._warn_declined(why)
+            else:
+                self.calls["built"] += 1
+                return out
         self.calls["unbuilt"] += 1
         if self.on_unbuilt == "record":
             assert self.fallback is not None
@@ -94,6 +107,9 @@ class Dispatcher:
                 self.on_record(sig, args, kwargs)
             self.routes[sig] = self.fallback
             return self.fallback(*args, **kwargs)
+        if self.on_unbuilt == "error" and why:
+            raise ShapeNotBuilt(f"{self.component} was called with {describe(sig)}, which this cache built, but "
+                                f"{why} (strict_shapes=True)")
         if self.on_unbuilt == "error":
             built = sorted(self.routes)
             shown = "; ".join(describe(b) for b in built[:3]) + (f"; +{len(built) - 3} more" if len(built) > 3 else "")
@@ -106,6 +122,15 @@ class Dispatcher:
             with torch.compiler.set_stance("force_eager"):
                 return self.eager(*args, **kwargs)
         return self.fallback(*args, **kwargs)
+
+
+    def _warn_declined(self, why: str) -> None:
+        if why != self.declined:
+            import warnings
+
+            self.declined = why
+            then = {"error": "raises", "eager": "runs eagerly"}.get(self.on_unbuilt, "compiles")
+            warnings.warn(f"aotbuild: {self.component}: {why}; the call {then}", stacklevel=3)
 
 
 def _first_tensor(sig: str) -> list[int] | None:

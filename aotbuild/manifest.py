@@ -360,6 +360,13 @@ class _Checker:
                 raise self.fail(f"packages[].baked[{fqn[:40]!r}]", "not a digest")
         if value.get("strides") is not None:
             self.list_of(value["strides"], "packages[].strides")
+        if not isinstance(value.get("structure", ""), str):
+            raise self.fail("packages[].structure", "not a digest")
+        floats = self.list_of(value.get("floats", []), "packages[].floats")
+        if not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in floats):
+            raise self.fail("packages[].floats", "not a list of numbers")
+        if not isinstance(value.get("grad", False), bool):
+            raise self.fail("packages[].grad", "not true or false")
         return value
 
     def proof(self, value: Any) -> Proof:

@@ -63,7 +63,8 @@ class Context:
         return keys.job_factors(
             self.recipe, component, component_class, config, shape, pipeline_class=pipeline_class,
             builtin_version=_builtin_version(self.recipe), dtype=self.dtype,
-            compile_settings=self.target.compile_settings(self.recipe, self.device),
+            compile_settings={**self.target.compile_settings(self.recipe, self.device),
+                              **self.strategy.compile_factors(self.target, self.device)},
             environment=self.environment, device_fingerprint=self.fingerprint,
             warmup_defaults=self.target.warmup_defaults,
         )

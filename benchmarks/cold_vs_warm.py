@@ -14,6 +14,8 @@ timed from the top of the process):
   aot-package  the same with strategy: aot-package (AOTInductor packages, no Dynamo at load)
   aot-regional aot-package with compile.scope: regional (one package per repeated block and
                signature, shared by the block's instances; the rest of the denoiser runs eagerly)
+  aot-compile  the same with strategy: aot-compile (torch's aot_compile functions, no Dynamo tracing)
+  aotc-regional aot-compile with compile.scope: regional (one function per block class and signature)
 Steady state is the median of 10 calls after the first (aotbuild builds CPU kernels with
 cpp.dynamic_threads; plain torch.compile does not). Peak RSS is each process's ru_maxrss.
 Prints medians, each mode against eager and the cold compile, the ratios the core issue sets as
@@ -48,7 +50,7 @@ def child(mode: str, recipe: str, cache: str) -> None:
 
     r = load_recipe(recipe)
     shape = r.shapes[0]
-    if mode in ("aotbuild", "aot-package", "aot-regional"):
+    if mode in BUILDS:
         from aotbuild import load_compiled
 
         pipe = load_compiled(recipe, cache=cache, on_miss="error")
@@ -72,7 +74,8 @@ def child(mode: str, recipe: str, cache: str) -> None:
     print("RESULT " + json.dumps({"first": first, "steady": statistics.median(times),
                                   "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
                                   "counters": dict(counters["inductor"]),
-                                  "unique_graphs": counters["stats"].get("unique_graphs", 0)}))
+                                  "unique_graphs": counters["stats"].get("unique_graphs", 0),
+                                  "frames": counters["frames"].get("total", 0)}))
 
 
 def run_child(mode: str, recipe: Path, cache: Path, workdir: Path) -> dict:
@@ -86,7 +89,8 @@ def run_child(mode: str, recipe: Path, cache: Path, workdir: Path) -> dict:
 
 #: mode -> (strategy, scope) of the aotbuild recipe it loads; the other modes load the base recipe.
 BUILDS = {"aotbuild": ("jit-cache", "full"), "aot-package": ("aot-package", "full"),
-          "aot-regional": ("aot-package", "regional")}
+          "aot-regional": ("aot-package", "regional"), "aot-compile": ("aot-compile", "full"),
+          "aotc-regional": ("aot-compile", "regional")}
 
 
 def main() -> None:
@@ -94,7 +98,8 @@ def main() -> None:
     ap.add_argument("--recipe", default="tiny-sd", help=f"a recipe file or one of {', '.join(ARCHS)} "
                                                         "(recipes/tiny_<arch>_cpu.yaml); its first shape is measured")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--modes", default="eager,cold,pt-warm,aotbuild,aot-package,aot-regional",
+    ap.add_argument("--modes", default="eager,cold,pt-warm,aotbuild,aot-package,aot-regional,aot-compile,"
+                                       "aotc-regional",
                     help="comma-separated subset, for a quick look (ratios need their modes)")
     ap.add_argument("--plot", metavar="FILE.png", help="also draw the medians (needs matplotlib)")
     ap.add_argument("--save", metavar="FILE.json", help="also write every run's figures")
@@ -135,7 +140,9 @@ def main() -> None:
             runs = {"eager": (recipe, cache, work / f"eager-{i}"), "cold": (recipe, cache, shared),
                     "pt-warm": (recipe, cache, shared), "aotbuild": (recipe, copy, work / f"aot-ind-{i}"),
                     "aot-package": (recipes["aot-package"], copy, work / f"pkg-ind-{i}"),
-                    "aot-regional": (recipes["aot-regional"], copy, work / f"reg-ind-{i}")}
+                    "aot-regional": (recipes["aot-regional"], copy, work / f"reg-ind-{i}"),
+                    "aot-compile": (recipes["aot-compile"], copy, work / f"aotc-ind-{i}"),
+                    "aotc-regional": (recipes["aotc-regional"], copy, work / f"aotcr-ind-{i}")}
             for mode in results:  # in this order: pt-warm reuses the folder cold left
                 results[mode].append(run_child(mode, *runs[mode]))
         med = {m: statistics.median(r["first"] for r in rs) for m, rs in results.items()}
@@ -174,6 +181,13 @@ def main() -> None:
             ("aot-regional load / eager load", "aot-regional", "eager", med, "<= 1.25"),
             ("aot-regional steady / eager", "aot-regional", "eager", steady, "< 1: pays"),
             ("aot-regional steady / aot-package", "aot-regional", "aot-package", steady, ""),
+            ("aot-compile load / eager load", "aot-compile", "eager", med, "<= 1.3"),
+            ("aot-compile load / cold compile", "aot-compile", "cold", med, ""),
+            ("aot-compile load / jit-cache warm", "aot-compile", "aotbuild", med, "< 1: skips Dynamo's trace"),
+            ("aot-compile steady / torch.compile", "aot-compile", "pt-warm", steady, "within 5%"),
+            ("aot-compile peak RSS / eager", "aot-compile", "eager", rss, ""),
+            ("aotc-regional load / eager load", "aotc-regional", "eager", med, ""),
+            ("aotc-regional steady / eager", "aotc-regional", "eager", steady, "< 1: pays"),
         ]
         for label, a, b, figures, goal in ratios:
             if a in figures and b in figures:
@@ -187,18 +201,21 @@ def main() -> None:
 
             names = {"eager": "eager", "cold": "cold torch.compile", "pt-warm": "PyTorch warm cache",
                      "aotbuild": "aotbuild jit-cache", "aot-package": "aotbuild aot-package",
-                     "aot-regional": "aot-package regional"}
+                     "aot-regional": "aot-package regional", "aot-compile": "aotbuild aot-compile",
+                     "aotc-regional": "aot-compile regional"}
             colors = {"eager": "#8c8c8c", "cold": "#d62728", "pt-warm": "#ff7f0e", "aotbuild": "#2ca02c",
-                      "aot-package": "#1f77b4", "aot-regional": "#17becf"}
+                      "aot-package": "#1f77b4", "aot-regional": "#17becf", "aot-compile": "#9467bd",
+                      "aotc-regional": "#e377c2"}
             draw(args.plot, f"{model}, {shape}, fresh processes; {machine}",
                  [(names[m], [r["first"] for r in rs], [r["steady"] for r in rs], colors[m])
                   for m, rs in results.items()])
             print(f"plot: {args.plot}")
         if "aotbuild" in results:
             print(f"fxgraph counters, aotbuild runs: {[r['counters'] for r in results['aotbuild']]}")
-        for m in ("aot-package", "aot-regional"):
+        for m in ("aot-package", "aot-regional", "aot-compile", "aotc-regional"):
             if m in results:
-                print(f"Dynamo graphs, {m} runs: {[r['unique_graphs'] for r in results[m]]}")
+                print(f"Dynamo graphs, {m} runs: {[r['unique_graphs'] for r in results[m]]}; "
+                      f"frames traced: {[r['frames'] for r in results[m]]}")
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -71,6 +71,51 @@ def built_cache(tmp_path_factory) -> tuple[Path, dict]:
     return root, json.loads(proc.stdout)
 
 
+#: The tiny model at one shape, for any strategy: what tests/test_strategies.py holds every strategy to.
+STRATEGY_RECIPE = """\
+model: {{id: builtin:tiny-sd, dtype: float32}}
+target: inductor
+device: cpu
+strategy: {strategy}
+compile: {{components: [unet]}}
+shapes: [{{height: 64, width: 64}}]
+warmup: {{num_inference_steps: 2, guidance_scale: 0.0}}
+"""
+
+
+def build_strategy(strategy: str, root: Path, models_dir: Path) -> tuple[Path, Path, dict]:
+    """Build STRATEGY_RECIPE for ``strategy`` into ``root/cache``: (recipe file, cache, build --json)."""
+    import shutil
+
+    shutil.copytree(models_dir / "models", root / "cache" / "models")
+    recipe = root / f"tiny_sd_{strategy}.yaml"
+    recipe.write_text(STRATEGY_RECIPE.format(strategy=strategy))
+    proc = run_cli("build", "--json", "--cache", str(root / "cache"), str(recipe),
+                   env={"TORCHINDUCTOR_CACHE_DIR": str(root / "build-inductor"), "AOTBUILD_CACHE": ""})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return recipe, root / "cache", json.loads(proc.stdout)
+
+
+_STRATEGY_BUILDS: dict[str, tuple[Path, Path, dict]] = {}
+
+
+@pytest.fixture(scope="session")
+def strategy_build(tmp_path_factory, models_dir):
+    """``strategy_build("aot-package")``: STRATEGY_RECIPE built for that strategy, once per session."""
+
+    def get(strategy: str) -> tuple[Path, Path, dict]:
+        if strategy not in _STRATEGY_BUILDS:
+            _STRATEGY_BUILDS[strategy] = build_strategy(strategy, tmp_path_factory.mktemp(strategy), models_dir)
+        return _STRATEGY_BUILDS[strategy]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def aot_cache(strategy_build):
+    return strategy_build("aot-package")
+
+
 @pytest.fixture
 def no_ambient_hf_auth(tmp_path, monkeypatch):
     """No token from the environment or ~/.cache/huggingface, no offline mode, caches under tmp_path.

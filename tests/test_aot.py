@@ -11,33 +11,11 @@ import torch
 from aotbuild import ShapeNotBuilt, load_compiled
 from aotbuild.errors import RecipeError
 from aotbuild.recipe import parse_recipe
-from tests.conftest import run_cli, run_python
+from tests.conftest import STRATEGY_RECIPE, run_cli, run_python
 
 pytestmark = pytest.mark.slow
 
-AOT_RECIPE = textwrap.dedent("""
-    model: {id: builtin:tiny-sd, dtype: float32}
-    target: inductor
-    device: cpu
-    strategy: aot-package
-    compile: {components: [unet]}
-    shapes: [{height: 64, width: 64}]
-    warmup: {num_inference_steps: 2, guidance_scale: 0.0}
-""")
-
-
-@pytest.fixture(scope="session")
-def aot_cache(tmp_path_factory, models_dir):
-    import shutil
-
-    root = tmp_path_factory.mktemp("aot")
-    shutil.copytree(models_dir / "models", root / "cache" / "models")
-    recipe = root / "tiny_sd_aot.yaml"
-    recipe.write_text(AOT_RECIPE)
-    proc = run_cli("build", "--json", "--cache", str(root / "cache"), str(recipe),
-                   env={"TORCHINDUCTOR_CACHE_DIR": str(root / "build-inductor")})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return recipe, root / "cache", json.loads(proc.stdout)
+AOT_RECIPE = STRATEGY_RECIPE.format(strategy="aot-package")
 
 
 def test_package_is_weightless_and_has_probe_files(aot_cache):

@@ -610,12 +610,12 @@ def test_verify_does_not_report_a_writer_that_is_still_writing(tmp_path):
 def test_instances_whose_code_differs_do_not_share_a_regional_package():
     from diffusers.models.attention import BasicTransformerBlock
 
-    from aotbuild.strategies.aoti import _structure
+    from aotbuild.strategies.aoti import structure
 
     a, b, c = (BasicTransformerBlock(8, 2, 4, cross_attention_dim=16) for _ in range(3))
-    assert _structure(a) == _structure(b)  # same shapes, same code: one package serves both
+    assert structure(a) == structure(b)  # same shapes, same code: one package serves both
     c.set_chunk_feed_forward(2, 1)  # a plain attribute that changes what forward runs
-    assert _structure(c) != _structure(a)
+    assert structure(c) != structure(a)
 
 
 def test_verify_fix_never_deletes_what_an_unreadable_manifest_names(tmp_path, monkeypatch):

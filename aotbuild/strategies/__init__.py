@@ -12,6 +12,7 @@ __all__ = ["BuildJob", "Built", "Planned", "Strategy", "get_strategy", "strategy
 _FACTORIES = {
     "jit-cache": ("aotbuild.strategies.jit_cache", "JitCache"),
     "aot-package": ("aotbuild.strategies.aot_package", "AotPackage"),
+    "aot-compile": ("aotbuild.strategies.aot_compile", "AotCompile"),
 }
 _instances: dict[str, Strategy] = {}
 

@@ -61,6 +61,10 @@ class AotPackage(Strategy):
         return ([(f"{aoti.PACKAGE_DIR}/{rel}", p) for rel, p in collect_tree(workdir / aoti.PACKAGE_DIR)]
                 + [(f"{aoti.PROBE_DIR}/{rel}", p) for rel, p in collect_tree(workdir / aoti.PROBE_DIR)])
 
+    def embeds_weights(self, records: tuple[dict[str, Any], ...]) -> bool:
+        # Only if AOTInductor compiled a tensor's value into a package: see packages[].baked.
+        return any(r.get("baked") for r in records)
+
     def compile_counter(self, target: Target) -> tuple[str, Callable[[], int]]:
         from torch._dynamo.utils import counters
 

@@ -94,7 +94,7 @@ def _strides(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[list[int]]:
     return [list(t.stride()) for t in _tensors(args, kwargs)]
 
 
-def _floats(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[float]:
+def floats_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[float]:
     """Float arguments: not in a signature (Dynamo does not specialize on them), but torch.export
     bakes their values into the package."""
     return [x for x in _flatten(args, kwargs)[0] if isinstance(x, float)]
@@ -196,7 +196,8 @@ def _package(module: Any, sig: str, args: tuple[Any, ...], kwargs: dict[str, Any
     # Named by everything that tells packages apart: two block classes can share a signature, and
     # one class's instances can need two packages (another input layout, another float argument).
     strides = _strides(args, kwargs)
-    name = hashlib.sha256(f"{group}\n{sig}\n{json.dumps(strides)}\n{_floats(args, kwargs)!r}".encode()).hexdigest()[:20]
+    floats = floats_of(args, kwargs)
+    name = hashlib.sha256(f"{group}\n{sig}\n{json.dumps(strides)}\n{floats!r}".encode()).hexdigest()[:20]
     path = workdir / PACKAGE_DIR / f"{name}.pt2"
     path.parent.mkdir(parents=True, exist_ok=True)
     with torch.no_grad():
@@ -228,7 +229,7 @@ def repeated_blocks(module: Any, classes: tuple[str, ...] | None = None,
     return select_blocks(module, classes, recipe)
 
 
-def _structure(module: Any) -> str:
+def structure(module: Any) -> str:
     """What must be equal for two instances to share one package: every tensor's name, shape and
     dtype, and every submodule's class, attention processor and plain attributes (a forward chunk
     size, a flag) that could change the code the block runs without adding a tensor."""
@@ -273,14 +274,14 @@ class BlockRecorder:
         self.calls: dict[str, dict[str, dict[str, Any]]] = {}
         self.blocks = repeated_blocks(module, classes, recipe)
         for name, block in self.blocks:
-            group_of = (type(block).__name__, _structure(block))
+            group_of = (type(block).__name__, structure(block))
             install_dispatcher(block, f"{component}.{name}", {}, block.forward, "record",
                                on_record=self._recorder(name, group_of))
 
     def _recorder(self, name: str, group_of: tuple[str, str]) -> Callable[..., None]:
         def record(sig: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             key = (group_of[0], sig, group_of[1])
-            floats = _floats(args, kwargs)
+            floats = floats_of(args, kwargs)
             packages = self.groups.setdefault(key, [])
             index = next((i for i, p in enumerate(packages) if p["floats"] == floats), None)
             if index is None:

@@ -95,6 +95,11 @@ class Strategy:
         if why:
             raise recipe.error("strategy", f"strategy {self.name} {why}")
 
+    def compile_factors(self, target: Target, device: str) -> dict[str, Any]:
+        """Key factors the strategy adds to the target's compile settings (what its artifacts depend on
+        beyond them), or {}."""
+        return {}
+
     # -- build, in the job's fresh process ----------------------------------------------------------
 
     def build(self, job: BuildJob) -> Built:
@@ -103,6 +108,10 @@ class Strategy:
     def collect(self, target: Target, workdir: Path) -> list[tuple[str, Path]]:
         """After the job: (relative path, file) for every file of the entry."""
         return target.collect(workdir)
+
+    def embeds_weights(self, records: tuple[dict[str, Any], ...]) -> bool:
+        """Whether the built artifacts (their manifest records) hold weight values (the manifest says so)."""
+        return False
 
     def compile_counter(self, target: Target) -> tuple[str, Callable[[], int]]:
         """What the proof counts as a compile in a serving process, and a function returning that count

@@ -91,6 +91,11 @@ class Target:
         """Toolchain versions and device kind (never a device index, path or hostname)."""
         raise NotImplementedError
 
+    def compile_kwargs(self, recipe: Recipe, device: str) -> dict[str, Any]:
+        """The keyword arguments of ``torch.compile`` that ``compile`` uses (backend, fullgraph, dynamic,
+        options), for a strategy that calls ``torch.compile`` itself."""
+        raise NotImplementedError
+
     def compile(self, module: torch.nn.Module, recipe: Recipe, device: str) -> Callable[..., Any]:
         """Compile ``module`` as the recipe says; return the callable that runs its compiled forward."""
         raise NotImplementedError

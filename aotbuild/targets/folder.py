@@ -110,15 +110,18 @@ class FolderCacheTarget(Target):
                 "fullgraph": spec.fullgraph, "dynamic": spec.dynamic,
                 "options": dict(sorted(thaw(spec.options).items()))}
 
+    def compile_kwargs(self, recipe: Recipe, device: str) -> dict[str, Any]:
+        settings = self.compile_settings(recipe, device)
+        return {"backend": self.name, "fullgraph": settings["fullgraph"], "dynamic": False,
+                "options": settings["options"] or None}
+
     def compile(self, module: torch.nn.Module, recipe: Recipe, device: str) -> Callable[..., Any]:
         import torch
 
         self.import_vendor()  # registers the backend
-        settings = self.compile_settings(recipe, device)
+        kwargs = self.compile_kwargs(recipe, device)
         raise_recompile_limit(len(recipe.shapes))
-        kwargs = {"backend": self.name, "fullgraph": settings["fullgraph"], "dynamic": False,
-                  "options": settings["options"] or None}
-        if settings["scope"] == "regional":
+        if recipe.compile.scope == "regional":
             compile_regional(module, recipe, kwargs)
             return module.forward
         return torch.compile(module.forward, **kwargs)

@@ -152,20 +152,23 @@ class InductorTarget(Target):
                 fp["triton"] = None
         return fp
 
-    def compile(self, module: torch.nn.Module, recipe: Recipe, device: str) -> Callable[..., Any]:
-        import torch
-
+    def compile_kwargs(self, recipe: Recipe, device: str) -> dict[str, Any]:
         settings = self.compile_settings(recipe, device)
-        raise_recompile_limit(len(recipe.shapes))
         options = dict(settings["options"])
         if settings["mode"] != "default":
             # torch.compile takes mode or options, not both: expand the mode into its options.
             from torch._inductor import list_mode_options
 
             options = {**list_mode_options(settings["mode"], settings["dynamic"]), **options}
-        kwargs = {"backend": "inductor", "fullgraph": settings["fullgraph"], "dynamic": settings["dynamic"],
-                  "options": options or None}
-        if settings["scope"] == "regional":
+        return {"backend": "inductor", "fullgraph": settings["fullgraph"], "dynamic": settings["dynamic"],
+                "options": options or None}
+
+    def compile(self, module: torch.nn.Module, recipe: Recipe, device: str) -> Callable[..., Any]:
+        import torch
+
+        kwargs = self.compile_kwargs(recipe, device)
+        raise_recompile_limit(len(recipe.shapes))
+        if recipe.compile.scope == "regional":
             compile_regional(module, recipe, kwargs)
             return module.forward
         return torch.compile(module.forward, **kwargs)

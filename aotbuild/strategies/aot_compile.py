@@ -1,0 +1,296 @@
+"""``strategy: aot-compile``: ``torch.compile(...).aot_compile()`` functions, loaded with no Dynamo tracing.
+
+PyTorch 2.13 can compile a function ahead of time for given arguments
+(``torch.compile(fn, fullgraph=True).aot_compile(((args), kwargs))``), save it
+(``save_compiled_function(path)``) and load it in a fresh process
+(``torch.compiler.load_compiled_function(file)``) as a callable that neither traces nor compiles.
+
+Build (in the job's process, whose Inductor cache folder is the job's): the warmup runs eagerly
+while the calls of the component (``scope: full``) or of each repeated block (``scope: regional``)
+are recorded. Calls are grouped by what one artifact can serve: the module's class and structure
+(aoti.structure: tensor shapes, submodule classes, plain attributes), the call signature, the
+values of float arguments and grad mode. Each group's first call is compiled through a module-level
+trampoline ``call(module, *args, **kwargs)`` (the class's ``forward``) with the module as an
+argument (diffusers' decorated ``forward`` cannot be pickled by reference; as an argument, the
+module's parameters are graph inputs), so one artifact serves every instance of a block with
+that instance's own weights. The entry is the artifacts (``aot-compile/``) and the job's Inductor
+folder (``inductor/``): an artifact carries its kernels' sources, not the compiled ``.so`` files,
+and without them a load rebuilds every kernel (measured: 130 s for the tiny UNet).
+
+Guards (a trust decision, docs/aot-compile.md): torch's default guard filter cannot serialize the
+``ID_MATCH`` guards on the module, so artifacts are saved with ``keep_portable_guards_unsafe``:
+what is re-checked at call time is every tensor's shape, dtype, device, strides and requires_grad
+(the module's parameters included) and the global state (grad mode, thread count, default dtype,
+autocast, deterministic and TF32 flags). What is not re-checked by torch is checked by aotbuild:
+the call's signature and float values (the dispatcher and ``AotRunner``), the module's class and
+structure (``check`` at load), and the library versions that produced the code (key factors). Input
+strides are made canonical before every call and at build (``canonical``), since the guards compare
+strides exactly and upstream compiled code may lay out its outputs differently than eager.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from aotbuild.dispatch import RouteDeclined, install_dispatcher, signature
+from aotbuild.strategies import aoti
+from aotbuild.strategies.base import BuildJob, Built, Planned, Strategy, lazy_compile
+
+if TYPE_CHECKING:
+    from aotbuild.planner import Context
+    from aotbuild.recipe import Recipe
+    from aotbuild.store import Entry
+    from aotbuild.targets.base import InstallResult, Target
+
+ARTIFACT_DIR = "aot-compile"
+CACHE_DIR = "inductor"
+#: The torch release this strategy was verified with (tests/test_strategies.py, benchmarks/).
+VERIFIED_TORCH = (2, 13)
+
+
+def call(module: Any, *args: Any, **kwargs: Any) -> Any:
+    """The compiled function: the module is an argument, so its parameters are graph inputs and the
+    artifact names this function, not the module's decorated ``forward``. The class's ``forward``, not
+    ``module(...)``: the module's own hooks run outside (the dispatcher is called through them), and
+    hooks present at build time (the worker's batch check) must not be compiled in: Dynamo would read
+    them by position from the module's hook dicts, which a serving module does not have."""
+    return type(module).forward(module, *args, **kwargs)
+
+
+def canonical(value: Any) -> Any:
+    """Inputs with the strides the artifact's guards expect: a contiguous tensor keeps its memory and
+    gets the canonical strides of its shape (size-1 dimensions included, which ``.contiguous()`` leaves
+    as they are), a non-contiguous one is copied into them."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        if not value.is_contiguous():
+            return value.contiguous()
+        strides, step = [], 1
+        for n in reversed(value.shape):
+            strides.append(step)
+            step *= max(n, 1)
+        strides.reverse()
+        if tuple(strides) == value.stride():
+            return value
+        return value.as_strided(value.shape, strides, value.storage_offset())
+    if isinstance(value, (list, tuple)):
+        return type(value)(canonical(v) for v in value)
+    if isinstance(value, dict):
+        return {k: canonical(v) for k, v in value.items()}
+    return value
+
+
+def structure_digest(module: Any) -> str:
+    return hashlib.sha256(aoti.structure(module).encode()).hexdigest()[:32]
+
+
+def _torch_version() -> tuple[int, int]:
+    import torch
+
+    major, minor = torch.__version__.split(".")[:2]
+    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
+
+
+class AotCompile(Strategy):
+    name = "aot-compile"
+    summary = "torch.compile(...).aot_compile() functions (inductor, torch >= 2.13): no Dynamo tracing at load"
+    targets = ("inductor",)
+
+    def availability(self) -> str:
+        import torch
+
+        needs = f"needs torch >= {VERIFIED_TORCH[0]}.{VERIFIED_TORCH[1]} (verified)"
+        if _torch_version() < VERIFIED_TORCH:
+            return f"{needs}; this is torch {torch.__version__}"
+        import torch._dynamo.config as dynamo_config
+
+        missing = [name for name, ok in (
+            ("torch.compiler.load_compiled_function", hasattr(torch.compiler, "load_compiled_function")),
+            ("torch.compiler.keep_portable_guards_unsafe", hasattr(torch.compiler, "keep_portable_guards_unsafe")),
+            ("torch._dynamo.config.enable_aot_compile", hasattr(dynamo_config, "enable_aot_compile"))) if not ok]
+        return f"{needs}; torch {torch.__version__} lacks {', '.join(missing)}" if missing else ""
+
+    def validate(self, recipe: Recipe, target: Target) -> None:
+        super().validate(recipe, target)
+        if not recipe.compile.fullgraph:
+            raise recipe.error("compile.fullgraph", "strategy aot-compile compiles whole modules (the component, "
+                                                    "or its blocks): fullgraph must be true")
+        if recipe.compile.mode != "default":
+            raise recipe.error("compile.mode", "strategy aot-compile is verified with mode: default only "
+                                               f"(got {recipe.compile.mode!r})")
+        if recipe.offload != "none":
+            raise recipe.error("offload", "strategy aot-compile cannot run under model offload")
+
+    def compile_factors(self, target: Target, device: str) -> dict[str, Any]:
+        if device.partition(":")[0] != "cpu":
+            return {}
+        import torch
+
+        # The artifact's global-state guard holds the thread count: another count refuses every call.
+        return {"cpu_threads": torch.get_num_threads()}
+
+    # -- build ---------------------------------------------------------------------------------
+
+    def build(self, job: BuildJob) -> Built:
+        ctx = job.ctx
+        owners = self._owners(job.module, ctx.recipe)
+        recorder = CallRecorder(owners)
+        try:
+            job.run_warmup()  # eager: records the exact calls the pipeline makes
+        finally:
+            recorder.remove()
+        job.phase("compiling ahead of time")
+        kwargs = ctx.target.compile_kwargs(ctx.recipe, ctx.device)
+        records = [self._compile(group, dict(owners)[group["instances"][0]], kwargs, job.workdir)
+                   for group in recorder.groups.values()]
+        return Built(sorted({r["signature"] for r in records}), records)
+
+    @staticmethod
+    def _owners(module: Any, recipe: Recipe) -> list[tuple[str, Any]]:
+        """(name, module) of what gets an artifact: the component ("") or each repeated block."""
+        if recipe.compile.scope == "regional":
+            return aoti.repeated_blocks(module, recipe.compile.blocks, recipe)
+        return [("", module)]
+
+    @staticmethod
+    def _compile(group: dict[str, Any], owner: Any, compile_kwargs: dict[str, Any], workdir: Path) -> dict[str, Any]:
+        import torch
+        import torch._dynamo.config as dynamo_config
+
+        args, kwargs = canonical(group["call"])
+        options = {**(compile_kwargs.get("options") or {}),
+                   "guard_filter_fn": torch.compiler.keep_portable_guards_unsafe}
+        compiled = torch.compile(call, backend=compile_kwargs["backend"], fullgraph=True,
+                                 dynamic=compile_kwargs["dynamic"], options=options)
+        name = hashlib.sha256(json.dumps([group["structure"], group["signature"], group["floats"], group["grad"]])
+                              .encode()).hexdigest()[:20]
+        path = workdir / ARTIFACT_DIR / f"{name}.bin"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        vars(owner).pop("forward", None)  # compile the module's own forward, not a dispatcher
+        # The flag gates the API; its default is not assumed. Grad mode is guarded: compiled as recorded.
+        with dynamo_config.patch(enable_aot_compile=True), torch.set_grad_enabled(group["grad"]):
+            function = compiled.aot_compile(((owner, *args), kwargs))
+        function.save_compiled_function(str(path))
+        return {"signature": group["signature"], "path": f"{ARTIFACT_DIR}/{path.name}",
+                "instances": group["instances"], "block_class": type(owner).__name__,
+                "structure": group["structure"], "floats": group["floats"], "grad": group["grad"]}
+
+    def collect(self, target: Target, workdir: Path) -> list[tuple[str, Path]]:
+        from aotbuild.trees import collect_tree
+
+        return ([(f"{ARTIFACT_DIR}/{rel}", p) for rel, p in collect_tree(workdir / ARTIFACT_DIR)]
+                + [(f"{CACHE_DIR}/{rel}", p) for rel, p in target.collect(workdir)])
+
+    def compile_counter(self, target: Target) -> tuple[str, Callable[[], int]]:
+        from torch._dynamo.utils import counters
+
+        return ("Dynamo frames traced + FX graph cache misses",
+                lambda: int(counters["frames"]["total"]) + int(counters["inductor"]["fxgraph_cache_miss"]))
+
+    # -- load ------------------------------------------------------------------------------------
+
+    def check(self, module: Any, component: str, entry: Entry) -> str:
+        """Torch's guards do not cover the module's structure: every instance an artifact serves must
+        have the structure it was compiled for."""
+        named = dict(module.named_modules())
+        digests: dict[str, str] = {}
+        for record in entry.manifest.packages:
+            for instance in record.get("instances", [""]):
+                owner = named.get(instance) if instance else module
+                if owner is None:
+                    return (f"{component} has no block {instance!r}, which the entry serves: it was built for "
+                            f"another model")
+                if instance not in digests:
+                    digests[instance] = structure_digest(owner)
+                if digests[instance] != record.get("structure"):
+                    where = f"{component}.{instance}" if instance else component
+                    return (f"{where} differs from the module the entry was compiled for (its submodules, tensor "
+                            f"shapes or attributes): it was built for another model")
+        return ""
+
+    def install(self, ctx: Context, planned: list[Planned], policy: str) -> InstallResult | None:
+        import torch
+
+        prefix = CACHE_DIR + "/"
+        files = [(rel[len(prefix):], p) for pl in planned for e in pl.entries for rel, p in e.files
+                 if rel.startswith(prefix)]
+        result = ctx.target.install(files, ctx.device) if files else None  # the kernels, before any load
+        for p in planned:
+            loaded: dict[str, Any] = {}
+            routes: dict[str, dict[str, list[tuple[dict[str, Any], Any]]]] = {}
+            for entry in p.entries:
+                blobs = dict(entry.files)
+                for record in entry.manifest.packages:
+                    if record["path"] not in loaded:
+                        with open(blobs[record["path"]], "rb") as f:
+                            loaded[record["path"]] = torch.compiler.load_compiled_function(f)
+                    for instance in record.get("instances", [""]):
+                        routes.setdefault(instance, {}).setdefault(record["signature"], []).append(
+                            (record, loaded[record["path"]]))
+            for name, owner in self._owners(p.module, ctx.recipe):
+                label = f"{p.component}.{name}" if name else p.component
+                fallback = lazy_compile(ctx, owner, scope="full" if name else None) if policy == "compile" else None
+                runners = {sig: AotRunner(owner, label, variants) for sig, variants in routes.get(name, {}).items()}
+                install_dispatcher(owner, label, runners, fallback, policy)
+        return result
+
+
+class AotRunner:
+    """Serves one signature of one module with its loaded functions: the call's float values and grad
+    mode pick the variant, the variant's own guards must pass, and the function gets the module."""
+
+    def __init__(self, module: Any, label: str, variants: list[tuple[dict[str, Any], Any]]):
+        self.module = module
+        self.label = label
+        self.variants = variants
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        import torch
+
+        floats, grad = aoti.floats_of(args, kwargs), torch.is_grad_enabled()
+        args, kwargs = canonical(args), canonical(kwargs)
+        for record, function in self.variants:
+            if record.get("floats", []) == floats and record.get("grad", False) == grad:
+                if function.guard_check(self.module, *args, **kwargs):
+                    return function(self.module, *args, **kwargs)
+                raise RouteDeclined("its aot-compile guards refused the call (a tensor's dtype, device or "
+                                    "requires_grad, or the global state: thread count, default dtype, autocast "
+                                    "or TF32 flags differ from the build's)")
+        why = "float arguments" if all(r.get("grad", False) == grad for r, _ in self.variants) else "grad mode"
+        raise RouteDeclined(f"its {why} differ from every call the entry was compiled for")
+
+
+class CallRecorder:
+    """Records, during an eager warmup, the first call of each group one artifact can serve: (class and
+    structure of the module, signature, float values, grad mode) -> the call and every instance in it."""
+
+    def __init__(self, owners: list[tuple[str, Any]]):
+        self.groups: dict[tuple[str, ...], dict[str, Any]] = {}
+        self.owners = owners
+        for name, module in owners:
+            module.forward = self._recording(name, module, module.forward, structure_digest(module))
+
+    def _recording(self, name: str, module: Any, forward: Any, digest: str) -> Callable[..., Any]:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            import torch
+
+            sig, floats, grad = signature(args, kwargs), aoti.floats_of(args, kwargs), torch.is_grad_enabled()
+            key = (type(module).__name__, digest, sig, json.dumps(floats), str(grad))
+            group = self.groups.get(key)
+            if group is None:
+                group = self.groups[key] = {"call": aoti.snapshot(args, kwargs), "instances": [], "signature": sig,
+                                            "structure": digest, "floats": floats, "grad": grad}
+            if name not in group["instances"]:
+                group["instances"].append(name)
+            return forward(*args, **kwargs)
+
+        return run
+
+    def remove(self) -> None:
+        for _, module in self.owners:
+            vars(module).pop("forward", None)

@@ -1,0 +1,183 @@
+"""strategy: aot-compile: the parts that need no compile (feature gate, validation, canonical strides,
+grouping, routing, structure checks, keys), and one real regional build on a real architecture.
+tests/test_strategies.py holds it to the promises every strategy keeps."""
+
+from __future__ import annotations
+
+import json
+import re
+import warnings
+
+import pytest
+import torch
+
+from aotbuild import ShapeNotBuilt
+from aotbuild.dispatch import RouteDeclined, install_dispatcher, signature
+from aotbuild.errors import RecipeError
+from aotbuild.recipe import parse_recipe
+from aotbuild.strategies import aot_compile, get_strategy
+
+BASE = {"model": {"id": "builtin:tiny-sd"}, "strategy": "aot-compile", "shapes": [{"height": 64, "width": 64}]}
+
+
+def test_an_older_torch_is_refused_when_the_recipe_is_read(monkeypatch):
+    monkeypatch.setattr(aot_compile, "_torch_version", lambda: (2, 12))
+    with pytest.raises(RecipeError, match=r"strategy aot-compile needs torch >= 2.13 \(verified\); this is torch"):
+        parse_recipe(BASE)
+
+
+def test_a_torch_without_the_api_is_refused(monkeypatch):
+    monkeypatch.delattr(torch.compiler, "load_compiled_function")
+    with pytest.raises(RecipeError, match="lacks torch.compiler.load_compiled_function"):
+        parse_recipe(BASE)
+
+
+@pytest.mark.parametrize(("change", "expected"), [
+    ({"target": "neuron"}, "strategy aot-compile runs on target inductor (not neuron)"),
+    ({"compile": {"fullgraph": False}}, "fullgraph must be true"),
+    ({"compile": {"mode": "max-autotune"}}, "verified with mode: default only"),
+    ({"offload": "model", "compile": {"scope": "regional"}}, "cannot run under model offload"),
+])
+def test_settings_it_cannot_honour_are_refused(change, expected):
+    with pytest.raises(RecipeError, match=re.escape(expected)):
+        parse_recipe({**BASE, **change})
+
+
+def test_the_thread_count_is_a_key_factor_for_aot_compile_only():
+    """The artifact's global-state guard holds the thread count (cpp.dynamic_threads or not)."""
+    strategy = get_strategy("aot-compile")
+    target = __import__("aotbuild.targets", fromlist=["get_target"]).get_target("inductor")
+    assert strategy.compile_factors(target, "cpu") == {"cpu_threads": torch.get_num_threads()}
+    assert strategy.compile_factors(target, "cuda") == {}
+    assert get_strategy("jit-cache").compile_factors(target, "cpu") == {}
+
+
+def test_canonical_strides_are_made_without_copying_when_they_can_be():
+    x = torch.randn(1, 4, 6)[:, :, :]  # contiguous
+    odd = x.as_strided((1, 4, 6), (99, 6, 1))  # a size-1 dimension with another stride: still "contiguous"
+    assert odd.is_contiguous() and odd.stride() != (24, 6, 1)
+    fixed = aot_compile.canonical(odd)
+    assert fixed.stride() == (24, 6, 1) and fixed.data_ptr() == odd.data_ptr()  # the same memory
+    sliced = torch.randn(4, 12)[:, ::2]
+    copied = aot_compile.canonical({"a": [sliced], "b": 3})
+    assert copied["a"][0].stride() == (6, 1) and torch.equal(copied["a"][0], sliced) and copied["b"] == 3
+    dense = torch.randn(2, 3)
+    assert aot_compile.canonical(dense) is dense
+
+
+class Block(torch.nn.Module):
+    def __init__(self, width: int = 4, flag: bool = False):
+        super().__init__()
+        self.proj = torch.nn.Linear(width, width)
+        self.flag = flag
+
+    def forward(self, x, scale=1.0):
+        return self.proj(x) * scale
+
+
+def test_the_recorder_groups_what_one_artifact_can_serve():
+    a, b, c, d = Block(), Block(), Block(flag=True), Block(width=8)
+    recorder = aot_compile.CallRecorder([("a", a), ("b", b), ("c", c), ("d", d)])
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        a(x), b(x), c(x), d(torch.randn(2, 8)), a(x, scale=0.5), a(torch.randn(3, 4))
+    recorder.remove()
+    groups = sorted((g["instances"], g["floats"], g["grad"]) for g in recorder.groups.values())
+    # a and b are identical: one group; c differs by a plain attribute, d by its tensors' shapes;
+    # another float value or another batch is another group
+    assert groups == sorted([(["a", "b"], [], False), (["c"], [], False), (["d"], [], False),
+                             (["a"], [0.5], False), (["a"], [], False)])
+    assert "forward" not in vars(a)
+
+
+class FakeFunction:
+    def __init__(self, passes: bool = True):
+        self.passes = passes
+        self.calls = 0
+
+    def guard_check(self, module, *args, **kwargs):
+        return self.passes
+
+    def __call__(self, module, *args, **kwargs):
+        self.calls += 1
+        return module.proj(args[0]) + 100
+
+
+def test_the_runner_picks_the_variant_by_floats_and_grad_and_respects_its_guards():
+    block = Block()
+    plain, half = FakeFunction(), FakeFunction()
+    runner = aot_compile.AotRunner(block, "unet.a", [({"floats": [], "grad": False}, plain),
+                                                     ({"floats": [0.5], "grad": False}, half)])
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        runner(x)
+        runner(x, scale=0.5)
+        assert (plain.calls, half.calls) == (1, 1)
+        with pytest.raises(RouteDeclined, match="float arguments differ"):
+            runner(x, scale=0.25)
+    with pytest.raises(RouteDeclined, match="grad mode"):
+        runner(x)
+    refused = aot_compile.AotRunner(block, "unet.a", [({"floats": [], "grad": False}, FakeFunction(passes=False))])
+    with torch.no_grad(), pytest.raises(RouteDeclined, match="guards refused"):
+        refused(x)
+
+
+@pytest.mark.parametrize("policy", ["error", "eager", "compile"])
+def test_a_declined_call_follows_the_call_policy(policy):
+    block = Block()
+    x = torch.randn(2, 4)
+    refused = aot_compile.AotRunner(block, "unet", [({"floats": [], "grad": False}, FakeFunction(passes=False))])
+    fallback_calls = []
+
+    def fallback(*args, **kwargs):
+        fallback_calls.append(1)
+        return block.proj(args[0])
+
+    sig = signature((x,), {})
+    dispatcher = install_dispatcher(block, "unet", {sig: refused}, fallback, policy)
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if policy == "error":
+            with pytest.raises(ShapeNotBuilt, match="which this cache built, but its aot-compile guards refused"):
+                block(x)
+            return
+        out = block(x)
+        block(x)
+    assert torch.allclose(out, block.proj(x))
+    assert dispatcher.calls == {"built": 0, "unbuilt": 2}
+    assert len(fallback_calls) == (2 if policy == "compile" else 0)
+    assert len([w for w in caught if "guards refused" in str(w.message)]) == 1  # warned once, not per call
+
+
+class FakeEntry:
+    def __init__(self, packages):
+        self.manifest = type("M", (), {"packages": packages})()
+
+
+def test_check_refuses_a_module_of_another_structure_or_without_the_block():
+    strategy = get_strategy("aot-compile")
+    model = torch.nn.Module()
+    model.blocks = torch.nn.ModuleList([Block(), Block()])
+    digest = aot_compile.structure_digest(model.blocks[0])
+    ok = FakeEntry([{"instances": ["blocks.0", "blocks.1"], "structure": digest}])
+    assert strategy.check(model, "transformer", ok) == ""
+    model.blocks[1].flag = True  # a plain attribute the code may branch on, which torch's guards ignore
+    assert "transformer.blocks.1 differs from the module" in strategy.check(model, "transformer", ok)
+    missing = FakeEntry([{"instances": ["blocks.7"], "structure": digest}])
+    assert "has no block 'blocks.7'" in strategy.check(model, "transformer", missing)
+
+
+def test_the_manifest_codec_types_the_aot_compile_records():
+    from aotbuild import manifest as codec
+    from tests.manifests import factors, manifest
+
+    record = {"signature": "s", "path": "aot-compile/a.bin", "instances": [""], "structure": "ab", "floats": [0.5],
+              "grad": False}
+    good = manifest(factors(target={"strategy": "aot-compile"}), files=[("aot-compile/a.bin", "0" * 64, 1)],
+                    packages=(record,)).as_json()
+    assert codec.from_json(json.dumps(good), good["key"]).packages[0]["floats"] == [0.5]
+    for field, value in (("floats", ["x"]), ("grad", "yes"), ("structure", 3)):
+        bad = json.loads(json.dumps(good))
+        bad["packages"][0][field] = value
+        with pytest.raises(codec.ManifestError, match=f"packages\\[\\].{field}"):
+            codec.from_json(json.dumps(bad), bad["key"])
