@@ -13,11 +13,10 @@ from aotbuild.errors import RecipeError
 from aotbuild.recipe import parse_recipe
 from tests.conftest import STRATEGY_RECIPE, run_cli, run_python
 
-pytestmark = pytest.mark.slow
-
 AOT_RECIPE = STRATEGY_RECIPE.format(strategy="aot-package")
 
 
+@pytest.mark.slow
 def test_package_is_weightless_and_has_probe_files(aot_cache):
     recipe, cache, report = aot_cache
     key = report["jobs"][0]["key"]
@@ -65,8 +64,8 @@ FRESH = textwrap.dedent("""
     print("RESULT " + json.dumps({"unique_graphs": counters["stats"].get("unique_graphs", 0),
                                   "max_diff": (out - ref).abs().max().item(), "strict": strict,
                                   "calls": {n: d.calls for n, d in dispatchers.items()},
-                                  "swaps": sum(r.runner.swaps for d in dispatchers.values()
-                                               for r in d.routes.values())}))
+                                  "swaps": sum(getattr(getattr(r, "runner", None), "swaps", 0)
+                                               for d in dispatchers.values() for r in d.routes.values())}))
 """)
 
 
@@ -79,14 +78,6 @@ def run_fresh(recipe, cache, tmp_path, component: str = "unet", cwd=None) -> dic
                       env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "empty-inductor")}, cwd=cwd)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))[7:])
-
-
-def test_fresh_process_load_runs_no_dynamo(aot_cache, tmp_path):
-    recipe, cache, _ = aot_cache
-    result = run_fresh(recipe, cache, tmp_path)
-    assert result["unique_graphs"] == 0
-    assert result["max_diff"] <= 1e-4
-    assert result["calls"] == {"": {"built": 2, "unbuilt": 1}} and "1x4x4x4" in result["strict"]
 
 
 def captured_call(pipe, recipe):
@@ -103,6 +94,7 @@ def captured_call(pipe, recipe):
     return seen["call"]
 
 
+@pytest.mark.slow
 def test_weights_changed_after_load_are_resupplied_or_refused(aot_cache):
     from aotbuild.recipe import load_recipe
     from aotbuild.strategies.aoti import PackageMismatch
@@ -131,6 +123,7 @@ def test_weights_changed_after_load_are_resupplied_or_refused(aot_cache):
         unet(*args, **kwargs)
 
 
+@pytest.mark.slow
 def test_other_weights_of_the_architecture_hit_and_use_their_own_values(aot_cache, models_dir):
     """A fine-tune of the same architecture runs the same packages with its own weights."""
     from aotbuild.models import load_pipeline, resolve_model, warmup_kwargs
@@ -172,6 +165,21 @@ def test_aot_package_validation(data, expected):
     assert expected in str(info.value)
 
 
+def test_a_package_naming_a_block_the_model_lacks_is_a_miss():
+    """A hostile or mismatched manifest: a package whose instances name a block this model does not
+    have is a miss with the reason, before anything is loaded."""
+    from aotbuild.strategies import get_strategy
+
+    model = torch.nn.Module()
+    model.blocks = torch.nn.ModuleList([torch.nn.Linear(2, 2)])
+    entry = type("E", (), {"manifest": type("M", (), {"packages": (
+        {"instances": ["blocks.0", "blocks.7"], "baked": {}},)})()})()
+    assert "has no block 'blocks.7'" in get_strategy("aot-package").check(model, "transformer", entry)
+    entry.manifest.packages = ({"instances": ["blocks.0"], "baked": {}},)
+    assert get_strategy("aot-package").check(model, "transformer", entry) == ""
+
+
+@pytest.mark.slow
 def test_unbuilt_shape_follows_policy(aot_cache):
     recipe_path, cache, _ = aot_cache
     pipe = load_compiled(recipe_path, cache=cache, on_miss="eager")

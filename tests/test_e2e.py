@@ -19,8 +19,6 @@ import pytest
 from aotbuild import CacheMiss, load_compiled
 from tests.conftest import TINY_RECIPE, run_cli, run_python
 
-pytestmark = pytest.mark.slow
-
 WARM_LOAD = textwrap.dedent("""
     import json, os, sys
     from pathlib import Path
@@ -84,6 +82,7 @@ def assert_warm(result: dict) -> None:
     assert result["dispatch"] == {"built": 2, "unbuilt": 1}
 
 
+@pytest.mark.slow
 def test_build_stored_two_jobs(built_cache):
     root, report = built_cache
     assert report["counts"] == {"built": 2}
@@ -91,11 +90,7 @@ def test_build_stored_two_jobs(built_cache):
     assert len(list((root / "manifests").glob("*/*.json"))) == 2
 
 
-def test_fresh_process_warm_load_compiles_nothing(built_cache, tmp_path):
-    root, _ = built_cache
-    assert_warm(warm_load(TINY_RECIPE, root, tmp_path / "inductor-empty", tmp_path))
-
-
+@pytest.mark.slow
 def test_copied_cache_from_another_cwd_compiles_nothing(built_cache, tmp_path):
     root, _ = built_cache
     copy = tmp_path / "elsewhere" / "cache"
@@ -121,6 +116,7 @@ def snapshot(root: Path) -> dict[str, tuple[int, str]]:
             for p in root.rglob("*") if p.is_file()}
 
 
+@pytest.mark.slow
 def test_plan_ls_show_on_built_cache(built_cache):
     root, report = built_cache
     proc = run_cli("plan", "--cache", str(root), "--fail-on-miss", str(TINY_RECIPE))
@@ -137,6 +133,7 @@ def test_plan_ls_show_on_built_cache(built_cache):
     assert json.loads(run_cli("show", "--json", "--cache", str(root), key[:8]).stdout)["key"] == key
 
 
+@pytest.mark.slow
 def test_adding_a_shape_builds_one_job_and_failures_are_not_stored(built_cache, tmp_path):
     root, _ = built_cache
     cache = tmp_path / "cache"
@@ -165,6 +162,7 @@ def test_adding_a_shape_builds_one_job_and_failures_are_not_stored(built_cache, 
     assert {j["status"] for j in json.loads(again.stdout)["jobs"]} == {"cached"}  # unchanged: builds nothing
 
 
+@pytest.mark.slow
 def test_corrupted_blob_is_a_miss(built_cache, tmp_path):
     root, _ = built_cache
     cache = tmp_path / "cache"
@@ -178,6 +176,7 @@ def test_corrupted_blob_is_a_miss(built_cache, tmp_path):
         load_compiled(TINY_RECIPE, cache=cache, on_miss="error")
 
 
+@pytest.mark.slow
 def test_on_miss_error_names_the_differing_factor(built_cache, tmp_path):
     root, _ = built_cache
     recipe = tmp_path / "tiny_sd_cpu.yaml"
@@ -195,6 +194,7 @@ def test_on_miss_error_on_empty_cache(models_dir, tmp_path):
     assert f"next: `aotbuild build {TINY_RECIPE}`" in str(info.value)
 
 
+@pytest.mark.slow
 def test_fx_graph_cache_off_makes_every_entry_a_miss(built_cache):
     import torch._inductor.config as inductor_config
 

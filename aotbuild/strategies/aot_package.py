@@ -72,6 +72,12 @@ class AotPackage(Strategy):
         return "Dynamo graphs traced", lambda: int(counters["stats"]["unique_graphs"])
 
     def check(self, module: Any, component: str, entry: Entry) -> str:
+        named = dict(module.named_modules())
+        for package in entry.manifest.packages:
+            for instance in package.get("instances", [""]):
+                if instance and instance not in named:
+                    return (f"{component} has no block {instance!r}, which the entry's AOT package serves: it was "
+                            f"built for another model")
         return aoti.check_baked(module, component, entry.manifest.packages)
 
     def install(self, ctx: Context, planned: list[Planned], policy: str) -> InstallResult | None:
