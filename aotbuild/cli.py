@@ -737,7 +737,7 @@ def doctor(target: str, device: str | None, cache: str | None, remote: str | Non
 @main.command()
 @json_option
 def targets(as_json: bool) -> None:
-    """List every target: available here or not (and why), versions, default device and dtype.
+    """List every target and strategy: available here or not (and why), versions, default device and dtype.
 
     \b
     Example:
@@ -745,6 +745,7 @@ def targets(as_json: bool) -> None:
     """
 
     def go() -> int:
+        from aotbuild.strategies import get_strategy, strategy_names
         from aotbuild.targets import get_target, target_names
 
         rows = []
@@ -756,12 +757,22 @@ def targets(as_json: bool) -> None:
                          "versions": dict(available.versions), "default_device": device,
                          "default_dtype": target.default_dtype, "static_shapes": target.static_shapes,
                          "embeds_weights": target.embeds_weights})
+        strategies = []
+        for name in strategy_names():
+            strategy = get_strategy(name)
+            why = strategy.availability()
+            strategies.append({"name": name, "targets": list(strategy.targets or target_names()),
+                               "available": not why, "reason": why, "summary": strategy.summary})
         if as_json:
-            _emit_json({"targets": rows})
+            _emit_json({"targets": rows, "strategies": strategies})
             return EXIT_OK
         table = [[r["name"], "yes" if r["available"] else "no", r["default_device"], r["default_dtype"],
                   " ".join(f"{k}={v}" for k, v in r["versions"].items()) or "-", r["reason"]] for r in rows]
         click.echo(_table(table, ["target", "available", "device", "dtype", "versions", "why not"]))
+        click.echo()
+        table = [[r["name"], ", ".join(r["targets"]), "yes" if r["available"] else "no", r["reason"] or r["summary"]]
+                 for r in strategies]
+        click.echo(_table(table, ["strategy", "targets", "available", "what it stores, or why not"]))
         return EXIT_OK
 
     _run(go)

@@ -3,7 +3,8 @@
     python benchmarks/arch_matrix.py [--arch tiny-flux,tiny-sd] [--strategy jit-cache]
                                      [--scope full] [--json FILE] [--keep DIR]
 
-For each cell (tiny-sd, tiny-sdxl, tiny-sd3, tiny-flux x jit-cache, aot-package x full, regional):
+For each cell (tiny-sd, tiny-sdxl, tiny-sd3, tiny-flux x every registered strategy (jit-cache,
+aot-package, aot-compile) x full, regional):
 
 1. a recipe derived from recipes/tiny_<arch>_cpu.yaml (its first shape; SD3's transformer declares no
    ``_repeated_blocks``, so its regional cells name ``compile.blocks: [JointTransformerBlock]``);
@@ -38,7 +39,9 @@ from typing import Any
 
 import harness
 
-STRATEGIES = ("jit-cache", "aot-package")
+from aotbuild.strategies import strategy_names
+
+STRATEGIES = strategy_names()
 SCOPES = ("full", "regional")
 RESULT = "ARCH-MATRIX-RESULT "
 

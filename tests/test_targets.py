@@ -76,6 +76,10 @@ def test_targets_command():
     assert faked["tpu"]["default_device"] == "tpu"
     table = run_cli("targets").stdout
     assert "neuron" in table and "why not" in table
+    strategies = {s["name"]: s for s in json.loads(run_cli("targets", "--json").stdout)["strategies"]}
+    assert strategies["jit-cache"]["targets"] == ["inductor", "neuron", "tpu"]
+    assert strategies["aot-compile"]["targets"] == ["inductor"] and strategies["aot-compile"]["available"]
+    assert "aot-compile" in table and "torch >= 2.13" in table
 
 
 DEVICE_TABLE = textwrap.dedent("""
