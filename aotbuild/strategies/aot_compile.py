@@ -10,7 +10,7 @@ while the calls of the component (``scope: full``) or of each repeated block (``
 are recorded. Calls are grouped by what one artifact can serve: the module's class and structure
 (aoti.structure: tensor shapes, submodule classes, plain attributes), the call signature, the
 values of float arguments and grad mode. Each group's first call is compiled through a module-level
-trampoline ``call(module, *args, **kwargs)`` (the class's ``forward``) with the module as an
+trampoline ``call(module, *args, **kwargs)`` (its hooks set aside) with the module as an
 argument (diffusers' decorated ``forward`` cannot be pickled by reference; as an argument, the
 module's parameters are graph inputs), so one artifact serves every instance of a block with
 that instance's own weights. The entry is the artifacts (``aot-compile/``) and the job's Inductor
@@ -30,9 +30,10 @@ strides exactly and upstream compiled code may lay out its outputs differently t
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -54,11 +55,29 @@ VERIFIED_TORCH = (2, 13)
 
 def call(module: Any, *args: Any, **kwargs: Any) -> Any:
     """The compiled function: the module is an argument, so its parameters are graph inputs and the
-    artifact names this function, not the module's decorated ``forward``. The class's ``forward``, not
-    ``module(...)``: the module's own hooks run outside (the dispatcher is called through them), and
-    hooks present at build time (the worker's batch check) must not be compiled in: Dynamo would read
-    them by position from the module's hook dicts, which a serving module does not have."""
-    return type(module).forward(module, *args, **kwargs)
+    artifact names this function, not the module's decorated ``forward``. (``type(module).forward``
+    would skip the module's hooks, but Dynamo cannot trace it on a class diffusers marks
+    ``allow_in_graph``, e.g. BasicTransformerBlock: the hooks are set aside while compiling instead.)"""
+    return module(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _without_hooks(module: Any) -> Iterator[None]:
+    """The module's own forward hooks set aside while it is compiled: hooks present at build time (the
+    worker's batch check) must not be compiled in; Dynamo reads them by position from the module's hook
+    dicts, which a serving module does not have (its load failed with StopIteration). A serving
+    module's hooks run outside the artifact, around the dispatcher."""
+    names = [n for n in vars(module) if n.startswith(("_forward_hooks", "_forward_pre_hooks", "_backward_hooks",
+                                                        "_backward_pre_hooks"))
+             and isinstance(vars(module)[n], dict)]
+    saved = {n: vars(module)[n] for n in names}
+    for n in names:
+        setattr(module, n, type(saved[n])())
+    try:
+        yield
+    finally:
+        for n, value in saved.items():
+            setattr(module, n, value)
 
 
 def canonical(value: Any) -> Any:
@@ -173,7 +192,8 @@ class AotCompile(Strategy):
         path.parent.mkdir(parents=True, exist_ok=True)
         vars(owner).pop("forward", None)  # compile the module's own forward, not a dispatcher
         # The flag gates the API; its default is not assumed. Grad mode is guarded: compiled as recorded.
-        with dynamo_config.patch(enable_aot_compile=True), torch.set_grad_enabled(group["grad"]):
+        with dynamo_config.patch(enable_aot_compile=True), torch.set_grad_enabled(group["grad"]), \
+                _without_hooks(owner):
             function = compiled.aot_compile(((owner, *args), kwargs))
         function.save_compiled_function(str(path))
         return {"signature": group["signature"], "path": f"{ARTIFACT_DIR}/{path.name}",
