@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import textwrap
 
 import pytest
 import torch
@@ -11,7 +10,7 @@ import torch
 from aotbuild import ShapeNotBuilt, load_compiled
 from aotbuild.errors import RecipeError
 from aotbuild.recipe import parse_recipe
-from tests.conftest import STRATEGY_RECIPE, run_cli, run_python
+from tests.conftest import STRATEGY_RECIPE, run_cli
 
 AOT_RECIPE = STRATEGY_RECIPE.format(strategy="aot-package")
 
@@ -38,46 +37,6 @@ def _tiny_unet_params(cache):
 
     return list(UNet2DConditionModel.from_pretrained(str(cache / "models" / "tiny-sd-v1"), subfolder="unet")
                 .parameters())
-
-
-FRESH = textwrap.dedent("""
-    import json, sys
-    from pathlib import Path
-    from aotbuild import ShapeNotBuilt, load_compiled, load_recipe
-    from aotbuild.dispatch import Dispatcher
-    from aotbuild.models import load_pipeline, resolve_model, warmup_kwargs
-    recipe_path, cache, component = sys.argv[1:4]
-    r = load_recipe(recipe_path)
-    eager = load_pipeline(r, resolve_model(r, Path(cache)), "float32")
-    ref = eager(**warmup_kwargs(r, r.shapes[0]), output_type="pt").images
-    pipe = load_compiled(recipe_path, cache=cache, on_miss="error", strict_shapes=True)
-    out = pipe(**warmup_kwargs(r, r.shapes[0]), output_type="pt").images
-    from torch._dynamo.utils import counters
-    # every dispatcher aotbuild installed: the component's own ("") or, for scope: regional, its blocks'
-    dispatchers = {n: m.forward for n, m in getattr(pipe, component).named_modules()
-                   if isinstance(vars(m).get("forward"), Dispatcher)}
-    strict = None
-    try:
-        pipe(prompt="x", height=32, width=32, num_inference_steps=1, guidance_scale=0.0)
-    except ShapeNotBuilt as exc:
-        strict = str(exc)
-    print("RESULT " + json.dumps({"unique_graphs": counters["stats"].get("unique_graphs", 0),
-                                  "max_diff": (out - ref).abs().max().item(), "strict": strict,
-                                  "calls": {n: d.calls for n, d in dispatchers.items()},
-                                  "swaps": sum(getattr(getattr(r, "runner", None), "swaps", 0)
-                                               for d in dispatchers.values() for r in d.routes.values())}))
-""")
-
-
-def run_fresh(recipe, cache, tmp_path, component: str = "unet", cwd=None) -> dict:
-    """Load in a fresh process with an empty Inductor cache; what FRESH measured."""
-    script = tmp_path / "fresh.py"
-    script.write_text(FRESH)
-    proc = run_python(f"import runpy, sys; sys.argv = ['f', {str(recipe)!r}, {str(cache)!r}, {component!r}]; "
-                      f"runpy.run_path({str(script)!r}, run_name='__main__')",
-                      env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "empty-inductor")}, cwd=cwd)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))[7:])
 
 
 def captured_call(pipe, recipe):

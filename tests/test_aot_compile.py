@@ -181,3 +181,24 @@ def test_the_manifest_codec_types_the_aot_compile_records():
         bad["packages"][0][field] = value
         with pytest.raises(codec.ManifestError, match=f"packages\\[\\].{field}"):
             codec.from_json(json.dumps(bad), bad["key"])
+
+
+def test_kernels_built_in_this_process_count_as_compiles_and_installed_ones_do_not(tmp_path):
+    """A function (or a jit-cache hit) whose kernels are not in the Inductor folder rebuilds them with
+    no FX graph cache miss and no Dynamo frame: the proof must still see it."""
+    from pathlib import Path
+
+    from aotbuild.targets import get_target
+    from aotbuild.targets.inductor import active_cache_dir, kernels_built_here
+
+    target = get_target("inductor")
+    name, count = get_strategy("aot-compile").compile_counter(target)
+    assert name == "Dynamo frames traced + FX graph cache misses + kernels built here"
+    before = count()
+    blob = tmp_path / "kernel.so"
+    blob.write_bytes(b"compiled at build time")
+    target.install([("ab/kernel.so", blob), ("ab/kernel.cpp", blob)], "cpu")
+    assert count() == before and kernels_built_here() == 0  # installed: not a compile
+    (Path(active_cache_dir()) / "cd").mkdir()
+    (Path(active_cache_dir()) / "cd" / "rebuilt.so").write_bytes(b"compiled here")
+    assert kernels_built_here() == 1 and count() == before + 1

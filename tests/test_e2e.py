@@ -11,75 +11,22 @@ import hashlib
 import json
 import os
 import shutil
-import textwrap
 from pathlib import Path
 
 import pytest
 
 from aotbuild import CacheMiss, load_compiled
-from tests.conftest import TINY_RECIPE, run_cli, run_python
-
-WARM_LOAD = textwrap.dedent("""
-    import json, os, sys
-    from pathlib import Path
-    import torch
-    from aotbuild import ShapeNotBuilt, load_compiled, load_recipe
-    from aotbuild.layout import resolve_cache_root
-    from aotbuild.models import load_pipeline, resolve_model, warmup_kwargs
-
-    recipe_path, cache = sys.argv[1], sys.argv[2]
-    remote = sys.argv[3] if len(sys.argv) > 3 else None
-    recipe = load_recipe(recipe_path)
-    shape = recipe.shapes[0]
-    # Eager reference, same process, same seed.
-    eager = load_pipeline(recipe, resolve_model(recipe, Path(cache)), "float32")
-    ref = eager(**warmup_kwargs(recipe, shape), output_type="pt").images
-
-    inductor = Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
-    assert not inductor.exists() or not any(inductor.iterdir()), "inductor cache must start empty"
-    pipe = load_compiled(recipe_path, cache=cache, on_miss="error", strict_shapes=True, remote=remote)
-    kernels_after_install = sorted(p.relative_to(inductor).as_posix() for p in inductor.rglob("*")
-                                   if p.suffix in (".so", ".cpp"))
-    out = pipe(**warmup_kwargs(recipe, shape), output_type="pt").images
-    kernels_after_call = sorted(p.relative_to(inductor).as_posix() for p in inductor.rglob("*")
-                                if p.suffix in (".so", ".cpp"))
-    from torch._dynamo.utils import counters
-    strict = None
-    try:
-        pipe(prompt="x", height=128, width=64, num_inference_steps=1, guidance_scale=0.0)
-    except ShapeNotBuilt as exc:
-        strict = str(exc)
-    print("RESULT " + json.dumps({
-        "hits": len(pipe.aotbuild_report.hits), "misses": len(pipe.aotbuild_report.misses),
-        "counters": dict(counters["inductor"]), "max_diff": (out - ref).abs().max().item(),
-        "kernels_after_install": kernels_after_install, "kernels_after_call": kernels_after_call,
-        "strict": strict, "dispatch": pipe.unet.forward.calls,
-        "pulled": sum(e.pulled for e in pipe.aotbuild_report.entries),
-    }))
-""")
-
-
-def warm_load(recipe: Path, cache: Path, inductor: Path, cwd: Path, remote: str | None = None) -> dict:
-    script = cwd / "warm_load.py"
-    script.write_text(WARM_LOAD)
-    argv = [str(recipe), str(cache)] + ([remote] if remote else [])
-    proc = run_python(f"import runpy, sys; sys.argv = ['w', *{argv!r}]; "
-                      f"runpy.run_path({str(script)!r}, run_name='__main__')",
-                      env={"TORCHINDUCTOR_CACHE_DIR": str(inductor), "AOTBUILD_CACHE": ""}, cwd=cwd)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
-    return json.loads(line[len("RESULT "):])
+from tests.conftest import TINY_RECIPE, run_cli
+from tests.serving import assert_served, serve_fresh
 
 
 def assert_warm(result: dict) -> None:
-    assert result["hits"] == 2 and result["misses"] == 0
-    assert result["counters"].get("fxgraph_cache_hit", 0) >= 1
-    assert result["counters"].get("fxgraph_cache_miss", 0) == 0
+    """A jit-cache warm load (tests/serving.py): every FX graph hits, and no C++ kernel is rebuilt."""
+    assert_served(result)
+    assert result["shapes"] == 2 and result["counters"].get("fxgraph_cache_hit", 0) >= 1
     assert result["kernels_after_install"], "the install should have put compiled kernels in place"
     assert result["kernels_after_call"] == result["kernels_after_install"], "a C++ kernel was rebuilt"
-    assert result["max_diff"] <= 1e-4
-    assert result["strict"] and "1x4x16x8" in result["strict"]  # 128x64 pixels = a 16x8 latent
-    assert result["dispatch"] == {"built": 2, "unbuilt": 1}
+    assert result["calls"] == {"": {"built": 4, "unbuilt": 1}}  # 2 shapes x 2 steps, then the strict call
 
 
 @pytest.mark.slow
@@ -104,7 +51,7 @@ def test_copied_cache_from_another_cwd_compiles_nothing(built_cache, tmp_path):
     manifests = sorted((copy / "manifests").rglob("*.json"))
     for m in manifests:  # make "used long ago" visible
         os.utime(m, (1_000_000, 1_000_000))
-    assert_warm(warm_load(recipe, copy, tmp_path / "fresh-inductor", cwd))
+    assert_warm(serve_fresh(recipe, copy, tmp_path, cwd=cwd))
     # Loading writes no file and changes no byte: only the manifests' mtime, their recency for gc
     # (a touch that is skipped where the store is read-only).
     assert snapshot(copy) == before

@@ -13,7 +13,8 @@ from aotbuild import load_compiled
 from aotbuild.store import Store
 from tests.conftest import TINY_RECIPE, run_cli
 from tests.fakes.hub_server import HubStandIn
-from tests.test_e2e import assert_warm, warm_load
+from tests.serving import serve_fresh
+from tests.test_e2e import assert_warm
 
 pytestmark = pytest.mark.slow
 
@@ -48,7 +49,7 @@ def test_folder_remote_ci_flow_and_lazy_runtime_pull(built_cache, tmp_path):
     assert len(list(Store(lazy).iter_manifests())) == 1
 
     # A fresh serving process: pulls both, then every FX graph hits and no kernel is rebuilt.
-    result = warm_load(TINY_RECIPE, serving, tmp_path / "empty-inductor", tmp_path, remote=remote)
+    result = serve_fresh(TINY_RECIPE, serving, tmp_path, remote=remote)
     assert_warm(result)
     assert result["pulled"] == 2
 

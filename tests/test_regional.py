@@ -299,11 +299,11 @@ def test_plan_checks_block_names_without_loading_weights(tiny_sd3_dir, tmp_path,
 def _build_and_load_fresh(tmp_path, recipe_text: str) -> tuple[dict, dict]:
     """A recipe of a built-in model, built by ``aotbuild build`` into a fresh cache (with its
     proof), then loaded in a fresh process in another folder with an empty Inductor cache: (the
-    entry's manifest, what tests/test_aot.py's FRESH measured)."""
+    entry's manifest, what tests/serving.py measured)."""
     import json
 
     from tests.conftest import run_cli
-    from tests.test_aot import run_fresh
+    from tests.serving import serve_fresh
 
     recipes = tmp_path / "recipes"
     recipes.mkdir()
@@ -317,7 +317,7 @@ def _build_and_load_fresh(tmp_path, recipe_text: str) -> tuple[dict, dict]:
     manifest = json.loads(run_cli("show", "--json", "--cache", str(cache), key[:12]).stdout)
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    return manifest, run_fresh(recipe, cache, tmp_path, component="transformer", cwd=elsewhere)
+    return manifest, serve_fresh(recipe, cache, tmp_path, component="transformer", cwd=elsewhere)
 
 
 @pytest.mark.slow

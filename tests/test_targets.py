@@ -244,3 +244,21 @@ def test_an_entry_that_fails_its_proof_is_never_stored(tmp_path, target, scope, 
     assert run_cli("verify", "--cache", str(cache)).returncode == 0  # and nothing left behind
     log = Path(re.search(r"\(log: (\S+)\)$", job["reason"]).group(1))
     assert log.is_file() and log.parent == cache / "logs"
+
+
+def test_folder_targets_count_files_the_compiler_wrote_not_files_laid(tmp_path, monkeypatch):
+    """The proof counts from before the load: the files install() lays are not compiles, any other
+    file in the compiler's folder is."""
+    from aotbuild.targets import get_target
+
+    target = get_target("neuron")
+    monkeypatch.setenv(target.cache_env, str(tmp_path / "neff-cache"))
+    name, count = target.compile_counter()
+    assert count() == 0 and "TORCH_NEURONX_NEFF_CACHE_DIR" in name
+    blob = tmp_path / "model.neff"
+    blob.write_bytes(b"neff")
+    target.install([("MODULE_a/model.neff", blob)], "neuron")
+    assert count() == 0
+    (tmp_path / "neff-cache" / "MODULE_b").mkdir()
+    (tmp_path / "neff-cache" / "MODULE_b" / "model.neff").write_bytes(b"compiled here")
+    assert count() == 1

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from aotbuild.blocks import blocks_setting, compile_regional
+from aotbuild.layout import safe_relpath
 from aotbuild.targets.base import Availability, InstallResult, Target, raise_recompile_limit
 from aotbuild.trees import collect_tree, lay_tree
 
@@ -136,17 +137,26 @@ class FolderCacheTarget(Target):
 
     def compile_counter(self) -> tuple[str, Callable[[], int]]:
         """A persistent-cache compiler writes what it compiles into its cache folder, and only reads
-        what it finds there: every new file is a compile."""
+        what it finds there: every file in it that aotbuild did not lay there is a compile."""
 
         def files() -> int:
             folder = os.environ.get(self.cache_env)
-            return sum(len(names) for _, _, names in os.walk(folder)) if folder else 0
+            if not folder:
+                return 0
+            return sum(os.path.normpath(os.path.join(d, n)) not in self._laid
+                       for d, _, names in os.walk(folder) for n in names)
 
         return f"files the compiler wrote to {self.cache_env}", files
+
+    #: files install() laid in the compiler's folder in this process (not compiles: compile_counter)
+    _laid: set[str] = set()
 
     def install(self, files: Iterable[tuple[str, Path]], device: str) -> InstallResult:
         folder = os.environ.get(self.cache_env)
         if not folder:
             folder = tempfile.mkdtemp(prefix=f"aotbuild-{self.name}-cache-")
             os.environ[self.cache_env] = folder  # read by the compiler at compile time
+        files = list(files)
+        self._laid = self._laid | {os.path.normpath(Path(folder).joinpath(*safe_relpath(rel).parts))
+                                   for rel, _ in files}
         return InstallResult(*lay_tree(files, Path(folder)), folder)

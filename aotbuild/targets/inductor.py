@@ -13,11 +13,13 @@ by file with atomic renames, so several processes may install at once and the fo
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import re
 import subprocess
 import tempfile
+import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -197,8 +199,10 @@ class InductorTarget(Target):
     def compile_counter(self) -> tuple[str, Callable[[], int]]:
         from torch._dynamo.utils import counters
 
-        # A jit-cache load traces with Dynamo (that is not compiling) and must hit the FX graph cache.
-        return "FX graph cache misses", lambda: int(counters["inductor"]["fxgraph_cache_miss"])
+        # A jit-cache load traces with Dynamo (that is not compiling) and must hit the FX graph cache;
+        # a hit whose kernels are not in the folder would rebuild them (C++ or Triton) without a miss.
+        return ("FX graph cache misses + kernels built here",
+                lambda: int(counters["inductor"]["fxgraph_cache_miss"]) + kernels_built_here())
 
     def install_blocker(self) -> str:
         import torch._inductor.config as inductor_config
@@ -215,6 +219,7 @@ class InductorTarget(Target):
         for rel, blob in files:
             rel = rel.replace(_DEVICE_SLOT, f"triton/{index}/", 1) if rel.startswith(_DEVICE_SLOT) else rel
             dest = folder.joinpath(*safe_relpath(rel).parts)
+            _INSTALLED.add(os.path.normpath(dest))
             size = blob.stat().st_size
             if dest.is_file() and dest.stat().st_size == size:
                 present += 1
@@ -236,6 +241,26 @@ class InductorTarget(Target):
                 raise
             installed += 1
         return InstallResult(installed, present, str(folder))
+
+
+#: Compiled kernel files: what a process that had to compile a kernel leaves in the Inductor folder.
+KERNEL_SUFFIXES = (".so", ".cubin", ".hsaco", ".spv")
+_STARTED = time.time()
+_INSTALLED: set[str] = set()  # files install() put in the active folder, in this process
+
+
+def kernels_built_here() -> int:
+    """Kernel binaries in the active Inductor folder that this process wrote and aotbuild did not
+    install: kernels compiled here (Inductor counts no FX miss when a cache hit rebuilds them)."""
+    built = 0
+    for folder, dirs, names in os.walk(active_cache_dir()):
+        dirs[:] = [d for d in dirs if d not in _SKIP_DIRS]
+        for name in names:
+            path = os.path.normpath(os.path.join(folder, name))
+            if name.endswith(KERNEL_SUFFIXES) and path not in _INSTALLED:
+                with contextlib.suppress(OSError):
+                    built += os.stat(path).st_mtime >= _STARTED
+    return built
 
 
 def active_cache_dir() -> str:

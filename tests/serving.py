@@ -1,0 +1,99 @@
+"""The one fresh-process helper of the suite: serve a built cache as a new replica would, and report.
+
+``serve_fresh(recipe, cache, workdir)`` starts a fresh interpreter in another directory with an
+empty Inductor cache and no AOTBUILD_CACHE, which
+
+1. runs the recipe's warmup eagerly at every shape (the reference, same seed);
+2. loads with ``load_compiled(on_miss="error", strict_shapes=True)`` (``remote=`` when given);
+3. runs the warmup again at every shape through the loaded pipeline, counting what compiled (the
+   strategy's own counter, Inductor's counters, Dynamo's graphs and frames) and which C++ kernels
+   appeared in the Inductor folder;
+4. calls at 32x32, a shape no test recipe builds, expecting ``ShapeNotBuilt``.
+"""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from pathlib import Path
+
+from tests.conftest import run_python
+
+SERVE = textwrap.dedent("""
+    import json, os, sys
+    from pathlib import Path
+    from aotbuild import ShapeNotBuilt, load_compiled, load_recipe
+    from aotbuild.dispatch import Dispatcher
+    from aotbuild.models import load_pipeline, resolve_model, warmup_kwargs
+    from aotbuild.recipe import Shape
+    from aotbuild.strategies import get_strategy
+    from aotbuild.targets import get_target
+
+    recipe_path, cache, component = sys.argv[1:4]
+    remote = sys.argv[4] if len(sys.argv) > 4 else None
+    r = load_recipe(recipe_path)
+    eager = load_pipeline(r, resolve_model(r, Path(cache)), "float32")
+    refs = [eager(**warmup_kwargs(r, s), output_type="pt").images for s in r.shapes]
+    del eager
+
+    inductor = Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
+    assert not inductor.exists() or not any(inductor.iterdir()), "the Inductor cache must start empty"
+    kernels = lambda: sorted(p.relative_to(inductor).as_posix() for p in inductor.rglob("*")
+                             if p.suffix in (".so", ".cpp"))
+    pipe = load_compiled(recipe_path, cache=cache, on_miss="error", strict_shapes=True, remote=remote)
+    kernels_after_install = kernels()
+    counter, count = get_strategy(r.strategy).compile_counter(get_target(r.target))
+    before = count()
+    outs = [pipe(**warmup_kwargs(r, s), output_type="pt").images for s in r.shapes]
+    compiles = count() - before
+    kernels_after_call = kernels()
+    strict = None
+    try:
+        pipe(**warmup_kwargs(r, Shape(height=32, width=32)))
+    except ShapeNotBuilt as exc:
+        strict = str(exc)
+    import torch._dynamo.utils as dynamo_utils
+
+    c = dynamo_utils.counters
+    # every dispatcher aotbuild installed: the component's own ("") or, for scope: regional, its blocks'
+    dispatchers = {n: m.forward for n, m in getattr(pipe, component).named_modules()
+                   if isinstance(vars(m).get("forward"), Dispatcher)}
+    report = pipe.aotbuild_report
+    print("RESULT " + json.dumps({
+        "hits": len(report.hits), "misses": len(report.misses), "shapes": len(r.shapes),
+        "pulled": sum(e.pulled for e in report.entries),
+        "counter": counter, "compiles": compiles, "counters": dict(c["inductor"]),
+        "unique_graphs": c["stats"].get("unique_graphs", 0), "frames": c["frames"].get("total", 0),
+        "max_diff": max((o - e).abs().max().item() for o, e in zip(outs, refs)),
+        "kernels_after_install": kernels_after_install, "kernels_after_call": kernels_after_call,
+        "strict": strict, "calls": {n: d.calls for n, d in dispatchers.items()},
+        "swaps": sum(getattr(getattr(x, "runner", None), "swaps", 0)
+                     for d in dispatchers.values() for x in d.routes.values()),
+    }))
+""")
+
+
+def serve_fresh(recipe: Path, cache: Path, workdir: Path, *, component: str = "unet", cwd: Path | None = None,
+                remote: str | None = None) -> dict:
+    """What SERVE measured in a fresh process (in ``cwd``, default a new folder under ``workdir``)."""
+    cwd = cwd or workdir / "elsewhere"
+    cwd.mkdir(parents=True, exist_ok=True)
+    script = workdir / "serve.py"
+    script.write_text(SERVE)
+    argv = [str(recipe), str(cache), component] + ([remote] if remote else [])
+    proc = run_python(f"import runpy, sys; sys.argv = ['serve', *{argv!r}]; "
+                      f"runpy.run_path({str(script)!r}, run_name='__main__')",
+                      env={"TORCHINDUCTOR_CACHE_DIR": str(workdir / "empty-inductor"), "AOTBUILD_CACHE": ""},
+                      cwd=cwd)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))[len("RESULT "):])
+
+
+def assert_served(result: dict) -> None:
+    """What every strategy promises: every entry hit, nothing compiled, output equal to eager, an
+    unbuilt shape refused (tests/test_strategies.py)."""
+    assert result["hits"] == result["shapes"] and result["misses"] == 0
+    assert result["compiles"] == 0, result["counter"]
+    assert result["counters"].get("fxgraph_cache_miss", 0) == 0  # whatever the strategy counts
+    assert result["max_diff"] <= 1e-4
+    assert result["strict"] and "1x4x4x4" in result["strict"]  # 32x32 pixels = a 4x4 latent
