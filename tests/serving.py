@@ -7,7 +7,8 @@ empty Inductor cache and no AOTBUILD_CACHE, which
 2. loads with ``load_compiled(on_miss="error", strict_shapes=True)`` (``remote=`` when given);
 3. runs the warmup again at every shape through the loaded pipeline, counting what compiled (the
    strategy's own counter, Inductor's counters, Dynamo's graphs and frames) and which C++ kernels
-   appeared in the Inductor folder;
+   appeared in the Inductor folder, and compares the images and every output of the component
+   (the denoiser) with eager's;
 4. calls at 32x32, a shape no test recipe builds, expecting ``ShapeNotBuilt``.
 """
 
@@ -32,9 +33,24 @@ SERVE = textwrap.dedent("""
     recipe_path, cache, component = sys.argv[1:4]
     remote = sys.argv[4] if len(sys.argv) > 4 else None
     r = load_recipe(recipe_path)
-    eager = load_pipeline(r, resolve_model(r, Path(cache)), "float32")
-    refs = [eager(**warmup_kwargs(r, s), output_type="pt").images for s in r.shapes]
-    del eager
+
+    def run_all(pipe):
+        # The images at every shape, and every output of the component (watched outside whatever
+        # aotbuild put in its forward, so the watch adds no graph).
+        seen, module = [], getattr(pipe, component)
+        inner = module.forward
+        def watch(*args, **kwargs):
+            out = inner(*args, **kwargs)
+            seen.append((out[0] if isinstance(out, tuple) else out.sample).detach().clone())
+            return out
+        module.forward = watch
+        try:
+            images = [pipe(**warmup_kwargs(r, s), output_type="pt").images for s in r.shapes]
+        finally:
+            module.forward = inner
+        return images, seen
+
+    refs, eager_outputs = run_all(load_pipeline(r, resolve_model(r, Path(cache)), "float32"))
 
     inductor = Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
     assert not inductor.exists() or not any(inductor.iterdir()), "the Inductor cache must start empty"
@@ -44,7 +60,7 @@ SERVE = textwrap.dedent("""
     kernels_after_install = kernels()
     counter, count = get_strategy(r.strategy).compile_counter(get_target(r.target))
     before = count()
-    outs = [pipe(**warmup_kwargs(r, s), output_type="pt").images for s in r.shapes]
+    outs, outputs = run_all(pipe)
     compiles = count() - before
     kernels_after_call = kernels()
     strict = None
@@ -65,6 +81,8 @@ SERVE = textwrap.dedent("""
         "counter": counter, "compiles": compiles, "counters": dict(c["inductor"]),
         "unique_graphs": c["stats"].get("unique_graphs", 0), "frames": c["frames"].get("total", 0),
         "max_diff": max((o - e).abs().max().item() for o, e in zip(outs, refs)),
+        "component_calls": len(outputs), "component_max_diff": max(
+            (a - b).abs().max().item() for a, b in zip(outputs, eager_outputs, strict=True)),
         "kernels_after_install": kernels_after_install, "kernels_after_call": kernels_after_call,
         "strict": strict, "calls": {n: d.calls for n, d in dispatchers.items()},
         "swaps": sum(getattr(getattr(x, "runner", None), "swaps", 0)
@@ -95,5 +113,5 @@ def assert_served(result: dict) -> None:
     assert result["hits"] == result["shapes"] and result["misses"] == 0
     assert result["compiles"] == 0, result["counter"]
     assert result["counters"].get("fxgraph_cache_miss", 0) == 0  # whatever the strategy counts
-    assert result["max_diff"] <= 1e-4
+    assert result["max_diff"] <= 1e-4 and result["component_max_diff"] <= 1e-5
     assert result["strict"] and "1x4x4x4" in result["strict"]  # 32x32 pixels = a 4x4 latent

@@ -2,64 +2,26 @@
 
 Each case builds one recipe for real with the CLI (the build's own proof must pass), then moves the
 cache elsewhere and serves it from a fresh process in another working directory with an empty
-Inductor folder, as a new replica would: every entry a hit, 0 compiles by the compiler's own
-counters, and the denoiser's output equal to eager's within 1e-5 on the same inputs. Together the
-cases, with tests/test_regional.py's two (Flux 2+2 and SD3 with compile.blocks, aot-package
-regional), cover each architecture, each strategy and each scope; tiny-sd is covered by
-test_e2e.py and test_aot.py, and the whole matrix by benchmarks/arch_matrix.py.
+Inductor folder, as a new replica would (tests/serving.py): every entry a hit, 0 compiles by the
+strategy's own counter, and the denoiser's output equal to eager's within 1e-5 on the same inputs.
+Together with tests/test_regional.py (Flux 2+2 regional with aot-package and aot-compile; SD3 with
+compile.blocks, aot-package regional) and tests/test_strategies.py (tiny-sd, every strategy) they
+cover each architecture, each strategy and each scope; the whole matrix is benchmarks/arch_matrix.py.
 """
 
 from __future__ import annotations
 
 import json
 import shutil
-import textwrap
 from pathlib import Path
 
 import pytest
 import yaml
 
-from tests.conftest import REPO, run_cli, run_python
+from tests.conftest import REPO, run_cli
+from tests.serving import serve_fresh
 
 pytestmark = pytest.mark.slow
-
-SERVE = textwrap.dedent("""
-    import json, sys
-    from pathlib import Path
-    import torch
-    from aotbuild import load_compiled, load_recipe
-    from aotbuild.models import load_pipeline, resolve_model, warmup_kwargs
-
-    recipe_path, cache = sys.argv[1], sys.argv[2]
-    recipe = load_recipe(recipe_path)
-    component = recipe.compile.components[0]
-
-    def outputs(pipe):
-        seen = []
-        module = getattr(pipe, component)
-        inner = module.forward  # the dispatcher, when loaded: wrapped outside anything compiled
-        def watch(*args, **kwargs):
-            out = inner(*args, **kwargs)
-            seen.append((out[0] if isinstance(out, tuple) else out.sample).detach().clone())
-            return out
-        module.forward = watch
-        with torch.no_grad():
-            pipe(**warmup_kwargs(recipe, recipe.shapes[0]), output_type="latent")
-        module.forward = inner
-        return seen
-
-    eager = outputs(load_pipeline(recipe, resolve_model(recipe, Path(cache)), "float32"))
-    from torch._dynamo.utils import counters
-    pipe = load_compiled(recipe_path, cache=cache, on_miss="error", strict_shapes=True)
-    served = outputs(pipe)
-    print("RESULT " + json.dumps({
-        "hits": len(pipe.aotbuild_report.hits), "misses": len(pipe.aotbuild_report.misses),
-        "calls": len(served), "max_diff": max((a - b).abs().max().item() for a, b in zip(served, eager)),
-        "fx_miss": counters["inductor"]["fxgraph_cache_miss"], "fx_hit": counters["inductor"]["fxgraph_cache_hit"],
-        "graphs": counters["stats"]["unique_graphs"],
-    }))
-""")
-
 
 def recipe_for(tmp_path: Path, base: str, strategy: str, scope: str, compile_extra: dict | None = None,
                warmup_extra: dict | None = None) -> Path:
@@ -78,7 +40,6 @@ CASES = [  # (recipe, strategy, scope, compile extra, warmup extra, block instan
     ("tiny_sd3_cpu.yaml", "jit-cache", "regional", {"blocks": ["JointTransformerBlock"]},
      {"prompt": ["a cat", "a dog"]}, 3),  # no _repeated_blocks in diffusers; a list of prompts
     ("tiny_sdxl_cpu.yaml", "aot-package", "full", {}, {}, 1),
-    ("tiny_sdxl_cpu.yaml", "jit-cache", "regional", {}, {}, 8),  # 8 BasicTransformerBlocks
 ]
 
 
@@ -103,19 +64,13 @@ def test_built_then_served_by_a_fresh_replica_with_0_compiles(tmp_path, base, st
 
     replica = tmp_path / "replica"  # the cache moved, another cwd, an empty Inductor folder
     shutil.move(str(cache), replica / "cache")
-    (replica / "cwd").mkdir()
-    script = replica / "serve.py"
-    script.write_text(SERVE)
-    proc = run_python(f"import runpy, sys; sys.argv = ['s', {str(recipe)!r}, {str(replica / 'cache')!r}]; "
-                      f"runpy.run_path({str(script)!r}, run_name='__main__')",
-                      env={"TORCHINDUCTOR_CACHE_DIR": str(replica / "inductor"), "AOTBUILD_CACHE": ""},
-                      cwd=replica / "cwd")
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    result = json.loads(next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))[7:])
-    assert result["hits"] == 1 and result["misses"] == 0 and result["calls"] >= 1, result
-    assert result["fx_miss"] == 0, result
-    if strategy == "aot-package":
-        assert result["graphs"] == 0, result  # every call reached a package: Dynamo traced nothing
+    component = yaml.safe_load(recipe.read_text())["compile"]["components"][0]
+    result = serve_fresh(recipe, replica / "cache", replica, component=component)
+    assert result["hits"] == 1 and result["misses"] == 0 and result["component_calls"] >= 1, result
+    assert result["compiles"] == 0 and result["counters"].get("fxgraph_cache_miss", 0) == 0, result
+    if strategy == "jit-cache":
+        assert result["counters"].get("fxgraph_cache_hit", 0) >= 1, result
     else:
-        assert result["fx_hit"] >= 1, result
-    assert result["max_diff"] <= 1e-5, result
+        assert result["unique_graphs"] == 0, result  # every call reached an artifact: Dynamo traced nothing
+    assert result["component_max_diff"] <= 1e-5 and result["max_diff"] <= 1e-4, result
+    assert result["strict"], result  # an unbuilt shape is refused
