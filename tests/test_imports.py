@@ -12,8 +12,8 @@ from tests.conftest import run_python
 RUNTIME_MODULES = {
     "aotbuild", "aotbuild.blocks", "aotbuild.builtin", "aotbuild.constants", "aotbuild.errors", "aotbuild.frozen",
     "aotbuild.keys", "aotbuild.layout", "aotbuild.locks", "aotbuild.manifest", "aotbuild.models",
-    "aotbuild.planner", "aotbuild.recipe", "aotbuild.runtime", "aotbuild.store", "aotbuild.strategies",
-    "aotbuild.strategies.base", "aotbuild.suggest", "aotbuild.targets", "aotbuild.targets.base",
+    "aotbuild.planner", "aotbuild.recipe", "aotbuild.registry", "aotbuild.runtime", "aotbuild.store",
+    "aotbuild.strategies", "aotbuild.strategies.base", "aotbuild.suggest", "aotbuild.targets", "aotbuild.targets.base",
 }
 
 
