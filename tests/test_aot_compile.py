@@ -44,11 +44,11 @@ def test_settings_it_cannot_honour_are_refused(change, expected):
 
 
 def test_the_thread_count_is_a_key_factor_for_aot_compile_only():
-    """The artifact's global-state guard holds the thread count (cpp.dynamic_threads or not)."""
+    """The artifact's global-state guard holds the thread count (cpp.dynamic_threads or not, any device)."""
     strategy = get_strategy("aot-compile")
     target = __import__("aotbuild.targets", fromlist=["get_target"]).get_target("inductor")
     assert strategy.compile_factors(target, "cpu") == {"cpu_threads": torch.get_num_threads()}
-    assert strategy.compile_factors(target, "cuda") == {}
+    assert strategy.compile_factors(target, "cuda") == {"cpu_threads": torch.get_num_threads()}
     assert get_strategy("jit-cache").compile_factors(target, "cpu") == {}
 
 

@@ -146,11 +146,10 @@ class AotCompile(Strategy):
             raise recipe.error("offload", "strategy aot-compile cannot run under model offload")
 
     def compile_factors(self, target: Target, device: str) -> dict[str, Any]:
-        if device.partition(":")[0] != "cpu":
-            return {}
         import torch
 
-        # The artifact's global-state guard holds the thread count: another count refuses every call.
+        # The artifact's global-state guard holds torch's intra-op thread count, whatever the device:
+        # another count refuses every call, so it is a miss at load instead.
         return {"cpu_threads": torch.get_num_threads()}
 
     # -- build ---------------------------------------------------------------------------------
