@@ -98,16 +98,21 @@ def test_a_relative_model_folder_of_a_dict_resolves_in_the_callers_directory(tmp
     assert _local_folder(recipe_from_spec(spec)) == tmp_path / "mymodel"
 
 
-@pytest.mark.slow  # one real build (1 shape), then a load into an existing pipeline
-def test_a_dict_builds_and_loads_into_an_existing_pipe(tmp_path):
+@pytest.mark.slow  # the session's tiny-sd build (tests/test_e2e.py's), then a load into an existing pipeline
+def test_a_dict_hits_what_its_yaml_twin_built_and_loads_into_an_existing_pipe(built_cache, tmp_path):
+    """The dict of recipes/tiny_sd_cpu.yaml's settings at one of its shapes has that file's keys:
+    `build` finds the entry cached, and `load_compiled` serves it into a pipeline the caller made."""
+    import shutil
+
     import torch
 
     from aotbuild.models import load_pipeline, resolve_model, warmup_kwargs
 
-    recipe = {**TINY, "shapes": [{"height": 32, "width": 32}]}
     cache = tmp_path / "cache"
+    shutil.copytree(built_cache[0], cache)
+    recipe = dict(TINY)  # 64x64: the YAML's first shape
     report = aotbuild.build(recipe, cache=cache)
-    assert [r.status for r in report.results] == ["built"], report.as_json()
+    assert [r.status for r in report.results] == ["cached"], report.as_json()
     assert [j.status for j in aotbuild.plan(recipe, cache=cache)] == ["hit"]
 
     parsed = parse_recipe(recipe)

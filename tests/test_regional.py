@@ -345,27 +345,3 @@ def test_flux_regional_packages_serve_every_block(tmp_path, strategy):
         assert result["swaps"] > 0
     assert result["max_diff"] <= 1e-5
     assert "transformer_blocks.0 was called with" in result["strict"]
-
-
-@pytest.mark.slow
-def test_sd3_regional_with_named_blocks(tmp_path):
-    """SD3 lists no _repeated_blocks: compile.blocks names them. Its last block is context_pre_only,
-    a group of one, which gets a package of its own."""
-    manifest, result = _build_and_load_fresh(tmp_path, textwrap.dedent("""
-        model: {id: builtin:tiny-sd3, dtype: float32}
-        target: inductor
-        device: cpu
-        strategy: aot-package
-        compile: {components: [transformer], scope: regional, blocks: [JointTransformerBlock]}
-        shapes: [{height: 64, width: 64}]
-        warmup: {num_inference_steps: 2, guidance_scale: 0.0, max_sequence_length: 8}
-    """))
-    assert manifest["factors"]["compile"]["blocks"] == ["JointTransformerBlock"]
-    assert manifest["proof"]["instances"] == 3 and manifest["proof"]["compiles"] == 0
-    assert sorted(p["instances"] for p in manifest["packages"]) == [
-        ["transformer_blocks.0", "transformer_blocks.1"], ["transformer_blocks.2"]]
-    assert result["unique_graphs"] == 0
-    assert set(result["calls"]) == {f"transformer_blocks.{i}" for i in range(3)}
-    assert all(c["built"] == 2 for c in result["calls"].values())
-    assert result["max_diff"] <= 1e-5
-    assert "transformer_blocks.0 was called with" in result["strict"]
