@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from aotbuild.constants import VERSION
 from aotbuild.errors import (
     AotbuildError,
     CacheMiss,
-    DeviceError,
     ModelUnavailable,
     PackageMismatch,
     RecipeError,
@@ -23,22 +23,22 @@ from aotbuild.errors import (
     UsageError,
 )
 
-__version__ = "0.1.0"
+__version__ = VERSION
 
 _LAZY = {
     "load_compiled": "aotbuild.runtime",
     "LoadReport": "aotbuild.runtime",
     "build": "aotbuild.builder",
     "plan": "aotbuild.planner",
-    "load_recipe": "aotbuild.recipe",
+    "load_recipe": "aotbuild.recipes",
     "Recipe": "aotbuild.recipe",
-    "parse_recipe": "aotbuild.recipe",
+    "parse_recipe": "aotbuild.recipes",
     "push": "aotbuild.sync",
     "pull": "aotbuild.sync",
     "parse_remote": "aotbuild.remote",
 }
 
-__all__ = ["AotbuildError", "CacheMiss", "DeviceError", "ModelUnavailable", "PackageMismatch",
+__all__ = ["AotbuildError", "CacheMiss", "ModelUnavailable", "PackageMismatch",
            "RecipeError", "RemoteError", "ShapeNotBuilt", "StoreError",
            "TargetUnavailable", "UsageError", "__version__", "load_compiled", "LoadReport", "build", "plan",
            "load_recipe", "parse_recipe", "Recipe", "push", "pull", "parse_remote"]
@@ -46,7 +46,8 @@ __all__ = ["AotbuildError", "CacheMiss", "DeviceError", "ModelUnavailable", "Pac
 if TYPE_CHECKING:
     from aotbuild.builder import build
     from aotbuild.planner import plan
-    from aotbuild.recipe import Recipe, load_recipe, parse_recipe
+    from aotbuild.recipe import Recipe
+    from aotbuild.recipes import load_recipe, parse_recipe
     from aotbuild.remote import parse_remote
     from aotbuild.runtime import LoadReport, load_compiled
     from aotbuild.sync import pull, push

@@ -263,7 +263,8 @@ def bench(recipe_path: str | Path | Any, cache: str | Path | None = None, *, sha
     from aotbuild.errors import TargetUnavailable
     from aotbuild.layout import resolve_cache_root
     from aotbuild.planner import HIT, UNAVAILABLE, plan
-    from aotbuild.recipe import as_recipe, build_hint
+    from aotbuild.recipe import build_hint
+    from aotbuild.recipes import as_recipe
 
     unknown = [m for m in modes if m not in MODES]
     if unknown or not modes:
@@ -346,12 +347,12 @@ def _run_child(mode: str, recipe: Any, index: int, root: Path, calls: int, workd
 def child(mode: str, spec: str, index: int, cache: str, calls: int, start: float) -> dict[str, Any]:
     """The measured process: load, (compile), first call, ``calls`` steady calls."""
     from aotbuild import models
-    from aotbuild.recipe import recipe_from_spec
+    from aotbuild.recipes import recipe_from_spec
 
     recipe = recipe_from_spec(json.loads(Path(spec).read_text()))
     shape = recipe.shapes[index]
     recipe = replace(recipe, shapes=(shape,))
-    from aotbuild.planner import Context
+    from aotbuild.context import Context
 
     ctx = Context.create(recipe, Path(cache), resolve_model=mode != "warm")  # warm: load_compiled resolves it
     if ctx.problem:

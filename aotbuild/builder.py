@@ -20,17 +20,17 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from aotbuild import __version__, constants
-from aotbuild.errors import StoreError
+from aotbuild import constants
+from aotbuild.errors import ProofFailed, StoreError
 from aotbuild.journal import entry_writer
 from aotbuild.layout import format_size, resolve_cache_root, resolve_max_size
 from aotbuild.locks import flocked, store_lock
 from aotbuild.manifest import FileRecord, Manifest, Proof
-from aotbuild.planner import HIT, MISS, UNAVAILABLE, Job, Recipes, plan, shard_jobs
-from aotbuild.proof import ProofFailed
+from aotbuild.planner import HIT, MISS, UNAVAILABLE, Job, plan, shard_jobs
 from aotbuild.recipe import recipe_spec, recipe_to_dict
+from aotbuild.recipes import Recipes
 from aotbuild.store import Store
-from aotbuild.strategies import get_strategy
+from aotbuild.strategies import checked_store, get_strategy
 from aotbuild.targets import get_target
 
 if TYPE_CHECKING:
@@ -94,7 +94,7 @@ def build(recipes: Recipes, cache: str | Path | None = None, *,
     size limit: an entry bigger than it is not stored, and after the build ``gc`` removes the least
     recently used entries until the cache fits (never one this build needs)."""
     root = resolve_cache_root(cache)
-    store = Store(root)
+    store = checked_store(root)
     limit = max_size if max_size is not None else resolve_max_size()
     jobs = plan(recipes, root)
     if shard is not None:
@@ -291,7 +291,7 @@ def make_manifest(job: Job, records: list[FileRecord], result: dict[str, Any], s
         or get_strategy(job.recipe.strategy).embeds_weights(packages),
         packages=packages,
         build={"created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-               "seconds": round(seconds, 3), "aotbuild": __version__,
+               "seconds": round(seconds, 3), "aotbuild": constants.VERSION,
                "phases": result.get("seconds"), "counters": result.get("counters")},
         recipe_data=recipe_to_dict(job.recipe),
         proof=proof,

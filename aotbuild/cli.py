@@ -242,8 +242,7 @@ def push(items: tuple[str, ...], remote: str | None, cache: str | None, as_json:
             _emit_json(report.as_json())
         else:
             _echo_push(report)
-        corrupt = [w for w, why in report.skipped if "corrupt" in why or "missing" in why or "malformed" in why]
-        return EXIT_FAILED if corrupt else EXIT_OK
+        return EXIT_FAILED if report.damaged else EXIT_OK
 
     _run(go)
 
@@ -397,11 +396,11 @@ def ls(cache: str | None, as_json: bool) -> None:
 
     def go() -> int:
         from aotbuild.layout import resolve_cache_root
-        from aotbuild.store import Store
+        from aotbuild.strategies import checked_store
 
         if _no_cache(resolve_cache_root(cache), as_json, {"models": [], "entries": []}):
             return EXIT_OK
-        store = Store(resolve_cache_root(cache))
+        store = checked_store(resolve_cache_root(cache))
         manifests = list(store.iter_manifests())
         models = sorted(p.name for p in store.layout.models.iterdir()
                         if p.is_dir() and not p.name.startswith(".")) if store.layout.models.is_dir() else []
@@ -447,9 +446,9 @@ def show(key: str, cache: str | None, as_json: bool) -> None:
     def go() -> int:
         from aotbuild.keys import flatten
         from aotbuild.layout import resolve_cache_root
-        from aotbuild.store import Store
+        from aotbuild.strategies import checked_store
 
-        store = Store(resolve_cache_root(cache))
+        store = checked_store(resolve_cache_root(cache))
         full = store.resolve_prefix(key)
         try:
             manifest = store.load_manifest(full)
@@ -511,11 +510,11 @@ def verify(cache: str | None, as_json: bool, fix: bool) -> None:
     def go() -> int:
         from aotbuild.layout import resolve_cache_root
         from aotbuild.manage import verify as run_verify
-        from aotbuild.store import Store
+        from aotbuild.strategies import checked_store
 
         if _no_cache(resolve_cache_root(cache), as_json, {"fixed": fix, "problems": []}):
             return EXIT_OK
-        store = Store(resolve_cache_root(cache))
+        store = checked_store(resolve_cache_root(cache))
         problems = run_verify(store, fix=fix)
         remain = [p for p in problems if not fix or p.remains()]
         if as_json:
@@ -565,7 +564,7 @@ def gc(cache: str | None, as_json: bool, max_size: str | None, stale: bool, dry_
         from aotbuild.errors import UsageError
         from aotbuild.layout import resolve_cache_root, resolve_max_size
         from aotbuild.manage import gc as run_gc
-        from aotbuild.store import Store
+        from aotbuild.strategies import checked_store
 
         limit = resolve_max_size(max_size)
         if limit is None and not stale:
@@ -573,7 +572,7 @@ def gc(cache: str | None, as_json: bool, max_size: str | None, stale: bool, dry_
         if _no_cache(resolve_cache_root(cache), as_json, {"removed": [], "size_before": 0, "size_after": 0,
                                                           "dry_run": dry_run}):
             return EXIT_OK
-        store = Store(resolve_cache_root(cache))
+        store = checked_store(resolve_cache_root(cache))
         report = run_gc(store, max_size=limit, stale=stale, dry_run=dry_run)
         if not report.removed and not as_json:
             click.echo("nothing to remove" + (f" (under {_human_size(limit)})" if limit is not None else ""))
@@ -611,15 +610,15 @@ def rm(items: tuple[str, ...], cache: str | None, as_json: bool) -> None:
         from aotbuild.errors import UsageError
         from aotbuild.layout import resolve_cache_root
         from aotbuild.manage import rm as run_rm
-        from aotbuild.planner import load_recipes
-        from aotbuild.store import Store
+        from aotbuild.recipes import load_recipes
+        from aotbuild.strategies import checked_store
         from aotbuild.sync import is_key_prefix
 
         for item in items:
             if not is_key_prefix(item) and not Path(item).exists():
                 raise UsageError(f"{item}: not a key (a hex prefix of 8+ characters; `aotbuild ls` lists them) "
                                  "nor a recipe file or folder")
-        store = Store(resolve_cache_root(cache))
+        store = checked_store(resolve_cache_root(cache))
         keys = [store.resolve_prefix(i) for i in items if is_key_prefix(i)]
         names = {r.name for r in load_recipes([i for i in items if not is_key_prefix(i)])} \
             if any(not is_key_prefix(i) for i in items) else set()

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import os
 
+#: aotbuild's version (``aotbuild.__version__``; recorded in every manifest's ``build``).
+VERSION = "0.1.0"
+
 #: Bumped whenever the meaning of a key factor or the manifest layout changes: old entries then miss.
 FORMAT_VERSION = 2
 

@@ -113,9 +113,9 @@ def check_disk(cache_root: Path) -> Check:
 
 def check_store(cache_root: Path, deep: bool) -> Check:
     from aotbuild.layout import format_size
-    from aotbuild.store import Store
+    from aotbuild.strategies import checked_store
 
-    store = Store(cache_root)
+    store = checked_store(cache_root)
     if not store.layout.manifests.is_dir():
         return Check("store", detail=f"no entries yet in {cache_root}", data={"entries": 0, "size": 0})
     entries = list(store.iter_manifests())

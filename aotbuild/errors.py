@@ -65,9 +65,25 @@ class PackageMismatch(AotbuildError, RuntimeError):
     """A component's weights no longer fit the AOT package it was built with."""
 
 
-class DeviceError(AotbuildError, RuntimeError):
-    """A device is unknown, not available here, or lacks the operation asked for."""
-
-
 class RemoteError(AotbuildError, OSError):
     """A remote cache could not be reached, read or written; the message names it and the next step."""
+
+
+class ManifestError(AotbuildError, ValueError):
+    """A manifest that is malformed: it is no entry, for any reader (aotbuild/manifest.py)."""
+
+
+class StaleManifest(AotbuildError, ValueError):
+    """A manifest of another format: a miss that ``gc --stale`` removes, not damage. ``format`` is what
+    it says it is; ``files`` its file records where they could be read (so collecting it frees its
+    blobs)."""
+
+    def __init__(self, message: str, format: object, files: tuple = ()):
+        super().__init__(message)
+        self.format = format
+        self.files = files
+
+
+class ProofFailed(AotbuildError):
+    """A build's fresh process did not serve the entry with 0 compiles and output equal to eager
+    (aotbuild/proof.py): the job fails and nothing is stored."""

@@ -244,9 +244,10 @@ class GcReport:
 def stale_reasons(manifests: dict[str, Manifest | StaleManifest]) -> dict[str, str]:
     """Entries that can never match this environment again, and why (another torch, ISA, ...)."""
     from aotbuild import keys
+    from aotbuild.context import environment_factors
     from aotbuild.targets import get_target, target_names
 
-    env = keys.environment_factors()
+    env = environment_factors()
     fingerprints: dict[tuple[str, str], dict[str, Any] | None] = {}
     out = {}
     for key, manifest in manifests.items():

@@ -7,6 +7,10 @@ parsing, so a 100,000-deep document costs a scan, not a RecursionError), and eve
 type-checked here, once. Whatever passes is a :class:`Manifest` whose fields every reader (store,
 manage, cli, remote, runtime) can use without another check.
 
+A manifest's ``packages`` are its strategy's records: the codec checks what every record holds
+(the file it names, its signature, the instances it serves); the rest is the strategy's to check
+(``Strategy.check_records``), which a :class:`aotbuild.store.Store` applies when it is given one.
+
 The key binding: ``key`` must be the key of ``factors`` and the name the manifest is stored under.
 A manifest copied under another key's name is malformed, never a hit for the wrong job.
 
@@ -31,6 +35,8 @@ from pathlib import Path
 from typing import Any
 
 from aotbuild import constants
+from aotbuild.errors import ManifestError, StaleManifest
+from aotbuild.keys import key_of
 from aotbuild.layout import HEX64
 
 #: A manifest file larger than this is refused before it is read.
@@ -42,19 +48,6 @@ MAX_NAME = 4096
 
 _STRINGS = re.compile(r'"(?:[^"\\]|\\.)*"', re.DOTALL)
 _BRACKETS = re.compile(r"[\[\]{}]")
-
-
-class ManifestError(ValueError):
-    """The manifest is malformed: it is no entry, for any reader."""
-
-
-class StaleManifest(ValueError):
-    """The manifest is of another format: a miss that ``gc --stale`` removes, not damage."""
-
-    def __init__(self, message: str, format: Any, files: tuple[FileRecord, ...] = ()):
-        super().__init__(message)
-        self.format = format
-        self.files = files
 
 
 @dataclass(frozen=True)
@@ -233,8 +226,6 @@ def from_dict(data: Any, key: str) -> Manifest:
     if data.get("key") != key:
         raise ManifestError("its key is not the name it is stored under")
     factors = c.factors(data.get("factors"))
-    from aotbuild.keys import key_of  # keys imports recipe; the codec stays importable alone
-
     try:
         bound = key_of(factors)
     except ValueError:  # NaN or infinity in a factor
@@ -341,6 +332,9 @@ class _Checker:
         return value
 
     def package(self, value: Any, paths: set[str]) -> dict[str, Any]:
+        """What every strategy's record holds: the entry's file it names, the call signature it serves,
+        and (optionally) the module instances it serves. Whatever else a record holds is its
+        strategy's, checked by ``Strategy.check_records`` before the strategy uses it."""
         value = self.obj(value, "packages[]")
         path = self.name(value.get("path"), "packages[].path")
         if path not in paths:
@@ -349,24 +343,6 @@ class _Checker:
         for instance in self.list_of(value.get("instances", [""]), "packages[].instances"):
             if not isinstance(instance, str) or len(instance) > MAX_NAME:
                 raise self.fail("packages[].instances", "not a list of names")
-        constants_ = self.obj(value.get("constants", {}), "packages[].constants")
-        for fqn, meta in constants_.items():
-            if (not isinstance(meta, list) or len(meta) != 3 or not isinstance(meta[0], list)
-                    or not all(isinstance(d, int) and not isinstance(d, bool) for d in meta[0])
-                    or not isinstance(meta[1], str) or not isinstance(meta[2], str)):
-                raise self.fail(f"packages[].constants[{fqn[:40]!r}]", "not [shape, dtype, device]")
-        for fqn, digest in self.obj(value.get("baked", {}), "packages[].baked").items():
-            if not isinstance(digest, str):
-                raise self.fail(f"packages[].baked[{fqn[:40]!r}]", "not a digest")
-        if value.get("strides") is not None:
-            self.list_of(value["strides"], "packages[].strides")
-        if not isinstance(value.get("structure", ""), str):
-            raise self.fail("packages[].structure", "not a digest")
-        floats = self.list_of(value.get("floats", []), "packages[].floats")
-        if not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in floats):
-            raise self.fail("packages[].floats", "not a list of numbers")
-        if not isinstance(value.get("grad", False), bool):
-            raise self.fail("packages[].grad", "not true or false")
         return value
 
     def proof(self, value: Any) -> Proof:

@@ -43,10 +43,6 @@ TOLERANCE = {"float32": 1e-4, "float64": 1e-6, "float16": 5e-3, "bfloat16": 5e-2
 CALLS_PER_SIGNATURE = 2
 
 
-class ProofFailed(Exception):
-    """The fresh process did not serve the entry with 0 compiles and output equal to eager."""
-
-
 def tolerance(dtype: str) -> float:
     return TOLERANCE.get(dtype, 1e-4)
 
@@ -92,9 +88,10 @@ def serve(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     from aotbuild import models
+    from aotbuild.context import job_pipeline
     from aotbuild.dispatch import signature
-    from aotbuild.planner import job_pipeline
-    from aotbuild.recipe import Shape, recipe_from_spec
+    from aotbuild.recipe import Shape
+    from aotbuild.recipes import recipe_from_spec
     from aotbuild.runtime import load_compiled
 
     shape = Shape(**spec["shape"])
@@ -180,6 +177,7 @@ def main(argv: list[str]) -> int:
 
 def verdict(result: dict[str, Any], label: str) -> Any:
     """The Proof for a passing result; ProofFailed, with the reason and the fix, for any other."""
+    from aotbuild.errors import ProofFailed
     from aotbuild.manifest import Proof
 
     if "error" in result:

@@ -17,12 +17,8 @@ from typing import Any
 
 from aotbuild.errors import RecipeError
 from aotbuild.frozen import freeze, thaw
-from aotbuild.strategies import strategy_names
 from aotbuild.suggest import suggest
-from aotbuild.targets import target_names
 
-TARGETS = target_names()  # from the registries: a new target or strategy is allowed where it is registered
-STRATEGIES = strategy_names()
 SCOPES = ("full", "regional")
 OFFLOADS = ("none", "model")
 MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
@@ -43,6 +39,9 @@ class Field:
     choices: tuple[str, ...] = ()
     doc: str = ""
     required: bool = False
+    #: "target" or "strategy": the allowed values are the names in that registry, which the caller
+    #: of :func:`parse_structure` supplies (aotbuild/recipes.py: a registry is above recipe data)
+    registry: str = ""
 
 
 SCHEMA: dict[str, dict[str, Field] | Field] = {
@@ -54,10 +53,10 @@ SCHEMA: dict[str, dict[str, Field] | Field] = {
         "dtype": Field("str?", choices=DTYPES, doc="default: the target's (float32 inductor, bfloat16 neuron/tpu)"),
         "variant": Field("str?", doc="weights variant, e.g. fp16"),
     },
-    "target": Field("str", "inductor", TARGETS, "where the compiled code runs"),
+    "target": Field("str", "inductor", doc="where the compiled code runs", registry="target"),
     "device": Field("str?", doc="default: the target's (inductor: cuda if available, else cpu)"),
-    "strategy": Field("str", "jit-cache", STRATEGIES,
-                      "jit-cache: torch.compile with its caches captured (any target); aot-package: "
+    "strategy": Field("str", "jit-cache", registry="strategy",
+                      doc="jit-cache: torch.compile with its caches captured (any target); aot-package: "
                       "AOTInductor packages, aot-compile: torch's aot_compile (inductor)"),
     "offload": Field("str", "none", OFFLOADS, "model: enable_model_cpu_offload(); needs scope: regional"),
     "compile": {
@@ -164,7 +163,7 @@ def prompt_count(value: Any) -> int:
 # Validation
 # ---------------------------------------------------------------------------------------------
 
-def _describe(value: Any) -> str:
+def describe_value(value: Any) -> str:
     text = repr(value)
     if len(text) > 60:
         text = text[:57] + "..."
@@ -172,8 +171,9 @@ def _describe(value: Any) -> str:
 
 
 class _Checker:
-    def __init__(self, source: str):
+    def __init__(self, source: str, choices: Mapping[str, tuple[str, ...]] | None = None):
         self.source = source
+        self.choices = dict(choices or {})  # registry name -> its names (Field.registry)
 
     def fail(self, key: str | None, message: str) -> RecipeError:
         return RecipeError(self.source, key, message)
@@ -181,7 +181,7 @@ class _Checker:
     def keys(self, data: Mapping, schema: Mapping[str, Any], prefix: str) -> None:
         for key in data:
             if not isinstance(key, str):
-                raise self.fail(prefix or None, f"keys must be text, got {_describe(key)}")
+                raise self.fail(prefix or None, f"keys must be text, got {describe_value(key)}")
             if key not in schema:
                 allowed = ", ".join(schema)
                 raise self.fail(f"{prefix}{key}", f"unknown key{suggest(key, list(schema))} (allowed: {allowed})")
@@ -197,30 +197,31 @@ class _Checker:
         kind = spec.type.rstrip("?")
         if kind == "str":
             if not isinstance(value, str) or not value.strip():
-                raise self.fail(key, f"expected a non-empty string, got {_describe(value)}")
-            if spec.choices and value not in spec.choices:
-                raise self.fail(key, f"{value!r} is not allowed{suggest(value, spec.choices)} "
-                                     f"(allowed: {', '.join(spec.choices)})")
+                raise self.fail(key, f"expected a non-empty string, got {describe_value(value)}")
+            choices = self.choices.get(spec.registry, ()) if spec.registry else spec.choices
+            if choices and value not in choices:
+                raise self.fail(key, f"{value!r} is not allowed{suggest(value, choices)} "
+                                     f"(allowed: {', '.join(choices)})")
             return value
         if kind == "bool":
             if not isinstance(value, bool):
-                raise self.fail(key, f"expected true or false, got {_describe(value)}")
+                raise self.fail(key, f"expected true or false, got {describe_value(value)}")
             return value
         if kind == "int":
             if isinstance(value, bool) or not isinstance(value, int):
-                raise self.fail(key, f"expected an integer, got {_describe(value)}")
+                raise self.fail(key, f"expected an integer, got {describe_value(value)}")
             return value
         if kind == "list[str]":
             if isinstance(value, str):
                 value = [value]
             if not isinstance(value, list) or not value or not all(isinstance(v, str) and v for v in value):
-                raise self.fail(key, f"expected a non-empty list of names, got {_describe(value)}")
+                raise self.fail(key, f"expected a non-empty list of names, got {describe_value(value)}")
             if len(set(value)) != len(value):
                 raise self.fail(key, "lists a name twice")
             return tuple(value)
         if kind == "mapping":
             if not isinstance(value, dict):
-                raise self.fail(key, f"expected a mapping, got {_describe(value)}")
+                raise self.fail(key, f"expected a mapping, got {describe_value(value)}")
             self.json_value(key, value)
             return freeze(value)
         raise AssertionError(kind)  # pragma: no cover
@@ -230,7 +231,7 @@ class _Checker:
         if isinstance(value, dict):
             for k, v in value.items():
                 if not isinstance(k, str):
-                    raise self.fail(key, f"keys must be text, got {_describe(k)}")
+                    raise self.fail(key, f"keys must be text, got {describe_value(k)}")
                 self.json_value(f"{key}.{k}", v)
         elif isinstance(value, list):
             for i, v in enumerate(value):
@@ -238,7 +239,7 @@ class _Checker:
         elif isinstance(value, float) and not math.isfinite(value):
             raise self.fail(key, f"must be a finite number, got {value!r}")
         elif not (value is None or isinstance(value, (str, int, float, bool))):
-            raise self.fail(key, f"expected plain YAML data, got {_describe(value)}")
+            raise self.fail(key, f"expected plain YAML data, got {describe_value(value)}")
 
     def section(self, data: Any, name: str) -> dict[str, Any]:
         schema = SCHEMA[name]
@@ -246,7 +247,7 @@ class _Checker:
         if data is None:
             data = {}
         if not isinstance(data, dict):
-            raise self.fail(name, f"expected a mapping with keys {', '.join(schema)}, got {_describe(data)}")
+            raise self.fail(name, f"expected a mapping with keys {', '.join(schema)}, got {describe_value(data)}")
         self.keys(data, schema, f"{name}.")
         return {k: self.value(f"{name}.{k}", data.get(k), spec) for k, spec in schema.items()}
 
@@ -257,7 +258,8 @@ class _Checker:
         for i, item in enumerate(data):
             key = f"shapes[{i}]"
             if not isinstance(item, dict):
-                raise self.fail(key, f"expected a mapping with height, width and batch_size, got {_describe(item)}")
+                raise self.fail(key, f"expected a mapping with height, width and batch_size, "
+                                     f"got {describe_value(item)}")
             self.keys(item, SHAPE_SCHEMA, f"{key}.")
             values = {k: self.value(f"{key}.{k}", item.get(k), spec) for k, spec in SHAPE_SCHEMA.items()}
             for side in ("height", "width"):
@@ -278,17 +280,19 @@ class _Checker:
 DATA_SOURCE = "<recipe>"
 
 
-def parse_recipe(data: Any, source: str = DATA_SOURCE, name: str | None = None, *,
-                 folder: str | None = None) -> Recipe:
-    """Validate recipe data (a YAML file's structure, e.g. a plain dict) into a :class:`Recipe`.
+def parse_structure(data: Any, source: str = DATA_SOURCE, name: str | None = None, *, folder: str | None = None,
+                    choices: Mapping[str, tuple[str, ...]] | None = None) -> Recipe:
+    """Recipe data (a YAML file's structure, e.g. a plain dict) checked key by key into a
+    :class:`Recipe`: known keys, types, allowed values (``choices``: the names of each registry a
+    field takes its values from), sizes. Rules that span keys and the checks against the targets and
+    strategies are :func:`aotbuild.recipes.parse_recipe`'s, which callers use.
 
-    Validated exactly like a file: every error is a :class:`RecipeError` naming the key. ``name``
-    defaults to the file's stem, or for data without a file to ``recipe-<12 hex>``, derived from
-    the content (the same data always gets the same name). ``folder``: where a relative
+    ``name`` defaults to the file's stem, or for data without a file to ``recipe-<12 hex>``, derived
+    from the content (the same data always gets the same name). ``folder``: where a relative
     ``model.id`` folder is resolved (default: the file's folder; for data, the working directory)."""
-    check = _Checker(source)
+    check = _Checker(source, choices)
     if not isinstance(data, dict):
-        raise check.fail(None, f"expected a mapping of recipe keys at the top level, got {_describe(data)}")
+        raise check.fail(None, f"expected a mapping of recipe keys at the top level, got {describe_value(data)}")
     check.keys(data, SCHEMA, "")
     model_data = data.get("model")
     if isinstance(model_data, str):  # shorthand: "model: builtin:tiny-sd"
@@ -305,13 +309,25 @@ def parse_recipe(data: Any, source: str = DATA_SOURCE, name: str | None = None, 
             raise check.fail(f"warmup.{arg}", f"cannot be set here: {owner} sets it")
     if not name:
         name = content_name(data) if source == DATA_SOURCE else Path(source).stem
-    recipe = Recipe(
+    return Recipe(
         name=name, source=source, folder=folder, model=model, target=top["target"],
         device=top["device"], strategy=top["strategy"], offload=top["offload"], compile=compile_spec,
         shapes=shapes, warmup=warmup,
     )
-    _check_combinations(recipe)
-    return recipe
+
+
+def check_structure_rules(recipe: Recipe) -> None:
+    """Rules that span keys of the recipe alone (no registry, no model): what ``compile.blocks`` and
+    ``offload`` need."""
+    if recipe.compile.blocks is not None:
+        if recipe.compile.scope != "regional":
+            raise recipe.error("compile.blocks", "names the blocks that scope: regional compiles: set compile.scope: "
+                                                 "regional, or remove compile.blocks")
+        for name in recipe.compile.blocks:
+            if not name.isidentifier():
+                raise recipe.error("compile.blocks", f"{name!r} is not a class name (e.g. JointTransformerBlock)")
+    if recipe.offload == "model" and recipe.compile.scope != "regional":
+        raise recipe.error("offload", "model offload needs compile.scope: regional (offload hooks cannot be traced)")
 
 
 def build_hint(recipe: Recipe) -> str:
@@ -327,18 +343,6 @@ def content_name(data: Any) -> str:
     return "recipe-" + hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
-def as_recipe(value: Any) -> Recipe:
-    """A :class:`Recipe` from a Recipe, a path to a recipe file, or recipe data (a mapping)."""
-    if isinstance(value, Recipe):
-        return value
-    if isinstance(value, Mapping):
-        return parse_recipe(dict(value))
-    if isinstance(value, (str, Path)):
-        return load_recipe(value)
-    raise RecipeError(DATA_SOURCE, None, f"expected a recipe file's path, a dict of recipe keys or a Recipe, got "
-                                         f"{_describe(value)}")
-
-
 def recipe_spec(recipe: Recipe) -> dict[str, Any]:
     """The recipe as JSON for a child process (a build job, the proof, a bench run): its validated
     data, name and source, and the absolute folder relative paths resolve against (the child runs
@@ -347,180 +351,6 @@ def recipe_spec(recipe: Recipe) -> dict[str, Any]:
     data.pop("name")
     return {"data": data, "name": recipe.name, "source": recipe.source,
             "folder": str(recipe.base.absolute())}
-
-
-def recipe_from_spec(spec: Mapping[str, Any]) -> Recipe:
-    """The :class:`Recipe` that :func:`recipe_spec` wrote, validated again."""
-    return parse_recipe(spec["data"], spec["source"], spec["name"], folder=spec["folder"])
-
-
-def _check_combinations(recipe: Recipe) -> None:
-    """Rules that span keys. Target-specific rules live with the target (``validate``)."""
-    from aotbuild import builtin
-
-    if builtin.is_builtin(recipe.model.id):
-        name = recipe.model.id[len(builtin.PREFIX):]
-        if name not in builtin.BUILTINS:
-            known = [builtin.PREFIX + n for n in sorted(builtin.BUILTINS)]
-            raise recipe.error("model.id", f"unknown built-in model {recipe.model.id!r}"
-                                           f"{suggest(recipe.model.id, known)} (known: {', '.join(known)})")
-        if recipe.model.revision:
-            raise recipe.error("model.revision", "a built-in model has no revisions (it is created locally): "
-                                                 "remove model.revision")
-    if recipe.compile.blocks is not None:
-        if recipe.compile.scope != "regional":
-            raise recipe.error("compile.blocks", "names the blocks that scope: regional compiles: set compile.scope: "
-                                                 "regional, or remove compile.blocks")
-        for name in recipe.compile.blocks:
-            if not name.isidentifier():
-                raise recipe.error("compile.blocks", f"{name!r} is not a class name (e.g. JointTransformerBlock)")
-    if recipe.offload == "model" and recipe.compile.scope != "regional":
-        raise recipe.error("offload", "model offload needs compile.scope: regional (offload hooks cannot be traced)")
-    from aotbuild.strategies import get_strategy
-    from aotbuild.targets import get_target
-
-    target = get_target(recipe.target)
-    target.validate(recipe)
-    get_strategy(recipe.strategy).validate(recipe, target)
-
-
-#: Caps on a recipe file, checked while it is read (recipes come from pull requests: docs/recipes.md).
-MAX_RECIPE_BYTES = 1 << 20
-MAX_RECIPE_NODES = 100_000  # after alias expansion: an alias "billion laughs" is refused, not expanded
-MAX_RECIPE_DEPTH = 64
-MAX_RECIPE_STRING = 4096
-
-
-def load_recipe(path: str | Path) -> Recipe:
-    """Read and validate one recipe file. Every problem is a :class:`RecipeError`."""
-    source = str(path)
-    return parse_recipe(_parse_yaml(source, _read_recipe_text(source)), source)
-
-
-def _read_recipe_text(source: str) -> str:
-    """A regular file of at most MAX_RECIPE_BYTES, opened without blocking (a FIFO cannot hang us)."""
-    import errno
-    import os
-    import stat
-
-    try:
-        fd = os.open(source, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-    except FileNotFoundError:
-        raise RecipeError(source, None, "no such file") from None
-    except OSError as exc:
-        if exc.errno == errno.EISDIR:
-            raise RecipeError(source, None, "is a folder; name a .yaml file") from None
-        if exc.errno == errno.ENAMETOOLONG:
-            raise RecipeError(source[:80] + "...", None, "the path is too long") from None
-        raise RecipeError(source, None, f"cannot be read: {exc.strerror or exc}") from None
-    try:
-        info = os.fstat(fd)
-        if stat.S_ISDIR(info.st_mode):
-            raise RecipeError(source, None, "is a folder; name a .yaml file")
-        if not stat.S_ISREG(info.st_mode):
-            raise RecipeError(source, None, "is not a regular file (a pipe or a device?); name a .yaml file")
-        if info.st_size > MAX_RECIPE_BYTES:
-            raise RecipeError(source, None, f"is {info.st_size} bytes; a recipe may have at most {MAX_RECIPE_BYTES}")
-        data = os.read(fd, MAX_RECIPE_BYTES + 1)
-    finally:
-        os.close(fd)
-    if len(data) > MAX_RECIPE_BYTES:
-        raise RecipeError(source, None, f"is over {MAX_RECIPE_BYTES} bytes, the most a recipe may have")
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise RecipeError(source, None, f"is not UTF-8 text (byte {exc.start})") from None
-
-
-def _parse_yaml(source: str, text: str) -> Any:
-    """YAML to plain data with bounded work: the node graph is composed (aliases stay references),
-    measured as if every alias were expanded (nodes, depth, string length; a recursive alias is
-    refused), and only then constructed. Safe tags only (yaml.SafeLoader)."""
-    import yaml
-
-    try:
-        loader = yaml.SafeLoader(text)
-    except yaml.YAMLError as exc:  # the reader refuses control characters before anything is parsed
-        raise RecipeError(source, None, f"is not valid YAML: {str(exc).splitlines()[0]}") from None
-    try:
-        try:
-            node = loader.get_single_node()
-        except yaml.YAMLError as exc:
-            mark = getattr(exc, "problem_mark", None)
-            where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
-            problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-            raise RecipeError(source, None, f"is not valid YAML: {where}{problem} (check the indentation and "
-                                            "the colons around there)") from None
-        except RecursionError:
-            raise RecipeError(source, None, f"is nested too deeply (at most {MAX_RECIPE_DEPTH} levels)") from None
-        if node is None:
-            raise RecipeError(source, None, "is empty: a recipe needs at least model and shapes "
-                                            "(recipes/tiny_sd_cpu.yaml is a complete example)")
-        _measure_yaml(source, node)
-        try:
-            return loader.construct_document(node)
-        except yaml.YAMLError as exc:
-            raise RecipeError(source, None, f"is not plain YAML data: {str(exc).splitlines()[0]}") from None
-    finally:
-        loader.dispose()
-
-
-def _measure_yaml(source: str, root: Any) -> None:
-    """Nodes and depth after alias expansion, computed once per distinct node (so a bomb of 10
-    nested aliases costs 10 steps, not 10**9), without recursion."""
-    import yaml
-
-    sizes: dict[int, tuple[int, int]] = {}  # id(node) -> (nodes, depth) of its expansion
-    on_path: set[int] = set()
-    stack: list[tuple[Any, bool]] = [(root, False)]
-    while stack:
-        node, children_done = stack.pop()
-        key = id(node)
-        if key in sizes and not children_done:
-            continue
-        children = ([c for pair in node.value for c in pair] if isinstance(node, yaml.MappingNode)
-                    else list(node.value) if isinstance(node, yaml.SequenceNode) else [])
-        if not children_done:
-            if isinstance(node, yaml.ScalarNode) and len(node.value) > MAX_RECIPE_STRING:
-                line = node.start_mark.line + 1
-                raise RecipeError(source, None, f"line {line}: a value of {len(node.value)} characters; at most "
-                                                f"{MAX_RECIPE_STRING} are allowed")
-            if key in on_path:
-                raise RecipeError(source, None, f"line {node.start_mark.line + 1}: an alias refers to itself")
-            on_path.add(key)
-            stack.append((node, True))
-            stack.extend((c, False) for c in children if id(c) not in sizes)
-            if len(on_path) > MAX_RECIPE_DEPTH:
-                raise RecipeError(source, None, f"is nested more than {MAX_RECIPE_DEPTH} levels deep")
-            continue
-        on_path.discard(key)
-        nodes = 1 + sum(sizes[id(c)][0] for c in children)
-        depth = 1 + max((sizes[id(c)][1] for c in children), default=0)
-        if nodes > MAX_RECIPE_NODES:
-            raise RecipeError(source, None, f"expands to more than {MAX_RECIPE_NODES} values (aliases counted "
-                                            f"as often as they are used)")
-        if depth > MAX_RECIPE_DEPTH:
-            raise RecipeError(source, None, f"is nested more than {MAX_RECIPE_DEPTH} levels deep")
-        sizes[key] = (nodes, depth)
-
-
-def find_recipes(paths: list[str] | tuple[str, ...]) -> list[Path]:
-    """Files named directly, and every ``*.yaml``/``*.yml`` inside folders, sorted, without repeats."""
-    found: list[Path] = []
-    for item in paths:
-        p = Path(item)
-        if p.is_dir():
-            found.extend(sorted(x for x in p.rglob("*") if x.suffix in (".yaml", ".yml") and x.is_file()))
-        else:
-            found.append(p)
-    seen: set[Path] = set()
-    unique = []
-    for p in found:
-        r = p.resolve()
-        if r not in seen:
-            seen.add(r)
-            unique.append(p)
-    return unique
 
 
 def recipe_to_dict(recipe: Recipe) -> dict[str, Any]:

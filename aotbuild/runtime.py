@@ -14,14 +14,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from aotbuild import keys, models
+from aotbuild.context import Context
 from aotbuild.errors import CacheMiss, RemoteError, TargetUnavailable, UsageError
+from aotbuild.explain import explain_miss
 from aotbuild.layout import resolve_cache_root
 from aotbuild.locks import store_lock
 from aotbuild.manifest import Manifest
-from aotbuild.planner import Context, explain_miss
-from aotbuild.recipe import Recipe, Shape, as_recipe, build_hint
-from aotbuild.store import Entry, Store
-from aotbuild.strategies import Planned
+from aotbuild.recipe import Recipe, Shape, build_hint
+from aotbuild.recipes import as_recipe
+from aotbuild.store import Entry, Store, Unusable
+from aotbuild.strategies import Planned, checked_store
 
 if TYPE_CHECKING:
     from aotbuild.remote import Remote
@@ -104,7 +106,7 @@ def load_compiled(recipe: str | Path | Recipe | Mapping[str, Any], pipe: Any = N
     remote = _check_arguments(on_miss, remote)
     recipe = as_recipe(recipe)
     root = resolve_cache_root(cache)
-    store = Store(root)
+    store = checked_store(root)
     ctx = Context.create(recipe, root, resolve_model=pipe is None)
     if ctx.problem:
         raise TargetUnavailable(f"{recipe.source}: {ctx.problem}")
@@ -183,7 +185,8 @@ def _open_entries(ctx: Context, store: Store, pipe: Any, wanted: list[_Wanted], 
         module = getattr(pipe, component)
         entries: list[Entry] = []
         for w in (w for w in wanted if w.component == component):
-            entry, why = store.open_entry(w.key) if not blocker else (None, blocker)
+            entry, reason = store.open_entry(w.key) if not blocker else (None, None)
+            why = blocker or str(reason)
             if entry is not None:
                 why = ctx.strategy.check(module, component, entry)
                 entry = None if why else entry
@@ -192,7 +195,7 @@ def _open_entries(ctx: Context, store: Store, pipe: Any, wanted: list[_Wanted], 
                 entries.append(entry)
                 report.entries.append(ReportEntry(component, w.shape, w.key, True, pulled=w.key in pulled))
                 continue
-            if why == "not built":
+            if reason is not None and reason.kind is Unusable.NOT_BUILT:
                 manifests = list(store.iter_manifests()) if manifests is None else manifests
                 why = explain_miss(manifests, ctx.recipe.name, component, w.factors, store.root)
             report.entries.append(ReportEntry(component, w.shape, w.key, False, why + remote_notes.get(w.key, "")))

@@ -10,21 +10,22 @@ it is handed out; a corrupt or missing blob makes its entry a miss, never a load
 from __future__ import annotations
 
 import contextlib
+import enum
 import errno
 import hashlib
 import os
 import shutil
 import stat
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
 from aotbuild import manifest as codec
-from aotbuild.errors import StoreError, UsageError
+from aotbuild.errors import ManifestError, StaleManifest, StoreError, UsageError
 from aotbuild.layout import HEX64, Layout, shared_dirs
-from aotbuild.manifest import Manifest, ManifestError, StaleManifest
+from aotbuild.manifest import Manifest
 
 try:
     import fcntl
@@ -47,6 +48,45 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
+class Unusable(enum.Enum):
+    """Why the store cannot hand out an entry: callers branch on these, never on the text."""
+
+    NOT_BUILT = "not built"  # no manifest for the key
+    UNREADABLE = "unreadable"  # the manifest exists but cannot be read (permissions)
+    STALE = "stale"  # a manifest of another format
+    MALFORMED = "malformed"  # a manifest no reader accepts
+    BLOB_MISSING = "blob missing"
+    BLOB_SIZE = "blob size"  # a blob of another size than its manifest says
+    BLOB_CORRUPT = "blob corrupt"  # a blob whose content does not hash to its name
+    BLOB_UNREADABLE = "blob unreadable"
+
+
+#: Kinds that mean the store holds a damaged entry (``verify --fix`` repairs it; a push refuses it).
+DAMAGED = frozenset({Unusable.MALFORMED, Unusable.BLOB_MISSING, Unusable.BLOB_SIZE, Unusable.BLOB_CORRUPT})
+
+
+class Reason(str):
+    """Why an entry is not usable: the text for people (it is the string), ``kind`` for callers.
+    ``Reason.none()`` (empty, ``kind`` None) goes with a usable entry."""
+
+    kind: Unusable | None
+
+    def __new__(cls, kind: Unusable | None, text: str) -> Reason:
+        reason = super().__new__(cls, text)
+        reason.kind = kind
+        return reason
+
+    @classmethod
+    def none(cls) -> Reason:
+        return cls(None, "")
+
+
+#: A strategy's check of its own manifest records (``Strategy.check_records``, looked up by the
+#: manifest's strategy): why they are malformed, or "". The store takes it as a narrow protocol and
+#: knows no strategy.
+RecordsCheck = Callable[[Manifest], str]
+
+
 @dataclass(frozen=True)
 class Entry:
     """A manifest whose blobs all verified: ``files`` maps each relative path to its blob."""
@@ -66,8 +106,12 @@ def _open_source(source: Path | BinaryIO) -> Iterator[BinaryIO]:
 
 
 class Store:
-    def __init__(self, root: Path):
+    """``records``: how the manifests' strategy records are checked before an entry is handed out
+    (:data:`RecordsCheck`; aotbuild.strategies.records_problem); without it only the codec's checks apply."""
+
+    def __init__(self, root: Path, records: RecordsCheck | None = None):
         self.layout = Layout(Path(root))
+        self.records = records
 
     @property
     def root(self) -> Path:
@@ -164,49 +208,54 @@ class Store:
         format (both ValueErrors): ``gc`` must tell those apart from absent."""
         path = self.layout.manifest(key)
         try:
-            return codec.read(path, key)
+            manifest = codec.read(path, key)
+            why = self.records(manifest) if manifest is not None and self.records is not None else ""
+            if why:
+                raise ManifestError(why)
+            return manifest
         except ManifestError as exc:
             raise ManifestError(f"{path}: {exc}") from None
 
     def has(self, key: str) -> bool:
         return self.layout.manifest(key).is_file()
 
-    def open_entry(self, key: str) -> tuple[Entry | None, str]:
+    def open_entry(self, key: str) -> tuple[Entry | None, Reason]:
         """A verified entry, or (None, why not). Every blob is hashed before it is handed out."""
         return self._entry(key, verify_hashes=True)
 
-    def check_entry(self, key: str) -> tuple[bool, str]:
+    def check_entry(self, key: str) -> tuple[bool, Reason]:
         """Cheap presence check for planning: manifest readable, every blob there with its size."""
         entry, why = self._entry(key, verify_hashes=False)
         return entry is not None, why
 
-    def _entry(self, key: str, verify_hashes: bool) -> tuple[Entry | None, str]:
+    def _entry(self, key: str, verify_hashes: bool) -> tuple[Entry | None, Reason]:
         try:
             manifest = self.load_manifest(key)
         except OSError as exc:
-            return None, f"manifest cannot be read: {exc}"
+            return None, Reason(Unusable.UNREADABLE, f"manifest cannot be read: {exc}")
         except StaleManifest as exc:
-            return None, f"stale: the entry is of {exc} (`aotbuild gc --stale` removes it)"
+            return None, Reason(Unusable.STALE, f"stale: the entry is of {exc} (`aotbuild gc --stale` removes it)")
         except ValueError as exc:
-            return None, f"manifest is malformed: {exc}"
+            return None, Reason(Unusable.MALFORMED, f"manifest is malformed: {exc}")
         if manifest is None:
-            return None, "not built"
+            return None, Reason(Unusable.NOT_BUILT, "not built")
         files = []
         for item in manifest.files:
             rel, digest, size = item.path, item.sha256, item.size
             blob = self.layout.blob(digest)
+            what = f"blob {digest[:12]} of {rel}"
             try:
                 actual_size = blob.stat().st_size
                 if actual_size != size:
-                    return None, f"blob {digest[:12]} of {rel} has {actual_size} bytes, expected {size}"
+                    return None, Reason(Unusable.BLOB_SIZE, f"{what} has {actual_size} bytes, expected {size}")
                 if verify_hashes and sha256_file(blob) != digest:
-                    return None, f"blob {digest[:12]} of {rel} is corrupt (hash mismatch)"
+                    return None, Reason(Unusable.BLOB_CORRUPT, f"{what} is corrupt (hash mismatch)")
             except FileNotFoundError:  # missing, or removed by gc while we read
-                return None, f"blob {digest[:12]} of {rel} is missing"
+                return None, Reason(Unusable.BLOB_MISSING, f"{what} is missing")
             except OSError as exc:
-                return None, f"blob {digest[:12]} of {rel} cannot be read: {exc}"
+                return None, Reason(Unusable.BLOB_UNREADABLE, f"{what} cannot be read: {exc}")
             files.append((rel, blob))
-        return Entry(key, manifest, tuple(files)), ""
+        return Entry(key, manifest, tuple(files)), Reason.none()
 
     def iter_manifests(self) -> Iterator[Manifest]:
         """Every readable, well-formed manifest of this format, stored under its own name."""
@@ -253,9 +302,6 @@ class Store:
     def remove_blob(self, digest: str) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.layout.blob(digest))
-
-    def blob_size(self, manifest: Manifest) -> int:
-        return manifest.size
 
     def clean_staging(self, path: Path) -> None:
         shutil.rmtree(path, ignore_errors=True)

@@ -16,7 +16,8 @@ from aotbuild.errors import UsageError
 from aotbuild.layout import resolve_cache_root
 from aotbuild.planner import HIT, MISS, Job, plan
 from aotbuild.remote import PushResult, Remote, pull_entry
-from aotbuild.store import Entry, Store
+from aotbuild.store import DAMAGED, Entry
+from aotbuild.strategies import checked_store
 
 PULLED, CACHED, MISSING, REFUSED, UNAVAILABLE = "pulled", "cached", "missing", "refused", "unavailable"
 
@@ -30,6 +31,7 @@ class PushReport:
     remote: str
     result: PushResult
     skipped: list[tuple[str, str]] = field(default_factory=list)  # (what, why not pushed)
+    damaged: list[str] = field(default_factory=list)  # what was skipped because its entry is damaged
 
     def as_json(self) -> dict[str, Any]:
         return {"remote": self.remote, "sent": self.result.sent, "present": self.result.present,
@@ -42,9 +44,10 @@ def push(items: list[str] | tuple[str, ...], remote: Remote, cache: str | Path |
 
     Every entry is hash-verified locally before it is sent: a corrupt entry is skipped, named, and
     never pushed."""
-    store = Store(resolve_cache_root(cache))
+    store = checked_store(resolve_cache_root(cache))
     keys: list[str] = []
     skipped: list[tuple[str, str]] = []
+    damaged: list[str] = []
     recipes = [i for i in items if not is_key_prefix(i)]
     keys += [store.resolve_prefix(i) for i in items if is_key_prefix(i)]
     if recipes:
@@ -53,6 +56,8 @@ def push(items: list[str] | tuple[str, ...], remote: Remote, cache: str | Path |
                 keys.append(job.key)
             else:
                 skipped.append((job.label, job.reason or job.status))
+                if job.unusable in DAMAGED:
+                    damaged.append(job.label)
     if not items:
         keys = [m.key for m in store.iter_manifests()]
     entries: list[Entry] = []
@@ -60,9 +65,11 @@ def push(items: list[str] | tuple[str, ...], remote: Remote, cache: str | Path |
         entry, why = store.open_entry(key)
         if entry is None:
             skipped.append((key[:12], why))
+            if why.kind in DAMAGED:
+                damaged.append(key[:12])
         else:
             entries.append(entry)
-    return PushReport(remote.url, remote.push(entries, progress, workdir=store.layout.tmp), skipped)
+    return PushReport(remote.url, remote.push(entries, progress, workdir=store.layout.tmp), skipped, damaged)
 
 
 @dataclass
@@ -79,7 +86,7 @@ def pull(recipes: list[str] | tuple[str, ...], remote: Remote, cache: str | Path
     """Fetch, verified, every job of RECIPES that the local store lacks and the remote has."""
     if not recipes:
         raise UsageError("name the recipes to pull: only a recipe says which keys this machine needs")
-    store = Store(resolve_cache_root(cache))
+    store = checked_store(resolve_cache_root(cache))
     jobs = plan(list(recipes), store.root)
     wanted = [j for j in jobs if j.status == MISS]
     on_remote = remote.keys() if wanted else set()

@@ -25,8 +25,9 @@ def run(job: dict) -> dict:
     t0 = time.perf_counter()
     _phase(job, "loading the pipeline")
     from aotbuild import keys, models
-    from aotbuild.planner import job_pipeline
-    from aotbuild.recipe import Shape, recipe_from_spec
+    from aotbuild.context import job_pipeline
+    from aotbuild.recipe import Shape
+    from aotbuild.recipes import recipe_from_spec
     from aotbuild.strategies import BuildJob
 
     recipe = recipe_from_spec(job["recipe"])  # the recipe's data: the file may have changed since the plan

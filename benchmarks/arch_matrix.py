@@ -123,9 +123,9 @@ def serve(recipe_path: str, cache: str) -> dict[str, Any]:
     from torch._dynamo.utils import counters
 
     from aotbuild import load_compiled, models
-    from aotbuild.planner import Context
+    from aotbuild.context import Context
     from aotbuild.proof import _tensors, tolerance
-    from aotbuild.recipe import load_recipe
+    from aotbuild.recipes import load_recipe
 
     recipe = load_recipe(recipe_path)
     shape = recipe.shapes[0]

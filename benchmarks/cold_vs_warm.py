@@ -39,7 +39,7 @@ T0 = time.perf_counter()
 from harness import ARCHS, REGIONAL_BLOCKS, build, child_env, derive_recipe, fmt, table  # noqa: E402
 from harness import run_child as run_script_child  # noqa: E402
 
-from aotbuild.recipe import load_recipe  # noqa: E402
+from aotbuild.recipes import load_recipe  # noqa: E402
 
 
 def child(mode: str, recipe: str, cache: str) -> None:

@@ -27,7 +27,7 @@ def child(dynamic: bool, calls: int, cache: str) -> None:
     import torch
 
     from aotbuild.models import load_pipeline, resolve_model, warmup_kwargs
-    from aotbuild.recipe import load_recipe
+    from aotbuild.recipes import load_recipe
 
     recipe = load_recipe(REPO / "recipes" / "tiny_sd_cpu.yaml")
     pipe = load_pipeline(recipe, resolve_model(recipe, Path(cache)), "float32")

@@ -12,7 +12,7 @@ from click.testing import CliRunner
 from aotbuild import bench
 from aotbuild.cli import main
 from aotbuild.errors import UsageError
-from aotbuild.recipe import load_recipe
+from aotbuild.recipes import load_recipe
 from tests.conftest import REPO, TINY_RECIPE, run_cli
 
 FAKES = {"PYTHONPATH": f"{REPO}:{REPO / 'tests' / 'fakes'}"}

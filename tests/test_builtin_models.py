@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from aotbuild import builtin, models
-from aotbuild.recipe import load_recipe
+from aotbuild.recipes import load_recipe
 from tests.conftest import REPO, run_cli
 
 # built-in -> (recipe, the component it compiles, pipeline class, T5 tokenizer folder or None)
@@ -114,7 +114,7 @@ def test_plan_lists_each_recipe_s_component(builtin_root):
 def test_the_default_component_on_a_transformer_model_says_what_to_name(builtin_root):
     """compile.components defaults to [unet]; a Flux or SD3 recipe without it is told to name the transformer."""
     from aotbuild.errors import RecipeError
-    from aotbuild.recipe import parse_recipe
+    from aotbuild.recipes import parse_recipe
 
     recipe = parse_recipe({"model": "builtin:tiny-flux", "shapes": [{"height": 64, "width": 64}]}, "r.yaml")
     with pytest.raises(RecipeError, match=r"compile.components: 'unet' is not a component of builtin:tiny-flux; "

@@ -12,7 +12,8 @@ from tests.conftest import run_python
 RUNTIME_MODULES = {
     "aotbuild", "aotbuild.blocks", "aotbuild.builtin", "aotbuild.constants", "aotbuild.errors", "aotbuild.frozen",
     "aotbuild.keys", "aotbuild.layout", "aotbuild.locks", "aotbuild.manifest", "aotbuild.models",
-    "aotbuild.planner", "aotbuild.recipe", "aotbuild.registry", "aotbuild.runtime", "aotbuild.store",
+    "aotbuild.context", "aotbuild.explain", "aotbuild.recipe", "aotbuild.recipe_file", "aotbuild.recipes",
+    "aotbuild.registry", "aotbuild.runtime", "aotbuild.store",
     "aotbuild.strategies", "aotbuild.strategies.base", "aotbuild.suggest", "aotbuild.targets", "aotbuild.targets.base",
 }
 

@@ -9,10 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from aotbuild import keys
+from aotbuild import context, keys
+from aotbuild.context import Context
 from aotbuild.errors import RecipeError
-from aotbuild.planner import Context, jobs_for
-from aotbuild.recipe import load_recipe, parse_recipe
+from aotbuild.planner import jobs_for
+from aotbuild.recipes import load_recipe, parse_recipe
 from aotbuild.store import Store
 from tests.conftest import TINY_RECIPE
 
@@ -118,7 +119,7 @@ def test_each_shape_has_its_own_key(models_dir):
 
 
 def _env(**changes):
-    real = keys.environment_factors()
+    real = context.environment_factors()
     return lambda: {**real, **changes}
 
 
@@ -149,10 +150,10 @@ def _other_config(monkeypatch, root):
 #: Each factor a key must change with, changed where it comes from (what the environment reports, the
 #: CPU, the built-in model's version, the component's config.json), then planned as a build would.
 FACTOR_SOURCES = {
-    "env.torch": lambda mp, root: mp.setattr(keys, "environment_factors", _env(torch="2.99.0")),
-    "env.diffusers": lambda mp, root: mp.setattr(keys, "environment_factors", _env(diffusers="9.9.9")),
-    "env.transformers": lambda mp, root: mp.setattr(keys, "environment_factors", _env(transformers="9.9.9")),
-    "env.python": lambda mp, root: mp.setattr(keys, "environment_factors", _env(python="3.99")),
+    "env.torch": lambda mp, root: mp.setattr(context, "environment_factors", _env(torch="2.99.0")),
+    "env.diffusers": lambda mp, root: mp.setattr(context, "environment_factors", _env(diffusers="9.9.9")),
+    "env.transformers": lambda mp, root: mp.setattr(context, "environment_factors", _env(transformers="9.9.9")),
+    "env.python": lambda mp, root: mp.setattr(context, "environment_factors", _env(python="3.99")),
     "device.cpu_isa": _other_cpu_isa,
     "model.builtin_version": _other_builtin_version,
     "component.config": _other_config,
@@ -262,7 +263,7 @@ def test_relative_model_folder_is_found_next_to_the_recipe(models_dir, tmp_path,
 def test_a_miss_is_explained_by_the_nearest_entry_for_the_component():
     """Fewest differing factors wins, across recipes (a copied recipe finds its original's entries);
     on a tie the entry of the same recipe wins; an empty cache is named as such."""
-    from aotbuild.planner import explain_miss
+    from aotbuild.explain import explain_miss
     from tests import manifests
 
     here = manifests.factors(env={"torch": "2.13"})

@@ -14,8 +14,8 @@ from click.testing import CliRunner
 from aotbuild import constants
 from aotbuild import manifest as codec
 from aotbuild.cli import main
+from aotbuild.errors import ManifestError, StaleManifest
 from aotbuild.manage import gc, verify
-from aotbuild.manifest import ManifestError, StaleManifest
 from aotbuild.remote import parse_remote
 from aotbuild.store import Store
 from tests import manifests
@@ -24,7 +24,9 @@ from tests.conftest import REPO
 
 @pytest.fixture
 def store(tmp_path) -> Store:
-    return Store(tmp_path / "c")
+    from aotbuild.strategies import checked_store
+
+    return checked_store(tmp_path / "c")
 
 
 def good(store: Store, tmp_path, name: str = "good") -> str:
@@ -60,7 +62,7 @@ LYING_FIELDS = [  # (field path, value, what the reason names)
     ("embeds_weights", "no", "embeds_weights"),
     ("proof", {"load_s": 1.0, "compiles": "0", "max_abs_diff": 0, "tolerance": 1e-4, "instances": 1}, "proof"),
     ("packages", [{"path": "not-a-file.pt2", "signature": "s"}], "packages"),
-    ("packages", [{"path": "x.so", "signature": "s", "constants": {"w": 5}}], "constants"),
+    ("packages", [{"path": "x.so", "signature": "s", "instances": [3]}], "instances"),
     ("recipe", "", "recipe"),
     ("component", "vae", "differ from its factors"),
 ]
@@ -257,3 +259,29 @@ def test_verify_fix_says_what_remains_and_exits_1_for_an_unreadable_manifest(sto
     report = json.loads(out)
     assert code == 1 and [p["kind"] for p in report["remaining"]] == ["unreadable"]
     assert store.layout.manifest(key).exists()
+
+
+@pytest.mark.parametrize("strategy,record,named", [
+    ("aot-package", {"constants": {"w": 5}}, "constants"),
+    ("aot-package", {"baked": {"w": 5}}, "baked"),
+    ("aot-package", {"strides": 5}, "strides"),
+    ("aot-compile", {"floats": ["x"]}, "floats"),
+    ("aot-compile", {"grad": "yes"}, "grad"),
+    ("aot-compile", {"structure": 3}, "structure"),
+])
+def test_each_strategy_checks_its_own_records(store, tmp_path, strategy, record, named):
+    """The codec checks what every record holds; the rest is the strategy's (Strategy.check_records),
+    applied by a checked store: a malformed record is a miss with its reason for every reader."""
+    f = manifests.factors(target={"strategy": strategy})
+    src = tmp_path / "x.so"
+    src.write_bytes(b"kernel")
+    digest, size = store.put_blob(src)
+    m = manifests.manifest(f, [("x.so", digest, size)], packages=({"path": "x.so", "signature": "s", **record},))
+    manifests.write_raw(store, m.key, m.as_json())
+    assert codec.from_json(json.dumps(m.as_json()), m.key).packages  # the codec alone accepts it
+    entry, why = store.open_entry(m.key)
+    assert entry is None and why.startswith("manifest is malformed") and f"packages[].{named}" in why, why
+    assert list(store.iter_manifests()) == []
+    ok = manifests.manifest(f, [("x.so", digest, size)], packages=({"path": "x.so", "signature": "s"},))
+    manifests.write_raw(store, ok.key, ok.as_json())
+    assert store.open_entry(ok.key)[0] is not None

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 
-from aotbuild.planner import estimate, plan
+from aotbuild.explain import estimate
+from aotbuild.planner import plan
 from aotbuild.store import Store
 from tests import manifests as m
 from tests.conftest import run_cli

@@ -7,7 +7,7 @@ import textwrap
 import pytest
 
 from aotbuild.errors import RecipeError
-from aotbuild.recipe import load_recipe, parse_recipe
+from aotbuild.recipes import load_recipe, parse_recipe
 from tests.conftest import TINY_RECIPE, run_cli
 
 GOOD = """

@@ -8,7 +8,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from aotbuild.errors import RecipeError
-from aotbuild.recipe import SCHEMA, Recipe, load_recipe, parse_recipe
+from aotbuild.recipe import SCHEMA, Recipe
+from aotbuild.recipes import load_recipe, parse_recipe
 
 KEYS = [k for k in SCHEMA] + ["compile", "shapes", "model", "warmup", "nonsense", "ünïcode", ""]
 SUBKEYS = ["id", "revision", "dtype", "variant", "pipeline", "components", "scope", "fullgraph", "dynamic",

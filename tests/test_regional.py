@@ -172,7 +172,7 @@ def test_recorder_gives_an_instance_with_other_float_arguments_its_own_package()
 # ---------------------------------------------------------------------------------------------
 
 def _recipe(**compile_section):
-    from aotbuild.recipe import parse_recipe
+    from aotbuild.recipes import parse_recipe
 
     return parse_recipe({"model": "builtin:tiny-sd", "device": "cpu", "shapes": [{"height": 64, "width": 64}],
                          "compile": {"components": ["transformer"], **compile_section}}, "r.yaml")

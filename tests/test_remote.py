@@ -14,7 +14,7 @@ import pytest
 
 from aotbuild.errors import RemoteError, UsageError
 from aotbuild.planner import MISS, Job, parse_shard, shard_jobs
-from aotbuild.recipe import parse_recipe
+from aotbuild.recipes import parse_recipe
 from aotbuild.remote import FolderRemote, HubRemote, parse_remote
 from aotbuild.store import Store
 from tests import manifests

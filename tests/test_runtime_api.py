@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from aotbuild import UsageError, load_compiled
-from aotbuild.recipe import load_recipe, parse_recipe
+from aotbuild.recipes import load_recipe, parse_recipe
 from tests.conftest import TINY_RECIPE, run_cli
 
 

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
-from aotbuild.registry import Registry
-from aotbuild.strategies.base import BuildJob, Built, Planned, Strategy
+from pathlib import Path
 
-__all__ = ["BuildJob", "Built", "Planned", "Strategy", "get_strategy", "strategy_names"]
+from aotbuild.manifest import Manifest
+from aotbuild.registry import Registry
+from aotbuild.store import Store
+from aotbuild.strategies.base import BuildJob, Built, Planned, Resolved, Strategy
+
+__all__ = ["BuildJob", "Built", "Planned", "Resolved", "Strategy", "get_strategy", "strategy_names",
+           "records_problem", "checked_store"]
 
 _REGISTRY: Registry[Strategy] = Registry("strategy", {
     "jit-cache": ("aotbuild.strategies.jit_cache", "JitCache"),
@@ -14,3 +19,17 @@ _REGISTRY: Registry[Strategy] = Registry("strategy", {
 })
 strategy_names = _REGISTRY.names
 get_strategy = _REGISTRY.get
+
+
+def records_problem(manifest: Manifest) -> str:
+    """Why ``manifest``'s records are malformed for its strategy (``Strategy.check_records``), or "".
+    A strategy this aotbuild does not know has nothing to check: no recipe can name it, so no
+    reader uses its records."""
+    if manifest.strategy not in strategy_names():
+        return ""
+    return get_strategy(manifest.strategy).check_records(manifest.packages)
+
+
+def checked_store(root: Path | str) -> Store:
+    """The store at ``root``, every manifest it hands out checked by its strategy as well."""
+    return Store(Path(root), records=records_problem)

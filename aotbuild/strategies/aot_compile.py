@@ -33,16 +33,15 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from aotbuild.dispatch import RouteDeclined, install_dispatcher, signature
 from aotbuild.strategies import aoti
-from aotbuild.strategies.base import BuildJob, Built, Planned, Strategy, lazy_compile
+from aotbuild.strategies.base import BuildJob, Built, Planned, Resolved, Strategy, lazy_compile
 
 if TYPE_CHECKING:
-    from aotbuild.planner import Context
     from aotbuild.recipe import Recipe
     from aotbuild.store import Entry
     from aotbuild.targets.base import InstallResult, Target
@@ -205,6 +204,19 @@ class AotCompile(Strategy):
         return ([(f"{ARTIFACT_DIR}/{rel}", p) for rel, p in collect_tree(workdir / ARTIFACT_DIR)]
                 + [(f"{CACHE_DIR}/{rel}", p) for rel, p in target.collect(workdir)])
 
+    def check_records(self, records: tuple[Mapping[str, Any], ...]) -> str:
+        for record in records:
+            if not isinstance(record.get("structure", ""), str):
+                return "packages[].structure: not a digest"
+            floats = record.get("floats", [])
+            if not isinstance(floats, list):
+                return "packages[].floats: not a list"
+            if not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in floats):
+                return "packages[].floats: not a list of numbers"
+            if not isinstance(record.get("grad", False), bool):
+                return "packages[].grad: not true or false"
+        return ""
+
     def compile_counter(self, target: Target) -> tuple[str, Callable[[], int]]:
         from torch._dynamo.utils import counters
 
@@ -234,7 +246,7 @@ class AotCompile(Strategy):
                             f"shapes or attributes): it was built for another model")
         return ""
 
-    def install(self, ctx: Context, planned: list[Planned], policy: str) -> InstallResult | None:
+    def install(self, ctx: Resolved, planned: list[Planned], policy: str) -> InstallResult | None:
         import torch
 
         prefix = CACHE_DIR + "/"

@@ -11,16 +11,15 @@ that traced any Dynamo graph compiled something: that is the proof's counter.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from aotbuild.dispatch import install_dispatcher
 from aotbuild.strategies import aoti
-from aotbuild.strategies.base import BuildJob, Built, Planned, Strategy, lazy_compile
+from aotbuild.strategies.base import BuildJob, Built, Planned, Resolved, Strategy, lazy_compile
 
 if TYPE_CHECKING:
-    from aotbuild.planner import Context
     from aotbuild.recipe import Recipe
     from aotbuild.store import Entry
     from aotbuild.targets.base import InstallResult, Target
@@ -61,6 +60,25 @@ class AotPackage(Strategy):
         return ([(f"{aoti.PACKAGE_DIR}/{rel}", p) for rel, p in collect_tree(workdir / aoti.PACKAGE_DIR)]
                 + [(f"{aoti.PROBE_DIR}/{rel}", p) for rel, p in collect_tree(workdir / aoti.PROBE_DIR)])
 
+    def check_records(self, records: tuple[Mapping[str, Any], ...]) -> str:
+        for record in records:
+            for fqn, meta in _mapping(record.get("constants", {})).items():
+                if (not isinstance(meta, list) or len(meta) != 3 or not isinstance(meta[0], list)
+                        or not all(isinstance(d, int) and not isinstance(d, bool) for d in meta[0])
+                        or not isinstance(meta[1], str) or not isinstance(meta[2], str)):
+                    return f"packages[].constants[{fqn[:40]!r}]: not [shape, dtype, device]"
+            if not isinstance(record.get("constants", {}), dict):
+                return "packages[].constants: not an object"
+            baked = record.get("baked", {})
+            if not isinstance(baked, dict):
+                return "packages[].baked: not an object"
+            for fqn, digest in baked.items():
+                if not isinstance(digest, str):
+                    return f"packages[].baked[{fqn[:40]!r}]: not a digest"
+            if record.get("strides") is not None and not isinstance(record["strides"], list):
+                return "packages[].strides: not a list"
+        return ""
+
     def embeds_weights(self, records: tuple[dict[str, Any], ...]) -> bool:
         # Only if AOTInductor compiled a tensor's value into a package: see packages[].baked.
         return any(r.get("baked") for r in records)
@@ -80,7 +98,7 @@ class AotPackage(Strategy):
                             f"built for another model")
         return aoti.check_baked(module, component, entry.manifest.packages)
 
-    def install(self, ctx: Context, planned: list[Planned], policy: str) -> InstallResult | None:
+    def install(self, ctx: Resolved, planned: list[Planned], policy: str) -> InstallResult | None:
         # Only the loader's probe files go to Inductor's cache; the packages are loaded from the store.
         probe = aoti.PROBE_DIR + "/"
         files = [(rel[len(probe):], p) for pl in planned for e in pl.entries for rel, p in e.files
@@ -98,3 +116,7 @@ class AotPackage(Strategy):
                 fallback = lazy_compile(ctx, p.module) if policy == "compile" else None
                 install_dispatcher(p.module, p.component, routes.get("", {}), fallback, policy)
         return result
+
+
+def _mapping(value: Any) -> dict[str, Any]:
+    return value if isinstance(value, dict) else {}

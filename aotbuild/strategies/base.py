@@ -12,8 +12,11 @@ strategy's name:
    signatures it built plus the strategy's own records for the manifest (``Built``);
 3. ``collect``: after the job, the files that are the entry;
 4. ``check`` and ``install``: at load, whether a verified entry fits the live module, then put the
-   entries into the modules behind a dispatcher with the call policy (``Served``);
+   entries into the modules behind a dispatcher with the call policy (``InstallResult``);
 5. ``compile_counter``: what its proof counts as "a compile" in a serving process.
+
+What a strategy reads of a recipe resolved for this machine is the narrow :class:`Resolved`
+(recipe, target, device, dtype): ``aotbuild.context.Context`` is one, defined above this layer.
 
 Adding a strategy is one module with a ``Strategy`` subclass and one line in the registry
 (``aotbuild/strategies/__init__.py``); docs/architecture.md shows the steps.
@@ -21,16 +24,24 @@ Adding a strategy is one module with a ``Strategy`` subclass and one line in the
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from aotbuild.planner import Context
     from aotbuild.recipe import Recipe
     from aotbuild.store import Entry
     from aotbuild.targets.base import InstallResult, Target
+
+
+class Resolved(Protocol):
+    """What strategies and targets read of a recipe resolved for this machine."""
+
+    recipe: Recipe
+    target: Target
+    device: str
+    dtype: str
 
 
 @dataclass
@@ -38,7 +49,7 @@ class BuildJob:
     """What a strategy's ``build`` gets in the job's process: the pipeline, loaded and placed, and
     the component to compile at the job's shape."""
 
-    ctx: Context
+    ctx: Resolved
     pipe: Any
     component: str
     module: Any
@@ -113,6 +124,12 @@ class Strategy:
         """Whether the built artifacts (their manifest records) hold weight values (the manifest says so)."""
         return False
 
+    def check_records(self, records: tuple[Mapping[str, Any], ...]) -> str:
+        """Why the manifest's records (``packages``, already checked by the codec for what every record
+        holds: ``path``, ``signature``, ``instances``) are malformed for this strategy, or "". A store
+        applies it before handing an entry out, so a malformed record is a miss, never a crash."""
+        return ""
+
     def compile_counter(self, target: Target) -> tuple[str, Callable[[], int]]:
         """What the proof counts as a compile in a serving process, and a function returning that count
         so far (aotbuild/proof.py takes the difference over the proof's calls)."""
@@ -124,7 +141,7 @@ class Strategy:
         """Why a verified entry cannot serve the live ``module`` (then it is a miss with that reason), or ""."""
         return ""
 
-    def install(self, ctx: Context, planned: list[Planned], policy: str) -> InstallResult | None:
+    def install(self, ctx: Resolved, planned: list[Planned], policy: str) -> InstallResult | None:
         """Make each planned module serve its entries: files where the compiler reads them, a
         dispatcher in each module's ``forward`` that routes a built signature to its artifact and any
         other call by ``policy`` ("compile", "eager" or "error", dispatch.py). The install's figures,
@@ -132,7 +149,7 @@ class Strategy:
         raise NotImplementedError
 
 
-def lazy_compile(ctx: Context, module: Any, scope: str | None = None) -> Callable[..., Any]:
+def lazy_compile(ctx: Resolved, module: Any, scope: str | None = None) -> Callable[..., Any]:
     """A fallback that compiles the module's own forward on its first use, not at load (importing
     Dynamo alone costs ~0.7 s: an entry that serves every call never pays it).
 

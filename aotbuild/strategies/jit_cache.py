@@ -13,10 +13,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from aotbuild.dispatch import install_dispatcher
-from aotbuild.strategies.base import BuildJob, Built, Planned, Strategy
+from aotbuild.strategies.base import BuildJob, Built, Planned, Resolved, Strategy
 
 if TYPE_CHECKING:
-    from aotbuild.planner import Context
     from aotbuild.targets.base import InstallResult
 
 
@@ -31,7 +30,7 @@ class JitCache(Strategy):
         job.run_warmup()
         return Built(sorted(dispatcher.built))
 
-    def install(self, ctx: Context, planned: list[Planned], policy: str) -> InstallResult | None:
+    def install(self, ctx: Resolved, planned: list[Planned], policy: str) -> InstallResult | None:
         files = [f for p in planned for e in p.entries for f in e.files]
         result = ctx.target.install(files, ctx.device) if files else None
         for p in planned:

@@ -1,0 +1,151 @@
+"""A recipe resolved for this machine, and the one place a job's key factors are assembled.
+
+:class:`Context` is what every job of one recipe shares here: its ``Target`` and ``Strategy``
+objects, the device and dtype they resolve to, the model (a built-in, a folder or a Hub id, found
+but not loaded), the environment and the device fingerprint. :func:`job_factors` turns a context
+and one job (component, its class and architecture config, shape, pipeline class) into the factors
+its key hashes (vLLM's ``compute_env_and_config_hashes`` does the same for its cache); plan, build
+job, proof and ``load_compiled`` all call it, so they agree by construction:
+
+==================  ===================================================================================
+``format``          aotbuild's key/manifest format version
+``model``           pipeline class, weights variant, built-in model version (for ``builtin:`` ids)
+``component``       component name, class, architecture config (``config.json`` without paths or
+                    versions), dtype
+``target``          target name and ``strategy``
+``compile``         the target's exact compile settings (scope, mode, fullgraph, dynamic, options,
+                    backend) and what the strategy adds (``Strategy.compile_factors``)
+``shape``           height, width, batch_size (images per prompt)
+``warmup``          every warmup argument but the prompt text; prompts only as ``{"texts": N}`` (guidance
+                    and a list of prompts change the denoiser's batch)
+``env``             torch version and git build, diffusers, transformers, python major.minor
+``device``          the target's fingerprint: device kind and, for CPU Inductor, machine and vector
+                    ISA; for CUDA the compute capability, CUDA and Triton versions
+==================  ===================================================================================
+
+Never an absolute path, hostname, user, cwd, rank or device index: peers lose caches to exactly
+that. The factors are written into each manifest so a miss can be explained later (keys.py).
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from aotbuild import constants, models
+from aotbuild.recipe import Recipe, Shape
+from aotbuild.strategies import Strategy, get_strategy
+from aotbuild.targets import Target, get_target
+
+__all__ = ["Context", "environment_factors", "job_factors", "job_pipeline"]
+
+
+def environment_factors() -> dict[str, Any]:
+    import torch
+
+    return {
+        "torch": torch.__version__,
+        "torch_build": getattr(torch.version, "git_version", None),
+        "diffusers": _version("diffusers"),
+        "transformers": _version("transformers"),
+        "python": f"{sys.version_info.major}.{sys.version_info.minor}",
+    }
+
+
+def _version(dist: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return None
+
+
+@dataclass
+class Context:
+    """What the jobs of one recipe share (its target and strategy objects among them). ``problem`` says
+    why none of them can be keyed here."""
+
+    recipe: Recipe
+    target: Target
+    strategy: Strategy
+    device: str = ""
+    dtype: str = ""
+    model: models.ResolvedModel | None = None
+    environment: dict[str, Any] = field(default_factory=dict)
+    fingerprint: dict[str, Any] = field(default_factory=dict)
+    problem: str = ""
+
+    @classmethod
+    def create(cls, recipe: Recipe, cache_root: Path, *, resolve_model: bool = True) -> Context:
+        target = get_target(recipe.target)
+        ctx = cls(recipe, target, get_strategy(recipe.strategy))
+        available = target.availability(recipe.device)
+        if not available.ok:
+            ctx.problem = f"target unavailable: {available.reason}"
+            return ctx
+        ctx.device = recipe.device or target.default_device()
+        ctx.dtype = recipe.model.dtype or target.default_dtype
+        ctx.environment = environment_factors()
+        ctx.fingerprint = target.fingerprint(ctx.device)
+        if resolve_model:
+            try:
+                ctx.model = models.resolve_model(recipe, cache_root)
+            except models.ModelUnavailable as exc:
+                ctx.problem = f"model unavailable: {exc}"
+                return ctx
+            models.check_components(recipe, ctx.model)
+        return ctx
+
+    def factors(self, component: str, component_class: str, config: dict[str, Any], shape: Shape,
+                pipeline_class: str) -> dict[str, Any]:
+        return job_factors(self, component, component_class, config, shape, pipeline_class)
+
+    @property
+    def pipeline_class(self) -> str:
+        """The class ``from_pretrained`` will return (a key factor), known before loading."""
+        assert self.model is not None
+        named = self.recipe.model.pipeline
+        # AutoPipeline* classes return the model's own pipeline class (model_index.json's _class_name).
+        return named if named and not named.startswith("AutoPipeline") else self.model.pipeline_class
+
+
+def job_factors(ctx: Context, component: str, component_class: str, config: dict[str, Any], shape: Shape,
+                pipeline_class: str) -> dict[str, Any]:
+    """Every key factor of one job: from the recipe, its target and strategy, this machine, and the
+    component as loaded (class and architecture config) or as planned (from its ``config.json``)."""
+    recipe = ctx.recipe
+    return {
+        "format": constants.FORMAT_VERSION,
+        "model": {"pipeline": pipeline_class, "variant": recipe.model.variant,
+                  "builtin_version": builtin_version(recipe)},
+        "component": {"name": component, "class": component_class, "config": config, "dtype": ctx.dtype},
+        "target": {"name": recipe.target, "strategy": recipe.strategy},
+        "compile": {**ctx.target.compile_settings(recipe, ctx.device),
+                    **ctx.strategy.compile_factors(ctx.target, ctx.device)},
+        "shape": shape.as_dict(),
+        "warmup": recipe.warmup_factors(ctx.target.warmup_defaults),
+        "env": ctx.environment,
+        "device": ctx.fingerprint,
+    }
+
+
+def builtin_version(recipe: Recipe) -> int | None:
+    """Known from the id alone, so a caller that passes its own pipeline gets the same key."""
+    from aotbuild import builtin
+
+    return builtin.lookup(recipe.model.id).version if builtin.is_builtin(recipe.model.id) else None
+
+
+def job_pipeline(recipe: Recipe, cache_root: Path) -> tuple[Context, Any]:
+    """For a build job, a proof or a benchmark child: the recipe's context and its pipeline, loaded
+    (progress bar off) and placed on the recipe's device; RuntimeError when it cannot be."""
+    ctx = Context.create(recipe, cache_root)
+    if ctx.problem:
+        raise RuntimeError(ctx.problem)
+    assert ctx.model is not None
+    pipe = models.load_pipeline(recipe, ctx.model, ctx.dtype, quiet=True)
+    models.place_pipeline(pipe, recipe, ctx.device)
+    return ctx, pipe

@@ -1,0 +1,125 @@
+"""Recipes as users give them: files, folders of files, dicts, Recipe objects, validated in full.
+
+:func:`parse_recipe` is the one entry point for recipe data: the structural checks of
+aotbuild/recipe.py (keys, types, allowed values: target and strategy names from the registries),
+then the rules that need more than the data: a built-in model that exists, the cross-key rules, and
+what the recipe's target and strategy accept (``Target.validate``, ``Strategy.validate``, which
+include whether this torch can run the strategy). Every problem is a :class:`RecipeError` naming the
+file and the key. :func:`load_recipe` reads a file (aotbuild/recipe_file.py, bounded),
+:func:`resolve_recipes` turns what ``plan``, ``build`` and ``load_compiled`` accept into Recipes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from aotbuild import builtin
+from aotbuild.errors import RecipeError, UsageError
+from aotbuild.recipe import DATA_SOURCE, Recipe, check_structure_rules, describe_value, parse_structure
+from aotbuild.recipe_file import find_recipes, read_recipe_data
+from aotbuild.strategies import get_strategy, strategy_names
+from aotbuild.suggest import suggest
+from aotbuild.targets import get_target, target_names
+
+__all__ = ["parse_recipe", "load_recipe", "as_recipe", "recipe_from_spec", "load_recipes", "resolve_recipes",
+           "registry_choices", "Recipes", "find_recipes"]
+
+
+def registry_choices() -> dict[str, tuple[str, ...]]:
+    """The names a recipe's ``target:`` and ``strategy:`` may take: those registered."""
+    return {"target": target_names(), "strategy": strategy_names()}
+
+
+def parse_recipe(data: Any, source: str = DATA_SOURCE, name: str | None = None, *,
+                 folder: str | None = None) -> Recipe:
+    """Validate recipe data (a YAML file's structure, e.g. a plain dict) into a :class:`Recipe`.
+
+    Validated exactly like a file: every error is a :class:`RecipeError` naming the key. ``name``
+    defaults to the file's stem, or for data without a file to ``recipe-<12 hex>``, derived from
+    the content (the same data always gets the same name). ``folder``: where a relative
+    ``model.id`` folder is resolved (default: the file's folder; for data, the working directory)."""
+    recipe = parse_structure(data, source, name, folder=folder, choices=registry_choices())
+    _check_combinations(recipe)
+    return recipe
+
+
+def _check_combinations(recipe: Recipe) -> None:
+    """Rules that span keys, then what the target and the strategy accept."""
+    if builtin.is_builtin(recipe.model.id):
+        name = recipe.model.id[len(builtin.PREFIX):]
+        if name not in builtin.BUILTINS:
+            known = [builtin.PREFIX + n for n in sorted(builtin.BUILTINS)]
+            raise recipe.error("model.id", f"unknown built-in model {recipe.model.id!r}"
+                                           f"{suggest(recipe.model.id, known)} (known: {', '.join(known)})")
+        if recipe.model.revision:
+            raise recipe.error("model.revision", "a built-in model has no revisions (it is created locally): "
+                                                 "remove model.revision")
+    check_structure_rules(recipe)
+    target = get_target(recipe.target)
+    target.validate(recipe)
+    get_strategy(recipe.strategy).validate(recipe, target)
+
+
+def load_recipe(path: str | Path) -> Recipe:
+    """Read and validate one recipe file. Every problem is a :class:`RecipeError`."""
+    source = str(path)
+    return parse_recipe(read_recipe_data(source), source)
+
+
+def as_recipe(value: Any) -> Recipe:
+    """A :class:`Recipe` from a Recipe, a path to a recipe file, or recipe data (a mapping)."""
+    if isinstance(value, Recipe):
+        return value
+    if isinstance(value, Mapping):
+        return parse_recipe(dict(value))
+    if isinstance(value, (str, Path)):
+        return load_recipe(value)
+    raise RecipeError(DATA_SOURCE, None, f"expected a recipe file's path, a dict of recipe keys or a Recipe, got "
+                                         f"{describe_value(value)}")
+
+
+def recipe_from_spec(spec: Mapping[str, Any]) -> Recipe:
+    """The :class:`Recipe` that :func:`aotbuild.recipe.recipe_spec` wrote, validated again."""
+    return parse_recipe(spec["data"], spec["source"], spec["name"], folder=spec["folder"])
+
+
+def load_recipes(paths: list[str] | tuple[str, ...]) -> list[Recipe]:
+    files = find_recipes(paths)
+    if not files:
+        raise UsageError(f"no recipes (*.yaml) found in {', '.join(map(str, paths))}")
+    return _unique_names([load_recipe(p) for p in files])
+
+
+def _unique_names(recipes: list[Recipe]) -> list[Recipe]:
+    names: dict[str, str] = {}
+    for r in recipes:
+        if r.name in names:
+            raise UsageError(f"two recipes are named {r.name!r}: {names[r.name]} and {r.source}; rename one")
+        names[r.name] = r.source
+    return recipes
+
+
+#: What ``plan`` and ``build`` accept: recipe files or folders, recipe data (dicts), Recipe objects,
+#: one of them or a list of them.
+Recipes = str | Path | Recipe | Mapping[str, Any] | Sequence[str | Path | Recipe | Mapping[str, Any]]
+
+
+def resolve_recipes(recipes: Recipes) -> list[Recipe]:
+    """Recipe objects for ``recipes``: paths are read (folders searched), dicts validated
+    (:func:`parse_recipe`), Recipes taken as they are; names must differ."""
+    items = [recipes] if isinstance(recipes, (str, Path, Recipe, Mapping)) else list(recipes)
+    paths = [str(r) for r in items if isinstance(r, (str, Path))]
+    loaded = iter(load_recipes(paths) if paths else [])
+    out: list[Recipe] = []
+    for item in items:
+        if isinstance(item, Recipe):
+            out.append(item)
+        elif isinstance(item, Mapping):
+            out.append(parse_recipe(dict(item)))
+        elif isinstance(item, (str, Path)):
+            out.extend(loaded)  # every file found, once, where the first path stood
+        else:
+            as_recipe(item)  # raises, naming what was given
+    return _unique_names(out)
