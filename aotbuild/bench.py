@@ -17,12 +17,10 @@ the key factors) but never loads a pipeline: only the children do.
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -35,7 +33,6 @@ from aotbuild.errors import AotbuildError, UsageError
 
 MODES = ("eager", "cold", "warm")
 LABELS = {"eager": "eager (no compile)", "cold": "cold compile", "warm": "aotbuild warm load"}
-RESULT = "AOTBUILD-BENCH-RESULT "
 
 
 @dataclass(frozen=True)
@@ -319,37 +316,37 @@ def bench(recipe_path: str | Path | Any, cache: str | Path | None = None, *, sha
 
 
 def _run_child(mode: str, recipe: Any, index: int, root: Path, calls: int, workdir: Path) -> tuple[Run, dict]:
+    """One measured process (aotbuild/child.py's protocol), timed from before it starts."""
+    from aotbuild import child as protocol
     from aotbuild.recipe import recipe_spec
     from aotbuild.targets import get_target
 
     workdir.mkdir(parents=True)
-    spec = workdir / "recipe.json"  # the recipe's data: the child never re-reads the recipe file
-    spec.write_text(json.dumps(recipe_spec(recipe)))
-    env = dict(os.environ)
-    for name, value in get_target(recipe.target).capture_env(workdir).items():  # empty compiler caches
-        if value is None:
-            env.pop(name, None)
-        else:
-            env[name] = value
-    start = time.time()
-    proc = subprocess.run([sys.executable, "-m", "aotbuild.bench", "--child", mode, str(spec), str(index),
-                           str(root), str(calls), repr(start)], env=env, capture_output=True, text=True,
-                          errors="replace")
-    line = next((x for x in proc.stdout.splitlines() if x.startswith(RESULT)), None)
-    data = json.loads(line[len(RESULT):]) if line else {}
+    env = get_target(recipe.target).capture_env(workdir)  # empty compiler caches
+    # The recipe's data: the child never re-reads the recipe file.
+    spec = {"mode": mode, "recipe": recipe_spec(recipe), "index": index, "cache": str(root), "calls": calls,
+            "start": time.time()}
+    code, data = protocol.spawn("aotbuild.bench", spec, workdir / "bench.json", workdir / "bench.log", env=env)
     if "run" in data:  # measured, even if the process then failed on its way out
         return Run(**data["run"]), data["machine"]
-    last = next((x for x in reversed(proc.stderr.strip().splitlines()) if x.strip()), "no output")
-    why = data.get("error") or last.strip()
-    raise AotbuildError(f"bench: the {LABELS[mode]} process failed (exit {proc.returncode}): {why}")
+    raise AotbuildError(f"bench: the {LABELS[mode]} process failed (exit {code}): {data.get('error', 'no output')}")
 
 
-def child(mode: str, spec: str, index: int, cache: str, calls: int, start: float) -> dict[str, Any]:
-    """The measured process: load, (compile), first call, ``calls`` steady calls."""
+def child(spec: dict[str, Any]) -> dict[str, Any]:
+    """The measured process: load, (compile), first call, ``calls`` steady calls. An aotbuild error
+    goes back whole, on one line (a CacheMiss spans lines), for the parent to show."""
+    try:
+        return _measure(spec["mode"], spec["recipe"], spec["index"], spec["cache"], spec["calls"], spec["start"])
+    except AotbuildError as exc:
+        return {"error": " ".join(str(exc).split())}
+
+
+def _measure(mode: str, recipe_data: dict[str, Any], index: int, cache: str, calls: int,
+             start: float) -> dict[str, Any]:
     from aotbuild import models
     from aotbuild.recipes import recipe_from_spec
 
-    recipe = recipe_from_spec(json.loads(Path(spec).read_text()))
+    recipe = recipe_from_spec(recipe_data)
     shape = recipe.shapes[index]
     recipe = replace(recipe, shapes=(shape,))
     from aotbuild.context import Context
@@ -407,17 +404,7 @@ def _cpu_model() -> str:
     return platform.processor()
 
 
-def _child_main(argv: list[str]) -> int:
-    mode, spec, index, cache, calls, start = argv
-    try:
-        result = child(mode, spec, int(index), cache, int(calls), float(start))
-    except AotbuildError as exc:  # the whole message (a CacheMiss spans lines) goes back to the parent
-        print(RESULT + json.dumps({"error": " ".join(str(exc).split())}), flush=True)
-        return 1
-    print(RESULT + json.dumps(result), flush=True)
-    return 0
+if __name__ == "__main__":  # a measured process: python -m aotbuild.bench SPEC.json
+    from aotbuild import child as protocol
 
-
-if __name__ == "__main__":
-    if sys.argv[1:2] == ["--child"]:
-        sys.exit(_child_main(sys.argv[2:8]))
+    sys.exit(protocol.main(sys.argv[1:], child))

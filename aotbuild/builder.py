@@ -8,10 +8,6 @@ reported with the end of its log (kept under ``<cache>/logs``) and never stored;
 from __future__ import annotations
 
 import contextlib
-import json
-import os
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -20,7 +16,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from aotbuild import constants
+from aotbuild import child, constants
+from aotbuild.child import Tick
 from aotbuild.errors import ProofFailed, StoreError
 from aotbuild.journal import entry_writer
 from aotbuild.layout import format_size, resolve_cache_root, resolve_max_size
@@ -30,8 +27,7 @@ from aotbuild.planner import HIT, MISS, UNAVAILABLE, Job, plan, shard_jobs
 from aotbuild.recipe import recipe_spec, recipe_to_dict
 from aotbuild.recipes import Recipes
 from aotbuild.store import Store
-from aotbuild.strategies import checked_store, get_strategy
-from aotbuild.targets import get_target
+from aotbuild.strategies import checked_store
 
 if TYPE_CHECKING:
     from aotbuild.manage import GcReport
@@ -145,7 +141,7 @@ def build(recipes: Recipes, cache: str | Path | None = None, *,
     return report
 
 
-def _build_once(store: Store, job: Job, tick: Callable[[float, str], None] | None, limit: int | None) -> JobResult:
+def _build_once(store: Store, job: Job, tick: Tick | None, limit: int | None) -> JobResult:
     """Build ``job`` under its per-key lock: a second builder of the same job (another CI shard,
     another terminal) waits for the first, showing that it waits, then finds the entry cached."""
     assert job.key is not None
@@ -174,10 +170,9 @@ def _entry_size(store: Store, key: str | None) -> int:
     return manifest.size if manifest else 0
 
 
-def _build_one(store: Store, job: Job, tick: Callable[[float, str], None] | None = None,
-               limit: int | None = None) -> JobResult:
-    assert job.key is not None and job.factors is not None
-    target = get_target(job.recipe.target)
+def _build_one(store: Store, job: Job, tick: Tick | None = None, limit: int | None = None) -> JobResult:
+    assert job.key is not None and job.factors is not None and job.ctx is not None
+    target = job.ctx.target
     started = time.perf_counter()
     log_path = store.layout.job_log(job.key)
     try:
@@ -185,25 +180,24 @@ def _build_one(store: Store, job: Job, tick: Callable[[float, str], None] | None
         staging = Path(tempfile.mkdtemp(prefix=f"job-{job.key[:12]}.", dir=store.layout.tmp))
     except OSError as exc:  # a full disk or a read-only store: this job cannot even start
         return JobResult(job, FAILED, 0.0, reason=f"cannot create the job's folder in {store.layout.tmp}: {exc}")
+    phase = staging / "phase"
     try:
         # Held while the job runs: `aotbuild verify` leaves a staging folder alone while it is locked.
         with flocked(staging / ".lock", exclusive=True, timeout=0):
             spec = {"recipe": recipe_spec(job.recipe), "component": job.component,
                     "shape": job.shape.as_dict(), "cache_root": str(store.root), "key": job.key,
-                    "factors": job.factors, "result": str(staging / "result.json")}
-            (staging / "job.json").write_text(json.dumps(spec))
-            code = _run_child("aotbuild.worker", staging / "job.json", _child_env(target.capture_env(staging)),
-                              staging / "worker.log", staging, tick, started)
+                    "factors": job.factors, "workdir": str(staging)}
+            code, result = child.spawn("aotbuild.worker", spec, staging / "job.json", staging / "worker.log",
+                                       env=target.capture_env(staging), phase_file=phase, tick=tick,
+                                       started=started, name="worker")
             seconds = time.perf_counter() - started
-            result = _read_result(staging / "result.json")
             if code != 0 or "error" in result:
-                reason = result.get("error") or f"worker exited with {code}{_tail(staging / 'worker.log')}"
                 _keep_log(staging / "worker.log", log_path)
-                return JobResult(job, FAILED, seconds, reason=f"{_one_line(reason)} (log: {log_path})")
-            files = get_strategy(job.recipe.strategy).collect(target, staging)
+                return JobResult(job, FAILED, seconds, reason=f"{_one_line(result['error'])} (log: {log_path})")
+            files = job.ctx.strategy.collect(target, staging)
             if not files:
                 return JobResult(job, FAILED, seconds, reason="the job compiled nothing: no artifact to store")
-            (staging / "phase").write_text("proving: a fresh process serves the entry")
+            phase.write_text("proving: a fresh process serves the entry")
             try:
                 t_proof = time.perf_counter()
                 proof = _prove(job, files, result, seconds, staging, store.root, tick, started)
@@ -220,43 +214,17 @@ def _build_one(store: Store, job: Job, tick: Callable[[float, str], None] | None
         store.clean_staging(staging)
 
 
-def _child_env(extra: dict[str, str | None]) -> dict[str, str]:
-    env = {**os.environ, **extra, "PYTHONUNBUFFERED": "1"}
-    for name in os.environ.get(constants.ENV_QUIETED, "").split(","):  # the log keeps every warning
-        if name.endswith("_VERBOSITY"):
-            env.pop(name, None)
-    return {k: v for k, v in env.items() if v is not None}
-
-
-def _run_child(module: str, spec: Path, env: dict[str, str], log_path: Path, staging: Path,
-               tick: Callable[[float, str], None] | None, started: float, cwd: Path | None = None) -> int:
-    """``python -m MODULE SPEC`` with its output in ``log_path``; ticks while it runs; its exit code."""
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", module, str(spec)], env=env, stdout=log,
-                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=cwd)
-        try:
-            while proc.poll() is None:
-                if tick:
-                    tick(time.perf_counter() - started, _read_phase(staging))
-                time.sleep(0.5)
-        except BaseException:  # Ctrl-C: stop the job, keep nothing
-            proc.kill()
-            proc.wait()
-            raise
-    return proc.returncode
-
-
 def _one_line(reason: str) -> str:
     reason = " ".join(reason.split())  # one line in the table, whatever the exception said
     return reason[:300] + " ..." if len(reason) > 300 else reason  # the log has it all
 
 
 def _prove(job: Job, files: list[tuple[str, Path]], result: dict[str, Any], seconds: float, staging: Path,
-           cache_root: Path, tick: Callable[[float, str], None] | None, started: float) -> Proof:
+           cache_root: Path, tick: Tick | None, started: float) -> Proof:
     """Serve the job's files from a throwaway store in a fresh process (aotbuild/proof.py)."""
     from aotbuild.proof import verdict
 
-    assert job.key is not None
+    assert job.key is not None and job.ctx is not None
     folder = staging / "proof"
     cwd = folder / "cwd"
     cwd.mkdir(parents=True)
@@ -264,31 +232,24 @@ def _prove(job: Job, files: list[tuple[str, Path]], result: dict[str, Any], seco
     records = [FileRecord(rel, *trial.put_blob(path)) for rel, path in files]
     trial.put_manifest(make_manifest(job, records, result, seconds))
     spec = {"recipe": recipe_spec(job.recipe), "component": job.component,
-            "shape": job.shape.as_dict(), "cache_root": str(cache_root), "store": str(trial.root),
-            "result": str(folder / "result.json")}
-    (folder / "proof.json").write_text(json.dumps(spec))
-    target = get_target(job.recipe.target)
+            "shape": job.shape.as_dict(), "cache_root": str(cache_root), "store": str(trial.root)}
     # Every compiler cache empty, no aotbuild cache from the environment, another directory: the
     # process can only use what the entry holds.
-    env = _child_env({**target.capture_env(folder / "caches"), constants.ENV_CACHE: None})
-    code = _run_child("aotbuild.proof", folder / "proof.json", env, folder / "proof.log", staging, tick, started,
-                      cwd=cwd)
-    outcome = _read_result(folder / "result.json")
-    if code != 0 and "error" not in outcome:
-        outcome = {"error": f"exited with {code}{_tail(folder / 'proof.log')}"}
+    env = {**job.ctx.target.capture_env(folder / "caches"), constants.ENV_CACHE: None}
+    _, outcome = child.spawn("aotbuild.proof", spec, folder / "proof.json", folder / "proof.log", env=env, cwd=cwd,
+                             phase_file=staging / "phase", tick=tick, started=started)
     return verdict(outcome, job.label)
 
 
 def make_manifest(job: Job, records: list[FileRecord], result: dict[str, Any], seconds: float,
                   proof: Proof | None = None) -> Manifest:
-    assert job.key is not None and job.factors is not None
+    assert job.key is not None and job.factors is not None and job.ctx is not None
     packages = tuple(result.get("packages", ()))
     return Manifest(
         format=job.factors["format"], key=job.key, recipe=job.recipe.name, component=job.component,
         shape=job.shape.as_dict(), target=job.recipe.target, strategy=job.recipe.strategy,
         factors=job.factors, files=tuple(records), signatures=tuple(result["signatures"]),
-        embeds_weights=get_target(job.recipe.target).embeds_weights
-        or get_strategy(job.recipe.strategy).embeds_weights(packages),
+        embeds_weights=job.ctx.strategy.embeds_weights(packages),
         packages=packages,
         build={"created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                "seconds": round(seconds, 3), "aotbuild": constants.VERSION,
@@ -323,34 +284,11 @@ def store_job(store: Store, job: Job, files: list[tuple[str, Path]], result: dic
     return JobResult(job, BUILT, seconds, size=manifest.size, details=result)
 
 
-def _ticker(progress: Progress, n: int, total: int, job: Job) -> Callable[[float, str], None]:
+def _ticker(progress: Progress, n: int, total: int, job: Job) -> Tick:
     def tick(seconds: float, phase: str) -> None:
         progress("tick", n, total, job, JobResult(job, phase or "starting", seconds))
 
     return tick
-
-
-def _read_phase(staging: Path) -> str:
-    try:
-        return (staging / "phase").read_text().strip()
-    except OSError:
-        return ""
-
-
-def _read_result(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text())
-        return data if isinstance(data, dict) else {}
-    except (OSError, ValueError):
-        return {}
-
-
-def _tail(log: Path, lines: int = 3) -> str:
-    try:
-        text = log.read_text(errors="replace").strip().splitlines()[-lines:]
-    except OSError:
-        return ""
-    return (": " + " | ".join(t.strip() for t in text)) if text else ""
 
 
 def _keep_log(source: Path, dest: Path) -> None:

@@ -64,26 +64,22 @@ def check_toolchain(target_name: str, device: str) -> Check:
     return Check("toolchain", ok=found.ok, detail=found.detail, fix=found.fix, data=dict(found.data))
 
 
-def check_caches(cache_root: Path) -> Check:
-    import torch._functorch.config as functorch_config
-    import torch._inductor.config as inductor_config
+def check_caches(target_name: str, cache_root: Path) -> Check:
+    """The target's own word on its compiler caches (``Target.check_caches``), then whether its cache
+    folder and the aotbuild cache can be written."""
+    from aotbuild.targets import get_target
 
-    from aotbuild.targets.inductor import active_cache_dir
-
-    off = [name for name, on in (("FX graph cache (TORCHINDUCTOR_FX_GRAPH_CACHE)", inductor_config.fx_graph_cache),
-                                 ("AOTAutograd cache (TORCHINDUCTOR_AUTOGRAD_CACHE)",
-                                  functorch_config.enable_autograd_cache)) if not on]
-    if off:
-        return _failed("caches", f"{' and '.join(off)} off in this process: installed entries would not be used",
-                       "unset the variable or set it to 1")
-    for label, folder in (("Inductor cache folder", Path(active_cache_dir())), ("aotbuild cache", cache_root)):
+    found = get_target(target_name).check_caches()
+    if not found.ok:
+        return _failed("caches", found.detail, found.fix)
+    compiler = Path(found.data["folder"])
+    for label, folder in ((found.data["label"], compiler), ("aotbuild cache", cache_root)):
         problem = _writable(folder)
         if problem:
             return _failed("caches", f"the {label} {folder} is not writable: {problem}",
-                           "fix its permissions, or point it elsewhere (TORCHINDUCTOR_CACHE_DIR; --cache or "
-                           "AOTBUILD_CACHE)")
-    return Check("caches", detail=f"FX graph and AOTAutograd caches on; {active_cache_dir()} and {cache_root} "
-                                  f"writable")
+                           f"fix its permissions, or point it elsewhere ({found.data['variable']}; --cache or "
+                           f"AOTBUILD_CACHE)")
+    return Check("caches", detail=f"{found.detail}; {compiler} and {cache_root} writable")
 
 
 def _writable(folder: Path) -> str:
@@ -199,7 +195,7 @@ def doctor(target: str = "inductor", device: str | None = None, cache: str | Pat
     t = get_target(target)
     device = device or (t.default_device() if t.availability().ok else "cpu")
     root = resolve_cache_root(cache)
-    checks = [check_toolchain(target, device), check_caches(root), check_disk(root), check_store(root, deep),
+    checks = [check_toolchain(target, device), check_caches(target, root), check_disk(root), check_store(root, deep),
               check_remote(remote or os.environ.get(constants.ENV_REMOTE))]
     if not roundtrip:
         checks.append(_skipped("roundtrip", "--no-roundtrip"))

@@ -6,7 +6,7 @@ behind ``aotbuild plan`` and the first half of ``aotbuild build``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +37,8 @@ class Job:
     estimated_size: int | None = None
     #: why the store could not hand the entry out (a kind, for callers); None for a hit or no key
     unusable: Unusable | None = None
+    #: the recipe resolved for this machine (its target and strategy): what builds the job
+    ctx: Context | None = field(default=None, compare=False, repr=False)
 
     @property
     def label(self) -> str:
@@ -65,7 +67,7 @@ def jobs_for(ctx: Context, store: Store) -> list[Job]:
                 problem = f"model unavailable: {exc}"
         for shape in recipe.shapes:
             if problem or config is None:
-                jobs.append(Job(recipe, component, shape, None, None, UNAVAILABLE, problem))
+                jobs.append(Job(recipe, component, shape, None, None, UNAVAILABLE, problem, ctx=ctx))
                 continue
             factors = ctx.factors(component, config[0], config[1], shape, ctx.pipeline_class)
             key = keys.key_of(factors)
@@ -79,7 +81,7 @@ def jobs_for(ctx: Context, store: Store) -> list[Job]:
                 assert manifests is not None
                 reason = explain_miss(manifests, recipe.name, component, factors, store.root)
             jobs.append(Job(recipe, component, shape, key, factors, HIT if ok else MISS, reason,
-                            *(cost or (None, None)), unusable=why.kind))
+                            *(cost or (None, None)), unusable=why.kind, ctx=ctx))
     return jobs
 
 

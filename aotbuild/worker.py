@@ -8,22 +8,16 @@ counters) is written as JSON to the path the job file names.
 
 from __future__ import annotations
 
-import json
 import sys
 import time
-import traceback
-from collections.abc import Callable
 from pathlib import Path
 
-
-def _phase(job: dict, text: str) -> None:
-    """Tell the parent what the job is doing (it shows it next to the elapsed time)."""
-    Path(job["result"]).with_name("phase").write_text(text)
+from aotbuild import child
 
 
 def run(job: dict) -> dict:
     t0 = time.perf_counter()
-    _phase(job, "loading the pipeline")
+    child.phase(job, "loading the pipeline")
     from aotbuild import keys, models
     from aotbuild.context import job_pipeline
     from aotbuild.recipe import Shape
@@ -43,13 +37,13 @@ def run(job: dict) -> dict:
         diff = "; ".join(keys.differences(job["factors"], factors)) or "unknown"
         raise RuntimeError(f"the loaded model gives another key than the plan ({diff})")
     t_load = time.perf_counter()
-    _phase(job, "compiling and warming up")
+    child.phase(job, "compiling and warming up")
     warmup = models.warmup_kwargs(recipe, shape, defaults=ctx.target.warmup_defaults)
     batches: list[int] = []
     watch = module.register_forward_pre_hook(lambda _, args, kwargs: batches.append(_batch_of(args, kwargs)),
                                              with_kwargs=True)
-    job_spec = BuildJob(ctx, pipe, component, module, warmup, Path(job["result"]).parent,
-                        phase=lambda text: _phase(job, text))
+    job_spec = BuildJob(ctx, pipe, component, module, warmup, Path(job["workdir"]),
+                        phase=lambda text: child.phase(job, text))
     built = ctx.strategy.build(job_spec)
     t_warm = time.perf_counter()
     watch.remove()
@@ -99,21 +93,8 @@ def _check_batch(pipe, recipe, component: str, shape, warmup: dict, batches: lis
                            f"record; set it in the shape (batch_size) or leave it out of the warmup")
 
 
-def child_main(argv: list[str], fn: Callable[[dict], dict]) -> int:
-    """A child process of the builder (a job, a proof): read the spec file, run, write the result
-    (or ``{"error": ...}``, which the parent reports) where the spec says."""
-    spec = json.loads(Path(argv[0]).read_text())
-    try:
-        result = fn(spec)
-    except BaseException as exc:  # the parent reads the reason from the result file
-        traceback.print_exc()
-        result = {"error": f"{type(exc).__name__}: {exc}".strip()}
-    Path(spec["result"]).write_text(json.dumps(result))
-    return 1 if "error" in result else 0
-
-
 def main(argv: list[str]) -> int:
-    return child_main(argv, run)
+    return child.main(argv, run)
 
 
 if __name__ == "__main__":

@@ -195,16 +195,18 @@ def test_standin_target_builds_what_is_missing_then_measures_all_three(tmp_path)
     assert sorted((j["shape"]["height"], j["status"]) for j in plan["jobs"]) == [(32, "hit"), (64, "miss")]
 
 
-def test_a_failing_child_sends_its_whole_error_back(monkeypatch, capsys):
-    """A CacheMiss spans lines: the child sends it whole, on its result line, for the parent to show."""
+def test_a_failing_child_sends_its_whole_error_back(monkeypatch, tmp_path):
+    """A CacheMiss spans lines: the child sends it whole, on one line of its result, for the parent to show."""
+    from aotbuild import child as protocol
     from aotbuild.errors import CacheMiss
 
     def miss(*args):
         raise CacheMiss("aotbuild: tiny: 0 hit, 1 miss\n  MISS unet 64x64 ab12  not built: shape.height\n  next: build")
 
-    monkeypatch.setattr(bench, "child", miss)
-    assert bench._child_main(["warm", "r.yaml", "0", "/c", "1", "0.0"]) == 1
-    line = capsys.readouterr().out.strip()
-    assert line.startswith(bench.RESULT)
-    assert json.loads(line[len(bench.RESULT):]) == {
+    monkeypatch.setattr(bench, "_measure", miss)
+    spec = tmp_path / "bench.json"
+    spec.write_text(json.dumps({"mode": "warm", "recipe": {}, "index": 0, "cache": "/c", "calls": 1, "start": 0.0,
+                                "result": str(tmp_path / "result.json")}))
+    assert protocol.main([str(spec)], bench.child) == 1
+    assert protocol.read_result(tmp_path / "result.json") == {
         "error": "aotbuild: tiny: 0 hit, 1 miss MISS unet 64x64 ab12 not built: shape.height next: build"}

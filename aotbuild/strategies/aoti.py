@@ -36,9 +36,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
-import subprocess
 import sys
 import tempfile
 from collections.abc import Callable
@@ -366,14 +364,25 @@ def _relaid(call: tuple[tuple[Any, ...], dict[str, Any]],
 
 
 def _probe(package: Path, probe_cache: Path) -> list[str]:
-    """Load the package in a fresh process with an empty Inductor cache; return its constant names."""
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(probe_cache)}
-    proc = subprocess.run([sys.executable, "-m", "aotbuild.strategies.aoti", str(package)], env=env,
-                          capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"the package {package.name} does not load in a fresh process: "
-                           f"{proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else proc.returncode}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    """Load the package in a fresh process (aotbuild/child.py) with an empty Inductor cache; return its
+    constant names."""
+    from aotbuild import child
+    from aotbuild.constants import ENV_INDUCTOR_CACHE
+
+    folder = package.parent.parent / "probes" / package.stem  # beside aoti/ and inductor/: not collected
+    _, result = child.spawn("aotbuild.strategies.aoti", {"package": str(package)}, folder / "probe.json",
+                            folder / "probe.log", env={ENV_INDUCTOR_CACHE: str(probe_cache)})
+    if "error" in result:
+        raise RuntimeError(f"the package {package.name} does not load in a fresh process: {result['error']}")
+    return list(result["constants"])
+
+
+def probe_load(spec: dict[str, Any]) -> dict[str, Any]:
+    """In the probe process: load the package, list the constants it wants."""
+    import torch
+
+    loaded = torch._inductor.aoti_load_package(spec["package"])
+    return {"constants": list(loaded.get_constant_fqns())}
 
 
 def _lookup(module: Any, fqn: str) -> Any:
@@ -525,8 +534,7 @@ def _stride_guard(runner: PackageRunner) -> Callable[..., Any]:
     return run
 
 
-if __name__ == "__main__":  # the load probe: python -m aotbuild.strategies.aoti PACKAGE
-    import torch
+if __name__ == "__main__":  # the load probe: python -m aotbuild.strategies.aoti SPEC.json
+    from aotbuild import child
 
-    loaded = torch._inductor.aoti_load_package(sys.argv[1])
-    print(json.dumps(list(loaded.get_constant_fqns())))
+    sys.exit(child.main(sys.argv[1:], probe_load))

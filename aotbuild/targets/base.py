@@ -49,7 +49,8 @@ class Target:
     default_dtype: str = "float32"
     #: aotbuild builds one graph per declared shape; a target that needs static shapes rejects dynamic.
     static_shapes: bool = True
-    #: True when artifacts embed the weights: then the weights' identity becomes a key factor.
+    #: True when the compiler embeds weight values in its artifacts. The weights' identity is not a key
+    #: factor yet, so such a target is refused when a recipe is read (validate), never served wrong.
     embeds_weights: bool = False
 
     #: warmup arguments a recipe gets unless it sets them (part of the key, like the recipe's own)
@@ -73,8 +74,17 @@ class Target:
         return ToolchainCheck(True, ", ".join(f"{k} {v}" for k, v in versions.items()) or "available",
                               data={"versions": versions})
 
+    def check_caches(self) -> ToolchainCheck:
+        """For ``aotbuild doctor``: whether this process's compiler caches would use installed entries;
+        ``data["folder"]`` is the folder they live in (doctor checks it is writable), ``data["label"]``
+        names it."""
+        raise NotImplementedError
+
     def validate(self, recipe: Recipe) -> None:
         """Raise ``recipe.error(...)`` for settings this target cannot honour (the strategy checks its own)."""
+        if self.embeds_weights:
+            raise recipe.error("target", f"target {self.name}'s artifacts embed weight values, and aotbuild does "
+                                         "not key weights yet: it cannot serve this target safely")
         if self.static_shapes and recipe.compile.dynamic:
             raise recipe.error("compile.dynamic", f"target {self.name} needs static shapes: set dynamic: false")
         if recipe.device is not None:

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from aotbuild.blocks import blocks_setting, compile_regional
 from aotbuild.layout import safe_relpath
-from aotbuild.targets.base import Availability, InstallResult, Target, raise_recompile_limit
+from aotbuild.targets.base import Availability, InstallResult, Target, ToolchainCheck, raise_recompile_limit
 from aotbuild.trees import collect_tree, lay_tree
 
 if TYPE_CHECKING:
@@ -126,6 +126,13 @@ class FolderCacheTarget(Target):
             compile_regional(module, recipe, kwargs)
             return module.forward
         return torch.compile(module.forward, **kwargs)
+
+    def check_caches(self) -> ToolchainCheck:
+        folder = os.environ.get(self.cache_env)
+        detail = f"{self.cache_env}={folder}" if folder else f"{self.cache_env} unset: a fresh folder per process"
+        return ToolchainCheck(True, detail, data={"folder": folder or tempfile.gettempdir(),
+                                                  "label": f"{self.name} compiler cache folder",
+                                                  "variable": self.cache_env})
 
     def capture_env(self, workdir: Path) -> dict[str, str | None]:
         env: dict[str, str | None] = {self.cache_env: str(workdir / "compiler-cache")}

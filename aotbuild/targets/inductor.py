@@ -204,6 +204,20 @@ class InductorTarget(Target):
         return ("FX graph cache misses + kernels built here",
                 lambda: int(counters["inductor"]["fxgraph_cache_miss"]) + kernels_built_here())
 
+    def check_caches(self) -> ToolchainCheck:
+        import torch._functorch.config as functorch_config
+        import torch._inductor.config as inductor_config
+
+        off = [name for name, on in (("FX graph cache (TORCHINDUCTOR_FX_GRAPH_CACHE)", inductor_config.fx_graph_cache),
+                                     ("AOTAutograd cache (TORCHINDUCTOR_AUTOGRAD_CACHE)",
+                                      functorch_config.enable_autograd_cache)) if not on]
+        if off:
+            return ToolchainCheck(False, f"{' and '.join(off)} off in this process: installed entries would not be "
+                                         "used", "unset the variable or set it to 1")
+        return ToolchainCheck(True, "FX graph and AOTAutograd caches on",
+                              data={"folder": active_cache_dir(), "label": "Inductor cache folder",
+                                    "variable": constants.ENV_INDUCTOR_CACHE})
+
     def install_blocker(self) -> str:
         import torch._inductor.config as inductor_config
 

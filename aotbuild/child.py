@@ -1,0 +1,118 @@
+"""One protocol for every Python child process aotbuild starts: build jobs (aotbuild/worker.py), proofs
+(aotbuild/proof.py), benchmark runs (aotbuild/bench.py) and the aot-package load probe.
+
+Parent side, :func:`spawn`: the child's spec (JSON data, never a pickle) is written to a file; the
+child runs as ``python -m MODULE SPEC``, in the environment and working directory the parent
+chose, its output going to a log file; the parent polls it, showing what the child says it is
+doing (:func:`phase`) next to the elapsed time, and kills it if the parent is interrupted. The
+result is the JSON the child wrote where ``spec["result"]`` says, or ``{"error": ...}`` with the
+end of the log when it wrote none.
+
+Child side, :func:`main`: read the spec, run one function on it, write what it returns (or
+``{"error": "Type: message"}`` when it raised, the traceback going to the log) as the result, and
+exit 1 on an error.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from aotbuild import constants
+
+#: tick(seconds since ``started``, the child's phase): called about twice a second while it runs.
+Tick = Callable[[float, str], None]
+
+
+def environment(extra: Mapping[str, str | None]) -> dict[str, str]:
+    """This process's environment with ``extra`` applied (None removes a variable); the library
+    verbosity that the CLI quieted for itself is given back (a child's log is for a human chasing a
+    failure)."""
+    env = {**os.environ, **extra, "PYTHONUNBUFFERED": "1"}
+    for name in os.environ.get(constants.ENV_QUIETED, "").split(","):
+        if name.endswith("_VERBOSITY"):
+            env.pop(name, None)
+    return {k: v for k, v in env.items() if v is not None}
+
+
+def spawn(module: str, spec: dict[str, Any], spec_path: Path, log: Path, *,
+          env: Mapping[str, str | None] | None = None, cwd: Path | None = None, phase_file: Path | None = None,
+          tick: Tick | None = None, started: float | None = None, name: str = "") -> tuple[int, dict[str, Any]]:
+    """Run ``python -m module spec_path`` to completion: (exit code, result).
+
+    ``spec["result"]`` (default: ``result.json`` beside the spec) is where the child writes its
+    result; ``phase_file`` (also given to the child as ``spec["phase"]``) is what ``tick`` shows;
+    ``name`` names the child in the error of one that wrote no result ("worker exited with 1: ...")."""
+    spec = dict(spec)
+    spec.setdefault("result", str(spec_path.with_name("result.json")))
+    if phase_file is not None:
+        spec.setdefault("phase", str(phase_file))
+    spec_path.parent.mkdir(parents=True, exist_ok=True)
+    spec_path.write_text(json.dumps(spec))
+    result_path = Path(spec["result"])
+    started = time.perf_counter() if started is None else started
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", module, str(spec_path)], env=environment(env or {}),
+                                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=cwd)
+        try:
+            while proc.poll() is None:
+                if tick:
+                    tick(time.perf_counter() - started, read_phase(phase_file))
+                time.sleep(0.5)
+        except BaseException:  # Ctrl-C: stop the child, keep nothing
+            proc.kill()
+            proc.wait()
+            raise
+    result = read_result(result_path)
+    if proc.returncode != 0 and "error" not in result:
+        result = {"error": f"{name} exited with {proc.returncode}{tail(log)}".strip()}
+    return proc.returncode, result
+
+
+def main(argv: list[str], fn: Callable[[dict[str, Any]], dict[str, Any]]) -> int:
+    """The child: read the spec file ``argv[0]``, run ``fn`` on it, write the result where it says."""
+    spec = json.loads(Path(argv[0]).read_text())
+    try:
+        result = fn(spec)
+    except BaseException as exc:  # the parent reads the reason from the result file
+        traceback.print_exc()
+        result = {"error": f"{type(exc).__name__}: {exc}".strip()}
+    Path(spec["result"]).write_text(json.dumps(result))
+    return 1 if "error" in result else 0
+
+
+def phase(spec: Mapping[str, Any], text: str) -> None:
+    """In the child: tell the parent what it is doing (shown next to the elapsed time)."""
+    if spec.get("phase"):
+        Path(spec["phase"]).write_text(text)
+
+
+def read_phase(path: Path | None) -> str:
+    try:
+        return path.read_text().strip() if path is not None else ""
+    except OSError:
+        return ""
+
+
+def read_result(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def tail(log: Path, lines: int = 3) -> str:
+    """``": last | lines | of the log"``, or "" when there is none."""
+    try:
+        text = log.read_text(errors="replace").strip().splitlines()[-lines:]
+    except OSError:
+        return ""
+    return (": " + " | ".join(t.strip() for t in text)) if text else ""
