@@ -11,6 +11,13 @@ end of the log when it wrote none.
 Child side, :func:`main`: read the spec, run one function on it, write what it returns (or
 ``{"error": "Type: message"}`` when it raised, the traceback going to the log) as the result, and
 exit 1 on an error.
+
+A child never imports from its working directory: ``python -m`` puts the cwd first on
+``sys.path``, and CI runs aotbuild in a pull request's checkout, where a planted ``json.py`` would
+run with the job's secrets (``HF_TOKEN``). So children start with ``-P`` (Python >= 3.11; and
+``PYTHONSAFEPATH=1`` in their environment, which processes they launch inherit), and on 3.10
+through :data:`SHIM`, which drops the cwd entry before anything else is imported. ``PYTHONPATH``
+keeps working (``-I`` would drop it too).
 """
 
 from __future__ import annotations
@@ -30,12 +37,26 @@ from aotbuild import constants
 #: tick(seconds since ``started``, the child's phase): called about twice a second while it runs.
 Tick = Callable[[float, str], None]
 
+#: Python 3.10 has no ``-P``: ``python -c SHIM MODULE ARGS`` removes the entry ``-c`` put first on
+#: ``sys.path`` (the cwd, as "") using only the built-in ``sys``, then runs MODULE as ``-m`` would.
+SHIM = ("import sys; sys.path[:] = [p for p in sys.path if p not in ('', '.')]; import runpy; "
+        "sys.argv = sys.argv[1:]; runpy.run_module(sys.argv[0], run_name='__main__', alter_sys=True)")
+#: Whether this Python has ``-P`` / ``PYTHONSAFEPATH`` (3.11+).
+SAFE_PATH_FLAG = sys.version_info >= (3, 11)
+
+
+def command(module: str, *args: str) -> list[str]:
+    """The command line that runs ``python -m module args`` without the cwd on ``sys.path``."""
+    if SAFE_PATH_FLAG:
+        return [sys.executable, "-P", "-m", module, *args]
+    return [sys.executable, "-c", SHIM, module, *args]
+
 
 def environment(extra: Mapping[str, str | None]) -> dict[str, str]:
     """This process's environment with ``extra`` applied (None removes a variable); the library
     verbosity that the CLI quieted for itself is given back (a child's log is for a human chasing a
     failure)."""
-    env = {**os.environ, **extra, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, **extra, "PYTHONUNBUFFERED": "1", "PYTHONSAFEPATH": "1"}
     for name in os.environ.get(constants.ENV_QUIETED, "").split(","):
         if name.endswith("_VERBOSITY"):
             env.pop(name, None)
@@ -59,7 +80,7 @@ def spawn(module: str, spec: dict[str, Any], spec_path: Path, log: Path, *,
     result_path = Path(spec["result"])
     started = time.perf_counter() if started is None else started
     with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", module, str(spec_path)], env=environment(env or {}),
+        proc = subprocess.Popen(command(module, str(spec_path)), env=environment(env or {}),
                                 stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=cwd)
         try:
             while proc.poll() is None:
