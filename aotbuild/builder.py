@@ -63,6 +63,20 @@ class BuildReport:
         """Jobs that failed, or compiled but could not be stored."""
         return [r for r in self.results if r.status in (FAILED, UNCACHED)]
 
+    def text(self, pushed: str = "") -> str:
+        """The job table, the cache, then what was pushed (``pushed``: a PushReport's text), a note and gc."""
+        from aotbuild.text import table
+
+        rows = [[r.job.label, r.job.key[:12] if r.job.key else "-", r.status, f"{r.seconds:.1f}",
+                 format_size(r.size) if r.size else "-", r.reason] for r in self.results]
+        lines = [table(rows, ["job", "key", "status", "seconds", "size", "note"]), f"cache: {self.cache}"]
+        lines += [pushed] if pushed else []
+        lines += [f"note: {self.note}"] if self.note else []
+        if self.gc is not None:
+            lines.append(f"gc: removed {len(self.gc.removed)} least recently used entries to keep the cache under its "
+                         f"size limit ({format_size(self.gc.size_after)} now)")
+        return "\n".join(lines)
+
     def as_json(self) -> dict[str, Any]:
         counts: dict[str, int] = {}
         for r in self.results:

@@ -6,6 +6,7 @@ miss under ``--fail-on-miss``), never a traceback. ``--json`` output follows doc
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import sys
@@ -28,11 +29,9 @@ def _human_size(n: int) -> str:
 
 
 def _table(rows: list[list[str]], header: list[str]) -> str:
-    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows, strict=False)]
-    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
-    out = [fmt.format(*header), fmt.format(*("-" * w for w in widths))]
-    out += [fmt.format(*map(str, r)) for r in rows]
-    return "\n".join(line.rstrip() for line in out)
+    from aotbuild.text import table
+
+    return table(rows, header)
 
 
 def _emit_json(data: Any) -> None:
@@ -62,6 +61,17 @@ def _run(fn: Callable[[], int | None]) -> None:
         click.echo("interrupted", err=True)
         code = 130
     sys.exit(code)
+
+
+def command(fn: Callable[..., int | None]) -> Callable[..., None]:
+    """A command's body returns its exit code; every known error becomes one line and its code
+    (:func:`_run`). Goes below click's decorators, right above the function."""
+
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> None:
+        _run(lambda: fn(*args, **kwargs))
+
+    return run
 
 
 _QUIET = {"TRANSFORMERS_VERBOSITY": "error", "DIFFUSERS_VERBOSITY": "error", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
@@ -159,7 +169,8 @@ def main() -> None:
 @shard_option
 @remote_option("After building, push every entry of these jobs to URL; jobs already there are not built.",
                name="--push")
-def build(recipes: tuple[str, ...], cache: str | None, as_json: bool, shard: str | None, remote: str | None) -> None:
+@command
+def build(recipes: tuple[str, ...], cache: str | None, as_json: bool, shard: str | None, remote: str | None) -> int:
     """Compile every job of RECIPES (files or folders) that the cache lacks.
 
     Each job (component x shape) compiles in a fresh subprocess; what it compiled is stored in the
@@ -171,49 +182,31 @@ def build(recipes: tuple[str, ...], cache: str | None, as_json: bool, shard: str
       aotbuild build recipes/ --shard 2/4 --push hf://datasets/my-org/aot-cache
     """
 
-    def go() -> int:
-        from aotbuild.builder import BUILT, CACHED
-        from aotbuild.builder import build as run_build
-        from aotbuild.planner import parse_shard
+    from aotbuild.builder import BUILT, CACHED
+    from aotbuild.builder import build as run_build
+    from aotbuild.planner import parse_shard
 
-        target = _remote(remote)
-        report = run_build(list(recipes), cache, progress=None if as_json else _progress(),
-                           shard=parse_shard(shard) if shard else None, remote=target)
-        pushed = None
-        if target is not None:
-            from aotbuild.sync import push
+    target = _remote(remote)
+    report = run_build(list(recipes), cache, progress=None if as_json else _progress(),
+                       shard=parse_shard(shard) if shard else None, remote=target)
+    pushed = None
+    if target is not None:
+        from aotbuild.sync import push
 
-            keys = [r.job.key for r in report.results if r.status in (BUILT, CACHED) and r.job.key]
-            pushed = push(keys, target, cache, progress=None if as_json else _push_progress()) if keys else None
-        if as_json:
-            _emit_json({**report.as_json(), **({"push": pushed.as_json()} if pushed else {})})
-        else:
-            rows = [[r.job.label, r.job.key[:12] if r.job.key else "-", r.status, f"{r.seconds:.1f}",
-                     _human_size(r.size) if r.size else "-", r.reason] for r in report.results]
-            click.echo(_table(rows, ["job", "key", "status", "seconds", "size", "note"]))
-            click.echo(f"cache: {report.cache}")
-            if pushed is not None:
-                _echo_push(pushed)
-            if report.note:
-                click.echo(f"note: {report.note}")
-            if report.gc is not None:
-                click.echo(f"gc: removed {len(report.gc.removed)} least recently used entries to keep the cache "
-                           f"under its size limit ({_human_size(report.gc.size_after)} now)")
-        return EXIT_FAILED if report.failed else EXIT_OK
-
-    _run(go)
+        keys = [r.job.key for r in report.results if r.status in (BUILT, CACHED) and r.job.key]
+        pushed = push(keys, target, cache, progress=None if as_json else _push_progress()) if keys else None
+    if as_json:
+        _emit_json({**report.as_json(), **({"push": pushed.as_json()} if pushed else {})})
+    else:
+        click.echo(report.text(pushed.text() if pushed is not None else ""))
+    return EXIT_FAILED if report.failed else EXIT_OK
 
 
 def _push_progress() -> Callable[[str], None]:
     return lambda what: click.echo(f"pushed {what[:12]}", err=True)
 
 
-def _echo_push(report: Any) -> None:
-    r = report.result
-    click.echo(f"pushed {len(r.sent)} entries ({_human_size(r.bytes_sent)}) to {report.remote}; "
-               f"{len(r.present)} already there")
-    for what, why in report.skipped:
-        click.echo(f"not pushed: {what}: {why}")
+
 
 
 @main.command()
@@ -221,7 +214,8 @@ def _echo_push(report: Any) -> None:
 @remote_option("Remote to push to: file:///shared/folder, hf://owner/repo[@rev], hf://datasets/owner/repo.")
 @cache_option
 @json_option
-def push(items: tuple[str, ...], remote: str | None, cache: str | None, as_json: bool) -> None:
+@command
+def push(items: tuple[str, ...], remote: str | None, cache: str | None, as_json: bool) -> int:
     """Send cache entries to a remote: KEYS (hex prefixes, 8+ characters) or RECIPES; none = all.
 
     Only what the remote lacks is sent, blobs before manifests. Entries are hash-checked first:
@@ -233,18 +227,15 @@ def push(items: tuple[str, ...], remote: str | None, cache: str | None, as_json:
       aotbuild push 3f1c9a0b --remote hf://datasets/my-org/aot-cache
     """
 
-    def go() -> int:
-        from aotbuild.sync import push as run_push
+    from aotbuild.sync import push as run_push
 
-        report = run_push(list(items), _remote(remote, required=True), cache,
-                          progress=None if as_json else _push_progress())
-        if as_json:
-            _emit_json(report.as_json())
-        else:
-            _echo_push(report)
-        return EXIT_FAILED if report.damaged else EXIT_OK
-
-    _run(go)
+    report = run_push(list(items), _remote(remote, required=True), cache,
+                      progress=None if as_json else _push_progress())
+    if as_json:
+        _emit_json(report.as_json())
+    else:
+        click.echo(report.text())
+    return EXIT_FAILED if report.damaged else EXIT_OK
 
 
 @main.command()
@@ -253,7 +244,8 @@ def push(items: tuple[str, ...], remote: str | None, cache: str | None, as_json:
 @cache_option
 @json_option
 @click.option("--fail-on-miss", is_flag=True, help="Exit 3 when a job is neither cached nor on the remote.")
-def pull(recipes: tuple[str, ...], remote: str | None, cache: str | None, as_json: bool, fail_on_miss: bool) -> None:
+@command
+def pull(recipes: tuple[str, ...], remote: str | None, cache: str | None, as_json: bool, fail_on_miss: bool) -> int:
     """Fetch the entries RECIPES need in this environment from a remote, hash-verified.
 
     Only jobs the local cache lacks are fetched. Exit 1 when a fetched entry was refused
@@ -264,23 +256,20 @@ def pull(recipes: tuple[str, ...], remote: str | None, cache: str | None, as_jso
       aotbuild pull recipes/sdxl_neuron.yaml --remote hf://datasets/my-org/aot-cache
     """
 
-    def go() -> int:
-        from aotbuild.sync import MISSING, REFUSED, UNAVAILABLE
-        from aotbuild.sync import pull as run_pull
+    from aotbuild.sync import MISSING, REFUSED, UNAVAILABLE
+    from aotbuild.sync import pull as run_pull
 
-        target = _remote(remote, required=True)
-        items = run_pull(list(recipes), target, cache)
-        if as_json:
-            _emit_json({"remote": target.url, "jobs": [i.as_json() for i in items]})
-        else:
-            rows = [[i.job.label, i.job.key[:12] if i.job.key else "-", i.status, i.reason] for i in items]
-            click.echo(_table(rows, ["job", "key", "status", "reason"]))
-        if any(i.status == REFUSED for i in items):
-            return EXIT_FAILED
-        missing = any(i.status in (MISSING, UNAVAILABLE) for i in items)
-        return EXIT_MISS if (fail_on_miss and missing) else EXIT_OK
-
-    _run(go)
+    target = _remote(remote, required=True)
+    items = run_pull(list(recipes), target, cache)
+    if as_json:
+        _emit_json({"remote": target.url, "jobs": [i.as_json() for i in items]})
+    else:
+        rows = [[i.job.label, i.job.key[:12] if i.job.key else "-", i.status, i.reason] for i in items]
+        click.echo(_table(rows, ["job", "key", "status", "reason"]))
+    if any(i.status == REFUSED for i in items):
+        return EXIT_FAILED
+    missing = any(i.status in (MISSING, UNAVAILABLE) for i in items)
+    return EXIT_MISS if (fail_on_miss and missing) else EXIT_OK
 
 
 def _progress() -> Callable[..., None]:
@@ -314,8 +303,9 @@ def _progress() -> Callable[..., None]:
               help="Exit 3 when any job is not cached (nor on --remote, when given): a CI gate.")
 @remote_option("Also look for each job on this remote (status \"remote\"); nothing is downloaded.")
 @shard_option
+@command
 def plan(recipes: tuple[str, ...], cache: str | None, as_json: bool, fail_on_miss: bool, remote: str | None,
-         shard: str | None) -> None:
+         shard: str | None) -> int:
     """List every job of RECIPES: key, component, shape, hit or miss.
 
     \b
@@ -324,38 +314,35 @@ def plan(recipes: tuple[str, ...], cache: str | None, as_json: bool, fail_on_mis
       aotbuild plan recipes/ --remote hf://datasets/my-org/aot-cache --fail-on-miss
     """
 
-    def go() -> int:
-        from dataclasses import replace
+    from dataclasses import replace
 
-        from aotbuild.layout import resolve_cache_root
-        from aotbuild.planner import HIT, MISS, parse_shard, shard_jobs
-        from aotbuild.planner import plan as run_plan
+    from aotbuild.layout import resolve_cache_root
+    from aotbuild.planner import HIT, MISS, parse_shard, shard_jobs
+    from aotbuild.planner import plan as run_plan
 
-        jobs = run_plan(list(recipes), cache)
-        if shard:
-            jobs = shard_jobs(jobs, *parse_shard(shard))
-        target = _remote(remote)
-        if target is not None and any(j.status == MISS for j in jobs):
-            there = target.keys()
-            jobs = [replace(j, status=REMOTE, reason=f"on {target.url}") if j.status == MISS and j.key in there
-                    else j for j in jobs]
-        if as_json:
-            _emit_json({"cache": str(resolve_cache_root(cache)), "remote": target.url if target else None,
-                        "jobs": [j.as_json() for j in jobs]})
-        else:
-            rows = [[j.recipe.name, j.component, str(j.shape), j.key[:12] if j.key else "-", j.status,
-                     "" if j.status == HIT else j.reason] for j in jobs]
-            click.echo(_table(rows, ["recipe", "component", "shape", "key", "status", "reason"]))
-            hits = sum(j.status == HIT for j in jobs)
-            there_text = f", {sum(j.status == REMOTE for j in jobs)} on {target.url}" if target else ""
-            click.echo(f"{hits}/{len(jobs)} jobs cached in {resolve_cache_root(cache)}{there_text}")
-            cost = _estimate_text([j for j in jobs if j.status == MISS])
-            if cost:
-                click.echo(cost)
-        missing = any(j.status not in (HIT, REMOTE) for j in jobs)
-        return EXIT_MISS if (fail_on_miss and missing) else EXIT_OK
-
-    _run(go)
+    jobs = run_plan(list(recipes), cache)
+    if shard:
+        jobs = shard_jobs(jobs, *parse_shard(shard))
+    target = _remote(remote)
+    if target is not None and any(j.status == MISS for j in jobs):
+        there = target.keys()
+        jobs = [replace(j, status=REMOTE, reason=f"on {target.url}") if j.status == MISS and j.key in there
+                else j for j in jobs]
+    if as_json:
+        _emit_json({"cache": str(resolve_cache_root(cache)), "remote": target.url if target else None,
+                    "jobs": [j.as_json() for j in jobs]})
+    else:
+        rows = [[j.recipe.name, j.component, str(j.shape), j.key[:12] if j.key else "-", j.status,
+                 "" if j.status == HIT else j.reason] for j in jobs]
+        click.echo(_table(rows, ["recipe", "component", "shape", "key", "status", "reason"]))
+        hits = sum(j.status == HIT for j in jobs)
+        there_text = f", {sum(j.status == REMOTE for j in jobs)} on {target.url}" if target else ""
+        click.echo(f"{hits}/{len(jobs)} jobs cached in {resolve_cache_root(cache)}{there_text}")
+        cost = _estimate_text([j for j in jobs if j.status == MISS])
+        if cost:
+            click.echo(cost)
+    missing = any(j.status not in (HIT, REMOTE) for j in jobs)
+    return EXIT_MISS if (fail_on_miss and missing) else EXIT_OK
 
 
 def _estimate_text(misses: list) -> str:
@@ -386,7 +373,8 @@ def _duration(seconds: float) -> str:
 @main.command(name="ls")
 @cache_option
 @json_option
-def ls(cache: str | None, as_json: bool) -> None:
+@command
+def ls(cache: str | None, as_json: bool) -> int:
     """List what the cache holds: entries (one per job key) and built-in models.
 
     \b
@@ -394,31 +382,28 @@ def ls(cache: str | None, as_json: bool) -> None:
       aotbuild ls --cache /mnt/aot-cache
     """
 
-    def go() -> int:
-        from aotbuild.layout import resolve_cache_root
-        from aotbuild.strategies import checked_store
+    from aotbuild.layout import resolve_cache_root
+    from aotbuild.strategies import checked_store
 
-        if _no_cache(resolve_cache_root(cache), as_json, {"models": [], "entries": []}):
-            return EXIT_OK
-        store = checked_store(resolve_cache_root(cache))
-        manifests = list(store.iter_manifests())
-        models = sorted(p.name for p in store.layout.models.iterdir()
-                        if p.is_dir() and not p.name.startswith(".")) if store.layout.models.is_dir() else []
-        if as_json:
-            _emit_json({"cache": str(store.root), "models": models, "entries": [
-                {"key": m.key, "recipe": m.recipe, "component": m.component,
-                 "shape": dict(m.shape), "target": m.target, "size": m.size,
-                 "created": _created(m)} for m in manifests]})
-            return EXIT_OK
-        rows = [[m.key[:12], m.recipe, m.component, _shape_text(m.shape), m.target, _human_size(m.size),
-                 _created(m) or "?"] for m in manifests]
-        click.echo(_table(rows, ["key", "recipe", "component", "shape", "target", "size", "created"]))
-        click.echo(f"{len(manifests)} entries in {store.root}")
-        for name in models:
-            click.echo(f"model: {store.layout.models / name}")
+    if _no_cache(resolve_cache_root(cache), as_json, {"models": [], "entries": []}):
         return EXIT_OK
-
-    _run(go)
+    store = checked_store(resolve_cache_root(cache))
+    manifests = list(store.iter_manifests())
+    models = sorted(p.name for p in store.layout.models.iterdir()
+                    if p.is_dir() and not p.name.startswith(".")) if store.layout.models.is_dir() else []
+    if as_json:
+        _emit_json({"cache": str(store.root), "models": models, "entries": [
+            {"key": m.key, "recipe": m.recipe, "component": m.component,
+             "shape": dict(m.shape), "target": m.target, "size": m.size,
+             "created": _created(m)} for m in manifests]})
+        return EXIT_OK
+    rows = [[m.key[:12], m.recipe, m.component, _shape_text(m.shape), m.target, _human_size(m.size),
+             _created(m) or "?"] for m in manifests]
+    click.echo(_table(rows, ["key", "recipe", "component", "shape", "target", "size", "created"]))
+    click.echo(f"{len(manifests)} entries in {store.root}")
+    for name in models:
+        click.echo(f"model: {store.layout.models / name}")
+    return EXIT_OK
 
 
 def _shape_text(shape: Any) -> str:
@@ -435,7 +420,8 @@ def _created(manifest: Any) -> str | None:
 @click.argument("key")
 @cache_option
 @json_option
-def show(key: str, cache: str | None, as_json: bool) -> None:
+@command
+def show(key: str, cache: str | None, as_json: bool) -> int:
     """Show one cache entry in full: KEY is a hex prefix of at least 8 characters.
 
     \b
@@ -443,51 +429,48 @@ def show(key: str, cache: str | None, as_json: bool) -> None:
       aotbuild show 3f1c9a0b
     """
 
-    def go() -> int:
-        from aotbuild.keys import flatten
-        from aotbuild.layout import resolve_cache_root
-        from aotbuild.strategies import checked_store
+    from aotbuild.keys import flatten
+    from aotbuild.layout import resolve_cache_root
+    from aotbuild.strategies import checked_store
 
-        store = checked_store(resolve_cache_root(cache))
-        full = store.resolve_prefix(key)
-        try:
-            manifest = store.load_manifest(full)
-        except (OSError, ValueError) as exc:
-            raise AotbuildError(f"entry {full[:12]} cannot be used: {str(exc).replace(str(store.root) + '/', '')}; "
-                                f"run `aotbuild verify`") from None
-        if manifest is None:
-            raise AotbuildError(f"entry {full[:12]} was removed meanwhile")
-        if as_json:
-            _emit_json(manifest.as_json())
-            return EXIT_OK
-        click.echo(f"key:        {full}")
-        for field in ("recipe", "component", "target", "strategy"):
-            click.echo(f"{field + ':':<12}{getattr(manifest, field)}")
-        click.echo(f"{'shape:':<12}{_shape_text(manifest.shape)}")
-        b = manifest.build
-        seconds = b.get("seconds")
-        if isinstance(seconds, dict):  # entries written before 0.1.0's fix held the phases here
-            seconds = round(sum(v for v in seconds.values() if isinstance(v, int | float)), 1)
-        phases = b.get("phases")
-        split = (" (" + ", ".join(f"{k.replace('_', ' ')} {v:.1f} s" for k, v in phases.items()
-                                  if isinstance(v, int | float)) + ")") if isinstance(phases, dict) else ""
-        click.echo(f"{'built:':<12}{b.get('created')} in {seconds} s{split} by aotbuild {b.get('aotbuild')}")
-        click.echo(f"{'size:':<12}{_human_size(manifest.size)} in {len(manifest.files)} files")
-        proof = manifest.proof
-        if proof is None:
-            click.echo(f"{'proof:':<12}none (built before aotbuild proved entries)")
-        else:
-            click.echo(f"{'proof:':<12}served by a fresh process in {proof.load_s:.1f} s: {proof.compiles} compiles "
-                       f"({proof.counter or 'compiler counters'}), {proof.instances} module instance(s), "
-                       f"{proof.calls} call(s), max |compiled - eager| {proof.max_abs_diff:.2e} "
-                       f"(tolerance {proof.tolerance:.0e})")
-        click.echo("factors:")
-        for path, value in flatten(dict(manifest.factors)).items():
-            click.echo(f"  {path} = {json.dumps(value)}")
-        click.echo(f"signatures: {len(manifest.signatures)} call signature(s) built")
+    store = checked_store(resolve_cache_root(cache))
+    full = store.resolve_prefix(key)
+    try:
+        manifest = store.load_manifest(full)
+    except (OSError, ValueError) as exc:
+        raise AotbuildError(f"entry {full[:12]} cannot be used: {str(exc).replace(str(store.root) + '/', '')}; "
+                            f"run `aotbuild verify`") from None
+    if manifest is None:
+        raise AotbuildError(f"entry {full[:12]} was removed meanwhile")
+    if as_json:
+        _emit_json(manifest.as_json())
         return EXIT_OK
-
-    _run(go)
+    click.echo(f"key:        {full}")
+    for field in ("recipe", "component", "target", "strategy"):
+        click.echo(f"{field + ':':<12}{getattr(manifest, field)}")
+    click.echo(f"{'shape:':<12}{_shape_text(manifest.shape)}")
+    b = manifest.build
+    seconds = b.get("seconds")
+    if isinstance(seconds, dict):  # entries written before 0.1.0's fix held the phases here
+        seconds = round(sum(v for v in seconds.values() if isinstance(v, int | float)), 1)
+    phases = b.get("phases")
+    split = (" (" + ", ".join(f"{k.replace('_', ' ')} {v:.1f} s" for k, v in phases.items()
+                              if isinstance(v, int | float)) + ")") if isinstance(phases, dict) else ""
+    click.echo(f"{'built:':<12}{b.get('created')} in {seconds} s{split} by aotbuild {b.get('aotbuild')}")
+    click.echo(f"{'size:':<12}{_human_size(manifest.size)} in {len(manifest.files)} files")
+    proof = manifest.proof
+    if proof is None:
+        click.echo(f"{'proof:':<12}none (built before aotbuild proved entries)")
+    else:
+        click.echo(f"{'proof:':<12}served by a fresh process in {proof.load_s:.1f} s: {proof.compiles} compiles "
+                   f"({proof.counter or 'compiler counters'}), {proof.instances} module instance(s), "
+                   f"{proof.calls} call(s), max |compiled - eager| {proof.max_abs_diff:.2e} "
+                   f"(tolerance {proof.tolerance:.0e})")
+    click.echo("factors:")
+    for path, value in flatten(dict(manifest.factors)).items():
+        click.echo(f"  {path} = {json.dumps(value)}")
+    click.echo(f"signatures: {len(manifest.signatures)} call signature(s) built")
+    return EXIT_OK
 
 
 @main.command()
@@ -495,7 +478,8 @@ def show(key: str, cache: str | None, as_json: bool) -> None:
 @json_option
 @click.option("--fix", is_flag=True, help="Repair: drop damaged entries (the next build rebuilds them), orphans "
                                           "and leftovers of dead writers.")
-def verify(cache: str | None, as_json: bool, fix: bool) -> None:
+@command
+def verify(cache: str | None, as_json: bool, fix: bool) -> int:
     """Check every entry's blobs by hash; list every problem. Exit 1 when there is any.
 
     Problems: a blob whose content does not match its name, a missing blob, a malformed manifest, an
@@ -507,36 +491,33 @@ def verify(cache: str | None, as_json: bool, fix: bool) -> None:
       aotbuild verify --fix
     """
 
-    def go() -> int:
-        from aotbuild.layout import resolve_cache_root
-        from aotbuild.manage import verify as run_verify
-        from aotbuild.strategies import checked_store
+    from aotbuild.layout import resolve_cache_root
+    from aotbuild.manage import verify as run_verify
+    from aotbuild.strategies import checked_store
 
-        if _no_cache(resolve_cache_root(cache), as_json, {"fixed": fix, "problems": []}):
-            return EXIT_OK
-        store = checked_store(resolve_cache_root(cache))
-        problems = run_verify(store, fix=fix)
-        remain = [p for p in problems if not fix or p.remains()]
-        if as_json:
-            from aotbuild.journal import notes
+    if _no_cache(resolve_cache_root(cache), as_json, {"fixed": fix, "problems": []}):
+        return EXIT_OK
+    store = checked_store(resolve_cache_root(cache))
+    problems = run_verify(store, fix=fix)
+    remain = [p for p in problems if not fix or p.remains()]
+    if as_json:
+        from aotbuild.journal import notes
 
-            _emit_json({"cache": str(store.root), "fixed": fix, "problems": [p.as_json() for p in problems],
-                        "remaining": [p.as_json() for p in remain], "notes": notes(store)})
+        _emit_json({"cache": str(store.root), "fixed": fix, "problems": [p.as_json() for p in problems],
+                    "remaining": [p.as_json() for p in remain], "notes": notes(store)})
+    else:
+        for p in problems:
+            key = f" (entry {p.key[:12]})" if p.key else ""
+            left = "  (remains)" if fix and p in remain else ""
+            click.echo(f"{p.kind:<9} {p.path}: {p.detail}{key}{left}")
+        if fix:
+            click.echo(f"{len(problems) - len(remain)} problem(s) fixed in {store.root}"
+                       + (f"; {len(remain)} remain (an unreadable manifest is never deleted: its owner must "
+                          f"fix its permissions)" if remain else ""))
         else:
-            for p in problems:
-                key = f" (entry {p.key[:12]})" if p.key else ""
-                left = "  (remains)" if fix and p in remain else ""
-                click.echo(f"{p.kind:<9} {p.path}: {p.detail}{key}{left}")
-            if fix:
-                click.echo(f"{len(problems) - len(remain)} problem(s) fixed in {store.root}"
-                           + (f"; {len(remain)} remain (an unreadable manifest is never deleted: its owner must "
-                              f"fix its permissions)" if remain else ""))
-            else:
-                hint = "; run `aotbuild verify --fix` to repair" if problems else ""
-                click.echo(f"{len(problems)} problem(s) found in {store.root}{hint}")
-        return EXIT_FAILED if remain else EXIT_OK
-
-    _run(go)
+            hint = "; run `aotbuild verify --fix` to repair" if problems else ""
+            click.echo(f"{len(problems)} problem(s) found in {store.root}{hint}")
+    return EXIT_FAILED if remain else EXIT_OK
 
 
 @main.command()
@@ -548,7 +529,8 @@ def verify(cache: str | None, as_json: bool, fix: bool) -> None:
 @click.option("--stale", is_flag=True, help="Remove entries that can never match this environment again "
                                             "(another torch, Python, CPU ISA or GPU, or an older format).")
 @click.option("--dry-run", is_flag=True, help="Say what would be removed; remove nothing.")
-def gc(cache: str | None, as_json: bool, max_size: str | None, stale: bool, dry_run: bool) -> None:
+@command
+def gc(cache: str | None, as_json: bool, max_size: str | None, stale: bool, dry_run: bool) -> int:
     """Shrink the cache: to a size limit (least recently used first) and/or drop stale entries.
 
     A load or a build that uses an entry makes it recent. Manifests go before their blobs, so an
@@ -560,39 +542,34 @@ def gc(cache: str | None, as_json: bool, max_size: str | None, stale: bool, dry_
       aotbuild gc --stale
     """
 
-    def go() -> int:
-        from aotbuild.errors import UsageError
-        from aotbuild.layout import resolve_cache_root, resolve_max_size
-        from aotbuild.manage import gc as run_gc
-        from aotbuild.strategies import checked_store
+    from aotbuild.errors import UsageError
+    from aotbuild.layout import resolve_cache_root, resolve_max_size
+    from aotbuild.manage import gc as run_gc
+    from aotbuild.strategies import checked_store
 
-        limit = resolve_max_size(max_size)
-        if limit is None and not stale:
-            raise UsageError("say what to collect: --max-size SIZE (or a configured max_size), --stale, or both")
-        if _no_cache(resolve_cache_root(cache), as_json, {"removed": [], "size_before": 0, "size_after": 0,
-                                                          "dry_run": dry_run}):
-            return EXIT_OK
-        store = checked_store(resolve_cache_root(cache))
-        report = run_gc(store, max_size=limit, stale=stale, dry_run=dry_run)
-        if not report.removed and not as_json:
-            click.echo("nothing to remove" + (f" (under {_human_size(limit)})" if limit is not None else ""))
-        if as_json:
-            _emit_json({"cache": str(store.root), **report.as_json()})
-            return EXIT_OK
-        for key, why, size in report.removed:
-            click.echo(f"{'would remove' if dry_run else 'removed'} {key[:12]}  {_human_size(size):>9}  {why}")
-        click.echo(f"{store.root}: {_human_size(report.size_before)} -> {_human_size(report.size_after)}"
-                   + (" (dry run)" if dry_run else ""))
+    limit = resolve_max_size(max_size)
+    if limit is None and not stale:
+        raise UsageError("say what to collect: --max-size SIZE (or a configured max_size), --stale, or both")
+    if _no_cache(resolve_cache_root(cache), as_json, {"removed": [], "size_before": 0, "size_after": 0,
+                                                      "dry_run": dry_run}):
         return EXIT_OK
-
-    _run(go)
+    store = checked_store(resolve_cache_root(cache))
+    report = run_gc(store, max_size=limit, stale=stale, dry_run=dry_run)
+    if not report.removed and not as_json:
+        click.echo("nothing to remove" + (f" (under {_human_size(limit)})" if limit is not None else ""))
+    if as_json:
+        _emit_json({"cache": str(store.root), **report.as_json()})
+        return EXIT_OK
+    click.echo(report.text(str(store.root)))
+    return EXIT_OK
 
 
 @main.command()
 @click.argument("items", nargs=-1, required=True)
 @cache_option
 @json_option
-def rm(items: tuple[str, ...], cache: str | None, as_json: bool) -> None:
+@command
+def rm(items: tuple[str, ...], cache: str | None, as_json: bool) -> int:
     """Remove entries: KEYS (hex prefixes, 8+ characters) or every entry of RECIPES (any environment).
 
     A recipe's entries are those built under its name (the file name without .yaml), whatever
@@ -604,35 +581,32 @@ def rm(items: tuple[str, ...], cache: str | None, as_json: bool) -> None:
       aotbuild rm recipes/tiny_sd_cpu.yaml
     """
 
-    def go() -> int:
-        from pathlib import Path
+    from pathlib import Path
 
-        from aotbuild.errors import UsageError
-        from aotbuild.layout import resolve_cache_root
-        from aotbuild.manage import rm as run_rm
-        from aotbuild.recipes import load_recipes
-        from aotbuild.strategies import checked_store
-        from aotbuild.sync import is_key_prefix
+    from aotbuild.errors import UsageError
+    from aotbuild.layout import resolve_cache_root
+    from aotbuild.manage import rm as run_rm
+    from aotbuild.recipes import load_recipes
+    from aotbuild.strategies import checked_store
+    from aotbuild.sync import is_key_prefix
 
-        for item in items:
-            if not is_key_prefix(item) and not Path(item).exists():
-                raise UsageError(f"{item}: not a key (a hex prefix of 8+ characters; `aotbuild ls` lists them) "
-                                 "nor a recipe file or folder")
-        store = checked_store(resolve_cache_root(cache))
-        keys = [store.resolve_prefix(i) for i in items if is_key_prefix(i)]
-        names = {r.name for r in load_recipes([i for i in items if not is_key_prefix(i)])} \
-            if any(not is_key_prefix(i) for i in items) else set()
-        keys += [m.key for m in store.iter_manifests() if m.recipe in names]
-        removed = run_rm(store, keys)
-        if as_json:
-            _emit_json({"cache": str(store.root), "removed": [{"key": k, "freed": n} for k, n in removed]})
-        else:
-            for key, freed in removed:
-                click.echo(f"removed {key[:12]} ({_human_size(freed)} freed)")
-            click.echo(f"{len(removed)} {'entry' if len(removed) == 1 else 'entries'} removed from {store.root}")
-        return EXIT_OK
-
-    _run(go)
+    for item in items:
+        if not is_key_prefix(item) and not Path(item).exists():
+            raise UsageError(f"{item}: not a key (a hex prefix of 8+ characters; `aotbuild ls` lists them) "
+                             "nor a recipe file or folder")
+    store = checked_store(resolve_cache_root(cache))
+    keys = [store.resolve_prefix(i) for i in items if is_key_prefix(i)]
+    names = {r.name for r in load_recipes([i for i in items if not is_key_prefix(i)])} \
+        if any(not is_key_prefix(i) for i in items) else set()
+    keys += [m.key for m in store.iter_manifests() if m.recipe in names]
+    removed = run_rm(store, keys)
+    if as_json:
+        _emit_json({"cache": str(store.root), "removed": [{"key": k, "freed": n} for k, n in removed]})
+    else:
+        for key, freed in removed:
+            click.echo(f"removed {key[:12]} ({_human_size(freed)} freed)")
+        click.echo(f"{len(removed)} {'entry' if len(removed) == 1 else 'entries'} removed from {store.root}")
+    return EXIT_OK
 
 
 @main.command()
@@ -650,8 +624,9 @@ def rm(items: tuple[str, ...], cache: str | None, as_json: bool) -> None:
               help="Which to measure, comma-separated (cold costs a full compile).")
 @click.option("--plot", "plot_file", metavar="FILE.png", type=click.Path(dir_okay=False),
               help="Also draw the results (needs pip install 'aotbuild[plot]').")
+@command
 def bench(recipe: str, cache: str | None, as_json: bool, shape: str | None, repeats: int, cold_repeats: int,
-          calls: int, modes: str, plot_file: str | None) -> None:
+          calls: int, modes: str, plot_file: str | None) -> int:
     """Measure RECIPE on this machine: eager vs cold compile vs aotbuild warm load.
 
     Each mode runs in a fresh process, timed from process start (imports included) to the first
@@ -667,26 +642,23 @@ def bench(recipe: str, cache: str | None, as_json: bool, shape: str | None, repe
       aotbuild bench recipes/tiny_sd_cpu.yaml --shape 64x96 --cold-repeats 3 --plot bench.png
     """
 
-    def go() -> int:
-        from aotbuild import bench as benchmod
+    from aotbuild import bench as benchmod
 
+    if plot_file:
+        benchmod.require_matplotlib()  # before minutes of measuring, not after
+    chosen = tuple(m.strip() for m in modes.split(",") if m.strip())
+    report = benchmod.bench(recipe, cache, shape=shape, repeats=repeats, cold_repeats=cold_repeats, calls=calls,
+                            modes=chosen, progress=lambda text: click.echo(text, err=True),
+                            build_progress=_progress(), warn=lambda text: click.echo(text, err=True))
+    if plot_file:
+        benchmod.plot(report, plot_file)
+    if as_json:
+        _emit_json(report.as_json())
+    else:
+        click.echo(report.text())
         if plot_file:
-            benchmod.require_matplotlib()  # before minutes of measuring, not after
-        chosen = tuple(m.strip() for m in modes.split(",") if m.strip())
-        report = benchmod.bench(recipe, cache, shape=shape, repeats=repeats, cold_repeats=cold_repeats, calls=calls,
-                                modes=chosen, progress=lambda text: click.echo(text, err=True),
-                                build_progress=_progress(), warn=lambda text: click.echo(text, err=True))
-        if plot_file:
-            benchmod.plot(report, plot_file)
-        if as_json:
-            _emit_json(report.as_json())
-        else:
-            click.echo(report.text())
-            if plot_file:
-                click.echo(f"plot: {plot_file}")
-        return EXIT_OK
-
-    _run(go)
+            click.echo(f"plot: {plot_file}")
+    return EXIT_OK
 
 
 @main.command()
@@ -698,8 +670,9 @@ def bench(recipe: str, cache: str | None, as_json: bool, shape: str | None, repe
 @click.option("--deep", is_flag=True, help="Hash every blob of the store, as `aotbuild verify` does.")
 @click.option("--no-roundtrip", "no_roundtrip", is_flag=True, help="Skip the tiny build (a minute or two).")
 @json_option
+@command
 def doctor(target: str, device: str | None, cache: str | None, remote: str | None, deep: bool, no_roundtrip: bool,
-           as_json: bool) -> None:
+           as_json: bool) -> int:
     """Check that this machine can build and serve a cache: toolchain, caches, disk, store, remote,
     and a roundtrip (the built-in tiny model built, proven by a fresh process serving it with 0
     compiles, in a temporary cache). Exit 0 when every check passes or is skipped, 1 otherwise.
@@ -710,32 +683,25 @@ def doctor(target: str, device: str | None, cache: str | None, remote: str | Non
       aotbuild doctor --device cuda --json
     """
 
-    def go() -> int:
-        from aotbuild.doctor import doctor as run_doctor
-        from aotbuild.errors import UsageError
-        from aotbuild.targets import target_names
+    from aotbuild.doctor import doctor as run_doctor
+    from aotbuild.errors import UsageError
+    from aotbuild.targets import target_names
 
-        if target not in target_names():
-            raise UsageError(f"--target {target!r} is not a target (known: {', '.join(target_names())})")
-        report = run_doctor(target, device, cache, remote, deep=deep, roundtrip=not no_roundtrip,
-                            progress=None if as_json else _progress())
-        if as_json:
-            _emit_json(report.as_json())
-        else:
-            for c in report.checks:
-                state = "skip" if c.skipped else "ok" if c.ok else "FAIL"
-                fix = f"\n{'':16}fix: {c.fix}" if c.fix and not c.ok else ""
-                click.echo(f"{state:<5} {c.name:<10} {c.detail}{fix}")
-            click.echo("this machine can build and serve caches" if report.ok else
-                       "a check failed: fix it, then run aotbuild doctor again")
-        return EXIT_OK if report.ok else EXIT_FAILED
-
-    _run(go)
+    if target not in target_names():
+        raise UsageError(f"--target {target!r} is not a target (known: {', '.join(target_names())})")
+    report = run_doctor(target, device, cache, remote, deep=deep, roundtrip=not no_roundtrip,
+                        progress=None if as_json else _progress())
+    if as_json:
+        _emit_json(report.as_json())
+    else:
+        click.echo(report.text())
+    return EXIT_OK if report.ok else EXIT_FAILED
 
 
 @main.command()
 @json_option
-def targets(as_json: bool) -> None:
+@command
+def targets(as_json: bool) -> int:
     """List every target and strategy: available here or not (and why), versions, default device and dtype.
 
     \b
@@ -743,38 +709,35 @@ def targets(as_json: bool) -> None:
       aotbuild targets --json
     """
 
-    def go() -> int:
-        from aotbuild.strategies import get_strategy, strategy_names
-        from aotbuild.targets import get_target, target_names
+    from aotbuild.strategies import get_strategy, strategy_names
+    from aotbuild.targets import get_target, target_names
 
-        rows = []
-        for name in target_names():
-            target = get_target(name)
-            available = target.availability()
-            device = target.default_device() if available.ok else "-"
-            rows.append({"name": name, "available": available.ok, "reason": available.reason,
-                         "versions": dict(available.versions), "default_device": device,
-                         "default_dtype": target.default_dtype, "static_shapes": target.static_shapes,
-                         "embeds_weights": target.embeds_weights})
-        strategies = []
-        for name in strategy_names():
-            strategy = get_strategy(name)
-            why = strategy.availability()
-            strategies.append({"name": name, "targets": list(strategy.targets or target_names()),
-                               "available": not why, "reason": why, "summary": strategy.summary})
-        if as_json:
-            _emit_json({"targets": rows, "strategies": strategies})
-            return EXIT_OK
-        table = [[r["name"], "yes" if r["available"] else "no", r["default_device"], r["default_dtype"],
-                  " ".join(f"{k}={v}" for k, v in r["versions"].items()) or "-", r["reason"]] for r in rows]
-        click.echo(_table(table, ["target", "available", "device", "dtype", "versions", "why not"]))
-        click.echo()
-        table = [[r["name"], ", ".join(r["targets"]), "yes" if r["available"] else "no", r["reason"] or r["summary"]]
-                 for r in strategies]
-        click.echo(_table(table, ["strategy", "targets", "available", "what it stores, or why not"]))
+    rows = []
+    for name in target_names():
+        target = get_target(name)
+        available = target.availability()
+        device = target.default_device() if available.ok else "-"
+        rows.append({"name": name, "available": available.ok, "reason": available.reason,
+                     "versions": dict(available.versions), "default_device": device,
+                     "default_dtype": target.default_dtype, "static_shapes": target.static_shapes,
+                     "embeds_weights": target.embeds_weights})
+    strategies = []
+    for name in strategy_names():
+        strategy = get_strategy(name)
+        why = strategy.availability()
+        strategies.append({"name": name, "targets": list(strategy.targets or target_names()),
+                           "available": not why, "reason": why, "summary": strategy.summary})
+    if as_json:
+        _emit_json({"targets": rows, "strategies": strategies})
         return EXIT_OK
-
-    _run(go)
+    table = [[r["name"], "yes" if r["available"] else "no", r["default_device"], r["default_dtype"],
+              " ".join(f"{k}={v}" for k, v in r["versions"].items()) or "-", r["reason"]] for r in rows]
+    click.echo(_table(table, ["target", "available", "device", "dtype", "versions", "why not"]))
+    click.echo()
+    table = [[r["name"], ", ".join(r["targets"]), "yes" if r["available"] else "no", r["reason"] or r["summary"]]
+             for r in strategies]
+    click.echo(_table(table, ["strategy", "targets", "available", "what it stores, or why not"]))
+    return EXIT_OK
 
 
 if __name__ == "__main__":  # pragma: no cover

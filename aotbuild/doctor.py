@@ -45,6 +45,16 @@ class Report:
     def ok(self) -> bool:
         return all(c.ok or c.skipped for c in self.checks)
 
+    def text(self) -> str:
+        lines = []
+        for c in self.checks:
+            state = "skip" if c.skipped else "ok" if c.ok else "FAIL"
+            fix = f"\n{'':16}fix: {c.fix}" if c.fix and not c.ok else ""
+            lines.append(f"{state:<5} {c.name:<10} {c.detail}{fix}")
+        lines.append("this machine can build and serve caches" if self.ok else
+                     "a check failed: fix it, then run aotbuild doctor again")
+        return "\n".join(lines)
+
     def as_json(self) -> dict[str, Any]:
         return {"ok": self.ok, "checks": [c.as_json() for c in self.checks]}
 

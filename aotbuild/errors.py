@@ -7,6 +7,8 @@ inherits it too, so callers can catch either (huggingface_hub's ``LocalEntryNotF
 
 from __future__ import annotations
 
+from aotbuild.text import printable
+
 
 class AotbuildError(Exception):
     """Base class. ``exit_code`` is what the CLI exits with."""
@@ -23,14 +25,11 @@ class RecipeError(AotbuildError, ValueError):
         self.source = source
         self.key = key
         self.message = message
-        where = f"{source}: {_printable(key)}: " if key else f"{source}: "
-        super().__init__(where + _printable(message))
+        # One line whatever a recipe holds: a newline or control character is shown escaped.
+        where = f"{printable(source)}: {printable(key)}: " if key else f"{printable(source)}: "
+        super().__init__(where + printable(message))
 
 
-def _printable(text: str) -> str:
-    """One line whatever a recipe holds: a newline or control character in a key or value is shown
-    escaped (``\\n``), not printed."""
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(text))
 
 
 class UsageError(AotbuildError, ValueError):

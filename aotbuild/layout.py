@@ -172,9 +172,6 @@ class Layout:
             raise StoreError(f"not a cache key: {key!r}")
         return self.manifests / key[:2] / f"{key}.json"
 
-    def under(self, folder: Path, rel: str) -> Path:
-        return folder.joinpath(*safe_relpath(rel).parts)
-
 
 def shared_dirs(path: Path, mode: int = 0o755) -> None:
     """``mkdir -p path``, every folder it creates readable by every user of a shared store

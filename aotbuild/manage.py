@@ -236,6 +236,16 @@ class GcReport:
     size_after: int = 0
     dry_run: bool = False
 
+    def text(self, root: str) -> str:
+        from aotbuild.layout import format_size
+        from aotbuild.text import printable
+
+        lines = [f"{'would remove' if self.dry_run else 'removed'} {key[:12]}  {format_size(size):>9}  "
+                 f"{printable(why)}" for key, why, size in self.removed]
+        lines.append(f"{root}: {format_size(self.size_before)} -> {format_size(self.size_after)}"
+                     + (" (dry run)" if self.dry_run else ""))
+        return "\n".join(lines)
+
     def as_json(self) -> dict[str, Any]:
         return {"removed": [{"key": k, "reason": r, "size": s} for k, r, s in self.removed],
                 "size_before": self.size_before, "size_after": self.size_after, "dry_run": self.dry_run}

@@ -49,29 +49,19 @@ def tolerance(dtype: str) -> float:
 
 # -- the fresh process ------------------------------------------------------------------------
 
-def _tensors(value: Any) -> list[Any]:
+def tensors(value: Any) -> list[Any]:
     """Every tensor in an output (a tensor, a tuple, a diffusers BaseOutput, a dict), in order."""
     import torch
+    from torch.utils._pytree import tree_leaves
 
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, dict):  # BaseOutput is an OrderedDict
-        return [t for v in value.values() for t in _tensors(v)]
-    if isinstance(value, (list, tuple)):
-        return [t for v in value for t in _tensors(v)]
-    return []
+    return [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
 
 
 def _clone(value: Any) -> Any:
     import torch
+    from torch.utils._pytree import tree_map
 
-    if isinstance(value, torch.Tensor):
-        return value.detach().clone()
-    if isinstance(value, (list, tuple)):
-        return type(value)(_clone(v) for v in value)
-    if isinstance(value, dict):
-        return {k: _clone(v) for k, v in value.items()}
-    return value
+    return tree_map(lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t, value)
 
 
 def block_instances(module: Any, recipe: Any) -> list[tuple[str, Any]]:
@@ -118,7 +108,7 @@ def serve(spec: dict[str, Any]) -> dict[str, Any]:
             per_signature[sig] = per_signature.get(sig, 0) + 1
             inputs = (_clone(args), _clone(kwargs))
             out = forward(*args, **kwargs)
-            calls.append((*inputs, [t.detach().clone() for t in _tensors(out)]))
+            calls.append((*inputs, [t.detach().clone() for t in tensors(out)]))
             return out
 
         return run
@@ -152,7 +142,7 @@ def serve(spec: dict[str, Any]) -> dict[str, Any]:
     first_call_s = None
     with torch.no_grad():
         for args, kwargs, eager in calls:
-            out = _tensors(module(*args, **kwargs))
+            out = tensors(module(*args, **kwargs))
             if first_call_s is None:
                 first_call_s = time.perf_counter() - t0
             if len(out) != len(eager):

@@ -33,6 +33,16 @@ class PushReport:
     skipped: list[tuple[str, str]] = field(default_factory=list)  # (what, why not pushed)
     damaged: list[str] = field(default_factory=list)  # what was skipped because its entry is damaged
 
+    def text(self) -> str:
+        from aotbuild.layout import format_size
+        from aotbuild.text import printable
+
+        r = self.result
+        lines = [f"pushed {len(r.sent)} entries ({format_size(r.bytes_sent)}) to {self.remote}; "
+                 f"{len(r.present)} already there"]
+        lines += [f"not pushed: {printable(what)}: {printable(why)}" for what, why in self.skipped]
+        return "\n".join(lines)
+
     def as_json(self) -> dict[str, Any]:
         return {"remote": self.remote, "sent": self.result.sent, "present": self.result.present,
                 "bytes_sent": self.result.bytes_sent, "skipped": [{"what": w, "reason": r} for w, r in self.skipped]}

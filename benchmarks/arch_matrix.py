@@ -124,7 +124,7 @@ def serve(recipe_path: str, cache: str) -> dict[str, Any]:
 
     from aotbuild import load_compiled, models
     from aotbuild.context import Context
-    from aotbuild.proof import _tensors, tolerance
+    from aotbuild.proof import tensors, tolerance
     from aotbuild.recipes import load_recipe
 
     recipe = load_recipe(recipe_path)
@@ -147,7 +147,7 @@ def serve(recipe_path: str, cache: str) -> dict[str, Any]:
         """The final image and every output of the denoiser(s), in call order."""
         seen: list[list[Any]] = []
         hooks = [getattr(pipe, c).register_forward_hook(
-            lambda module, args, out: seen.append([t.detach().float().clone() for t in _tensors(out)]))
+            lambda module, args, out: seen.append([t.detach().float().clone() for t in tensors(out)]))
             for c in recipe.compile.components]
         try:
             kwargs = models.warmup_kwargs(recipe, shape, defaults=ctx.target.warmup_defaults)

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from aotbuild.errors import PackageMismatch
-from aotbuild.strategies import aoti
+from aotbuild.strategies import aoti, calls
 
 
 def test_strides_match_ignores_size_one_dims_and_empty_tensors():
@@ -17,13 +17,13 @@ def test_strides_match_ignores_size_one_dims_and_empty_tensors():
     tail = full[:, 8:]  # what a Flux single-stream block passes on: its output's image half
     assert tail.stride() == (768, 32, 1) and tail.is_contiguous()  # PyTorch ignores the size-1 dim too
     assert tail.contiguous() is tail  # so .contiguous() cannot give it a fresh tensor's (512, 32, 1)
-    assert aoti.strides_match(tail.shape, tail.stride(), [512, 32, 1])
+    assert calls.strides_match(tail.shape, tail.stride(), [512, 32, 1])
     batch2 = torch.zeros(2, 24, 32)[:, 8:]
-    assert not aoti.strides_match(batch2.shape, batch2.stride(), [512, 32, 1])
-    assert aoti.strides_match((0, 16), (1, 0), [16, 1])  # nothing is read from an empty tensor
-    assert aoti.strides_match((3, 0, 4), (99, 7, 5), [0, 4, 1])
-    assert not aoti.strides_match((4, 4), (4, 1), [1, 4])
-    assert not aoti.strides_match((4, 4), (4, 1), [16, 4, 1])  # another rank never matches
+    assert not calls.strides_match(batch2.shape, batch2.stride(), [512, 32, 1])
+    assert calls.strides_match((0, 16), (1, 0), [16, 1])  # nothing is read from an empty tensor
+    assert calls.strides_match((3, 0, 4), (99, 7, 5), [0, 4, 1])
+    assert not calls.strides_match((4, 4), (4, 1), [1, 4])
+    assert not calls.strides_match((4, 4), (4, 1), [16, 4, 1])  # another rank never matches
 
 
 @pytest.mark.parametrize("shape,strides,ok", [
@@ -38,21 +38,21 @@ def test_strides_match_ignores_size_one_dims_and_empty_tensors():
     ((2, 3), (1,), False),  # rank mismatch
 ])
 def test_copyable_layouts(shape, strides, ok):
-    assert aoti.copyable(shape, strides) is ok
+    assert calls.copyable(shape, strides) is ok
 
 
 def test_relayout_gives_exactly_the_strides_asked_for():
     t = torch.arange(16 * 32, dtype=torch.float32).reshape(1, 16, 32)
-    out = aoti.relayout(t, [768, 32, 1])
+    out = calls.relayout(t, [768, 32, 1])
     assert out.stride() == (768, 32, 1) and torch.equal(out, t)
-    out = aoti.relayout(torch.arange(6.0).reshape(2, 3), [1, 2])  # column-major
+    out = calls.relayout(torch.arange(6.0).reshape(2, 3), [1, 2])  # column-major
     assert out.stride() == (1, 2) and torch.equal(out, torch.arange(6.0).reshape(2, 3))
 
 
 def test_snapshot_keeps_a_strided_input_and_densifies_an_expanded_one():
     sliced = torch.randn(2, 24, 32)[:, 8:]
     expanded = torch.randn(1, 8).expand(4, 8)
-    (a, b), _ = aoti.snapshot((sliced, expanded), {})
+    (a, b), _ = calls.snapshot((sliced, expanded), {})
     assert a.stride() == sliced.stride() and torch.equal(a, sliced)
     assert b.stride() == (8, 1) and torch.equal(b, expanded)
 

@@ -8,7 +8,7 @@ PyTorch 2.13 can compile a function ahead of time for given arguments
 Build (in the job's process, whose Inductor cache folder is the job's): the warmup runs eagerly
 while the calls of the component (``scope: full``) or of each repeated block (``scope: regional``)
 are recorded. Calls are grouped by what one artifact can serve: the module's class and structure
-(aoti.structure: tensor shapes, submodule classes, plain attributes), the call signature, the
+(calls.structure: tensor shapes, submodule classes, plain attributes), the call signature, the
 values of float arguments and grad mode. Each group's first call is compiled through a module-level
 trampoline ``call(module, *args, **kwargs)`` (its hooks set aside) with the module as an
 argument (diffusers' decorated ``forward`` cannot be pickled by reference; as an argument, the
@@ -38,8 +38,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from aotbuild.dispatch import RouteDeclined, install_dispatcher, signature
-from aotbuild.strategies import aoti
 from aotbuild.strategies.base import BuildJob, Built, Planned, Resolved, Strategy, lazy_compile
+from aotbuild.strategies.calls import floats_of, repeated_blocks, snapshot, structure
 
 if TYPE_CHECKING:
     from aotbuild.recipe import Recipe
@@ -84,27 +84,27 @@ def canonical(value: Any) -> Any:
     gets the canonical strides of its shape (size-1 dimensions included, which ``.contiguous()`` leaves
     as they are), a non-contiguous one is copied into them."""
     import torch
+    from torch.utils._pytree import tree_map
 
-    if isinstance(value, torch.Tensor):
-        if not value.is_contiguous():
-            return value.contiguous()
+    def one(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor):
+            return t
+        if not t.is_contiguous():
+            return t.contiguous()
         strides, step = [], 1
-        for n in reversed(value.shape):
+        for n in reversed(t.shape):
             strides.append(step)
             step *= max(n, 1)
         strides.reverse()
-        if tuple(strides) == value.stride():
-            return value
-        return value.as_strided(value.shape, strides, value.storage_offset())
-    if isinstance(value, (list, tuple)):
-        return type(value)(canonical(v) for v in value)
-    if isinstance(value, dict):
-        return {k: canonical(v) for k, v in value.items()}
-    return value
+        if tuple(strides) == t.stride():
+            return t
+        return t.as_strided(t.shape, strides, t.storage_offset())
+
+    return tree_map(one, value)
 
 
 def structure_digest(module: Any) -> str:
-    return hashlib.sha256(aoti.structure(module).encode()).hexdigest()[:32]
+    return hashlib.sha256(structure(module).encode()).hexdigest()[:32]
 
 
 def _torch_version() -> tuple[int, int]:
@@ -171,7 +171,7 @@ class AotCompile(Strategy):
     def _owners(module: Any, recipe: Recipe) -> list[tuple[str, Any]]:
         """(name, module) of what gets an artifact: the component ("") or each repeated block."""
         if recipe.compile.scope == "regional":
-            return aoti.repeated_blocks(module, recipe.compile.blocks, recipe)
+            return repeated_blocks(module, recipe.compile.blocks, recipe)
         return [("", module)]
 
     @staticmethod
@@ -285,7 +285,7 @@ class AotRunner:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         import torch
 
-        floats, grad = aoti.floats_of(args, kwargs), torch.is_grad_enabled()
+        floats, grad = floats_of(args, kwargs), torch.is_grad_enabled()
         args, kwargs = canonical(args), canonical(kwargs)
         for record, function in self.variants:
             if record.get("floats", []) == floats and record.get("grad", False) == grad:
@@ -312,11 +312,11 @@ class CallRecorder:
         def run(*args: Any, **kwargs: Any) -> Any:
             import torch
 
-            sig, floats, grad = signature(args, kwargs), aoti.floats_of(args, kwargs), torch.is_grad_enabled()
+            sig, floats, grad = signature(args, kwargs), floats_of(args, kwargs), torch.is_grad_enabled()
             key = (type(module).__name__, digest, sig, json.dumps(floats), str(grad))
             group = self.groups.get(key)
             if group is None:
-                group = self.groups[key] = {"call": aoti.snapshot(args, kwargs), "instances": [], "signature": sig,
+                group = self.groups[key] = {"call": snapshot(args, kwargs), "instances": [], "signature": sig,
                                             "structure": digest, "floats": floats, "grad": grad}
             if name not in group["instances"]:
                 group["instances"].append(name)

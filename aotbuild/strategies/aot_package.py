@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from aotbuild.dispatch import install_dispatcher
-from aotbuild.strategies import aoti
+from aotbuild.strategies import aoti, calls
 from aotbuild.strategies.base import BuildJob, Built, Planned, Resolved, Strategy, lazy_compile
 
 if TYPE_CHECKING:
@@ -48,7 +48,7 @@ class AotPackage(Strategy):
             return Built(recorder.signatures, recorder.build(job.workdir, options))
         calls: dict[str, Any] = {}
         dispatcher = install_dispatcher(job.module, job.component, {}, job.module.forward, "record",
-                                        on_record=lambda sig, a, k: calls.setdefault(sig, aoti.snapshot(a, k)))
+                                        on_record=lambda sig, a, k: calls.setdefault(sig, calls.snapshot(a, k)))
         job.run_warmup()  # eager: records the exact calls the pipeline makes
         job.phase("exporting and packaging")
         return Built(sorted(dispatcher.built), aoti.build_packages(job.module, calls, job.workdir, options))
@@ -109,7 +109,7 @@ class AotPackage(Strategy):
                         for package in e.manifest.packages]
             routes = aoti.load_packages(p.module, p.component, packages, ctx.device)
             if ctx.recipe.compile.scope == "regional":  # the component runs eagerly, its blocks dispatch
-                for name, block in aoti.repeated_blocks(p.module, ctx.recipe.compile.blocks, ctx.recipe):
+                for name, block in calls.repeated_blocks(p.module, ctx.recipe.compile.blocks, ctx.recipe):
                     fallback = lazy_compile(ctx, block, scope="full") if policy == "compile" else None
                     install_dispatcher(block, f"{p.component}.{name}", routes.get(name, {}), fallback, policy)
             else:

@@ -44,95 +44,24 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from aotbuild.errors import PackageMismatch
+from aotbuild.strategies.calls import (
+    call_strides,
+    call_tensors,
+    copyable,
+    flatten_call,
+    floats_of,
+    relayout,
+    repeated_blocks,
+    snapshot,
+    strides_match,
+    structure,
+)
 
 if TYPE_CHECKING:
     from aotbuild.recipe import Recipe
 
 PACKAGE_DIR = "aoti"
 PROBE_DIR = "inductor"
-
-
-def _clone(value: Any) -> Any:
-    import torch
-
-    if isinstance(value, torch.Tensor):
-        t = value.detach()
-        # Keep the caller's layout (a slice stays strided: the package is exported for what the
-        # pipeline passes); a layout where elements share memory (expand) is made dense instead, so
-        # a package never expects one and every input can be copied into what it was built for.
-        if copyable(t.shape, t.stride()):
-            return relayout(t, t.stride())
-        return t.clone(memory_format=torch.contiguous_format)
-    if isinstance(value, (list, tuple)):
-        return type(value)(_clone(v) for v in value)
-    if isinstance(value, dict):
-        return {k: _clone(v) for k, v in value.items()}
-    return value
-
-
-def snapshot(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    return _clone(args), _clone(kwargs)
-
-
-def _flatten(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[Any], Any]:
-    """The call's leaves, kwargs in name order (the package itself reorders kwargs to its own spec, so
-    the order a caller writes them in must not matter here either)."""
-    from torch.utils._pytree import tree_flatten
-
-    return tree_flatten((args, dict(sorted(kwargs.items()))))
-
-
-def _tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
-    import torch
-
-    return [t for t in _flatten(args, kwargs)[0] if isinstance(t, torch.Tensor)]
-
-
-def _strides(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[list[int]]:
-    return [list(t.stride()) for t in _tensors(args, kwargs)]
-
-
-def floats_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[float]:
-    """Float arguments: not in a signature (Dynamo does not specialize on them), but torch.export
-    bakes their values into the package."""
-    return [x for x in _flatten(args, kwargs)[0] if isinstance(x, float)]
-
-
-def strides_match(shape: Any, strides: Any, want: Any) -> bool:
-    """Whether a tensor with ``strides`` is laid out as ``want`` where it matters: a dimension of size 1
-    is only ever read at index 0, so its stride is never used (PyTorch's ``is_contiguous`` ignores it
-    too, so ``.contiguous()`` leaves it as it is), and an empty tensor is never read at all."""
-    if len(strides) != len(want) or len(shape) != len(want):
-        return False
-    if 0 in shape:
-        return True
-    return all(n == 1 or s == w for n, s, w in zip(shape, strides, want, strict=True))
-
-
-def copyable(shape: Any, strides: Any) -> bool:
-    """Whether a tensor of ``shape`` can be given ``strides`` by copying into them: no two elements
-    share memory (a dimension of size 1 or an empty tensor excepted). Expanded tensors (stride 0)
-    and overlapping views cannot; strided slices and permutations can."""
-    if len(shape) != len(strides):
-        return False
-    if 0 in shape:
-        return True
-    span = 0  # highest offset reachable through the smaller strides
-    for n, s in sorted(((n, s) for n, s in zip(shape, strides, strict=True) if n != 1), key=lambda d: d[1]):
-        if s <= span:
-            return False
-        span += s * (n - 1)
-    return True
-
-
-def relayout(t: Any, strides: Any) -> Any:
-    """A copy of ``t`` with exactly ``strides`` (``.contiguous()`` would keep a size-1 dimension's
-    stride, and could not make a strided layout); ``strides`` must be :func:`copyable`."""
-    import torch
-
-    out = torch.empty_strided(tuple(t.shape), tuple(strides), dtype=t.dtype, device=t.device)
-    out.copy_(t)
-    return out
 
 
 def constant_meta(module: Any, fqns: list[str]) -> dict[str, list[Any]]:
@@ -193,7 +122,7 @@ def _package(module: Any, sig: str, args: tuple[Any, ...], kwargs: dict[str, Any
         del module.forward
     # Named by everything that tells packages apart: two block classes can share a signature, and
     # one class's instances can need two packages (another input layout, another float argument).
-    strides = _strides(args, kwargs)
+    strides = call_strides(args, kwargs)
     floats = floats_of(args, kwargs)
     name = hashlib.sha256(f"{group}\n{sig}\n{json.dumps(strides)}\n{floats!r}".encode()).hexdigest()[:20]
     path = workdir / PACKAGE_DIR / f"{name}.pt2"
@@ -215,31 +144,6 @@ def build_packages(module: Any, calls: dict[str, tuple[tuple[Any, ...], dict[str
     """Export and package each recorded call of the whole component; the package list for the manifest."""
     return [_package(module, sig, args, kwargs, workdir, inductor_configs)
             for sig, (args, kwargs) in sorted(calls.items())]
-
-
-def repeated_blocks(module: Any, classes: tuple[str, ...] | None = None,
-                    recipe: Recipe | None = None) -> list[tuple[str, Any]]:
-    """(name, instance) of every block of ``classes`` (a recipe's ``compile.blocks``), by default of
-    the classes diffusers lists in ``_repeated_blocks``; a recipe error naming the module's repeating
-    classes when they do not fit."""
-    from aotbuild.blocks import select_blocks
-
-    return select_blocks(module, classes, recipe)
-
-
-def structure(module: Any) -> str:
-    """What must be equal for two instances to share one package: every tensor's name, shape and
-    dtype, and every submodule's class, attention processor and plain attributes (a forward chunk
-    size, a flag) that could change the code the block runs without adding a tensor."""
-    state = {**dict(module.named_parameters()), **dict(module.named_buffers())}
-    tensors = sorted((k, list(t.shape), str(t.dtype)) for k, t in state.items())
-    parts = []
-    for name, sub in module.named_modules():
-        plain = {k: v for k, v in sorted(vars(sub).items())
-                 if isinstance(v, (bool, int, float, str, type(None))) and k != "training"}
-        processor = getattr(sub, "processor", None)
-        parts.append([name, type(sub).__qualname__, type(processor).__qualname__ if processor else None, plain])
-    return json.dumps([tensors, parts], default=str)
 
 
 class BlockRecorder:
@@ -286,7 +190,7 @@ class BlockRecorder:
                 index = len(packages)
                 packages.append({"instances": [], "call": snapshot(args, kwargs), "floats": floats})
             packages[index]["instances"].append(name)
-            self.calls.setdefault(name, {})[sig] = {"strides": _strides(args, kwargs), "floats": floats,
+            self.calls.setdefault(name, {})[sig] = {"strides": call_strides(args, kwargs), "floats": floats,
                                                     "group": key, "package": index}
 
         return record
@@ -298,7 +202,7 @@ class BlockRecorder:
     def _layout(self, sig: str, package: dict[str, Any]) -> list[list[int]]:
         """Per input tensor, the strides to export with: the layout most of the package's instances
         receive (the first instance's on a tie), among those a copy can produce."""
-        shapes = [list(t.shape) for t in _tensors(*package["call"])]
+        shapes = [list(t.shape) for t in call_tensors(*package["call"])]
         chosen = []
         for i, shape in enumerate(shapes):
             seen: dict[tuple[Any, ...], tuple[int, list[int]]] = {}
@@ -312,7 +216,7 @@ class BlockRecorder:
                 count, first = seen.get(norm, (0, strides))
                 seen[norm] = (count + 1, first)
             best = max(seen.values(), key=lambda v: v[0], default=None)  # max keeps the first of a tie
-            chosen.append(best[1] if best else list(_tensors(*package["call"])[i].stride()))
+            chosen.append(best[1] if best else list(call_tensors(*package["call"])[i].stride()))
         return chosen
 
     def plan_layouts(self) -> None:
@@ -321,7 +225,7 @@ class BlockRecorder:
         for (_, sig, _), packages in self.groups.items():
             for package in packages:
                 package["layout"] = layout = self._layout(sig, package)
-                shapes = [t.shape for t in _tensors(*package["call"])]
+                shapes = [t.shape for t in call_tensors(*package["call"])]
                 for instance in package["instances"]:
                     call = self.calls[instance][sig]
                     call["copies"] = not all(strides_match(*layouts)
@@ -333,12 +237,12 @@ class BlockRecorder:
             vars(block).pop("forward", None)
         self.plan_layouts()
         built = []
-        for (cls, sig, structure), packages in sorted(self.groups.items()):
+        for (cls, sig, shape_of), packages in sorted(self.groups.items()):
             for package in packages:
                 exporter = named[package["instances"][0]]
                 args, kwargs = _relaid(package["call"], package["layout"])
                 record = _package(exporter, sig, args, kwargs, workdir, inductor_configs,
-                                  group=f"{cls}\n{structure}")
+                                  group=f"{cls}\n{shape_of}")
                 if record["baked"]:  # a tensor compiled in would be the exporter's value for every instance
                     raise PackageMismatch(f"{cls}: AOTInductor compiled {len(record['baked'])} tensors into the "
                                           f"package (e.g. {next(iter(record['baked']))}), so it cannot be shared "
@@ -353,7 +257,7 @@ def _relaid(call: tuple[tuple[Any, ...], dict[str, Any]],
     import torch
     from torch.utils._pytree import tree_unflatten
 
-    leaves, spec = _flatten(*call)
+    leaves, spec = flatten_call(*call)
     wanted = iter(layout)
     for i, x in enumerate(leaves):
         if isinstance(x, torch.Tensor):
@@ -473,7 +377,7 @@ class PackageRunner:
         import torch
         from torch.utils._pytree import tree_unflatten
 
-        leaves, spec = _flatten(args, kwargs)
+        leaves, spec = flatten_call(args, kwargs)
         positions = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
         if len(positions) != len(self.strides):
             raise PackageMismatch(f"{self.component}: called with {len(positions)} tensors, its AOT package was "

@@ -1,0 +1,123 @@
+"""Recorded calls and module structure: what the AOT strategies (aot-package, aot-compile) share.
+
+Both run the warmup eagerly while the component (or each repeated block) records its calls, then
+compile from those recordings. Here: a call's snapshot (its inputs, copied, each tensor in its own
+layout), its leaves, tensors, strides and float arguments (``torch.utils._pytree``, kwargs in name
+order), the tensor-layout helpers (:func:`strides_match`, :func:`copyable`, :func:`relayout`), and
+:func:`structure`: what must be equal for one artifact to serve two module instances.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from aotbuild.recipe import Recipe
+
+Call = tuple[tuple[Any, ...], dict[str, Any]]
+
+
+def flatten_call(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[Any], Any]:
+    """The call's leaves, kwargs in name order (a package reorders kwargs to its own spec, so the order a
+    caller writes them in must not matter here either), and the spec to rebuild it."""
+    from torch.utils._pytree import tree_flatten
+
+    return tree_flatten((args, dict(sorted(kwargs.items()))))
+
+
+def call_tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+    import torch
+
+    return [t for t in flatten_call(args, kwargs)[0] if isinstance(t, torch.Tensor)]
+
+
+def call_strides(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[list[int]]:
+    return [list(t.stride()) for t in call_tensors(args, kwargs)]
+
+
+def floats_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[float]:
+    """Float arguments: not in a signature (Dynamo does not specialize on them), but torch.export and
+    aot_compile bake their values into what they compile."""
+    return [x for x in flatten_call(args, kwargs)[0] if isinstance(x, float)]
+
+
+def snapshot(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call:
+    """A copy of the call's inputs to compile from later. Each tensor keeps the caller's layout (a slice
+    stays strided: the artifact is built for what the pipeline passes); a layout where elements share
+    memory (expand) is made dense instead, so an artifact never expects one and every input can be
+    copied into what it was built for."""
+    import torch
+    from torch.utils._pytree import tree_map
+
+    def copy(value: Any) -> Any:
+        if not isinstance(value, torch.Tensor):
+            return value
+        t = value.detach()
+        if copyable(t.shape, t.stride()):
+            return relayout(t, t.stride())
+        return t.clone(memory_format=torch.contiguous_format)
+
+    return tree_map(copy, (tuple(args), dict(kwargs)))
+
+
+def strides_match(shape: Any, strides: Any, want: Any) -> bool:
+    """Whether a tensor with ``strides`` is laid out as ``want`` where it matters: a dimension of size 1
+    is only ever read at index 0, so its stride is never used (PyTorch's ``is_contiguous`` ignores it
+    too, so ``.contiguous()`` leaves it as it is), and an empty tensor is never read at all."""
+    if len(strides) != len(want) or len(shape) != len(want):
+        return False
+    if 0 in shape:
+        return True
+    return all(n == 1 or s == w for n, s, w in zip(shape, strides, want, strict=True))
+
+
+def copyable(shape: Any, strides: Any) -> bool:
+    """Whether a tensor of ``shape`` can be given ``strides`` by copying into them: no two elements
+    share memory (a dimension of size 1 or an empty tensor excepted). Expanded tensors (stride 0)
+    and overlapping views cannot; strided slices and permutations can."""
+    if len(shape) != len(strides):
+        return False
+    if 0 in shape:
+        return True
+    span = 0  # highest offset reachable through the smaller strides
+    for n, s in sorted(((n, s) for n, s in zip(shape, strides, strict=True) if n != 1), key=lambda d: d[1]):
+        if s <= span:
+            return False
+        span += s * (n - 1)
+    return True
+
+
+def relayout(t: Any, strides: Any) -> Any:
+    """A copy of ``t`` with exactly ``strides`` (``.contiguous()`` would keep a size-1 dimension's
+    stride, and could not make a strided layout); ``strides`` must be :func:`copyable`."""
+    import torch
+
+    out = torch.empty_strided(tuple(t.shape), tuple(strides), dtype=t.dtype, device=t.device)
+    out.copy_(t)
+    return out
+
+
+def repeated_blocks(module: Any, classes: tuple[str, ...] | None = None,
+                    recipe: Recipe | None = None) -> list[tuple[str, Any]]:
+    """(name, instance) of every block of ``classes`` (a recipe's ``compile.blocks``), by default of
+    the classes diffusers lists in ``_repeated_blocks``; a recipe error naming the module's repeating
+    classes when they do not fit."""
+    from aotbuild.blocks import select_blocks
+
+    return select_blocks(module, classes, recipe)
+
+
+def structure(module: Any) -> str:
+    """What must be equal for two instances to share one package: every tensor's name, shape and
+    dtype, and every submodule's class, attention processor and plain attributes (a forward chunk
+    size, a flag) that could change the code the block runs without adding a tensor."""
+    state = {**dict(module.named_parameters()), **dict(module.named_buffers())}
+    tensors = sorted((k, list(t.shape), str(t.dtype)) for k, t in state.items())
+    parts = []
+    for name, sub in module.named_modules():
+        plain = {k: v for k, v in sorted(vars(sub).items())
+                 if isinstance(v, (bool, int, float, str, type(None))) and k != "training"}
+        processor = getattr(sub, "processor", None)
+        parts.append([name, type(sub).__qualname__, type(processor).__qualname__ if processor else None, plain])
+    return json.dumps([tensors, parts], default=str)
