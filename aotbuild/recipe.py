@@ -1,8 +1,9 @@
-"""Recipes: YAML files that declare what to compile, validated into immutable objects.
+"""Recipes as data: the schema, the immutable Recipe, and the checks the data alone allows.
 
 The schema below is the single source of truth: validation walks it, ``docs/recipes.md`` is checked
-against it by a test, and every error names the file, the key and what is allowed. YAML is imported
-inside :func:`load_recipe` only, so the runtime's import stays light.
+against it by a test, and every error names the file, the key and what is allowed. Reading files is
+aotbuild/recipe_file.py's; the checks that need the registries (targets, strategies) or a model are
+aotbuild/recipes.py's (``parse_recipe``), which is what callers use.
 """
 
 from __future__ import annotations
@@ -56,8 +57,8 @@ SCHEMA: dict[str, dict[str, Field] | Field] = {
     "target": Field("str", "inductor", doc="where the compiled code runs", registry="target"),
     "device": Field("str?", doc="default: the target's (inductor: cuda if available, else cpu)"),
     "strategy": Field("str", "jit-cache", registry="strategy",
-                      doc="jit-cache: torch.compile with its caches captured (any target); aot-package: "
-                      "AOTInductor packages, aot-compile: torch's aot_compile (inductor)"),
+                      doc="what an entry is and how it is served: a registered strategy (`aotbuild targets` lists "
+                          "them, each with what it stores)"),
     "offload": Field("str", "none", OFFLOADS, "model: enable_model_cpu_offload(); needs scope: regional"),
     "compile": {
         "components": Field("list[str]", ("unet",), doc="pipeline components to compile"),

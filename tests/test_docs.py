@@ -26,12 +26,17 @@ def test_recipe_reference_matches_schema():
 
 
 def test_documented_choices_match_schema():
+    """Every allowed value is in its row, a registered target's or strategy's too: registering one is
+    one module, one registry line and its name in docs/recipes.md."""
+    from aotbuild.recipes import registry_choices
+
     text = (REPO / "docs" / "recipes.md").read_text()
     rows = {m.group(1): m.group(0) for m in re.finditer(r"^\| `([^`]+)` \|.*$", text, flags=re.M)}
+    registries = registry_choices()
     for name, spec in SCHEMA.items():
         specs = {name: spec} if isinstance(spec, Field) else {f"{name}.{k}": v for k, v in spec.items()}
         for key, field in specs.items():
-            for choice in field.choices:
+            for choice in registries.get(field.registry, field.choices):
                 assert choice in rows[key], f"{key}: {choice} is allowed but not documented"
 
 
@@ -115,3 +120,26 @@ def test_links_between_docs_point_at_files_and_headings_that_exist():
                 if anchor not in headings:
                     broken.append(f"{page.name}: {target}")
     assert not broken
+
+
+def _interface_block(text: str, cls: str) -> str:
+    match = re.search(rf"```python\nclass {cls}:.*?```", text, flags=re.S)
+    assert match, f"docs/architecture.md has no interface block for {cls}"
+    return match.group(0)
+
+
+def _public_members(cls: type) -> set[str]:
+    """Methods and class attributes the class itself defines (not inherited from object)."""
+    return {n for n in vars(cls) if not n.startswith("_")}
+
+
+def test_architecture_interface_blocks_name_every_public_member():
+    from aotbuild.strategies.base import Strategy
+    from aotbuild.targets.base import Target
+
+    text = (REPO / "docs" / "architecture.md").read_text()
+    for cls in (Strategy, Target):
+        block = _interface_block(text, cls.__name__)
+        named = set(re.findall(r"^\s+(?:def )?(\w+)\b", block, flags=re.M)) - {"class"}
+        assert _public_members(cls) - named == set(), f"{cls.__name__}: undocumented"
+        assert named - _public_members(cls) == set(), f"{cls.__name__}: documented but gone"
