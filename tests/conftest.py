@@ -13,6 +13,9 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_RECIPE = REPO / "recipes" / "tiny_sd_cpu.yaml"
+#: The environment that puts the stand-in backends (tests/fakes) under the real backends' names, for a
+#: subprocess only: the fakes never leak into the tests' own process.
+FAKES = {"PYTHONPATH": f"{REPO}:{REPO / 'tests' / 'fakes'}"}
 
 
 @pytest.fixture(autouse=True)
@@ -130,3 +133,30 @@ def no_ambient_hf_auth(tmp_path, monkeypatch):
     monkeypatch.setattr(constants, "HF_STORED_TOKENS_PATH", str(home / "stored_tokens"))
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(home / "hub"))
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+
+
+@pytest.fixture
+def cache(models_dir, tmp_path) -> Path:
+    """An empty cache root of this test's own, holding only the built-in tiny model."""
+    import shutil
+
+    root = tmp_path / "cache"
+    shutil.copytree(models_dir / "models", root / "models")
+    return root
+
+
+@pytest.fixture
+def fake_compiles(monkeypatch, tmp_path):
+    """builder.build with the compile replaced by stand-in artifacts; returns the list of keys compiled."""
+    from aotbuild import builder
+    from aotbuild.builder import store_job
+    from tests.standins import artifacts
+
+    compiled: list[str] = []
+
+    def fake_build_one(store, job, tick=None, limit=None):
+        compiled.append(job.key)
+        return store_job(store, job, artifacts(tmp_path / "out", job.key), {"signatures": []}, 0.1, limit)
+
+    monkeypatch.setattr(builder, "_build_one", fake_build_one)
+    return compiled

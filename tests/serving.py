@@ -115,3 +115,12 @@ def assert_served(result: dict) -> None:
     assert result["counters"].get("fxgraph_cache_miss", 0) == 0  # whatever the strategy counts
     assert result["max_diff"] <= 1e-4 and result["component_max_diff"] <= 1e-5
     assert result["strict"] and "1x4x4x4" in result["strict"]  # 32x32 pixels = a 4x4 latent
+
+
+def assert_warm(result: dict) -> None:
+    """A jit-cache warm load (serve_fresh's result): every FX graph hits, and no C++ kernel is rebuilt."""
+    assert_served(result)
+    assert result["shapes"] == 2 and result["counters"].get("fxgraph_cache_hit", 0) >= 1
+    assert result["kernels_after_install"], "the install should have put compiled kernels in place"
+    assert result["kernels_after_call"] == result["kernels_after_install"], "a C++ kernel was rebuilt"
+    assert result["calls"] == {"": {"built": 4, "unbuilt": 1}}  # 2 shapes x 2 steps, then the strict call

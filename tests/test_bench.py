@@ -13,9 +13,7 @@ from aotbuild import bench
 from aotbuild.cli import main
 from aotbuild.errors import UsageError
 from aotbuild.recipes import load_recipe
-from tests.conftest import REPO, TINY_RECIPE, run_cli
-
-FAKES = {"PYTHONPATH": f"{REPO}:{REPO / 'tests' / 'fakes'}"}
+from tests.conftest import FAKES, REPO, TINY_RECIPE, run_cli
 
 
 def report(repeats: int = 1) -> bench.BenchReport:

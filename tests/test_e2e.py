@@ -17,16 +17,7 @@ import pytest
 
 from aotbuild import CacheMiss, load_compiled
 from tests.conftest import TINY_RECIPE, run_cli
-from tests.serving import assert_served, serve_fresh
-
-
-def assert_warm(result: dict) -> None:
-    """A jit-cache warm load (tests/serving.py): every FX graph hits, and no C++ kernel is rebuilt."""
-    assert_served(result)
-    assert result["shapes"] == 2 and result["counters"].get("fxgraph_cache_hit", 0) >= 1
-    assert result["kernels_after_install"], "the install should have put compiled kernels in place"
-    assert result["kernels_after_call"] == result["kernels_after_install"], "a C++ kernel was rebuilt"
-    assert result["calls"] == {"": {"built": 4, "unbuilt": 1}}  # 2 shapes x 2 steps, then the strict call
+from tests.serving import assert_warm, serve_fresh
 
 
 @pytest.mark.slow

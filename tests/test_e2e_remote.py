@@ -13,8 +13,7 @@ from aotbuild import load_compiled
 from aotbuild.store import Store
 from tests.conftest import TINY_RECIPE, run_cli
 from tests.fakes.hub_server import HubStandIn
-from tests.serving import serve_fresh
-from tests.test_e2e import assert_warm
+from tests.serving import assert_warm, serve_fresh
 
 pytestmark = pytest.mark.slow
 

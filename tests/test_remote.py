@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import hashlib
+import errno
 import os
 import signal
 import subprocess
@@ -17,17 +17,8 @@ from aotbuild.planner import MISS, Job, parse_shard, shard_jobs
 from aotbuild.recipes import parse_recipe
 from aotbuild.remote import FolderRemote, HubRemote, parse_remote
 from aotbuild.store import Store
-from tests import manifests
 from tests.conftest import REPO
-
-
-def key_of(name: str) -> str:
-    return hashlib.sha256(name.encode()).hexdigest()
-
-
-def add_entry(store: Store, tmp_path: Path, name: str, files: dict[str, bytes]) -> str:
-    """A stand-in entry made of small real files, stored the way the builder stores one."""
-    return manifests.add_entry(store, tmp_path / "src", name, files)
+from tests.standins import add_entry, entries, key_of
 
 
 def blob_names(store: Store) -> set[str]:
@@ -38,15 +29,6 @@ def blob_names(store: Store) -> set[str]:
 def listed_blobs(store: Store, *keys: str) -> set[str]:
     """The blobs the manifests of ``keys`` list."""
     return {f.sha256 for key in keys for f in store.read_manifest(key).files}
-
-
-def entries(store: Store, *keys: str):
-    out = []
-    for key in keys:
-        entry, why = store.open_entry(key)
-        assert entry is not None, why
-        out.append(entry)
-    return out
 
 
 @pytest.mark.parametrize("url,kind,expected", [
@@ -130,19 +112,35 @@ def test_a_missing_remote_folder_is_an_error_not_an_empty_remote(tmp_path):
     assert not (tmp_path / "unmounted").exists()
 
 
-def test_pushing_to_an_unwritable_folder_is_one_clear_error(tmp_path):
+def test_pushing_to_an_unwritable_folder_is_one_clear_error(tmp_path, monkeypatch):
+    """A folder we may not write in (faked: this suite runs as root, which writes anywhere): creating
+    anything in it is denied, as the kernel denies it in a 0555 folder of another user."""
     local = Store(tmp_path / "local")
     a = add_entry(local, tmp_path, "a", {"x.so": b"kernel-a"})
     target = tmp_path / "ro"
     target.mkdir()
-    target.chmod(0o555)
-    try:
-        if os.access(target, os.W_OK):
-            pytest.skip("running as root: permissions are not enforced")
-        with pytest.raises(RemoteError, match="cannot write to file://"):
-            parse_remote(f"file://{target}").push(entries(local, a))
-    finally:
-        target.chmod(0o755)
+    denied: list[str] = []
+    real_mkdir, real_open = os.mkdir, os.open
+
+    def refuse(path) -> None:
+        denied.append(os.fspath(path))
+        raise PermissionError(errno.EACCES, "Permission denied", os.fspath(path))
+
+    def mkdir(path, *args, **kwargs):
+        if Path(path).parent == target:
+            refuse(path)
+        return real_mkdir(path, *args, **kwargs)
+
+    def open_(path, flags, *args, **kwargs):
+        if flags & os.O_CREAT and Path(path).parent == target:
+            refuse(path)
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "mkdir", mkdir)
+    monkeypatch.setattr(os, "open", open_)
+    with pytest.raises(RemoteError, match="cannot write to file://"):
+        parse_remote(f"file://{target}").push(entries(local, a))
+    assert denied  # the push did try to write there, and was refused
 
 
 PUSHER = textwrap.dedent("""

@@ -20,7 +20,7 @@ from aotbuild.remote import HubRemote, parse_remote
 from aotbuild.store import Store
 from tests import manifests
 from tests.fakes.hub_server import HubStandIn
-from tests.test_remote import add_entry, entries, key_of
+from tests.standins import add_entry, entries, key_of
 
 REPO_ID = "org/aot-cache"
 URL = f"hf://datasets/{REPO_ID}"

@@ -16,9 +16,7 @@ import pytest
 
 from aotbuild.errors import RecipeError
 from aotbuild.recipes import parse_recipe
-from tests.conftest import REPO, run_cli, run_python
-
-FAKES = {"PYTHONPATH": f"{REPO}:{REPO / 'tests' / 'fakes'}"}
+from tests.conftest import FAKES, REPO, run_cli, run_python
 
 
 def recipe(**over) -> dict:

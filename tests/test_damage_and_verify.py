@@ -1,0 +1,94 @@
+"""Damaged blobs are never loaded and the next build rebuilds them; ``verify`` lists what is wrong
+in a store, ``verify --fix`` repairs it, and neither touches what a live writer is writing.
+
+Stand-in artifacts instead of real compiles (tests/standins.py, the ``fake_compiles`` fixture).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import pytest
+
+from aotbuild import builder
+from aotbuild.builder import BUILT, CACHED
+from aotbuild.errors import StoreError
+from aotbuild.manage import verify
+from aotbuild.store import Store
+from tests.conftest import TINY_RECIPE, run_cli
+from tests.standins import add_entry, check_no_dangling
+
+# -- 2, 3: damaged blobs are never a hit and the next build rebuilds them --------------------------
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "empty"])
+def test_a_damaged_blob_is_a_miss_and_the_next_build_rebuilds_it(cache, fake_compiles, damage):
+    first = builder.build([str(TINY_RECIPE)], cache)
+    assert {r.status for r in first.results} == {BUILT}
+    store = Store(cache)
+    key = first.results[0].job.key
+    blob = store.layout.blob(store.read_manifest(key).files[0].sha256)
+    blob.chmod(0o644)
+    data = blob.read_bytes()
+    blob.write_bytes({"flip": bytes([data[0] ^ 1]) + data[1:], "truncate": data[:-1], "empty": b""}[damage])
+    entry, why = store.open_entry(key)
+    assert entry is None and ("corrupt" in why or "bytes, expected" in why)  # never loaded
+
+    fake_compiles.clear()
+    second = builder.build([str(TINY_RECIPE)], cache)
+    status = {r.job.key: r.status for r in second.results}
+    assert status[key] == BUILT and fake_compiles == [key]  # only the damaged one is rebuilt
+    assert all(s == CACHED for k, s in status.items() if k != key)
+    assert store.open_entry(key)[0] is not None
+
+
+# -- 4: content that does not match its name -------------------------------------------------------
+
+def test_a_blob_is_refused_when_its_content_does_not_match_the_expected_name(tmp_path):
+    store = Store(tmp_path / "c")
+    src = tmp_path / "x"
+    src.write_bytes(b"payload")
+    with pytest.raises(StoreError, match="does not match its content"):
+        store.put_blob(src, expect="0" * 64)
+    assert not list(store.blob_files()) and not list(store.layout.tmp.iterdir())
+
+
+# -- 15: verify / verify --fix ---------------------------------------------------------------------
+
+def test_verify_lists_a_corrupt_blob_and_fix_repairs(tmp_path):
+    store = Store(tmp_path / "c")
+    a = add_entry(store, tmp_path, "a", {"x.so": b"kernel-a", "shared.py": b"both"})
+    b = add_entry(store, tmp_path, "b", {"y.so": b"kernel-b", "shared.py": b"both"})
+    blob = store.layout.blob(hashlib.sha256(b"kernel-a").hexdigest())
+    blob.chmod(0o644)
+    blob.write_bytes(b"kernel-A")
+    found = run_cli("verify", "--cache", str(store.root))
+    assert found.returncode == 1
+    assert "corrupt" in found.stdout and "hash mismatch" in found.stdout and a[:12] in found.stdout
+    assert "aotbuild verify --fix" in found.stdout  # the next step
+    assert run_cli("verify", "--fix", "--cache", str(store.root)).returncode == 0  # everything it found is fixed
+    assert run_cli("verify", "--cache", str(store.root)).returncode == 0
+    assert not store.has(a) and store.open_entry(b)[0] is not None  # b keeps the blob they shared
+    check_no_dangling(store)
+
+
+def test_verify_leaves_a_running_builds_staging_folder_alone(tmp_path):
+    from aotbuild.locks import flocked
+
+    store = Store(tmp_path / "c")
+    staging = store.layout.tmp / "job-0123456789ab.x"
+    staging.mkdir(parents=True)
+    with flocked(staging / ".lock", exclusive=True, timeout=0):
+        assert verify(store) == []
+    assert [p.kind for p in verify(store)] == ["temp"]  # its build is gone: a leftover
+
+
+def test_verify_does_not_report_a_writer_that_is_still_writing(tmp_path):
+    store = Store(tmp_path / "c")
+    fd, path = store._tempfile()  # what put_blob holds open while it writes
+    try:
+        assert verify(store) == []
+    finally:
+        os.close(fd)
+    assert [(p.kind, p.path.name) for p in verify(store)] == [("temp", Path(path).name)]

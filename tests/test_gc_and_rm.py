@@ -1,0 +1,163 @@
+"""gc (to a size limit, of stale entries) and rm remove what they should and nothing else: never a
+blob that a manifest still names, even when they fail halfway; they refuse to guess around a
+manifest they cannot parse.
+
+Stand-in entries and artifacts (tests/standins.py); mocks only inject the faults (an error halfway
+through gc).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+
+import pytest
+
+from aotbuild import builder
+from aotbuild.builder import BUILT, FAILED, store_job
+from aotbuild.errors import StoreError
+from aotbuild.manage import gc, rm, verify
+from aotbuild.store import Store
+from tests import manifests
+from tests.conftest import TINY_RECIPE, run_cli
+from tests.standins import ARTIFACT_SIZE, add_entry, artifacts, check_no_dangling
+
+# -- 8, 9, 10: the size limit ----------------------------------------------------------------------
+
+def _entries_with_ages(store: Store, tmp_path: Path, n: int) -> list[str]:
+    keys = []
+    for i in range(n):
+        key = add_entry(store, tmp_path, f"e{i}", {"x.so": os.urandom(1000)})
+        os.utime(store.layout.manifest(key), (1_000_000 + i, 1_000_000 + i))  # e0 oldest
+        keys.append(key)
+    return keys
+
+
+def test_gc_to_a_size_limit_keeps_recently_used_entries(tmp_path):
+    store = Store(tmp_path / "c")
+    keys = _entries_with_ages(store, tmp_path, 6)
+    store.touch(keys[0])  # the oldest was just loaded
+    dry = gc(store, max_size=3500, dry_run=True)
+    assert {k for k, _, _ in dry.removed} == set(keys[1:4]) and len(list(store.iter_manifests())) == 6
+    report = gc(store, max_size=3500)
+    assert report.size_after <= 3500
+    assert {m.key for m in store.iter_manifests()} == {keys[0], keys[4], keys[5]}
+    assert all(why == "least recently used" for _, why, _ in report.removed)
+    check_no_dangling(store)
+
+
+def test_a_build_past_the_limit_collects_old_entries_and_keeps_its_own(cache, fake_compiles, tmp_path):
+    store = Store(cache)
+    old = _entries_with_ages(store, tmp_path, 4)
+    report = builder.build([str(TINY_RECIPE)], cache, max_size=3 * ARTIFACT_SIZE * 2 + 1500)
+    built = [r.job.key for r in report.results if r.status == BUILT]
+    assert len(built) == 2 and report.gc is not None
+    left = {m.key for m in store.iter_manifests()}
+    assert set(built) <= left and len(left & set(old)) == 1 and old[3] in left  # the newest old one stays
+
+
+@pytest.mark.parametrize("fail_at", [1, 3, 5])
+def test_an_error_halfway_through_gc_leaves_no_manifest_pointing_at_nothing(tmp_path, monkeypatch, fail_at):
+    store = Store(tmp_path / "c")
+    _entries_with_ages(store, tmp_path, 6)
+    real_unlink = os.unlink
+    real_path_unlink = Path.unlink
+    calls = []
+
+    def flaky(*args, **kwargs):
+        calls.append(args)
+        if len(calls) == fail_at:
+            raise OSError(errno.EIO, "injected I/O error")
+        return real_unlink(*args, **kwargs)
+
+    def flaky_path(self, missing_ok=False):
+        flaky(self)
+        return None if not self.exists() and missing_ok else real_path_unlink(self, missing_ok=missing_ok)
+
+    monkeypatch.setattr(os, "unlink", flaky)
+    monkeypatch.setattr(Path, "unlink", flaky_path)
+    with pytest.raises(OSError, match="injected"):
+        gc(store, max_size=1000)
+    monkeypatch.undo()
+    check_no_dangling(store)
+    gc(store, max_size=1000)  # and a second run finishes the job
+    check_no_dangling(store)
+
+
+def test_an_entry_bigger_than_the_limit_is_a_clear_error_and_nothing_is_stored(cache, tmp_path):
+    from aotbuild.planner import plan
+
+    store = Store(cache)
+    job = plan([str(TINY_RECIPE)], cache)[0]
+    result = store_job(store, job, artifacts(tmp_path, job.key), {"signatures": []}, 1.0, limit=5000)
+    assert result.status == FAILED and "bigger than the cache's size limit" in result.reason
+    assert not store.has(job.key) and not list(store.blob_files())
+
+
+# -- rm --------------------------------------------------------------------------------------------
+
+def test_rm_removes_entries_and_only_their_own_blobs(tmp_path):
+    store = Store(tmp_path / "c")
+    a = add_entry(store, tmp_path, "a", {"x.so": b"only-a", "shared": b"both"})
+    b = add_entry(store, tmp_path, "b", {"y.so": b"only-b", "shared": b"both"})
+    assert rm(store, [a]) == [(a, len(b"only-a"))]
+    assert not store.has(a) and store.open_entry(b)[0] is not None
+    out = run_cli("rm", b[:10], "--cache", str(store.root))
+    assert out.returncode == 0 and "1 entry removed" in out.stdout
+    assert not list(store.blob_files())
+
+
+# -- gc --stale: what can never match this environment ---------------------------------------------
+
+def test_gc_stale_removes_what_can_never_match_this_environment(cache, tmp_path):
+    import copy
+
+    from aotbuild.keys import key_of as key_for
+    from aotbuild.planner import plan
+
+    store = Store(cache)
+    job = plan([str(TINY_RECIPE)], cache)[0]
+    variants = {"current": {}, "older torch": {("env", "torch"): "2.5.1+cpu"},
+                "other ISA": {("device", "cpu_isa"): "SVE256"}, "old format": {("format",): 0}}
+    keys = {}
+    for name, changes in variants.items():
+        factors = copy.deepcopy(job.factors)
+        for path, value in changes.items():
+            if len(path) == 1:
+                factors[path[0]] = value
+            else:
+                factors[path[0]][path[1]] = value
+        key = key_for(factors)
+        src = tmp_path / name
+        src.write_bytes(name.encode())
+        digest, size = store.put_blob(src)
+        data = manifests.manifest(factors, [("x", digest, size)], recipe=job.recipe.name).as_json()
+        data["format"] = factors["format"]  # an older aotbuild wrote the old format's manifests
+        manifests.write_raw(store, key, data)
+        keys[name] = key
+    report = gc(store, stale=True)
+    reasons = {k: why for k, why, _ in report.removed}
+    assert set(reasons) == {keys["older torch"], keys["other ISA"], keys["old format"]}
+    assert "env.torch: 2.5.1+cpu in the cache" in reasons[keys["older torch"]]
+    assert "device.cpu_isa: SVE256 in the cache" in reasons[keys["other ISA"]]
+    assert "format 0" in reasons[keys["old format"]]
+    assert [m.key for m in store.iter_manifests()] == [keys["current"]]
+    check_no_dangling(store)
+
+
+# -- a manifest that cannot be parsed --------------------------------------------------------------
+
+def test_gc_and_rm_refuse_to_guess_around_a_manifest_they_cannot_parse(tmp_path):
+    store = Store(tmp_path / "c")
+    keys = _entries_with_ages(store, tmp_path, 3)
+    bad = store.layout.manifest(keys[0])
+    bad.write_text("{truncated")
+    with pytest.raises(StoreError, match=r"aotbuild verify"):
+        gc(store, max_size=0)
+    with pytest.raises(StoreError, match=r"aotbuild verify"):
+        rm(store, [keys[1]])
+    assert len(list(store.blob_files())) == 3  # nothing was deleted
+    assert [p.kind for p in verify(store, fix=True)] == ["malformed", "orphan"]
+    gc(store, max_size=0)
+    assert not list(store.blob_files()) and not list(store.manifest_files())
