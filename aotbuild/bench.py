@@ -343,7 +343,7 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
 
 def _measure(mode: str, recipe_data: dict[str, Any], index: int, cache: str, calls: int,
              start: float) -> dict[str, Any]:
-    from aotbuild import models
+    from aotbuild import models, pipecall
     from aotbuild.recipes import recipe_from_spec
 
     recipe = recipe_from_spec(recipe_data)
@@ -363,17 +363,17 @@ def _measure(mode: str, recipe_data: dict[str, Any], index: int, cache: str, cal
         assert ctx.model is not None
         pipe = models.load_pipeline(recipe, ctx.model, ctx.dtype, quiet=True)
         models.place_pipeline(pipe, recipe, ctx.device)
-        models.check_warmup_arguments(pipe, recipe)  # as a build job does: a typo would run 50 steps
+        pipecall.check_recipe(recipe, pipecall.CallSignature.of(pipe))  # as a build job does
         if mode == "cold":
             for component in recipe.compile.components:
                 module = getattr(pipe, component)
                 module.forward = ctx.target.compile(module, recipe, ctx.device)
-    kwargs = models.warmup_kwargs(recipe, shape, defaults=ctx.target.warmup_defaults)
+    kwargs = pipecall.warmup_kwargs(recipe, shape, pipe, defaults=ctx.target.warmup_defaults)
     pipe(**kwargs)
     first = time.time() - start
     times = []
     for _ in range(calls):
-        kwargs = models.warmup_kwargs(recipe, shape, defaults=ctx.target.warmup_defaults)
+        kwargs = pipecall.warmup_kwargs(recipe, shape, pipe, defaults=ctx.target.warmup_defaults)
         t = time.perf_counter()
         pipe(**kwargs)
         times.append(time.perf_counter() - t)

@@ -74,6 +74,7 @@ def command(fn: Callable[..., int | None]) -> Callable[..., None]:
     return run
 
 
+_QUIET_LOGGERS = ("torchao", "torch.utils._pytree")
 _QUIET = {"TRANSFORMERS_VERBOSITY": "error", "DIFFUSERS_VERBOSITY": "error", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
 
 
@@ -99,6 +100,10 @@ def _quiet_libraries() -> None:
             os.environ[name] = value
             ours.add(name)
     os.environ[ENV_QUIETED] = ",".join(sorted(ours))  # builder gives jobs the user's settings back
+    # What diffusers imports when torchao is installed logs its own advisories (kernels for other
+    # hardware, deprecated pytree registrations) at import: noise in plan's output, kept in job logs.
+    for name in _QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
     log = logging.getLogger("aotbuild")
     if not log.handlers:
         handler = _EchoHandler()
@@ -407,8 +412,9 @@ def ls(cache: str | None, as_json: bool) -> int:
 
 
 def _shape_text(shape: Any) -> str:
-    text = f"{shape['height']}x{shape['width']}"
-    return text if shape["batch_size"] == 1 else f"{text}x{shape['batch_size']}"
+    from aotbuild.recipe import Shape
+
+    return str(Shape(**shape))
 
 
 def _created(manifest: Any) -> str | None:

@@ -149,17 +149,17 @@ def _first_tensor(sig: str) -> list[int] | None:
 
 def _batch_hint(sig: str, built: list[str]) -> str:
     """The most common unbuilt call: the batch differs from a built one's and nothing else does.
-    Three things set a denoiser's batch: the number of prompt texts, images per prompt
-    (num_images_per_prompt, the shape's batch_size), and classifier-free guidance (guidance_scale >
-    1 runs the conditional and unconditional halves at once, doubling it)."""
+    What sets a denoiser's batch is the pipeline's business: the number of prompt texts, images or
+    videos per prompt (the shape's batch_size), and for pipelines that batch both halves of
+    classifier-free guidance (SD, PixArt), whether guidance is on; others run it as two calls."""
     called = _first_tensor(sig)
     for b in built:
         other = _first_tensor(b)
         if called and other and called[1:] == other[1:] and called[0] != other[0]:
-            return (f" The batch is {called[0]} where the cache built {other[0]}: it is the number of prompts x "
-                    f"num_images_per_prompt (the shape's batch_size), x 2 when guidance_scale is above 1 "
-                    f"(classifier-free guidance), so call with as many prompts and the guidance_scale of the "
-                    f"recipe's warmup.")
+            return (f" The batch is {called[0]} where the cache built {other[0]}: it follows the number of prompts, "
+                    f"images or videos per prompt (the shape's batch_size) and, in pipelines that batch guidance's "
+                    f"two halves, whether guidance is on, so call with the prompts and guidance of the recipe's "
+                    f"warmup.")
     return ""
 
 

@@ -312,9 +312,9 @@ class _Checker:
 
     def shape(self, value: Any, where: str) -> dict[str, int]:
         value = self.obj(value, where)
-        if set(value) != {"height", "width", "batch_size"}:
-            raise self.fail(where, "not {height, width, batch_size}")
-        return {k: self.integer(value[k], f"{where}.{k}", 1) for k in ("height", "width", "batch_size")}
+        if set(value) - {"num_frames"} != {"height", "width", "batch_size"}:
+            raise self.fail(where, "not {height, width, batch_size[, num_frames]}")
+        return {k: self.integer(v, f"{where}.{k}", 1) for k, v in value.items()}
 
     def factors(self, value: Any) -> dict[str, Any]:
         value = self.obj(value, "factors")

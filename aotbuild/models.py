@@ -20,7 +20,7 @@ from aotbuild.recipe import CompileSpec, Recipe
 from aotbuild.suggest import suggest
 
 __all__ = ["ModelUnavailable", "ResolvedModel", "resolve_model", "load_pipeline", "place_pipeline",
-           "warmup_kwargs", "component_config", "module_config", "check_components", "check_blocks"]
+           "component_config", "module_config", "check_components", "check_blocks"]
 
 
 @dataclass(frozen=True)
@@ -256,36 +256,3 @@ def place_pipeline(pipe: Any, recipe: Recipe, device: str) -> None:
         pipe.enable_model_cpu_offload(device=device)
     else:
         pipe.to(device)
-
-
-def check_warmup_arguments(pipe: Any, recipe: Recipe) -> None:
-    """Every warmup argument the recipe names must be a parameter of the pipeline's ``__call__``.
-
-    Diffusers pipelines take ``**kwargs`` (for deprecated callbacks), so a misspelt argument would
-    otherwise be ignored: the warmup would run with the default (50 steps instead of 2) and the key
-    would hold the typo."""
-    import inspect
-
-    params = inspect.signature(type(pipe).__call__).parameters
-    named = [n for n, p in params.items() if n != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
-    for arg in recipe.warmup:
-        if arg not in named:
-            raise recipe.error(f"warmup.{arg}", f"not an argument of {type(pipe).__name__}.__call__"
-                                                f"{suggest(arg, named)}")
-
-
-def warmup_kwargs(recipe: Recipe, shape: Any, seed: int = 0, defaults: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The pipeline call of one warmup: the recipe's warmup arguments at one shape.
-
-    Latents come from a CPU generator: identical on every device, and the only way on Neuron/XLA,
-    which cannot create random tensors on the device.
-    """
-    import torch
-
-    from aotbuild.constants import DEFAULT_WARMUP_PROMPT
-
-    kwargs = recipe.warmup_arguments(defaults)
-    kwargs.setdefault("prompt", DEFAULT_WARMUP_PROMPT)
-    kwargs.update(height=shape.height, width=shape.width, num_images_per_prompt=shape.batch_size,
-                  generator=torch.Generator("cpu").manual_seed(seed))
-    return kwargs

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from aotbuild import keys, models
+from aotbuild import keys, models, pipecall
 from aotbuild.context import Context
 from aotbuild.explain import estimate, explain_miss
 from aotbuild.layout import resolve_cache_root
@@ -96,8 +96,11 @@ def plan(recipes: Recipes, cache: str | Path | None = None) -> list[Job]:
     jobs: list[Job] = []
     for recipe in loaded:
         ctx = Context.create(recipe, root)
-        if ctx.model is not None and not ctx.problem:  # only plan: jobs and loads check the loaded module
+        if ctx.model is not None and not ctx.problem:  # only plan: jobs and loads check the loaded pipeline
             models.check_blocks(recipe, ctx.model)
+            pipeline = pipecall.pipeline_class(ctx.pipeline_class)
+            if pipeline is not None:
+                pipecall.check_recipe(recipe, pipecall.CallSignature.of(pipeline))
         jobs.extend(jobs_for(ctx, store))
     return sorted(jobs, key=lambda j: (j.key is None, j.key or "", j.label))
 

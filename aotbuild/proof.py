@@ -58,10 +58,22 @@ def tensors(value: Any) -> list[Any]:
 
 
 def _clone(value: Any) -> Any:
+    """A copy of a call's inputs, each tensor in exactly its layout: a replayed call must be the call the
+    pipeline made. (PixArt passes its timestep as ``t.expand(batch)``, stride 0: a contiguous copy is
+    another signature to Dynamo's guards, which a serving process never sees, and it recompiled.)"""
     import torch
     from torch.utils._pytree import tree_map
 
-    return tree_map(lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t, value)
+    return tree_map(lambda t: clone_layout(t) if isinstance(t, torch.Tensor) else t, value)
+
+
+def clone_layout(t: Any) -> Any:
+    """A copy of ``t`` with its exact shape and strides, expanded (stride 0) dimensions included."""
+    t = t.detach()
+    if t.numel() == 0:
+        return t.clone()
+    span = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))
+    return t.as_strided((span,), (1,)).clone().as_strided(t.shape, t.stride())
 
 
 def block_instances(module: Any, recipe: Any) -> list[tuple[str, Any]]:
@@ -77,7 +89,7 @@ def serve(spec: dict[str, Any]) -> dict[str, Any]:
     """Run in the fresh process: returns the proof's figures, or raises with the reason."""
     import torch
 
-    from aotbuild import models
+    from aotbuild import pipecall
     from aotbuild.context import job_pipeline
     from aotbuild.dispatch import signature
     from aotbuild.recipe import Shape
@@ -118,7 +130,7 @@ def serve(spec: dict[str, Any]) -> dict[str, Any]:
             block.forward = recording(name, block.forward, top=False)
     module.forward = recording("", module.forward, top=True)
     try:
-        pipe(**models.warmup_kwargs(recipe, shape, defaults=ctx.target.warmup_defaults))
+        pipe(**pipecall.warmup_kwargs(recipe, shape, pipe, defaults=ctx.target.warmup_defaults))
     finally:
         for _, block in instances:
             vars(block).pop("forward", None)

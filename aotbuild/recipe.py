@@ -24,8 +24,9 @@ SCOPES = ("full", "regional")
 OFFLOADS = ("none", "model")
 MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 DTYPES = ("float32", "float16", "bfloat16")
-#: Pipeline-call arguments that the shapes own: a warmup may not set them.
-SHAPE_OWNED = ("height", "width", "num_images_per_prompt")
+#: Pipeline-call arguments that the shapes own: a warmup may not set them (nor ``num_frames`` where a
+#: shape sets it: aotbuild/pipecall.py).
+SHAPE_OWNED = ("height", "width", "num_images_per_prompt", "num_videos_per_prompt")
 #: Pipeline-call arguments a warmup may not set because they cannot be written in YAML or are ours.
 WARMUP_FORBIDDEN = SHAPE_OWNED + ("generator", "latents", "callback_on_step_end", "prompt_embeds")
 MAX_SIDE = 16384
@@ -48,7 +49,7 @@ class Field:
 SCHEMA: dict[str, dict[str, Field] | Field] = {
     "model": {
         "id": Field("str", required=True, doc="Hub id, local folder, or builtin:NAME (tiny-sd, tiny-sdxl, tiny-sd3, "
-                                              "tiny-flux)"),
+                                              "tiny-flux, tiny-pixart-sigma, tiny-wan, tiny-wan22)"),
         "revision": Field("str?", doc="Hub revision; pin a commit sha for production"),
         "pipeline": Field("str?", doc="diffusers pipeline class; default: model_index.json's"),
         "dtype": Field("str?", choices=DTYPES, doc="default: the target's (float32 inductor, bfloat16 neuron/tpu)"),
@@ -76,8 +77,10 @@ SCHEMA: dict[str, dict[str, Field] | Field] = {
 SHAPE_SCHEMA = {
     "height": Field("int", required=True, doc="pixels, a positive multiple of 8"),
     "width": Field("int", required=True, doc="pixels, a positive multiple of 8"),
-    "batch_size": Field("int", 1, doc="images per prompt (num_images_per_prompt)"),
+    "batch_size": Field("int", 1, doc="images (or videos) per prompt: num_images_per_prompt or num_videos_per_prompt"),
+    "num_frames": Field("int", None, doc="video pipelines only: frames per video (Wan: 4k+1)"),
 }
+MAX_FRAMES = 4096
 
 
 @dataclass(frozen=True)
@@ -105,13 +108,20 @@ class Shape:
     height: int
     width: int
     batch_size: int = 1
+    #: video pipelines: frames per video; None (images, or the pipeline's default) keeps it out of keys
+    num_frames: int | None = None
 
     def __str__(self) -> str:
+        """``64x96``, ``64x96x2`` (batch 2), ``9x64x96`` (9 frames), ``9x64x96x2``."""
         text = f"{self.height}x{self.width}"
+        if self.num_frames is not None:
+            text = f"{self.num_frames}x{text}"
         return text if self.batch_size == 1 else f"{text}x{self.batch_size}"
 
     def as_dict(self) -> dict[str, int]:
-        return {"height": self.height, "width": self.width, "batch_size": self.batch_size}
+        """A key factor: ``num_frames`` only where the shape sets it (so image recipes keep their keys)."""
+        out = {"height": self.height, "width": self.width, "batch_size": self.batch_size}
+        return out if self.num_frames is None else {**out, "num_frames": self.num_frames}
 
 
 @dataclass(frozen=True)
@@ -270,6 +280,8 @@ class _Checker:
                                                      f"of 8, at most {MAX_SIDE}")
             if not 1 <= values["batch_size"] <= 1024:
                 raise self.fail(f"{key}.batch_size", f"{values['batch_size']} is not allowed: 1 to 1024")
+            if values["num_frames"] is not None and not 1 <= values["num_frames"] <= MAX_FRAMES:
+                raise self.fail(f"{key}.num_frames", f"{values['num_frames']} is not allowed: 1 to {MAX_FRAMES}")
             shape = Shape(**values)
             if shape in shapes:
                 raise self.fail(key, f"duplicates shapes[{shapes.index(shape)}] ({shape})")

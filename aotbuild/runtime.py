@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from aotbuild import keys, models
+from aotbuild import keys, models, pipecall
 from aotbuild.context import Context
 from aotbuild.errors import CacheMiss, RemoteError, TargetUnavailable, UsageError
 from aotbuild.explain import explain_miss
@@ -111,6 +111,7 @@ def load_compiled(recipe: str | Path | Recipe | Mapping[str, Any], pipe: Any = N
     if ctx.problem:
         raise TargetUnavailable(f"{recipe.source}: {ctx.problem}")
     pipe = _pipeline(ctx, pipe)
+    pipecall.check_recipe(recipe, pipecall.CallSignature.of(pipe))  # a misspelt warmup key: a recipe error
     blocker = ctx.target.install_blocker()
     wanted = _wanted(ctx, pipe)
     pulled, remote_notes = _pull_missing(store, remote, [w.key for w in wanted]) if remote and not blocker \

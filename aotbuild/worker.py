@@ -18,7 +18,7 @@ from aotbuild import child
 def run(job: dict) -> dict:
     t0 = time.perf_counter()
     child.phase(job, "loading the pipeline")
-    from aotbuild import keys, models
+    from aotbuild import keys, models, pipecall
     from aotbuild.context import job_pipeline
     from aotbuild.recipe import Shape
     from aotbuild.recipes import recipe_from_spec
@@ -28,7 +28,7 @@ def run(job: dict) -> dict:
     shape = Shape(**job["shape"])
     component = job["component"]
     ctx, pipe = job_pipeline(recipe, Path(job["cache_root"]))
-    models.check_warmup_arguments(pipe, recipe)
+    pipecall.check_recipe(recipe, pipecall.CallSignature.of(pipe))
     module = getattr(pipe, component)
     cls_name, config = models.module_config(module)
     factors = ctx.factors(component, cls_name, config, shape, type(pipe).__name__)
@@ -38,16 +38,13 @@ def run(job: dict) -> dict:
         raise RuntimeError(f"the loaded model gives another key than the plan ({diff})")
     t_load = time.perf_counter()
     child.phase(job, "compiling and warming up")
-    warmup = models.warmup_kwargs(recipe, shape, defaults=ctx.target.warmup_defaults)
-    batches: list[int] = []
-    watch = module.register_forward_pre_hook(lambda _, args, kwargs: batches.append(_batch_of(args, kwargs)),
-                                             with_kwargs=True)
+    # What the component is called with is the pipeline's business (guidance may double the batch, or
+    # call twice, or be an input): the strategy records every call's signature, and loads dispatch on them.
+    warmup = pipecall.warmup_kwargs(recipe, shape, pipe, defaults=ctx.target.warmup_defaults)
     job_spec = BuildJob(ctx, pipe, component, module, warmup, Path(job["workdir"]),
                         phase=lambda text: child.phase(job, text))
     built = ctx.strategy.build(job_spec)
     t_warm = time.perf_counter()
-    watch.remove()
-    _check_batch(pipe, recipe, component, shape, warmup, batches)
     from torch._dynamo.utils import counters
 
     return {
@@ -58,39 +55,6 @@ def run(job: dict) -> dict:
         "counters": {k: int(v) for k, v in counters["inductor"].items() if "cache" in k},
         "pipeline_class": type(pipe).__name__,
     }
-
-
-def _batch_of(args: tuple, kwargs: dict) -> int:
-    """The batch a denoiser is called at: its latents' first dimension (``sample`` for UNets,
-    ``hidden_states`` for transformers, else the first tensor argument); -1 if it has none."""
-    import torch
-
-    for value in (*args[:1], kwargs.get("sample"), kwargs.get("hidden_states"), *args, *kwargs.values()):
-        if isinstance(value, torch.Tensor) and value.dim() > 0:
-            return int(value.shape[0])
-    return -1
-
-
-def _check_batch(pipe, recipe, component: str, shape, warmup: dict, batches: list[int]) -> None:
-    """The batch the component saw must be what the key's factors imply: prompts x images per prompt
-    (x 2 where classifier-free guidance runs both halves at once). Otherwise an argument changes the
-    batch behind the key's back, and the entry would be served to calls it does not fit."""
-    from aotbuild.recipe import prompt_count
-
-    seen = sorted({b for b in batches if b > 0})
-    if not seen:
-        return
-    prompts = prompt_count(warmup.get("prompt"))
-    guided = bool(getattr(pipe, "do_classifier_free_guidance", False))
-    expected = prompts * shape.batch_size * (2 if guided else 1)
-    if seen != [expected]:
-        why = f"{prompts} prompt text(s) x batch_size {shape.batch_size}" + (" x 2 for guidance" if guided else "")
-        suspects = [f"warmup.{k}" for k, v in recipe.warmup.items() if isinstance(v, (list, tuple, int))
-                    and not isinstance(v, bool) and k not in ("num_inference_steps",)] or ["an argument the pipeline "
-                                                                                        "sets itself"]
-        raise RuntimeError(f"the {component} ran at batch {', '.join(map(str, seen))} but the key's factors imply "
-                           f"{expected} ({why}): {', '.join(suspects)} changes the batch in a way the key does not "
-                           f"record; set it in the shape (batch_size) or leave it out of the warmup")
 
 
 def main(argv: list[str]) -> int:

@@ -3,11 +3,14 @@
     python benchmarks/arch_matrix.py [--arch tiny-flux,tiny-sd] [--strategy jit-cache]
                                      [--scope full] [--json FILE] [--keep DIR]
 
-For each cell (tiny-sd, tiny-sdxl, tiny-sd3, tiny-flux x every registered strategy (jit-cache,
-aot-package, aot-compile) x full, regional):
+For each cell (every built-in: tiny-sd, tiny-sdxl, tiny-sd3, tiny-flux, tiny-pixart-sigma, tiny-wan,
+tiny-wan22 x every registered strategy (jit-cache, aot-package, aot-compile) x full, regional):
 
-1. a recipe derived from recipes/tiny_<arch>_cpu.yaml (its first shape; SD3's transformer declares no
-   ``_repeated_blocks``, so its regional cells name ``compile.blocks: [JointTransformerBlock]``);
+1. a recipe derived from the built-in's recipe in recipes/ (its first shape; SD3's and PixArt's
+   transformers declare no ``_repeated_blocks``, so their regional cells name ``compile.blocks``),
+   with classifier-free guidance on (the SD recipes turn it off; the matrix turns it on: their
+   denoisers then run at twice the batch; Flux takes guidance as an input, PixArt batches it, Wan
+   runs two calls; tiny-wan22 builds both of its denoisers, one job each);
 2. ``aotbuild build --json`` into a fresh cache with an empty Inductor cache; the entry's manifest
    (``aotbuild show --json KEY``) gives the build's phases and what its proof measured;
 3. the cache is moved to another folder and served, as a new replica would, by a fresh process in
@@ -102,7 +105,8 @@ def run_cell(cell: Cell, work: Path, say: Any) -> None:
     recipe = harness.derive_recipe(harness.ARCHS[cell.arch],
                                    folder / f"{cell.arch.replace('-', '_')}_{cell.strategy.replace('-', '_')}_"
                                             f"{cell.scope}.yaml",
-                                   strategy=cell.strategy, scope=cell.scope, blocks=blocks)
+                                   strategy=cell.strategy, scope=cell.scope, blocks=blocks,
+                                   warmup=harness.GUIDED.get(cell.arch))
     say(f"{cell.name}: building into a fresh cache ...")
     cell.build = harness.build(recipe, folder / "build" / "cache", folder / "build")
     if not cell.build.ok:
@@ -122,7 +126,7 @@ def serve(recipe_path: str, cache: str) -> dict[str, Any]:
     """The replica: an eager pipeline and the served one, the same inputs, what the load compiled."""
     from torch._dynamo.utils import counters
 
-    from aotbuild import load_compiled, models
+    from aotbuild import load_compiled, models, pipecall
     from aotbuild.context import Context
     from aotbuild.proof import tensors, tolerance
     from aotbuild.recipes import load_recipe
@@ -150,8 +154,9 @@ def serve(recipe_path: str, cache: str) -> dict[str, Any]:
             lambda module, args, out: seen.append([t.detach().float().clone() for t in tensors(out)]))
             for c in recipe.compile.components]
         try:
-            kwargs = models.warmup_kwargs(recipe, shape, defaults=ctx.target.warmup_defaults)
-            image = pipe(**kwargs, output_type="pt").images
+            kwargs = pipecall.warmup_kwargs(recipe, shape, pipe, defaults=ctx.target.warmup_defaults)
+            out = pipe(**kwargs, output_type="pt")
+            image = out.images if hasattr(out, "images") else out.frames  # a video pipeline's frames
         finally:
             for hook in hooks:
                 hook.remove()

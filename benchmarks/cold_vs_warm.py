@@ -46,7 +46,8 @@ def child(mode: str, recipe: str, cache: str) -> None:
     import torch
 
     from aotbuild.layout import resolve_cache_root
-    from aotbuild.models import load_pipeline, resolve_model, warmup_kwargs
+    from aotbuild.models import load_pipeline, resolve_model
+    from aotbuild.pipecall import warmup_kwargs
 
     r = load_recipe(recipe)
     shape = r.shapes[0]
@@ -60,12 +61,12 @@ def child(mode: str, recipe: str, cache: str) -> None:
             for name in r.compile.components:
                 module = getattr(pipe, name)
                 module.forward = torch.compile(module.forward, fullgraph=True, dynamic=False)
-    pipe(**warmup_kwargs(r, shape))
+    pipe(**warmup_kwargs(r, shape, pipe))
     first = time.perf_counter() - T0
     times = []
     for _ in range(10):
         t = time.perf_counter()
-        pipe(**warmup_kwargs(r, shape))
+        pipe(**warmup_kwargs(r, shape, pipe))
         times.append(time.perf_counter() - t)
     import resource
 

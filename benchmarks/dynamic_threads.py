@@ -26,7 +26,8 @@ REPO = Path(__file__).resolve().parents[1]
 def child(dynamic: bool, calls: int, cache: str) -> None:
     import torch
 
-    from aotbuild.models import load_pipeline, resolve_model, warmup_kwargs
+    from aotbuild.models import load_pipeline, resolve_model
+    from aotbuild.pipecall import warmup_kwargs
     from aotbuild.recipes import load_recipe
 
     recipe = load_recipe(REPO / "recipes" / "tiny_sd_cpu.yaml")
@@ -37,7 +38,7 @@ def child(dynamic: bool, calls: int, cache: str) -> None:
         captured.setdefault("call", (args, kwargs))
 
     handle = pipe.unet.register_forward_pre_hook(grab, with_kwargs=True)
-    pipe(**warmup_kwargs(recipe, recipe.shapes[0]))
+    pipe(**warmup_kwargs(recipe, recipe.shapes[0], pipe))
     handle.remove()
     args, kwargs = captured["call"]
     fn = torch.compile(pipe.unet.forward, fullgraph=True, dynamic=False,

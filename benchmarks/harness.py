@@ -26,16 +26,23 @@ REPO = Path(__file__).resolve().parents[1]
 RECIPES = REPO / "recipes"
 #: The built-in tiny models and the recipe each benchmark derives its cells from.
 ARCHS = {"tiny-sd": RECIPES / "tiny_sd_cpu.yaml", "tiny-sdxl": RECIPES / "tiny_sdxl_cpu.yaml",
-         "tiny-sd3": RECIPES / "tiny_sd3_cpu.yaml", "tiny-flux": RECIPES / "tiny_flux_cpu.yaml"}
+         "tiny-sd3": RECIPES / "tiny_sd3_cpu.yaml", "tiny-flux": RECIPES / "tiny_flux_cpu.yaml",
+         "tiny-pixart-sigma": RECIPES / "tiny_pixart_cpu.yaml", "tiny-wan": RECIPES / "tiny_wan_cpu.yaml",
+         "tiny-wan22": RECIPES / "tiny_wan22_cpu.yaml"}
 
 #: Regional scope for a denoiser that declares no ``_repeated_blocks``: the block classes to compile.
-REGIONAL_BLOCKS = {"tiny-sd3": ["JointTransformerBlock"]}
+REGIONAL_BLOCKS = {"tiny-sd3": ["JointTransformerBlock"], "tiny-pixart-sigma": ["BasicTransformerBlock"]}
+
+#: Guidance on, where the recipe turns it off (SD-style pipelines batch both halves when it is on);
+#: the other recipes have it on already (Flux: an input; PixArt: batched; Wan: two calls).
+GUIDED = {"tiny-sd": {"guidance_scale": 7.5}, "tiny-sdxl": {"guidance_scale": 5.0},
+          "tiny-sd3": {"guidance_scale": 5.0}}
 
 
 def derive_recipe(base: Path, dest: Path, *, strategy: str, scope: str = "full",
-                  blocks: list[str] | None = None) -> Path:
+                  blocks: list[str] | None = None, warmup: dict[str, Any] | None = None) -> Path:
     """Write ``base`` with its first shape only (each cold compile costs minutes on a small CPU),
-    ``strategy`` and ``compile.scope``, and ``compile.blocks`` when given, to ``dest``."""
+    ``strategy`` and ``compile.scope``, ``compile.blocks`` and warmup arguments when given, to ``dest``."""
     import yaml
 
     data = yaml.safe_load(base.read_text())
@@ -44,6 +51,8 @@ def derive_recipe(base: Path, dest: Path, *, strategy: str, scope: str = "full",
     data["compile"]["scope"] = scope
     if blocks:
         data["compile"]["blocks"] = list(blocks)
+    if warmup:
+        data["warmup"] = {**data.get("warmup", {}), **warmup}
     dest.parent.mkdir(parents=True, exist_ok=True)
     dest.write_text(f"# {base.name}, one shape, strategy {strategy}, scope {scope} (derived by benchmarks/)\n"
                     + yaml.safe_dump(data, sort_keys=False))

@@ -9,7 +9,8 @@ empty Inductor cache and no AOTBUILD_CACHE, which
    strategy's own counter, Inductor's counters, Dynamo's graphs and frames) and which C++ kernels
    appeared in the Inductor folder, and compares the images and every output of the component
    (the denoiser) with eager's;
-4. calls at 32x32, a shape no test recipe builds, expecting ``ShapeNotBuilt``.
+4. calls at 32x32 (``strict_shape``; a video's frames as its first shape's), a shape no test recipe
+   builds, expecting ``ShapeNotBuilt``.
 """
 
 from __future__ import annotations
@@ -25,13 +26,15 @@ SERVE = textwrap.dedent("""
     from pathlib import Path
     from aotbuild import ShapeNotBuilt, load_compiled, load_recipe
     from aotbuild.dispatch import Dispatcher
-    from aotbuild.models import load_pipeline, resolve_model, warmup_kwargs
+    from aotbuild.models import load_pipeline, resolve_model
+    from aotbuild.pipecall import warmup_kwargs
     from aotbuild.recipe import Shape
     from aotbuild.strategies import get_strategy
     from aotbuild.targets import get_target
 
-    recipe_path, cache, component = sys.argv[1:4]
-    remote = sys.argv[4] if len(sys.argv) > 4 else None
+    recipe_path, cache, component, strict_shape = sys.argv[1:5]
+    remote = sys.argv[5] if len(sys.argv) > 5 else None
+    strict_h, strict_w = map(int, strict_shape.split("x"))
     r = load_recipe(recipe_path)
 
     def run_all(pipe):
@@ -45,7 +48,8 @@ SERVE = textwrap.dedent("""
             return out
         module.forward = watch
         try:
-            images = [pipe(**warmup_kwargs(r, s), output_type="pt").images for s in r.shapes]
+            outs = [pipe(**warmup_kwargs(r, s, pipe), output_type="pt") for s in r.shapes]
+            images = [o.images if hasattr(o, "images") else o.frames for o in outs]  # a video pipeline's frames
         finally:
             module.forward = inner
         return images, seen
@@ -65,7 +69,7 @@ SERVE = textwrap.dedent("""
     kernels_after_call = kernels()
     strict = None
     try:
-        pipe(**warmup_kwargs(r, Shape(height=32, width=32)))
+        pipe(**warmup_kwargs(r, Shape(height=strict_h, width=strict_w, num_frames=r.shapes[0].num_frames), pipe))
     except ShapeNotBuilt as exc:
         strict = str(exc)
     import torch._dynamo.utils as dynamo_utils
@@ -92,13 +96,13 @@ SERVE = textwrap.dedent("""
 
 
 def serve_fresh(recipe: Path, cache: Path, workdir: Path, *, component: str = "unet", cwd: Path | None = None,
-                remote: str | None = None) -> dict:
+                remote: str | None = None, strict_shape: str = "32x32") -> dict:
     """What SERVE measured in a fresh process (in ``cwd``, default a new folder under ``workdir``)."""
     cwd = cwd or workdir / "elsewhere"
     cwd.mkdir(parents=True, exist_ok=True)
     script = workdir / "serve.py"
     script.write_text(SERVE)
-    argv = [str(recipe), str(cache), component] + ([remote] if remote else [])
+    argv = [str(recipe), str(cache), component, strict_shape] + ([remote] if remote else [])
     proc = run_python(f"import runpy, sys; sys.argv = ['serve', *{argv!r}]; "
                       f"runpy.run_path({str(script)!r}, run_name='__main__')",
                       env={"TORCHINDUCTOR_CACHE_DIR": str(workdir / "empty-inductor"), "AOTBUILD_CACHE": ""},

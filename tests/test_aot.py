@@ -40,7 +40,7 @@ def _tiny_unet_params(cache):
 
 
 def captured_call(pipe, recipe):
-    from aotbuild.models import warmup_kwargs
+    from aotbuild.pipecall import warmup_kwargs
 
     seen = {}
 
@@ -48,7 +48,7 @@ def captured_call(pipe, recipe):
         seen.setdefault("call", (args, kwargs))
 
     handle = pipe.unet.register_forward_pre_hook(grab, with_kwargs=True)
-    pipe(**warmup_kwargs(recipe, recipe.shapes[0]))
+    pipe(**warmup_kwargs(recipe, recipe.shapes[0], pipe))
     handle.remove()
     return seen["call"]
 
@@ -85,7 +85,8 @@ def test_weights_changed_after_load_are_resupplied_or_refused(aot_cache):
 @pytest.mark.slow
 def test_other_weights_of_the_architecture_hit_and_use_their_own_values(aot_cache, models_dir):
     """A fine-tune of the same architecture runs the same packages with its own weights."""
-    from aotbuild.models import load_pipeline, resolve_model, warmup_kwargs
+    from aotbuild.models import load_pipeline, resolve_model
+    from aotbuild.pipecall import warmup_kwargs
     from aotbuild.recipes import load_recipe
 
     recipe_path, cache, _ = aot_cache
@@ -94,9 +95,9 @@ def test_other_weights_of_the_architecture_hit_and_use_their_own_values(aot_cach
     with torch.no_grad():
         for p in pipe.unet.parameters():
             p.mul_(1.01)
-    expected = pipe(**warmup_kwargs(recipe, recipe.shapes[0]), output_type="pt").images
+    expected = pipe(**warmup_kwargs(recipe, recipe.shapes[0], pipe), output_type="pt").images
     load_compiled(recipe, pipe, cache=cache, on_miss="error", strict_shapes=True)
-    got = pipe(**warmup_kwargs(recipe, recipe.shapes[0]), output_type="pt").images
+    got = pipe(**warmup_kwargs(recipe, recipe.shapes[0], pipe), output_type="pt").images
     assert pipe.unet.forward.calls["built"] >= 1 and (got - expected).abs().max().item() <= 1e-4
 
 
@@ -131,7 +132,7 @@ def test_a_package_naming_a_block_the_model_lacks_is_a_miss():
 
     model = torch.nn.Module()
     model.blocks = torch.nn.ModuleList([torch.nn.Linear(2, 2)])
-    entry = type("E", (), {"manifest": type("M", (), {"packages": (
+    entry = type("E", (), {"files": (), "manifest": type("M", (), {"packages": (
         {"instances": ["blocks.0", "blocks.7"], "baked": {}},)})()})()
     assert "has no block 'blocks.7'" in get_strategy("aot-package").check(model, "transformer", entry)
     entry.manifest.packages = ({"instances": ["blocks.0"], "baked": {}},)

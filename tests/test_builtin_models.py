@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from aotbuild import builtin, models
+from aotbuild import builtin, models, pipecall
 from aotbuild.recipes import load_recipe
 from tests.conftest import REPO, run_cli
 
@@ -57,12 +57,12 @@ def test_loads_and_runs_one_eager_call_at_the_recipe_shape(name, builtin_root):
     assert resolved.builtin_version == builtin.BUILTINS[name].version
     pipe = models.load_pipeline(recipe, resolved, "float32")
     assert type(pipe).__name__ == pipeline_class
-    models.check_warmup_arguments(pipe, recipe)
+    pipecall.check_recipe(recipe, pipecall.CallSignature.of(pipe))
     # The planner keys config.json, a build job keys the loaded module: they must agree.
     module = getattr(pipe, component)
     assert models.module_config(module) == models.component_config(resolved, component, None)
     shape = recipe.shapes[0]
-    kwargs = models.warmup_kwargs(recipe, shape)
+    kwargs = pipecall.warmup_kwargs(recipe, shape, pipe)
     image = pipe(**kwargs).images[0]
     assert image.size == (shape.width, shape.height)
 

@@ -107,7 +107,8 @@ def test_a_dict_hits_what_its_yaml_twin_built_and_loads_into_an_existing_pipe(bu
 
     import torch
 
-    from aotbuild.models import load_pipeline, resolve_model, warmup_kwargs
+    from aotbuild.models import load_pipeline, resolve_model
+    from aotbuild.pipecall import warmup_kwargs
 
     cache = tmp_path / "cache"
     shutil.copytree(built_cache[0], cache)
@@ -118,9 +119,9 @@ def test_a_dict_hits_what_its_yaml_twin_built_and_loads_into_an_existing_pipe(bu
 
     parsed = parse_recipe(recipe)
     pipe = load_pipeline(parsed, resolve_model(parsed, cache), "float32")
-    kwargs = warmup_kwargs(parsed, parsed.shapes[0])
+    kwargs = warmup_kwargs(parsed, parsed.shapes[0], pipe)
     expected = pipe(**kwargs, output_type="pt").images
     same = aotbuild.load_compiled(recipe, pipe=pipe, cache=cache, on_miss="error", strict_shapes=True)
     assert same is pipe and [e.hit for e in pipe.aotbuild_report.entries] == [True]
-    out = pipe(**warmup_kwargs(parsed, parsed.shapes[0]), output_type="pt").images
+    out = pipe(**warmup_kwargs(parsed, parsed.shapes[0], pipe), output_type="pt").images
     assert torch.allclose(out, expected, atol=1e-4)

@@ -41,9 +41,9 @@ def test_strict_raises_shape_not_built():
         m(torch.zeros(4, 3), flag=None)
     assert isinstance(info.value, CacheMiss)
     assert "built: arg[0]=2x3:float32" in str(info.value)
-    # Another batch: prompts, images per prompt or guidance_scale above 1 (classifier-free guidance).
-    assert "The batch is 4 where the cache built 2: it is the number of prompts x" in str(info.value)
-    assert "guidance_scale is above 1" in str(info.value)
+    # Another batch: prompts, images per prompt or (in pipelines that batch its halves) guidance.
+    assert "The batch is 4 where the cache built 2: it follows the number of prompts" in str(info.value)
+    assert "whether guidance is on" in str(info.value)
     with pytest.raises(ShapeNotBuilt) as info:
         m(torch.zeros(2, 5), flag=None)
     assert "The batch is" not in str(info.value)  # the batch is not what differs

@@ -87,30 +87,6 @@ def test_a_list_of_prompts_is_keyed_by_its_length_not_its_texts(models_dir):
     assert factors["warmup"]["prompt"] == {"texts": 2} and factors["warmup"]["negative_prompt"] == {"texts": 1}
 
 
-@pytest.mark.parametrize("prompt,guided,seen,fails", [
-    ("a cat", False, [1, 1], ""),
-    (["a cat", "a dog"], False, [2], ""),
-    (["a cat", "a dog"], True, [4, 4], ""),
-    ("a cat", True, [2], ""),
-    ("a cat", False, [3], "ran at batch 3 but the key's factors imply 1 (1 prompt text(s) x batch_size 1)"),
-    (["a", "b"], True, [2], "imply 4 (2 prompt text(s) x batch_size 1 x 2 for guidance): warmup.extra"),
-])
-def test_the_worker_refuses_a_batch_the_key_does_not_explain(prompt, guided, seen, fails):
-    from types import SimpleNamespace
-
-    from aotbuild.recipe import Shape
-    from aotbuild.worker import _check_batch
-
-    recipe = SimpleNamespace(warmup={"num_inference_steps": 2, "extra": 3, "prompt": prompt})
-    pipe = SimpleNamespace(do_classifier_free_guidance=guided)
-    if not fails:
-        _check_batch(pipe, recipe, "unet", Shape(64, 64), {"prompt": prompt}, seen)
-        return
-    with pytest.raises(RuntimeError) as info:
-        _check_batch(pipe, recipe, "unet", Shape(64, 64), {"prompt": prompt}, seen)
-    assert fails in str(info.value) and "num_inference_steps" not in str(info.value)
-
-
 def test_each_shape_has_its_own_key(models_dir):
     data = base_data()
     data["shapes"].append({"height": 64, "width": 64, "batch_size": 2})

@@ -332,7 +332,7 @@ def test_flux_regional_packages_serve_every_block(tmp_path, strategy):
         strategy: {strategy}
         compile: {{components: [transformer], scope: regional}}
         shapes: [{{height: 64, width: 64}}]
-        warmup: {{num_inference_steps: 2, max_sequence_length: 8}}
+        warmup: {{num_inference_steps: 2, max_sequence_length: 8, guidance_scale: 3.5}}  # guidance: an input
     """))
     assert manifest["proof"]["instances"] == 4 and manifest["proof"]["compiles"] == 0  # the build's own proof
     served = {p["block_class"]: p["instances"] for p in manifest["packages"]}

@@ -58,14 +58,14 @@ def test_cuda_recipe_without_cuda_is_target_unavailable(tmp_path):
 
 def test_passed_pipe_misses_run_eager_when_asked(tiny_pipe, models_dir):
     """Nothing built, on_miss='eager': the UNet is never compiled, output is eager output."""
-    from aotbuild.models import warmup_kwargs
+    from aotbuild.pipecall import warmup_kwargs
 
     recipe = load_recipe(TINY_RECIPE)
-    expected = tiny_pipe(**warmup_kwargs(recipe, recipe.shapes[0]), output_type="pt").images
+    expected = tiny_pipe(**warmup_kwargs(recipe, recipe.shapes[0], tiny_pipe), output_type="pt").images
     with pytest.warns(UserWarning, match="tiny_sd_cpu: 2 of 2 entries missed, each runs eagerly: unet 64x64"):
         pipe = load_compiled(recipe, tiny_pipe, cache=models_dir, on_miss="eager")
     assert [e.hit for e in pipe.aotbuild_report.entries] == [False, False]
-    out = pipe(**warmup_kwargs(recipe, recipe.shapes[0]), output_type="pt").images
+    out = pipe(**warmup_kwargs(recipe, recipe.shapes[0], pipe), output_type="pt").images
     assert torch.equal(out, expected)
     assert pipe.unet.forward.calls == {"built": 0, "unbuilt": 2}
 

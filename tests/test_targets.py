@@ -84,18 +84,19 @@ LOAD = textwrap.dedent("""
     import json, sys, os, importlib
     import torch
     from aotbuild import load_compiled, load_recipe
-    from aotbuild.models import load_pipeline, resolve_model, warmup_kwargs
+    from aotbuild.models import load_pipeline, resolve_model
+    from aotbuild.pipecall import warmup_kwargs
     from pathlib import Path
     recipe_path, cache, vendor = sys.argv[1:4]
     r = load_recipe(recipe_path)
     eager = load_pipeline(r, resolve_model(r, Path(cache)), "float32")
     defaults = {"num_inference_steps": 1}
-    ref = eager(**warmup_kwargs(r, r.shapes[0], defaults=defaults), output_type="pt").images
+    ref = eager(**warmup_kwargs(r, r.shapes[0], eager, defaults=defaults), output_type="pt").images
     pipe = load_compiled(recipe_path, cache=cache, on_miss="error")
     stats = importlib.import_module(vendor).stats
-    out = pipe(**warmup_kwargs(r, r.shapes[0], defaults=defaults), output_type="pt").images
+    out = pipe(**warmup_kwargs(r, r.shapes[0], pipe, defaults=defaults), output_type="pt").images
     warm = dict(stats)
-    pipe(**warmup_kwargs(r, r.shapes[0], defaults=defaults) | {"height": 32, "width": 32})
+    pipe(**warmup_kwargs(r, r.shapes[0], pipe, defaults=defaults) | {"height": 32, "width": 32})
     print("RESULT " + json.dumps({"warm": warm, "after_new_shape": dict(stats),
                                   "max_diff": (out - ref).abs().max().item(),
                                   "hits": len(pipe.aotbuild_report.hits)}))

@@ -8,7 +8,13 @@ denoiser in a minute or two on two CPU cores:
   CLIPTextModel and CLIPTextModelWithProjection);
 * ``builtin:tiny-sd3``: ``StableDiffusion3Pipeline`` (SD3Transformer2DModel, two CLIP encoders, T5);
 * ``builtin:tiny-flux``: ``FluxPipeline`` (FluxTransformer2DModel with double- and single-stream
-  blocks, CLIP, T5, guidance embedding as in FLUX.1-dev).
+  blocks, CLIP, T5, guidance embedding as in FLUX.1-dev);
+* ``builtin:tiny-pixart-sigma``: ``PixArtSigmaPipeline`` (PixArtTransformer2DModel, T5): guidance
+  batches both halves into one call of twice the batch, without SD's ``do_classifier_free_guidance``;
+* ``builtin:tiny-wan``: ``WanPipeline`` as Wan 2.1 (WanTransformer3DModel, AutoencoderKLWan, UMT5):
+  video (``num_frames``, ``num_videos_per_prompt``), guidance as two calls of the batch per step;
+* ``builtin:tiny-wan22``: ``WanPipeline`` as Wan 2.2 A14B: two denoisers, ``transformer`` for the
+  high-noise steps and ``transformer_2`` for the rest (``boundary_ratio``).
 
 A model is created deterministically (fixed seeds, fixed configs, tokenizers built from files shipped
 here or from code) on first use, saved with ``save_pretrained`` under ``models/`` in the cache root,
@@ -274,7 +280,92 @@ class TinyFlux(BuiltinModel):
         pipe.save_pretrained(str(folder), safe_serialization=True)
 
 
-BUILTINS: dict[str, BuiltinModel] = {m.name: m for m in (TinySD(), TinySDXL(), TinySD3(), TinyFlux())}
+class TinyPixArtSigma(BuiltinModel):
+    """PixArt-Sigma's layout: a DiT of ``ada_norm_single`` blocks over 2x2 patches (learned sigma:
+    twice the latent channels out), T5 text. Its ``sample_size`` 32 is the smallest that PixArt's
+    default resolution binning accepts: any requested size is denoised at a 256-pixel bin (a 32x32
+    latent) and resized back."""
+
+    name = "tiny-pixart-sigma"
+    version = 1
+
+    def create(self, folder: Path) -> None:
+        import torch
+        from diffusers import DPMSolverMultistepScheduler, PixArtSigmaPipeline, PixArtTransformer2DModel
+
+        tokenizer = t5_tokenizer(300)
+        text_encoder = _t5_encoder(tokenizer, 32)
+        torch.manual_seed(0)
+        transformer = PixArtTransformer2DModel(
+            sample_size=32, num_layers=2, patch_size=2, attention_head_dim=8, num_attention_heads=2,
+            in_channels=4, out_channels=8, cross_attention_dim=16, caption_channels=32, attention_bias=True,
+            activation_fn="gelu-approximate", num_embeds_ada_norm=1000, norm_type="ada_norm_single",
+            norm_elementwise_affine=False, norm_eps=1e-6, interpolation_scale=None, use_additional_conditions=False,
+        )
+        vae = _vae(4, sample_size=256)
+        pipe = PixArtSigmaPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, transformer=transformer,
+                                   scheduler=DPMSolverMultistepScheduler())
+        pipe.save_pretrained(str(folder), safe_serialization=True)
+
+
+def _wan_transformer(seed: int):
+    import torch
+    from diffusers import WanTransformer3DModel
+
+    torch.manual_seed(seed)
+    return WanTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=16, out_channels=16,
+        text_dim=32, freq_dim=32, ffn_dim=32, num_layers=2, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
+        rope_max_seq_len=32,
+    )
+
+
+class TinyWan(BuiltinModel):
+    """Wan 2.1's layout: a video DiT over (1, 2, 2) patches of a causal 3D VAE's latents (8x spatial, 4x
+    temporal: ``num_frames`` is 4k+1, sides multiples of 16), UMT5 text, UniPC in flow mode as the
+    Wan 2.1 Diffusers repos ship. Guidance runs the conditional and unconditional passes as two calls."""
+
+    name = "tiny-wan"
+    version = 1
+    #: Wan 2.2 A14B: a second denoiser for the low-noise steps (t < boundary_ratio x 1000).
+    boundary_ratio: float | None = None
+
+    def create(self, folder: Path) -> None:
+        import torch
+        from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline
+        from transformers import UMT5Config, UMT5EncoderModel
+
+        tokenizer = t5_tokenizer(512)
+        torch.manual_seed(0)
+        text_encoder = UMT5EncoderModel(UMT5Config(
+            vocab_size=len(tokenizer), d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4,
+            relative_attention_num_buckets=8, relative_attention_max_distance=32, pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id, decoder_start_token_id=tokenizer.pad_token_id,
+            feed_forward_proj="gated-gelu", is_encoder_decoder=False, use_cache=False,
+        ))
+        torch.manual_seed(0)
+        vae = AutoencoderKLWan(base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+                               temperal_downsample=[False, True, True])
+        scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
+                                            num_train_timesteps=1000, flow_shift=3.0)
+        extra = {} if self.boundary_ratio is None else {"transformer_2": _wan_transformer(1),
+                                                        "boundary_ratio": self.boundary_ratio}
+        pipe = WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, scheduler=scheduler,
+                           transformer=_wan_transformer(0), **extra)
+        pipe.save_pretrained(str(folder), safe_serialization=True)
+
+
+class TinyWan22(TinyWan):
+    """Wan 2.2 A14B's layout: TinyWan with two denoisers, switched at ``boundary_ratio`` 0.875 (its value):
+    with 2 steps the first runs ``transformer``, the second ``transformer_2``."""
+
+    name = "tiny-wan22"
+    version = 1
+    boundary_ratio = 0.875
+
+
+BUILTINS: dict[str, BuiltinModel] = {m.name: m for m in (TinySD(), TinySDXL(), TinySD3(), TinyFlux(),
+                                                         TinyPixArtSigma(), TinyWan(), TinyWan22())}
 
 
 def is_builtin(model_id: str) -> bool:

@@ -77,6 +77,13 @@ class AotPackage(Strategy):
                     return f"packages[].baked[{fqn[:40]!r}]: not a digest"
             if record.get("strides") is not None and not isinstance(record["strides"], list):
                 return "packages[].strides: not a list"
+            lifted = record.get("lifted", {})
+            if not isinstance(lifted, dict) or not all(
+                    isinstance(m, list) and len(m) == 2 and isinstance(m[0], list) and isinstance(m[1], str)
+                    and all(isinstance(d, int) and not isinstance(d, bool) for d in m[0]) for m in lifted.values()):
+                return "packages[].lifted: not {name: [shape, dtype]}"
+            if lifted and not isinstance(record.get("lifted_path"), str):
+                return "packages[].lifted_path: not a file name"
         return ""
 
     def embeds_weights(self, records: tuple[dict[str, Any], ...]) -> bool:
@@ -91,7 +98,10 @@ class AotPackage(Strategy):
 
     def check(self, module: Any, component: str, entry: Entry) -> str:
         named = dict(module.named_modules())
+        files = dict(entry.files)
         for package in entry.manifest.packages:
+            if package.get("lifted") and package.get("lifted_path") not in files:
+                return f"{component}'s AOT package names a constants file the entry does not have"
             for instance in package.get("instances", [""]):
                 if instance and instance not in named:
                     return (f"{component} has no block {instance!r}, which the entry's AOT package serves: it was "
@@ -105,8 +115,7 @@ class AotPackage(Strategy):
                  if rel.startswith(probe)]
         result = ctx.target.install(files, ctx.device) if files else None
         for p in planned:
-            packages = [(package, dict(e.files)[package["path"]]) for e in p.entries
-                        for package in e.manifest.packages]
+            packages = [(package, dict(e.files)) for e in p.entries for package in e.manifest.packages]
             routes = aoti.load_packages(p.module, p.component, packages, ctx.device)
             if ctx.recipe.compile.scope == "regional":  # the component runs eagerly, its blocks dispatch
                 for name, block in calls.repeated_blocks(p.module, ctx.recipe.compile.blocks, ctx.recipe):

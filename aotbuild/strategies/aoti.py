@@ -129,14 +129,54 @@ def _package(module: Any, sig: str, args: tuple[Any, ...], kwargs: dict[str, Any
     path.parent.mkdir(parents=True, exist_ok=True)
     with torch.no_grad():
         exported = torch.export.export(module, args, kwargs)
+    exported, lifted = _promote_lifted_constants(exported)
     # Weights out of the .so, and no tensor inlined as a literal (Inductor inlines 1-D tensors of <= 8
     # elements otherwise: the tiny UNet's biases and norms), so every weight can be supplied at load.
     configs = {**inductor_configs, "aot_inductor.package_constants_in_so": False,
                "always_keep_tensor_constants": True}
     torch._inductor.aoti_compile_and_package(exported, package_path=str(path), inductor_configs=configs)
     fqns = _probe(path, workdir / PROBE_DIR)
-    return {"signature": sig, "path": f"{PACKAGE_DIR}/{path.name}", "strides": strides,
-            "constants": constant_meta(module, fqns), "baked": baked_digests(module, fqns)}
+    weights = [f for f in fqns if f not in lifted]
+    record = {"signature": sig, "path": f"{PACKAGE_DIR}/{path.name}", "strides": strides,
+              "constants": constant_meta(module, weights), "baked": baked_digests(module, weights)}
+    if lifted:
+        from safetensors.torch import save_file
+
+        side = path.with_name(f"{name}.{LIFTED_SUFFIX}")
+        save_file({k: v.detach().to("cpu").contiguous().clone() for k, v in lifted.items()}, str(side))
+        record["lifted"] = {k: [list(v.shape), str(v.dtype).replace("torch.", "")] for k, v in lifted.items()}
+        record["lifted_path"] = f"{PACKAGE_DIR}/{side.name}"
+    return record
+
+
+#: The values of tensors a model makes in ``forward`` (torch.export's lifted constants), beside the package.
+LIFTED_SUFFIX = "constants.safetensors"
+
+
+def _promote_lifted_constants(exported: Any) -> tuple[Any, dict[str, Any]]:
+    """A tensor made in ``forward`` (``torch.tensor([0] * batch)``, a tensor held as a plain attribute)
+    is exported as a lifted constant, which the weightless package would then ask for under a name
+    the module does not have (``_tensor_constant0``). As a non-persistent buffer it is asked for
+    under its export name instead, and its value (known now, the same on every call: export traced
+    it) is stored beside the package and supplied with the weights at load. Returns the program and
+    {name: value}; a program without lifted constants is returned as it is."""
+    import torch
+    from torch.export.graph_signature import ExportGraphSignature, InputKind, InputSpec
+
+    signature = exported.graph_signature
+    lifted = {s.target: exported.constants[s.target] for s in signature.input_specs
+              if s.kind == InputKind.CONSTANT_TENSOR}
+    if not lifted:
+        return exported, {}
+    specs = [InputSpec(kind=InputKind.BUFFER, arg=s.arg, target=s.target, persistent=False)
+             if s.kind == InputKind.CONSTANT_TENSOR else s for s in signature.input_specs]
+    promoted = torch.export.ExportedProgram(
+        root=exported.graph_module, graph=exported.graph,
+        graph_signature=ExportGraphSignature(input_specs=specs, output_specs=list(signature.output_specs)),
+        state_dict=exported.state_dict, range_constraints=exported.range_constraints,
+        module_call_graph=exported.module_call_graph, example_inputs=exported.example_inputs,
+        constants=exported.constants, verifiers=exported.verifiers)
+    return promoted, lifted
 
 
 def build_packages(module: Any, calls: dict[str, tuple[tuple[Any, ...], dict[str, Any]]], workdir: Path,
@@ -311,8 +351,10 @@ class PackageRunner:
     ``user_managed=True`` only rebinds pointers: nothing is copied)."""
 
     def __init__(self, model: Any, module: Any, component: str, package: dict[str, Any], device: str,
-                 shared: dict[str, Any] | None = None):
+                 shared: dict[str, Any] | None = None, lifted: dict[str, Any] | None = None):
         self.model = model
+        #: the values of tensors the model makes in forward (stored beside the package), on the device
+        self.lifted = lifted or {}
         self.module = module
         self.component = component
         self.meta: dict[str, list[Any]] = package["constants"]
@@ -326,7 +368,7 @@ class PackageRunner:
         self._bind()
 
     def _tensors(self) -> dict[str, Any]:
-        return {fqn: _lookup(self.module, fqn) for fqn in self.meta}
+        return {**{fqn: _lookup(self.module, fqn) for fqn in self.meta}, **self.lifted}
 
     @staticmethod
     def _identity(tensors: dict[str, Any]) -> tuple[Any, ...]:
@@ -335,6 +377,8 @@ class PackageRunner:
 
     def _bind(self) -> None:
         tensors = self._tensors()
+        # AOTInductor takes a missing buffer or lifted constant with a warning, and the next call
+        # segfaults: every name it asked for must be supplied (a missing parameter it does refuse).
         for fqn, (shape, dtype, device_kind) in self.meta.items():
             t = tensors[fqn]
             if t is None:
@@ -396,11 +440,11 @@ class PackageRunner:
         return tree_unflatten(leaves, spec) if changed else (args, kwargs)
 
 
-def load_packages(module: Any, component: str, packages: list[tuple[dict[str, Any], Path]],
+def load_packages(module: Any, component: str, packages: list[tuple[dict[str, Any], dict[str, Path]]],
                   device: str) -> dict[str, dict[str, Callable[..., Any]]]:
     """instance -> signature -> runner, for every package ("" is the component itself; regional
-    packages name their block instances). Each package is loaded once, from a hard link (or copy)
-    named *.pt2."""
+    packages name their block instances). ``packages``: each record with its entry's files (relative
+    path -> blob). Each package is loaded once, from a hard link (or copy) named *.pt2."""
     import torch
 
     from aotbuild.trees import lay_tree
@@ -410,13 +454,14 @@ def load_packages(module: Any, component: str, packages: list[tuple[dict[str, An
     models = {}
     folder = Path(tempfile.mkdtemp(prefix="aotbuild-aoti-"))
     try:  # the loader extracts what it needs: the links are only its way in
-        lay_tree([(Path(p["path"]).name, blob) for p, blob in packages], folder)
+        lay_tree([(Path(p["path"]).name, files[p["path"]]) for p, files in packages], folder)
         for package, _ in packages:
             models[package["path"]] = torch._inductor.aoti_load_package(str(folder / Path(package["path"]).name))
     finally:
         shutil.rmtree(folder, ignore_errors=True)
-    for package, _ in packages:
+    for package, files in packages:
         model = models[package["path"]]
+        lifted = _lifted(package, files, device)
         shared: dict[str, Any] = {}
         for instance in package.get("instances", [""]):
             owner = named.get(instance)
@@ -424,9 +469,23 @@ def load_packages(module: Any, component: str, packages: list[tuple[dict[str, An
                 raise PackageMismatch(f"{component} has no block {instance!r}, which its AOT package serves; "
                                       f"rebuild the recipe for this model")
             label = f"{component}.{instance}" if instance else component
-            runner = PackageRunner(model, owner, label, package, device, shared)
+            runner = PackageRunner(model, owner, label, package, device, shared, lifted)
             routes.setdefault(instance, {})[package["signature"]] = _stride_guard(runner)
     return routes
+
+
+def _lifted(package: dict[str, Any], files: dict[str, Path], device: str) -> dict[str, Any]:
+    """The package's lifted constants (safetensors: no pickle), checked against its record, on ``device``."""
+    if not package.get("lifted"):
+        return {}
+    from safetensors.torch import load_file
+
+    values = load_file(str(files[package["lifted_path"]]), device=device)
+    for name, (shape, dtype) in package["lifted"].items():
+        t = values.get(name)
+        if t is None or list(t.shape) != shape or str(t.dtype).replace("torch.", "") != dtype:
+            raise PackageMismatch(f"the constants file of {package['path']} does not hold {name} as {dtype} {shape}")
+    return {name: values[name] for name in package["lifted"]}
 
 
 def _stride_guard(runner: PackageRunner) -> Callable[..., Any]:

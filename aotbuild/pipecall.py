@@ -1,0 +1,115 @@
+"""How a pipeline is called: the warmup call built from the pipeline's own ``__call__`` signature.
+
+diffusers pipelines differ in what they take: an image pipeline takes ``num_images_per_prompt``, a
+video pipeline ``num_videos_per_prompt`` and ``num_frames``; most current pipelines take no
+``**kwargs`` (an argument they do not know is a TypeError), and those that do ignore a misspelt one
+(the warmup would then run, say, 50 steps and the key would hold the typo). So the call is built
+from ``inspect.signature(type(pipe).__call__)``: the shape's per-prompt count goes to whichever
+count argument the pipeline takes, ``num_frames`` only to a video pipeline, and nothing is passed
+that the pipeline does not name. :func:`check_recipe` refuses, as recipe errors, what the pipeline
+cannot take; ``plan`` runs it with the class named in ``model_index.json`` (no weights loaded), and
+every job, proof and ``load_compiled`` with the loaded pipeline's class.
+
+How the pipeline applies guidance (one call at twice the batch, two calls, an input of the
+transformer) is its own business: what the component is called with is recorded at build, and the
+proof and the runtime dispatch on exactly that (aotbuild/dispatch.py).
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Any
+
+from aotbuild.constants import DEFAULT_WARMUP_PROMPT
+from aotbuild.recipe import Recipe, Shape
+from aotbuild.suggest import suggest
+
+#: The per-prompt count arguments, in the order they are looked for.
+COUNT_ARGUMENTS = ("num_images_per_prompt", "num_videos_per_prompt")
+
+__all__ = ["CallSignature", "COUNT_ARGUMENTS", "check_recipe", "pipeline_class", "warmup_kwargs"]
+
+
+@dataclass(frozen=True)
+class CallSignature:
+    """What a pipeline's ``__call__`` takes."""
+
+    pipeline: str
+    params: tuple[str, ...]  # named parameters (self, *args and **kwargs left out)
+    takes_kwargs: bool
+
+    @classmethod
+    def of(cls, pipeline: Any) -> CallSignature:
+        """The signature of a pipeline instance's or class's ``__call__``."""
+        klass = pipeline if isinstance(pipeline, type) else type(pipeline)
+        parameters = inspect.signature(klass.__call__).parameters
+        named = tuple(n for n, p in parameters.items()
+                      if n != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD))
+        return cls(klass.__name__, named, any(p.kind is p.VAR_KEYWORD for p in parameters.values()))
+
+    @property
+    def count_argument(self) -> str | None:
+        """``num_images_per_prompt`` or ``num_videos_per_prompt``, whichever it takes, or None."""
+        return next((a for a in COUNT_ARGUMENTS if a in self.params), None)
+
+    @property
+    def is_video(self) -> bool:
+        return "num_frames" in self.params
+
+    def takes(self, name: str) -> bool:
+        return name in self.params
+
+
+def pipeline_class(name: str) -> type | None:
+    """diffusers' pipeline class of that name (imports diffusers), or None when it has none."""
+    import diffusers
+
+    try:
+        cls = getattr(diffusers, name, None)
+    except Exception:  # noqa: BLE001 - a lazy module that fails to import: plan cannot check, the job will
+        return None
+    return cls if isinstance(cls, type) else None
+
+
+def check_recipe(recipe: Recipe, call: CallSignature) -> None:
+    """Every recipe setting the pipeline's call must honour, as a recipe error naming the key."""
+    for arg in recipe.warmup:
+        if not call.takes(arg):
+            raise recipe.error(f"warmup.{arg}", f"not an argument of {call.pipeline}.__call__"
+                                                f"{suggest(arg, list(call.params))}")
+    framed = [i for i, s in enumerate(recipe.shapes) if s.num_frames is not None]
+    for i, shape in enumerate(recipe.shapes):
+        if shape.batch_size > 1 and call.count_argument is None:
+            raise recipe.error(f"shapes[{i}].batch_size", f"{call.pipeline} takes neither num_images_per_prompt nor "
+                                                          f"num_videos_per_prompt: one output per prompt (give "
+                                                          f"warmup.prompt a list of prompts for a larger batch)")
+        if shape.num_frames is not None and not call.is_video:
+            raise recipe.error(f"shapes[{i}].num_frames", f"{call.pipeline} is not a video pipeline (its __call__ "
+                                                          f"takes no num_frames): remove num_frames")
+    if framed and "num_frames" in recipe.warmup:
+        raise recipe.error("warmup.num_frames", f"shapes[{framed[0]}] sets num_frames: the shapes own it, so set it "
+                                                f"in each shape, not in the warmup")
+
+
+def warmup_kwargs(recipe: Recipe, shape: Shape, pipeline: Any, seed: int = 0,
+                  defaults: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The pipeline call of one warmup: the recipe's warmup arguments at one shape, for this pipeline.
+
+    ``pipeline``: the pipeline (or its class). ``defaults``: the target's warmup defaults, passed only
+    where the pipeline takes them. Latents come from a CPU generator: identical on every device, and
+    the only way on Neuron/XLA, which cannot create random tensors on the device."""
+    import torch
+
+    call = CallSignature.of(pipeline)
+    kwargs = {k: v for k, v in (defaults or {}).items() if call.takes(k)}
+    kwargs.update(recipe.warmup_arguments())
+    if call.takes("prompt"):
+        kwargs.setdefault("prompt", DEFAULT_WARMUP_PROMPT)
+    for name, value in (("height", shape.height), ("width", shape.width), ("num_frames", shape.num_frames),
+                        (call.count_argument, shape.batch_size)):
+        if name is not None and value is not None and call.takes(name):
+            kwargs[name] = value
+    if call.takes("generator"):
+        kwargs["generator"] = torch.Generator("cpu").manual_seed(seed)
+    return kwargs

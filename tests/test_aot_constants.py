@@ -1,0 +1,56 @@
+"""aot-package serves models that make tensors of their own in ``forward``: torch.export lifts them as
+constants that are neither parameters nor buffers; the package must not ask the module for them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from aotbuild.dispatch import signature
+from aotbuild.strategies import aoti
+from aotbuild.strategies.calls import snapshot
+
+
+class MakesTensors(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.offset = torch.full((8,), 0.25)  # a plain attribute, not a buffer: lifted too
+
+    def forward(self, x):
+        index = torch.tensor([0] * x.shape[0])  # made in forward (issue: PackageMismatch '_tensor_constant0')
+        return self.lin(x) + index[:, None].float() + self.offset
+
+
+@pytest.mark.slow  # one AOTInductor compile (~1 min)
+def test_a_model_that_makes_tensors_in_forward_is_packaged_and_served(tmp_path):
+    torch.manual_seed(0)
+    module = MakesTensors().eval()
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        expected = module(x)
+    calls = {signature((x,), {}): snapshot((x,), {})}
+    records = aoti.build_packages(module, calls, tmp_path, {})
+    record = records[0]
+    assert set(record["lifted"]) and record["lifted_path"].endswith(aoti.LIFTED_SUFFIX)
+    assert not set(record["lifted"]) & set(record["constants"])  # weights are the module's, constants ours
+    assert "lin.weight" in record["constants"] and record["baked"] == {}
+    files = {rel: tmp_path / rel for rel in (record["path"], record["lifted_path"])}
+    routes = aoti.load_packages(module, "m", [(record, files)], "cpu")
+    with torch.no_grad():
+        out = routes[""][record["signature"]](x)
+    assert torch.allclose(out, expected, atol=1e-6)
+    module.lin.weight.data.mul_(2)  # weights stay live: the package reads the module's own tensors
+    with torch.no_grad():
+        assert torch.allclose(routes[""][record["signature"]](x), module(x), atol=1e-6)
+
+
+def test_a_constants_file_that_does_not_hold_what_the_record_says_is_refused(tmp_path):
+    from safetensors.torch import save_file
+
+    from aotbuild.errors import PackageMismatch
+
+    save_file({"lifted_tensor_0": torch.zeros(2, dtype=torch.int64)}, str(tmp_path / "c.safetensors"))
+    record = {"path": "aoti/x.pt2", "lifted": {"lifted_tensor_0": [[3], "int64"]}, "lifted_path": "c.safetensors"}
+    with pytest.raises(PackageMismatch, match="does not hold lifted_tensor_0 as int64 \\[3\\]"):
+        aoti._lifted(record, {"c.safetensors": tmp_path / "c.safetensors"}, "cpu")
