@@ -99,6 +99,8 @@ def meta_module(library: str, class_name: str, config: dict[str, Any]) -> Any:
     import importlib
     import warnings
 
+    if library not in ("diffusers", "transformers"):  # never import a module a model folder names
+        return None
     try:
         import torch
 

@@ -20,7 +20,7 @@ from aotbuild import child, constants
 from aotbuild.child import Tick
 from aotbuild.errors import ProofFailed, StoreError
 from aotbuild.journal import entry_writer
-from aotbuild.layout import format_size, resolve_cache_root, resolve_max_size
+from aotbuild.layout import FROM_PROJECT, cache_root_origin, format_size, resolve_max_size
 from aotbuild.locks import flocked, store_lock
 from aotbuild.manifest import FileRecord, Manifest, Proof
 from aotbuild.planner import HIT, MISS, UNAVAILABLE, Job, plan, shard_jobs
@@ -100,12 +100,14 @@ def build(recipes: Recipes, cache: str | Path | None = None, *,
 
     ``shard=(I, N)`` builds only shard I of N of the full job list (planner.shard). With ``remote``,
     a job the remote already holds is not built ("on remote"): pushing it again would send nothing.
-    ``max_size`` (default: ``AOTBUILD_MAX_SIZE``, then ``[tool.aotbuild] max_size``) is the cache's
+    ``max_size`` (default: ``AOTBUILD_MAX_SIZE``, then ``[tool.aotbuild] max_size`` when that
+    pyproject.toml also names the cache) is the cache's
     size limit: an entry bigger than it is not stored, and after the build ``gc`` removes the least
     recently used entries until the cache fits (never one this build needs)."""
-    root = resolve_cache_root(cache)
+    root, origin = cache_root_origin(cache)
     store = checked_store(root)
-    limit = max_size if max_size is not None else resolve_max_size()
+    # pyproject.toml's max_size applies only to the cache it names itself (a pull request writes it).
+    limit = max_size if max_size is not None else resolve_max_size(project=origin == FROM_PROJECT)
     jobs = plan(recipes, root)
     if shard is not None:
         jobs = shard_jobs(jobs, *shard)

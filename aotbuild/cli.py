@@ -519,7 +519,7 @@ def verify(cache: str | None, as_json: bool, fix: bool) -> int:
         if fix:
             click.echo(f"{len(problems) - len(remain)} problem(s) fixed in {store.root}"
                        + (f"; {len(remain)} remain (an unreadable manifest is never deleted: its owner must "
-                          f"fix its permissions)" if remain else ""))
+                          f"fix its permissions; nor is what aotbuild did not write)" if remain else ""))
         else:
             hint = "; run `aotbuild verify --fix` to repair" if problems else ""
             click.echo(f"{len(problems)} problem(s) found in {store.root}{hint}")
@@ -531,7 +531,7 @@ def verify(cache: str | None, as_json: bool, fix: bool) -> int:
 @json_option
 @click.option("--max-size", "max_size", metavar="SIZE",
               help="Remove least recently used entries until the cache fits (20GB, 500MB, 1.5GiB). Default: "
-                   "AOTBUILD_MAX_SIZE, then [tool.aotbuild] max_size.")
+                   "AOTBUILD_MAX_SIZE (never pyproject.toml's max_size, which only builds use).")
 @click.option("--stale", is_flag=True, help="Remove entries that can never match this environment again "
                                             "(another torch, Python, CPU ISA or GPU, or an older format).")
 @click.option("--dry-run", is_flag=True, help="Say what would be removed; remove nothing.")
@@ -555,7 +555,7 @@ def gc(cache: str | None, as_json: bool, max_size: str | None, stale: bool, dry_
 
     limit = resolve_max_size(max_size)
     if limit is None and not stale:
-        raise UsageError("say what to collect: --max-size SIZE (or a configured max_size), --stale, or both")
+        raise UsageError("say what to collect: --max-size SIZE (or AOTBUILD_MAX_SIZE), --stale, or both")
     if _no_cache(resolve_cache_root(cache), as_json, {"removed": [], "size_before": 0, "size_after": 0,
                                                       "dry_run": dry_run}):
         return EXIT_OK

@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from typing import Any
+
+from aotbuild.text import printable
 
 
 def canonical_json(factors: dict[str, Any]) -> str:
@@ -32,19 +35,45 @@ def flatten(factors: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def differences(cached: dict[str, Any], here: dict[str, Any]) -> list[str]:
-    """Readable factor differences, e.g. ``env.torch: 2.13.0 in the cache, 2.14.1 here``."""
+    """Readable factor differences, e.g. ``env.torch: 2.13.0 in the cache, 2.14.1 here``.
+
+    Factors come from files other people write (a model folder's ``config.json``), so a value is
+    shown only when it is short and plainly not a secret; else only its length (what differs is
+    named by its key either way). Keys and values are printed escaped, on one line."""
     a, b = flatten(cached), flatten(here)
     lines = []
     for path in sorted(set(a) | set(b)):
         if a.get(path, _ABSENT) != b.get(path, _ABSENT):
-            lines.append(f"{path}: {_show(a.get(path, _ABSENT))} in the cache, {_show(b.get(path, _ABSENT))} here")
+            lines.append(f"{printable(path)}: {_show(path, a.get(path, _ABSENT))} in the cache, "
+                         f"{_show(path, b.get(path, _ABSENT))} here")
     return lines
 
 
 _ABSENT = object()
+#: The longest value a miss reason prints.
+MAX_SHOWN = 64
+#: A factor key that names a secret: its value is never printed.
+_SECRET_KEY = re.compile(r"secret|token|passw|credential|private|api.?key|access.?key|auth", re.IGNORECASE)
+_TOKEN_RUN = re.compile(r"[A-Za-z0-9+/=_\-]{16,}")
 
 
-def _show(value: Any) -> str:
+def secret_shaped(text: str) -> bool:
+    """A run of 16+ characters shaped like a key, a token, a digest or a signature: base64's ``+/=``,
+    more than four digits, or more than 40% capitals (``AKIA...``, ``hf_...``), unlike the names
+    configs hold (``UNet2DConditionModel``, ``FluxSingleTransformerBlock``, ``rms_norm_across_heads``)."""
+    for run in _TOKEN_RUN.findall(text):
+        letters = [c for c in run if c.isalpha()]
+        capitals = sum(c.isupper() for c in letters)
+        if any(c in "+/=" for c in run) or sum(c.isdigit() for c in run) > 4 or (
+                letters and capitals / len(letters) > 0.4):
+            return True
+    return False
+
+
+def _show(path: str, value: Any) -> str:
     if value is _ABSENT:
         return "absent"
-    return json.dumps(value) if not isinstance(value, str) else value
+    text = value if isinstance(value, str) else json.dumps(value)
+    if len(text) > MAX_SHOWN or _SECRET_KEY.search(path) or (isinstance(value, str) and secret_shaped(text)):
+        return f"a value of {len(text)} characters"
+    return printable(text)

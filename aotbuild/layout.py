@@ -28,50 +28,113 @@ from aotbuild import constants
 from aotbuild.errors import StoreError, UsageError
 
 HEX64 = re.compile(r"^[0-9a-f]{64}\Z")
+_HEX2 = re.compile(r"^[0-9a-f]{2}\Z")
+#: What aotbuild writes in tmp/: temp files (w.), journals (j.), a job's staging folder, pulls and pushes.
+_TEMP = re.compile(r"^(?:w\.|j\.|job-[0-9a-f]{12}\.|pull\.|push\.)\w+\Z")
+#: A built-in model's staging folder (builtin.ensure): ".<name>-v<N>.<random>".
+_MODEL_STAGING = re.compile(r"^\.[a-z0-9][a-z0-9-]*-v\d+\.\w+\Z")
 
 
 def resolve_cache_root(cli_value: str | os.PathLike | None = None, start: Path | None = None) -> Path:
+    return cache_root_origin(cli_value, start)[0]
+
+
+#: Where a cache root came from: the command line (--cache, or a path in code), the environment
+#: (AOTBUILD_CACHE), the nearest pyproject.toml, or the default.
+FROM_ARGUMENT, FROM_ENVIRONMENT, FROM_PROJECT, FROM_DEFAULT = "argument", "environment", "project", "default"
+
+
+def cache_root_origin(cli_value: str | os.PathLike | None = None, start: Path | None = None) -> tuple[Path, str]:
+    """The cache root (``--cache`` > ``AOTBUILD_CACHE`` > ``[tool.aotbuild] cache`` > the default)
+    and where it came from: a pull request controls ``pyproject.toml``, not the command line."""
     if cli_value:
-        return Path(cli_value).expanduser().absolute()
+        return Path(cli_value).expanduser().absolute(), FROM_ARGUMENT
     env = constants.env_cache_root()
     if env:
-        return Path(env).expanduser().absolute()
+        return Path(env).expanduser().absolute(), FROM_ENVIRONMENT
     configured = _pyproject_cache(start or Path.cwd())
     if configured is not None:
-        return configured
-    return Path(constants.DEFAULT_CACHE_ROOT).expanduser().absolute()
+        return configured, FROM_PROJECT
+    return Path(constants.DEFAULT_CACHE_ROOT).expanduser().absolute(), FROM_DEFAULT
+
+
+#: pyproject.toml is read with bounded work: a pull request writes it.
+MAX_PYPROJECT_BYTES = 1 << 20
+MAX_PYPROJECT_DEPTH = 64
 
 
 def _pyproject_setting(start: Path, name: str) -> tuple[Path, object] | None:
     """(folder of the nearest ``pyproject.toml``, its ``[tool.aotbuild] <name>``), or None.
 
-    The nearest pyproject.toml decides, even by saying nothing."""
+    The nearest pyproject.toml decides, even by saying nothing. It is read as a regular file of at
+    most 1 MiB, without blocking, its brackets counted before it is parsed; every problem is one line."""
+    for folder in (start.absolute(), *start.absolute().parents):
+        candidate = folder / "pyproject.toml"
+        if candidate.is_file():
+            data = _read_pyproject(candidate)
+            tool = data.get("tool", {})
+            section = tool.get("aotbuild", {}) if isinstance(tool, dict) else {}
+            if not isinstance(section, dict):
+                raise UsageError(f"{candidate}: [tool.aotbuild] is not a table")
+            value = section.get(name)
+            return None if value is None else (folder, value)
+    return None
+
+
+def _read_pyproject(path: Path) -> dict:
+    import stat
+
     try:
         import tomllib
     except ImportError:  # Python 3.10
         import tomli as tomllib  # type: ignore[no-redef]
 
-    for folder in (start.absolute(), *start.absolute().parents):
-        candidate = folder / "pyproject.toml"
-        if candidate.is_file():
-            try:
-                data = tomllib.loads(candidate.read_text(encoding="utf-8"))
-            except (OSError, ValueError) as exc:
-                raise UsageError(f"{candidate}: cannot read [tool.aotbuild]: {exc}") from None
-            value = data.get("tool", {}).get("aotbuild", {}).get(name)
-            return None if value is None else (folder, value)
-    return None
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        try:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode) or info.st_size > MAX_PYPROJECT_BYTES:
+                raise UsageError(f"{path}: not a regular file of at most {MAX_PYPROJECT_BYTES} bytes")
+            raw = os.read(fd, MAX_PYPROJECT_BYTES + 1)
+        finally:
+            os.close(fd)
+        text = raw.decode("utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UsageError(f"{path}: cannot read [tool.aotbuild]: {exc}") from None
+    depth = deepest = 0
+    for c in text:  # brackets outside strings are rare enough in pyproject files: counting all is a bound
+        if c in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif c in "]}":
+            depth = max(depth - 1, 0)
+    if deepest > MAX_PYPROJECT_DEPTH:
+        raise UsageError(f"{path}: nested more than {MAX_PYPROJECT_DEPTH} levels deep; cannot read [tool.aotbuild]")
+    try:
+        return tomllib.loads(text)
+    except (ValueError, RecursionError) as exc:
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise UsageError(f"{path}: cannot read [tool.aotbuild]: {reason[:200]}") from None
 
 
 def _pyproject_cache(start: Path) -> Path | None:
-    """``[tool.aotbuild] cache`` of the nearest ``pyproject.toml``, relative to that file's folder."""
+    """``[tool.aotbuild] cache`` of the nearest ``pyproject.toml``, relative to that file's folder and
+    inside it: a pull request's pyproject.toml must not point aotbuild's commands (``verify --fix``,
+    ``gc``) at another folder. An absolute or escaping root is named with --cache or AOTBUILD_CACHE."""
     found = _pyproject_setting(start, "cache")
     if found is None:
         return None
     folder, value = found
+    where = folder / "pyproject.toml"
     if not isinstance(value, str) or not value:
-        raise UsageError(f"{folder / 'pyproject.toml'}: [tool.aotbuild] cache must be a folder path")
-    return (folder / Path(value).expanduser()).absolute()
+        raise UsageError(f"{where}: [tool.aotbuild] cache must be a folder path")
+    path = Path(value)
+    root = (folder / path).resolve()
+    if path.is_absolute() or value.startswith("~") or not root.is_relative_to(folder.resolve()) \
+            or root == folder.resolve():
+        raise UsageError(f"{where}: [tool.aotbuild] cache = {value!r} is not a folder inside {folder}: a project's "
+                         f"cache must stay in the project; name another cache root with --cache or AOTBUILD_CACHE")
+    return (folder / path).absolute()
 
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
@@ -101,15 +164,25 @@ def format_size(n: int) -> str:
     return f"{n} B"  # pragma: no cover
 
 
-def resolve_max_size(cli_value: str | None = None, start: Path | None = None) -> int | None:
-    """The cache's size limit: ``--max-size`` > ``AOTBUILD_MAX_SIZE`` > ``[tool.aotbuild] max_size``."""
+def resolve_max_size(cli_value: str | None = None, start: Path | None = None, *,
+                     project: bool = False) -> int | None:
+    """The cache's size limit: ``--max-size`` > ``AOTBUILD_MAX_SIZE`` > ``[tool.aotbuild] max_size``,
+    the last only with ``project=True``: for a build into the cache that pyproject.toml names itself.
+    A pull request's pyproject.toml must never shrink a cache named on the command line (``gc
+    --stale --cache SHARED`` with ``max_size = "1"`` removed every entry)."""
     if cli_value:
         return parse_size(cli_value)
     env = constants.env_max_size()
     if env:
         return parse_size(env)
+    if not project:
+        return None
     found = _pyproject_setting(start or Path.cwd(), "max_size")
-    return parse_size(found[1]) if found else None  # type: ignore[arg-type]
+    if found is None:
+        return None
+    if not isinstance(found[1], (str, int)) or isinstance(found[1], bool):
+        raise UsageError(f"{found[0] / 'pyproject.toml'}: [tool.aotbuild] max_size must be a size such as \"20GB\"")
+    return parse_size(found[1])
 
 
 def safe_relpath(rel: str) -> PurePosixPath:
@@ -161,6 +234,25 @@ class Layout:
     @property
     def reclaimed_log(self) -> Path:
         return self.logs / "reclaimed.jsonl"
+
+    def wrote(self, path: Path) -> bool:
+        """Whether ``path`` is a name aotbuild's own scheme gives what it writes: a blob, a manifest, a
+        temp file, staging folder or journal in ``tmp/``, a built-in model's staging folder. ``verify
+        --fix`` removes nothing else, wherever a cache root points."""
+        try:
+            parts = Path(path).relative_to(self.root).parts
+        except ValueError:
+            return False
+        if len(parts) == 4 and parts[:2] == ("blobs", "sha256"):
+            return bool(HEX64.match(parts[3])) and parts[2] == parts[3][:2]
+        if len(parts) == 3 and parts[0] == "manifests":
+            stem = parts[2][:-5] if parts[2].endswith(".json") else ""
+            return bool(HEX64.match(stem)) and bool(_HEX2.match(parts[1]))  # a key's manifest, maybe misfiled
+        if len(parts) == 2 and parts[0] == "tmp":
+            return bool(_TEMP.match(parts[1]))
+        if len(parts) == 2 and parts[0] == "models":
+            return bool(_MODEL_STAGING.match(parts[1]))
+        return False
 
     def blob(self, digest: str) -> Path:
         if not HEX64.match(digest):

@@ -28,6 +28,7 @@ from aotbuild.store import Store, sha256_file
 
 CORRUPT, MISSING, MALFORMED, UNREADABLE, ORPHAN, TEMP = "corrupt", "missing", "malformed", "unreadable", "orphan", \
     "temp"
+FOREIGN = "foreign"  # in the store's folders, but not a name aotbuild writes: --fix leaves it
 
 
 @dataclass
@@ -42,10 +43,16 @@ class Problem:
         return {"kind": self.kind, "path": str(self.path), "detail": self.detail, "key": self.key}
 
     def remains(self) -> bool:
-        """After ``verify --fix``: is this problem still there? (An unreadable manifest always is.)"""
+        """After ``verify --fix``: is this problem still there? (An unreadable manifest always is, and so is
+        what aotbuild did not write: ``--fix`` never deletes it.)"""
         if self.kind == UNREADABLE:
             return True
         return os.path.lexists(self.path)
+
+    @property
+    def foreign(self) -> bool:
+        """A path aotbuild's naming scheme did not give: reported, never removed."""
+        return self.kind == FOREIGN
 
 
 @contextlib.contextmanager
@@ -98,7 +105,11 @@ def _scan(store: Store) -> list[Problem]:
 
     problems += [Problem(TEMP, p, "a built-in model whose creation was killed midway")
                  for p in dead_staging(store.layout.models)]
-    return problems
+    # What aotbuild's naming scheme did not give is reported and never deleted, wherever the root
+    # points (a pyproject.toml once made it "/" and --fix deleted files in /tmp).
+    return [p if p.kind in (MISSING, UNREADABLE) or store.layout.wrote(p.path)
+            else Problem(FOREIGN, p.path, f"not a name aotbuild writes ({p.detail}): left as it is", p.key)
+            for p in problems]
 
 
 def _read(store: Store, path: Path) -> tuple[Manifest | StaleManifest | None, Problem | None]:
@@ -138,6 +149,9 @@ def _leftovers(store: Store) -> list[Path]:
         return []
     out = []
     for item in sorted(store.layout.tmp.iterdir()):
+        if not store.layout.wrote(item):
+            out.append(item)  # reported as foreign (_scan), its lock never opened
+            continue
         lock = item / ".lock" if item.is_dir() else item
         if is_unlocked(lock):
             out.append(item)
@@ -171,6 +185,8 @@ def _confirmed(store: Store, problem: Problem, named: dict[str, list[str]]) -> b
         return path.exists() and problem.blob is not None and not store.layout.blob(problem.blob).exists()
     if not os.path.lexists(path):
         return False
+    if problem.kind == FOREIGN:
+        return True
     if problem.kind == CORRUPT:
         return bool(_blob_problem(store, path.name, path.stat().st_size if path.is_file() else -1))
     if problem.kind == ORPHAN:

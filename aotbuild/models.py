@@ -8,6 +8,9 @@ component's ``config.json``; those are read as JSON, without importing diffusers
 from __future__ import annotations
 
 import json
+import os
+import re
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,6 +21,7 @@ from aotbuild.errors import ModelUnavailable
 from aotbuild.layout import Layout
 from aotbuild.recipe import CompileSpec, Recipe
 from aotbuild.suggest import suggest
+from aotbuild.text import printable
 
 __all__ = ["ModelUnavailable", "ResolvedModel", "resolve_model", "load_pipeline", "place_pipeline",
            "component_config", "module_config", "check_components", "check_blocks"]
@@ -36,12 +40,62 @@ class ResolvedModel:
         return str(self.model_index.get("_class_name", "DiffusionPipeline"))
 
     def components(self) -> dict[str, tuple[str, str]]:
-        """name -> (library, class) for every component in model_index.json."""
+        """name -> (library, class) for every component in model_index.json (checked when it was read)."""
         out = {}
         for name, value in self.model_index.items():
             if not name.startswith("_") and isinstance(value, list) and len(value) == 2 and value[1]:
                 out[name] = (str(value[0]), str(value[1]))
         return out
+
+
+#: The libraries a model_index.json may name for its components: importing any other module by a
+#: name from a pull request's model folder runs that module (one such name started a GUI demo).
+LIBRARIES = ("diffusers", "transformers")
+#: A component's name is a folder of the model: a plain name, never a path.
+COMPONENT_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*\Z")
+#: A model folder's JSON (model_index.json, config.json) is read with bounded work.
+MAX_JSON_BYTES = 16 * 1024 * 1024
+MAX_JSON_DEPTH = 64
+#: Files a local model folder may hold before checking it stops (a bound on the walk).
+MAX_FOLDER_ENTRIES = 100_000
+
+
+def check_model_index(index: dict[str, Any], where: str) -> None:
+    """Component names are plain names and their libraries diffusers or transformers: nothing else
+    is ever imported by a name a model folder gives."""
+    for name, value in index.items():
+        if name.startswith("_") or not isinstance(value, list) or len(value) != 2 or not value[1]:
+            continue
+        shown = printable(name)[:80]
+        if not COMPONENT_NAME.match(name):
+            raise ModelUnavailable(f"{where} names a component {shown!r}: component names are plain names "
+                                   f"(letters, digits, _), never paths")
+        library, cls = value
+        if library not in LIBRARIES or not isinstance(cls, str) or not cls.isidentifier():
+            raise ModelUnavailable(f"{where}: component {shown} is {printable(str(library))[:60]}."
+                                   f"{printable(str(cls))[:60]}; aotbuild loads components of "
+                                   f"{' and '.join(LIBRARIES)} only")
+
+
+def check_model_folder(folder: Path) -> None:
+    """Every file of a local model folder is a regular file (or folder) whose real path stays inside it:
+    a symlink to a file elsewhere (git keeps symlinks) would be read as the model's config or weights."""
+    root = folder.resolve()
+    seen = 0
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in [*dirnames, *filenames]:
+            seen += 1
+            if seen > MAX_FOLDER_ENTRIES:
+                raise ModelUnavailable(f"{folder} holds more than {MAX_FOLDER_ENTRIES} files: not a model folder")
+            path = Path(dirpath) / name
+            info = path.lstat()
+            if stat.S_ISLNK(info.st_mode):
+                target = path.resolve()
+                if not target.is_relative_to(root) or not (target.is_file() or target.is_dir()):
+                    raise ModelUnavailable(f"{folder}: {printable(path.relative_to(root))} links outside the model "
+                                           f"folder (or to no file): a model folder is data inside its folder")
+            elif not (stat.S_ISREG(info.st_mode) or stat.S_ISDIR(info.st_mode)):
+                raise ModelUnavailable(f"{folder}: {printable(path.relative_to(root))} is not a regular file")
 
 
 def _local_folder(recipe: Recipe) -> Path | None:
@@ -64,7 +118,10 @@ def resolve_model(recipe: Recipe, cache_root: Path) -> ResolvedModel:
         index = folder / "model_index.json"
         if not index.is_file():
             raise recipe.error("model.id", f"{spec.id} is a folder without model_index.json (not a diffusers pipeline)")
-        return ResolvedModel(str(folder.resolve()), True, _read_json(index), None, {"id": spec.id, "local": True})
+        check_model_folder(folder)
+        data = _read_json(index, inside=folder)
+        check_model_index(data, str(index))
+        return ResolvedModel(str(folder.resolve()), True, data, None, {"id": spec.id, "local": True})
     if spec.id.startswith((".", "/", "~")):
         if Path(spec.id).expanduser().is_absolute():
             raise recipe.error("model.id", f"no such folder: {spec.id}")
@@ -72,7 +129,9 @@ def resolve_model(recipe: Recipe, cache_root: Path) -> ResolvedModel:
         looked = " and ".join(map(str, dict.fromkeys(tried)))
         raise recipe.error("model.id", f"no such folder: {spec.id} (looked for {looked})")
     path = _hub_file(spec.id, "model_index.json", spec.revision)
-    return ResolvedModel(spec.id, False, _read_json(path), None, {"id": spec.id, "revision": spec.revision})
+    data = _read_json(path)
+    check_model_index(data, f"{spec.id}'s model_index.json")
+    return ResolvedModel(spec.id, False, data, None, {"id": spec.id, "revision": spec.revision})
 
 
 def _hub_file(repo_id: str, filename: str, revision: str | None) -> Path:
@@ -105,14 +164,39 @@ def _hub_file(repo_id: str, filename: str, revision: str | None) -> Path:
         raise ModelUnavailable(f"cannot fetch {filename} of {repo_id}: {name}: {reason}{hint}") from None
 
 
-def _read_json(path: Path) -> dict[str, Any]:
+def _read_json(path: Path, inside: Path | None = None) -> dict[str, Any]:
+    """A JSON object from a regular file of at most MAX_JSON_BYTES, opened without blocking, nested at
+    most MAX_JSON_DEPTH deep (counted before parsing), without NaN or Infinity; with ``inside``, the
+    file's real path must stay in that folder."""
+    from aotbuild.manifest import json_depth
+
+    path = Path(path)
     try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise ModelUnavailable(f"cannot read {path}: {exc}") from None
+        if inside is not None and not path.resolve().is_relative_to(Path(inside).resolve()):
+            raise ModelUnavailable(f"{path} is outside its model folder {inside} (a symlink?): refused")
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        try:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode) or info.st_size > MAX_JSON_BYTES:
+                raise ModelUnavailable(f"{path} is not a regular file of at most {MAX_JSON_BYTES} bytes")
+            raw = os.read(fd, MAX_JSON_BYTES + 1)
+        finally:
+            os.close(fd)
+        text = raw.decode("utf-8")
+        if json_depth(text) > MAX_JSON_DEPTH:
+            raise ModelUnavailable(f"{path} is nested more than {MAX_JSON_DEPTH} levels deep")
+        data = json.loads(text, parse_constant=_no_constant)
+    except ModelUnavailable:
+        raise
+    except (OSError, ValueError, RecursionError) as exc:
+        raise ModelUnavailable(f"cannot read {path}: {printable(str(exc))[:200]}") from None
     if not isinstance(data, dict):
         raise ModelUnavailable(f"{path} is not a JSON object")
     return data
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
 
 
 #: Config keys that record where or with what a config was written, not what the module computes.
@@ -178,7 +262,7 @@ def _meta_component(model: ResolvedModel, name: str, revision: str | None) -> An
 
     library, class_name = model.components()[name]
     try:
-        config = _read_json(_config_path(model, name, revision))
+        config = _component_json(model, name, revision)
     except ModelUnavailable:
         return None
     return meta_module(library, class_name, config)
@@ -194,6 +278,8 @@ def _is_module_class(class_name: str) -> bool:
 def _repeated_blocks(library: str, class_name: str) -> tuple[str, ...]:
     import importlib
 
+    if library not in LIBRARIES:  # never import a module a model folder names (check_model_index)
+        return ()
     try:
         cls = getattr(importlib.import_module(library), class_name)
     except (ImportError, AttributeError):
@@ -204,13 +290,16 @@ def _repeated_blocks(library: str, class_name: str) -> tuple[str, ...]:
 def component_config(model: ResolvedModel, name: str, revision: str | None) -> tuple[str, dict[str, Any]]:
     """(class name, architecture config) of one component, from its ``config.json``."""
     _, class_name = model.components()[name]
-    return class_name, architecture_config(_read_json(_config_path(model, name, revision)))
+    return class_name, architecture_config(_component_json(model, name, revision))
 
 
-def _config_path(model: ResolvedModel, name: str, revision: str | None) -> Path:
+def _component_json(model: ResolvedModel, name: str, revision: str | None) -> dict[str, Any]:
+    """A component's ``config.json``: in a local folder, a plain name's file inside the folder only."""
+    if not COMPONENT_NAME.match(name):
+        raise ModelUnavailable(f"{printable(name)[:80]!r} is not a component name")
     if model.is_local:
-        return Path(model.location) / name / "config.json"
-    return _hub_file(model.location, f"{name}/config.json", revision)
+        return _read_json(Path(model.location) / name / "config.json", inside=Path(model.location))
+    return _read_json(_hub_file(model.location, f"{name}/config.json", revision))
 
 
 def load_pipeline(recipe: Recipe, model: ResolvedModel, dtype: str, *, quiet: bool = False) -> Any:

@@ -330,8 +330,11 @@ def parse_structure(data: Any, source: str = DATA_SOURCE, name: str | None = Non
 
 
 def check_structure_rules(recipe: Recipe) -> None:
-    """Rules that span keys of the recipe alone (no registry, no model): what ``compile.blocks`` and
-    ``offload`` need."""
+    """Rules that span keys of the recipe alone (no registry, no model): component names, what
+    ``compile.blocks`` and ``offload`` need."""
+    for name in recipe.compile.components:
+        if not name.isidentifier():  # a folder of the model: never a path ("../../x")
+            raise recipe.error("compile.components", f"{name!r} is not a component name (e.g. unet, transformer)")
     if recipe.compile.blocks is not None:
         if recipe.compile.scope != "regional":
             raise recipe.error("compile.blocks", "names the blocks that scope: regional compiles: set compile.scope: "

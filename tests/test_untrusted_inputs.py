@@ -1,0 +1,210 @@
+"""What a pull request's model folder or pyproject.toml can do: nothing it should.
+
+A model folder is data inside its folder (no symlink out, plain component names, only diffusers and
+transformers imported, bounded JSON; miss reasons never print a secret), and configuration from the
+repo cannot reach outside it (a cache root in pyproject.toml stays in its folder, its max_size
+never shrinks a cache named on the command line, ``verify --fix`` deletes only what aotbuild wrote).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+from aotbuild.errors import UsageError
+from tests import manifests
+from tests.conftest import run_cli
+
+SECRET = "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY"
+RECIPE = ("model: {{id: {model}, dtype: float32}}\nshapes: [{{height: 64, width: 64}}]\n"
+          "warmup: {{guidance_scale: 0.0}}\n")
+
+
+@pytest.fixture
+def model_folder(models_dir, tmp_path) -> Path:
+    """A copy of the built-in tiny SD pipeline as a pull request's local model folder, with a recipe."""
+    folder = tmp_path / "pr" / "model"
+    shutil.copytree(next((models_dir / "models").glob("tiny-sd-v*")), folder)
+    (tmp_path / "pr" / "r.yaml").write_text(RECIPE.format(model="./model"))
+    return folder
+
+
+def plan_json(recipe: Path, cache: Path) -> tuple[int, dict, str]:
+    proc = run_cli("plan", "--json", "--cache", str(cache), str(recipe))
+    return proc.returncode, json.loads(proc.stdout) if proc.stdout.strip() else {}, proc.stderr
+
+
+def test_a_config_symlinked_outside_the_model_folder_is_never_read(model_folder, tmp_path):
+    """git keeps symlinks: unet/config.json -> a credentials file elsewhere was read as the config and
+    plan's miss reason printed its values; a build copied them into <cache>/logs/."""
+    secrets = tmp_path / "aws.json"
+    secrets.write_text(json.dumps({"Credentials": {"SecretAccessKey": SECRET}}))
+    (model_folder / "unet" / "config.json").unlink()
+    (model_folder / "unet" / "config.json").symlink_to(secrets)
+    code, out, err = plan_json(model_folder.parent / "r.yaml", tmp_path / "cache")
+    assert code == 0 and [j["status"] for j in out["jobs"]] == ["unavailable"]
+    assert "links outside the model folder" in out["jobs"][0]["reason"]
+    assert SECRET not in json.dumps(out) + err and "Traceback" not in err
+    proc = run_cli("build", "--cache", str(tmp_path / "cache"), str(model_folder.parent / "r.yaml"))
+    assert SECRET not in proc.stdout + proc.stderr
+    logs = tmp_path / "cache" / "logs"
+    assert not logs.exists() or all(SECRET not in p.read_text(errors="replace") for p in logs.rglob("*"))
+
+
+def test_a_weights_file_linked_outside_is_refused_too(model_folder, tmp_path):
+    weights = next((model_folder / "unet").glob("*.safetensors"))
+    outside = tmp_path / "elsewhere.safetensors"
+    shutil.move(str(weights), outside)
+    weights.symlink_to(outside)
+    code, out, _ = plan_json(model_folder.parent / "r.yaml", tmp_path / "cache")
+    assert "links outside the model folder" in out["jobs"][0]["reason"]
+    (model_folder / "unet" / "inside.safetensors").symlink_to("diffusion_pytorch_model.safetensors")
+    weights.unlink()
+    shutil.move(str(outside), weights)  # a link that stays inside the folder is fine
+    code, out, _ = plan_json(model_folder.parent / "r.yaml", tmp_path / "cache")
+    assert out["jobs"][0]["status"] == "miss", out
+
+
+@pytest.mark.parametrize("component,library", [("../../x", "diffusers"), ("unet", "aotbuild_planted_marker")])
+def test_model_index_names_only_plain_components_of_diffusers_and_transformers(model_folder, tmp_path,
+                                                                                monkeypatch, component, library):
+    """A model_index.json whose library was any installed module made plan import it (one ran a GUI demo)."""
+    planted = tmp_path / "planted"
+    planted.mkdir()
+    (planted / "aotbuild_planted_marker.py").write_text(
+        f"import pathlib; pathlib.Path({str(tmp_path / 'marker')!r}).write_text('imported')\n"
+        "class UNet2DConditionModel: _repeated_blocks = ['X']\n")
+    monkeypatch.syspath_prepend(str(planted))
+    index = json.loads((model_folder / "model_index.json").read_text())
+    index[component] = [library, "UNet2DConditionModel"]
+    (model_folder / "model_index.json").write_text(json.dumps(index))
+    from aotbuild import plan
+    from aotbuild.recipes import load_recipe
+
+    recipe = load_recipe(model_folder.parent / "r.yaml")
+    jobs = plan([recipe], tmp_path / "cache")
+    assert jobs[0].status == "unavailable"
+    assert ("plain names" if "/" in component else "loads components of diffusers and transformers only") \
+        in jobs[0].reason
+    assert not (tmp_path / "marker").exists() and "aotbuild_planted_marker" not in sys.modules
+
+
+@pytest.mark.parametrize("text,says", [
+    ("[" * 200_000 + "]" * 200_000, "nested more than 64 levels"),
+    ('{"in_channels": NaN}', "NaN is not JSON"),
+    ('{"a": Infinity}', "Infinity is not JSON"),
+])
+def test_a_config_json_is_read_with_bounded_work_in_one_line(model_folder, tmp_path, text, says):
+    (model_folder / "unet" / "config.json").write_text(text)
+    code, out, err = plan_json(model_folder.parent / "r.yaml", tmp_path / "cache")
+    assert code == 0 and out["jobs"][0]["status"] == "unavailable" and says in out["jobs"][0]["reason"]
+    assert "Traceback" not in err
+
+
+def test_a_recipe_component_is_a_plain_name():
+    from aotbuild.errors import RecipeError
+    from aotbuild.recipes import parse_recipe
+
+    with pytest.raises(RecipeError, match="compile.components: '../../x' is not a component name"):
+        parse_recipe({"model": "builtin:tiny-sd", "compile": {"components": ["../../x"]},
+                      "shapes": [{"height": 64, "width": 64}]})
+
+
+def test_a_miss_reason_names_what_differs_and_prints_no_secret():
+    from aotbuild.keys import differences
+
+    lines = differences({"component": {"config": {"Credentials": {"SecretAccessKey": SECRET}, "layers": 2,
+                                                  "token": "short", "note": "x" * 100}}},
+                        {"component": {"config": {"Credentials": {"SecretAccessKey": "other"}, "layers": 3,
+                                                  "token": "other", "note": "y" * 100}}})
+    text = "\n".join(lines)
+    assert "component.config.Credentials.SecretAccessKey: a value of 40 characters in the cache" in text
+    assert "component.config.layers: 2 in the cache, 3 here" in text  # short, plain: shown
+    assert "component.config.token: a value of 5 characters" in text  # a secret's key name: never shown
+    assert "component.config.note: a value of 100 characters" in text and SECRET not in text
+    assert differences({"a\n::error::x": 1}, {"a\n::error::x": 2}) == ["a\\n::error::x: 1 in the cache, 2 here"]
+
+
+# -- pyproject.toml ---------------------------------------------------------------------------------
+
+def _project(tmp_path: Path, body: str) -> Path:
+    project = tmp_path / "checkout"
+    project.mkdir(exist_ok=True)
+    (project / "pyproject.toml").write_text(body)
+    return project
+
+
+@pytest.mark.parametrize("value", ["/", "..", "../elsewhere", "~/cache", "sub/../../x", "."])
+def test_a_cache_root_from_pyproject_must_stay_inside_its_folder(tmp_path, monkeypatch, value):
+    from aotbuild.layout import resolve_cache_root
+
+    project = _project(tmp_path, f'[tool.aotbuild]\ncache = "{value}"\n')
+    monkeypatch.delenv("AOTBUILD_CACHE", raising=False)
+    with pytest.raises(UsageError, match="is not a folder inside .*--cache or AOTBUILD_CACHE"):
+        resolve_cache_root(start=project)
+    proc = run_cli("verify", "--fix", env={"AOTBUILD_CACHE": ""}, cwd=project)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
+
+
+def test_a_cache_root_inside_the_project_and_one_named_on_the_command_line_are_fine(tmp_path, monkeypatch):
+    from aotbuild.layout import resolve_cache_root
+
+    project = _project(tmp_path, '[tool.aotbuild]\ncache = "build/aot-cache"\n')
+    monkeypatch.delenv("AOTBUILD_CACHE", raising=False)
+    assert resolve_cache_root(start=project) == project / "build" / "aot-cache"
+    _project(tmp_path, '[tool.aotbuild]\ncache = "/"\n')
+    assert resolve_cache_root("/srv/shared", start=project) == Path("/srv/shared")  # the operator's choice
+
+
+@pytest.mark.parametrize("body", ["x = " + "[" * 100_000 + "]" * 100_000 + "\n", "[tool.aotbuild\n",
+                                  "x = 1\n" * 200_000])
+def test_a_hostile_pyproject_is_one_line(tmp_path, body):
+    project = _project(tmp_path, body)
+    proc = run_cli("plan", str(Path(__file__).parents[1] / "recipes" / "tiny_sd_cpu.yaml"),
+                   env={"AOTBUILD_CACHE": ""}, cwd=project)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "pyproject.toml" in proc.stderr, proc.stderr
+
+
+def test_max_size_from_pyproject_never_shrinks_a_cache_named_on_the_command_line(tmp_path, monkeypatch):
+    """CI's routine `gc --stale --cache SHARED` with a PR's max_size = "1" removed every entry."""
+    from aotbuild.layout import resolve_max_size
+    from aotbuild.store import Store
+
+    project = _project(tmp_path, '[tool.aotbuild]\ncache = "cache"\nmax_size = "1"\n')
+    monkeypatch.delenv("AOTBUILD_MAX_SIZE", raising=False)
+    assert resolve_max_size(start=project) is None  # gc, and a build into another cache
+    assert resolve_max_size(start=project, project=True) == 1  # a build into the project's own cache
+    shared = tmp_path / "shared"
+    store = Store(shared)
+    key = manifests.add_entry(store, tmp_path / "src", "a", {"x.so": b"kernel"})
+    proc = run_cli("gc", "--cache", str(shared), env={"AOTBUILD_CACHE": "", "AOTBUILD_MAX_SIZE": ""}, cwd=project)
+    assert proc.returncode == 2 and "say what to collect" in proc.stderr  # pyproject's max_size is not a limit
+    assert store.has(key)
+
+
+def test_verify_fix_deletes_only_what_aotbuild_wrote(tmp_path):
+    """A cache root pointed at a folder that holds other files: verify reports them, --fix leaves them."""
+    from aotbuild.store import Store
+
+    root = tmp_path / "root"
+    store = Store(root)
+    key = manifests.add_entry(store, tmp_path / "src", "a", {"x.so": b"kernel"})
+    store.layout.tmp.mkdir(parents=True, exist_ok=True)
+    theirs = [store.layout.tmp / "notes.txt", store.layout.tmp / "ssh-agent.sock", store.layout.blobs / "ab" / "x",
+              store.layout.manifests / "zz" / "readme.json"]
+    for path in theirs:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("not aotbuild's")
+    ours = store.layout.tmp / "w.abc123xy"  # a dead writer's temp file: aotbuild's own name
+    ours.write_text("leftover")
+    proc = run_cli("verify", "--fix", "--json", "--cache", str(root))
+    data = json.loads(proc.stdout)
+    assert proc.returncode == 1 and all(p.exists() for p in theirs) and not ours.exists()
+    assert sorted(p["path"] for p in data["remaining"]) == sorted(map(str, theirs))
+    assert {p["kind"] for p in data["remaining"]} == {"foreign"} and store.open_entry(key)[0] is not None
+    assert os.path.exists(store.layout.manifest(key))
