@@ -46,12 +46,12 @@ class AotPackage(Strategy):
             job.run_warmup()  # eager: records the exact calls the pipeline makes to each block
             job.phase("exporting and packaging")
             return Built(recorder.signatures, recorder.build(job.workdir, options))
-        calls: dict[str, Any] = {}
+        recorded: dict[str, Any] = {}
         dispatcher = install_dispatcher(job.module, job.component, {}, job.module.forward, "record",
-                                        on_record=lambda sig, a, k: calls.setdefault(sig, calls.snapshot(a, k)))
+                                        on_record=lambda sig, a, k: recorded.setdefault(sig, calls.snapshot(a, k)))
         job.run_warmup()  # eager: records the exact calls the pipeline makes
         job.phase("exporting and packaging")
-        return Built(sorted(dispatcher.built), aoti.build_packages(job.module, calls, job.workdir, options))
+        return Built(sorted(dispatcher.built), aoti.build_packages(job.module, recorded, job.workdir, options))
 
     def collect(self, target: Target, workdir: Path) -> list[tuple[str, Path]]:
         # The packages, and the probe files a fresh load of them left in an empty cache folder.
