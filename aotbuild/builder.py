@@ -271,6 +271,7 @@ def make_manifest(job: Job, records: list[FileRecord], result: dict[str, Any], s
                "seconds": round(seconds, 3), "aotbuild": constants.VERSION,
                "phases": result.get("seconds"), "counters": result.get("counters")},
         recipe_data=recipe_to_dict(job.recipe),
+        structure=result.get("structure"),
         proof=proof,
     )
 

@@ -12,7 +12,7 @@ import os
 VERSION = "0.1.0"
 
 #: Bumped whenever the meaning of a key factor or the manifest layout changes: old entries then miss.
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3  # 3: manifests record the component's structure (aotbuild/structure.py)
 
 #: Cache root from the environment; ``--cache`` wins over it, ``pyproject.toml`` loses to it.
 ENV_CACHE = "AOTBUILD_CACHE"

@@ -94,6 +94,8 @@ class Manifest:
     build: Mapping[str, Any] = field(default_factory=dict)
     recipe_data: Mapping[str, Any] = field(default_factory=dict)
     proof: Proof | None = None
+    #: the component as the compiler saw it (aotbuild/structure.py): checked before a load reports a hit
+    structure: Mapping[str, Any] | None = None
     pack: Mapping[str, Any] | None = None  # a Hub remote's copy only: the tar that holds the blobs
     format: int = constants.FORMAT_VERSION
 
@@ -111,6 +113,8 @@ class Manifest:
             data["packages"] = [_plain(p) for p in self.packages]
         if self.proof is not None:
             data["proof"] = self.proof.as_json()
+        if self.structure is not None:
+            data["structure"] = _plain(self.structure)
         if self.pack is not None:
             data["pack"] = _plain(self.pack)
         return data
@@ -247,6 +251,7 @@ def from_dict(data: Any, key: str) -> Manifest:
         build=c.obj(data.get("build", {}), "build"),
         recipe_data=c.obj(data.get("recipe_data", {}), "recipe_data"),
         proof=c.proof(data["proof"]) if data.get("proof") is not None else None,
+        structure=c.structure(data["structure"]) if data.get("structure") is not None else None,
         pack=c.pack(data["pack"]) if data.get("pack") is not None else None,
     )
     if (manifest.component != factors["component"]["name"] or dict(manifest.shape) != factors["shape"]
@@ -343,6 +348,17 @@ class _Checker:
         for instance in self.list_of(value.get("instances", [""]), "packages[].instances"):
             if not isinstance(instance, str) or len(instance) > MAX_NAME:
                 raise self.fail("packages[].instances", "not a list of names")
+        return value
+
+    def structure(self, value: Any) -> dict[str, Any]:
+        value = self.obj(value, "structure")
+        digest = value.get("digest")
+        if not isinstance(digest, str) or not HEX64.match(digest):
+            raise self.fail("structure.digest", "not a sha256")
+        lines = self.list_of(value.get("lines"), "structure.lines")
+        if not all(isinstance(line, str) and len(line) <= MAX_NAME for line in lines):
+            raise self.fail("structure.lines", "not a list of lines")
+        self.obj(value.get("compiler", {}), "structure.compiler")
         return value
 
     def proof(self, value: Any) -> Proof:

@@ -189,7 +189,8 @@ def _open_entries(ctx: Context, store: Store, pipe: Any, wanted: list[_Wanted], 
             entry, reason = store.open_entry(w.key) if not blocker else (None, None)
             why = blocker or str(reason)
             if entry is not None:
-                why = ctx.strategy.check(module, component, entry)
+                why = _structure_problem(module, component, entry) or ctx.strategy.check(ctx, module, component,
+                                                                                         entry)
                 entry = None if why else entry
             if entry is not None:
                 store.touch(w.key)  # recency for gc; skipped where the store is read-only
@@ -202,6 +203,13 @@ def _open_entries(ctx: Context, store: Store, pipe: Any, wanted: list[_Wanted], 
             report.entries.append(ReportEntry(component, w.shape, w.key, False, why + remote_notes.get(w.key, "")))
         planned.append(Planned(component, module, entries))
     return planned
+
+
+def _structure_problem(module: Any, component: str, entry: Entry) -> str:
+    """Whether the live module is the one the entry was built for, before any call (aotbuild/structure.py)."""
+    from aotbuild.structure import mismatch
+
+    return mismatch(module, entry.manifest.structure or {}, component)
 
 
 def _next_step(recipe: Recipe, blocker: str, remote: Remote | None) -> str:

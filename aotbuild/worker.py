@@ -41,6 +41,9 @@ def run(job: dict) -> dict:
     # What the component is called with is the pipeline's business (guidance may double the batch, or
     # call twice, or be an input): the strategy records every call's signature, and loads dispatch on them.
     warmup = pipecall.warmup_kwargs(recipe, shape, pipe, defaults=ctx.target.warmup_defaults)
+    from aotbuild.structure import record
+
+    structure = record(module, ctx.target.global_settings())  # before the strategy puts anything in it
     job_spec = BuildJob(ctx, pipe, component, module, warmup, Path(job["workdir"]),
                         phase=lambda text: child.phase(job, text))
     built = ctx.strategy.build(job_spec)
@@ -51,6 +54,7 @@ def run(job: dict) -> dict:
         **({"packages": built.records} if built.records else {}),
         "key": key,
         "signatures": built.signatures,
+        "structure": structure,
         "seconds": {"load": round(t_load - t0, 3), "compile_and_warmup": round(t_warm - t_load, 3)},
         "counters": {k: int(v) for k, v in counters["inductor"].items() if "cache" in k},
         "pipeline_class": type(pipe).__name__,

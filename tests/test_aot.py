@@ -134,9 +134,9 @@ def test_a_package_naming_a_block_the_model_lacks_is_a_miss():
     model.blocks = torch.nn.ModuleList([torch.nn.Linear(2, 2)])
     entry = type("E", (), {"files": (), "manifest": type("M", (), {"packages": (
         {"instances": ["blocks.0", "blocks.7"], "baked": {}},)})()})()
-    assert "has no block 'blocks.7'" in get_strategy("aot-package").check(model, "transformer", entry)
+    assert "has no block 'blocks.7'" in get_strategy("aot-package").check(None, model, "transformer", entry)
     entry.manifest.packages = ({"instances": ["blocks.0"], "baked": {}},)
-    assert get_strategy("aot-package").check(model, "transformer", entry) == ""
+    assert get_strategy("aot-package").check(None, model, "transformer", entry) == ""
 
 
 @pytest.mark.slow

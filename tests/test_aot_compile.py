@@ -159,11 +159,11 @@ def test_check_refuses_a_module_of_another_structure_or_without_the_block():
     model.blocks = torch.nn.ModuleList([Block(), Block()])
     digest = aot_compile.structure_digest(model.blocks[0])
     ok = FakeEntry([{"instances": ["blocks.0", "blocks.1"], "structure": digest}])
-    assert strategy.check(model, "transformer", ok) == ""
+    assert strategy.check(None, model, "transformer", ok) == ""
     model.blocks[1].flag = True  # a plain attribute the code may branch on, which torch's guards ignore
-    assert "transformer.blocks.1 differs from the module" in strategy.check(model, "transformer", ok)
+    assert "transformer.blocks.1 differs from the module" in strategy.check(None, model, "transformer", ok)
     missing = FakeEntry([{"instances": ["blocks.7"], "structure": digest}])
-    assert "has no block 'blocks.7'" in strategy.check(model, "transformer", missing)
+    assert "has no block 'blocks.7'" in strategy.check(None, model, "transformer", missing)
 
 
 def test_kernels_built_in_this_process_count_as_compiles_and_installed_ones_do_not(tmp_path):

@@ -9,7 +9,8 @@ compile settings, shape, warmup, format) is held constant across commits.
 The component configs come from the built-in models that this diffusers version saves, so the pins
 hold for the diffusers release they were written with (PINNED_WITH); another release skips the test.
 A change that means to change keys (a new factor, FORMAT_VERSION) regenerates them on purpose:
-``python tests/test_key_pins.py`` prints the new table.
+``python tests/test_key_pins.py`` prints the new table. Regenerated for FORMAT_VERSION 3 (manifests
+record the component's structure).
 """
 
 from __future__ import annotations
@@ -62,82 +63,82 @@ def compute(cache_root: Path) -> dict[str, list[str]]:
 
 PINS = {
     'tiny_sd_cpu/jit-cache/full': [
-        'd25ecaef028017f4be291d9d83b297ed771e6bb316f395c5d02995c1176732f7',
-        '586ee863c057fd183647cc48480d42f6d9f7e9e1153efc91afa96a239f5d0774',
+        '8a20dd73c68a23dbc1c4b8a46512edf71744c701fb5eed6d5d592c90ae797d3f',
+        '05374ddc1f9cd50b5b3036f06bbb9fae90c409f15ae490d39f6a3477878efd92',
     ],
     'tiny_sd_cpu/jit-cache/regional': [
-        'b90bbe29d7c4bf986979b2febe18c5d35bc5ffce36e224240a28f47297d47c4c',
-        'f051223b6f21eb8fc757411e9c0b28d3ff9a487f5c3a197bcf8504e13e487c7f',
+        'a2bf465463439ef3c3a7672b977736bf109aec4795f3f8aaf0b5f7ef6c55ec9c',
+        'e55adc26c85eda95698c0c57d0e89dccb911a6f87989cb57a3cae29a501ee9bb',
     ],
     'tiny_sd_cpu/aot-package/full': [
-        '1b2ccbf1b16d7c3759d21160476e1b0c9581021cfa0a4c30615373ff92694323',
-        'f678e90a3c3017a058e399bd3172196b1c1a4ab0d646b760907d4a233075ac18',
+        '9f2c99a68b47ed59f7ca0ce9cf1a74b0691ec5fa4bb0d17c517384b01d7bdb1f',
+        '7ce647f7c69337ec51d0960e6f52de1c079686882580804b0f6f23e06e1055c6',
     ],
     'tiny_sd_cpu/aot-package/regional': [
-        '3c54ce1671a7241066a57351f617135593126393caf71ff5ca32ff44ac9697a0',
-        'b213f66a373d0aac295007b58a0a528e3cdf01267b9725576a89cc0610fc4125',
+        'ba71a1de3e69d1d753505c5058ebd2134c1770d6baa0c9f6bd1f9473e6334bd4',
+        '8da240ae826f6f1538a30d63febb4c3c94107204fa0201b984bad765023b9ef9',
     ],
     'tiny_sd_cpu/aot-compile/full': [
-        'fde0ecbb5b2a2ceb8e2618dacc961c837be44c56bee59656f02e267b4f06d099',
-        '60f0ac3ac742f27958c6e3fe37686dd07f0e2ce19bb42c841366e9a3b573062a',
+        '732239a4e543abdb1a0e01c606c6675156ee46837fe656a2b5205ad0613cb31c',
+        '6b0c8838a51b346517305c1f34808e03b0beb65536fefe13a46ca72db189f029',
     ],
     'tiny_sd_cpu/aot-compile/regional': [
-        'd863d5cabd56a293f22fa93044d367b27bb7a707cb6149bcad091152a2b5e023',
-        'fbb5dc7bbdb68abd01c66e9e55a1a8f4bcc06dcf436775a39dede4e6142da63c',
+        '0962396c70707e20ca48b99b142ebce09b53227483c2587c617b8c1ca82b977e',
+        'd0007bc1f56d06c6d0a3a28f2d9ae111b4d7b461a5f2c33fcc35f4ed193f49a5',
     ],
     'tiny_sdxl_cpu/jit-cache/full': [
-        '5e584fce291f4ac7ad387cfa74e67aea64f9f11044dfead157601fe670dba401',
+        '327abe35a4d0079314ca0ff2f82294f35c2b4f0244dbd8e78aa69c9aad416d6d',
     ],
     'tiny_sdxl_cpu/jit-cache/regional': [
-        '61b9bc59d556f6211b42653a175b7fc13693469ab438d813a7c5e8a96d58443a',
+        'bc4aca9c7b69e35a0413bf4ff7320ecbc69ac9bccb603e12906bb39a6a8ef796',
     ],
     'tiny_sdxl_cpu/aot-package/full': [
-        '311069b9c7a7a4db6caf4dd53ac9f116307eeafdbcb57d52ab78e228b6729392',
+        '9a96cbb909a35b33445ef059737793d5d6373bd26f00471fcaede14904498365',
     ],
     'tiny_sdxl_cpu/aot-package/regional': [
-        '763828195887cb7c22d97ddca3e6a4c3befb99bf13739d4cfd0f32818e28e8ba',
+        '2147735479a35ced98252e0cbf2bb71552614af5d4a2e34b4cbe53ea09ee6eca',
     ],
     'tiny_sdxl_cpu/aot-compile/full': [
-        '1dd28fe23058fb2770f8ec124240589a1b57575ee099bf47c3967aee3517992e',
+        '887b915ee75ffee1b9d103e61d02a6d6de2c3b7c36a184111bf6da23a0ed9664',
     ],
     'tiny_sdxl_cpu/aot-compile/regional': [
-        '3ae8052c8d27e0c7836a6f8aa48bba67fa1e0eb2a003535897e0e7cd0affd771',
+        '30ac8bbeaadd4cdbcec4c223d9c1dabc31e4732934165b975fc8df65a333a8f5',
     ],
     'tiny_sd3_cpu/jit-cache/full': [
-        '332eb8731b3c5425c1ecfca8e3ba084209aa9aec98af2cf77d3c487cf76302d2',
+        '36c892139f87444e41d1799333c5056f8bcba9f4582b283d99c13df938249150',
     ],
     'tiny_sd3_cpu/jit-cache/regional': [
-        '5b2b540020f7188e0e34fedd56315251712d5033934a9524657d7d624e161f29',
+        '793c10ec58cb5f687a83811ea2d74c2f38d7d5504002716152a77f19393e90a0',
     ],
     'tiny_sd3_cpu/aot-package/full': [
-        '18ffb915c3dc159ff0c67e382e30173026704812d9b1f3927e98126d9005754a',
+        '7bfa2178625a80e5a7e218f9414686f78d22f3b3934691cef12ecff988b5534f',
     ],
     'tiny_sd3_cpu/aot-package/regional': [
-        'bc854447501bd3cc76dd7e294a8f26b4aa7242448dc3cb9280a6dc0433270af7',
+        '40fefb478fe019e7e4d52b32561368a4cca6ebb083767d0374044e2a9f65e8c1',
     ],
     'tiny_sd3_cpu/aot-compile/full': [
-        '1679680d1ca9a1b5924b1c62d81bed25087eb1fa2fd9b45c8cd97a228b0dab6f',
+        'eea21ddb3ab199b29ab03000196a3da4c0d0456da1567f0b94a172e6238a9600',
     ],
     'tiny_sd3_cpu/aot-compile/regional': [
-        '2b5bbd6d5894c4157e2d72bd818850cfe11334147e2d264e70004ba68afc17ff',
+        '3fd6c2bc5f9f20116816c0f62c98502b1396facb56b20ababe58e74703534be6',
     ],
     'tiny_flux_cpu/jit-cache/full': [
-        '1fe14f092a386b6ba668e39278c027c853fbaea85df9b29ba328d48b437809e6',
+        '6d455b8949417b9d0c306c80054d3cff49df2fe163cdca12732fa43fcf4e2247',
     ],
     'tiny_flux_cpu/jit-cache/regional': [
-        'cb1ce4472b3410691471396a20b6bebf5a84f8543273d0afea982fc668571749',
+        '7579cddcd7daa7ddc4f29a9f52d18ef3dbe567b3aa0187bb337a9a7228e3b2a8',
     ],
     'tiny_flux_cpu/aot-package/full': [
-        '5264d3e122398ae8d5417c6fffb3c26173a837b11033617247adb5af7feff325',
+        'c2f64b224a01dcc7c446d0d9cc9136861212e889561a1afceeabcc9ceed2ecdd',
     ],
     'tiny_flux_cpu/aot-package/regional': [
-        '11a1763fa9a99b7073319cb1d6a728ed9f4f99dd6fa0ddfeee4f1a258983f5ea',
+        '38ec94b3fd5bdbc36e28068f01c7f5df8d148da924c3efaca8188c56a3e403b8',
     ],
     'tiny_flux_cpu/aot-compile/full': [
-        '326e54cd90d8b3f5f6aee5e78ff225cb46bfe4dd3178a9ee1380c122eda715df',
+        '246f58c35a48245799941184bf51e3437123d77920ddea5122a1d43d7b073a22',
     ],
     'tiny_flux_cpu/aot-compile/regional': [
-        '48049bda3aa50d70e5bef4d4ab5ec8b84913bf840687a95ec13e7349c56e9d3b',
+        '402aa80dd2f6e96102ba259a2166125249dc7ea0a38208c9017eb939f47ed0fb',
     ],
 }
 

@@ -227,7 +227,7 @@ class AotCompile(Strategy):
 
     # -- load ------------------------------------------------------------------------------------
 
-    def check(self, module: Any, component: str, entry: Entry) -> str:
+    def check(self, ctx: Resolved, module: Any, component: str, entry: Entry) -> str:
         """Torch's guards do not cover the module's structure: every instance an artifact serves must
         have the structure it was compiled for."""
         named = dict(module.named_modules())

@@ -96,7 +96,7 @@ class AotPackage(Strategy):
         # Every call must reach a package: any Dynamo graph is a fallback compile.
         return "Dynamo graphs traced", lambda: int(counters["stats"]["unique_graphs"])
 
-    def check(self, module: Any, component: str, entry: Entry) -> str:
+    def check(self, ctx: Resolved, module: Any, component: str, entry: Entry) -> str:
         named = dict(module.named_modules())
         files = dict(entry.files)
         for package in entry.manifest.packages:

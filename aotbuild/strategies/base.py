@@ -137,8 +137,9 @@ class Strategy:
 
     # -- load ---------------------------------------------------------------------------------------
 
-    def check(self, module: Any, component: str, entry: Entry) -> str:
-        """Why a verified entry cannot serve the live ``module`` (then it is a miss with that reason), or ""."""
+    def check(self, ctx: Resolved, module: Any, component: str, entry: Entry) -> str:
+        """Why a verified entry cannot serve the live ``module`` (then it is a miss with that reason), or "".
+        The module's structure has been checked already (aotbuild/structure.py)."""
         return ""
 
     def install(self, ctx: Resolved, planned: list[Planned], policy: str) -> InstallResult | None:

@@ -16,6 +16,7 @@ from aotbuild.dispatch import install_dispatcher
 from aotbuild.strategies.base import BuildJob, Built, Planned, Resolved, Strategy
 
 if TYPE_CHECKING:
+    from aotbuild.store import Entry
     from aotbuild.targets.base import InstallResult
 
 
@@ -29,6 +30,14 @@ class JitCache(Strategy):
         dispatcher = install_dispatcher(job.module, job.component, {}, compiled, "record")
         job.run_warmup()
         return Built(sorted(dispatcher.built))
+
+    def check(self, ctx: Resolved, module: Any, component: str, entry: Entry) -> str:
+        # Dynamo traces again at load and the compiler looks its graphs up by a key that holds its
+        # global settings: a library that changed them for the process (torchao's quantize_) misses.
+        from aotbuild.structure import settings_mismatch
+
+        recorded = (entry.manifest.structure or {}).get("compiler", {})
+        return settings_mismatch(recorded, ctx.target.global_settings())
 
     def install(self, ctx: Resolved, planned: list[Planned], policy: str) -> InstallResult | None:
         files = [f for p in planned for e in p.entries for f in e.files]

@@ -125,6 +125,11 @@ class Target:
         again (strategy jit-cache), and a function that returns that count so far."""
         raise NotImplementedError
 
+    def global_settings(self) -> dict[str, Any]:
+        """This process's compiler settings that its compiled artifacts' cache keys hold and a library
+        can change for the whole process (recorded at build, compared by jit-cache loads), or {}."""
+        return {}
+
     def install_blocker(self) -> str:
         """Why this process could not use installed artifacts (then every entry is a miss), or ""."""
         return ""

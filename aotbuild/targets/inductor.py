@@ -14,6 +14,7 @@ by file with atomic renames, so several processes may install at once and the fo
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import platform
 import re
@@ -217,6 +218,21 @@ class InductorTarget(Target):
         return ToolchainCheck(True, "FX graph and AOTAutograd caches on",
                               data={"folder": active_cache_dir(), "label": "Inductor cache folder",
                                     "variable": constants.ENV_INDUCTOR_CACHE})
+
+    def global_settings(self) -> dict[str, Any]:
+        import math
+
+        import torch._inductor.config as inductor_config
+
+        def plain(value: Any) -> Any:  # JSON that round-trips: a manifest holds no NaN, sets or functions
+            if isinstance(value, float) and not math.isfinite(value):
+                return repr(value)
+            if value is None or isinstance(value, (bool, int, float, str)):
+                return value
+            return json.dumps(value, sort_keys=True, default=repr)
+
+        # What the FX graph cache key holds of Inductor's config (codecache.FxGraphHashDetails).
+        return {k: plain(v) for k, v in sorted(inductor_config.save_config_portable().items())}
 
     def install_blocker(self) -> str:
         import torch._inductor.config as inductor_config
