@@ -363,6 +363,9 @@ def _measure(mode: str, recipe_data: dict[str, Any], index: int, cache: str, cal
         assert ctx.model is not None
         pipe = models.load_pipeline(recipe, ctx.model, ctx.dtype, quiet=True)
         models.place_pipeline(pipe, recipe, ctx.device)
+        from aotbuild.context import prepare_pipeline
+
+        prepare_pipeline(pipe, recipe)
         pipecall.check_recipe(recipe, pipecall.CallSignature.of(pipe))  # as a build job does
         if mode == "cold":
             for component in recipe.compile.components:

@@ -21,6 +21,9 @@ job, proof and ``load_compiled`` all call it, so they agree by construction:
 ``env``             torch version and git build, diffusers, transformers, python major.minor
 ``device``          the target's fingerprint: device kind and, for CPU Inductor, machine and vector
                     ISA; for CUDA the compute capability, CUDA and Triton versions
+``lora``            only with ``lora:``: the rank and target modules compiled for, the adapters' names
+``quantization``    only for a quantized component: backend and version, type and arguments, and the
+                    Inductor settings the backend sets for the whole process
 ==================  ===================================================================================
 
 Never an absolute path, hostname, user, cwd, rank or device index: peers lose caches to exactly
@@ -116,8 +119,15 @@ def job_factors(ctx: Context, component: str, component_class: str, config: dict
                 pipeline_class: str) -> dict[str, Any]:
     """Every key factor of one job: from the recipe, its target and strategy, this machine, and the
     component as loaded (class and architecture config) or as planned (from its ``config.json``)."""
+    from aotbuild import adapters, quantize
+
     recipe = ctx.recipe
+    # The pipeline as users change it: present only where the recipe sets it (other keys unchanged).
+    changed = {name: value for name, value in (("lora", adapters.factors(recipe, component)),
+                                               ("quantization", quantize.factors(recipe, component)))
+               if value is not None}
     return {
+        **changed,
         "format": constants.FORMAT_VERSION,
         "model": {"pipeline": pipeline_class, "variant": recipe.model.variant,
                   "builtin_version": builtin_version(recipe)},
@@ -139,6 +149,15 @@ def builtin_version(recipe: Recipe) -> int | None:
     return builtin.lookup(recipe.model.id).version if builtin.is_builtin(recipe.model.id) else None
 
 
+def prepare_pipeline(pipe: Any, recipe: Recipe) -> None:
+    """The pipeline as the recipe serves it, after loading and placing: quantized (``model.quantization``,
+    aotbuild/quantize.py), its LoRA adapters loaded for hot-swap (``lora``, aotbuild/adapters.py)."""
+    from aotbuild import adapters, quantize
+
+    quantize.apply(pipe, recipe)
+    adapters.prepare(pipe, recipe)
+
+
 def job_pipeline(recipe: Recipe, cache_root: Path) -> tuple[Context, Any]:
     """For a build job, a proof or a benchmark child: the recipe's context and its pipeline, loaded
     (progress bar off) and placed on the recipe's device; RuntimeError when it cannot be."""
@@ -148,4 +167,5 @@ def job_pipeline(recipe: Recipe, cache_root: Path) -> tuple[Context, Any]:
     assert ctx.model is not None
     pipe = models.load_pipeline(recipe, ctx.model, ctx.dtype, quiet=True)
     models.place_pipeline(pipe, recipe, ctx.device)
+    prepare_pipeline(pipe, recipe)
     return ctx, pipe

@@ -71,11 +71,12 @@ class Proof:
     instances: int  # module instances called (every block instance for regional scope)
     calls: int = 0  # component calls compared
     counter: str = ""  # what "compiles" counted (e.g. "fx graph cache misses")
+    swaps: int = 0  # adapters hot-swapped in and served too (lora)
 
     def as_json(self) -> dict[str, Any]:
         return {"load_s": self.load_s, "compiles": self.compiles, "max_abs_diff": self.max_abs_diff,
                 "tolerance": self.tolerance, "instances": self.instances, "calls": self.calls,
-                "counter": self.counter}
+                "counter": self.counter, **({"swaps": self.swaps} if self.swaps else {})}
 
 
 @dataclass(frozen=True)
@@ -369,7 +370,8 @@ class _Checker:
                      tolerance=self.number(value.get("tolerance"), "proof.tolerance"),
                      instances=self.integer(value.get("instances"), "proof.instances"),
                      calls=self.integer(value.get("calls", 0), "proof.calls"),
-                     counter=str(value.get("counter", ""))[:200])
+                     counter=str(value.get("counter", ""))[:200],
+                     swaps=self.integer(value.get("swaps", 0), "proof.swaps"))
 
     def pack(self, value: Any) -> dict[str, Any]:
         value = self.obj(value, "pack")

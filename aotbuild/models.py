@@ -128,13 +128,13 @@ def resolve_model(recipe: Recipe, cache_root: Path) -> ResolvedModel:
         tried = [(recipe.base / spec.id).resolve(), Path(spec.id).expanduser().resolve()]
         looked = " and ".join(map(str, dict.fromkeys(tried)))
         raise recipe.error("model.id", f"no such folder: {spec.id} (looked for {looked})")
-    path = _hub_file(spec.id, "model_index.json", spec.revision)
+    path = hub_file(spec.id, "model_index.json", spec.revision)
     data = _read_json(path)
     check_model_index(data, f"{spec.id}'s model_index.json")
     return ResolvedModel(spec.id, False, data, None, {"id": spec.id, "revision": spec.revision})
 
 
-def _hub_file(repo_id: str, filename: str, revision: str | None) -> Path:
+def hub_file(repo_id: str, filename: str, revision: str | None) -> Path:
     from aotbuild import hub
 
     down = "" if hub.offline_mode() else hub.unreachable()
@@ -299,7 +299,7 @@ def _component_json(model: ResolvedModel, name: str, revision: str | None) -> di
         raise ModelUnavailable(f"{printable(name)[:80]!r} is not a component name")
     if model.is_local:
         return _read_json(Path(model.location) / name / "config.json", inside=Path(model.location))
-    return _read_json(_hub_file(model.location, f"{name}/config.json", revision))
+    return _read_json(hub_file(model.location, f"{name}/config.json", revision))
 
 
 def load_pipeline(recipe: Recipe, model: ResolvedModel, dtype: str, *, quiet: bool = False) -> Any:

@@ -101,6 +101,11 @@ def plan(recipes: Recipes, cache: str | Path | None = None) -> list[Job]:
             pipeline = pipecall.pipeline_class(ctx.pipeline_class)
             if pipeline is not None:
                 pipecall.check_recipe(recipe, pipecall.CallSignature.of(pipeline))
+            if recipe.lora is not None:  # each adapter's header against lora.rank and the modules
+                from aotbuild import adapters
+
+                for component in recipe.compile.components:
+                    adapters.check_recipe(recipe, component)
         jobs.extend(jobs_for(ctx, store))
     return sorted(jobs, key=lambda j: (j.key is None, j.key or "", j.label))
 

@@ -87,8 +87,6 @@ def block_instances(module: Any, recipe: Any) -> list[tuple[str, Any]]:
 
 def serve(spec: dict[str, Any]) -> dict[str, Any]:
     """Run in the fresh process: returns the proof's figures, or raises with the reason."""
-    import torch
-
     from aotbuild import pipecall
     from aotbuild.context import job_pipeline
     from aotbuild.dispatch import signature
@@ -141,6 +139,7 @@ def serve(spec: dict[str, Any]) -> dict[str, Any]:
     if ran & expected != expected:
         missing = sorted(expected - ran)
         raise RuntimeError(f"the warmup never ran {len(missing)} of the blocks (e.g. {missing[0]})")
+    swap = _swap_reference(pipe, recipe, component, calls, Path(spec["result"]).parent / "swap")
 
     # 2. Load the entry the way a serving process does. Counted from before the load: an artifact can
     #    compile while it loads (an aot-compile function rebuilds missing kernels then).
@@ -150,23 +149,69 @@ def serve(spec: dict[str, Any]) -> dict[str, Any]:
     load_compiled(recipe, pipe, cache=spec["store"], on_miss="error", strict_shapes=True)
 
     # 3. Every recorded call through the loaded entry, compared with eager.
+    t_first: list[float] = []
+    worst = _replay(module, component, calls, lambda: t_first.append(time.perf_counter() - t0))
+    # 4. With lora: another adapter (other weights, a lower rank) hot-swapped in must serve too.
+    swaps = 0
+    if swap is not None:
+        file, swapped_calls = swap
+        pipe.load_lora_weights(str(file.parent), weight_name=file.name, hotswap=True,
+                               adapter_name=recipe.lora.adapters[0].adapter_name)  # the guard load_compiled put
+        worst = max(worst, _replay(module, component, swapped_calls, lambda: None))
+        swaps = 1
+    return {"compiles": int(count() - before), "counter": counter_name, "max_abs_diff": worst,
+            "tolerance": tolerance(ctx.dtype), "instances": len(expected), "calls": len(calls),
+            "load_s": round(t_first[0] if t_first else 0.0, 3), "swaps": swaps}
+
+
+def _replay(module: Any, component: str, calls: list[tuple[Any, Any, list[Any]]], first: Any) -> float:
+    """Every recorded call through the module as it is now; the largest difference from its output."""
+    import torch
+
     worst = 0.0
-    first_call_s = None
     with torch.no_grad():
-        for args, kwargs, eager in calls:
+        for i, (args, kwargs, eager) in enumerate(calls):
             out = tensors(module(*args, **kwargs))
-            if first_call_s is None:
-                first_call_s = time.perf_counter() - t0
+            if i == 0:
+                first()
             if len(out) != len(eager):
                 raise RuntimeError(f"{component} returned {len(out)} tensors served, {len(eager)} eager")
             for a, b in zip(out, eager, strict=True):
                 if a.shape != b.shape:
                     raise RuntimeError(f"{component} returned shape {list(a.shape)} served, {list(b.shape)} eager")
+                # max(worst, nan) keeps worst: a NaN or Inf output would pass as "0 difference".
+                if a.is_floating_point() and not bool(torch.isfinite(b).all()):
+                    raise RuntimeError(f"{component}'s eager output holds NaN or Inf: the warmup cannot prove "
+                                       f"anything (check the warmup arguments: sigmas, guidance)")
+                if a.is_floating_point() and not bool(torch.isfinite(a).all()):
+                    raise RuntimeError(f"{component} served NaN or Inf where eager's output is finite")
                 if a.numel():
                     worst = max(worst, float((a.float() - b.float()).abs().max()))
-    return {"compiles": int(count() - before), "counter": counter_name, "max_abs_diff": worst,
-            "tolerance": tolerance(ctx.dtype), "instances": len(expected), "calls": len(calls),
-            "load_s": round(first_call_s or 0.0, 3)}
+    return worst
+
+
+def _swap_reference(pipe: Any, recipe: Any, component: str, calls: list[tuple[Any, Any, list[Any]]],
+                    folder: Path) -> tuple[Path, list[tuple[Any, Any, list[Any]]]] | None:
+    """With lora: a random adapter of rank max(1, lora.rank // 2) swapped into the eager pipeline, the
+    recorded calls' eager outputs with it, then the recipe's adapter swapped back: (its file, those calls)."""
+    if recipe.lora is None:
+        return None
+    import torch
+
+    from aotbuild import adapters
+
+    name = recipe.lora.adapters[0].adapter_name
+    module = getattr(pipe, component)
+    swapped = adapters.random_adapter(pipe, recipe, component, folder, seed=1)
+    pipe.load_lora_weights(str(swapped.parent), weight_name=swapped.name, adapter_name=name, hotswap=True)
+    adapters.scale(pipe, recipe, recipe.lora.adapters[0])  # as the served pipe's guard does after a swap
+    with torch.no_grad():
+        outputs = [(args, kwargs, [t.detach().clone() for t in tensors(module(*args, **kwargs))])
+                   for args, kwargs, _ in calls]
+    own = adapters.resolve(recipe, recipe.lora.adapters[0])
+    pipe.load_lora_weights(str(own.parent), weight_name=own.name, adapter_name=name, hotswap=True)
+    adapters.scale(pipe, recipe, recipe.lora.adapters[0])
+    return swapped, outputs
 
 
 def main(argv: list[str]) -> int:
@@ -186,7 +231,8 @@ def verdict(result: dict[str, Any], label: str) -> Any:
         raise ProofFailed(f"a fresh process could not serve the entry, so nothing was stored: {result['error']}")
     proof = Proof(load_s=float(result["load_s"]), compiles=int(result["compiles"]),
                   max_abs_diff=float(result["max_abs_diff"]), tolerance=float(result["tolerance"]),
-                  instances=int(result["instances"]), calls=int(result["calls"]), counter=str(result["counter"]))
+                  instances=int(result["instances"]), calls=int(result["calls"]), counter=str(result["counter"]),
+                  swaps=int(result.get("swaps", 0)))
     if proof.compiles:
         raise ProofFailed(f"a fresh process loading the entry compiled {proof.compiles} time(s) "
                           f"({proof.counter}) for {label}: the artifacts do not cover every call, so nothing was "

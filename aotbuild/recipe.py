@@ -54,6 +54,7 @@ SCHEMA: dict[str, dict[str, Field] | Field] = {
         "pipeline": Field("str?", doc="diffusers pipeline class; default: model_index.json's"),
         "dtype": Field("str?", choices=DTYPES, doc="default: the target's (float32 inductor, bfloat16 neuron/tpu)"),
         "variant": Field("str?", doc="weights variant, e.g. fp16"),
+        "quantization": Field("quantization", None, doc="quantize components after loading (torchao)"),
     },
     "target": Field("str", "inductor", doc="where the compiled code runs", registry="target"),
     "device": Field("str?", doc="default: the target's (inductor: cuda if available, else cpu)"),
@@ -73,6 +74,29 @@ SCHEMA: dict[str, dict[str, Field] | Field] = {
     },
     "shapes": Field("shapes", required=True, doc="list of {height, width, batch_size}; batch_size = images per prompt"),
     "warmup": Field("mapping", {}, doc="keyword arguments of the pipeline call used for warmup"),
+    "lora": {
+        "rank": Field("int", required=True, doc="the largest adapter rank served: enable_lora_hotswap(target_rank)"),
+        "target_modules": Field("list[str]", None, doc="the modules adapters may target; default: the first "
+                                                       "adapter's"),
+        "adapters": Field("adapters", required=True, doc="the adapters loaded at build and by load_compiled"),
+    },
+}
+#: Optional sections: parsed only when the recipe has them (their absence keeps every key as it was).
+OPTIONAL_SECTIONS = ("lora",)
+QUANT_SCHEMA = {
+    "backend": Field("str", required=True, choices=("torchao",), doc="the quantization library"),
+    "quant_type": Field("str", required=True, choices=("int8wo", "int8dq", "int4wo", "float8wo", "float8dq"),
+                        doc="torchao's Int8WeightOnlyConfig, Int8DynamicActivationInt8WeightConfig, "
+                            "Int4WeightOnlyConfig, Float8WeightOnlyConfig, Float8DynamicActivationFloat8WeightConfig"),
+    "quant_kwargs": Field("mapping", {}, doc="keyword arguments of the backend's config class"),
+    "components": Field("list[str]", None, doc="which components to quantize; default: compile.components"),
+}
+ADAPTER_SCHEMA = {
+    "path": Field("str", required=True, doc="a .safetensors file or a folder holding pytorch_lora_weights.safetensors, "
+                                            "relative to the recipe's folder; or a Hub id with weight_name"),
+    "adapter_name": Field("str", required=True, doc="the adapter's name (load_lora_weights' adapter_name)"),
+    "scale": Field("float", 1.0, doc="the adapter's weight, fixed at load"),
+    "weight_name": Field("str?", doc="the file in a folder or Hub repo; default pytorch_lora_weights.safetensors"),
 }
 SHAPE_SCHEMA = {
     "height": Field("int", required=True, doc="pixels, a positive multiple of 8"),
@@ -84,12 +108,40 @@ MAX_FRAMES = 4096
 
 
 @dataclass(frozen=True)
+class QuantSpec:
+    """``model.quantization``: a backend's quantization applied to components after loading."""
+
+    backend: str
+    quant_type: str
+    quant_kwargs: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    components: tuple[str, ...] | None = None
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     id: str
     revision: str | None = None
     pipeline: str | None = None
     dtype: str | None = None
     variant: str | None = None
+    quantization: QuantSpec | None = None
+
+
+@dataclass(frozen=True)
+class LoraAdapter:
+    path: str
+    adapter_name: str
+    scale: float = 1.0
+    weight_name: str | None = None
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    """``lora``: adapters that hot-swap without recompiling (diffusers' enable_lora_hotswap)."""
+
+    rank: int
+    target_modules: tuple[str, ...] | None
+    adapters: tuple[LoraAdapter, ...]
 
 
 @dataclass(frozen=True)
@@ -136,6 +188,7 @@ class Recipe:
     compile: CompileSpec
     shapes: tuple[Shape, ...]
     warmup: Mapping[str, Any]
+    lora: LoraSpec | None = None
     #: The folder a relative ``model.id`` is resolved against; None: the recipe file's folder. A job
     #: or proof process gets it from its parent (it runs elsewhere) instead of re-reading the file.
     folder: str | None = field(default=None, compare=False)
@@ -214,6 +267,30 @@ class _Checker:
                 raise self.fail(key, f"{value!r} is not allowed{suggest(value, choices)} "
                                      f"(allowed: {', '.join(choices)})")
             return value
+        if kind == "float":
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise self.fail(key, f"expected a finite number, got {describe_value(value)}")
+            return float(value)
+        if kind == "quantization":
+            if not isinstance(value, dict):
+                raise self.fail(key, f"expected a mapping with keys {', '.join(QUANT_SCHEMA)}, got "
+                                     f"{describe_value(value)}")
+            self.keys(value, QUANT_SCHEMA, f"{key}.")
+            return QuantSpec(**{k: self.value(f"{key}.{k}", value.get(k), s) for k, s in QUANT_SCHEMA.items()})
+        if kind == "adapters":
+            if not isinstance(value, list) or not value:
+                raise self.fail(key, "expected a non-empty list of {path, adapter_name, scale} mappings")
+            out = []
+            for i, item in enumerate(value):
+                where = f"{key}[{i}]"
+                if not isinstance(item, dict):
+                    raise self.fail(where, f"expected a mapping with path and adapter_name, got {describe_value(item)}")
+                self.keys(item, ADAPTER_SCHEMA, f"{where}.")
+                out.append(LoraAdapter(**{k: self.value(f"{where}.{k}", item.get(k), s)
+                                          for k, s in ADAPTER_SCHEMA.items()}))
+            if len({a.adapter_name for a in out}) != len(out):
+                raise self.fail(key, "names an adapter twice")
+            return tuple(out)
         if kind == "bool":
             if not isinstance(value, bool):
                 raise self.fail(key, f"expected true or false, got {describe_value(value)}")
@@ -314,6 +391,7 @@ def parse_structure(data: Any, source: str = DATA_SOURCE, name: str | None = Non
     top = {k: check.value(k, data.get(k), spec) for k, spec in SCHEMA.items() if isinstance(spec, Field)
            and spec.type != "shapes"}
     compile_spec = CompileSpec(**check.section(data.get("compile"), "compile"))
+    lora = LoraSpec(**check.section(data["lora"], "lora")) if data.get("lora") is not None else None
     shapes = check.shapes(data.get("shapes"))
     warmup = top["warmup"]
     for arg in warmup:
@@ -325,7 +403,7 @@ def parse_structure(data: Any, source: str = DATA_SOURCE, name: str | None = Non
     return Recipe(
         name=name, source=source, folder=folder, model=model, target=top["target"],
         device=top["device"], strategy=top["strategy"], offload=top["offload"], compile=compile_spec,
-        shapes=shapes, warmup=warmup,
+        shapes=shapes, warmup=warmup, lora=lora,
     )
 
 
@@ -344,6 +422,27 @@ def check_structure_rules(recipe: Recipe) -> None:
                 raise recipe.error("compile.blocks", f"{name!r} is not a class name (e.g. JointTransformerBlock)")
     if recipe.offload == "model" and recipe.compile.scope != "regional":
         raise recipe.error("offload", "model offload needs compile.scope: regional (offload hooks cannot be traced)")
+    lora, quant = recipe.lora, recipe.model.quantization
+    if lora is not None:
+        if lora.rank < 1 or lora.rank > 4096:
+            raise recipe.error("lora.rank", f"{lora.rank} is not allowed: 1 to 4096")
+        if len(lora.adapters) > 1:
+            raise recipe.error("lora.adapters", "lists more than one adapter: hot-swap is verified with one (diffusers "
+                                                "0.42 prepares only the first adapter for hot-swap: a second is loaded "
+                                                "unpadded, with a float scale, and recompiles); swap adapters at "
+                                                "runtime with load_lora_weights(..., hotswap=True)")
+        if quant is not None:
+            raise recipe.error("lora", "LoRA with model.quantization is not supported yet (not shown to hot-swap "
+                                       "without a compile): use one or the other")
+    for name, setting in (("lora", lora), ("model.quantization", quant)):
+        if setting is not None and recipe.offload != "none":
+            raise recipe.error(name, "cannot be combined with offload: model")
+    if quant is not None and quant.components is not None:
+        for component in quant.components:
+            if component not in recipe.compile.components:
+                raise recipe.error("model.quantization.components", f"{component!r} is not compiled "
+                                                                    f"(compile.components: "
+                                                                    f"{', '.join(recipe.compile.components)})")
 
 
 def build_hint(recipe: Recipe) -> str:
@@ -371,11 +470,23 @@ def recipe_spec(recipe: Recipe) -> dict[str, Any]:
 
 def recipe_to_dict(recipe: Recipe) -> dict[str, Any]:
     """The recipe as plain JSON data (for manifests and ``--json``)."""
+    model = {k: v for k, v in recipe.model.__dict__.items() if k != "quantization"}
+    q = recipe.model.quantization
+    if q is not None:  # the optional settings appear only when set (recipes without them read as before)
+        model["quantization"] = {"backend": q.backend, "quant_type": q.quant_type, "quant_kwargs": thaw(q.quant_kwargs),
+                                 **({"components": list(q.components)} if q.components is not None else {})}
+    extra: dict[str, Any] = {}
+    if recipe.lora is not None:
+        extra["lora"] = {"rank": recipe.lora.rank,
+                         **({"target_modules": list(recipe.lora.target_modules)}
+                            if recipe.lora.target_modules is not None else {}),
+                         "adapters": [{k: v for k, v in a.__dict__.items() if v is not None}
+                                      for a in recipe.lora.adapters]}
     return json.loads(json.dumps({
-        "name": recipe.name, "model": recipe.model.__dict__, "target": recipe.target, "device": recipe.device,
+        "name": recipe.name, "model": model, "target": recipe.target, "device": recipe.device,
         "strategy": recipe.strategy, "offload": recipe.offload,
         "compile": {**{k: v for k, v in recipe.compile.__dict__.items() if k != "blocks" or v is not None},
                     "components": list(recipe.compile.components),
                     "options": thaw(recipe.compile.options)},
-        "shapes": [s.as_dict() for s in recipe.shapes], "warmup": thaw(recipe.warmup),
+        "shapes": [s.as_dict() for s in recipe.shapes], "warmup": thaw(recipe.warmup), **extra,
     }))

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from aotbuild import keys, models, pipecall
-from aotbuild.context import Context
+from aotbuild.context import Context, prepare_pipeline
 from aotbuild.errors import CacheMiss, RemoteError, TargetUnavailable, UsageError
 from aotbuild.explain import explain_miss
 from aotbuild.layout import resolve_cache_root
@@ -127,6 +127,9 @@ def load_compiled(recipe: str | Path | Recipe | Mapping[str, Any], pipe: Any = N
         if installed is not None:
             report.installed_files, report.present_files = installed.installed, installed.present
             report.install_folder = installed.folder
+    from aotbuild import adapters
+
+    adapters.guard(pipe, recipe)  # a hot-swap is checked before it changes a weight
     pipe.aotbuild_report = report
     _announce(report, recipe, on_miss, blocker)
     return pipe
@@ -158,6 +161,7 @@ def _pipeline(ctx: Context, pipe: Any) -> Any:
     assert ctx.model is not None
     pipe = models.load_pipeline(ctx.recipe, ctx.model, ctx.dtype)
     models.place_pipeline(pipe, ctx.recipe, ctx.device)
+    prepare_pipeline(pipe, ctx.recipe)  # quantized, adapters loaded: as the build served it
     return pipe
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from aotbuild.recipe import SCHEMA, SHAPE_SCHEMA, Field
+from aotbuild.recipe import ADAPTER_SCHEMA, QUANT_SCHEMA, SCHEMA, SHAPE_SCHEMA, Field
 from tests.conftest import REPO
 
 
@@ -16,6 +16,8 @@ def schema_keys() -> set[str]:
         else:
             keys.update(f"{name}.{k}" for k in spec)
     keys.update(f"shapes[].{k}" for k in SHAPE_SCHEMA)
+    keys.update(f"model.quantization.{k}" for k in QUANT_SCHEMA)
+    keys.update(f"lora.adapters[].{k}" for k in ADAPTER_SCHEMA)
     return keys
 
 
@@ -61,7 +63,8 @@ def test_cli_reference_lists_every_command():
 
 
 TYPE_WORDS = {"str": "text", "str?": "text", "int": "int", "bool": "bool", "list[str]": "list of text",
-              "mapping": "mapping", "shapes": "list"}
+              "mapping": "mapping", "shapes": "list", "float": "number", "quantization": "mapping",
+              "adapters": "list"}
 
 
 def _default_text(field: Field) -> str | None:
@@ -85,6 +88,8 @@ def test_documented_types_and_defaults_match_schema():
     rows = {m.group(1): [c.strip() for c in m.group(0).split(" | ")]
             for m in re.finditer(r"^\| `([^`]+)` \|.*$", text, flags=re.M)}
     fields = {f"shapes[].{k}": v for k, v in SHAPE_SCHEMA.items()}
+    fields.update({f"model.quantization.{k}": v for k, v in QUANT_SCHEMA.items()})
+    fields.update({f"lora.adapters[].{k}": v for k, v in ADAPTER_SCHEMA.items()})
     for name, spec in SCHEMA.items():
         fields.update({name: spec} if isinstance(spec, Field) else {f"{name}.{k}": v for k, v in spec.items()})
     for key, field in fields.items():

@@ -143,6 +143,11 @@ class AotCompile(Strategy):
                                                f"(got {recipe.compile.mode!r})")
         if recipe.offload != "none":
             raise recipe.error("offload", "strategy aot-compile cannot run under model offload")
+        if recipe.model.quantization is not None:
+            # torch 2.13: saving the guards of a torchao tensor subclass fails (aten.empty_like is not
+            # implemented for Int8Tensor), and torchao's per-module extra_repr cannot be pickled.
+            raise recipe.error("model.quantization", "strategy aot-compile cannot save torchao's tensor subclasses "
+                                                     "(torch 2.13): use strategy jit-cache")
 
     def compile_factors(self, target: Target, device: str) -> dict[str, Any]:
         import torch

@@ -37,6 +37,12 @@ class AotPackage(Strategy):
                                                     "component, or its blocks): fullgraph must be true")
         if recipe.offload != "none":
             raise recipe.error("offload", "strategy aot-package cannot run under model offload")
+        if recipe.lora is not None:
+            raise recipe.error("lora", "strategy aot-package cannot hot-swap adapters (torch.export makes the LoRA "
+                                       "scaling a constant of the package): use strategy jit-cache or aot-compile")
+        if recipe.model.quantization is not None:
+            raise recipe.error("model.quantization", "strategy aot-package is not verified with torchao's tensor "
+                                                     "subclasses: use strategy jit-cache")
 
     def build(self, job: BuildJob) -> Built:
         ctx = job.ctx

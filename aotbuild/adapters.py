@@ -1,0 +1,275 @@
+"""``lora``: LoRA adapters that hot-swap without recompiling (diffusers' enable_lora_hotswap).
+
+diffusers (#9279, #9453) can swap one adapter for another of the same target modules and a rank up
+to ``target_rank`` without recompiling: ``pipe.enable_lora_hotswap(target_rank=R)`` before the first
+adapter pads every adapter's weights to rank R and keeps its scaling a tensor, and
+``load_lora_weights(..., hotswap=True)`` then copies another adapter's weights into them. So the
+compiled denoiser is specialized on R and the target modules (key factors), never on an adapter's
+values. What would recompile (peft silently grows the tensors for a higher rank; other modules add
+layers; ``set_adapters`` turns the scaling back into a Python float) is refused before any weight
+changes: in the recipe (a recipe error naming ``lora.rank`` or the modules) and, after load, by the
+pipe's ``load_lora_weights``, which ``load_compiled`` wraps (:func:`guard`).
+
+Adapters are data from a pull request: a local path must be a ``.safetensors`` file (never a
+pickle), regular, whose real path stays inside the repository holding the recipe; its header is read
+with bounded work for its modules and rank (no weights are loaded to plan).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import stat
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from aotbuild.errors import UsageError
+from aotbuild.recipe import LoraAdapter, Recipe
+from aotbuild.text import printable
+
+DEFAULT_WEIGHT_NAME = "pytorch_lora_weights.safetensors"
+MAX_HEADER = 64 * 1024 * 1024
+#: ``<component>.<module path>.lora_A.weight`` (peft) or ``.lora.down.weight`` (older diffusers).
+_KEY = re.compile(r"^(?P<component>[A-Za-z_][A-Za-z0-9_]*)\.(?P<module>.+)\.(?:lora_A|lora\.down|lora_down)\.weight$")
+#: Methods of a served pipeline that would recompile or break the hot-swap layout: refused after load.
+REFUSED_AFTER_LOAD = ("set_adapters", "fuse_lora", "unfuse_lora", "unload_lora_weights", "delete_adapters",
+                      "disable_lora", "enable_lora", "enable_lora_hotswap")
+
+__all__ = ["AdapterFile", "read", "resolve", "factors", "prepare", "guard", "random_adapter", "require"]
+
+
+def require() -> Any:
+    try:
+        import peft
+    except ImportError:
+        raise UsageError("lora needs peft: pip install 'aotbuild[lora]'") from None
+    return peft
+
+
+@dataclass(frozen=True)
+class AdapterFile:
+    """What an adapter's safetensors header says, per component: module paths and the largest rank."""
+
+    path: Path
+    modules: dict[str, set[str]]  # component -> module paths
+    rank: int
+
+    def targets(self, component: str) -> set[str]:
+        """peft's target_modules names for a component: each path's last name (``to_out.0`` as itself)."""
+        return {target_name(m) for m in self.modules.get(component, set())}
+
+
+def target_name(module_path: str) -> str:
+    parts = module_path.split(".")
+    return ".".join(parts[-2:]) if len(parts) > 1 and parts[-1].isdigit() else parts[-1]
+
+
+def read(path: Path) -> AdapterFile:
+    """The header of a LoRA .safetensors file (8 bytes of length, then JSON): never its tensors."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        try:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
+                raise UsageError(f"{path}: not a regular file")
+            head = os.read(fd, 8)
+            if len(head) < 8:
+                raise UsageError(f"{path}: not a safetensors file")
+            (length,) = struct.unpack("<Q", head)
+            if length > min(MAX_HEADER, info.st_size):
+                raise UsageError(f"{path}: a safetensors header of {length} bytes: refused")
+            header = json.loads(os.read(fd, length).decode("utf-8"))
+        finally:
+            os.close(fd)
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"{path}: cannot read its safetensors header: {printable(str(exc))[:200]}") from None
+    if not isinstance(header, dict):
+        raise UsageError(f"{path}: not a safetensors file")
+    modules: dict[str, set[str]] = {}
+    rank = 0
+    for key, value in header.items():
+        match = _KEY.match(key) if isinstance(value, dict) else None
+        if match and isinstance(value.get("shape"), list) and value["shape"]:
+            modules.setdefault(match["component"], set()).add(match["module"])
+            rank = max(rank, int(value["shape"][0]))
+    if not modules:
+        raise UsageError(f"{path}: holds no LoRA weights (no '<component>.<module>.lora_A.weight' tensors)")
+    return AdapterFile(Path(path), modules, rank)
+
+
+def _repository(folder: Path) -> Path:
+    """The repository a recipe is in: its nearest folder holding .git or pyproject.toml, else its own."""
+    folder = folder.resolve()
+    for candidate in (folder, *folder.parents):
+        if (candidate / ".git").exists() or (candidate / "pyproject.toml").is_file():
+            return candidate
+    return folder
+
+
+def resolve(recipe: Recipe, adapter: LoraAdapter, key: str = "lora.adapters[0].path") -> Path:
+    """The adapter's safetensors file: a local file (or a folder's weight file) inside the recipe's
+    repository, else a Hub repo's file (``weight_name``), fetched by huggingface_hub."""
+    weight = adapter.weight_name or DEFAULT_WEIGHT_NAME
+    if not weight.endswith(".safetensors") or "/" in weight or "\\" in weight:
+        raise recipe.error(key.replace(".path", ".weight_name"), f"{weight!r}: adapters are .safetensors files "
+                                                                  f"(never a pickle), named plainly")
+    local = recipe.base / adapter.path
+    if local.exists() or adapter.path.startswith((".", "/", "~")):
+        file = local / weight if local.is_dir() else local
+        if not file.name.endswith(".safetensors"):
+            raise recipe.error(key, f"{adapter.path}: adapters are .safetensors files (never a pickle)")
+        repo = _repository(recipe.base)
+        if not file.resolve().is_relative_to(repo):
+            raise recipe.error(key, f"{adapter.path} is outside the recipe's repository {repo} (a symlink?): "
+                                    f"refused")
+        if not file.is_file():
+            raise recipe.error(key, f"no such adapter file: {file}")
+        return file
+    from aotbuild.models import hub_file
+
+    return hub_file(adapter.path, weight, None)
+
+
+def targets(recipe: Recipe, component: str) -> tuple[str, ...]:
+    """The modules adapters may target: ``lora.target_modules``, else the first adapter's."""
+    assert recipe.lora is not None
+    if recipe.lora.target_modules is not None:
+        return tuple(sorted(recipe.lora.target_modules))
+    return tuple(sorted(read(resolve(recipe, recipe.lora.adapters[0])).targets(component)))
+
+
+def check_recipe(recipe: Recipe, component: str) -> None:
+    """Every listed adapter fits ``lora.rank`` and the target modules (read from its header)."""
+    assert recipe.lora is not None
+    allowed = set(targets(recipe, component))
+    for i, adapter in enumerate(recipe.lora.adapters):
+        found = read(resolve(recipe, adapter, f"lora.adapters[{i}].path"))
+        if found.rank > recipe.lora.rank:
+            raise recipe.error("lora.rank", f"adapter {adapter.adapter_name} has rank {found.rank}, above "
+                                            f"lora.rank {recipe.lora.rank}: raise lora.rank")
+        extra = found.targets(component) - allowed
+        if extra:
+            raise recipe.error("lora.target_modules", f"adapter {adapter.adapter_name} targets {sorted(extra)}, "
+                                                      f"not in {sorted(allowed)}")
+
+
+def factors(recipe: Recipe, component: str) -> dict[str, Any] | None:
+    """The key factor of LoRA hot-swap: the rank and target modules it is compiled for, and the
+    adapters' names (their layers are the module's structure); never their weights."""
+    if recipe.lora is None:
+        return None
+    return {"rank": recipe.lora.rank, "target_modules": list(targets(recipe, component)),
+            "adapters": [a.adapter_name for a in recipe.lora.adapters]}
+
+
+def _tuner_layers(module: Any) -> list[Any]:
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    return [m for m in module.modules() if isinstance(m, BaseTunerLayer)]
+
+
+def scale(pipe: Any, recipe: Recipe, adapter: LoraAdapter) -> None:
+    """The adapter's weight, applied in place to its scaling tensors: ``set_adapters`` would make them
+    Python floats, which Dynamo specializes on (a recompile per value)."""
+    if adapter.scale == 1.0:
+        return
+    for component in recipe.compile.components:
+        for layer in _tuner_layers(getattr(pipe, component)):
+            value = layer.scaling.get(adapter.adapter_name)
+            if hasattr(value, "mul_"):
+                value.mul_(adapter.scale)
+
+
+def prepare(pipe: Any, recipe: Recipe) -> None:
+    """Hot-swap ready: ``enable_lora_hotswap(target_rank)``, then each adapter loaded and scaled."""
+    if recipe.lora is None:
+        return
+    require()
+    pipe.enable_lora_hotswap(target_rank=recipe.lora.rank)
+    for i, adapter in enumerate(recipe.lora.adapters):
+        file = resolve(recipe, adapter, f"lora.adapters[{i}].path")
+        pipe.load_lora_weights(str(file.parent), weight_name=file.name, adapter_name=adapter.adapter_name,
+                               use_safetensors=True)
+        scale(pipe, recipe, adapter)
+
+
+def guard(pipe: Any, recipe: Recipe) -> None:
+    """After load: the pipe's ``load_lora_weights`` checks an adapter before it swaps (rank, modules,
+    ``hotswap=True``, a served adapter's name), re-applies the recipe's scale after; what would
+    recompile is refused with the reason."""
+    if recipe.lora is None or getattr(pipe, "_aotbuild_lora_guard", False):
+        return
+    lora = recipe.lora
+    names = {a.adapter_name: a for a in lora.adapters}
+    allowed = {c: set(targets(recipe, c)) for c in recipe.compile.components}
+    load = pipe.load_lora_weights
+
+    def load_lora_weights(source: Any, adapter_name: str | None = None, hotswap: bool = False, **kwargs: Any) -> Any:
+        if not hotswap:
+            raise UsageError("this pipeline is compiled for hot-swapped adapters: call load_lora_weights(..., "
+                             f"adapter_name=<one of {sorted(names)}>, hotswap=True); a new adapter would recompile")
+        if adapter_name not in names:
+            raise UsageError(f"adapter_name={adapter_name!r}: hot-swap replaces one of {sorted(names)}")
+        if isinstance(source, (str, os.PathLike)):
+            base = Path(source)
+            file = base / kwargs.get("weight_name", DEFAULT_WEIGHT_NAME) if base.is_dir() else base
+            if file.exists():
+                found = read(file)
+                if found.rank > lora.rank:
+                    raise UsageError(f"{file} has rank {found.rank}, above the lora.rank {lora.rank} this pipeline "
+                                     f"was compiled for: nothing was swapped (peft would grow the weights and "
+                                     f"recompile)")
+                for component, ok in allowed.items():
+                    extra = found.targets(component) - ok
+                    if extra:
+                        raise UsageError(f"{file} targets {sorted(extra)} of {component}, not in the modules this "
+                                         f"pipeline was compiled for ({sorted(ok)}): nothing was swapped")
+        out = load(source, adapter_name=adapter_name, hotswap=True, **kwargs)
+        scale(pipe, recipe, names[adapter_name])
+        return out
+
+    pipe.load_lora_weights = load_lora_weights
+    for method in REFUSED_AFTER_LOAD:
+        if hasattr(pipe, method):
+            setattr(pipe, method, _refused(method))
+    pipe._aotbuild_lora_guard = True
+
+
+def _refused(method: str) -> Any:
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise UsageError(f"{method}() on a pipeline served with hot-swapped adapters would recompile (or change "
+                         f"what was compiled): the adapters' scales are fixed at load (lora.adapters[].scale); "
+                         f"swap adapters with load_lora_weights(..., hotswap=True)")
+
+    return refuse
+
+
+def random_adapter(pipe: Any, recipe: Recipe, component: str, folder: Path, seed: int = 0) -> Path:
+    """A LoRA file of rank max(1, lora.rank // 2) for the component's adapted modules, random weights
+    (the proof swaps it in: another adapter must serve with 0 compiles too)."""
+    import torch
+    from safetensors.torch import save_file
+
+    assert recipe.lora is not None
+    rank = max(1, recipe.lora.rank // 2)
+    generator = torch.Generator("cpu").manual_seed(seed)
+    module = getattr(pipe, component)
+    tensors = {}
+    for name, layer in module.named_modules():
+        base = getattr(layer, "base_layer", None)
+        if base is None or not hasattr(layer, "lora_A"):
+            continue
+        weight = base.weight
+        out_f, in_f = weight.shape[0], weight.shape[1]
+        tail = tuple(weight.shape[2:])
+        a = torch.randn((rank, in_f, *tail), generator=generator) * 0.1
+        b = torch.randn((out_f, rank, *((1,) * len(tail))), generator=generator) * 0.1
+        tensors[f"{component}.{name}.lora_A.weight"] = a.to(weight.dtype).contiguous()
+        tensors[f"{component}.{name}.lora_B.weight"] = b.to(weight.dtype).contiguous()
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / DEFAULT_WEIGHT_NAME
+    save_file(tensors, str(path))  # no alpha in its metadata: diffusers takes alpha = rank, a scaling of 1
+    return path

@@ -1,0 +1,107 @@
+"""``model.quantization``: a denoiser quantized with torchao after loading, keyed, built, served.
+
+diffusers 0.42.1 takes torchao only through ``PipelineQuantizationConfig(quant_mapping=...)`` with a
+config instance (and then makes the quantized component bfloat16 unless told otherwise), so
+aotbuild maps ``quant_type`` to torchao's config class itself and calls ``quantize_`` on each
+component after ``from_pretrained``, in the build job, the proof and ``load_compiled`` alike.
+
+``quantize_`` also changes Inductor's config for the whole process (torchao's
+``recommended_inductor_config_setter``: ``force_fuse_int_mm_with_mul``,
+``coordinate_descent_tuning``, ``coordinate_descent_check_all_directions``), which the FX graph
+cache key holds: those settings are key factors, known from the recipe alone, so plan, job and load
+compute one key; the job fails if torchao changed anything else (the key would not say so).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from aotbuild.errors import UsageError
+from aotbuild.frozen import thaw
+from aotbuild.recipe import QuantSpec, Recipe
+
+#: quant_type -> torchao.quantization config class
+QUANT_TYPES = {
+    "int8wo": "Int8WeightOnlyConfig",
+    "int8dq": "Int8DynamicActivationInt8WeightConfig",
+    "int4wo": "Int4WeightOnlyConfig",
+    "float8wo": "Float8WeightOnlyConfig",
+    "float8dq": "Float8DynamicActivationFloat8WeightConfig",
+}
+#: What quantize_ sets in Inductor's config unless the config's set_inductor_config is False (torchao
+#: 0.18, quantization/utils.py recommended_inductor_config_setter; checked by every build job).
+INDUCTOR_SETTINGS = {"coordinate_descent_check_all_directions": True, "coordinate_descent_tuning": True,
+                     "force_fuse_int_mm_with_mul": True}
+
+__all__ = ["QUANT_TYPES", "INDUCTOR_SETTINGS", "components", "factors", "apply", "require"]
+
+
+def require() -> Any:
+    """torchao, or a UsageError that says how to install it."""
+    try:
+        import torchao
+    except ImportError:
+        raise UsageError("model.quantization (backend torchao) needs torchao: pip install 'aotbuild[torchao]'") \
+            from None
+    return torchao
+
+
+def components(recipe: Recipe) -> tuple[str, ...]:
+    q = recipe.model.quantization
+    if q is None:
+        return ()
+    return q.components if q.components is not None else recipe.compile.components
+
+
+def _sets_inductor(q: QuantSpec) -> bool:
+    return bool(thaw(q.quant_kwargs).get("set_inductor_config", True))
+
+
+def factors(recipe: Recipe, component: str) -> dict[str, Any] | None:
+    """The key factor of a quantized component (None when it is not quantized): the backend and its
+    version, the type and its arguments, and the Inductor settings quantize_ makes."""
+    q = recipe.model.quantization
+    if q is None or component not in components(recipe):
+        return None
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        backend_version = version("torchao")
+    except PackageNotFoundError:
+        backend_version = None
+    return {"backend": q.backend, "version": backend_version, "quant_type": q.quant_type,
+            "quant_kwargs": thaw(q.quant_kwargs), "inductor": INDUCTOR_SETTINGS if _sets_inductor(q) else {}}
+
+
+def config(q: QuantSpec) -> Any:
+    require()
+    import torchao.quantization as quantization
+
+    cls = getattr(quantization, QUANT_TYPES[q.quant_type], None)
+    if cls is None:
+        raise UsageError(f"this torchao has no {QUANT_TYPES[q.quant_type]} (model.quantization.quant_type "
+                         f"{q.quant_type})")
+    try:
+        return cls(**thaw(q.quant_kwargs))
+    except TypeError as exc:
+        raise UsageError(f"model.quantization.quant_kwargs: {exc}") from None
+
+
+def apply(pipe: Any, recipe: Recipe) -> None:
+    """Quantize each component the recipe names, in place; the Inductor settings it changed must be
+    what the key says."""
+    q = recipe.model.quantization
+    if q is None:
+        return
+    import torch._inductor.config as inductor_config
+    from torchao.quantization import quantize_
+
+    before = inductor_config.get_config_copy()
+    for name in components(recipe):
+        quantize_(getattr(pipe, name), config(q))
+    after = inductor_config.get_config_copy()
+    changed = {k: after[k] for k in after if before.get(k) != after[k]}
+    declared = INDUCTOR_SETTINGS if _sets_inductor(q) else {}
+    if any(declared.get(k, before.get(k)) != v for k, v in changed.items()):
+        raise RuntimeError(f"torchao's quantize_ changed Inductor settings the key does not hold: {sorted(changed)} "
+                           f"(aotbuild knows {sorted(declared)}); this torchao is not supported yet")

@@ -1,0 +1,235 @@
+"""LoRA adapters that hot-swap without recompiling: the recipe's ``lora`` section, its checks, and a
+real build served by a fresh process that then swaps two other adapters in with 0 compiles."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from aotbuild.errors import RecipeError, UsageError
+from tests.conftest import run_cli, run_python
+
+ATTENTION = ["to_q", "to_k", "to_v", "to_out.0"]
+ADAPTERS = {"style": (4, 4, ATTENTION, 1), "other": (2, 4, ATTENTION, 2), "big": (16, 16, ATTENTION, 3),
+            "wide": (4, 4, ATTENTION + ["proj_in"], 4)}
+
+
+def make_adapter(model: Path, folder: Path, rank: int, alpha: int, targets: list[str], seed: int) -> Path:
+    """A LoRA file made locally with peft and diffusers' save_lora_weights, from the tiny UNet."""
+    import torch
+    from diffusers import StableDiffusionPipeline, UNet2DConditionModel
+    from peft import LoraConfig
+    from peft.utils import get_peft_model_state_dict
+
+    unet = UNet2DConditionModel.from_pretrained(str(model), subfolder="unet")
+    torch.manual_seed(seed)
+    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, init_lora_weights=False)
+    unet.add_adapter(config)
+    StableDiffusionPipeline.save_lora_weights(str(folder), unet_lora_layers=get_peft_model_state_dict(unet),
+                                              safe_serialization=True, unet_lora_adapter_metadata=config.to_dict())
+    return folder
+
+
+@pytest.fixture(scope="module")
+def loras(models_dir, tmp_path_factory) -> Path:
+    """recipes/ with loras/<name>/pytorch_lora_weights.safetensors beside it (a repository's layout)."""
+    root = tmp_path_factory.mktemp("lora-repo")
+    model = next((models_dir / "models").glob("tiny-sd-v*"))
+    for name, (rank, alpha, targets, seed) in ADAPTERS.items():
+        make_adapter(model, root / "recipes" / "loras" / name, rank, alpha, targets, seed)
+    (root / "pyproject.toml").write_text("[project]\nname = 'x'\n")
+    return root
+
+
+def recipe_data(**over) -> dict:
+    data = {"model": {"id": "builtin:tiny-sd", "dtype": "float32"}, "target": "inductor", "device": "cpu",
+            "compile": {"components": ["unet"]}, "shapes": [{"height": 64, "width": 64}],
+            "warmup": {"num_inference_steps": 2, "guidance_scale": 0.0},
+            "lora": {"rank": 8, "adapters": [{"path": "loras/style", "adapter_name": "style"}]}}
+    data.update(over)
+    return data
+
+
+def parse(loras: Path, **over):
+    from aotbuild.recipes import parse_recipe
+
+    return parse_recipe(recipe_data(**over), str(loras / "recipes" / "r.yaml"))
+
+
+def test_the_header_says_rank_and_modules_without_loading_weights(loras):
+    from aotbuild import adapters
+
+    found = adapters.read(loras / "recipes" / "loras" / "style" / "pytorch_lora_weights.safetensors")
+    assert found.rank == 4 and found.targets("unet") == set(ATTENTION)
+    assert adapters.read(loras / "recipes" / "loras" / "wide" / "pytorch_lora_weights.safetensors").targets(
+        "unet") == set(ATTENTION) | {"proj_in"}
+
+
+@pytest.mark.parametrize("over,key,says", [
+    ({"strategy": "aot-package"}, "lora", "use strategy jit-cache or aot-compile"),
+    ({"lora": {"rank": 8, "adapters": [{"path": "loras/style", "adapter_name": "a"},
+                                       {"path": "loras/other", "adapter_name": "b"}]}}, "lora.adapters",
+     "more than one adapter"),
+    ({"model": {"id": "builtin:tiny-sd", "quantization": {"backend": "torchao", "quant_type": "int8wo"}}}, "lora",
+     "LoRA with model.quantization is not supported"),
+    ({"lora": {"rank": 0, "adapters": [{"path": "loras/style", "adapter_name": "a"}]}}, "lora.rank", "1 to 4096"),
+])
+def test_what_cannot_hot_swap_is_refused_when_the_recipe_is_read(loras, over, key, says):
+    with pytest.raises(RecipeError) as info:
+        parse(loras, **over)
+    assert info.value.key == key and says in info.value.message
+
+
+@pytest.mark.parametrize("adapter,key,says", [
+    ({"path": "loras/big", "adapter_name": "s"}, "lora.rank", "has rank 16, above lora.rank 8"),
+    ({"path": "../../etc/passwd", "adapter_name": "s"}, "lora.adapters[0].path", ".safetensors files"),
+    ({"path": "loras/style", "adapter_name": "s", "weight_name": "x.bin"}, "lora.adapters[0].weight_name",
+     "never a pickle"),
+])
+def test_plan_reads_each_adapter_header_and_refuses_what_does_not_fit(loras, models_dir, adapter, key, says):
+    from aotbuild import plan
+
+    with pytest.raises(RecipeError) as info:
+        plan([parse(loras, lora={"rank": 8, "adapters": [adapter]})], models_dir)
+    assert info.value.key == key and says in info.value.message
+
+
+def test_an_adapter_outside_the_repository_is_refused(loras, models_dir, tmp_path):
+    from aotbuild import plan
+
+    outside = tmp_path / "elsewhere.safetensors"
+    shutil.copy(loras / "recipes" / "loras" / "style" / "pytorch_lora_weights.safetensors", outside)
+    (loras / "recipes" / "loras" / "link.safetensors").symlink_to(outside)
+    try:
+        with pytest.raises(RecipeError, match="outside the recipe's repository"):
+            plan([parse(loras, lora={"rank": 8, "adapters": [{"path": "loras/link.safetensors",
+                                                              "adapter_name": "s"}]})], models_dir)
+    finally:
+        (loras / "recipes" / "loras" / "link.safetensors").unlink()
+
+
+def test_rank_and_target_modules_are_key_factors_the_weights_are_not(loras, models_dir):
+    from aotbuild import plan
+
+    def key(**over):
+        return plan([parse(loras, **over)], models_dir)[0]
+
+    base = key()
+    assert base.factors["lora"] == {"rank": 8, "target_modules": sorted(ATTENTION), "adapters": ["style"]}
+    assert key(lora={"rank": 16, "adapters": [{"path": "loras/style", "adapter_name": "style"}]}).key != base.key
+    assert key(lora={"rank": 8, "target_modules": ATTENTION + ["proj_in"],
+                     "adapters": [{"path": "loras/style", "adapter_name": "style"}]}).key != base.key
+    same = key(lora={"rank": 8, "adapters": [{"path": "loras/other", "adapter_name": "style", "scale": 0.5}]})
+    assert same.key == base.key  # other weights, another scale: the same compiled code
+    plain = plan([parse(loras, lora=None)], models_dir)[0]
+    assert "lora" not in plain.factors
+
+
+def test_after_load_what_would_recompile_is_refused_before_a_weight_changes(loras, models_dir):
+    import torch
+
+    from aotbuild import adapters
+    from aotbuild.models import load_pipeline, resolve_model
+
+    recipe = parse(loras)
+    pipe = load_pipeline(recipe, resolve_model(recipe, models_dir), "float32")
+    adapters.prepare(pipe, recipe)
+    adapters.guard(pipe, recipe)
+    layer = pipe.unet.down_blocks[0].attentions[0].transformer_blocks[0].attn1.to_q
+    before = layer.lora_A["style"].weight.detach().clone()
+    for source, kwargs, says in [(loras / "recipes" / "loras" / "big", {"hotswap": True}, "rank 16, above"),
+                                 (loras / "recipes" / "loras" / "wide", {"hotswap": True}, "['proj_in']"),
+                                 (loras / "recipes" / "loras" / "other", {}, "hotswap=True"),
+                                 (loras / "recipes" / "loras" / "other", {"hotswap": True, "adapter_name": "x"},
+                                  "replaces one of ['style']")]:
+        with pytest.raises(UsageError, match=re.escape(says)):
+            pipe.load_lora_weights(str(source), **{"adapter_name": "style", **kwargs})
+        assert torch.equal(layer.lora_A["style"].weight, before)
+    for method in ("set_adapters", "fuse_lora", "unload_lora_weights"):
+        with pytest.raises(UsageError, match="would recompile"):
+            getattr(pipe, method)()
+    pipe.load_lora_weights(str(loras / "recipes" / "loras" / "other"), adapter_name="style", hotswap=True)
+    assert not torch.equal(layer.lora_A["style"].weight, before)  # a rank-2 adapter, padded to 8: swapped
+
+
+SERVE = textwrap.dedent("""
+    import json, sys, torch
+    from torch._dynamo.utils import counters
+    from aotbuild import load_compiled
+    from aotbuild.recipes import load_recipe
+    from aotbuild.context import Context
+    from aotbuild.models import load_pipeline, place_pipeline
+    from aotbuild.context import prepare_pipeline
+    from aotbuild.pipecall import warmup_kwargs
+    from aotbuild.strategies import get_strategy
+    from aotbuild.targets import get_target
+    from dataclasses import replace
+
+    recipe_path, cache, loras = sys.argv[1:4]
+    r = load_recipe(recipe_path)
+    name, count = get_strategy(r.strategy).compile_counter(get_target(r.target))
+
+    def outputs(pipe):
+        seen = []
+        h = pipe.unet.register_forward_hook(lambda m, a, o: seen.append(o[0].detach().clone()))
+        pipe(**warmup_kwargs(r, r.shapes[0], pipe), output_type="pt")
+        h.remove()
+        return seen
+
+    def eager_with(adapter):  # an eager pipeline prepared with that adapter as the recipe's own
+        rr = replace(r, lora=replace(r.lora, adapters=(replace(r.lora.adapters[0], path=adapter),)))
+        ctx = Context.create(rr, __import__("pathlib").Path(cache))
+        p = load_pipeline(rr, ctx.model, "float32"); place_pipeline(p, rr, "cpu"); prepare_pipeline(p, rr)
+        return outputs(p)
+
+    before = count()
+    pipe = load_compiled(r, cache=cache, on_miss="error", strict_shapes=True)
+    result = {"hits": len(pipe.aotbuild_report.hits), "steps": []}
+    for adapter in ("loras/style", "loras/other", "loras/style"):
+        if adapter != "loras/style" or result["steps"]:
+            pipe.load_lora_weights(loras + "/" + adapter, adapter_name="style", hotswap=True)
+        served = outputs(pipe)
+        expected = eager_with(adapter)
+        result["steps"].append({"adapter": adapter, "compiles": int(count() - before),
+                                "diff": max(float((a - b).abs().max()) for a, b in zip(served, expected))})
+    try:
+        pipe.load_lora_weights(loras + "/loras/big", adapter_name="style", hotswap=True)
+    except Exception as exc:
+        result["refused"] = str(exc)
+    result["compiles"] = int(count() - before)
+    print("RESULT " + json.dumps(result))
+""")
+
+
+@pytest.mark.slow  # one real compile (~1 min) and its proof, then a fresh replica
+def test_a_lora_build_serves_and_hot_swaps_with_0_compiles(loras, models_dir, tmp_path):
+    recipe = loras / "recipes" / "tiny_sd_lora.yaml"
+    recipe.write_text(json.dumps(recipe_data()))
+    cache = tmp_path / "cache"
+    shutil.copytree(models_dir / "models", cache / "models")
+    build = run_cli("build", "--json", "--cache", str(cache), str(recipe),
+                    env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "build-inductor"), "AOTBUILD_CACHE": ""})
+    assert build.returncode == 0, build.stdout[-2000:] + build.stderr[-3000:]
+    job = json.loads(build.stdout)["jobs"][0]
+    manifest = json.loads(run_cli("show", "--json", "--cache", str(cache), job["key"][:12]).stdout)
+    assert manifest["proof"]["swaps"] == 1 and manifest["proof"]["compiles"] == 0  # the proof swapped one in
+    replica = tmp_path / "replica"
+    shutil.move(str(cache), replica / "cache")
+    script = tmp_path / "serve.py"
+    script.write_text(SERVE)
+    (tmp_path / "elsewhere").mkdir()
+    proc = run_python(f"import runpy, sys; sys.argv = ['s', {str(recipe)!r}, {str(replica / 'cache')!r}, "
+                      f"{str(loras / 'recipes')!r}]; runpy.run_path({str(script)!r}, run_name='__main__')",
+                      env={"TORCHINDUCTOR_CACHE_DIR": str(replica / "empty-inductor"), "AOTBUILD_CACHE": ""},
+                      cwd=tmp_path / "elsewhere")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))[7:])
+    assert result["hits"] == 1 and result["compiles"] == 0, result
+    assert [s["compiles"] for s in result["steps"]] == [0, 0, 0], result
+    assert all(s["diff"] <= 1e-5 for s in result["steps"]), result
+    assert "rank 16, above the lora.rank 8" in result["refused"]
