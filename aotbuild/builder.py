@@ -203,9 +203,11 @@ def _build_one(store: Store, job: Job, tick: Tick | None = None, limit: int | No
             spec = {"recipe": recipe_spec(job.recipe), "component": job.component,
                     "shape": job.shape.as_dict(), "cache_root": str(store.root), "key": job.key,
                     "factors": job.factors, "workdir": str(staging)}
+            # What a compiler's debug options write (torch_compile_debug/, with real tensors) goes to the
+            # job's folder, removed with it, never into the cwd (a pull request's checkout).
+            env = {**target.capture_env(staging), "TORCH_COMPILE_DEBUG_DIR": str(staging / "debug")}
             code, result = child.spawn("aotbuild.worker", spec, staging / "job.json", staging / "worker.log",
-                                       env=target.capture_env(staging), phase_file=phase, tick=tick,
-                                       started=started, name="worker")
+                                       env=env, phase_file=phase, tick=tick, started=started, name="worker")
             seconds = time.perf_counter() - started
             if code != 0 or "error" in result:
                 _keep_log(staging / "worker.log", log_path)
@@ -251,7 +253,8 @@ def _prove(job: Job, files: list[tuple[str, Path]], result: dict[str, Any], seco
             "shape": job.shape.as_dict(), "cache_root": str(cache_root), "store": str(trial.root)}
     # Every compiler cache empty, no aotbuild cache from the environment, another directory: the
     # process can only use what the entry holds.
-    env = {**job.ctx.target.capture_env(folder / "caches"), constants.ENV_CACHE: None}
+    env = {**job.ctx.target.capture_env(folder / "caches"), constants.ENV_CACHE: None,
+           "TORCH_COMPILE_DEBUG_DIR": str(folder / "debug")}
     _, outcome = child.spawn("aotbuild.proof", spec, folder / "proof.json", folder / "proof.log", env=env, cwd=cwd,
                              phase_file=staging / "phase", tick=tick, started=started)
     return verdict(outcome, job.label)

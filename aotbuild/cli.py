@@ -34,15 +34,34 @@ def _table(rows: list[list[str]], header: list[str]) -> str:
     return table(rows, header)
 
 
+def _clean(text: Any) -> str:
+    """What a command prints, every control character but the newlines aotbuild wrote escaped: names and
+    fields come from files other people write (an OSC escape must not reach the terminal)."""
+    from aotbuild.text import printable
+
+    return "\n".join(printable(line) for line in str(text).split("\n"))
+
+
+def _line(text: Any) -> str:
+    """A value from a file on one line: its newlines escaped too."""
+    from aotbuild.text import printable
+
+    return printable(text)
+
+
+def _echo(text: Any = "", **kwargs: Any) -> None:
+    click.echo(_clean(text), **kwargs)
+
+
 def _emit_json(data: Any) -> None:
-    click.echo(json.dumps(data, indent=2, sort_keys=True))
+    _echo(json.dumps(data, indent=2, sort_keys=True))
 
 
 def _run(fn: Callable[[], int | None]) -> None:
     try:
         code = fn() or 0
     except AotbuildError as exc:
-        click.echo(f"error: {exc}", err=True)
+        _echo(f"error: {exc}", err=True)
         code = exc.exit_code
     except BrokenPipeError:  # `aotbuild ls | head`: the reader left, nothing to say (Python docs' recipe)
         import os
@@ -55,10 +74,10 @@ def _run(fn: Callable[[], int | None]) -> None:
         where = f"{exc.filename}: " if exc.filename else ""
         hint = "; check the path and its permissions (--cache DIR, AOTBUILD_CACHE)" if exc.errno in (
             errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOENT, errno.ENOTDIR) else ""
-        click.echo(f"error: {where}{exc.strerror or exc}{hint}", err=True)
+        _echo(f"error: {where}{exc.strerror or exc}{hint}", err=True)
         code = EXIT_FAILED
-    except KeyboardInterrupt:
-        click.echo("interrupted", err=True)
+    except KeyboardInterrupt as exc:
+        _echo(f"interrupted{f' ({exc})' if str(exc) else ''}", err=True)
         code = 130
     sys.exit(code)
 
@@ -82,7 +101,7 @@ class _EchoHandler(logging.Handler):
     """Writes to whatever stderr is at the time (click's test runner swaps it)."""
 
     def emit(self, record: logging.LogRecord) -> None:
-        click.echo(self.format(record), err=True)
+        _echo(self.format(record), err=True)
 
 
 def _quiet_libraries() -> None:
@@ -129,7 +148,7 @@ def _no_cache(root: Any, as_json: bool, empty: dict[str, Any]) -> bool:
     if as_json:
         _emit_json({"cache": str(root), **empty})
     else:
-        click.echo(f"no cache at {root} (nothing was built there; the root is --cache, else AOTBUILD_CACHE, else "
+        _echo(f"no cache at {root} (nothing was built there; the root is --cache, else AOTBUILD_CACHE, else "
                    "[tool.aotbuild] cache in the nearest pyproject.toml, else ~/.cache/aotbuild)")
     return True
 
@@ -165,6 +184,20 @@ def main() -> None:
       aotbuild plan recipes/
     """
     _quiet_libraries()
+    _signals_interrupt()
+
+
+def _signals_interrupt() -> None:
+    """SIGTERM (what a CI runner sends on cancel) and SIGHUP (a closed terminal) stop a command as
+    Ctrl-C does: children killed, journals reclaimed, temporary folders removed, nothing orphaned."""
+    import signal
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    for name in ("SIGTERM", "SIGHUP"):
+        if hasattr(signal, name):
+            signal.signal(getattr(signal, name), interrupt)
 
 
 @main.command()
@@ -203,12 +236,12 @@ def build(recipes: tuple[str, ...], cache: str | None, as_json: bool, shard: str
     if as_json:
         _emit_json({**report.as_json(), **({"push": pushed.as_json()} if pushed else {})})
     else:
-        click.echo(report.text(pushed.text() if pushed is not None else ""))
+        _echo(report.text(pushed.text() if pushed is not None else ""))
     return EXIT_FAILED if report.failed else EXIT_OK
 
 
 def _push_progress() -> Callable[[str], None]:
-    return lambda what: click.echo(f"pushed {what[:12]}", err=True)
+    return lambda what: _echo(f"pushed {what[:12]}", err=True)
 
 
 
@@ -239,7 +272,7 @@ def push(items: tuple[str, ...], remote: str | None, cache: str | None, as_json:
     if as_json:
         _emit_json(report.as_json())
     else:
-        click.echo(report.text())
+        _echo(report.text())
     return EXIT_FAILED if report.damaged else EXIT_OK
 
 
@@ -270,7 +303,7 @@ def pull(recipes: tuple[str, ...], remote: str | None, cache: str | None, as_jso
         _emit_json({"remote": target.url, "jobs": [i.as_json() for i in items]})
     else:
         rows = [[i.job.label, i.job.key[:12] if i.job.key else "-", i.status, i.reason] for i in items]
-        click.echo(_table(rows, ["job", "key", "status", "reason"]))
+        _echo(_table(rows, ["job", "key", "status", "reason"]))
     if any(i.status == REFUSED for i in items):
         return EXIT_FAILED
     missing = any(i.status in (MISSING, UNAVAILABLE) for i in items)
@@ -283,19 +316,19 @@ def _progress() -> Callable[..., None]:
     heartbeat = {"next": 0.0}  # without a terminal (CI logs): one line a minute, so a long compile shows life
 
     def show(event: str, n: int, total: int, job: Any, result: Any) -> None:
-        head = f"[{n}/{total}] {job.label} ({job.key[:12]})"
+        head = f"[{n}/{total}] {_line(job.label)} ({job.key[:12]})"
         if event == "start" and not live:
             heartbeat["next"] = 60.0
-            click.echo(f"{head} building ...", err=True)
+            _echo(f"{head} building ...", err=True)
         elif event == "tick" and live:
-            click.echo(f"\r\033[K{head} {result.status} {result.seconds:5.0f} s", nl=False, err=True)
+            click.echo("\r\033[K" + _clean(f"{head} {result.status} {result.seconds:5.0f} s"), nl=False, err=True)
         elif event == "tick" and result.seconds >= heartbeat["next"]:
             heartbeat["next"] = result.seconds + 60.0
-            click.echo(f"{head} {result.status} ({result.seconds:.0f} s so far)", err=True)
+            _echo(f"{head} {result.status} ({result.seconds:.0f} s so far)", err=True)
         elif event == "end":
             prefix = "\r\033[K" if live else ""
             note = f": {result.reason}" if result.reason else ""
-            click.echo(f"{prefix}{head} {result.status} in {result.seconds:.1f} s{note}", err=True)
+            click.echo(prefix + _clean(f"{head} {result.status} in {result.seconds:.1f} s{note}"), err=True)
 
     return show
 
@@ -339,13 +372,13 @@ def plan(recipes: tuple[str, ...], cache: str | None, as_json: bool, fail_on_mis
     else:
         rows = [[j.recipe.name, j.component, str(j.shape), j.key[:12] if j.key else "-", j.status,
                  "" if j.status == HIT else j.reason] for j in jobs]
-        click.echo(_table(rows, ["recipe", "component", "shape", "key", "status", "reason"]))
+        _echo(_table(rows, ["recipe", "component", "shape", "key", "status", "reason"]))
         hits = sum(j.status == HIT for j in jobs)
         there_text = f", {sum(j.status == REMOTE for j in jobs)} on {target.url}" if target else ""
-        click.echo(f"{hits}/{len(jobs)} jobs cached in {resolve_cache_root(cache)}{there_text}")
+        _echo(f"{hits}/{len(jobs)} jobs cached in {resolve_cache_root(cache)}{there_text}")
         cost = _estimate_text([j for j in jobs if j.status == MISS])
         if cost:
-            click.echo(cost)
+            _echo(cost)
     missing = any(j.status not in (HIT, REMOTE) for j in jobs)
     return EXIT_MISS if (fail_on_miss and missing) else EXIT_OK
 
@@ -404,10 +437,10 @@ def ls(cache: str | None, as_json: bool) -> int:
         return EXIT_OK
     rows = [[m.key[:12], m.recipe, m.component, _shape_text(m.shape), m.target, _human_size(m.size),
              _created(m) or "?"] for m in manifests]
-    click.echo(_table(rows, ["key", "recipe", "component", "shape", "target", "size", "created"]))
-    click.echo(f"{len(manifests)} entries in {store.root}")
+    _echo(_table(rows, ["key", "recipe", "component", "shape", "target", "size", "created"]))
+    _echo(f"{len(manifests)} entries in {store.root}")
     for name in models:
-        click.echo(f"model: {store.layout.models / name}")
+        _echo(f"model: {store.layout.models / name}")
     return EXIT_OK
 
 
@@ -451,10 +484,10 @@ def show(key: str, cache: str | None, as_json: bool) -> int:
     if as_json:
         _emit_json(manifest.as_json())
         return EXIT_OK
-    click.echo(f"key:        {full}")
+    _echo(f"key:        {full}")
     for field in ("recipe", "component", "target", "strategy"):
-        click.echo(f"{field + ':':<12}{getattr(manifest, field)}")
-    click.echo(f"{'shape:':<12}{_shape_text(manifest.shape)}")
+        _echo(f"{field + ':':<12}{_line(getattr(manifest, field))}")
+    _echo(f"{'shape:':<12}{_shape_text(manifest.shape)}")
     b = manifest.build
     seconds = b.get("seconds")
     if isinstance(seconds, dict):  # entries written before 0.1.0's fix held the phases here
@@ -462,20 +495,21 @@ def show(key: str, cache: str | None, as_json: bool) -> int:
     phases = b.get("phases")
     split = (" (" + ", ".join(f"{k.replace('_', ' ')} {v:.1f} s" for k, v in phases.items()
                               if isinstance(v, int | float)) + ")") if isinstance(phases, dict) else ""
-    click.echo(f"{'built:':<12}{b.get('created')} in {seconds} s{split} by aotbuild {b.get('aotbuild')}")
-    click.echo(f"{'size:':<12}{_human_size(manifest.size)} in {len(manifest.files)} files")
+    _echo(f"{'built:':<12}{_line(b.get('created'))} in {_line(seconds)} s{_line(split)} by aotbuild "
+          f"{_line(b.get('aotbuild'))}")
+    _echo(f"{'size:':<12}{_human_size(manifest.size)} in {len(manifest.files)} files")
     proof = manifest.proof
     if proof is None:
-        click.echo(f"{'proof:':<12}none (built before aotbuild proved entries)")
+        _echo(f"{'proof:':<12}none (built before aotbuild proved entries)")
     else:
-        click.echo(f"{'proof:':<12}served by a fresh process in {proof.load_s:.1f} s: {proof.compiles} compiles "
+        _echo(f"{'proof:':<12}served by a fresh process in {proof.load_s:.1f} s: {proof.compiles} compiles "
                    f"({proof.counter or 'compiler counters'}), {proof.instances} module instance(s), "
                    f"{proof.calls} call(s), max |compiled - eager| {proof.max_abs_diff:.2e} "
                    f"(tolerance {proof.tolerance:.0e})")
-    click.echo("factors:")
+    _echo("factors:")
     for path, value in flatten(dict(manifest.factors)).items():
-        click.echo(f"  {path} = {json.dumps(value)}")
-    click.echo(f"signatures: {len(manifest.signatures)} call signature(s) built")
+        _echo(f"  {_line(path)} = {json.dumps(value)}")
+    _echo(f"signatures: {len(manifest.signatures)} call signature(s) built")
     return EXIT_OK
 
 
@@ -515,14 +549,14 @@ def verify(cache: str | None, as_json: bool, fix: bool) -> int:
         for p in problems:
             key = f" (entry {p.key[:12]})" if p.key else ""
             left = "  (remains)" if fix and p in remain else ""
-            click.echo(f"{p.kind:<9} {p.path}: {p.detail}{key}{left}")
+            _echo(f"{p.kind:<9} {_line(p.path)}: {_line(p.detail)}{key}{left}")
         if fix:
-            click.echo(f"{len(problems) - len(remain)} problem(s) fixed in {store.root}"
+            _echo(f"{len(problems) - len(remain)} problem(s) fixed in {store.root}"
                        + (f"; {len(remain)} remain (an unreadable manifest is never deleted: its owner must "
                           f"fix its permissions; nor is what aotbuild did not write)" if remain else ""))
         else:
             hint = "; run `aotbuild verify --fix` to repair" if problems else ""
-            click.echo(f"{len(problems)} problem(s) found in {store.root}{hint}")
+            _echo(f"{len(problems)} problem(s) found in {store.root}{hint}")
     return EXIT_FAILED if remain else EXIT_OK
 
 
@@ -562,11 +596,11 @@ def gc(cache: str | None, as_json: bool, max_size: str | None, stale: bool, dry_
     store = checked_store(resolve_cache_root(cache))
     report = run_gc(store, max_size=limit, stale=stale, dry_run=dry_run)
     if not report.removed and not as_json:
-        click.echo("nothing to remove" + (f" (under {_human_size(limit)})" if limit is not None else ""))
+        _echo("nothing to remove" + (f" (under {_human_size(limit)})" if limit is not None else ""))
     if as_json:
         _emit_json({"cache": str(store.root), **report.as_json()})
         return EXIT_OK
-    click.echo(report.text(str(store.root)))
+    _echo(report.text(str(store.root)))
     return EXIT_OK
 
 
@@ -610,8 +644,8 @@ def rm(items: tuple[str, ...], cache: str | None, as_json: bool) -> int:
         _emit_json({"cache": str(store.root), "removed": [{"key": k, "freed": n} for k, n in removed]})
     else:
         for key, freed in removed:
-            click.echo(f"removed {key[:12]} ({_human_size(freed)} freed)")
-        click.echo(f"{len(removed)} {'entry' if len(removed) == 1 else 'entries'} removed from {store.root}")
+            _echo(f"removed {key[:12]} ({_human_size(freed)} freed)")
+        _echo(f"{len(removed)} {'entry' if len(removed) == 1 else 'entries'} removed from {store.root}")
     return EXIT_OK
 
 
@@ -654,16 +688,16 @@ def bench(recipe: str, cache: str | None, as_json: bool, shape: str | None, repe
         benchmod.require_matplotlib()  # before minutes of measuring, not after
     chosen = tuple(m.strip() for m in modes.split(",") if m.strip())
     report = benchmod.bench(recipe, cache, shape=shape, repeats=repeats, cold_repeats=cold_repeats, calls=calls,
-                            modes=chosen, progress=lambda text: click.echo(text, err=True),
-                            build_progress=_progress(), warn=lambda text: click.echo(text, err=True))
+                            modes=chosen, progress=lambda text: _echo(text, err=True),
+                            build_progress=_progress(), warn=lambda text: _echo(text, err=True))
     if plot_file:
         benchmod.plot(report, plot_file)
     if as_json:
         _emit_json(report.as_json())
     else:
-        click.echo(report.text())
+        _echo(report.text())
         if plot_file:
-            click.echo(f"plot: {plot_file}")
+            _echo(f"plot: {plot_file}")
     return EXIT_OK
 
 
@@ -700,7 +734,7 @@ def doctor(target: str, device: str | None, cache: str | None, remote: str | Non
     if as_json:
         _emit_json(report.as_json())
     else:
-        click.echo(report.text())
+        _echo(report.text())
     return EXIT_OK if report.ok else EXIT_FAILED
 
 
@@ -738,11 +772,11 @@ def targets(as_json: bool) -> int:
         return EXIT_OK
     table = [[r["name"], "yes" if r["available"] else "no", r["default_device"], r["default_dtype"],
               " ".join(f"{k}={v}" for k, v in r["versions"].items()) or "-", r["reason"]] for r in rows]
-    click.echo(_table(table, ["target", "available", "device", "dtype", "versions", "why not"]))
-    click.echo()
+    _echo(_table(table, ["target", "available", "device", "dtype", "versions", "why not"]))
+    _echo()
     table = [[r["name"], ", ".join(r["targets"]), "yes" if r["available"] else "no", r["reason"] or r["summary"]]
              for r in strategies]
-    click.echo(_table(table, ["strategy", "targets", "available", "what it stores, or why not"]))
+    _echo(_table(table, ["strategy", "targets", "available", "what it stores, or why not"]))
     return EXIT_OK
 
 

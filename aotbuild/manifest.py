@@ -268,6 +268,8 @@ class _Checker:
     def name(self, value: Any, where: str) -> str:
         if not isinstance(value, str) or not value or len(value) > MAX_NAME:
             raise self.fail(where, "not a non-empty string of at most 4096 characters")
+        if where != "signatures[]" and not value.isprintable():  # it would be printed: no \n, no escapes
+            raise self.fail(where, "holds control characters")
         return value
 
     def integer(self, value: Any, where: str, low: int = 0) -> int:

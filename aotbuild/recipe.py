@@ -19,6 +19,7 @@ from typing import Any
 from aotbuild.errors import RecipeError
 from aotbuild.frozen import freeze, thaw
 from aotbuild.suggest import suggest
+from aotbuild.text import printable
 
 SCOPES = ("full", "regional")
 OFFLOADS = ("none", "model")
@@ -398,8 +399,8 @@ def parse_structure(data: Any, source: str = DATA_SOURCE, name: str | None = Non
         if arg in WARMUP_FORBIDDEN:
             owner = "shapes" if arg in SHAPE_OWNED else "aotbuild"
             raise check.fail(f"warmup.{arg}", f"cannot be set here: {owner} sets it")
-    if not name:
-        name = content_name(data) if source == DATA_SOURCE else Path(source).stem
+    if not name:  # a file's name is a pull request's: any control character in it is escaped
+        name = content_name(data) if source == DATA_SOURCE else printable(Path(source).stem)
     return Recipe(
         name=name, source=source, folder=folder, model=model, target=top["target"],
         device=top["device"], strategy=top["strategy"], offload=top["offload"], compile=compile_spec,

@@ -24,6 +24,7 @@ from aotbuild.recipe import Recipe, Shape, build_hint
 from aotbuild.recipes import as_recipe
 from aotbuild.store import Entry, Store, Unusable
 from aotbuild.strategies import Planned, checked_store
+from aotbuild.text import printable
 
 if TYPE_CHECKING:
     from aotbuild.remote import Remote
@@ -72,7 +73,7 @@ class LoadReport:
 
     def __str__(self) -> str:
         pulled = sum(e.pulled for e in self.entries)
-        lines = [f"aotbuild: {self.recipe}: {len(self.hits)} hit, {len(self.misses)} miss "
+        lines = [f"aotbuild: {printable(self.recipe)}: {len(self.hits)} hit, {len(self.misses)} miss "
                  + (f"({pulled} pulled from {self.remote}) " if pulled else "")
                  + f"(cache {self.cache}; {self.installed_files} files installed into the compiler's cache "
                  f"{self.install_folder or 'folder'}, {self.present_files} were already there)"]
@@ -80,7 +81,7 @@ class LoadReport:
             status = "hit " if e.hit else "MISS"
             line = f"  {status} {e.component:<14} {str(e.shape):<12} {e.key[:12]}" + ("  pulled" if e.pulled else "")
             if not e.hit:
-                line += f"  {e.reason}"
+                line += f"  {printable(e.reason)}"
                 if self.on_miss != "error":
                     line += f" -> {'compiles on first call' if self.on_miss == 'compile' else 'runs eager'}"
             lines.append(line)

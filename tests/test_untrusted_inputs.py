@@ -208,3 +208,85 @@ def test_verify_fix_deletes_only_what_aotbuild_wrote(tmp_path):
     assert sorted(p["path"] for p in data["remaining"]) == sorted(map(str, theirs))
     assert {p["kind"] for p in data["remaining"]} == {"foreign"} and store.open_entry(key)[0] is not None
     assert os.path.exists(store.layout.manifest(key))
+
+
+# -- output that cannot inject --------------------------------------------------------------------
+
+def test_a_recipe_file_name_cannot_print_a_ci_workflow_command(models_dir, tmp_path):
+    """GitHub Actions runs `::error::...` lines of a job's output as commands; an OSC escape drives the terminal."""
+    folder = tmp_path / "recipes"
+    folder.mkdir()
+    (folder / "x\n::error::pwned\x1b]0;title\x07.yaml").write_text(RECIPE.format(model="builtin:tiny-sd"))
+    proc = run_cli("plan", "--cache", str(models_dir), str(folder))
+    assert proc.returncode == 0, proc.stderr
+    lines = (proc.stdout + proc.stderr).splitlines()
+    assert not any(line.startswith("::") for line in lines) and "\x1b" not in proc.stdout + proc.stderr
+    assert "x\\n::error::pwned\\x1b]0;title\\x07" in proc.stdout
+    data = json.loads(run_cli("plan", "--json", "--cache", str(models_dir), str(folder)).stdout)
+    assert data["jobs"][0]["recipe"] == "x\\n::error::pwned\\x1b]0;title\\x07"  # --json stays JSON
+
+
+def test_a_manifest_field_with_control_characters_is_malformed_and_build_fields_are_escaped(tmp_path):
+    from aotbuild.store import Store
+
+    store = Store(tmp_path / "c")
+    key = manifests.add_entry(store, tmp_path / "src", "a", {"x.so": b"kernel"})
+    data = json.loads(store.layout.manifest(key).read_text())
+    data["build"]["created"] = "2026\x1b]0;owned\x07\n::error::x"
+    manifests.write_raw(store, key, data)
+    shown = run_cli("show", "--cache", str(store.root), key[:12])
+    assert shown.returncode == 0 and "\x1b" not in shown.stdout
+    assert not any(line.startswith("::") for line in shown.stdout.splitlines())
+    data["recipe"] = "r\n::error::x"
+    manifests.write_raw(store, key, data)
+    entry, why = store.open_entry(key)
+    assert entry is None and "recipe: holds control characters" in why
+    listed = run_cli("ls", "--cache", str(store.root))
+    assert "0 entries" in listed.stdout and not any(line.startswith("::") for line in listed.stdout.splitlines())
+
+
+# -- signals ------------------------------------------------------------------------------------------
+
+@pytest.mark.slow  # a real build job, interrupted
+@pytest.mark.parametrize("signame", ["SIGTERM", "SIGHUP"])
+def test_sigterm_and_sighup_stop_a_build_as_ctrl_c_does(models_dir, tmp_path, signame):
+    """What a CI runner sends on cancel: the worker was orphaned and kept running, tmp/job-* stayed."""
+    import signal
+    import subprocess
+    import time
+
+    cache = tmp_path / "cache"
+    shutil.copytree(models_dir / "models", cache / "models")
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(RECIPE.format(model="builtin:tiny-sd"))
+    proc = subprocess.Popen([sys.executable, "-m", "aotbuild.cli", "build", "--cache", str(cache), str(recipe)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "AOTBUILD_CACHE": "", "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "i")})
+    deadline = time.time() + 120
+    while time.time() < deadline and not list((cache / "tmp").glob("job-*/worker.log")):
+        time.sleep(0.2)
+    assert list((cache / "tmp").glob("job-*")), "the job never started"
+    time.sleep(2)  # the worker is loading the pipeline
+    proc.send_signal(getattr(signal, signame))
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and f"interrupted ({signame})" in err, err[-2000:]
+    workers = subprocess.run(["pgrep", "-f", str(cache / "tmp")], capture_output=True, text=True).stdout.split()
+    assert workers == []  # no orphaned worker
+    assert not list((cache / "tmp").glob("job-*"))
+    assert run_cli("verify", "--cache", str(cache)).returncode == 0
+
+
+@pytest.mark.parametrize("served,eager,says", [
+    (float("nan"), float("nan"), "eager output holds NaN or Inf"),
+    (float("inf"), 1.0, "served NaN or Inf where eager's output is finite"),
+])
+def test_the_proof_fails_on_nan_or_inf(served, eager, says):
+    """With sigmas [1e308, 1e308] both outputs were NaN and the proof recorded a difference of 0.0."""
+    import torch
+
+    from aotbuild.proof import _replay
+
+    module = lambda *a, **k: torch.full((2,), served)  # noqa: E731 - the served component
+    with pytest.raises(RuntimeError, match=says):
+        _replay(module, "unet", [((), {}, [torch.full((2,), eager)])], lambda: None)
+    assert _replay(lambda *a, **k: torch.ones(2), "unet", [((), {}, [torch.ones(2)])], lambda: None) == 0.0
