@@ -207,7 +207,8 @@ def _build_one(store: Store, job: Job, tick: Tick | None = None, limit: int | No
             # job's folder, removed with it, never into the cwd (a pull request's checkout).
             env = {**target.capture_env(staging), "TORCH_COMPILE_DEBUG_DIR": str(staging / "debug")}
             code, result = child.spawn("aotbuild.worker", spec, staging / "job.json", staging / "worker.log",
-                                       env=env, phase_file=phase, tick=tick, started=started, name="worker")
+                                       env=env, phase_file=phase, tick=tick, started=started, name="worker",
+                                       timeout=constants.limit("job_seconds"))
             seconds = time.perf_counter() - started
             if code != 0 or "error" in result:
                 _keep_log(staging / "worker.log", log_path)
@@ -256,7 +257,8 @@ def _prove(job: Job, files: list[tuple[str, Path]], result: dict[str, Any], seco
     env = {**job.ctx.target.capture_env(folder / "caches"), constants.ENV_CACHE: None,
            "TORCH_COMPILE_DEBUG_DIR": str(folder / "debug")}
     _, outcome = child.spawn("aotbuild.proof", spec, folder / "proof.json", folder / "proof.log", env=env, cwd=cwd,
-                             phase_file=staging / "phase", tick=tick, started=started)
+                             phase_file=staging / "phase", tick=tick, started=started,
+                             timeout=constants.limit("job_seconds"))
     return verdict(outcome, job.label)
 
 

@@ -65,12 +65,14 @@ def environment(extra: Mapping[str, str | None]) -> dict[str, str]:
 
 def spawn(module: str, spec: dict[str, Any], spec_path: Path, log: Path, *,
           env: Mapping[str, str | None] | None = None, cwd: Path | None = None, phase_file: Path | None = None,
-          tick: Tick | None = None, started: float | None = None, name: str = "") -> tuple[int, dict[str, Any]]:
+          tick: Tick | None = None, started: float | None = None, name: str = "",
+          timeout: float | None = None) -> tuple[int, dict[str, Any]]:
     """Run ``python -m module spec_path`` to completion: (exit code, result).
 
     ``spec["result"]`` (default: ``result.json`` beside the spec) is where the child writes its
     result; ``phase_file`` (also given to the child as ``spec["phase"]``) is what ``tick`` shows;
-    ``name`` names the child in the error of one that wrote no result ("worker exited with 1: ...")."""
+    ``name`` names the child in the error of one that wrote no result ("worker exited with 1: ...");
+    ``timeout`` (seconds) kills a child that runs longer, with that as its error."""
     spec = dict(spec)
     spec.setdefault("result", str(spec_path.with_name("result.json")))
     if phase_file is not None:
@@ -82,12 +84,18 @@ def spawn(module: str, spec: dict[str, Any], spec_path: Path, log: Path, *,
     with open(log, "wb") as out:
         proc = subprocess.Popen(command(module, str(spec_path)), env=environment(env or {}),
                                 stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=cwd)
+        launched = time.perf_counter()
         try:
             while proc.poll() is None:
                 if tick:
                     tick(time.perf_counter() - started, read_phase(phase_file))
+                if timeout is not None and time.perf_counter() - launched > timeout:
+                    proc.kill()
+                    proc.wait()
+                    return -9, {"error": f"{name or module} ran past its time limit of {timeout:.0f} s "
+                                         f"(AOTBUILD_JOB_TIMEOUT raises it)".strip()}
                 time.sleep(0.5)
-        except BaseException:  # Ctrl-C: stop the child, keep nothing
+        except BaseException:  # Ctrl-C, SIGTERM: stop the child, keep nothing
             proc.kill()
             proc.wait()
             raise

@@ -40,6 +40,21 @@ PROMPT_ARGUMENTS = frozenset({"prompt", "prompt_2", "prompt_3", "negative_prompt
 DEFAULT_WARMUP_PROMPT = "a photo of a cat"
 
 
+#: Bounds on the work one recipe can ask for (recipes come from pull requests), each raisable by the
+#: operator with its variable: warmup steps, prompts in a warmup, shapes, jobs (components x shapes)
+#: per recipe, and seconds per build job and per proof.
+LIMITS = {"steps": ("AOTBUILD_MAX_STEPS", 200), "prompts": ("AOTBUILD_MAX_PROMPTS", 64),
+          "shapes": ("AOTBUILD_MAX_SHAPES", 64), "jobs": ("AOTBUILD_MAX_JOBS", 256),
+          "job_seconds": ("AOTBUILD_JOB_TIMEOUT", 4 * 3600)}
+
+
+def limit(name: str) -> int:
+    """A bound of LIMITS, from its environment variable when that is a positive integer."""
+    variable, default = LIMITS[name]
+    value = os.environ.get(variable, "")
+    return int(value) if value.isdigit() and int(value) > 0 else default
+
+
 def env_cache_root() -> str | None:
     return os.environ.get(ENV_CACHE) or None
 

@@ -12,9 +12,8 @@ from typing import Any
 
 from aotbuild import keys, models, pipecall
 from aotbuild.context import Context
-from aotbuild.explain import estimate, explain_miss
+from aotbuild.explain import Entries, estimate, explain_miss
 from aotbuild.layout import resolve_cache_root
-from aotbuild.manifest import Manifest
 from aotbuild.recipe import Recipe, Shape
 from aotbuild.recipes import Recipes, resolve_recipes
 from aotbuild.store import Store, Unusable
@@ -55,7 +54,7 @@ class Job:
 def jobs_for(ctx: Context, store: Store) -> list[Job]:
     recipe = ctx.recipe
     jobs = []
-    manifests: list[Manifest] | None = None  # read once, on the first miss to explain
+    manifests: Entries | None = None  # read once, on the first miss to explain
     for component in recipe.compile.components:
         config: tuple[str, dict[str, Any]] | None = None
         problem = ctx.problem
@@ -74,8 +73,8 @@ def jobs_for(ctx: Context, store: Store) -> list[Job]:
             ok, why = store.check_entry(key)
             cost = None
             if not ok:
-                manifests = list(store.iter_manifests()) if manifests is None else manifests
-                cost = estimate(manifests, factors, recipe.name)
+                manifests = manifests if manifests is not None else Entries(store.iter_manifests())
+                cost = estimate(manifests.all, factors, recipe.name)
             reason: str = why
             if why.kind is Unusable.NOT_BUILT:
                 assert manifests is not None

@@ -57,9 +57,31 @@ def _check_combinations(recipe: Recipe) -> None:
             raise recipe.error("model.revision", "a built-in model has no revisions (it is created locally): "
                                                  "remove model.revision")
     check_structure_rules(recipe)
+    _check_bounds(recipe)
     target = get_target(recipe.target)
     target.validate(recipe)
     get_strategy(recipe.strategy).validate(recipe, target)
+
+
+def _check_bounds(recipe: Recipe) -> None:
+    """The work a recipe asks for is bounded (docs/recipes.md, "Limits"); the operator raises a bound
+    with its environment variable, a pull request cannot."""
+    from aotbuild.constants import LIMITS, limit
+    from aotbuild.recipe import prompt_count
+
+    def over(name: str, key: str, value: int, what: str) -> None:
+        if value > limit(name):
+            raise recipe.error(key, f"{value} {what}: at most {limit(name)} (raise it with {LIMITS[name][0]})")
+
+    steps = recipe.warmup.get("num_inference_steps")
+    if isinstance(steps, int) and not isinstance(steps, bool):
+        over("steps", "warmup.num_inference_steps", steps, "warmup steps")
+    for name in ("prompt", "prompt_2", "prompt_3", "negative_prompt"):
+        if name in recipe.warmup:
+            over("prompts", f"warmup.{name}", prompt_count(recipe.warmup[name]), "prompts")
+    over("shapes", "shapes", len(recipe.shapes), "shapes")
+    over("jobs", "compile.components", len(recipe.compile.components) * len(recipe.shapes),
+         "jobs (components x shapes)")
 
 
 def load_recipe(path: str | Path) -> Recipe:

@@ -16,10 +16,9 @@ from typing import TYPE_CHECKING, Any
 from aotbuild import keys, models, pipecall
 from aotbuild.context import Context, prepare_pipeline
 from aotbuild.errors import CacheMiss, RemoteError, TargetUnavailable, UsageError
-from aotbuild.explain import explain_miss
+from aotbuild.explain import Entries, explain_miss
 from aotbuild.layout import resolve_cache_root
 from aotbuild.locks import store_lock
-from aotbuild.manifest import Manifest
 from aotbuild.recipe import Recipe, Shape, build_hint
 from aotbuild.recipes import as_recipe
 from aotbuild.store import Entry, Store, Unusable
@@ -186,7 +185,7 @@ def _open_entries(ctx: Context, store: Store, pipe: Any, wanted: list[_Wanted], 
     """Each wanted entry, hash-verified and checked against the live module by the strategy: a hit,
     or a miss with its reason (the factors that differ from the nearest entry, when not built)."""
     planned = []
-    manifests: list[Manifest] | None = None  # read once, on the first miss to explain
+    manifests: Entries | None = None  # read once, on the first miss to explain
     for component in ctx.recipe.compile.components:
         module = getattr(pipe, component)
         entries: list[Entry] = []
@@ -203,7 +202,7 @@ def _open_entries(ctx: Context, store: Store, pipe: Any, wanted: list[_Wanted], 
                 report.entries.append(ReportEntry(component, w.shape, w.key, True, pulled=w.key in pulled))
                 continue
             if reason is not None and reason.kind is Unusable.NOT_BUILT:
-                manifests = list(store.iter_manifests()) if manifests is None else manifests
+                manifests = manifests if manifests is not None else Entries(store.iter_manifests())
                 why = explain_miss(manifests, ctx.recipe.name, component, w.factors, store.root)
             report.entries.append(ReportEntry(component, w.shape, w.key, False, why + remote_notes.get(w.key, "")))
         planned.append(Planned(component, module, entries))

@@ -258,5 +258,11 @@ def test_a_miss_is_explained_by_the_nearest_entry_for_the_component():
     tie = entry("mine", shape__width=96)
     assert explain_miss([one_off, tie], "mine", "unet", here) == "not built: shape.width: 96 in the cache, 64 here"
     assert explain_miss([entry("x", component="vae")], "mine", "unet", here) == \
-        "not built: the cache has no entry for a unet"
+        "not built: the cache has no entry for a unet of class UNet2DConditionModel yet"
     assert "the cache at /c is empty" in explain_miss([], "mine", "unet", here, Path("/c"))
+    # Like with like: an entry of another component class is never the nearest (its config differs
+    # whole: "class: SanaTransformer2DModel in the cache, WanTransformer3DModel here; ... and 31 more").
+    other_class = entry("mine", component__class="WanTransformer3DModel")
+    assert explain_miss([other_class], "mine", "unet", here) == \
+        "not built: the cache has no entry for a unet of class UNet2DConditionModel yet"
+    assert explain_miss([other_class, two_off], "mine", "unet", here).startswith("not built: env.torch")

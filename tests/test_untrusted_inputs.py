@@ -290,3 +290,53 @@ def test_the_proof_fails_on_nan_or_inf(served, eager, says):
     with pytest.raises(RuntimeError, match=says):
         _replay(module, "unet", [((), {}, [torch.full((2,), eager)])], lambda: None)
     assert _replay(lambda *a, **k: torch.ones(2), "unet", [((), {}, [torch.ones(2)])], lambda: None) == 0.0
+
+
+# -- bounded work -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("over,key,variable", [
+    ({"warmup": {"num_inference_steps": 1_000_000}}, "warmup.num_inference_steps", "AOTBUILD_MAX_STEPS"),
+    ({"warmup": {"prompt": ["a cat"] * 99_000}}, "warmup.prompt", "AOTBUILD_MAX_PROMPTS"),
+    ({"shapes": [{"height": 8 * (i + 1), "width": 64} for i in range(65)]}, "shapes", "AOTBUILD_MAX_SHAPES"),
+    ({"compile": {"components": ["unet", "vae", "text_encoder", "a", "b"]},
+      "shapes": [{"height": 8 * (i + 1), "width": 64} for i in range(60)]}, "compile.components", "AOTBUILD_MAX_JOBS"),
+])
+def test_the_work_a_recipe_asks_for_is_bounded_and_the_operator_can_raise_it(monkeypatch, over, key, variable):
+    from aotbuild.errors import RecipeError
+    from aotbuild.recipes import parse_recipe
+
+    data = {"model": "builtin:tiny-sd", "shapes": [{"height": 64, "width": 64}], **over}
+    with pytest.raises(RecipeError) as info:
+        parse_recipe(data)
+    assert info.value.key == key and variable in info.value.message
+    monkeypatch.setenv(variable, "10000000")
+    parse_recipe(data)  # the operator's choice
+
+
+def test_a_child_past_its_time_limit_is_killed_with_the_reason(tmp_path):
+    from aotbuild import child
+
+    planted = tmp_path / "pp"
+    planted.mkdir()
+    (planted / "aotbuild_slow_child.py").write_text("import time\ntime.sleep(60)\n")
+    code, result = child.spawn("aotbuild_slow_child", {}, tmp_path / "c" / "spec.json", tmp_path / "c" / "log",
+                               env={"PYTHONPATH": str(planted)}, name="worker", timeout=1)
+    assert code != 0 and "worker ran past its time limit of 1 s (AOTBUILD_JOB_TIMEOUT" in result["error"]
+
+
+def test_explaining_a_miss_compares_a_bounded_number_of_entries(monkeypatch):
+    """plan cost jobs x entries full comparisons (1,000 shapes against 501 entries: 96 s)."""
+    from aotbuild import explain, keys
+
+    entries = [manifests.manifest(manifests.factors(f"v{i}"), recipe="other") for i in range(600)]
+    index = explain.Entries(entries)
+    flattened = []
+    real = keys.flatten
+    monkeypatch.setattr(keys, "flatten", lambda f, prefix="": (prefix or flattened.append(1)) and 0 or real(f, prefix))
+    diffs = []
+    real_diff = keys.differences
+    monkeypatch.setattr(keys, "differences", lambda a, b: diffs.append(1) or real_diff(a, b))
+    for _ in range(50):  # 50 misses
+        assert explain.explain_miss(index, "mine", "unet", manifests.factors("x")).startswith("not built")
+    assert len(diffs) == 50  # one full difference per miss, against its nearest entry only
+    assert len(flattened) == 50 * 3  # per miss: the job's factors, and differences' two; entries once, at the index
