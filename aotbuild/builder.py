@@ -23,7 +23,7 @@ from aotbuild.journal import entry_writer
 from aotbuild.layout import FROM_PROJECT, cache_root_origin, format_size, resolve_max_size
 from aotbuild.locks import flocked, store_lock
 from aotbuild.manifest import FileRecord, Manifest, Proof
-from aotbuild.planner import HIT, MISS, UNAVAILABLE, Job, plan, shard_jobs
+from aotbuild.planner import FAILED_BEFORE, HIT, MISS, UNAVAILABLE, Job, plan, shard_jobs
 from aotbuild.recipe import recipe_spec, recipe_to_dict
 from aotbuild.recipes import Recipes
 from aotbuild.store import Store
@@ -116,7 +116,8 @@ def build(recipes: Recipes, cache: str | Path | None = None, *,
             entry, why = store.open_entry(job.key)
             if entry is None:
                 jobs[i] = replace(job, status=MISS, reason=f"rebuilt: {why}")
-    on_remote = remote.keys() if remote is not None and any(j.status == MISS for j in jobs) else set()
+    on_remote = remote.keys() if remote is not None and any(j.status in (MISS, FAILED_BEFORE) for j in jobs) \
+        else set()
     results: dict[int, JobResult] = {}
     for i, job in enumerate(jobs):
         if job.status == HIT:
@@ -140,6 +141,7 @@ def build(recipes: Recipes, cache: str | Path | None = None, *,
         else:
             tick = _ticker(progress, n + 1, len(todo), job) if progress else None
             result = _build_once(store, job, tick, limit)
+            _remember(store, job, result)
             done_keys[job.key] = result
         results[i] = result
         if progress:
@@ -179,6 +181,19 @@ def _build_once(store: Store, job: Job, tick: Tick | None, limit: int | None) ->
             return _build_one(store, job, tick, limit)
     except StoreError as exc:  # the lock file cannot be created: a read-only store
         return JobResult(job, FAILED, 0.0, reason=f"cannot build into {store.root}: {exc}")
+
+
+def _remember(store: Store, job: Job, result: JobResult) -> None:
+    """A failed job leaves a small record (``<cache>/failures/<key>.json``) so ``plan`` says it failed
+    (and keeps it out of estimates); a job that then builds clears it."""
+    assert job.key is not None
+    if result.status == BUILT:
+        store.remove_failure(job.key)
+    elif result.status == FAILED:
+        store.put_failure(job.key, {"key": job.key, "reason": result.reason[:2000], "aotbuild": constants.VERSION,
+                                    "time": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                                    "recipe": job.recipe.name, "component": job.component,
+                                    "shape": job.shape.as_dict()})
 
 
 def _entry_size(store: Store, key: str | None) -> int:

@@ -317,6 +317,8 @@ def _progress() -> Callable[..., None]:
 
     def show(event: str, n: int, total: int, job: Any, result: Any) -> None:
         head = f"[{n}/{total}] {_line(job.label)} ({job.key[:12]})"
+        if event == "start" and getattr(job, "status", "") == "failed":
+            _echo(f"{head} retrying: it {_line(job.reason)}"[:400], err=True)
         if event == "start" and not live:
             heartbeat["next"] = 60.0
             _echo(f"{head} building ...", err=True)
@@ -354,18 +356,29 @@ def plan(recipes: tuple[str, ...], cache: str | None, as_json: bool, fail_on_mis
 
     from dataclasses import replace
 
+    from aotbuild.errors import RecipeError
     from aotbuild.layout import resolve_cache_root
-    from aotbuild.planner import HIT, MISS, parse_shard, shard_jobs
+    from aotbuild.planner import FAILED_BEFORE, HIT, MISS, parse_shard, shard_jobs
     from aotbuild.planner import plan as run_plan
+    from aotbuild.recipes import load_recipes
 
-    jobs = run_plan(list(recipes), cache)
+    # Every bad recipe of a folder is reported, and the good ones planned: three bad recipes, one run.
+    bad: list[RecipeError] = []
+    good = load_recipes(list(recipes), errors=bad)
+    jobs = []
+    for recipe in good:
+        try:
+            jobs += run_plan([recipe], cache)
+        except RecipeError as exc:  # what plan checks against the model (warmup keys, adapters)
+            bad.append(exc)
+    jobs.sort(key=lambda j: (j.key is None, j.key or "", j.label))
     if shard:
         jobs = shard_jobs(jobs, *parse_shard(shard))
     target = _remote(remote)
-    if target is not None and any(j.status == MISS for j in jobs):
+    if target is not None and any(j.status in (MISS, FAILED_BEFORE) for j in jobs):
         there = target.keys()
-        jobs = [replace(j, status=REMOTE, reason=f"on {target.url}") if j.status == MISS and j.key in there
-                else j for j in jobs]
+        jobs = [replace(j, status=REMOTE, reason=f"on {target.url}")
+                if j.status in (MISS, FAILED_BEFORE) and j.key in there else j for j in jobs]
     if as_json:
         _emit_json({"cache": str(resolve_cache_root(cache)), "remote": target.url if target else None,
                     "jobs": [j.as_json() for j in jobs]})
@@ -379,6 +392,10 @@ def plan(recipes: tuple[str, ...], cache: str | None, as_json: bool, fail_on_mis
         cost = _estimate_text([j for j in jobs if j.status == MISS])
         if cost:
             _echo(cost)
+    for exc in bad:
+        _echo(f"error: {exc}", err=True)
+    if bad:
+        return EXIT_BAD_INPUT
     missing = any(j.status not in (HIT, REMOTE) for j in jobs)
     return EXIT_MISS if (fail_on_miss and missing) else EXIT_OK
 
@@ -431,17 +448,28 @@ def ls(cache: str | None, as_json: bool) -> int:
                     if p.is_dir() and not p.name.startswith(".")) if store.layout.models.is_dir() else []
     if as_json:
         _emit_json({"cache": str(store.root), "models": models, "entries": [
-            {"key": m.key, "recipe": m.recipe, "component": m.component,
-             "shape": dict(m.shape), "target": m.target, "size": m.size,
-             "created": _created(m)} for m in manifests]})
+            {"key": m.key, "recipe": m.recipe, "component": m.component, "model": _model_of(m),
+             "shape": dict(m.shape), "target": m.target, "strategy": m.strategy, "scope": _scope_of(m),
+             "size": m.size, "created": _created(m)} for m in manifests]})
         return EXIT_OK
-    rows = [[m.key[:12], m.recipe, m.component, _shape_text(m.shape), m.target, _human_size(m.size),
-             _created(m) or "?"] for m in manifests]
-    _echo(_table(rows, ["key", "recipe", "component", "shape", "target", "size", "created"]))
+    rows = [[m.key[:12], m.recipe, _model_of(m), m.component, _shape_text(m.shape), m.target, m.strategy,
+             _scope_of(m), _human_size(m.size), _created(m) or "?"] for m in manifests]
+    _echo(_table(rows, ["key", "recipe", "model", "component", "shape", "target", "strategy", "scope", "size",
+                        "created"]))
     _echo(f"{len(manifests)} entries in {store.root}")
     for name in models:
         _echo(f"model: {store.layout.models / name}")
     return EXIT_OK
+
+
+def _model_of(manifest: Any) -> str:
+    model = manifest.recipe_data.get("model") if isinstance(manifest.recipe_data, dict) else None
+    return str(model.get("id")) if isinstance(model, dict) and model.get("id") else "?"
+
+
+def _scope_of(manifest: Any) -> str:
+    compile_ = manifest.factors.get("compile")
+    return str(compile_.get("scope", "?")) if isinstance(compile_, dict) else "?"
 
 
 def _shape_text(shape: Any) -> str:

@@ -163,6 +163,20 @@ def _batch_hint(sig: str, built: list[str]) -> str:
     return ""
 
 
+def uninstall_dispatchers(module: Any) -> int:
+    """Remove every dispatcher aotbuild put in ``module`` and its submodules (and a regional compile's
+    compiled call), so a second ``load_compiled`` on the same pipe installs on the module itself, not
+    around the first install (a compile that wraps a dispatcher raised Dynamo's Unsupported)."""
+    removed = 0
+    for sub in module.modules():
+        if isinstance(vars(sub).get("forward"), Dispatcher):
+            del sub.forward
+            removed += 1
+        if vars(sub).get("_compiled_call_impl") is not None:
+            sub._compiled_call_impl = None
+    return removed
+
+
 def install_dispatcher(module: Any, component: str, routes: dict[str, Callable[..., Any]],
                        fallback: Callable[..., Any] | None, on_unbuilt: str,
                        on_record: Callable[[str, tuple[Any, ...], dict[str, Any]], None] | None = None) -> Dispatcher:

@@ -8,6 +8,7 @@
     <root>/locks/build-<key prefix>.lock      one builder per job key at a time
     <root>/logs/<key prefix>.log              a failed job's (or proof's) log
     <root>/logs/reclaimed.jsonl               what journals reclaimed (``verify --json`` notes)
+    <root>/failures/<key>.json                a job that failed: why, when, which aotbuild (never a manifest)
 
 Inside a job's staging folder (``<root>/tmp/job-*``) the target and the strategy name their own
 subfolders: they are the job's, not the store's.
@@ -228,6 +229,15 @@ class Layout:
     def logs(self) -> Path:
         return self.root / "logs"
 
+    @property
+    def failures(self) -> Path:
+        return self.root / "failures"
+
+    def failure(self, key: str) -> Path:
+        if not HEX64.match(key):
+            raise StoreError(f"not a cache key: {key!r}")
+        return self.failures / f"{key}.json"
+
     def job_log(self, key: str) -> Path:
         return self.logs / f"{key[:16]}.log"
 
@@ -250,6 +260,8 @@ class Layout:
             return bool(HEX64.match(stem)) and bool(_HEX2.match(parts[1]))  # a key's manifest, maybe misfiled
         if len(parts) == 2 and parts[0] == "tmp":
             return bool(_TEMP.match(parts[1]))
+        if len(parts) == 2 and parts[0] == "failures":
+            return parts[1].endswith(".json") and bool(HEX64.match(parts[1][:-5]))
         if len(parts) == 2 and parts[0] == "models":
             return bool(_MODEL_STAGING.match(parts[1]))
         return False

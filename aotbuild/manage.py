@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from aotbuild.constants import VERSION
 from aotbuild.errors import StoreError
 from aotbuild.layout import HEX64
 from aotbuild.locks import is_unlocked, store_lock
@@ -340,6 +341,11 @@ def gc(store: Store, *, max_size: int | None = None, stale: bool = False, dry_ru
         for blob in store.blob_files():
             if blob.name not in live:
                 blob.unlink(missing_ok=True)
+        if stale:  # a failure recorded by another aotbuild says nothing about this one
+            for path in store.failure_files():
+                record = store.failure(path.stem) if store.layout.wrote(path) else None
+                if record is not None and record.get("aotbuild") != VERSION:
+                    path.unlink(missing_ok=True)
         report.size_after = store_size(store)
     return report
 
@@ -358,6 +364,8 @@ def rm(store: Store, keys: list[str]) -> list[tuple[str, int]]:
     with store_lock(store.root, exclusive=True):
         named, manifests = _named(store)
         gone = set(keys) & set(manifests)
+        for key in sorted(set(keys)):
+            store.remove_failure(key)
         for key in sorted(gone):
             store.remove_manifest(key)
         freed = dict.fromkeys(gone, 0)

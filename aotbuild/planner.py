@@ -20,6 +20,8 @@ from aotbuild.store import Store, Unusable
 from aotbuild.strategies import checked_store
 
 HIT, MISS, UNAVAILABLE = "hit", "miss", "unavailable"
+#: A miss whose last build failed (its failure record says why): kept out of estimates.
+FAILED_BEFORE = "failed"
 
 
 @dataclass
@@ -71,6 +73,13 @@ def jobs_for(ctx: Context, store: Store) -> list[Job]:
             factors = ctx.factors(component, config[0], config[1], shape, ctx.pipeline_class)
             key = keys.key_of(factors)
             ok, why = store.check_entry(key)
+            failed = store.failure(key) if not ok and why.kind is Unusable.NOT_BUILT else None
+            if failed is not None:
+                reason = (f"failed before ({failed.get('time', '?')}, aotbuild {failed.get('aotbuild', '?')}): "
+                          f"{failed['reason']}")
+                jobs.append(Job(recipe, component, shape, key, factors, FAILED_BEFORE, reason,
+                                unusable=why.kind, ctx=ctx))
+                continue
             cost = None
             if not ok:
                 manifests = manifests if manifests is not None else Entries(store.iter_manifests())
@@ -134,4 +143,4 @@ def shard_jobs(jobs: list[Job], index: int, count: int) -> list[Job]:
     return [j for j in jobs if (order[j.key] % count if j.key else 0) == index - 1]
 
 
-__all__ = ["Job", "plan", "jobs_for", "parse_shard", "shard_jobs", "HIT", "MISS", "UNAVAILABLE"]
+__all__ = ["Job", "plan", "jobs_for", "parse_shard", "shard_jobs", "HIT", "MISS", "UNAVAILABLE", "FAILED_BEFORE"]

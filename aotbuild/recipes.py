@@ -107,11 +107,21 @@ def recipe_from_spec(spec: Mapping[str, Any]) -> Recipe:
     return parse_recipe(spec["data"], spec["source"], spec["name"], folder=spec["folder"])
 
 
-def load_recipes(paths: list[str] | tuple[str, ...]) -> list[Recipe]:
+def load_recipes(paths: list[str] | tuple[str, ...], errors: list[RecipeError] | None = None) -> list[Recipe]:
+    """Every recipe the paths name or hold. With ``errors``, a bad recipe is appended there and the
+    others are still loaded (``plan DIR`` reports every bad one); without, the first raises."""
     files = find_recipes(paths)
     if not files:
         raise UsageError(f"no recipes (*.yaml) found in {', '.join(map(str, paths))}")
-    return _unique_names([load_recipe(p) for p in files])
+    loaded = []
+    for path in files:
+        try:
+            loaded.append(load_recipe(path))
+        except RecipeError as exc:
+            if errors is None:
+                raise
+            errors.append(exc)
+    return _unique_names(loaded)
 
 
 def _unique_names(recipes: list[Recipe]) -> list[Recipe]:

@@ -123,6 +123,10 @@ def load_compiled(recipe: str | Path | Recipe | Mapping[str, Any], pipe: Any = N
         planned = _open_entries(ctx, store, pipe, wanted, report, blocker, pulled, remote_notes)
         if report.misses and on_miss == "error":
             raise CacheMiss(f"{report}{_next_step(recipe, blocker, remote)}")
+        from aotbuild.dispatch import uninstall_dispatchers
+
+        for p in planned:  # loaded before into this pipe: install on the module, not around that install
+            uninstall_dispatchers(p.module)
         installed = ctx.strategy.install(ctx, planned, _call_policy(on_miss, strict_shapes))
         if installed is not None:
             report.installed_files, report.present_files = installed.installed, installed.present

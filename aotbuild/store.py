@@ -33,6 +33,8 @@ except ImportError:  # pragma: no cover - Windows
     fcntl = None  # type: ignore[assignment]
 
 _CHUNK = 1 << 20
+#: A failure record is a small JSON object (a reason, a time, a version).
+MAX_FAILURE_BYTES = 64 * 1024
 
 
 def sha256_file(path: Path) -> str:
@@ -294,6 +296,55 @@ class Store:
         """Everything under ``blobs/<2 hex>/`` but folders: a FIFO or link there is reported too."""
         if self.layout.blobs.is_dir():
             yield from sorted(p for p in self.layout.blobs.glob("*/*") if p.is_symlink() or not p.is_dir())
+
+    # -- failure records: a job that failed, remembered so plan says so --------------------------
+
+    def put_failure(self, key: str, record: dict) -> None:
+        """Remember why job ``key`` failed (best effort: a read-only store keeps nothing)."""
+        import json
+
+        path = self.layout.failure(key)
+        with contextlib.suppress(OSError):
+            shared_dirs(path.parent)
+            fd, tmp = self._tempfile()
+            try:
+                with os.fdopen(fd, "w", encoding="utf-8") as out:
+                    json.dump(record, out, sort_keys=True)
+                os.chmod(tmp, 0o644)
+                os.replace(tmp, path)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+                raise
+
+    def failure(self, key: str) -> dict | None:
+        """The failure record of job ``key``, or None (none, unreadable, or not a small JSON object)."""
+        import json
+
+        path = self.layout.failure(key)
+        try:
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOFOLLOW", 0))
+        except OSError:
+            return None
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return None
+            raw = os.read(fd, MAX_FAILURE_BYTES + 1)
+        finally:
+            os.close(fd)
+        try:
+            data = json.loads(raw[:MAX_FAILURE_BYTES].decode("utf-8")) if len(raw) <= MAX_FAILURE_BYTES else None
+        except ValueError:
+            return None
+        return data if isinstance(data, dict) and isinstance(data.get("reason"), str) else None
+
+    def remove_failure(self, key: str) -> None:
+        with contextlib.suppress(OSError):
+            os.unlink(self.layout.failure(key))
+
+    def failure_files(self) -> Iterator[Path]:
+        if self.layout.failures.is_dir():
+            yield from sorted(self.layout.failures.iterdir())
 
     def remove_manifest(self, key: str) -> None:
         with contextlib.suppress(FileNotFoundError):

@@ -14,7 +14,7 @@ from typing import Any
 
 from aotbuild.errors import UsageError
 from aotbuild.layout import resolve_cache_root
-from aotbuild.planner import HIT, MISS, Job, plan
+from aotbuild.planner import FAILED_BEFORE, HIT, MISS, Job, plan
 from aotbuild.remote import PushResult, Remote, pull_entry
 from aotbuild.store import DAMAGED, Entry
 from aotbuild.strategies import checked_store
@@ -98,13 +98,13 @@ def pull(recipes: list[str] | tuple[str, ...], remote: Remote, cache: str | Path
         raise UsageError("name the recipes to pull: only a recipe says which keys this machine needs")
     store = checked_store(resolve_cache_root(cache))
     jobs = plan(list(recipes), store.root)
-    wanted = [j for j in jobs if j.status == MISS]
+    wanted = [j for j in jobs if j.status in (MISS, FAILED_BEFORE)]
     on_remote = remote.keys() if wanted else set()
     out = []
     for job in jobs:
         if job.status == HIT:
             out.append(PullItem(job, CACHED))
-        elif job.status != MISS or job.key is None:
+        elif job.status not in (MISS, FAILED_BEFORE) or job.key is None:
             out.append(PullItem(job, UNAVAILABLE, job.reason))
         elif job.key not in on_remote:
             out.append(PullItem(job, MISSING, f"not on {remote.url}"))

@@ -46,7 +46,13 @@ def run(job: dict) -> dict:
     structure = record(module, ctx.target.global_settings())  # before the strategy puts anything in it
     job_spec = BuildJob(ctx, pipe, component, module, warmup, Path(job["workdir"]),
                         phase=lambda text: child.phase(job, text))
-    built = ctx.strategy.build(job_spec)
+    try:
+        built = ctx.strategy.build(job_spec)
+    except Exception as exc:
+        why = capture_failure(exc, ctx.strategy, recipe)
+        if why:
+            raise RuntimeError(why) from exc  # the whole traceback stays in the job's log
+        raise
     t_warm = time.perf_counter()
     from torch._dynamo.utils import counters
 
@@ -59,6 +65,36 @@ def run(job: dict) -> dict:
         "counters": {k: int(v) for k, v in counters["inductor"].items() if "cache" in k},
         "pipeline_class": type(pipe).__name__,
     }
+
+
+#: What Dynamo and torch.export raise when they cannot take a module whole (data-dependent Python,
+#: an unsupported call), by class name: their module paths moved between torch releases.
+CAPTURE_ERRORS = ("Unsupported", "UserError", "UncapturedHigherOrderOpError", "GuardOnDataDependentSymNode",
+                  "DataDependentOutputException", "TorchRuntimeError")
+
+
+def capture_failure(exc: BaseException, strategy: object, recipe: object) -> str:
+    """One line for a component the compiler could not capture whole: the cause (the error's first
+    line and the model's file:line) and the fix; "" for any other failure. (A 60-line Dynamo error
+    was cut before its useful part; export said only "unhashable type: non-nested SymInt".)"""
+    import traceback
+
+    chain = [exc, *([exc.__cause__] if exc.__cause__ else []), *([exc.__context__] if exc.__context__ else [])]
+    capture = next((e for e in chain if type(e).__name__ in CAPTURE_ERRORS
+                    or "SymInt" in str(e) or "data-dependent" in str(e).lower()), None)
+    if capture is None:
+        return ""
+    first = next((line.strip() for line in str(capture).splitlines() if line.strip()), type(capture).__name__)
+    frames = [f for f in traceback.extract_tb(capture.__traceback__)
+              if "/torch/" not in f.filename and "/aotbuild/" not in f.filename]
+    where = f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
+    if getattr(strategy, "graph_breaks", False) and getattr(recipe.compile, "fullgraph", True):
+        fix = "set compile.fullgraph: false (several graphs, each proven) or compile.scope: regional"
+    elif getattr(strategy, "graph_breaks", False):
+        fix = "use compile.scope: regional"
+    else:
+        fix = "use compile.scope: regional, or strategy jit-cache with compile.fullgraph: false"
+    return f"the component cannot be captured whole: {type(capture).__name__}: {first[:200]}{where}; {fix}"
 
 
 def main(argv: list[str]) -> int:

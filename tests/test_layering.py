@@ -127,7 +127,7 @@ def test_aotbuild_variables_are_named_in_constants_only():
     assert named == []
 
 
-STORE_FOLDERS = ("blobs", "manifests", "models", "tmp", "locks", "logs")
+STORE_FOLDERS = ("blobs", "manifests", "models", "tmp", "locks", "logs", "failures")
 
 
 def test_store_paths_are_built_by_layout():

@@ -116,3 +116,26 @@ def test_a_changed_pipe_is_a_miss_with_its_reason_under_every_strategy(strategy_
         assert not pipe.aotbuild_report.hits if hasattr(pipe, "aotbuild_report") else True
     finally:
         inductor_config.load_config(saved)
+
+
+@pytest.mark.slow  # the three strategies' tiny-sd builds (shared with tests/test_strategies.py)
+@pytest.mark.parametrize("strategy", ["jit-cache", "aot-package", "aot-compile"])
+def test_load_compiled_twice_on_one_pipe_installs_again_cleanly(strategy_build, strategy):
+    """After changing weights a user loads again into the same pipe: jit-cache's second compile wrapped
+    the first dispatcher and raised Dynamo's Unsupported from aotbuild/dispatch.py."""
+    from aotbuild import load_compiled
+    from aotbuild.dispatch import Dispatcher
+    from aotbuild.recipes import load_recipe
+
+    recipe_path, cache, _ = strategy_build(strategy)
+    recipe = load_recipe(recipe_path)
+    pipe = load_compiled(recipe, cache=cache, on_miss="error")
+    kwargs = {"prompt": "a cat", "height": 64, "width": 64, "num_inference_steps": 2, "guidance_scale": 0.0}
+    first = pipe(**kwargs, output_type="pt").images
+    with torch.no_grad():
+        pipe.unet.conv_in.weight.mul_(1.0)  # "changed weights": the same structure
+    again = load_compiled(recipe, pipe=pipe, cache=cache, on_miss="error", strict_shapes=True)
+    assert again is pipe and len(pipe.aotbuild_report.hits) == 1
+    forward = vars(pipe.unet).get("forward")
+    assert not isinstance(getattr(forward, "eager", None), Dispatcher)  # not a dispatcher around a dispatcher
+    assert torch.allclose(pipe(**kwargs, output_type="pt").images, first, atol=1e-5)

@@ -90,6 +90,8 @@ class Strategy:
     summary: str = ""
     #: the targets it runs on (None: every target)
     targets: tuple[str, ...] | None = None
+    #: whether it serves a component captured as several graphs (``compile.fullgraph: false``)
+    graph_breaks: bool = False
 
     # -- when the recipe is read --------------------------------------------------------------
 

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 class JitCache(Strategy):
     name = "jit-cache"
     summary = "torch.compile with its caches captured (any target); Dynamo traces again at load"
+    graph_breaks = True  # several graphs, each in the FX cache, each traced and hit again at load
 
     def build(self, job: BuildJob) -> Built:
         ctx = job.ctx
