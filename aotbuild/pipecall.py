@@ -17,6 +17,7 @@ proof and the runtime dispatch on exactly that (aotbuild/dispatch.py).
 
 from __future__ import annotations
 
+import functools
 import inspect
 from dataclasses import dataclass
 from typing import Any
@@ -59,6 +60,59 @@ class CallSignature:
 
     def takes(self, name: str) -> bool:
         return name in self.params
+
+
+def signature_of(name: str) -> CallSignature | None:
+    """The ``__call__`` signature of diffusers' pipeline class ``name`` for ``plan``: read from its
+    source with ``ast`` when the class defines ``__call__`` itself (no import: importing a pipeline
+    imports torch, transformers and whatever quantization backends are installed, seconds per plan),
+    else from the imported class; None when diffusers has no such class."""
+    found = _signature_from_source(name)
+    if found is not None:
+        return found
+    cls = pipeline_class(name)
+    return CallSignature.of(cls) if cls is not None else None
+
+
+@functools.lru_cache(maxsize=1)
+def _pipeline_files() -> dict[str, str]:
+    """class name -> the diffusers source file that defines it (one scan of diffusers/pipelines/)."""
+    import importlib.util
+    import re
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("diffusers")
+    if spec is None or not spec.origin:
+        return {}
+    found: dict[str, str] = {}
+    pattern = re.compile(r"^class (\w+)\(", re.M)
+    for path in sorted((Path(spec.origin).parent / "pipelines").rglob("pipeline_*.py")):
+        try:
+            text = path.read_text(encoding="utf-8")
+        except OSError:
+            continue
+        for match in pattern.finditer(text):
+            found.setdefault(match.group(1), str(path))
+    return found
+
+
+def _signature_from_source(name: str) -> CallSignature | None:
+    import ast
+    from pathlib import Path
+
+    path = _pipeline_files().get(name)
+    if path is None:
+        return None
+    for node in ast.parse(Path(path).read_text(encoding="utf-8")).body:
+        if isinstance(node, ast.ClassDef) and node.name == name:
+            call = next((f for f in node.body if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+                         and f.name == "__call__"), None)
+            if call is None:
+                return None  # inherited: the import knows
+            a = call.args
+            named = [x.arg for x in (*a.posonlyargs, *a.args, *a.kwonlyargs) if x.arg != "self"]
+            return CallSignature(name, tuple(named), a.kwarg is not None)
+    return None
 
 
 def pipeline_class(name: str) -> type | None:

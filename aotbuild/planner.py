@@ -106,9 +106,9 @@ def plan(recipes: Recipes, cache: str | Path | None = None) -> list[Job]:
         ctx = Context.create(recipe, root)
         if ctx.model is not None and not ctx.problem:  # only plan: jobs and loads check the loaded pipeline
             models.check_blocks(recipe, ctx.model)
-            pipeline = pipecall.pipeline_class(ctx.pipeline_class)
-            if pipeline is not None:
-                pipecall.check_recipe(recipe, pipecall.CallSignature.of(pipeline))
+            call = pipecall.signature_of(ctx.pipeline_class)
+            if call is not None:
+                pipecall.check_recipe(recipe, call)
             if recipe.lora is not None:  # each adapter's header against lora.rank and the modules
                 from aotbuild import adapters
 

@@ -129,3 +129,15 @@ def test_load_compiled_refuses_a_misspelt_warmup_as_a_recipe_error_not_a_miss(mo
             "warmup": {"guidance_scal": 0.0}}
     with pytest.raises(RecipeError, match="warmup.guidance_scal: .*did you mean 'guidance_scale'"):
         load_compiled(data, cache=models_dir, on_miss="error")
+
+
+@pytest.mark.parametrize("name", ["StableDiffusionPipeline", "StableDiffusionXLPipeline", "FluxPipeline",
+                                  "PixArtSigmaPipeline", "WanPipeline", "StableDiffusion3Pipeline"])
+def test_plan_reads_a_pipeline_signature_from_its_source_as_the_import_would(name):
+    """plan reads __call__'s parameters with ast (importing a pipeline imports torch, transformers and any
+    installed quantization backend: seconds per plan); it must say what inspect says."""
+    import diffusers
+
+    from aotbuild.pipecall import _signature_from_source
+
+    assert _signature_from_source(name) == CallSignature.of(getattr(diffusers, name))
