@@ -15,7 +15,7 @@ folder (the target's ``capture_env``) and another working directory. That proces
    (``Strategy.compile_counter``: for jit-cache, the target's count: FX graph cache misses and
    kernels built on Inductor, files the compiler wrote to its cache folder on Neuron and TPU; for
    aot-package, Dynamo graphs, since every call must be routed to a package; for aot-compile,
-   Dynamo frames traced plus the target's count).
+   Dynamo graphs traced plus the target's count).
 
 Any compile, any difference above the dtype's tolerance, or any error fails the job with the reason
 and the fix, and nothing is stored. What it measured is the manifest's ``proof``.

@@ -176,7 +176,7 @@ def test_kernels_built_in_this_process_count_as_compiles_and_installed_ones_do_n
 
     target = get_target("inductor")
     name, count = get_strategy("aot-compile").compile_counter(target)
-    assert name == "Dynamo frames traced + FX graph cache misses + kernels built here"
+    assert name == "Dynamo graphs traced + FX graph cache misses + kernels built here"
     before = count()
     blob = tmp_path / "kernel.so"
     blob.write_bytes(b"compiled at build time")

@@ -227,8 +227,9 @@ class AotCompile(Strategy):
 
         # A loaded function neither traces nor compiles; one whose kernels are not in the Inductor
         # folder rebuilds them while it loads, which the target counts (kernels built here).
+        # Dynamo graphs, not frames: with fullgraph=True torch 2.13 counts no frame (counters["frames"]).
         name, compiled = target.compile_counter()
-        return f"Dynamo frames traced + {name}", lambda: int(counters["frames"]["total"]) + compiled()
+        return f"Dynamo graphs traced + {name}", lambda: int(counters["stats"]["unique_graphs"]) + compiled()
 
     # -- load ------------------------------------------------------------------------------------
 
