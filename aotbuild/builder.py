@@ -92,7 +92,8 @@ Progress = Callable[[str, int, int, Job, "JobResult | None"], None]
 
 def build(recipes: Recipes, cache: str | Path | None = None, *,
           progress: Progress | None = None, shard: tuple[int, int] | None = None,
-          remote: Remote | None = None, max_size: int | None = None) -> BuildReport:
+          remote: Remote | None = None, max_size: int | None = None,
+          sign_key: str | Path | None = None) -> BuildReport:
     """Build every missing job of ``recipes``; jobs already cached (and intact) are left alone.
 
     ``recipes``: recipe files or folders, recipe data as dicts, Recipe objects, or a list of them
@@ -106,9 +107,13 @@ def build(recipes: Recipes, cache: str | Path | None = None, *,
     recently used entries until the cache fits (never one this build needs)."""
     root, origin = cache_root_origin(cache)
     store = checked_store(root)
+    if sign_key is not None:  # a bad key fails now, not after an hour of compiling
+        from aotbuild.signing import load_private
+
+        load_private(sign_key)
     # pyproject.toml's max_size applies only to the cache it names itself (a pull request writes it).
     limit = max_size if max_size is not None else resolve_max_size(project=origin == FROM_PROJECT)
-    jobs = plan(recipes, root)
+    jobs = plan(recipes, root, signatures=False)  # a builder makes entries: whom serving trusts is not its say
     if shard is not None:
         jobs = shard_jobs(jobs, *shard)
     for i, job in enumerate(jobs):
@@ -123,6 +128,8 @@ def build(recipes: Recipes, cache: str | Path | None = None, *,
         if job.status == HIT:
             assert job.key is not None
             store.touch(job.key)
+            if sign_key is not None:
+                _sign_cached(store, job.key, sign_key)
             results[i] = JobResult(job, CACHED, size=_entry_size(store, job.key))
         elif job.status == UNAVAILABLE:
             results[i] = JobResult(job, SKIPPED, reason=job.reason)
@@ -140,7 +147,7 @@ def build(recipes: Recipes, cache: str | Path | None = None, *,
                                reason=prior.reason)
         else:
             tick = _ticker(progress, n + 1, len(todo), job) if progress else None
-            result = _build_once(store, job, tick, limit)
+            result = _build_once(store, job, tick, limit, sign_key)
             _remember(store, job, result)
             done_keys[job.key] = result
         results[i] = result
@@ -159,7 +166,23 @@ def build(recipes: Recipes, cache: str | Path | None = None, *,
     return report
 
 
-def _build_once(store: Store, job: Job, tick: Tick | None, limit: int | None) -> JobResult:
+def _sign_cached(store: Store, key: str, sign_key: str | Path) -> None:
+    """A cached entry this key has not signed gets its signature (``build --sign-key`` signs every
+    entry of its jobs, so a store served directly is signed as a pushed one is)."""
+    from aotbuild.signing import load_private, sign
+
+    manifest = store.read_manifest(key)
+    if manifest is None or any(s["key"] == load_private(sign_key)[0] for s in manifest.signed_by):
+        return
+    try:
+        with store_lock(store.root, exclusive=False):  # gc cannot take its blobs meanwhile
+            store.put_manifest(sign(manifest, sign_key))
+    except (OSError, StoreError):
+        pass  # a read-only store: push --sign-key still signs what it sends
+
+
+def _build_once(store: Store, job: Job, tick: Tick | None, limit: int | None,
+                sign_key: str | Path | None = None) -> JobResult:
     """Build ``job`` under its per-key lock: a second builder of the same job (another CI shard,
     another terminal) waits for the first, showing that it waits, then finds the entry cached."""
     assert job.key is not None
@@ -178,7 +201,7 @@ def _build_once(store: Store, job: Job, tick: Tick | None, limit: int | None) ->
                     store.touch(job.key)
                     return JobResult(job, CACHED, time.perf_counter() - started, size=entry.manifest.size,
                                      reason="built meanwhile by another aotbuild process")
-            return _build_one(store, job, tick, limit)
+            return _build_one(store, job, tick, limit, sign_key)
     except StoreError as exc:  # the lock file cannot be created: a read-only store
         return JobResult(job, FAILED, 0.0, reason=f"cannot build into {store.root}: {exc}")
 
@@ -201,7 +224,8 @@ def _entry_size(store: Store, key: str | None) -> int:
     return manifest.size if manifest else 0
 
 
-def _build_one(store: Store, job: Job, tick: Tick | None = None, limit: int | None = None) -> JobResult:
+def _build_one(store: Store, job: Job, tick: Tick | None = None, limit: int | None = None,
+               sign_key: str | Path | None = None) -> JobResult:
     assert job.key is not None and job.factors is not None and job.ctx is not None
     target = job.ctx.target
     started = time.perf_counter()
@@ -241,7 +265,7 @@ def _build_one(store: Store, job: Job, tick: Tick | None = None, limit: int | No
                 return JobResult(job, FAILED, time.perf_counter() - started,
                                  reason=f"{_one_line(str(exc))} (log: {log_path})")
             seconds = time.perf_counter() - started
-            return store_job(store, job, files, result, seconds, limit, proof)
+            return store_job(store, job, files, result, seconds, limit, proof, sign_key)
     except OSError as exc:
         return JobResult(job, FAILED, time.perf_counter() - started, reason=f"cannot run the job: {exc}")
     finally:
@@ -270,6 +294,7 @@ def _prove(job: Job, files: list[tuple[str, Path]], result: dict[str, Any], seco
     # Every compiler cache empty, no aotbuild cache from the environment, another directory: the
     # process can only use what the entry holds.
     env = {**job.ctx.target.capture_env(folder / "caches"), constants.ENV_CACHE: None,
+           constants.ENV_TRUSTED_KEYS: None,  # the proof serves the staged entry it just built, unsigned
            "TORCH_COMPILE_DEBUG_DIR": str(folder / "debug")}
     _, outcome = child.spawn("aotbuild.proof", spec, folder / "proof.json", folder / "proof.log", env=env, cwd=cwd,
                              phase_file=staging / "phase", tick=tick, started=started,
@@ -297,7 +322,7 @@ def make_manifest(job: Job, records: list[FileRecord], result: dict[str, Any], s
 
 
 def store_job(store: Store, job: Job, files: list[tuple[str, Path]], result: dict[str, Any], seconds: float,
-              limit: int | None = None, proof: Proof | None = None) -> JobResult:
+              limit: int | None = None, proof: Proof | None = None, sign_key: str | Path | None = None) -> JobResult:
     """Blobs, then the manifest, under the shared store lock. A failure to write (no space left, a
     read-only store, a lock timeout) loses the cache entry, not the build: status "uncached"."""
     assert job.key is not None and job.factors is not None
@@ -314,6 +339,10 @@ def store_job(store: Store, job: Job, files: list[tuple[str, Path]], result: dic
                 digest, blob_size = writer.put_blob(path)
                 records.append(FileRecord(rel, digest, blob_size))
             manifest = make_manifest(job, records, result, seconds, proof)
+            if sign_key is not None:
+                from aotbuild.signing import sign
+
+                manifest = sign(manifest, sign_key)
             writer.put_manifest(manifest)
     except OSError as exc:  # put_blob/put_manifest removed their temp files, the writer its blobs
         return JobResult(job, UNCACHED, seconds, size=size,

@@ -158,6 +158,17 @@ def remote_option(help_text: str, name: str = "--remote") -> Callable[..., Any]:
                         metavar="URL", help=help_text)
 
 
+sign_option = click.option("--sign-key", "sign_key", metavar="NAME.key", type=click.Path(dir_okay=False),
+                           help="Sign each entry with this private key (aotbuild keygen NAME makes one).")
+trusted_option = click.option("--trusted-keys", "trusted_keys", metavar="A.pub,B.pub",
+                              help="Accept only entries signed by one of these public keys (default: "
+                                   "AOTBUILD_TRUSTED_KEYS).")
+
+
+def _keys(text: str | None) -> list[str] | None:
+    return [p.strip() for p in text.split(",") if p.strip()] if text else None
+
+
 def _remote(url: str | None, required: bool = False) -> Any:
     from aotbuild.errors import UsageError
     from aotbuild.remote import parse_remote
@@ -207,8 +218,10 @@ def _signals_interrupt() -> None:
 @shard_option
 @remote_option("After building, push every entry of these jobs to URL; jobs already there are not built.",
                name="--push")
+@sign_option
 @command
-def build(recipes: tuple[str, ...], cache: str | None, as_json: bool, shard: str | None, remote: str | None) -> int:
+def build(recipes: tuple[str, ...], cache: str | None, as_json: bool, shard: str | None, remote: str | None,
+          sign_key: str | None) -> int:
     """Compile every job of RECIPES (files or folders) that the cache lacks.
 
     Each job (component x shape) compiles in a fresh subprocess; what it compiled is stored in the
@@ -225,14 +238,15 @@ def build(recipes: tuple[str, ...], cache: str | None, as_json: bool, shard: str
     from aotbuild.planner import parse_shard
 
     target = _remote(remote)
-    report = run_build(list(recipes), cache, progress=None if as_json else _progress(),
+    report = run_build(list(recipes), cache, progress=None if as_json else _progress(), sign_key=sign_key,
                        shard=parse_shard(shard) if shard else None, remote=target)
     pushed = None
     if target is not None:
         from aotbuild.sync import push
 
         keys = [r.job.key for r in report.results if r.status in (BUILT, CACHED) and r.job.key]
-        pushed = push(keys, target, cache, progress=None if as_json else _push_progress()) if keys else None
+        pushed = push(keys, target, cache, progress=None if as_json else _push_progress(),
+                      sign_key=sign_key) if keys else None
     if as_json:
         _emit_json({**report.as_json(), **({"push": pushed.as_json()} if pushed else {})})
     else:
@@ -252,8 +266,9 @@ def _push_progress() -> Callable[[str], None]:
 @remote_option("Remote to push to: file:///shared/folder, hf://owner/repo[@rev], hf://datasets/owner/repo.")
 @cache_option
 @json_option
+@sign_option
 @command
-def push(items: tuple[str, ...], remote: str | None, cache: str | None, as_json: bool) -> int:
+def push(items: tuple[str, ...], remote: str | None, cache: str | None, as_json: bool, sign_key: str | None) -> int:
     """Send cache entries to a remote: KEYS (hex prefixes, 8+ characters) or RECIPES; none = all.
 
     Only what the remote lacks is sent, blobs before manifests. Entries are hash-checked first:
@@ -267,7 +282,7 @@ def push(items: tuple[str, ...], remote: str | None, cache: str | None, as_json:
 
     from aotbuild.sync import push as run_push
 
-    report = run_push(list(items), _remote(remote, required=True), cache,
+    report = run_push(list(items), _remote(remote, required=True), cache, sign_key=sign_key,
                       progress=None if as_json else _push_progress())
     if as_json:
         _emit_json(report.as_json())
@@ -282,8 +297,10 @@ def push(items: tuple[str, ...], remote: str | None, cache: str | None, as_json:
 @cache_option
 @json_option
 @click.option("--fail-on-miss", is_flag=True, help="Exit 3 when a job is neither cached nor on the remote.")
+@trusted_option
 @command
-def pull(recipes: tuple[str, ...], remote: str | None, cache: str | None, as_json: bool, fail_on_miss: bool) -> int:
+def pull(recipes: tuple[str, ...], remote: str | None, cache: str | None, as_json: bool, fail_on_miss: bool,
+         trusted_keys: str | None) -> int:
     """Fetch the entries RECIPES need in this environment from a remote, hash-verified.
 
     Only jobs the local cache lacks are fetched. Exit 1 when a fetched entry was refused
@@ -298,7 +315,7 @@ def pull(recipes: tuple[str, ...], remote: str | None, cache: str | None, as_jso
     from aotbuild.sync import pull as run_pull
 
     target = _remote(remote, required=True)
-    items = run_pull(list(recipes), target, cache)
+    items = run_pull(list(recipes), target, cache, trusted_keys=_keys(trusted_keys))
     if as_json:
         _emit_json({"remote": target.url, "jobs": [i.as_json() for i in items]})
     else:
@@ -343,9 +360,10 @@ def _progress() -> Callable[..., None]:
               help="Exit 3 when any job is not cached (nor on --remote, when given): a CI gate.")
 @remote_option("Also look for each job on this remote (status \"remote\"); nothing is downloaded.")
 @shard_option
+@trusted_option
 @command
 def plan(recipes: tuple[str, ...], cache: str | None, as_json: bool, fail_on_miss: bool, remote: str | None,
-         shard: str | None) -> int:
+         shard: str | None, trusted_keys: str | None) -> int:
     """List every job of RECIPES: key, component, shape, hit or miss.
 
     \b
@@ -368,7 +386,7 @@ def plan(recipes: tuple[str, ...], cache: str | None, as_json: bool, fail_on_mis
     jobs = []
     for recipe in good:
         try:
-            jobs += run_plan([recipe], cache)
+            jobs += run_plan([recipe], cache, trusted_keys=_keys(trusted_keys))
         except RecipeError as exc:  # what plan checks against the model (warmup keys, adapters)
             bad.append(exc)
     jobs.sort(key=lambda j: (j.key is None, j.key or "", j.label))
@@ -538,6 +556,29 @@ def show(key: str, cache: str | None, as_json: bool) -> int:
     for path, value in flatten(dict(manifest.factors)).items():
         _echo(f"  {_line(path)} = {json.dumps(value)}")
     _echo(f"signatures: {len(manifest.signatures)} call signature(s) built")
+    _echo(f"signed by:  {', '.join(_line(s['key']) for s in manifest.signed_by) or 'nobody (unsigned)'}")
+    return EXIT_OK
+
+
+@main.command()
+@click.argument("name")
+@command
+def keygen(name: str) -> int:
+    """Write an Ed25519 key pair: NAME.key (private, mode 0600) and NAME.pub, each one line NAME:base64.
+
+    Sign with `build --sign-key NAME.key` or `push --sign-key NAME.key`; serving machines trust the
+    public key (`AOTBUILD_TRUSTED_KEYS=NAME.pub`). NAME may include a folder; existing files are
+    never overwritten.
+
+    \b
+    Example:
+      aotbuild keygen keys/ci-2026
+    """
+
+    from aotbuild.signing import keygen as run_keygen
+
+    private, public = run_keygen(name)
+    _echo(f"private key: {private} (keep it secret: a CI secret)\npublic key:  {public} (trust it where you serve)")
     return EXIT_OK
 
 
@@ -546,8 +587,9 @@ def show(key: str, cache: str | None, as_json: bool) -> int:
 @json_option
 @click.option("--fix", is_flag=True, help="Repair: drop damaged entries (the next build rebuilds them), orphans "
                                           "and leftovers of dead writers.")
+@trusted_option
 @command
-def verify(cache: str | None, as_json: bool, fix: bool) -> int:
+def verify(cache: str | None, as_json: bool, fix: bool, trusted_keys: str | None) -> int:
     """Check every entry's blobs by hash; list every problem. Exit 1 when there is any.
 
     Problems: a blob whose content does not match its name, a missing blob, a malformed manifest, an
@@ -561,11 +603,12 @@ def verify(cache: str | None, as_json: bool, fix: bool) -> int:
 
     from aotbuild.layout import resolve_cache_root
     from aotbuild.manage import verify as run_verify
+    from aotbuild.signing import trusted_from_env
     from aotbuild.strategies import checked_store
 
     if _no_cache(resolve_cache_root(cache), as_json, {"fixed": fix, "problems": []}):
         return EXIT_OK
-    store = checked_store(resolve_cache_root(cache))
+    store = checked_store(resolve_cache_root(cache), trusted_from_env(_keys(trusted_keys)))
     problems = run_verify(store, fix=fix)
     remain = [p for p in problems if not fix or p.remains()]
     if as_json:

@@ -55,6 +55,15 @@ def limit(name: str) -> int:
     return int(value) if value.isdigit() and int(value) > 0 else default
 
 
+#: Public keys (comma-separated ``.pub`` paths) whose signatures make an entry loadable: with any
+#: set, unsigned or otherwise signed entries are misses (aotbuild/signing.py).
+ENV_TRUSTED_KEYS = "AOTBUILD_TRUSTED_KEYS"
+
+
+def env_trusted_keys() -> str:
+    return os.environ.get(ENV_TRUSTED_KEYS, "")
+
+
 def env_cache_root() -> str | None:
     return os.environ.get(ENV_CACHE) or None
 

@@ -30,6 +30,7 @@ from aotbuild.store import Store, sha256_file
 CORRUPT, MISSING, MALFORMED, UNREADABLE, ORPHAN, TEMP = "corrupt", "missing", "malformed", "unreadable", "orphan", \
     "temp"
 FOREIGN = "foreign"  # in the store's folders, but not a name aotbuild writes: --fix leaves it
+UNTRUSTED = "untrusted"  # with trusted keys: no trusted key signed it (reported; --fix never deletes it)
 
 
 @dataclass
@@ -46,7 +47,7 @@ class Problem:
     def remains(self) -> bool:
         """After ``verify --fix``: is this problem still there? (An unreadable manifest always is, and so is
         what aotbuild did not write: ``--fix`` never deletes it.)"""
-        if self.kind == UNREADABLE:
+        if self.kind in (UNREADABLE, UNTRUSTED):
             return True
         return os.path.lexists(self.path)
 
@@ -83,6 +84,9 @@ def _scan(store: Store) -> list[Problem]:
         if manifest is None:  # removed since it was listed
             continue
         key = path.stem
+        why = store.untrusted(manifest) if not isinstance(manifest, StaleManifest) else ""
+        if why:
+            problems.append(Problem(UNTRUSTED, path, why, key))
         for item in manifest.files:
             digest, rel = item.sha256, item.path
             named.setdefault(digest, []).append(key)
@@ -186,7 +190,7 @@ def _confirmed(store: Store, problem: Problem, named: dict[str, list[str]]) -> b
         return path.exists() and problem.blob is not None and not store.layout.blob(problem.blob).exists()
     if not os.path.lexists(path):
         return False
-    if problem.kind == FOREIGN:
+    if problem.kind in (FOREIGN, UNTRUSTED):
         return True
     if problem.kind == CORRUPT:
         return bool(_blob_problem(store, path.name, path.stat().st_size if path.is_file() else -1))

@@ -97,6 +97,8 @@ class Manifest:
     proof: Proof | None = None
     #: the component as the compiler saw it (aotbuild/structure.py): checked before a load reports a hit
     structure: Mapping[str, Any] | None = None
+    #: Ed25519 signatures over the rest (aotbuild/signing.py): [{"key": name, "sig": base64}]
+    signed_by: tuple[Mapping[str, str], ...] = ()
     pack: Mapping[str, Any] | None = None  # a Hub remote's copy only: the tar that holds the blobs
     format: int = constants.FORMAT_VERSION
 
@@ -116,6 +118,8 @@ class Manifest:
             data["proof"] = self.proof.as_json()
         if self.structure is not None:
             data["structure"] = _plain(self.structure)
+        if self.signed_by:
+            data["signed_by"] = [dict(s) for s in self.signed_by]
         if self.pack is not None:
             data["pack"] = _plain(self.pack)
         return data
@@ -253,6 +257,7 @@ def from_dict(data: Any, key: str) -> Manifest:
         recipe_data=c.obj(data.get("recipe_data", {}), "recipe_data"),
         proof=c.proof(data["proof"]) if data.get("proof") is not None else None,
         structure=c.structure(data["structure"]) if data.get("structure") is not None else None,
+        signed_by=c.signed_by(data.get("signed_by", [])),
         pack=c.pack(data["pack"]) if data.get("pack") is not None else None,
     )
     if (manifest.component != factors["component"]["name"] or dict(manifest.shape) != factors["shape"]
@@ -363,6 +368,18 @@ class _Checker:
             raise self.fail("structure.lines", "not a list of lines")
         self.obj(value.get("compiler", {}), "structure.compiler")
         return value
+
+    def signed_by(self, value: Any) -> tuple[dict[str, str], ...]:
+        items = self.list_of(value, "signed_by")
+        if len(items) > 16:
+            raise self.fail("signed_by", "more than 16 signatures")
+        out = []
+        for item in items:
+            item = self.obj(item, "signed_by[]")
+            if set(item) != {"key", "sig"} or not all(isinstance(v, str) and 0 < len(v) <= 256 for v in item.values()):
+                raise self.fail("signed_by[]", "not {key, sig}")
+            out.append({"key": item["key"], "sig": item["sig"]})
+        return tuple(out)
 
     def proof(self, value: Any) -> Proof:
         value = self.obj(value, "proof")

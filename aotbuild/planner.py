@@ -93,13 +93,17 @@ def jobs_for(ctx: Context, store: Store) -> list[Job]:
     return jobs
 
 
-def plan(recipes: Recipes, cache: str | Path | None = None) -> list[Job]:
+def plan(recipes: Recipes, cache: str | Path | None = None, *,
+         trusted_keys: list[str | Path] | None = None, signatures: bool = True) -> list[Job]:
     """Every job of every recipe, sorted by key (jobs without a key last), with hit/miss status.
 
     ``recipes``: recipe files or folders, recipe data as dicts (validated like a file), Recipe
-    objects, or a list mixing them."""
+    objects, or a list mixing them. ``trusted_keys`` (default ``AOTBUILD_TRUSTED_KEYS``): an entry
+    no trusted key signed is a miss; ``signatures=False`` (a build) ignores them."""
+    from aotbuild.signing import trusted_from_env
+
     root = resolve_cache_root(cache)
-    store = checked_store(root)
+    store = checked_store(root, trusted_from_env(trusted_keys) if signatures else None)
     loaded = resolve_recipes(recipes)
     jobs: list[Job] = []
     for recipe in loaded:

@@ -50,6 +50,7 @@ HUB_COMMIT_BATCH = 100
 class PushResult:
     sent: list[str] = field(default_factory=list)  # keys whose entry the remote did not have
     present: list[str] = field(default_factory=list)  # keys the remote already had
+    signed: list[str] = field(default_factory=list)  # of those, the ones given a pushed signature
     bytes_sent: int = 0
 
 
@@ -107,6 +108,9 @@ def _ingest(store: Store, key: str, manifest: Manifest,
             blobs: Callable[[list[tuple[str, int]]], Iterator[tuple[str, BinaryIO]]]) -> str:
     """Store every blob ``blobs`` yields (each refused unless it hashes to its name), then the
     manifest, as a writer of ``store`` (its shared lock: gc cannot take a blob from under us)."""
+    why = store.untrusted(manifest)  # before any blob is fetched or written
+    if why:
+        return f"refused: {why}"
     try:
         wanted = manifest.blobs()
         # Journaled: a refused or broken pull removes the blobs it wrote (journal.py).
@@ -190,6 +194,8 @@ class FolderRemote(Remote):
         for entry in entries:
             if self.store.check_entry(entry.key)[0]:
                 result.present.append(entry.key)
+                if self._add_signatures(entry.manifest):
+                    result.signed.append(entry.key)
                 continue
             by_path = {item.path: item for item in entry.manifest.files}
             for rel, blob in entry.files:
@@ -201,6 +207,18 @@ class FolderRemote(Remote):
             result.sent.append(entry.key)
             if progress:
                 progress(entry.key)
+
+
+    def _add_signatures(self, manifest: Manifest) -> bool:
+        """An entry the remote has gets the signatures pushed with it (key rotation: sign with the new
+        key beside the old), where it is the same entry (the signatures cover its content)."""
+        from aotbuild.signing import merge_signatures
+
+        there = self.store.read_manifest(manifest.key)
+        merged = merge_signatures(there, manifest) if there is not None else None
+        if merged is not None:
+            self.store.put_manifest(merged)
+        return merged is not None
 
 
 class HubRemote(Remote):
@@ -289,6 +307,19 @@ class HubRemote(Remote):
         except errors.EntryNotFoundError:
             return None
 
+    def _resigned(self, entry: Entry) -> Manifest | None:
+        """The remote's manifest of ``entry`` with the signatures pushed beside its own, where it is the
+        same manifest (a signature covers its content) and they add one; else None."""
+        from aotbuild.signing import merge_signatures
+
+        with tempfile.TemporaryDirectory(prefix="aotbuild-sig.") as folder:
+            path = self._download(self.manifest_path(entry.key), Path(folder))
+            try:
+                there = codec.read(path, entry.key) if path is not None else None
+            except (ValueError, OSError):
+                return None  # malformed there: pull and verify decide about it, a push does not
+        return merge_signatures(there, entry.manifest) if there is not None else None
+
     def fetch(self, key: str, store: Store) -> str:
         try:
             store.layout.tmp.mkdir(parents=True, exist_ok=True)
@@ -315,6 +346,9 @@ class HubRemote(Remote):
             return f"refused: the remote's entry for {key[:12]} is stale ({exc})"
         except (ValueError, OSError) as exc:
             return f"refused: the remote's manifest for {key[:12]} is malformed ({exc})"
+        why = store.untrusted(manifest)  # before the pack is downloaded
+        if why:
+            return f"refused: {why}"
         tar_path = None
         if any(not store.has_blob(d, size, verify=True) for d, size in wanted):
             # Downloaded and verified before any lock is taken: a long download holds up no one.
@@ -339,8 +373,11 @@ class HubRemote(Remote):
         result = PushResult()
         on_remote = self.keys()
         todo = [e for e in entries if e.key not in on_remote]
-        result.present = [e.key for e in entries if e.key in on_remote]
-        if not todo:
+        present = [e for e in entries if e.key in on_remote]
+        result.present = [e.key for e in present]
+        resigned = [m for m in map(self._resigned, (e for e in present if e.manifest.signed_by)) if m]
+        result.signed = [m.key for m in resigned]
+        if not todo and not resigned:
             return result
         packs_there = set(self._list("packs"))
         api = self._api()
@@ -350,7 +387,8 @@ class HubRemote(Remote):
                 self.repo_id, operations=ops, commit_message=f"aotbuild: {len(ops)} {what}",
                 repo_type=self.repo_type, revision=self.revision))
 
-        manifest_ops = []
+        # Signatures added to entries the remote has: the same manifest, its pack already there.
+        manifest_ops = [CommitOperationAdd(self.manifest_path(m.key), m.to_json().encode()) for m in resigned]
         try:
             if workdir is not None:
                 workdir.mkdir(parents=True, exist_ok=True)

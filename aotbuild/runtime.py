@@ -88,7 +88,8 @@ class LoadReport:
 
 
 def load_compiled(recipe: str | Path | Recipe | Mapping[str, Any], pipe: Any = None, *, cache: str | Path | None = None,
-                  remote: str | Remote | None = None, on_miss: str = "compile", strict_shapes: bool = False) -> Any:
+                  remote: str | Remote | None = None, on_miss: str = "compile", strict_shapes: bool = False,
+                  trusted_keys: list[str | Path] | None = None) -> Any:
     """Load ``recipe``'s pipeline (or take ``pipe``), install its cached artifacts, compile it.
 
     ``recipe``: a recipe file's path, recipe data as a dict (the YAML's structure, validated like a
@@ -101,12 +102,16 @@ def load_compiled(recipe: str | Path | Recipe | Mapping[str, Any], pipe: Any = N
     ``remote`` (``"file:///shared/cache"``, ``"hf://org/cache"``) fetches only the entries this load
     needs and the local store lacks, verified, into the local store first; without it there is no
     network access at all.
+    ``trusted_keys`` (``.pub`` paths; default ``AOTBUILD_TRUSTED_KEYS``): accept only entries that
+    one of these keys signed, checked before any blob is read (docs/security.md, "Signed entries").
     The report is ``pipe.aotbuild_report`` and is logged at INFO.
     """
     remote = _check_arguments(on_miss, remote)
     recipe = as_recipe(recipe)
     root = resolve_cache_root(cache)
-    store = checked_store(root)
+    from aotbuild.signing import trusted_from_env
+
+    store = checked_store(root, trusted_from_env(trusted_keys))
     ctx = Context.create(recipe, root, resolve_model=pipe is None)
     if ctx.problem:
         raise TargetUnavailable(f"{recipe.source}: {ctx.problem}")

@@ -61,6 +61,7 @@ class Unusable(enum.Enum):
     BLOB_SIZE = "blob size"  # a blob of another size than its manifest says
     BLOB_CORRUPT = "blob corrupt"  # a blob whose content does not hash to its name
     BLOB_UNREADABLE = "blob unreadable"
+    UNTRUSTED = "untrusted"  # trusted keys are set and no trusted key's signature verifies
 
 
 #: Kinds that mean the store holds a damaged entry (``verify --fix`` repairs it; a push refuses it).
@@ -111,9 +112,19 @@ class Store:
     """``records``: how the manifests' strategy records are checked before an entry is handed out
     (:data:`RecordsCheck`; aotbuild.strategies.records_problem); without it only the codec's checks apply."""
 
-    def __init__(self, root: Path, records: RecordsCheck | None = None):
+    def __init__(self, root: Path, records: RecordsCheck | None = None, trusted: dict[str, bytes] | None = None):
         self.layout = Layout(Path(root))
         self.records = records
+        #: name -> public key: when set, only entries a trusted key signed are handed out (signing.py)
+        self.trusted = trusted
+
+    def untrusted(self, manifest: Manifest) -> str:
+        """Why ``manifest`` is not signed by a trusted key ("" when it is, or when no key is trusted)."""
+        if self.trusted is None:
+            return ""
+        from aotbuild.signing import check
+
+        return check(manifest, self.trusted)
 
     @property
     def root(self) -> Path:
@@ -241,6 +252,9 @@ class Store:
             return None, Reason(Unusable.MALFORMED, f"manifest is malformed: {exc}")
         if manifest is None:
             return None, Reason(Unusable.NOT_BUILT, "not built")
+        why = self.untrusted(manifest)  # before any blob is read: a blob is code
+        if why:
+            return None, Reason(Unusable.UNTRUSTED, why)
         files = []
         for item in manifest.files:
             rel, digest, size = item.path, item.sha256, item.size

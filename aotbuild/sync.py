@@ -38,22 +38,25 @@ class PushReport:
         from aotbuild.text import printable
 
         r = self.result
+        signed = f" ({len(r.signed)} given the new signature)" if r.signed else ""
         lines = [f"pushed {len(r.sent)} entries ({format_size(r.bytes_sent)}) to {self.remote}; "
-                 f"{len(r.present)} already there"]
+                 f"{len(r.present)} already there{signed}"]
         lines += [f"not pushed: {printable(what)}: {printable(why)}" for what, why in self.skipped]
         return "\n".join(lines)
 
     def as_json(self) -> dict[str, Any]:
         return {"remote": self.remote, "sent": self.result.sent, "present": self.result.present,
+                "signed": self.result.signed,
                 "bytes_sent": self.result.bytes_sent, "skipped": [{"what": w, "reason": r} for w, r in self.skipped]}
 
 
 def push(items: list[str] | tuple[str, ...], remote: Remote, cache: str | Path | None = None,
-         progress: Callable[[str], None] | None = None) -> PushReport:
+         progress: Callable[[str], None] | None = None, sign_key: str | Path | None = None) -> PushReport:
     """Push KEYS or RECIPES (files or folders); none means every entry of the local store.
 
     Every entry is hash-verified locally before it is sent: a corrupt entry is skipped, named, and
-    never pushed."""
+    never pushed. With ``sign_key``, each entry sent carries that key's signature too (an entry may
+    gather several: key rotation signs with the new key beside the old)."""
     store = checked_store(resolve_cache_root(cache))
     keys: list[str] = []
     skipped: list[tuple[str, str]] = []
@@ -78,6 +81,12 @@ def push(items: list[str] | tuple[str, ...], remote: Remote, cache: str | Path |
             if why.kind in DAMAGED:
                 damaged.append(key[:12])
         else:
+            if sign_key is not None:
+                from dataclasses import replace
+
+                from aotbuild.signing import sign
+
+                entry = replace(entry, manifest=sign(entry.manifest, sign_key))
             entries.append(entry)
     return PushReport(remote.url, remote.push(entries, progress, workdir=store.layout.tmp), skipped, damaged)
 
@@ -92,12 +101,18 @@ class PullItem:
         return {**self.job.as_json(), "status": self.status, "reason": self.reason}
 
 
-def pull(recipes: list[str] | tuple[str, ...], remote: Remote, cache: str | Path | None = None) -> list[PullItem]:
-    """Fetch, verified, every job of RECIPES that the local store lacks and the remote has."""
+def pull(recipes: list[str] | tuple[str, ...], remote: Remote, cache: str | Path | None = None,
+         trusted_keys: list[str | Path] | None = None) -> list[PullItem]:
+    """Fetch, verified, every job of RECIPES that the local store lacks and the remote has. With trusted
+    keys (default ``AOTBUILD_TRUSTED_KEYS``) an entry no trusted key signed is refused before any of
+    its blobs is fetched."""
+    from aotbuild.signing import trusted_from_env
+
     if not recipes:
         raise UsageError("name the recipes to pull: only a recipe says which keys this machine needs")
-    store = checked_store(resolve_cache_root(cache))
-    jobs = plan(list(recipes), store.root)
+    trusted = trusted_from_env(trusted_keys)
+    store = checked_store(resolve_cache_root(cache), trusted)
+    jobs = plan(list(recipes), store.root, trusted_keys=trusted_keys)
     wanted = [j for j in jobs if j.status in (MISS, FAILED_BEFORE)]
     on_remote = remote.keys() if wanted else set()
     out = []

@@ -154,9 +154,10 @@ def fake_compiles(monkeypatch, tmp_path):
 
     compiled: list[str] = []
 
-    def fake_build_one(store, job, tick=None, limit=None):
+    def fake_build_one(store, job, tick=None, limit=None, sign_key=None):
         compiled.append(job.key)
-        return store_job(store, job, artifacts(tmp_path / "out", job.key), {"signatures": []}, 0.1, limit)
+        return store_job(store, job, artifacts(tmp_path / "out", job.key), {"signatures": []}, 0.1, limit,
+                         sign_key=sign_key)
 
     monkeypatch.setattr(builder, "_build_one", fake_build_one)
     return compiled

@@ -30,6 +30,7 @@ def records_problem(manifest: Manifest) -> str:
     return get_strategy(manifest.strategy).check_records(manifest.packages)
 
 
-def checked_store(root: Path | str) -> Store:
-    """The store at ``root``, every manifest it hands out checked by its strategy as well."""
-    return Store(Path(root), records=records_problem)
+def checked_store(root: Path | str, trusted: dict[str, bytes] | None = None) -> Store:
+    """The store at ``root``, every manifest it hands out checked by its strategy as well (and, with
+    ``trusted`` public keys, signed by one of them)."""
+    return Store(Path(root), records=records_problem, trusted=trusted)
