@@ -28,6 +28,7 @@ from aotbuild.recipe import recipe_spec, recipe_to_dict
 from aotbuild.recipes import Recipes
 from aotbuild.store import Store
 from aotbuild.strategies import checked_store
+from aotbuild.trees import lay_tree
 
 if TYPE_CHECKING:
     from aotbuild.manage import GcReport
@@ -121,8 +122,11 @@ def build(recipes: Recipes, cache: str | Path | None = None, *,
             entry, why = store.open_entry(job.key)
             if entry is None:
                 jobs[i] = replace(job, status=MISS, reason=f"rebuilt: {why}")
+    _whole_groups(jobs)
     on_remote = remote.keys() if remote is not None and any(j.status in (MISS, FAILED_BEFORE) for j in jobs) \
         else set()
+    # A tensor-parallel job is on the remote only when every rank's entry is.
+    on_remote -= {j.key for j in jobs if j.siblings and not set(j.siblings) <= on_remote}
     results: dict[int, JobResult] = {}
     for i, job in enumerate(jobs):
         if job.status == HIT:
@@ -137,14 +141,25 @@ def build(recipes: Recipes, cache: str | Path | None = None, *,
             results[i] = JobResult(job, ON_REMOTE, reason=f"already on {remote.url if remote else ''}")
     todo = [j for i, j in enumerate(jobs) if i not in results]
     done_keys: dict[str, JobResult] = {}
+    ranked: dict[str, JobResult] = {}  # results of a tensor-parallel job's ranks not reached yet
     for n, (i, job) in enumerate((i, j) for i, j in enumerate(jobs) if i not in results):
         assert job.key is not None
-        if progress:
+        if progress and job.key not in ranked:  # a rank built with its rank 0 just ends
             progress("start", n + 1, len(todo), job, None)
-        if job.key in done_keys:  # two recipes with the same job: build once
+        if job.key in ranked:  # built with its rank 0, in one launch
+            result = ranked.pop(job.key)
+        elif job.key in done_keys:  # two recipes with the same job: build once
             prior = done_keys[job.key]
             result = JobResult(job, prior.status if prior.status != BUILT else CACHED, size=prior.size,
                                reason=prior.reason)
+        elif job.siblings:
+            tick = _ticker(progress, n + 1, len(todo), job) if progress else None
+            group = sorted((j for j in todo if j.group == job.group), key=lambda j: j.rank or 0)
+            for sibling, sibling_result in zip(group, _build_ranks_once(store, group, tick, limit, sign_key),
+                                               strict=True):
+                _remember(store, sibling, sibling_result)
+                done_keys[sibling.key] = ranked[sibling.key] = sibling_result  # type: ignore[index]
+            result = ranked.pop(job.key)
         else:
             tick = _ticker(progress, n + 1, len(todo), job) if progress else None
             result = _build_once(store, job, tick, limit, sign_key)
@@ -164,6 +179,15 @@ def build(recipes: Recipes, cache: str | Path | None = None, *,
             except StoreError as exc:  # the entries are stored; only the clean-up could not run
                 report.note = f"the cache is over its size limit and gc could not run: {exc}"
     return report
+
+
+def _whole_groups(jobs: list[Job]) -> None:
+    """A tensor-parallel job is built whole: when one rank's entry is missing or damaged, every rank of
+    it is rebuilt (its ranks' artifacts come from one launch and are proven together)."""
+    todo = {j.group for j in jobs if j.siblings and j.status in (MISS, FAILED_BEFORE)}
+    for i, job in enumerate(jobs):
+        if job.siblings and job.group in todo and job.status == HIT:
+            jobs[i] = replace(job, status=MISS, reason="rebuilt with the other ranks of its job")
 
 
 def _sign_cached(store: Store, key: str, sign_key: str | Path) -> None:
@@ -204,6 +228,122 @@ def _build_once(store: Store, job: Job, tick: Tick | None, limit: int | None,
             return _build_one(store, job, tick, limit, sign_key)
     except StoreError as exc:  # the lock file cannot be created: a read-only store
         return JobResult(job, FAILED, 0.0, reason=f"cannot build into {store.root}: {exc}")
+
+
+def _build_ranks_once(store: Store, jobs: list[Job], tick: Tick | None, limit: int | None,
+                      sign_key: str | Path | None) -> list[JobResult]:
+    """Every rank of one tensor-parallel job, under its rank 0's build lock (as :func:`_build_once`)."""
+    first = jobs[0]
+    assert first.group is not None
+    started = time.perf_counter()
+    try:
+        with contextlib.ExitStack() as held:
+            try:
+                held.enter_context(flocked(store.layout.build_lock(first.group), exclusive=True, timeout=0))
+            except StoreError:
+                if tick:
+                    tick(0.0, "waiting: another aotbuild process is building this job")
+                held.enter_context(flocked(store.layout.build_lock(first.group), exclusive=True,
+                                           timeout=float("inf")))
+                entries = [store.open_entry(j.key)[0] for j in jobs if j.key]
+                if all(e is not None for e in entries):
+                    return [JobResult(j, CACHED, time.perf_counter() - started, size=e.manifest.size,
+                                      reason="built meanwhile by another aotbuild process")
+                            for j, e in zip(jobs, entries, strict=True) if e is not None]
+            return _build_ranks(store, jobs, tick, limit, sign_key)
+    except StoreError as exc:
+        return [JobResult(j, FAILED, 0.0, reason=f"cannot build into {store.root}: {exc}") for j in jobs]
+
+
+def _build_ranks(store: Store, jobs: list[Job], tick: Tick | None, limit: int | None,
+                 sign_key: str | Path | None) -> list[JobResult]:
+    """One tensor-parallel job: its N ranks compiled in one launch of N worker processes sharing one
+    compiler cache folder, each rank's entry laid out in its own folder, all N proven by a fresh
+    N-rank launch, then stored (nothing of any rank unless every rank passed)."""
+    first = jobs[0]
+    assert first.ctx is not None and first.group is not None
+    target, strategy, tensor = first.ctx.target, first.ctx.strategy, first.recipe.tensor_parallel
+    started = time.perf_counter()
+    log_path = store.layout.job_log(first.group)
+
+    def failed(reason: str, seconds: float) -> list[JobResult]:
+        return [JobResult(j, FAILED, seconds, reason=reason) for j in jobs]
+
+    try:
+        store.layout.tmp.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f"job-{first.group[:12]}.", dir=store.layout.tmp))
+    except OSError as exc:
+        return failed(f"cannot create the job's folder in {store.layout.tmp}: {exc}", 0.0)
+    phase = staging / "phase"
+    try:
+        with flocked(staging / ".lock", exclusive=True, timeout=0):
+            shared = staging / "shared"  # the ranks' one compiler cache folder: a kernel compiles once
+            (staging / "cwd").mkdir()
+            spec = {"recipe": recipe_spec(first.recipe), "component": first.component,
+                    "shape": first.shape.as_dict(), "cache_root": str(store.root), "key": first.group,
+                    "ranks": [{"key": j.key, "factors": j.factors} for j in jobs], "workdir": str(staging)}
+            env = {**target.capture_env(shared), "TORCH_COMPILE_DEBUG_DIR": str(staging / "debug")}
+            code, outcome = child.spawn("aotbuild.worker", spec, staging / "job.json", staging / "worker.log",
+                                        env=env, phase_file=phase, tick=tick, started=started, name="worker",
+                                        timeout=constants.limit("job_seconds"), ranks=tensor, cwd=staging / "cwd")
+            seconds = time.perf_counter() - started
+            if code != 0 or "error" in outcome:
+                _keep_log(staging / "worker.log", log_path)
+                return failed(f"{_one_line(outcome['error'])} (log: {log_path})", seconds)
+            results = outcome["ranks"]
+            compiled = target.collect(shared)
+            per_rank = []
+            for job in jobs:
+                folder = staging / f"rank{job.rank}"
+                # Each rank's entry holds the shared folder's files (both ranks' graphs: identical files are
+                # one blob) beside its own artifacts.
+                lay_tree([(path.relative_to(shared).as_posix(), path) for _, path in compiled], folder)
+                files = strategy.collect(target, folder)
+                if not files:
+                    return failed("the job compiled nothing: no artifact to store", seconds)
+                per_rank.append(files)
+            phase.write_text(f"proving: {tensor} fresh ranks serve the entries")
+            t_proof = time.perf_counter()
+            try:
+                proofs = _prove_ranks(jobs, per_rank, results, seconds, staging, store.root, tick, started)
+            except ProofFailed as exc:
+                _keep_log(staging / "proof" / "proof.log", log_path)
+                return failed(f"{_one_line(str(exc))} (log: {log_path})", time.perf_counter() - started)
+            for result in results:
+                result.setdefault("seconds", {})["proof"] = round(time.perf_counter() - t_proof, 3)
+            seconds = time.perf_counter() - started
+            return [store_job(store, job, files, result, seconds, limit, proof, sign_key)
+                    for job, files, result, proof in zip(jobs, per_rank, results, proofs, strict=True)]
+    except (OSError, StoreError) as exc:
+        return failed(f"cannot run the job: {exc}", time.perf_counter() - started)
+    finally:
+        store.clean_staging(staging)
+
+
+def _prove_ranks(jobs: list[Job], files: list[list[tuple[str, Path]]], results: list[dict[str, Any]],
+                 seconds: float, staging: Path, cache_root: Path, tick: Tick | None, started: float) -> list[Proof]:
+    """Every rank's entry served by a fresh launch of as many ranks (aotbuild/proof.py): each rank
+    loads its own, compiles nothing, and matches the unsharded eager output."""
+    from aotbuild.proof import verdict
+
+    first = jobs[0]
+    assert first.ctx is not None
+    folder = staging / "proof"
+    (folder / "cwd").mkdir(parents=True)
+    trial = Store(folder / "store")
+    for job, rank_files, result in zip(jobs, files, results, strict=True):
+        records = [FileRecord(rel, *trial.put_blob(path)) for rel, path in rank_files]
+        trial.put_manifest(make_manifest(job, records, result, seconds))
+    spec = {"recipe": recipe_spec(first.recipe), "component": first.component,
+            "shape": first.shape.as_dict(), "cache_root": str(cache_root), "store": str(trial.root)}
+    env = {**first.ctx.target.capture_env(folder / "caches"), constants.ENV_CACHE: None,
+           constants.ENV_TRUSTED_KEYS: None, "TORCH_COMPILE_DEBUG_DIR": str(folder / "debug")}
+    _, outcome = child.spawn("aotbuild.proof", spec, folder / "proof.json", folder / "proof.log", env=env,
+                             cwd=folder / "cwd", phase_file=staging / "phase", tick=tick, started=started,
+                             timeout=constants.limit("job_seconds"), ranks=len(jobs))
+    if "error" in outcome:
+        return [verdict(outcome, first.label)]  # raises
+    return [verdict(result, job.label) for job, result in zip(jobs, outcome["ranks"], strict=True)]
 
 
 def _remember(store: Store, job: Job, result: JobResult) -> None:

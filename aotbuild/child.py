@@ -41,15 +41,36 @@ Tick = Callable[[float, str], None]
 #: ``sys.path`` (the cwd, as "") using only the built-in ``sys``, then runs MODULE as ``-m`` would.
 SHIM = ("import sys; sys.path[:] = [p for p in sys.path if p not in ('', '.')]; import runpy; "
         "sys.argv = sys.argv[1:]; runpy.run_module(sys.argv[0], run_name='__main__', alter_sys=True)")
+#: What torch's launcher sets in a rank's environment.
+LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                      "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT",
+                      "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS",
+                      "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_ERROR_FILE")
 #: Whether this Python has ``-P`` / ``PYTHONSAFEPATH`` (3.11+).
 SAFE_PATH_FLAG = sys.version_info >= (3, 11)
 
 
-def command(module: str, *args: str) -> list[str]:
-    """The command line that runs ``python -m module args`` without the cwd on ``sys.path``."""
+def command(module: str, *args: str, ranks: int = 1) -> list[str]:
+    """The command line that runs ``python -m module args`` without the cwd on ``sys.path``; with
+    ``ranks`` > 1, ``ranks`` processes of it through torch's own launcher (``torch.distributed.run``,
+    what ``torchrun`` runs: a local rendezvous on a free port, RANK, WORLD_SIZE and LOCAL_RANK set)."""
+    if ranks > 1:
+        module, args = "torch.distributed.run", ("--standalone", "--nproc-per-node", str(ranks), "--max-restarts",
+                                                 "0", "-m", module, *args)
     if SAFE_PATH_FLAG:
         return [sys.executable, "-P", "-m", module, *args]
     return [sys.executable, "-c", SHIM, module, *args]
+
+
+def rank_result(path: Path, rank: int) -> Path:
+    """Where rank ``rank`` of a multi-rank child writes its result: ``result.rank1.json``."""
+    return path.with_name(f"{path.stem}.rank{rank}{path.suffix}")
+
+
+def _rank() -> int | None:
+    """This process's rank when a launcher started it (RANK set), else None."""
+    value = os.environ.get("RANK", "")
+    return int(value) if value.isdigit() and os.environ.get("WORLD_SIZE") else None
 
 
 def environment(extra: Mapping[str, str | None]) -> dict[str, str]:
@@ -66,43 +87,68 @@ def environment(extra: Mapping[str, str | None]) -> dict[str, str]:
 def spawn(module: str, spec: dict[str, Any], spec_path: Path, log: Path, *,
           env: Mapping[str, str | None] | None = None, cwd: Path | None = None, phase_file: Path | None = None,
           tick: Tick | None = None, started: float | None = None, name: str = "",
-          timeout: float | None = None) -> tuple[int, dict[str, Any]]:
+          timeout: float | None = None, ranks: int = 1) -> tuple[int, dict[str, Any]]:
     """Run ``python -m module spec_path`` to completion: (exit code, result).
 
     ``spec["result"]`` (default: ``result.json`` beside the spec) is where the child writes its
     result; ``phase_file`` (also given to the child as ``spec["phase"]``) is what ``tick`` shows;
     ``name`` names the child in the error of one that wrote no result ("worker exited with 1: ...");
-    ``timeout`` (seconds) kills a child that runs longer, with that as its error."""
+    ``timeout`` (seconds) kills a child that runs longer, with that as its error. With ``ranks`` >
+    1 the child runs as that many ranks (:func:`command`), each writing :func:`rank_result`; the
+    result is then ``{"ranks": [rank 0's, rank 1's, ...]}``, or the first rank's error. The child
+    runs in its own process group, killed whole (a launcher's ranks with it)."""
     spec = dict(spec)
     spec.setdefault("result", str(spec_path.with_name("result.json")))
     if phase_file is not None:
         spec.setdefault("phase", str(phase_file))
+    # A child is never a rank of the caller's own launch (aotbuild run under torchrun): its ranks, if
+    # any, are the ones the launcher below gives it.
+    env = {**{name: None for name in LAUNCHER_VARIABLES}, **(env or {})}
     spec_path.parent.mkdir(parents=True, exist_ok=True)
     spec_path.write_text(json.dumps(spec))
     result_path = Path(spec["result"])
     started = time.perf_counter() if started is None else started
     with open(log, "wb") as out:
-        proc = subprocess.Popen(command(module, str(spec_path)), env=environment(env or {}),
-                                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=cwd)
+        proc = subprocess.Popen(command(module, str(spec_path), ranks=ranks), env=environment(env),
+                                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=cwd,
+                                start_new_session=True)
         launched = time.perf_counter()
         try:
             while proc.poll() is None:
                 if tick:
                     tick(time.perf_counter() - started, read_phase(phase_file))
                 if timeout is not None and time.perf_counter() - launched > timeout:
-                    proc.kill()
-                    proc.wait()
+                    _kill(proc)
                     return -9, {"error": f"{name or module} ran past its time limit of {timeout:.0f} s "
                                          f"(AOTBUILD_JOB_TIMEOUT raises it)".strip()}
                 time.sleep(0.5)
         except BaseException:  # Ctrl-C, SIGTERM: stop the child, keep nothing
-            proc.kill()
-            proc.wait()
+            _kill(proc)
             raise
+        _kill(proc)  # a rank a launcher left behind
+    if ranks > 1:
+        results = [read_result(rank_result(result_path, r)) for r in range(ranks)]
+        failed = [(r, res) for r, res in enumerate(results) if "error" in res or not res]
+        if not failed and proc.returncode == 0:
+            return 0, {"ranks": results}
+        r, res = failed[0] if failed else (0, {})
+        why = res.get("error") or f"{name} exited with {proc.returncode}{tail(log)}"
+        return proc.returncode or 1, {"error": f"rank {r} of {ranks}: {why}".strip()}
     result = read_result(result_path)
     if proc.returncode != 0 and "error" not in result:
         result = {"error": f"{name} exited with {proc.returncode}{tail(log)}".strip()}
     return proc.returncode, result
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    """The child's whole process group: a launcher and its ranks."""
+    import signal
+
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    proc.wait()
 
 
 def main(argv: list[str], fn: Callable[[dict[str, Any]], dict[str, Any]]) -> int:
@@ -113,13 +159,16 @@ def main(argv: list[str], fn: Callable[[dict[str, Any]], dict[str, Any]]) -> int
     except BaseException as exc:  # the parent reads the reason from the result file
         traceback.print_exc()
         result = {"error": f"{type(exc).__name__}: {exc}".strip()}
-    Path(spec["result"]).write_text(json.dumps(result))
+    rank = _rank()
+    path = Path(spec["result"]) if rank is None else rank_result(Path(spec["result"]), rank)
+    path.write_text(json.dumps(result))
     return 1 if "error" in result else 0
 
 
 def phase(spec: Mapping[str, Any], text: str) -> None:
-    """In the child: tell the parent what it is doing (shown next to the elapsed time)."""
-    if spec.get("phase"):
+    """In the child: tell the parent what it is doing (shown next to the elapsed time); of a
+    multi-rank child, rank 0 speaks for all."""
+    if spec.get("phase") and not _rank():
         Path(spec["phase"]).write_text(text)
 
 

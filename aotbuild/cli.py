@@ -10,7 +10,7 @@ import functools
 import json
 import logging
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import click
@@ -401,7 +401,8 @@ def plan(recipes: tuple[str, ...], cache: str | None, as_json: bool, fail_on_mis
         _emit_json({"cache": str(resolve_cache_root(cache)), "remote": target.url if target else None,
                     "jobs": [j.as_json() for j in jobs]})
     else:
-        rows = [[j.recipe.name, j.component, str(j.shape), j.key[:12] if j.key else "-", j.status,
+        rows = [[j.recipe.name, j.component + _rank_text(j.factors), str(j.shape), j.key[:12] if j.key else "-",
+                 j.status,
                  "" if j.status == HIT else j.reason] for j in jobs]
         _echo(_table(rows, ["recipe", "component", "shape", "key", "status", "reason"]))
         hits = sum(j.status == HIT for j in jobs)
@@ -470,7 +471,8 @@ def ls(cache: str | None, as_json: bool) -> int:
              "shape": dict(m.shape), "target": m.target, "strategy": m.strategy, "scope": _scope_of(m),
              "size": m.size, "created": _created(m)} for m in manifests]})
         return EXIT_OK
-    rows = [[m.key[:12], m.recipe, _model_of(m), m.component, _shape_text(m.shape), m.target, m.strategy,
+    rows = [[m.key[:12], m.recipe, _model_of(m), m.component + _rank_text(m.factors), _shape_text(m.shape),
+             m.target, m.strategy,
              _scope_of(m), _human_size(m.size), _created(m) or "?"] for m in manifests]
     _echo(_table(rows, ["key", "recipe", "model", "component", "shape", "target", "strategy", "scope", "size",
                         "created"]))
@@ -483,6 +485,14 @@ def ls(cache: str | None, as_json: bool) -> int:
 def _model_of(manifest: Any) -> str:
     model = manifest.recipe_data.get("model") if isinstance(manifest.recipe_data, dict) else None
     return str(model.get("id")) if isinstance(model, dict) and model.get("id") else "?"
+
+
+def _rank_text(factors: Any) -> str:
+    """`` rank 0/2`` for one rank's entry of a tensor-parallel job, else ""."""
+    sharded = factors.get("parallel") if isinstance(factors, Mapping) else None
+    if not isinstance(sharded, Mapping):
+        return ""
+    return f" rank {_line(sharded.get('rank'))}/{_line(sharded.get('tensor'))}"
 
 
 def _scope_of(manifest: Any) -> str:
@@ -534,6 +544,9 @@ def show(key: str, cache: str | None, as_json: bool) -> int:
     for field in ("recipe", "component", "target", "strategy"):
         _echo(f"{field + ':':<12}{_line(getattr(manifest, field))}")
     _echo(f"{'shape:':<12}{_shape_text(manifest.shape)}")
+    if _rank_text(manifest.factors):
+        _echo(f"{'parallel:':<12}tensor-parallel degree {_line(manifest.factors['parallel'].get('tensor'))}, "
+              f"rank {_line(manifest.factors['parallel'].get('rank'))}")
     b = manifest.build
     seconds = b.get("seconds")
     if isinstance(seconds, dict):  # entries written before 0.1.0's fix held the phases here

@@ -24,10 +24,14 @@ job, proof and ``load_compiled`` all call it, so they agree by construction:
 ``lora``            only with ``lora:``: the rank and target modules compiled for, the adapters' names
 ``quantization``    only for a quantized component: backend and version, type and arguments, and the
                     Inductor settings the backend sets for the whole process
+``parallel``        only with ``parallel.tensor`` > 1: degree, mesh shape, collective backend, the
+                    ``_tp_plan``'s sha256, and the rank (aotbuild/parallel.py); the thread count
+                    keyed (``compile.cpu_threads``) is then a rank's, :func:`parallel.rank_threads`
 ==================  ===================================================================================
 
-Never an absolute path, hostname, user, cwd, rank or device index: peers lose caches to exactly
-that. The factors are written into each manifest so a miss can be explained later (keys.py).
+Never an absolute path, hostname, user, cwd, device index or process group name, and a rank only
+where the entry is one rank's shard: peers lose caches to exactly that. The factors are written
+into each manifest so a miss can be explained later (keys.py).
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ from aotbuild.recipe import Recipe, Shape
 from aotbuild.strategies import Strategy, get_strategy
 from aotbuild.targets import Target, get_target
 
-__all__ = ["Context", "environment_factors", "job_factors", "job_pipeline"]
+__all__ = ["Context", "environment_factors", "job_factors", "job_pipeline", "shard_pipeline"]
 
 
 def environment_factors() -> dict[str, Any]:
@@ -103,8 +107,14 @@ class Context:
         return ctx
 
     def factors(self, component: str, component_class: str, config: dict[str, Any], shape: Shape,
-                pipeline_class: str) -> dict[str, Any]:
-        return job_factors(self, component, component_class, config, shape, pipeline_class)
+                pipeline_class: str, rank: int | None = None) -> dict[str, Any]:
+        return job_factors(self, component, component_class, config, shape, pipeline_class, rank)
+
+    @property
+    def ranks(self) -> tuple[int | None, ...]:
+        """The ranks of each job: (None,) unsharded, else 0 .. parallel.tensor - 1 (one entry each)."""
+        tensor = self.recipe.tensor_parallel
+        return (None,) if tensor == 1 else tuple(range(tensor))
 
     @property
     def pipeline_class(self) -> str:
@@ -116,16 +126,24 @@ class Context:
 
 
 def job_factors(ctx: Context, component: str, component_class: str, config: dict[str, Any], shape: Shape,
-                pipeline_class: str) -> dict[str, Any]:
-    """Every key factor of one job: from the recipe, its target and strategy, this machine, and the
-    component as loaded (class and architecture config) or as planned (from its ``config.json``)."""
-    from aotbuild import adapters, quantize
+                pipeline_class: str, rank: int | None = None) -> dict[str, Any]:
+    """Every key factor of one job (of one rank's entry, for a tensor-parallel recipe): from the recipe,
+    its target and strategy, this machine, and the component as loaded (class and architecture
+    config) or as planned (from its ``config.json``)."""
+    from aotbuild import adapters, parallel, quantize
 
     recipe = ctx.recipe
+    sharded = parallel.factors(recipe, component_class, ctx.device, rank)
     # The pipeline as users change it: present only where the recipe sets it (other keys unchanged).
     changed = {name: value for name, value in (("lora", adapters.factors(recipe, component)),
-                                               ("quantization", quantize.factors(recipe, component)))
+                                               ("quantization", quantize.factors(recipe, component)),
+                                               ("parallel", sharded))
                if value is not None}
+    compile_settings = {**ctx.target.compile_settings(recipe, ctx.device),
+                        **ctx.strategy.compile_factors(ctx.target, ctx.device)}
+    if sharded is not None and "cpu_threads" in compile_settings:
+        # A rank runs rank_threads() threads (parallel.setup sets them in every rank): this process may not.
+        compile_settings["cpu_threads"] = parallel.rank_threads(recipe.tensor_parallel)
     return {
         **changed,
         "format": constants.FORMAT_VERSION,
@@ -133,8 +151,7 @@ def job_factors(ctx: Context, component: str, component_class: str, config: dict
                   "builtin_version": builtin_version(recipe)},
         "component": {"name": component, "class": component_class, "config": config, "dtype": ctx.dtype},
         "target": {"name": recipe.target, "strategy": recipe.strategy},
-        "compile": {**ctx.target.compile_settings(recipe, ctx.device),
-                    **ctx.strategy.compile_factors(ctx.target, ctx.device)},
+        "compile": compile_settings,
         "shape": shape.as_dict(),
         "warmup": recipe.warmup_factors(ctx.target.warmup_defaults),
         "env": ctx.environment,
@@ -158,13 +175,33 @@ def prepare_pipeline(pipe: Any, recipe: Recipe) -> None:
     adapters.prepare(pipe, recipe)
 
 
+def shard_pipeline(pipe: Any, ctx: Context) -> int | None:
+    """With ``parallel.tensor`` > 1, in one of its ranks: join the process group, shard every compiled
+    component (aotbuild/parallel.py). Returns this process's rank (None: unsharded)."""
+    if ctx.recipe.tensor_parallel == 1:
+        return None
+    from aotbuild import parallel
+
+    rank, mesh = parallel.setup(ctx.recipe, ctx.device)
+    for component in ctx.recipe.compile.components:
+        parallel.shard(getattr(pipe, component), mesh, component)
+    return rank
+
+
 def job_pipeline(recipe: Recipe, cache_root: Path) -> tuple[Context, Any]:
     """For a build job, a proof or a benchmark child: the recipe's context and its pipeline, loaded
-    (progress bar off) and placed on the recipe's device; RuntimeError when it cannot be."""
+    (progress bar off) and placed on the recipe's device; RuntimeError when it cannot be. Not
+    sharded: a tensor-parallel build job shards it (:func:`shard_pipeline`), its proof first runs
+    the unsharded pipeline eagerly."""
     ctx = Context.create(recipe, cache_root)
     if ctx.problem:
         raise RuntimeError(ctx.problem)
     assert ctx.model is not None
+    if recipe.tensor_parallel > 1:
+        from aotbuild import parallel
+
+        # Before the weights load: the rank's device (CUDA: LOCAL_RANK) and its share of the CPUs.
+        parallel.setup(recipe, ctx.device)
     pipe = models.load_pipeline(recipe, ctx.model, ctx.dtype, quiet=True)
     models.place_pipeline(pipe, recipe, ctx.device)
     prepare_pipeline(pipe, recipe)

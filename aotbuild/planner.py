@@ -40,14 +40,26 @@ class Job:
     unusable: Unusable | None = None
     #: the recipe resolved for this machine (its target and strategy): what builds the job
     ctx: Context | None = field(default=None, compare=False, repr=False)
+    #: tensor parallelism: this entry's rank (None: unsharded) and the keys of every rank's entry of
+    #: the same component and shape, in rank order (built, proven, pushed and pulled together)
+    rank: int | None = None
+    siblings: tuple[str, ...] = ()
 
     @property
     def label(self) -> str:
-        return f"{self.recipe.name}:{self.component}@{self.shape}"
+        rank = f" rank {self.rank}/{self.recipe.tensor_parallel}" if self.rank is not None else ""
+        return f"{self.recipe.name}:{self.component}@{self.shape}{rank}"
+
+    @property
+    def group(self) -> str | None:
+        """What the job is built with: its own key, or its rank 0's (every rank in one launch)."""
+        return self.siblings[0] if self.siblings else self.key
 
     def as_json(self) -> dict[str, Any]:
         data = {"recipe": self.recipe.name, "source": self.recipe.source, "component": self.component,
                 "shape": self.shape.as_dict(), "key": self.key, "status": self.status, "reason": self.reason}
+        if self.rank is not None:
+            data.update(rank=self.rank, tensor=self.recipe.tensor_parallel)
         if self.status == MISS:
             data.update(estimated_build_s=self.estimated_build_s, estimated_size=self.estimated_size)
         return data
@@ -56,7 +68,7 @@ class Job:
 def jobs_for(ctx: Context, store: Store) -> list[Job]:
     recipe = ctx.recipe
     jobs = []
-    manifests: Entries | None = None  # read once, on the first miss to explain
+    manifests: list[Entries] = []  # read once, on the first miss to explain
     for component in recipe.compile.components:
         config: tuple[str, dict[str, Any]] | None = None
         problem = ctx.problem
@@ -68,29 +80,40 @@ def jobs_for(ctx: Context, store: Store) -> list[Job]:
                 problem = f"model unavailable: {exc}"
         for shape in recipe.shapes:
             if problem or config is None:
-                jobs.append(Job(recipe, component, shape, None, None, UNAVAILABLE, problem, ctx=ctx))
+                jobs.extend(Job(recipe, component, shape, None, None, UNAVAILABLE, problem, ctx=ctx, rank=rank)
+                            for rank in ctx.ranks)
                 continue
-            factors = ctx.factors(component, config[0], config[1], shape, ctx.pipeline_class)
-            key = keys.key_of(factors)
-            ok, why = store.check_entry(key)
-            failed = store.failure(key) if not ok and why.kind is Unusable.NOT_BUILT else None
-            if failed is not None:
-                reason = (f"failed before ({failed.get('time', '?')}, aotbuild {failed.get('aotbuild', '?')}): "
-                          f"{failed['reason']}")
-                jobs.append(Job(recipe, component, shape, key, factors, FAILED_BEFORE, reason,
-                                unusable=why.kind, ctx=ctx))
-                continue
-            cost = None
-            if not ok:
-                manifests = manifests if manifests is not None else Entries(store.iter_manifests())
-                cost = estimate(manifests.all, factors, recipe.name)
-            reason: str = why
-            if why.kind is Unusable.NOT_BUILT:
-                assert manifests is not None
-                reason = explain_miss(manifests, recipe.name, component, factors, store.root)
-            jobs.append(Job(recipe, component, shape, key, factors, HIT if ok else MISS, reason,
-                            *(cost or (None, None)), unusable=why.kind, ctx=ctx))
+            ranked = [(rank, ctx.factors(component, config[0], config[1], shape, ctx.pipeline_class, rank))
+                      for rank in ctx.ranks]
+            siblings = tuple(keys.key_of(f) for _, f in ranked) if len(ranked) > 1 else ()
+            jobs.extend(_job(ctx, store, component, shape, rank, factors, siblings, manifests)
+                        for rank, factors in ranked)
     return jobs
+
+
+def _job(ctx: Context, store: Store, component: str, shape: Shape, rank: int | None, factors: dict[str, Any],
+         siblings: tuple[str, ...], manifests: list[Entries]) -> Job:
+    """One job (one rank's, for a tensor-parallel recipe): a hit, failed before, or a miss and why.
+    ``manifests`` holds the store's manifests once a miss needed them (read once per plan)."""
+    recipe = ctx.recipe
+    key = keys.key_of(factors)
+    ok, why = store.check_entry(key)
+    failed = store.failure(key) if not ok and why.kind is Unusable.NOT_BUILT else None
+    if failed is not None:
+        reason = (f"failed before ({failed.get('time', '?')}, aotbuild {failed.get('aotbuild', '?')}): "
+                  f"{failed['reason']}")
+        return Job(recipe, component, shape, key, factors, FAILED_BEFORE, reason, unusable=why.kind, ctx=ctx,
+                   rank=rank, siblings=siblings)
+    cost = None
+    if not ok:
+        if not manifests:
+            manifests.append(Entries(store.iter_manifests()))
+        cost = estimate(manifests[0].all, factors, recipe.name)
+    reason: str = why
+    if why.kind is Unusable.NOT_BUILT:
+        reason = explain_miss(manifests[0], recipe.name, component, factors, store.root)
+    return Job(recipe, component, shape, key, factors, HIT if ok else MISS, reason, *(cost or (None, None)),
+               unusable=why.kind, ctx=ctx, rank=rank, siblings=siblings)
 
 
 def plan(recipes: Recipes, cache: str | Path | None = None, *,
@@ -118,8 +141,20 @@ def plan(recipes: Recipes, cache: str | Path | None = None, *,
 
                 for component in recipe.compile.components:
                     adapters.check_recipe(recipe, component)
+            if recipe.tensor_parallel > 1:  # a _tp_plan, heads the degree divides
+                _check_shardable(recipe, ctx.model)
         jobs.extend(jobs_for(ctx, store))
     return sorted(jobs, key=lambda j: (j.key is None, j.key or "", j.label))
+
+
+def _check_shardable(recipe: Recipe, model: models.ResolvedModel) -> None:
+    from aotbuild import parallel
+
+    known = model.components()
+    shardable = [n for n, (library, cls) in known.items() if library == "diffusers" and parallel.tp_plan_of(cls)]
+    for component in recipe.compile.components:
+        class_name, config = models.component_config(model, component, recipe.model.revision)
+        parallel.check_component(recipe, component, class_name, config, shardable)
 
 
 def parse_shard(text: str) -> tuple[int, int]:
@@ -143,8 +178,9 @@ def shard_jobs(jobs: list[Job], index: int, count: int) -> list[Job]:
     goes to shard k % count + 1. Every runner of a CI matrix computes the same split whatever its own
     cache holds, each key is built by exactly one shard (two recipes sharing a job share its shard),
     and runners get a balanced count. Jobs without a key (target unavailable) go to shard 1."""
-    order = {key: k for k, key in enumerate(sorted({j.key for j in jobs if j.key}))}
-    return [j for j in jobs if (order[j.key] % count if j.key else 0) == index - 1]
+    # A tensor-parallel job's ranks are built in one launch: they go to one shard, by their rank 0's key.
+    order = {key: k for k, key in enumerate(sorted({j.group for j in jobs if j.group}))}
+    return [j for j in jobs if (order[j.group] % count if j.group else 0) == index - 1]
 
 
 __all__ = ["Job", "plan", "jobs_for", "parse_shard", "shard_jobs", "HIT", "MISS", "UNAVAILABLE", "FAILED_BEFORE"]

@@ -81,9 +81,15 @@ SCHEMA: dict[str, dict[str, Field] | Field] = {
                                                        "adapter's"),
         "adapters": Field("adapters", required=True, doc="the adapters loaded at build and by load_compiled"),
     },
+    "parallel": {
+        "tensor": Field("int", 1, doc="tensor-parallel degree: ranks the compiled components are sharded over "
+                                      "(the model's _tp_plan); 1: unsharded"),
+    },
 }
 #: Optional sections: parsed only when the recipe has them (their absence keeps every key as it was).
-OPTIONAL_SECTIONS = ("lora",)
+OPTIONAL_SECTIONS = ("lora", "parallel")
+#: The largest tensor-parallel degree a recipe may ask for.
+MAX_TENSOR_PARALLEL = 64
 QUANT_SCHEMA = {
     "backend": Field("str", required=True, choices=("torchao",), doc="the quantization library"),
     "quant_type": Field("str", required=True, choices=("int8wo", "int8dq", "int4wo", "float8wo", "float8dq"),
@@ -146,6 +152,13 @@ class LoraSpec:
 
 
 @dataclass(frozen=True)
+class ParallelSpec:
+    """``parallel``: how the compiled components are sharded across ranks (aotbuild/parallel.py)."""
+
+    tensor: int = 1
+
+
+@dataclass(frozen=True)
 class CompileSpec:
     components: tuple[str, ...] = ("unet",)
     scope: str = "full"
@@ -190,6 +203,8 @@ class Recipe:
     shapes: tuple[Shape, ...]
     warmup: Mapping[str, Any]
     lora: LoraSpec | None = None
+    #: ``parallel``; None: unsharded (as ``tensor: 1``)
+    parallel: ParallelSpec | None = None
     #: The folder a relative ``model.id`` is resolved against; None: the recipe file's folder. A job
     #: or proof process gets it from its parent (it runs elsewhere) instead of re-reading the file.
     folder: str | None = field(default=None, compare=False)
@@ -201,6 +216,11 @@ class Recipe:
 
     def error(self, key: str | None, message: str) -> RecipeError:
         return RecipeError(self.source, key, message)
+
+    @property
+    def tensor_parallel(self) -> int:
+        """The tensor-parallel degree: ranks per job (1: unsharded)."""
+        return self.parallel.tensor if self.parallel is not None else 1
 
     def warmup_arguments(self, defaults: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """The warmup call's arguments: the target's defaults, then the recipe's own."""
@@ -393,6 +413,8 @@ def parse_structure(data: Any, source: str = DATA_SOURCE, name: str | None = Non
            and spec.type != "shapes"}
     compile_spec = CompileSpec(**check.section(data.get("compile"), "compile"))
     lora = LoraSpec(**check.section(data["lora"], "lora")) if data.get("lora") is not None else None
+    parallel = ParallelSpec(**check.section(data["parallel"], "parallel")) if data.get("parallel") is not None \
+        else None
     shapes = check.shapes(data.get("shapes"))
     warmup = top["warmup"]
     for arg in warmup:
@@ -404,7 +426,7 @@ def parse_structure(data: Any, source: str = DATA_SOURCE, name: str | None = Non
     return Recipe(
         name=name, source=source, folder=folder, model=model, target=top["target"],
         device=top["device"], strategy=top["strategy"], offload=top["offload"], compile=compile_spec,
-        shapes=shapes, warmup=warmup, lora=lora,
+        shapes=shapes, warmup=warmup, lora=lora, parallel=parallel,
     )
 
 
@@ -438,6 +460,22 @@ def check_structure_rules(recipe: Recipe) -> None:
     for name, setting in (("lora", lora), ("model.quantization", quant)):
         if setting is not None and recipe.offload != "none":
             raise recipe.error(name, "cannot be combined with offload: model")
+    tensor = recipe.tensor_parallel
+    if not 1 <= tensor <= MAX_TENSOR_PARALLEL:
+        raise recipe.error("parallel.tensor", f"{tensor} is not allowed: 1 to {MAX_TENSOR_PARALLEL}")
+    if tensor > 1:
+        # Each refusal until shown to work sharded (docs/recipes.md, "Tensor parallelism").
+        for key, setting, why in (
+                ("offload", recipe.offload != "none", "model offload cannot be combined with tensor parallelism "
+                                                      "(diffusers refuses it too: each rank already holds one shard)"),
+                ("lora", lora is not None, "LoRA with tensor parallelism is not supported: _tp_plan shards the base "
+                                           "layers only (diffusers refuses adapters on a sharded model)"),
+                ("model.quantization", quant is not None, "quantization with tensor parallelism is not supported "
+                                                          "yet (not shown to shard)"),
+                ("compile.scope", recipe.compile.scope == "regional", "regional scope with tensor parallelism is "
+                                                                      "not supported yet: use scope: full")):
+            if setting:
+                raise recipe.error(key, why)
     if quant is not None and quant.components is not None:
         for component in quant.components:
             if component not in recipe.compile.components:
@@ -483,6 +521,8 @@ def recipe_to_dict(recipe: Recipe) -> dict[str, Any]:
                             if recipe.lora.target_modules is not None else {}),
                          "adapters": [{k: v for k, v in a.__dict__.items() if v is not None}
                                       for a in recipe.lora.adapters]}
+    if recipe.parallel is not None:
+        extra["parallel"] = {"tensor": recipe.parallel.tensor}
     return json.loads(json.dumps({
         "name": recipe.name, "model": model, "target": recipe.target, "device": recipe.device,
         "strategy": recipe.strategy, "offload": recipe.offload,

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from aotbuild import keys, models, pipecall
-from aotbuild.context import Context, prepare_pipeline
+from aotbuild.context import Context, prepare_pipeline, shard_pipeline
 from aotbuild.errors import CacheMiss, RemoteError, TargetUnavailable, UsageError
 from aotbuild.explain import Entries, explain_miss
 from aotbuild.layout import resolve_cache_root
@@ -54,6 +54,9 @@ class LoadReport:
     install_folder: str = ""
     on_miss: str = "compile"
     remote: str = ""
+    #: tensor parallelism: this process's rank and the degree (its entries are this rank's)
+    rank: int | None = None
+    tensor: int = 1
 
     @property
     def hits(self) -> list[ReportEntry]:
@@ -66,13 +69,15 @@ class LoadReport:
     def as_dict(self) -> dict[str, Any]:
         return {"recipe": self.recipe, "cache": self.cache, "installed_files": self.installed_files,
                 "present_files": self.present_files, "install_folder": self.install_folder,
-                "remote": self.remote, "entries": [
+                "remote": self.remote, **({"rank": self.rank, "tensor": self.tensor} if self.rank is not None else {}),
+                "entries": [
                     {"component": e.component, "shape": e.shape.as_dict(), "key": e.key, "hit": e.hit,
                      "pulled": e.pulled, "reason": e.reason} for e in self.entries]}
 
     def __str__(self) -> str:
         pulled = sum(e.pulled for e in self.entries)
-        lines = [f"aotbuild: {printable(self.recipe)}: {len(self.hits)} hit, {len(self.misses)} miss "
+        rank = f" (rank {self.rank} of {self.tensor})" if self.rank is not None else ""
+        lines = [f"aotbuild: {printable(self.recipe)}{rank}: {len(self.hits)} hit, {len(self.misses)} miss "
                  + (f"({pulled} pulled from {self.remote}) " if pulled else "")
                  + f"(cache {self.cache}; {self.installed_files} files installed into the compiler's cache "
                  f"{self.install_folder or 'folder'}, {self.present_files} were already there)"]
@@ -115,13 +120,19 @@ def load_compiled(recipe: str | Path | Recipe | Mapping[str, Any], pipe: Any = N
     ctx = Context.create(recipe, root, resolve_model=pipe is None)
     if ctx.problem:
         raise TargetUnavailable(f"{recipe.source}: {ctx.problem}")
+    if recipe.tensor_parallel > 1:  # a rank: its process group, device and threads before the weights load
+        from aotbuild import parallel
+
+        parallel.setup(recipe, ctx.device)
     pipe = _pipeline(ctx, pipe)
+    rank = shard_pipeline(pipe, ctx)  # the caller's pipe too, unless it is sharded already
     pipecall.check_recipe(recipe, pipecall.CallSignature.of(pipe))  # a misspelt warmup key: a recipe error
     blocker = ctx.target.install_blocker()
-    wanted = _wanted(ctx, pipe)
+    wanted = _wanted(ctx, pipe, rank)
     pulled, remote_notes = _pull_missing(store, remote, [w.key for w in wanted]) if remote and not blocker \
         else (set(), {})
-    report = LoadReport(recipe.name, str(root), on_miss=on_miss, remote=remote.url if remote else "")
+    report = LoadReport(recipe.name, str(root), on_miss=on_miss, remote=remote.url if remote else "", rank=rank,
+                        tensor=recipe.tensor_parallel)
     # As a reader of the store (its shared lock) from the hash check to the last file installed,
     # so gc or rm cannot remove an entry in between. A read-only store needs no lock.
     with store_lock(root, exclusive=False):
@@ -174,9 +185,9 @@ def _pipeline(ctx: Context, pipe: Any) -> Any:
     return pipe
 
 
-def _wanted(ctx: Context, pipe: Any) -> list[_Wanted]:
+def _wanted(ctx: Context, pipe: Any, rank: int | None = None) -> list[_Wanted]:
     """Every component x shape of the recipe, keyed from the live modules (so another checkpoint of
-    another architecture gets other keys)."""
+    another architecture gets other keys); of a tensor-parallel recipe, this rank's entries."""
     wanted = []
     for component in ctx.recipe.compile.components:
         module = getattr(pipe, component, None)
@@ -184,7 +195,7 @@ def _wanted(ctx: Context, pipe: Any) -> list[_Wanted]:
             raise ctx.recipe.error("compile.components", f"the pipeline has no component {component!r}")
         cls_name, config = models.module_config(module)
         for shape in ctx.recipe.shapes:
-            factors = ctx.factors(component, cls_name, config, shape, type(pipe).__name__)
+            factors = ctx.factors(component, cls_name, config, shape, type(pipe).__name__, rank)
             wanted.append(_Wanted(component, shape, factors, keys.key_of(factors)))
     return wanted
 

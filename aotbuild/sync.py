@@ -16,7 +16,7 @@ from aotbuild.errors import UsageError
 from aotbuild.layout import resolve_cache_root
 from aotbuild.planner import FAILED_BEFORE, HIT, MISS, Job, plan
 from aotbuild.remote import PushResult, Remote, pull_entry
-from aotbuild.store import DAMAGED, Entry
+from aotbuild.store import DAMAGED, Entry, Store
 from aotbuild.strategies import checked_store
 
 PULLED, CACHED, MISSING, REFUSED, UNAVAILABLE = "pulled", "cached", "missing", "refused", "unavailable"
@@ -73,6 +73,7 @@ def push(items: list[str] | tuple[str, ...], remote: Remote, cache: str | Path |
                     damaged.append(job.label)
     if not items:
         keys = [m.key for m in store.iter_manifests()]
+    keys = _with_ranks(store, keys, skipped)
     entries: list[Entry] = []
     for key in dict.fromkeys(keys):
         entry, why = store.open_entry(key)
@@ -89,6 +90,37 @@ def push(items: list[str] | tuple[str, ...], remote: Remote, cache: str | Path |
                 entry = replace(entry, manifest=sign(entry.manifest, sign_key))
             entries.append(entry)
     return PushReport(remote.url, remote.push(entries, progress, workdir=store.layout.tmp), skipped, damaged)
+
+
+def rank_keys(factors: Any) -> list[str]:
+    """Every rank's key of the tensor-parallel job one rank's factors belong to ([] if unsharded)."""
+    from aotbuild.frozen import thaw
+    from aotbuild.keys import key_of
+
+    factors = thaw(factors)
+    sharded = factors.get("parallel") if isinstance(factors, dict) else None
+    if not isinstance(sharded, dict) or not isinstance(sharded.get("tensor"), int):
+        return []
+    return [key_of({**factors, "parallel": {**sharded, "rank": r}}) for r in range(sharded["tensor"])]
+
+
+def _with_ranks(store: Store, keys: list[str], skipped: list[tuple[str, str]]) -> list[str]:
+    """``keys`` with every other rank of each tensor-parallel job among them (pushed together); a job
+    one of whose ranks the local store lacks is not pushed at all."""
+    out: list[str] = []
+    for key in dict.fromkeys(keys):
+        manifest = store.read_manifest(key) if store.check_entry(key)[0] else None
+        ranks = rank_keys(manifest.factors) if manifest is not None else []
+        if not ranks:
+            out.append(key)
+            continue
+        lacking = [r for r, k in enumerate(ranks) if not store.check_entry(k)[0]]
+        if lacking:
+            skipped.append((key[:12], f"rank {lacking[0]} of its {len(ranks)} ranks is not in the local cache: "
+                                      f"a tensor-parallel job's entries travel together"))
+        else:
+            out.extend(ranks)
+    return list(dict.fromkeys(out))
 
 
 @dataclass
@@ -115,12 +147,19 @@ def pull(recipes: list[str] | tuple[str, ...], remote: Remote, cache: str | Path
     jobs = plan(list(recipes), store.root, trusted_keys=trusted_keys)
     wanted = [j for j in jobs if j.status in (MISS, FAILED_BEFORE)]
     on_remote = remote.keys() if wanted else set()
+    # A tensor-parallel job is pulled whole or not at all: each rank needs its own entry.
+    partial = {j.key: next(r for r, k in enumerate(j.siblings) if k not in on_remote and not store.check_entry(k)[0])
+               for j in wanted if j.siblings
+               and any(k not in on_remote and not store.check_entry(k)[0] for k in j.siblings)}
     out = []
     for job in jobs:
         if job.status == HIT:
             out.append(PullItem(job, CACHED))
         elif job.status not in (MISS, FAILED_BEFORE) or job.key is None:
             out.append(PullItem(job, UNAVAILABLE, job.reason))
+        elif job.key in partial:
+            out.append(PullItem(job, MISSING, f"rank {partial[job.key]}'s entry of this tensor-parallel job is not on "
+                                              f"{remote.url}: its ranks are pulled together"))
         elif job.key not in on_remote:
             out.append(PullItem(job, MISSING, f"not on {remote.url}"))
         else:

@@ -19,7 +19,7 @@ def run(job: dict) -> dict:
     t0 = time.perf_counter()
     child.phase(job, "loading the pipeline")
     from aotbuild import keys, models, pipecall
-    from aotbuild.context import job_pipeline
+    from aotbuild.context import job_pipeline, shard_pipeline
     from aotbuild.recipe import Shape
     from aotbuild.recipes import recipe_from_spec
     from aotbuild.strategies import BuildJob
@@ -29,12 +29,17 @@ def run(job: dict) -> dict:
     component = job["component"]
     ctx, pipe = job_pipeline(recipe, Path(job["cache_root"]))
     pipecall.check_recipe(recipe, pipecall.CallSignature.of(pipe))
+    # Tensor parallelism: this process is one rank (of the launch the builder started); its entry is
+    # its own, in its own folder; the compiler's cache folder is the ranks' shared one.
+    rank = shard_pipeline(pipe, ctx)
+    planned = job if rank is None else job["ranks"][rank]
+    workdir = Path(job["workdir"]) if rank is None else Path(job["workdir"]) / f"rank{rank}"
     module = getattr(pipe, component)
     cls_name, config = models.module_config(module)
-    factors = ctx.factors(component, cls_name, config, shape, type(pipe).__name__)
+    factors = ctx.factors(component, cls_name, config, shape, type(pipe).__name__, rank)
     key = keys.key_of(factors)
-    if key != job["key"]:
-        diff = "; ".join(keys.differences(job["factors"], factors)) or "unknown"
+    if key != planned["key"]:
+        diff = "; ".join(keys.differences(planned["factors"], factors)) or "unknown"
         raise RuntimeError(f"the loaded model gives another key than the plan ({diff})")
     t_load = time.perf_counter()
     child.phase(job, "compiling and warming up")
@@ -44,7 +49,8 @@ def run(job: dict) -> dict:
     from aotbuild.structure import record
 
     structure = record(module, ctx.target.global_settings())  # before the strategy puts anything in it
-    job_spec = BuildJob(ctx, pipe, component, module, warmup, Path(job["workdir"]),
+    workdir.mkdir(parents=True, exist_ok=True)
+    job_spec = BuildJob(ctx, pipe, component, module, warmup, workdir,
                         phase=lambda text: child.phase(job, text))
     try:
         built = ctx.strategy.build(job_spec)
@@ -64,6 +70,7 @@ def run(job: dict) -> dict:
         "seconds": {"load": round(t_load - t0, 3), "compile_and_warmup": round(t_warm - t_load, 3)},
         "counters": {k: int(v) for k, v in counters["inductor"].items() if "cache" in k},
         "pipeline_class": type(pipe).__name__,
+        **({"rank": rank} if rank is not None else {}),
     }
 
 

@@ -43,6 +43,10 @@ class AotPackage(Strategy):
         if recipe.model.quantization is not None:
             raise recipe.error("model.quantization", "strategy aot-package is not verified with torchao's tensor "
                                                      "subclasses: use strategy jit-cache")
+        if recipe.tensor_parallel > 1:
+            raise recipe.error("parallel.tensor", "strategy aot-package cannot shard: torch.export fails on a "
+                                                  "tensor-parallel module's DTensor spec (torch 2.13): use strategy "
+                                                  "jit-cache or aot-compile")
 
     def build(self, job: BuildJob) -> Built:
         ctx = job.ctx

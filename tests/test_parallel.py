@@ -1,0 +1,314 @@
+"""Tensor parallelism: a job is one entry per rank, built, proven and served by that many processes."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+from aotbuild import parallel
+from aotbuild.errors import RecipeError, UsageError
+from aotbuild.planner import plan, shard_jobs
+from aotbuild.recipes import parse_recipe
+from tests.conftest import REPO, run_cli
+
+FLUX = {"model": {"id": "builtin:tiny-flux", "dtype": "float32"}, "target": "inductor", "device": "cpu",
+        "strategy": "jit-cache", "compile": {"components": ["transformer"]}, "shapes": [{"height": 64, "width": 64}],
+        "warmup": {"num_inference_steps": 2, "guidance_scale": 3.5}}
+
+
+def flux(tensor: int | None = 2, **changes) -> dict:
+    data = json.loads(json.dumps(FLUX))
+    if tensor is not None:
+        data["parallel"] = {"tensor": tensor}
+    for key, value in changes.items():
+        head, _, tail = key.partition(".")
+        if tail:
+            data.setdefault(head, {})[tail] = value
+        else:
+            data[key] = value
+    return data
+
+
+@pytest.fixture(scope="module")
+def flux_cache(tmp_path_factory) -> Path:
+    """A cache root holding only the built-in tiny Flux (created once for this module)."""
+    from aotbuild import builtin
+
+    root = tmp_path_factory.mktemp("flux-cache")
+    builtin.ensure("builtin:tiny-flux", root / "models")
+    return root
+
+
+@pytest.mark.parametrize(("changes", "key", "says"), [
+    ({"parallel": {"tensor": 0}}, "parallel.tensor", "1 to 64"),
+    ({"parallel": {"tensor": 65}}, "parallel.tensor", "1 to 64"),
+    ({"parallel": {"tensor": "2"}}, "parallel.tensor", "expected an integer"),
+    ({"parallel": {"tensors": 2}}, "parallel.tensors", "did you mean 'tensor'"),
+    ({"offload": "model", "compile.scope": "regional"}, "offload", "diffusers refuses it too"),
+    ({"compile.scope": "regional"}, "compile.scope", "regional scope with tensor parallelism"),
+    ({"model.quantization": {"backend": "torchao", "quant_type": "int8wo"}}, "model.quantization", "not shown"),
+    ({"strategy": "aot-package"}, "parallel.tensor", "torch.export fails on a tensor-parallel module's DTensor"),
+])
+def test_what_tensor_parallelism_cannot_do_is_refused_when_the_recipe_is_read(changes, key, says):
+    data = flux(2)
+    for k, v in changes.items():
+        head, _, tail = k.partition(".")
+        if tail:
+            data.setdefault(head, {})[tail] = v
+        else:
+            data[k] = v
+    with pytest.raises(RecipeError) as info:
+        parse_recipe(data)
+    assert info.value.key == key and says in str(info.value), str(info.value)
+
+
+def test_lora_with_tensor_parallelism_is_refused(tmp_path):
+    data = flux(2, lora={"rank": 4, "adapters": [{"path": "x.safetensors", "adapter_name": "a"}]})
+    with pytest.raises(RecipeError, match="_tp_plan shards the base layers only"):
+        parse_recipe(data)
+
+
+def test_keys_per_rank_differ_from_the_unsharded_and_tensor_1_is_unsharded(flux_cache):
+    plain, = plan([flux(None)], flux_cache)
+    one, = plan([flux(1)], flux_cache)
+    two = plan([flux(2)], flux_cache)
+    assert one.key == plain.key and one.rank is None and "parallel" not in plain.factors
+    assert len(two) == 2 and len({j.key for j in two} | {plain.key}) == 3
+    by_rank = {j.rank: j for j in two}
+    assert by_rank[0].siblings == by_rank[1].siblings == (by_rank[0].key, by_rank[1].key)
+    factors = by_rank[1].factors["parallel"]
+    assert factors["tensor"] == 2 and factors["rank"] == 1 and factors["mesh"] == [2]
+    assert factors["backend"] == "gloo" and len(factors["plan"]) == 64
+    text = json.dumps(by_rank[0].factors)
+    assert "MASTER" not in text and "localhost" not in text and "29500" not in text  # no host, no port
+
+
+def test_aot_compile_keys_a_rank_s_thread_count_not_this_process_s(flux_cache, monkeypatch):
+    import torch
+
+    job = plan([flux(2, strategy="aot-compile")], flux_cache)[0]
+    assert job.factors["compile"]["cpu_threads"] == parallel.rank_threads(2)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 97)  # the parent's count is not a rank's
+    assert plan([flux(2, strategy="aot-compile")], flux_cache)[0].key == job.key
+
+
+def test_a_component_without_a_tp_plan_or_with_heads_the_degree_does_not_divide_is_a_recipe_error(
+        flux_cache, models_dir):
+    sd = {"model": {"id": "builtin:tiny-sd", "dtype": "float32"}, "target": "inductor", "device": "cpu",
+          "compile": {"components": ["unet"]}, "shapes": [{"height": 64, "width": 64}], "parallel": {"tensor": 2}}
+    with pytest.raises(RecipeError, match=r"unet \(UNet2DConditionModel\) has no _tp_plan.*no component of this "
+                                          r"model has one"):
+        plan([sd], models_dir)
+    with pytest.raises(RecipeError, match="4 does not divide transformer's 2 attention heads"):
+        plan([flux(4)], flux_cache)
+
+
+def test_a_shard_keeps_every_rank_of_a_job_together(flux_cache):
+    shapes = [{"height": 64, "width": 64}, {"height": 64, "width": 96}, {"height": 96, "width": 64}]
+    jobs = plan([{**flux(2), "shapes": shapes}], flux_cache)
+    assert len(jobs) == 6
+    for count in (2, 3):
+        shards = [shard_jobs(jobs, i, count) for i in range(1, count + 1)]
+        assert sorted(j.key for s in shards for j in s) == sorted(j.key for j in jobs)
+        for shard in shards:
+            assert all(set(j.siblings) <= {k.key for k in shard} for j in shard)
+
+
+def test_outside_torchrun_or_at_another_world_size_a_load_says_what_to_start(flux_cache, monkeypatch):
+    from aotbuild import load_compiled
+    from aotbuild.recipes import as_recipe
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(UsageError, match=r"start 2 processes, one per rank, e.g. `torchrun --nproc-per-node 2"):
+        load_compiled(flux(2), cache=flux_cache)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(UsageError, match=r"the world size is 3 \(WORLD_SIZE\) but parallel.tensor is 2"):
+        parallel.setup(as_recipe(flux(2)), "cpu")
+
+
+def test_on_an_accelerator_the_shard_goes_through_diffusers_public_enable_parallelism():
+    class Mesh:
+        device_type = "cuda"
+
+        def size(self) -> int:
+            return 2
+
+    class Model:
+        _tp_plan = {"x": "colwise"}
+        _parallel_config = None
+
+        def __init__(self):
+            self.configs = []
+
+        def enable_parallelism(self, *, config):
+            self.configs.append(config)
+
+    mesh, model = Mesh(), Model()
+    parallel.shard(model, mesh, "transformer")
+    parallel.shard(model, mesh, "transformer")  # sharded once
+    assert len(model.configs) == 1 and model.configs[0].mesh is mesh
+
+
+def test_a_child_runs_as_ranks_through_torch_s_launcher_and_never_inherits_a_rank(tmp_path, monkeypatch):
+    from aotbuild import child
+
+    cmd = child.command("aotbuild.worker", "spec.json", ranks=2)
+    launcher = cmd[1:] if sys.version_info >= (3, 11) else cmd[3:]
+    assert launcher[:3] == ["-P", "-m", "torch.distributed.run"] or launcher[0] == "torch.distributed.run"
+    assert cmd[-3:] == ["-m", "aotbuild.worker", "spec.json"] and "--standalone" in cmd
+    assert cmd[cmd.index("--nproc-per-node") + 1] == "2"
+    assert child.command("aotbuild.worker", "spec.json")[-2:] == ["aotbuild.worker", "spec.json"]
+    monkeypatch.setenv("RANK", "1")  # aotbuild itself run as a rank of someone's torchrun
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    code, result = child.spawn("tests.fakes.echo_env", {"names": ["RANK", "WORLD_SIZE"]}, tmp_path / "spec.json",
+                               tmp_path / "log", env={"PYTHONPATH": str(REPO)})
+    assert code == 0 and result == {"RANK": None, "WORLD_SIZE": None}, result
+
+
+SERVE = """
+import json, sys
+import torch
+from diffusers import DiffusionPipeline
+from aotbuild import load_compiled
+from aotbuild.strategies import get_strategy
+from aotbuild.targets import get_target
+
+recipe, cache, model, strategy = sys.argv[1:5]
+name, count = get_strategy(strategy).compile_counter(get_target("inductor"))
+call = dict(prompt="a cat", height=64, width=64, num_inference_steps=2, guidance_scale=3.5, output_type="pt")
+eager = DiffusionPipeline.from_pretrained(model)  # the unsharded pipeline, eager, in this process
+reference = eager(**call, generator=torch.Generator("cpu").manual_seed(0)).images
+before = count()
+pipe = load_compiled(recipe, cache=cache, on_miss="error", strict_shapes=True)
+image = pipe(**call, generator=torch.Generator("cpu").manual_seed(0)).images
+report = pipe.aotbuild_report
+print("RESULT " + json.dumps({"rank": report.rank, "tensor": report.tensor, "hits": len(report.hits),
+                              "misses": len(report.misses), "compiles": count() - before,
+                              "diff": float((image - reference).abs().max()), "text": str(report)}))
+"""
+
+
+@pytest.mark.slow  # two ranks compile the tiny Flux transformer, a fresh pair proves it, a third pair serves
+@pytest.mark.parametrize("strategy", ["jit-cache", "aot-compile"])
+def test_a_tensor_parallel_flux_builds_then_two_fresh_ranks_serve_it_with_0_compiles(strategy, flux_cache, tmp_path):
+    import yaml
+
+    build = tmp_path / "build"
+    shutil.copytree(flux_cache / "models", build / "models")
+    recipe = tmp_path / "tp_flux.yaml"
+    recipe.write_text(yaml.safe_dump(flux(2, strategy=strategy)))
+    proc = run_cli("build", "--json", "--cache", str(build), str(recipe),
+                   env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "build-inductor"), "AOTBUILD_CACHE": ""})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    jobs = json.loads(proc.stdout)["jobs"]
+    assert [j["status"] for j in jobs] == ["built", "built"], jobs
+    show = run_cli("show", jobs[0]["key"][:12], "--json", "--cache", str(build))
+    manifest = json.loads(show.stdout)
+    assert manifest["proof"]["compiles"] == 0 and manifest["factors"]["parallel"]["tensor"] == 2
+
+    # A new replica: the cache moved, another cwd, an empty Inductor folder, two ranks from torchrun.
+    served = tmp_path / "serving" / "cache"
+    shutil.move(str(build), str(served))
+    cwd = tmp_path / "elsewhere"
+    cwd.mkdir()
+    script = tmp_path / "serve.py"
+    script.write_text(SERVE)
+    import subprocess
+
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          str(script), str(recipe), str(served), str(served / "models" / "tiny-flux-v1"), strategy],
+                         capture_output=True, text=True, cwd=cwd,
+                         env={**__import__("os").environ, "PYTHONPATH": str(REPO), "AOTBUILD_CACHE": "",
+                              "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "serving" / "inductor")})
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
+    results = sorted((json.loads(line[7:]) for line in run.stdout.splitlines() if line.startswith("RESULT ")),
+                     key=lambda r: r["rank"])
+    assert [r["rank"] for r in results] == [0, 1], run.stdout
+    for r in results:
+        assert r["hits"] == 1 and r["misses"] == 0 and r["compiles"] == 0, r
+        assert r["diff"] <= 1e-4, r
+        assert f"(rank {r['rank']} of 2)" in r["text"]
+
+
+def _ranked_entries(store, tmp_path, name: str, ranks=(0, 1)) -> list[str]:
+    from tests import manifests
+
+    parallel_factor = {"tensor": 2, "mesh": [2], "backend": "gloo", "plan": "0" * 64}
+    return [manifests.add_entry(store, tmp_path / "src", name,
+                                {f"x{r}.so": f"rank {r} of {name}".encode()},
+                                parallel={**parallel_factor, "rank": r}) for r in ranks]
+
+
+def test_pushing_one_rank_s_key_pushes_every_rank_and_a_job_missing_a_rank_is_not_pushed(tmp_path):
+    from aotbuild import sync
+    from aotbuild.remote import parse_remote
+    from aotbuild.store import Store
+
+    local = Store(tmp_path / "local")
+    both = _ranked_entries(local, tmp_path, "a")
+    assert sync.rank_keys(local.read_manifest(both[1]).factors) == both
+    lonely = _ranked_entries(local, tmp_path, "b", ranks=(1,))
+    folder = tmp_path / "remote"
+    folder.mkdir()
+    report = sync.push([both[0][:12], lonely[0][:12]], parse_remote(f"file://{folder}"), local.root)
+    assert sorted(report.result.sent) == sorted(both)
+    assert report.skipped and "rank 0 of its 2 ranks is not in the local cache" in report.skipped[0][1]
+    assert not Store(folder).has(lonely[0])
+
+
+def test_a_tensor_parallel_job_is_pulled_whole_or_not_at_all(flux_cache, tmp_path):
+    from aotbuild import sync
+    from aotbuild.remote import parse_remote
+    from aotbuild.store import Store
+    from tests import manifests
+
+    jobs = plan([flux(2)], flux_cache)
+    remote = Store(tmp_path / "remote")
+    for job in jobs:  # the planned entries, stand-in artifacts
+        f = json.loads(json.dumps(job.factors))
+        src = tmp_path / "src" / str(job.rank)
+        src.mkdir(parents=True)
+        (src / "x.so").write_bytes(f"rank {job.rank}".encode())
+        digest, size = remote.put_blob(src / "x.so")
+        remote.put_manifest(manifests.manifest(f, [("x.so", digest, size)], recipe="flux"))
+    local = tmp_path / "local"
+    shutil.copytree(flux_cache / "models", local / "models")
+    one_rank = tmp_path / "one-rank"
+    shutil.copytree(remote.root, one_rank)
+    (Store(one_rank).layout.manifest(jobs[1].key)).unlink()
+    items = sync.pull([flux(2)], parse_remote(f"file://{one_rank}"), local)
+    assert {i.status for i in items} == {"missing"} and all("pulled together" in i.reason for i in items), items
+    items = sync.pull([flux(2)], parse_remote(f"file://{remote.root}"), local)
+    assert sorted(i.status for i in items) == ["pulled", "pulled"]
+
+
+def test_a_job_missing_one_rank_s_entry_rebuilds_every_rank_in_one_launch(flux_cache, monkeypatch, tmp_path):
+    from aotbuild import builder
+    from aotbuild.builder import BUILT, CACHED, store_job
+    from aotbuild.store import Store
+    from tests.standins import artifacts
+
+    launches: list[list[int]] = []
+
+    def fake_ranks(store, jobs, tick, limit, sign_key):
+        launches.append([j.rank for j in jobs])
+        return [store_job(store, j, artifacts(tmp_path / "out", j.key), {"signatures": []}, 0.1, limit) for j in jobs]
+
+    monkeypatch.setattr(builder, "_build_ranks", fake_ranks)
+    cache = tmp_path / "cache"
+    shutil.copytree(flux_cache / "models", cache / "models")
+    first = builder.build([flux(2)], cache)
+    assert launches == [[0, 1]] and [r.status for r in first.results] == [BUILT, BUILT]
+    assert sorted(r.job.rank for r in first.results) == [0, 1]
+    assert [r.status for r in builder.build([flux(2)], cache).results] == [CACHED, CACHED] and len(launches) == 1
+    rank1 = next(r.job.key for r in first.results if r.job.rank == 1)
+    Store(cache).layout.manifest(rank1).unlink()
+    again = builder.build([flux(2)], cache)
+    assert launches == [[0, 1], [0, 1]] and {r.status for r in again.results} == {BUILT}
