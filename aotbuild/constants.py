@@ -45,7 +45,11 @@ DEFAULT_WARMUP_PROMPT = "a photo of a cat"
 #: per recipe, and seconds per build job and per proof.
 LIMITS = {"steps": ("AOTBUILD_MAX_STEPS", 200), "prompts": ("AOTBUILD_MAX_PROMPTS", 64),
           "shapes": ("AOTBUILD_MAX_SHAPES", 64), "jobs": ("AOTBUILD_MAX_JOBS", 256),
-          "job_seconds": ("AOTBUILD_JOB_TIMEOUT", 4 * 3600)}
+          "job_seconds": ("AOTBUILD_JOB_TIMEOUT", 4 * 3600),
+          # What one manifest may name (manifests come from stores and remotes others write): files,
+          # and bytes in all (an entry embedding a 12B model's bf16 weights is ~24 GB).
+          "entry_files": ("AOTBUILD_MAX_ENTRY_FILES", 100_000),
+          "entry_bytes": ("AOTBUILD_MAX_ENTRY_BYTES", 256 * 1024 ** 3)}
 
 
 def limit(name: str) -> int:

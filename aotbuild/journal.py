@@ -63,13 +63,14 @@ class EntryWriter:
         os.write(self.fd, f"{digest}\n".encode())
         os.fsync(self.fd)
 
-    def put_blob(self, source: Path | BinaryIO, expect: str | None = None) -> tuple[str, int]:
+    def put_blob(self, source: Path | BinaryIO, expect: str | None = None,
+                 max_size: int | None = None) -> tuple[str, int]:
         from aotbuild.store import sha256_file
 
         digest = expect or sha256_file(Path(source))  # type: ignore[arg-type]
         self._intend(digest)
         existed = self.store.layout.blob(digest).is_file()
-        stored, size = self.store.put_blob(source, expect=digest)
+        stored, size = self.store.put_blob(source, expect=digest, max_size=max_size)
         if not existed:
             self.created.add(stored)
         return stored, size

@@ -303,11 +303,16 @@ class _Checker:
         return value
 
     def files(self, value: Any) -> tuple[FileRecord, ...]:
+        from aotbuild.constants import LIMITS, limit
         from aotbuild.errors import StoreError
         from aotbuild.layout import safe_relpath
 
-        out, seen = [], set()
-        for item in self.list_of(value, "files"):
+        items = self.list_of(value, "files")
+        if len(items) > limit("entry_files"):
+            raise self.fail("files", f"{len(items)} files, more than an entry may have ({limit('entry_files')}; "
+                                     f"{LIMITS['entry_files'][0]} raises it)")
+        out, seen, total = [], set(), 0
+        for item in items:
             item = self.obj(item, "files[]")
             path = self.name(item.get("path"), "files[].path")
             try:
@@ -321,6 +326,10 @@ class _Checker:
             if not isinstance(digest, str) or not HEX64.match(digest):
                 raise self.fail(f"file {path!r}", "no valid sha256")
             out.append(FileRecord(path, digest, self.integer(item.get("size"), f"file {path!r} size")))
+            total += out[-1].size
+        if total > limit("entry_bytes"):
+            raise self.fail("files", f"{total} bytes declared, more than an entry may have ({limit('entry_bytes')}; "
+                                     f"{LIMITS['entry_bytes'][0]} raises it)")
         return tuple(out)
 
     def shape(self, value: Any, where: str) -> dict[str, int]:

@@ -39,7 +39,7 @@ from aotbuild.journal import entry_writer
 from aotbuild.layout import HEX64
 from aotbuild.locks import flocked, store_lock
 from aotbuild.manifest import Manifest, ManifestError, StaleManifest
-from aotbuild.store import Entry, Store, sha256_file
+from aotbuild.store import Entry, Store, open_regular, sha256_file
 
 _HF = re.compile(r"^hf://(?:(?P<kind>datasets|models)/)?(?P<repo>[\w.-]+/[\w.-]+)(?:@(?P<rev>[\w./-]+))?/?$")
 #: Operations per Hub commit: big pushes go in several pack commits, all before the manifest commits.
@@ -120,7 +120,7 @@ def _ingest(store: Store, key: str, manifest: Manifest,
                 for digest, stream in blobs(sorted(missing.items())):
                     if digest not in missing:
                         raise StoreError(f"the remote sent {digest[:12]}, which entry {key[:12]} does not name")
-                    _, size = writer.put_blob(stream, expect=digest)
+                    _, size = writer.put_blob(stream, expect=digest, max_size=missing[digest])
                     if size != missing[digest]:
                         raise StoreError(f"blob {digest[:12]} has {size} bytes, the manifest says "
                                          f"{missing[digest]}")
@@ -168,10 +168,12 @@ class FolderRemote(Remote):
 
         def blobs(wanted: list[tuple[str, int]]) -> Iterator[tuple[str, BinaryIO]]:
             for digest, _ in wanted:
-                try:
-                    f = open(self.store.layout.blob(digest), "rb")  # noqa: SIM115 - closed below
+                try:  # a regular file only, opened without blocking (a FIFO there must not hang a pull)
+                    f = open_regular(self.store.layout.blob(digest))
                 except FileNotFoundError:
                     raise StoreError(f"blob {digest[:12]} is missing on the remote") from None
+                except OSError as exc:
+                    raise StoreError(f"blob {digest[:12]} on the remote is not a regular file ({exc})") from None
                 with f:
                     yield digest, f
 
@@ -254,6 +256,8 @@ class HubRemote(Remote):
                               f"HF_ENDPOINT)")
         try:
             return fn()
+        except StoreError:  # ours: a refused download (too big), a local disk that cannot be written
+            raise
         except errors.LocalEntryNotFoundError:  # huggingface_hub's word for "could not reach the Hub"
             raise RemoteError(f"{self.url}: {what} failed: the Hub cannot be reached (network, HF_ENDPOINT, "
                               f"HF_HUB_OFFLINE)") from None
@@ -297,13 +301,45 @@ class HubRemote(Remote):
     def keys(self) -> set[str]:
         return {Path(p).stem for p in self._list("manifests") if p.endswith(".json") and HEX64.match(Path(p).stem)}
 
-    def _download(self, filename: str, folder: Path) -> Path | None:
-        from huggingface_hub import errors, hf_hub_download
+    def _download(self, filename: str, folder: Path, limit: int) -> Path | None:
+        """``filename`` (a path aotbuild made: manifests/... or packs/...) into ``folder``, streamed and
+        refused as soon as it passes ``limit`` bytes (a manifest's 16 MiB, a pack's recorded size): a
+        remote cannot fill the disk by sending more than it declared. None when it is not there."""
+        from huggingface_hub import constants as hf_constants
+        from huggingface_hub import errors, hf_hub_url
+        from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
+
+        from aotbuild import hub
+
+        if hub.offline_mode():
+            raise RemoteError(f"{self.url}: downloading {filename} failed: HF_HUB_OFFLINE is set")
+        url = hf_hub_url(self.repo_id, filename, repo_type=self.repo_type, revision=self.revision,
+                         endpoint=self.endpoint)
+        dest = folder.joinpath(*Path(filename).parts)
+
+        def fetch() -> Path:
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            with get_session().stream("GET", url, headers=build_hf_headers(), follow_redirects=True,
+                                      timeout=hf_constants.HF_HUB_DOWNLOAD_TIMEOUT) as response:
+                if response.status_code >= 400:
+                    response.read()
+                    hf_raise_for_status(response)
+                declared = response.headers.get("Content-Length", "")
+                if declared.isdigit() and int(declared) > limit:
+                    raise StoreError(f"{filename} on {self.url} is {declared} bytes, more than the {limit} it may "
+                                     f"have: refused before downloading")
+                received = 0
+                with open(dest, "wb") as out:
+                    for chunk in response.iter_bytes(1 << 20):
+                        received += len(chunk)
+                        if received > limit:
+                            raise StoreError(f"{filename} on {self.url} sent more than the {limit} bytes it may "
+                                             f"have: refused while downloading")
+                        out.write(chunk)
+            return dest
 
         try:
-            return Path(self._call(f"downloading {filename}", lambda: hf_hub_download(
-                self.repo_id, filename, repo_type=self.repo_type, revision=self.revision,
-                local_dir=str(folder), endpoint=self.endpoint)))
+            return self._call(f"downloading {filename}", fetch)
         except errors.EntryNotFoundError:
             return None
 
@@ -313,7 +349,7 @@ class HubRemote(Remote):
         from aotbuild.signing import merge_signatures
 
         with tempfile.TemporaryDirectory(prefix="aotbuild-sig.") as folder:
-            path = self._download(self.manifest_path(entry.key), Path(folder))
+            path = self._download(self.manifest_path(entry.key), Path(folder), codec.MAX_BYTES)
             try:
                 there = codec.read(path, entry.key) if path is not None else None
             except (ValueError, OSError):
@@ -333,7 +369,10 @@ class HubRemote(Remote):
             shutil.rmtree(folder, ignore_errors=True)
 
     def _fetch(self, key: str, store: Store, folder: Path) -> str:
-        path = self._download(self.manifest_path(key), folder)
+        try:
+            path = self._download(self.manifest_path(key), folder, codec.MAX_BYTES)
+        except StoreError as exc:
+            return f"refused: {exc}"
         if path is None:
             return "not on the remote"
         try:
@@ -352,7 +391,10 @@ class HubRemote(Remote):
         tar_path = None
         if any(not store.has_blob(d, size, verify=True) for d, size in wanted):
             # Downloaded and verified before any lock is taken: a long download holds up no one.
-            tar_path = self._download(self.pack_path(pack_digest), folder)
+            try:
+                tar_path = self._download(self.pack_path(pack_digest), folder, pack_size)
+            except StoreError as exc:
+                return f"refused: {exc}"
             if tar_path is None:
                 return f"refused: pack {pack_digest[:12]} of {key[:12]} is missing on the remote"
             if tar_path.stat().st_size != pack_size or sha256_file(tar_path) != pack_digest:

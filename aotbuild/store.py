@@ -40,10 +40,7 @@ MAX_FAILURE_BYTES = 64 * 1024
 def sha256_file(path: Path) -> str:
     """The file's sha256. Opened without blocking and refused unless a regular file (OSError):
     a FIFO planted where a blob belongs must not hang a reader."""
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-    with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise IsADirectoryError(errno.EISDIR, "not a regular file", str(path))
+    with open_regular(path) as f:
         h = hashlib.sha256()
         while chunk := f.read(_CHUNK):
             h.update(chunk)
@@ -102,10 +99,24 @@ class Entry:
 @contextlib.contextmanager
 def _open_source(source: Path | BinaryIO) -> Iterator[BinaryIO]:
     if isinstance(source, (str, os.PathLike)):
-        with open(source, "rb") as f:
+        with open_regular(source) as f:
             yield f
     else:
         yield source
+
+
+def open_regular(path: str | os.PathLike) -> BinaryIO:
+    """``path`` opened for reading without blocking, refused (OSError) unless a regular file: a FIFO
+    or a device planted in a store or a remote folder must not hang or feed a reader forever."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise IsADirectoryError(errno.EISDIR, "not a regular file", str(path))
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 class Store:
@@ -141,20 +152,26 @@ class Store:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         return fd, path
 
-    def put_blob(self, source: Path | BinaryIO, expect: str | None = None) -> tuple[str, int]:
+    def put_blob(self, source: Path | BinaryIO, expect: str | None = None,
+                 max_size: int | None = None) -> tuple[str, int]:
         """Copy ``source`` (a path or a binary stream) into the store; return (sha256, size).
 
         Existing blobs are kept. With ``expect``, content whose hash differs is refused with a
-        StoreError and nothing is stored (a pulled blob that does not match its name)."""
+        StoreError and nothing is stored (a pulled blob that does not match its name). With
+        ``max_size`` (a pulled blob's declared size), reading stops one byte past it: a longer
+        source is refused without being read to its end."""
         fd, tmp = self._tempfile()
         h = hashlib.sha256()
         size = 0
         try:
             with os.fdopen(fd, "wb") as out, _open_source(source) as src:
-                while chunk := src.read(_CHUNK):
+                while chunk := src.read(_CHUNK if max_size is None else min(_CHUNK, max_size + 1 - size)):
                     h.update(chunk)
                     out.write(chunk)
                     size += len(chunk)
+                    if max_size is not None and size > max_size:
+                        raise StoreError(f"blob {(expect or '')[:12]} has more bytes than the {max_size} its manifest "
+                                         f"declares: refused")
                 out.flush()
                 os.fsync(out.fileno())
             digest = h.hexdigest()

@@ -38,12 +38,16 @@ def collect_tree(base: Path) -> list[tuple[str, Path]]:
 
 def lay_tree(files: Iterable[tuple[str, Path]], folder: Path) -> tuple[int, int]:
     """Hard-link (else copy) each blob to ``folder/rel``; existing files of the same size stay.
-    Returns (files laid, files already there)."""
+    Returns (files laid, files already there). A blob named by several paths is copied at most once:
+    its other paths link to the first copy (a manifest naming one large blob under thousands of
+    paths cannot make a cross-filesystem install copy it thousands of times)."""
     installed = present = 0
+    laid: dict[Path, Path] = {}  # blob -> where it was first laid
     for rel, blob in files:
         dest = folder.joinpath(*safe_relpath(rel).parts)
         if dest.is_file() and dest.stat().st_size == blob.stat().st_size:
             present += 1
+            laid.setdefault(blob, dest)
             continue
         dest.parent.mkdir(parents=True, exist_ok=True)
         tmp = dest.with_name(f".{dest.name}.{os.getpid()}.tmp")
@@ -51,8 +55,12 @@ def lay_tree(files: Iterable[tuple[str, Path]], folder: Path) -> tuple[int, int]
             try:
                 os.link(blob, tmp)
             except OSError:  # another filesystem, or links not allowed
-                shutil.copyfile(blob, tmp)
+                try:
+                    os.link(laid[blob], tmp)  # KeyError: the first copy of this blob
+                except (KeyError, OSError):
+                    shutil.copyfile(blob, tmp)
             os.replace(tmp, dest)
+            laid.setdefault(blob, dest)
         finally:
             if tmp.exists():
                 tmp.unlink()

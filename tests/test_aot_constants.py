@@ -30,7 +30,10 @@ def test_a_model_that_makes_tensors_in_forward_is_packaged_and_served(tmp_path):
     with torch.no_grad():
         expected = module(x)
     calls = {signature((x,), {}): snapshot((x,), {})}
+    settings = dict(torch._inductor.config.aot_inductor.metadata)
     records = aoti.build_packages(module, calls, tmp_path, {})
+    # torch writes device facts into the process's setting in place: a key factor of later loads here
+    assert torch._inductor.config.aot_inductor.metadata == settings
     record = records[0]
     assert set(record["lifted"]) and record["lifted_path"].endswith(aoti.LIFTED_SUFFIX)
     assert not set(record["lifted"]) & set(record["constants"])  # weights are the module's, constants ours

@@ -83,7 +83,13 @@ def test_adding_a_shape_builds_one_job_and_failures_are_not_stored(built_cache, 
     broken.write_text(TINY_RECIPE.read_text().replace("guidance_scale: 0.0", "guidance_scale: high"))
     typo = tmp_path / "typo.yaml"  # the pipeline takes **kwargs: without a check this ran 50 steps
     typo.write_text(TINY_RECIPE.read_text().replace("num_inference_steps: 2", "num_inference_step: 2"))
-    proc = run_cli("build", "--json", "--cache", str(cache), str(grown), str(broken), str(typo))
+    # A recipe mistake is found before any job runs (docs/troubleshooting.md): one line, exit 2, nothing built
+    refused = run_cli("build", "--json", "--cache", str(cache), str(grown), str(typo))
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    assert ("typo.yaml: warmup.num_inference_step: not an argument of StableDiffusionPipeline.__call__; did you "
+            "mean 'num_inference_steps'?") in refused.stderr
+    assert len(list((cache / "manifests").glob("*/*.json"))) == 2
+    proc = run_cli("build", "--json", "--cache", str(cache), str(grown), str(broken))
     assert proc.returncode == 1, proc.stderr[-3000:]
     jobs = json.loads(proc.stdout)["jobs"]
     by = {(j["recipe"], j["shape"]["height"], j["shape"]["width"]): j["status"] for j in jobs}
@@ -91,9 +97,6 @@ def test_adding_a_shape_builds_one_job_and_failures_are_not_stored(built_cache, 
     assert by[("tiny_sd_cpu", 64, 64)] == by[("tiny_sd_cpu", 64, 96)] == "cached"
     assert by[("broken", 64, 64)] == by[("broken", 64, 96)] == "failed"
     assert "TypeError" in next(j["reason"] for j in jobs if j["recipe"] == "broken")
-    assert {j["status"] for j in jobs if j["recipe"] == "typo"} == {"failed"}
-    assert ("warmup.num_inference_step: not an argument of StableDiffusionPipeline.__call__; did you mean "
-            "'num_inference_steps'?") in next(j["reason"] for j in jobs if j["recipe"] == "typo")
     assert len(list((cache / "manifests").glob("*/*.json"))) == 3  # nothing stored for the failures
     again = run_cli("build", "--json", "--cache", str(cache), str(grown))
     assert again.returncode == 0

@@ -101,11 +101,11 @@ def test_no_space_left_after_some_blobs_leaves_no_orphan(cache, fake_compiles, m
     real_put = Store.put_blob
     calls = []
 
-    def put_blob(self, source, expect=None):
+    def put_blob(self, source, expect=None, **bounds):
         calls.append(expect)
         if len(calls) == 2:
             raise OSError(errno.ENOSPC, "No space left on device")
-        return real_put(self, source, expect)
+        return real_put(self, source, expect, **bounds)
 
     monkeypatch.setattr(Store, "put_blob", put_blob)
     report = builder.build([str(TINY_RECIPE)], cache)

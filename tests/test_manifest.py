@@ -286,3 +286,41 @@ def test_each_strategy_checks_its_own_records(store, tmp_path, strategy, record,
     ok = manifests.manifest(f, [("x.so", digest, size)], packages=({"path": "x.so", "signature": "s"},))
     manifests.write_raw(store, ok.key, ok.as_json())
     assert store.open_entry(ok.key)[0] is not None
+
+
+def test_a_manifest_naming_too_many_files_or_bytes_is_malformed(tmp_path, monkeypatch):
+    from aotbuild.manifest import from_json
+
+    many = manifests.manifest(manifests.factors("many"), [(f"f/{i}", "a" * 64, 1) for i in range(11)]).as_json()
+    big = manifests.manifest(manifests.factors("big"), [("a", "b" * 64, 10 ** 12), ("b", "c" * 64, 10 ** 12)]).as_json()
+    monkeypatch.setenv("AOTBUILD_MAX_ENTRY_FILES", "10")
+    with pytest.raises(ValueError, match=r"11 files, more than an entry may have \(10; AOTBUILD_MAX_ENTRY_FILES"):
+        from_json(json.dumps(many), many["key"])
+    monkeypatch.setenv("AOTBUILD_MAX_ENTRY_BYTES", str(10 ** 12))
+    with pytest.raises(ValueError, match=r"2000000000000 bytes declared, more than an entry may have"):
+        from_json(json.dumps(big), big["key"])
+    monkeypatch.delenv("AOTBUILD_MAX_ENTRY_FILES")
+    assert from_json(json.dumps(many), many["key"]).key == many["key"]
+
+
+def test_a_blob_named_by_many_paths_is_copied_once_when_links_fail(tmp_path, monkeypatch):
+    import os
+    import shutil
+
+    from aotbuild import trees
+
+    blob = tmp_path / "blob"
+    blob.write_bytes(b"x" * 1000)
+    copies = []
+    real_copy, real_link = shutil.copyfile, os.link
+    monkeypatch.setattr(trees.shutil, "copyfile", lambda a, b: (copies.append(a), real_copy(a, b))[1])
+
+    def link(src, dst):  # the store is on another filesystem: the blob itself cannot be linked
+        if str(src) == str(blob):
+            raise OSError(18, "Invalid cross-device link")
+        return real_link(src, dst)
+
+    monkeypatch.setattr(trees.os, "link", link)
+    installed, _ = trees.lay_tree([(f"d/{i}.so", blob) for i in range(200)], tmp_path / "out")
+    assert installed == 200 and len(copies) == 1
+    assert all((tmp_path / "out" / "d" / f"{i}.so").read_bytes() == b"x" * 1000 for i in range(200))

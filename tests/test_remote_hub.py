@@ -202,3 +202,37 @@ def test_large_packs_travel_through_the_lfs_endpoints(hub, monkeypatch, tmp_path
     other = Store(tmp_path / "other")
     assert parse_remote(URL).fetch(a, other) == ""
     assert {r: p.read_bytes() for r, p in other.open_entry(a)[0].files}["big.so"] == bytes(range(256)) * 40
+
+
+def test_a_pack_longer_than_its_manifest_records_is_refused_while_it_downloads(hub, monkeypatch, tmp_path):
+    import aotbuild.remote as remote_module
+
+    local = Store(tmp_path / "local")
+    a = add_entry(local, tmp_path, "a", {"x.so": b"kernel"})
+    remote = writer(monkeypatch)
+    remote.push(entries(local, a))
+    manifest = json.loads(hub.files(REPO_ID, repo_type="dataset")[HubRemote.manifest_path(a)])
+    recorded = manifest["pack"]["size"]
+    hub.commit_files(REPO_ID, {manifest["pack"]["path"]: b"\0" * (recorded * 50)}, repo_type="dataset")
+    written: list[int] = []
+    real_open = open
+
+    def counting_open(path, mode="r", *args, **kwargs):  # what the download writes, never past the bound
+        f = real_open(path, mode, *args, **kwargs)
+        if "w" in mode and str(path).endswith(".tar"):
+            write = f.write
+            f.write = lambda data: (written.append(len(data)), write(data))[1]
+        return f
+
+    monkeypatch.setattr(remote_module, "open", counting_open, raising=False)
+    other = Store(tmp_path / "other")
+    why = remote.fetch(a, other)
+    assert why.startswith("refused") and f"more than the {recorded}" in why, why
+    assert sum(written) <= recorded and not other.has(a)
+
+
+def test_a_manifest_over_16_mib_on_the_hub_is_refused_before_it_is_parsed(hub, monkeypatch, tmp_path):
+    key = "ab" * 32
+    hub.commit_files(REPO_ID, {HubRemote.manifest_path(key): b" " * (16 * 1024 * 1024 + 1)}, repo_type="dataset")
+    why = parse_remote(URL).fetch(key, Store(tmp_path / "other"))
+    assert why.startswith("refused") and "more than the 16777216" in why, why

@@ -64,11 +64,12 @@ class AotPackage(Strategy):
         return Built(sorted(dispatcher.built), aoti.build_packages(job.module, recorded, job.workdir, options))
 
     def collect(self, target: Target, workdir: Path) -> list[tuple[str, Path]]:
-        # The packages, and the probe files a fresh load of them left in an empty cache folder.
+        # The packages, and the probe files a fresh load of them left in an empty cache folder (not the
+        # compile's cache: its build folder repeats each package's contents).
         from aotbuild.trees import collect_tree
 
         return ([(f"{aoti.PACKAGE_DIR}/{rel}", p) for rel, p in collect_tree(workdir / aoti.PACKAGE_DIR)]
-                + [(f"{aoti.PROBE_DIR}/{rel}", p) for rel, p in collect_tree(workdir / aoti.PROBE_DIR)])
+                + [(f"{aoti.PROBE_DIR}/{rel}", p) for rel, p in collect_tree(workdir / aoti.PROBE_CACHE)])
 
     def check_records(self, records: tuple[Mapping[str, Any], ...]) -> str:
         for record in records:

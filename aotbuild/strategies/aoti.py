@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import sys
 import tempfile
@@ -53,7 +54,6 @@ from aotbuild.strategies.calls import (
     relayout,
     repeated_blocks,
     snapshot,
-    strides_match,
     structure,
 )
 
@@ -61,7 +61,10 @@ if TYPE_CHECKING:
     from aotbuild.recipe import Recipe
 
 PACKAGE_DIR = "aoti"
-PROBE_DIR = "inductor"
+PROBE_DIR = "inductor"  # in the entry: the files a fresh load of the packages left in an empty Inductor cache
+# In the job's work folder: the probe's own cache. Not the job's Inductor cache (work/inductor), which
+# holds the compile's build folder -- the package's sources and .so again, 49% of an entry's bytes.
+PROBE_CACHE = "probe-cache"
 
 
 def constant_meta(module: Any, fqns: list[str]) -> dict[str, list[Any]]:
@@ -134,8 +137,12 @@ def _package(module: Any, sig: str, args: tuple[Any, ...], kwargs: dict[str, Any
     # elements otherwise: the tiny UNet's biases and norms), so every weight can be supplied at load.
     configs = {**inductor_configs, "aot_inductor.package_constants_in_so": False,
                "always_keep_tensor_constants": True}
-    torch._inductor.aoti_compile_and_package(exported, package_path=str(path), inductor_configs=configs)
-    fqns = _probe(path, workdir / PROBE_DIR)
+    # AOTI writes its device facts into the process's own aot_inductor.metadata dict (torch 2.13's
+    # codecache mutates it in place): a fresh copy for the compile, so the process's settings -- a key
+    # factor of every later jit-cache job or load in it -- are as they were.
+    with torch._inductor.config.patch({"aot_inductor.metadata": dict(torch._inductor.config.aot_inductor.metadata)}):
+        torch._inductor.aoti_compile_and_package(exported, package_path=str(path), inductor_configs=configs)
+    fqns = _probe(path, workdir / PROBE_CACHE)
     weights = [f for f in fqns if f not in lifted]
     record = {"signature": sig, "path": f"{PACKAGE_DIR}/{path.name}", "strides": strides,
               "constants": constant_meta(module, weights), "baked": baked_digests(module, weights)}
@@ -268,8 +275,9 @@ class BlockRecorder:
                 shapes = [t.shape for t in call_tensors(*package["call"])]
                 for instance in package["instances"]:
                     call = self.calls[instance][sig]
-                    call["copies"] = not all(strides_match(*layouts)
-                                             for layouts in zip(shapes, call["strides"], layout, strict=True))
+                    # Exactly: the package checks every stride (AOTI_RUNTIME_CHECK_INPUTS), size-1 ones too.
+                    call["copies"] = not all(list(have) == list(want)
+                                             for _, have, want in zip(shapes, call["strides"], layout, strict=True))
 
     def build(self, workdir: Path, inductor_configs: dict[str, Any]) -> list[dict[str, Any]]:
         named = dict(self.blocks)
@@ -302,7 +310,7 @@ def _relaid(call: tuple[tuple[Any, ...], dict[str, Any]],
     for i, x in enumerate(leaves):
         if isinstance(x, torch.Tensor):
             want = next(wanted)
-            if not strides_match(x.shape, x.stride(), want):
+            if list(x.stride()) != list(want):  # exported in exactly the layout its record names
                 leaves[i] = relayout(x, want)
     return tree_unflatten(leaves, spec)
 
@@ -357,6 +365,7 @@ class PackageRunner:
         self.lifted = lifted or {}
         self.module = module
         self.component = component
+        self.package = package
         self.meta: dict[str, list[Any]] = package["constants"]
         self.strides = package.get("strides")
         self.baked: dict[str, str] = package.get("baked", {})
@@ -409,7 +418,15 @@ class PackageRunner:
             self.swaps += 1
             self.model.load_constants(self._tensors(), check_full_update=True, user_managed=True)
             self.shared["owner"] = self
-        return self.model(*args, **kwargs)
+        try:
+            return self.model(*args, **kwargs)
+        except RuntimeError as exc:  # the package's own input check (AOTI_RUNTIME_CHECK_INPUTS, load_packages)
+            if "input_handles[" not in str(exc):
+                raise
+            first = next((x.strip() for x in str(exc).splitlines() if "input_handles[" in x), "")
+            raise PackageMismatch(f"{self.component}: its AOT package {self.package['path']} refused the call "
+                                  f"({first}): it was not built for the call signature its manifest records (a "
+                                  f"damaged or altered store: run aotbuild verify, rebuild the recipe)") from None
 
     def adapt(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """The call's inputs laid out as the package reads them. A package reads each input with the
@@ -429,7 +446,7 @@ class PackageRunner:
         changed = False
         for i, want in zip(positions, self.strides, strict=True):
             t = leaves[i]
-            if strides_match(t.shape, t.stride(), want):
+            if list(t.stride()) == list(want):  # exactly: the package checks every stride, size-1 ones too
                 continue
             if t.dim() != len(want) or not copyable(t.shape, want):
                 raise PackageMismatch(f"{self.component}: an input of shape {list(t.shape)} has strides "
@@ -449,6 +466,11 @@ def load_packages(module: Any, component: str, packages: list[tuple[dict[str, An
 
     from aotbuild.trees import lay_tree
 
+    # Every package checks each call's inputs (sizes, strides, dtype, device) against what it was built
+    # for, before reading any: a manifest whose recorded signature is not its package's is refused at
+    # the first call, never served at a wrong shape (the check is a few comparisons per input).
+    # Read by each package's library at its first call; a caller's explicit "0" is respected.
+    os.environ.setdefault("AOTI_RUNTIME_CHECK_INPUTS", "1")
     named = dict(module.named_modules())
     routes: dict[str, dict[str, Callable[..., Any]]] = {}
     models = {}

@@ -3,7 +3,7 @@
 Both run the warmup eagerly while the component (or each repeated block) records its calls, then
 compile from those recordings. Here: a call's snapshot (its inputs, copied, each tensor in its own
 layout), its leaves, tensors, strides and float arguments (``torch.utils._pytree``, kwargs in name
-order), the tensor-layout helpers (:func:`strides_match`, :func:`copyable`, :func:`relayout`), and
+order), the tensor-layout helpers (:func:`copyable`, :func:`relayout`), and
 :func:`structure`: what must be equal for one artifact to serve two module instances.
 """
 
@@ -59,17 +59,6 @@ def snapshot(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call:
         return t.clone(memory_format=torch.contiguous_format)
 
     return tree_map(copy, (tuple(args), dict(kwargs)))
-
-
-def strides_match(shape: Any, strides: Any, want: Any) -> bool:
-    """Whether a tensor with ``strides`` is laid out as ``want`` where it matters: a dimension of size 1
-    is only ever read at index 0, so its stride is never used (PyTorch's ``is_contiguous`` ignores it
-    too, so ``.contiguous()`` leaves it as it is), and an empty tensor is never read at all."""
-    if len(strides) != len(want) or len(shape) != len(want):
-        return False
-    if 0 in shape:
-        return True
-    return all(n == 1 or s == w for n, s, w in zip(shape, strides, want, strict=True))
 
 
 def copyable(shape: Any, strides: Any) -> bool:
