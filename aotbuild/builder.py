@@ -454,7 +454,8 @@ def make_manifest(job: Job, records: list[FileRecord], result: dict[str, Any], s
         packages=packages,
         build={"created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                "seconds": round(seconds, 3), "aotbuild": constants.VERSION,
-               "phases": result.get("seconds"), "counters": result.get("counters")},
+               "phases": result.get("seconds"), "counters": result.get("counters"),
+               **(result.get("facts") or {})},  # the target's build_facts: e.g. the vector ISA Inductor picked
         recipe_data=recipe_to_dict(job.recipe),
         structure=result.get("structure"),
         proof=proof,

@@ -10,6 +10,7 @@ compile it (plain ``torch.compile`` behaviour), run it eagerly, or raise ``Shape
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -82,6 +83,8 @@ class Dispatcher:
         self.on_record = on_record
         self.calls = {"built": 0, "unbuilt": 0}
         self.declined = ""  # why a route last refused a call (warned about once)
+        #: told the seconds of the first call a route served, then dropped (load_compiled's report)
+        self.on_first_call: Callable[[float], None] | None = None
 
     @property
     def built(self) -> set[str]:
@@ -92,6 +95,7 @@ class Dispatcher:
         route = self.routes.get(sig)
         why = ""
         if route is not None:
+            timed, start = self.on_first_call, time.perf_counter()
             try:
                 out = route(*args, **kwargs)
             except RouteDeclined as exc:
@@ -99,6 +103,9 @@ class Dispatcher:
                 self._warn_declined(why)
             else:
                 self.calls["built"] += 1
+                if timed is not None:
+                    self.on_first_call = None
+                    timed(time.perf_counter() - start)
                 return out
         self.calls["unbuilt"] += 1
         if self.on_unbuilt == "record":
@@ -161,6 +168,11 @@ def _batch_hint(sig: str, built: list[str]) -> str:
                     f"two halves, whether guidance is on, so call with the prompts and guidance of the recipe's "
                     f"warmup.")
     return ""
+
+
+def dispatchers(module: Any) -> list[Dispatcher]:
+    """Every dispatcher aotbuild put in ``module`` and its submodules."""
+    return [f for sub in module.modules() if isinstance(f := vars(sub).get("forward"), Dispatcher)]
 
 
 def uninstall_dispatchers(module: Any) -> int:

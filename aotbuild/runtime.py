@@ -7,6 +7,7 @@ else: no click, no YAML writer, no rich, no Hub client unless the model itself c
 from __future__ import annotations
 
 import logging
+import time
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -57,6 +58,13 @@ class LoadReport:
     #: tensor parallelism: this process's rank and the degree (its entries are this rank's)
     rank: int | None = None
     tensor: int = 1
+    #: seconds of each load phase: "pipeline" (loading it; ~0 for a pipe passed in), "pull" (with a
+    #: remote), "verify" (hashes and checks of every entry), "install" (the compiler's imports, files,
+    #: packages)
+    timings: dict[str, float] = field(default_factory=dict)
+    #: seconds of each component's first compiled call (Dynamo's trace for jit-cache, the first
+    #: package call for aot-package), filled in when the pipeline first runs
+    first_calls: dict[str, float] = field(default_factory=dict)
 
     @property
     def hits(self) -> list[ReportEntry]:
@@ -70,6 +78,7 @@ class LoadReport:
         return {"recipe": self.recipe, "cache": self.cache, "installed_files": self.installed_files,
                 "present_files": self.present_files, "install_folder": self.install_folder,
                 "remote": self.remote, **({"rank": self.rank, "tensor": self.tensor} if self.rank is not None else {}),
+                "timings": dict(self.timings), "first_calls": dict(self.first_calls),
                 "entries": [
                     {"component": e.component, "shape": e.shape.as_dict(), "key": e.key, "hit": e.hit,
                      "pulled": e.pulled, "reason": e.reason} for e in self.entries]}
@@ -89,6 +98,9 @@ class LoadReport:
                 if self.on_miss != "error":
                     line += f" -> {'compiles on first call' if self.on_miss == 'compile' else 'runs eager'}"
             lines.append(line)
+        if self.timings:
+            lines.append("  load: " + ", ".join(f"{phase} {s:.2f} s" for phase, s in self.timings.items())
+                         + "".join(f", first {c} call {s:.2f} s" for c, s in self.first_calls.items()))
         return "\n".join(lines)
 
 
@@ -124,29 +136,44 @@ def load_compiled(recipe: str | Path | Recipe | Mapping[str, Any], pipe: Any = N
         from aotbuild import parallel
 
         parallel.setup(recipe, ctx.device)
+    started = time.perf_counter()
     pipe = _pipeline(ctx, pipe)
     rank = shard_pipeline(pipe, ctx)  # the caller's pipe too, unless it is sharded already
+    timings = {"pipeline": time.perf_counter() - started}
     pipecall.check_recipe(recipe, pipecall.CallSignature.of(pipe))  # a misspelt warmup key: a recipe error
     blocker = ctx.target.install_blocker()
     wanted = _wanted(ctx, pipe, rank)
-    pulled, remote_notes = _pull_missing(store, remote, [w.key for w in wanted]) if remote and not blocker \
-        else (set(), {})
+    if remote and not blocker:
+        started = time.perf_counter()
+        pulled, remote_notes = _pull_missing(store, remote, [w.key for w in wanted])
+        timings["pull"] = time.perf_counter() - started
+    else:
+        pulled, remote_notes = set(), {}
     report = LoadReport(recipe.name, str(root), on_miss=on_miss, remote=remote.url if remote else "", rank=rank,
-                        tensor=recipe.tensor_parallel)
+                        tensor=recipe.tensor_parallel, timings=timings)
+    started = time.perf_counter()
     # As a reader of the store (its shared lock) from the hash check to the last file installed,
     # so gc or rm cannot remove an entry in between. A read-only store needs no lock.
     with store_lock(root, exclusive=False):
-        planned = _open_entries(ctx, store, pipe, wanted, report, blocker, pulled, remote_notes)
+        with store.hash_once():
+            planned = _open_entries(ctx, store, pipe, wanted, report, blocker, pulled, remote_notes)
+        timings["verify"] = time.perf_counter() - started
         if report.misses and on_miss == "error":
             raise CacheMiss(f"{report}{_next_step(recipe, blocker, remote)}")
-        from aotbuild.dispatch import uninstall_dispatchers
+        from aotbuild.dispatch import dispatchers, uninstall_dispatchers
 
+        started = time.perf_counter()
         for p in planned:  # loaded before into this pipe: install on the module, not around that install
             uninstall_dispatchers(p.module)
+        ctx.target.before_install([e.manifest.build for p in planned for e in p.entries], ctx.device)
         installed = ctx.strategy.install(ctx, planned, _call_policy(on_miss, strict_shapes))
         if installed is not None:
             report.installed_files, report.present_files = installed.installed, installed.present
             report.install_folder = installed.folder
+        timings["install"] = time.perf_counter() - started
+        for p in planned:
+            for d in dispatchers(p.module):
+                d.on_first_call = lambda s, c=p.component: report.first_calls.setdefault(c, round(s, 4))
     from aotbuild import adapters
 
     adapters.guard(pipe, recipe)  # a hot-swap is checked before it changes a weight

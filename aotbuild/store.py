@@ -128,6 +128,8 @@ class Store:
         self.records = records
         #: name -> public key: when set, only entries a trusted key signed are handed out (signing.py)
         self.trusted = trusted
+        #: within hash_once(): the blobs hashed and found right, as (digest, inode, size, mtime)
+        self._verified: set[tuple[str, int, int, int]] | None = None
 
     def untrusted(self, manifest: Manifest) -> str:
         """Why ``manifest`` is not signed by a trusted key ("" when it is, or when no key is trusted)."""
@@ -249,6 +251,16 @@ class Store:
     def has(self, key: str) -> bool:
         return self.layout.manifest(key).is_file()
 
+    @contextlib.contextmanager
+    def hash_once(self) -> Iterator[None]:
+        """Within it, a blob several entries share (an aot-package's ISA probe files) is hashed once,
+        by the first ``open_entry`` that names it: one load's entries, opened under its store lock."""
+        self._verified = set()
+        try:
+            yield
+        finally:
+            self._verified = None
+
     def open_entry(self, key: str) -> tuple[Entry | None, Reason]:
         """A verified entry, or (None, why not). Every blob is hashed before it is handed out."""
         return self._entry(key, verify_hashes=True)
@@ -278,11 +290,15 @@ class Store:
             blob = self.layout.blob(digest)
             what = f"blob {digest[:12]} of {rel}"
             try:
-                actual_size = blob.stat().st_size
-                if actual_size != size:
-                    return None, Reason(Unusable.BLOB_SIZE, f"{what} has {actual_size} bytes, expected {size}")
-                if verify_hashes and sha256_file(blob) != digest:
-                    return None, Reason(Unusable.BLOB_CORRUPT, f"{what} is corrupt (hash mismatch)")
+                st = blob.stat()
+                if st.st_size != size:
+                    return None, Reason(Unusable.BLOB_SIZE, f"{what} has {st.st_size} bytes, expected {size}")
+                seen = (digest, st.st_ino, st.st_size, st.st_mtime_ns)
+                if verify_hashes and (self._verified is None or seen not in self._verified):
+                    if sha256_file(blob) != digest:
+                        return None, Reason(Unusable.BLOB_CORRUPT, f"{what} is corrupt (hash mismatch)")
+                    if self._verified is not None:
+                        self._verified.add(seen)
             except FileNotFoundError:  # missing, or removed by gc while we read
                 return None, Reason(Unusable.BLOB_MISSING, f"{what} is missing")
             except OSError as exc:

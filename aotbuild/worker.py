@@ -70,6 +70,7 @@ def run(job: dict) -> dict:
         "seconds": {"load": round(t_load - t0, 3), "compile_and_warmup": round(t_warm - t_load, 3)},
         "counters": {k: int(v) for k, v in counters["inductor"].items() if "cache" in k},
         "pipeline_class": type(pipe).__name__,
+        "facts": ctx.target.build_facts(ctx.device),
         **({"rank": rank} if rank is not None else {}),
     }
 

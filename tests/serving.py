@@ -91,6 +91,8 @@ SERVE = textwrap.dedent("""
         "strict": strict, "calls": {n: d.calls for n, d in dispatchers.items()},
         "swaps": sum(getattr(getattr(x, "runner", None), "swaps", 0)
                      for d in dispatchers.values() for x in d.routes.values()),
+        "timings": report.timings, "first_calls": report.first_calls, "report": str(report),
+        "component": component, "remote": remote is not None,
     }))
 """)
 
@@ -119,6 +121,10 @@ def assert_served(result: dict) -> None:
     assert result["counters"].get("fxgraph_cache_miss", 0) == 0  # whatever the strategy counts
     assert result["max_diff"] <= 1e-4 and result["component_max_diff"] <= 1e-5
     assert result["strict"] and "1x4x4x4" in result["strict"]  # 32x32 pixels = a 4x4 latent
+    # the load's phases, and the first compiled call of the component, timed (docs/runtime.md)
+    assert set(result["timings"]) == {"pipeline", "verify", "install"} | ({"pull"} if result["remote"] else set())
+    assert all(s >= 0 for s in result["timings"].values()) and set(result["first_calls"]) == {result["component"]}
+    assert "  load: pipeline " in result["report"]
 
 
 def assert_warm(result: dict) -> None:

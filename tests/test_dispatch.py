@@ -34,6 +34,20 @@ def test_built_shape_runs_compiled_other_shapes_follow_policy():
     assert seen == [torch.Size([2, 3]), torch.Size([4, 3])] and d.calls == {"built": 1, "unbuilt": 1}
 
 
+def test_the_first_call_a_route_serves_is_timed_once_and_unbuilt_calls_are_not():
+    from aotbuild.dispatch import dispatchers
+
+    m, d, _ = setup("eager")
+    timed = []
+    assert dispatchers(m) == [d]
+    d.on_first_call = timed.append
+    m(torch.zeros(4, 3), flag=None)  # unbuilt: not the compiled path's first call
+    assert timed == []
+    m(torch.zeros(2, 3), flag=None)
+    m(torch.zeros(2, 3), flag=None)
+    assert len(timed) == 1 and timed[0] >= 0 and d.on_first_call is None
+
+
 def test_strict_raises_shape_not_built():
     m, _, seen = setup("error")
     assert torch.equal(m(torch.ones(2, 3), flag=None), torch.full((2, 3), 2.0))

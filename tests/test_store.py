@@ -129,3 +129,22 @@ def test_a_key_prefix_that_is_not_hex_says_so(tmp_path, prefix, message):
     with pytest.raises(UsageError) as info:
         Store(tmp_path).resolve_prefix(prefix)
     assert message in str(info.value)
+
+
+def test_one_load_hashes_a_blob_two_entries_share_once_and_a_later_load_hashes_it_again(tmp_path, monkeypatch):
+    import aotbuild.store as store_module
+
+    store = Store(tmp_path / "c")
+    one = manifests.add_entry(store, tmp_path / "src", "shares-a", {"probe.so": b"isa", "a.so": b"A"})
+    two = manifests.add_entry(store, tmp_path / "src", "shares-b", {"probe.so": b"isa", "b.so": b"B"})
+    hashed = []
+    real = store_module.sha256_file
+    monkeypatch.setattr(store_module, "sha256_file", lambda p: hashed.append(Path(p).name) or real(p))
+    with store.hash_once():
+        assert store.open_entry(one)[0] is not None and store.open_entry(two)[0] is not None
+    assert len(hashed) == 3  # probe.so once, a.so, b.so
+    shared = store.layout.blob(real(tmp_path / "src" / "shares-a" / "probe.so"))
+    shared.chmod(0o644)
+    shared.write_bytes(b"ISA")  # the same size, changed after that load
+    entry, why = store.open_entry(two)  # a later load hashes again
+    assert entry is None and "corrupt" in why

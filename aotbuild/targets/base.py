@@ -9,7 +9,7 @@ functions) is the strategy's concern (``aotbuild/strategies``), not the target's
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -133,6 +133,15 @@ class Target:
     def install_blocker(self) -> str:
         """Why this process could not use installed artifacts (then every entry is a miss), or ""."""
         return ""
+
+    def build_facts(self, device: str) -> dict[str, Any]:
+        """What this process's compiler chose for the machine during a build, which a load may use to
+        skip work (recorded in the manifest's ``build``), or {}."""
+        return {}
+
+    def before_install(self, builds: list[Mapping[str, Any]], device: str) -> None:
+        """Prepare this process for the hit entries, given each one's ``build`` record (its
+        ``build_facts``): skip what they make redundant here, never what they cannot vouch for."""
 
     def install(self, files: Iterable[tuple[str, Path]], device: str) -> InstallResult:
         """Put artifacts back where this process's compiler will find them, before compiling."""
