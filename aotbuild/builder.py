@@ -94,11 +94,18 @@ Progress = Callable[[str, int, int, Job, "JobResult | None"], None]
 def build(recipes: Recipes, cache: str | Path | None = None, *,
           progress: Progress | None = None, shard: tuple[int, int] | None = None,
           remote: Remote | None = None, max_size: int | None = None,
-          sign_key: str | Path | None = None) -> BuildReport:
+          sign_key: str | Path | None = None, pipe: Any = None) -> BuildReport:
     """Build every missing job of ``recipes``; jobs already cached (and intact) are left alone.
 
     ``recipes``: recipe files or folders, recipe data as dicts, Recipe objects, or a list of them
     (as :func:`aotbuild.plan`).
+
+    ``pipe``: build one recipe for this pipeline object instead of the recipe's ``model.id`` (a model
+    you changed in code: another config, other weights), so that ``load_compiled(recipe, pipe=pipe)``
+    hits. It is saved (``save_pretrained``) to a temporary folder (``TMPDIR``) that the jobs and their
+    proofs load from, each in a fresh process as always, and removed afterwards. Pass it as
+    ``from_pretrained`` gave it: the recipe's ``lora`` and ``model.quantization`` are applied by the
+    jobs, as for any build.
 
     ``shard=(I, N)`` builds only shard I of N of the full job list (planner.shard). With ``remote``,
     a job the remote already holds is not built ("on remote"): pushing it again would send nothing.
@@ -106,6 +113,9 @@ def build(recipes: Recipes, cache: str | Path | None = None, *,
     pyproject.toml also names the cache) is the cache's
     size limit: an entry bigger than it is not stored, and after the build ``gc`` removes the least
     recently used entries until the cache fits (never one this build needs)."""
+    if pipe is not None:
+        return _build_for_pipe(recipes, pipe, cache, progress=progress, shard=shard, remote=remote,
+                               max_size=max_size, sign_key=sign_key)
     root, origin = cache_root_origin(cache)
     store = checked_store(root)
     if sign_key is not None:  # a bad key fails now, not after an hour of compiling
@@ -179,6 +189,29 @@ def build(recipes: Recipes, cache: str | Path | None = None, *,
             except StoreError as exc:  # the entries are stored; only the clean-up could not run
                 report.note = f"the cache is over its size limit and gc could not run: {exc}"
     return report
+
+
+def _build_for_pipe(recipes: Recipes, pipe: Any, cache: str | Path | None, **options: Any) -> BuildReport:
+    """``build(recipe, pipe=pipe)``: the pipeline saved where the jobs load it, for the build only."""
+    import logging
+    import shutil
+
+    from aotbuild.errors import UsageError
+    from aotbuild.recipes import resolve_recipes
+
+    loaded = resolve_recipes(recipes)
+    if len(loaded) != 1:
+        raise UsageError(f"build(..., pipe=pipe) builds one recipe for that pipeline; got {len(loaded)} recipes")
+    if not hasattr(pipe, "save_pretrained"):
+        raise UsageError(f"pipe= takes a diffusers pipeline (it is saved with save_pretrained); got "
+                         f"{type(pipe).__name__}")
+    folder = Path(tempfile.mkdtemp(prefix="aotbuild-pipe-"))
+    try:
+        logging.getLogger("aotbuild").info("saving the pipeline for the build's jobs in %s", folder)
+        pipe.save_pretrained(str(folder))
+        return build([replace(loaded[0], pipeline_folder=str(folder))], cache, **options)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _whole_groups(jobs: list[Job]) -> None:

@@ -108,6 +108,12 @@ def _local_folder(recipe: Recipe) -> Path | None:
 
 def resolve_model(recipe: Recipe, cache_root: Path) -> ResolvedModel:
     spec = recipe.model
+    if recipe.pipeline_folder:  # aotbuild.build(recipe, pipe=pipe): the caller's pipeline, saved for the jobs
+        folder = Path(recipe.pipeline_folder)
+        check_model_folder(folder)
+        data = _read_json(folder / "model_index.json", inside=folder)
+        check_model_index(data, str(folder / "model_index.json"))
+        return ResolvedModel(str(folder.resolve()), True, data, None, {"id": spec.id, "from_pipe": True})
     if builtin.is_builtin(spec.id):
         model = builtin.lookup(spec.id)
         folder = builtin.ensure(spec.id, Layout(cache_root).models)

@@ -208,6 +208,10 @@ class Recipe:
     #: The folder a relative ``model.id`` is resolved against; None: the recipe file's folder. A job
     #: or proof process gets it from its parent (it runs elsewhere) instead of re-reading the file.
     folder: str | None = field(default=None, compare=False)
+    #: Where the jobs load the pipeline from instead of ``model.id``: a pipeline object passed to
+    #: ``aotbuild.build(recipe, pipe=pipe)``, saved for them. Never from a file (Python only), never
+    #: in a manifest or a key: the keys come from the components' classes and configs, as for a load.
+    pipeline_folder: str | None = field(default=None, compare=False)
 
     @property
     def base(self) -> Path:
@@ -504,7 +508,8 @@ def recipe_spec(recipe: Recipe) -> dict[str, Any]:
     data = recipe_to_dict(recipe)
     data.pop("name")
     return {"data": data, "name": recipe.name, "source": recipe.source,
-            "folder": str(recipe.base.absolute())}
+            "folder": str(recipe.base.absolute()),
+            **({"pipeline_folder": recipe.pipeline_folder} if recipe.pipeline_folder else {})}
 
 
 def recipe_to_dict(recipe: Recipe) -> dict[str, Any]:

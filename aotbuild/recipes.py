@@ -104,7 +104,12 @@ def as_recipe(value: Any) -> Recipe:
 
 def recipe_from_spec(spec: Mapping[str, Any]) -> Recipe:
     """The :class:`Recipe` that :func:`aotbuild.recipe.recipe_spec` wrote, validated again."""
-    return parse_recipe(spec["data"], spec["source"], spec["name"], folder=spec["folder"])
+    recipe = parse_recipe(spec["data"], spec["source"], spec["name"], folder=spec["folder"])
+    if spec.get("pipeline_folder"):
+        from dataclasses import replace
+
+        recipe = replace(recipe, pipeline_folder=str(spec["pipeline_folder"]))
+    return recipe
 
 
 def load_recipes(paths: list[str] | tuple[str, ...], errors: list[RecipeError] | None = None) -> list[Recipe]:

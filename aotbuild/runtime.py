@@ -129,7 +129,8 @@ def load_compiled(recipe: str | Path | Recipe | Mapping[str, Any], pipe: Any = N
     from aotbuild.signing import trusted_from_env
 
     store = checked_store(root, trusted_from_env(trusted_keys))
-    ctx = Context.create(recipe, root, resolve_model=pipe is None)
+    passed = pipe is not None
+    ctx = Context.create(recipe, root, resolve_model=not passed)
     if ctx.problem:
         raise TargetUnavailable(f"{recipe.source}: {ctx.problem}")
     if recipe.tensor_parallel > 1:  # a rank: its process group, device and threads before the weights load
@@ -159,7 +160,7 @@ def load_compiled(recipe: str | Path | Recipe | Mapping[str, Any], pipe: Any = N
             planned = _open_entries(ctx, store, pipe, wanted, report, blocker, pulled, remote_notes)
         timings["verify"] = time.perf_counter() - started
         if report.misses and on_miss == "error":
-            raise CacheMiss(f"{report}{_next_step(recipe, blocker, remote)}")
+            raise CacheMiss(f"{report}{_next_step(recipe, blocker, remote, passed)}")
         from aotbuild.dispatch import dispatchers, uninstall_dispatchers
 
         started = time.perf_counter()
@@ -178,7 +179,7 @@ def load_compiled(recipe: str | Path | Recipe | Mapping[str, Any], pipe: Any = N
 
     adapters.guard(pipe, recipe)  # a hot-swap is checked before it changes a weight
     pipe.aotbuild_report = report
-    _announce(report, recipe, on_miss, blocker)
+    _announce(report, recipe, on_miss, blocker, passed)
     return pipe
 
 
@@ -263,11 +264,14 @@ def _structure_problem(module: Any, component: str, entry: Entry) -> str:
     return mismatch(module, entry.manifest.structure or {}, component)
 
 
-def _next_step(recipe: Recipe, blocker: str, remote: Remote | None) -> str:
+def _next_step(recipe: Recipe, blocker: str, remote: Remote | None, passed: bool = False) -> str:
+    """What builds the misses: for a pipe the caller passed (maybe not the recipe's model), the
+    build for that pipeline object."""
     if blocker:
         return ""
-    return (f"\n  next: {build_hint(recipe)} builds them here"
-            + (" (or load with remote=URL to fetch CI-built entries)" if remote is None else ""))
+    how = "`aotbuild.build(recipe, pipe=pipe)` builds them for this pipeline" if passed \
+        else f"{build_hint(recipe)} builds them here"
+    return f"\n  next: {how}" + (" (or load with remote=URL to fetch CI-built entries)" if remote is None else "")
 
 
 def _call_policy(on_miss: str, strict_shapes: bool) -> str:
@@ -277,7 +281,7 @@ def _call_policy(on_miss: str, strict_shapes: bool) -> str:
     return "error" if strict_shapes else ("eager" if on_miss == "eager" else "compile")
 
 
-def _announce(report: LoadReport, recipe: Recipe, on_miss: str, blocker: str) -> None:
+def _announce(report: LoadReport, recipe: Recipe, on_miss: str, blocker: str, passed: bool = False) -> None:
     """The report at INFO; a warning naming the misses, if any."""
     log.info("%s", report)
     if not report.misses:
@@ -285,7 +289,8 @@ def _announce(report: LoadReport, recipe: Recipe, on_miss: str, blocker: str) ->
     then = "compiles on first call" if on_miss == "compile" else "runs eagerly"
     misses = "; ".join(f"{e.component} {e.shape} ({e.key[:12]}): {e.reason}" for e in report.misses[:3])
     more = f"; and {len(report.misses) - 3} more" if len(report.misses) > 3 else ""
-    build = "" if blocker else f"; {build_hint(recipe)} builds them"
+    build = "" if blocker else "; `aotbuild.build(recipe, pipe=pipe)` builds them" if passed \
+        else f"; {build_hint(recipe)} builds them"
     warnings.warn(f"aotbuild: {recipe.name}: {len(report.misses)} of {len(report.entries)} entries missed, each "
                   f"{then}: {misses}{more} (pipe.aotbuild_report has them all{build})", stacklevel=3)
 
