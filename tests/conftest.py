@@ -53,17 +53,18 @@ def run_python(code: str, env: dict | None = None, cwd: Path | None = None) -> s
                           env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})}, cwd=cwd or REPO)
 
 
-#: Session fixtures that build for real (minutes): every test using one runs on the same xdist
-#: worker, so the build happens once per run (tests/test_strategies.py's ``served`` needs both).
+#: Session fixtures that build for real (minutes): the tests using one run on one xdist worker, so
+#: each build happens once per run. A test uses at most one of them (two groups balance the workers).
 SHARED_BUILDS = ("built_cache", "strategy_build")
 
 
 def pytest_collection_modifyitems(config, items):
-    """Group the tests for ``--dist=loadgroup``: those sharing a session build in one group, the rest
+    """Group the tests for ``--dist=loadgroup``: those sharing a session build by that build, the rest
     by module (module fixtures, e.g. tests/test_parallel.py's builds, are built once per worker)."""
     for item in items:
-        shared = any(name in item.fixturenames for name in SHARED_BUILDS)
-        item.add_marker(pytest.mark.xdist_group("shared-builds" if shared else item.module.__name__))
+        shared = [name for name in SHARED_BUILDS if name in item.fixturenames]
+        assert len(shared) <= 1, f"{item.nodeid} uses {shared}: one shared build per test keeps one build per run"
+        item.add_marker(pytest.mark.xdist_group(shared[0] if shared else item.module.__name__))
 
 
 @pytest.fixture(scope="session")

@@ -11,28 +11,14 @@ import shutil
 import pytest
 
 from aotbuild.strategies import strategy_names
-from tests.conftest import TINY_RECIPE
 from tests.serving import assert_served, serve_fresh
 
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="session")
-def served(strategy_build, built_cache):
-    """(recipe file, cache) built for a strategy: jit-cache shares tests/test_e2e.py's two-shape build."""
-
-    def get(strategy: str):
-        if strategy == "jit-cache":
-            return TINY_RECIPE, built_cache[0]
-        recipe, cache, _ = strategy_build(strategy)
-        return recipe, cache
-
-    return get
-
-
 @pytest.mark.parametrize("strategy", strategy_names())
-def test_a_fresh_process_serves_a_moved_cache_with_no_compile(strategy, served, tmp_path):
-    recipe, cache = served(strategy)
+def test_a_fresh_process_serves_a_moved_cache_with_no_compile(strategy, strategy_build, tmp_path):
+    recipe, cache, _ = strategy_build(strategy)  # jit-cache's too is tests/test_structure.py's
     moved = tmp_path / "moved" / "cache"
     shutil.copytree(cache, moved)
     assert_served(serve_fresh(recipe, moved, tmp_path))
