@@ -11,14 +11,7 @@ import torch
 
 import aotbuild
 from aotbuild.errors import UsageError
-
-TINY = {
-    "model": {"id": "builtin:tiny-sd", "dtype": "float32"},
-    "target": "inductor",
-    "device": "cpu",
-    "shapes": [{"height": 64, "width": 64}],
-    "warmup": {"num_inference_steps": 2, "guidance_scale": 0.0},
-}
+from tests.test_dict_recipes import TINY  # recipes/tiny_sd_cpu.yaml's settings at one shape
 
 
 def _changed_pipe(models_dir):
