@@ -13,6 +13,14 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_RECIPE = REPO / "recipes" / "tiny_sd_cpu.yaml"
+#: recipes/tiny_sd_cpu.yaml's settings at one shape, as the dict a Python caller passes.
+TINY_DICT = {
+    "model": {"id": "builtin:tiny-sd", "dtype": "float32"},
+    "target": "inductor",
+    "device": "cpu",
+    "shapes": [{"height": 64, "width": 64}],
+    "warmup": {"num_inference_steps": 2, "guidance_scale": 0.0},
+}
 #: The environment that puts the stand-in backends (tests/fakes) under the real backends' names, for a
 #: subprocess only: the fakes never leak into the tests' own process.
 FAKES = {"PYTHONPATH": f"{REPO}:{REPO / 'tests' / 'fakes'}"}

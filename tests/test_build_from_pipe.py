@@ -11,7 +11,7 @@ import torch
 
 import aotbuild
 from aotbuild.errors import UsageError
-from tests.test_dict_recipes import TINY  # recipes/tiny_sd_cpu.yaml's settings at one shape
+from tests.conftest import TINY_DICT as TINY
 
 
 def _changed_pipe(models_dir):

@@ -11,15 +11,9 @@ import aotbuild
 from aotbuild.errors import RecipeError
 from aotbuild.recipe import recipe_spec
 from aotbuild.recipes import load_recipe, parse_recipe, recipe_from_spec
-from tests.conftest import TINY_RECIPE
+from tests.conftest import TINY_DICT, TINY_RECIPE
 
-TINY = {
-    "model": {"id": "builtin:tiny-sd", "dtype": "float32"},
-    "target": "inductor",
-    "device": "cpu",
-    "shapes": [{"height": 64, "width": 64}],
-    "warmup": {"num_inference_steps": 2, "guidance_scale": 0.0},
-}
+TINY = TINY_DICT
 
 
 def test_exported_from_the_package():
