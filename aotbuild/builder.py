@@ -8,8 +8,10 @@ reported with the end of its log (kept under ``<cache>/logs``) and never stored;
 from __future__ import annotations
 
 import contextlib
+import json
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
@@ -58,6 +60,9 @@ class BuildReport:
     results: list[JobResult]
     gc: GcReport | None = None  # when the build took the cache past its size limit
     note: str = ""
+    #: pipeline loads: "build" by the compiling processes (a loader process shared by a recipe's jobs,
+    #: or a worker that loaded its own), "proof" by the proofs (a fresh process per entry), for "jobs"
+    loads: dict[str, int] = field(default_factory=lambda: {"jobs": 0, "build": 0, "proof": 0})
 
     @property
     def failed(self) -> list[JobResult]:
@@ -72,6 +77,11 @@ class BuildReport:
                  format_size(r.size) if r.size else "-", r.reason] for r in self.results]
         lines = [table(rows, ["job", "key", "status", "seconds", "size", "note"]), f"cache: {self.cache}"]
         lines += [pushed] if pushed else []
+        jobs = self.loads["jobs"]
+        if jobs:
+            lines.append(f"loads: the pipeline was loaded {_times(self.loads['build'])} to compile {jobs} job"
+                         f"{'s' if jobs != 1 else ''}, and {_times(self.loads['proof'])} by the proofs "
+                         f"(a fresh process per entry)")
         lines += [f"note: {self.note}"] if self.note else []
         if self.gc is not None:
             lines.append(f"gc: removed {len(self.gc.removed)} least recently used entries to keep the cache under its "
@@ -83,7 +93,85 @@ class BuildReport:
         for r in self.results:
             counts[r.status] = counts.get(r.status, 0) + 1
         return {"cache": self.cache, "jobs": [r.as_json() for r in self.results], "counts": counts,
+                "loads": dict(self.loads),
                 **({"gc": self.gc.as_json()} if self.gc else {}), **({"note": self.note} if self.note else {})}
+
+
+def _times(n: int) -> str:
+    return {1: "once", 2: "twice"}.get(n, f"{n} times")
+
+
+class SharedLoads:
+    """The build's loader processes (aotbuild/loader.py): one per recipe whose target shares loads,
+    started at the recipe's first job and stopped after its last job's worker, before that job's
+    proof (which loads its own copy), so the host holds at most the loader's copy and one other."""
+
+    def __init__(self, store: Store, jobs: list[Job]) -> None:
+        self.store = store
+        self.remaining = Counter(self._identity(j) for j in jobs if self._shares(j))
+        self.current: tuple[str, Any, contextlib.ExitStack] | None = None
+        self.counts = {"jobs": 0, "build": 0, "proof": 0}
+
+    @staticmethod
+    def _shares(job: Job) -> bool:
+        from aotbuild import loader
+
+        return job.ctx is not None and job.ctx.target.shares_loads and job.recipe.tensor_parallel == 1 \
+            and loader.available()
+
+    @staticmethod
+    def _identity(job: Job) -> str:
+        return json.dumps(recipe_spec(job.recipe), sort_keys=True, default=str)
+
+    def worker(self, job: Job) -> Callable[..., tuple[int, dict[str, Any]]]:
+        """What runs ``job``'s worker, with :func:`aotbuild.child.spawn`'s signature: a child forked
+        from its recipe's loader, or (a target that cannot share loads) a fresh worker."""
+        self.counts["jobs"] += 1
+        if not self._shares(job):
+            self.counts["build"] += 1
+            return child.spawn
+        assert job.ctx is not None
+        identity = self._identity(job)
+        if self.current is None or self.current[0] != identity:
+            from aotbuild.loader import Loader
+
+            self._stop()
+            self.store.layout.tmp.mkdir(parents=True, exist_ok=True)
+            folder = Path(tempfile.mkdtemp(prefix="load.", dir=self.store.layout.tmp))
+            held = contextlib.ExitStack()
+            held.enter_context(flocked(folder / ".lock", exclusive=True, timeout=0))  # verify --fix keeps out
+            held.callback(self.store.clean_staging, folder)
+            loader = Loader(recipe_spec(job.recipe), self.store.root, folder, job.ctx.target.capture_env(folder))
+            held.callback(loader.close)
+            self.current = (identity, loader, held)
+        loader = self.current[1]
+
+        def run(module: str, spec: dict[str, Any], spec_path: Path, log: Path, **options: Any) -> tuple[int, dict]:
+            assert module == "aotbuild.worker"
+            before = loader.loads
+            try:
+                return loader.run(spec, spec_path, log, cwd=options.pop("cwd", None), **options)
+            finally:
+                self.counts["build"] += loader.loads - before
+
+        return run
+
+    def done(self, job: Job) -> None:
+        """``job``'s worker ended: after its recipe's last one, that recipe's loader stops."""
+        if not self._shares(job):
+            return
+        identity = self._identity(job)
+        self.remaining[identity] -= 1
+        if self.remaining[identity] <= 0 and self.current is not None and self.current[0] == identity:
+            self._stop()
+
+    def _stop(self) -> None:
+        if self.current is not None:
+            self.current[2].close()
+            self.current = None
+
+    def close(self) -> None:
+        self._stop()
 
 
 #: progress(event, n, total, job, result): event is "start", "tick" (result.status holds the worker's
@@ -150,6 +238,28 @@ def build(recipes: Recipes, cache: str | Path | None = None, *,
         elif job.key in on_remote:
             results[i] = JobResult(job, ON_REMOTE, reason=f"already on {remote.url if remote else ''}")
     todo = [j for i, j in enumerate(jobs) if i not in results]
+    loads = SharedLoads(store, todo)
+    try:
+        report = _run_jobs(store, jobs, todo, results, loads, progress, limit, sign_key)
+    finally:
+        loads.close()
+    report.loads = loads.counts
+    if limit is not None and any(r.status == BUILT for r in report.results):
+        from aotbuild.manage import gc, store_size
+
+        if store_size(store) > limit:
+            needed = frozenset(r.job.key for r in report.results if r.job.key)
+            try:
+                report.gc = gc(store, max_size=limit, keep=needed)
+            except StoreError as exc:  # the entries are stored; only the clean-up could not run
+                report.note = f"the cache is over its size limit and gc could not run: {exc}"
+    return report
+
+
+def _run_jobs(store: Store, jobs: list[Job], todo: list[Job], results: dict[int, JobResult], loads: SharedLoads,
+              progress: Progress | None, limit: int | None, sign_key: str | Path | None) -> BuildReport:
+    """Every job not yet in ``results``, in order: built once per key, a tensor-parallel job's ranks
+    in one launch."""
     done_keys: dict[str, JobResult] = {}
     ranked: dict[str, JobResult] = {}  # results of a tensor-parallel job's ranks not reached yet
     for n, (i, job) in enumerate((i, j) for i, j in enumerate(jobs) if i not in results):
@@ -165,30 +275,20 @@ def build(recipes: Recipes, cache: str | Path | None = None, *,
         elif job.siblings:
             tick = _ticker(progress, n + 1, len(todo), job) if progress else None
             group = sorted((j for j in todo if j.group == job.group), key=lambda j: j.rank or 0)
-            for sibling, sibling_result in zip(group, _build_ranks_once(store, group, tick, limit, sign_key),
+            for sibling, sibling_result in zip(group, _build_ranks_once(store, group, tick, limit, sign_key, loads),
                                                strict=True):
                 _remember(store, sibling, sibling_result)
                 done_keys[sibling.key] = ranked[sibling.key] = sibling_result  # type: ignore[index]
             result = ranked.pop(job.key)
         else:
             tick = _ticker(progress, n + 1, len(todo), job) if progress else None
-            result = _build_once(store, job, tick, limit, sign_key)
+            result = _build_once(store, job, tick, limit, sign_key, loads)
             _remember(store, job, result)
             done_keys[job.key] = result
         results[i] = result
         if progress:
             progress("end", n + 1, len(todo), job, result)
-    report = BuildReport(str(root), [results[i] for i in range(len(jobs))])
-    if limit is not None and any(r.status == BUILT for r in report.results):
-        from aotbuild.manage import gc, store_size
-
-        if store_size(store) > limit:
-            needed = frozenset(r.job.key for r in report.results if r.job.key)
-            try:
-                report.gc = gc(store, max_size=limit, keep=needed)
-            except StoreError as exc:  # the entries are stored; only the clean-up could not run
-                report.note = f"the cache is over its size limit and gc could not run: {exc}"
-    return report
+    return BuildReport(str(store.root), [results[i] for i in range(len(jobs))])
 
 
 def _build_for_pipe(recipes: Recipes, pipe: Any, cache: str | Path | None, **options: Any) -> BuildReport:
@@ -239,7 +339,7 @@ def _sign_cached(store: Store, key: str, sign_key: str | Path) -> None:
 
 
 def _build_once(store: Store, job: Job, tick: Tick | None, limit: int | None,
-                sign_key: str | Path | None = None) -> JobResult:
+                sign_key: str | Path | None = None, loads: SharedLoads | None = None) -> JobResult:
     """Build ``job`` under its per-key lock: a second builder of the same job (another CI shard,
     another terminal) waits for the first, showing that it waits, then finds the entry cached."""
     assert job.key is not None
@@ -258,13 +358,13 @@ def _build_once(store: Store, job: Job, tick: Tick | None, limit: int | None,
                     store.touch(job.key)
                     return JobResult(job, CACHED, time.perf_counter() - started, size=entry.manifest.size,
                                      reason="built meanwhile by another aotbuild process")
-            return _build_one(store, job, tick, limit, sign_key)
+            return _build_one(store, job, tick, limit, sign_key, loads=loads)
     except StoreError as exc:  # the lock file cannot be created: a read-only store
         return JobResult(job, FAILED, 0.0, reason=f"cannot build into {store.root}: {exc}")
 
 
 def _build_ranks_once(store: Store, jobs: list[Job], tick: Tick | None, limit: int | None,
-                      sign_key: str | Path | None) -> list[JobResult]:
+                      sign_key: str | Path | None, loads: SharedLoads) -> list[JobResult]:
     """Every rank of one tensor-parallel job, under its rank 0's build lock (as :func:`_build_once`)."""
     first = jobs[0]
     assert first.group is not None
@@ -283,13 +383,15 @@ def _build_ranks_once(store: Store, jobs: list[Job], tick: Tick | None, limit: i
                     return [JobResult(j, CACHED, time.perf_counter() - started, size=e.manifest.size,
                                       reason="built meanwhile by another aotbuild process")
                             for j, e in zip(jobs, entries, strict=True) if e is not None]
-            return _build_ranks(store, jobs, tick, limit, sign_key)
+            loads.counts["jobs"] += 1
+            loads.counts["build"] += len(jobs)  # each rank loads its own (and shards it)
+            return _build_ranks(store, jobs, tick, limit, sign_key, loads)
     except StoreError as exc:
         return [JobResult(j, FAILED, 0.0, reason=f"cannot build into {store.root}: {exc}") for j in jobs]
 
 
 def _build_ranks(store: Store, jobs: list[Job], tick: Tick | None, limit: int | None,
-                 sign_key: str | Path | None) -> list[JobResult]:
+                 sign_key: str | Path | None, loads: SharedLoads) -> list[JobResult]:
     """One tensor-parallel job: its N ranks compiled in one launch of N worker processes sharing one
     compiler cache folder, each rank's entry laid out in its own folder, all N proven by a fresh
     N-rank launch, then stored (nothing of any rank unless every rank passed)."""
@@ -337,6 +439,7 @@ def _build_ranks(store: Store, jobs: list[Job], tick: Tick | None, limit: int | 
                 per_rank.append(files)
             phase.write_text(f"proving: {tensor} fresh ranks serve the entries")
             t_proof = time.perf_counter()
+            loads.counts["proof"] += tensor
             try:
                 proofs = _prove_ranks(jobs, per_rank, results, seconds, staging, store.root, tick, started)
             except ProofFailed as exc:
@@ -398,7 +501,7 @@ def _entry_size(store: Store, key: str | None) -> int:
 
 
 def _build_one(store: Store, job: Job, tick: Tick | None = None, limit: int | None = None,
-               sign_key: str | Path | None = None) -> JobResult:
+               sign_key: str | Path | None = None, *, loads: SharedLoads | None = None) -> JobResult:
     assert job.key is not None and job.factors is not None and job.ctx is not None
     target = job.ctx.target
     started = time.perf_counter()
@@ -418,9 +521,14 @@ def _build_one(store: Store, job: Job, tick: Tick | None = None, limit: int | No
             # What a compiler's debug options write (torch_compile_debug/, with real tensors) goes to the
             # job's folder, removed with it, never into the cwd (a pull request's checkout).
             env = {**target.capture_env(staging), "TORCH_COMPILE_DEBUG_DIR": str(staging / "debug")}
-            code, result = child.spawn("aotbuild.worker", spec, staging / "job.json", staging / "worker.log",
-                                       env=env, phase_file=phase, tick=tick, started=started, name="worker",
-                                       timeout=constants.limit("job_seconds"))
+            loads = loads if loads is not None else SharedLoads(store, [job])
+            try:
+                code, result = loads.worker(job)("aotbuild.worker", spec, staging / "job.json",
+                                                 staging / "worker.log", env=env, phase_file=phase, tick=tick,
+                                                 started=started, name="worker",
+                                                 timeout=constants.limit("job_seconds"))
+            finally:
+                loads.done(job)  # after its recipe's last job, the loader's copy is freed before the proof
             seconds = time.perf_counter() - started
             if code != 0 or "error" in result:
                 _keep_log(staging / "worker.log", log_path)
@@ -429,6 +537,7 @@ def _build_one(store: Store, job: Job, tick: Tick | None = None, limit: int | No
             if not files:
                 return JobResult(job, FAILED, seconds, reason="the job compiled nothing: no artifact to store")
             phase.write_text("proving: a fresh process serves the entry")
+            loads.counts["proof"] += 1
             try:
                 t_proof = time.perf_counter()
                 proof = _prove(job, files, result, seconds, staging, store.root, tick, started)
@@ -488,6 +597,7 @@ def make_manifest(job: Job, records: list[FileRecord], result: dict[str, Any], s
         build={"created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                "seconds": round(seconds, 3), "aotbuild": constants.VERSION,
                "phases": result.get("seconds"), "counters": result.get("counters"),
+               **({"loaded_by": result["loaded_by"]} if result.get("loaded_by") else {}),
                **(result.get("facts") or {})},  # the target's build_facts: e.g. the vector ISA Inductor picked
         recipe_data=recipe_to_dict(job.recipe),
         structure=result.get("structure"),

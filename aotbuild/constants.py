@@ -28,6 +28,9 @@ ENV_QUIETED = "AOTBUILD_QUIETED"
 #: Compiler options a recipe may set although they are free-form (strings, paths, lists): comma-separated
 #: names, or "*". An environment variable, because in CI a pull request controls recipes and pyproject.toml.
 ENV_ALLOW_OPTIONS = "AOTBUILD_ALLOW_OPTIONS"
+#: Set to 0: every build job gets a fresh worker that loads the pipeline itself, instead of a child
+#: forked from the recipe's loader process (aotbuild/loader.py).
+ENV_SHARED_LOADS = "AOTBUILD_SHARED_LOADS"
 #: Where PyTorch Inductor keeps its own on-disk cache (FX graphs, kernels).
 ENV_INDUCTOR_CACHE = "TORCHINDUCTOR_CACHE_DIR"
 

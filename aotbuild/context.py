@@ -188,11 +188,12 @@ def shard_pipeline(pipe: Any, ctx: Context) -> int | None:
     return rank
 
 
-def job_pipeline(recipe: Recipe, cache_root: Path) -> tuple[Context, Any]:
+def job_pipeline(recipe: Recipe, cache_root: Path, loaded: Any = None) -> tuple[Context, Any]:
     """For a build job, a proof or a benchmark child: the recipe's context and its pipeline, loaded
     (progress bar off) and placed on the recipe's device; RuntimeError when it cannot be. Not
     sharded: a tensor-parallel build job shards it (:func:`shard_pipeline`), its proof first runs
-    the unsharded pipeline eagerly."""
+    the unsharded pipeline eagerly. ``loaded``: the pipeline :func:`cpu_pipeline` gave a build's
+    loader process (aotbuild/loader.py), which this forked job then places and prepares."""
     ctx = Context.create(recipe, cache_root)
     if ctx.problem:
         raise RuntimeError(ctx.problem)
@@ -202,7 +203,20 @@ def job_pipeline(recipe: Recipe, cache_root: Path) -> tuple[Context, Any]:
 
         # Before the weights load: the rank's device (CUDA: LOCAL_RANK) and its share of the CPUs.
         parallel.setup(recipe, ctx.device)
-    pipe = models.load_pipeline(recipe, ctx.model, ctx.dtype, quiet=True)
+    pipe = loaded if loaded is not None else models.load_pipeline(recipe, ctx.model, ctx.dtype, quiet=True)
     models.place_pipeline(pipe, recipe, ctx.device)
     prepare_pipeline(pipe, recipe)
     return ctx, pipe
+
+
+def cpu_pipeline(recipe: Recipe, cache_root: Path) -> Any:
+    """The recipe's pipeline as ``from_pretrained`` gives it, on the CPU, with no device touched (a
+    process that initialised CUDA cannot fork a child that uses it): what a build's loader process
+    loads once for all of a recipe's jobs. RuntimeError when it cannot be loaded."""
+    target = get_target(recipe.target)
+    try:
+        model = models.resolve_model(recipe, cache_root)
+    except models.ModelUnavailable as exc:
+        raise RuntimeError(f"model unavailable: {exc}") from exc
+    models.check_components(recipe, model)
+    return models.load_pipeline(recipe, model, recipe.model.dtype or target.default_dtype, quiet=True)

@@ -31,7 +31,7 @@ from aotbuild.errors import StoreError, UsageError
 HEX64 = re.compile(r"^[0-9a-f]{64}\Z")
 _HEX2 = re.compile(r"^[0-9a-f]{2}\Z")
 #: What aotbuild writes in tmp/: temp files (w.), journals (j.), a job's staging folder, pulls and pushes.
-_TEMP = re.compile(r"^(?:w\.|j\.|job-[0-9a-f]{12}\.|pull\.|push\.)\w+\Z")
+_TEMP = re.compile(r"^(?:w\.|j\.|job-[0-9a-f]{12}\.|load\.|pull\.|push\.)\w+\Z")
 #: A built-in model's staging folder (builtin.ensure): ".<name>-v<N>.<random>".
 _MODEL_STAGING = re.compile(r"^\.[a-z0-9][a-z0-9-]*-v\d+\.\w+\Z")
 

@@ -11,13 +11,16 @@ from __future__ import annotations
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from aotbuild import child
 
 
-def run(job: dict) -> dict:
+def run(job: dict, loaded: Any = None) -> dict:
+    """``loaded``: the pipeline a build's loader process loaded for this job's recipe (this process
+    was forked from it, aotbuild/loader.py); None: load it here."""
     t0 = time.perf_counter()
-    child.phase(job, "loading the pipeline")
+    child.phase(job, "loading the pipeline" if loaded is None else "placing the shared pipeline")
     from aotbuild import keys, models, pipecall
     from aotbuild.context import job_pipeline, shard_pipeline
     from aotbuild.recipe import Shape
@@ -27,7 +30,7 @@ def run(job: dict) -> dict:
     recipe = recipe_from_spec(job["recipe"])  # the recipe's data: the file may have changed since the plan
     shape = Shape(**job["shape"])
     component = job["component"]
-    ctx, pipe = job_pipeline(recipe, Path(job["cache_root"]))
+    ctx, pipe = job_pipeline(recipe, Path(job["cache_root"]), loaded)
     pipecall.check_recipe(recipe, pipecall.CallSignature.of(pipe))
     # Tensor parallelism: this process is one rank (of the launch the builder started); its entry is
     # its own, in its own folder; the compiler's cache folder is the ranks' shared one.
@@ -68,6 +71,8 @@ def run(job: dict) -> dict:
         "signatures": built.signatures,
         "structure": structure,
         "seconds": {"load": round(t_load - t0, 3), "compile_and_warmup": round(t_warm - t_load, 3)},
+        # Which process loaded the weights: this one, or the loader it was forked from (one per recipe).
+        "loaded_by": "loader" if loaded is not None else "worker",
         "counters": {k: int(v) for k, v in counters["inductor"].items() if "cache" in k},
         "pipeline_class": type(pipe).__name__,
         "facts": ctx.target.build_facts(ctx.device),

@@ -176,7 +176,7 @@ def fake_compiles(monkeypatch, tmp_path):
 
     compiled: list[str] = []
 
-    def fake_build_one(store, job, tick=None, limit=None, sign_key=None):
+    def fake_build_one(store, job, tick=None, limit=None, sign_key=None, *, loads=None):
         compiled.append(job.key)
         return store_job(store, job, artifacts(tmp_path / "out", job.key), {"signatures": []}, 0.1, limit,
                          sign_key=sign_key)

@@ -25,7 +25,14 @@ def test_build_stored_two_jobs(built_cache):
     root, report = built_cache
     assert report["counts"] == {"built": 2}
     assert all(j["size"] > 0 for j in report["jobs"])
-    assert len(list((root / "manifests").glob("*/*.json"))) == 2
+    manifests = [json.loads(p.read_text()) for p in (root / "manifests").glob("*/*.json")]
+    assert len(manifests) == 2
+    # One pipeline load for both jobs (a loader process forks each job's worker), one per proof.
+    assert report["loads"] == {"jobs": 2, "build": 1, "proof": 2}
+    assert [m["build"]["loaded_by"] for m in manifests] == ["loader", "loader"]
+    # Each job compiled from empty in-process caches: a kernel both shapes use is in both entries.
+    shared = {f["sha256"] for f in manifests[0]["files"]} & {f["sha256"] for f in manifests[1]["files"]}
+    assert shared and all(len(m["files"]) > len(shared) for m in manifests)
 
 
 @pytest.mark.slow

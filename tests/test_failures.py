@@ -16,7 +16,7 @@ def test_a_failed_job_is_remembered_shown_by_plan_and_cleared_by_a_build(cache, 
 
     stand_in = builder._build_one  # fake_compiles' stand-in compile
 
-    def failing(store, job, tick=None, limit=None, sign_key=None):
+    def failing(store, job, tick=None, limit=None, sign_key=None, *, loads=None):
         return JobResult(job, FAILED, 1.0, reason="the component cannot be captured whole: Unsupported: x")
 
     monkeypatch.setattr(builder, "_build_one", failing)

@@ -297,7 +297,7 @@ def test_a_job_missing_one_rank_s_entry_rebuilds_every_rank_in_one_launch(flux_c
 
     launches: list[list[int]] = []
 
-    def fake_ranks(store, jobs, tick, limit, sign_key):
+    def fake_ranks(store, jobs, tick, limit, sign_key, loads):
         launches.append([j.rank for j in jobs])
         return [store_job(store, j, artifacts(tmp_path / "out", j.key), {"signatures": []}, 0.1, limit) for j in jobs]
 

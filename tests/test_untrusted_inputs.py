@@ -271,8 +271,8 @@ def test_sigterm_and_sighup_stop_a_build_as_ctrl_c_does(models_dir, tmp_path, si
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130 and f"interrupted ({signame})" in err, err[-2000:]
     workers = subprocess.run(["pgrep", "-f", str(cache / "tmp")], capture_output=True, text=True).stdout.split()
-    assert workers == []  # no orphaned worker
-    assert not list((cache / "tmp").glob("job-*"))
+    assert workers == []  # no orphaned worker, no loader (aotbuild/loader.py)
+    assert not list((cache / "tmp").glob("job-*")) and not list((cache / "tmp").glob("load.*"))
     assert run_cli("verify", "--cache", str(cache)).returncode == 0
 
 

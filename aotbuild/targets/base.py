@@ -52,6 +52,10 @@ class Target:
     #: True when the compiler embeds weight values in its artifacts. The weights' identity is not a key
     #: factor yet, so such a target is refused when a recipe is read (validate), never served wrong.
     embeds_weights: bool = False
+    #: True when a build may load the pipeline once per recipe and fork each job's worker from that
+    #: process (aotbuild/loader.py): the compiler reads the cache folders of ``capture_env`` when it
+    #: compiles, not when it is imported, and keeps nothing in memory between processes.
+    shares_loads: bool = False
 
     #: warmup arguments a recipe gets unless it sets them (part of the key, like the recipe's own)
     warmup_defaults: dict[str, Any] = {}

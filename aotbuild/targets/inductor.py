@@ -52,6 +52,7 @@ class InductorTarget(Target):
     default_dtype = "float32"
     static_shapes = True
     embeds_weights = False  # weights are graph inputs, never frozen into kernels (freezing stays off)
+    shares_loads = True  # TORCHINDUCTOR_CACHE_DIR is read at each compile (torch._inductor cache_dir())
 
     def availability(self, device: str | None = None) -> Availability:
         import torch

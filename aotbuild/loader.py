@@ -1,0 +1,250 @@
+"""One pipeline load for all of a recipe's build jobs: a loader process that forks a worker per job.
+
+Without it every job's worker loads the pipeline again (for a 12B transformer, minutes per shape).
+The loader (``python -m aotbuild.loader SPEC``, started like every child, aotbuild/child.py) loads
+the recipe's pipeline on the CPU (:func:`aotbuild.context.cpu_pipeline`), then serves jobs: for
+each job spec path the builder writes to its stdin, it forks, and the forked child runs
+:func:`aotbuild.worker.run` on the loaded pipeline, exactly as a fresh worker would from there on
+(places it on the device, prepares, compiles, writes its result).
+
+What keeps each job's entry complete and each job's failure its own:
+
+- The loader compiles nothing, so every forked child starts with empty in-process compiler caches:
+  a kernel two jobs share is compiled (or read from that job's own, empty, cache folder) and stored
+  in both entries, never served from memory. Each child applies its job's capture environment
+  before compiling; the loader itself runs with the target's capture environment, so settings that
+  compilers read once at import (``TORCHINDUCTOR_FX_GRAPH_CACHE``) are already the job's.
+  Only targets that read their cache folder at call time share loads (``Target.shares_loads``).
+- The pipeline is the loader's, copy-on-write: what one job does to it (compiling, quantizing,
+  moving to the device) is that child's copy, never the next job's.
+- A job that crashes, is killed for memory or runs past its time limit ends its forked child; the
+  next job forks from the loader (a time-out stops the loader too, and the next job starts another).
+- The loader never initialises CUDA (forked children could not use it) and runs torch on one thread
+  until it forks: GNU OpenMP's thread pool does not survive a fork (a child that inherits it hangs
+  in its first parallel op); each child sets the thread count back.
+
+Every entry is still proven by a fresh process (aotbuild/proof.py), which loads the pipeline itself.
+
+Protocol on the loader's stdout, one line each: ``ready`` (or ``error MESSAGE``) after loading,
+then per job ``started PID`` and ``exit CODE``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import subprocess
+import sys
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from aotbuild import child, constants
+
+ENV_SHARED_LOADS = constants.ENV_SHARED_LOADS
+
+
+def available() -> bool:
+    """Whether this platform can share loads: fork (Linux; macOS's fork breaks system frameworks) and
+    not turned off by ``AOTBUILD_SHARED_LOADS=0``."""
+    return sys.platform.startswith("linux") and os.environ.get(ENV_SHARED_LOADS, "1") != "0"
+
+
+# -- the loader process ---------------------------------------------------------------------------
+
+
+#: The loader's protocol stream: its stdout as started. Its fd 1 then points at its log (stderr), so
+#: that what a library prints never reads as a protocol line.
+_protocol: Any = None
+
+
+def _say(line: str) -> None:
+    _protocol.write(line.replace("\n", " ") + "\n")
+    _protocol.flush()
+
+
+def serve(spec: dict[str, Any]) -> int:
+    global _protocol
+    _protocol = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # no OpenMP pool to inherit (see the module's docstring)
+    from aotbuild.context import cpu_pipeline
+    from aotbuild.recipes import recipe_from_spec
+
+    try:
+        pipe = cpu_pipeline(recipe_from_spec(spec["recipe"]), Path(spec["cache_root"]))
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            raise RuntimeError("loading the pipeline initialised CUDA: a forked job could not use it")
+    except Exception as exc:
+        import traceback
+
+        traceback.print_exc()
+        _say(f"error {type(exc).__name__}: {exc}")
+        return 1
+    _say("ready")
+    for line in sys.stdin:
+        job_path = line.strip()
+        if not job_path:
+            continue
+        pid = os.fork()
+        if pid == 0:  # the job
+            code = 1
+            try:
+                code = _job(Path(job_path), pipe, threads)
+            finally:
+                os._exit(code)
+        _say(f"started {pid}")
+        _, status = os.waitpid(pid, 0)
+        _say(f"exit {os.waitstatus_to_exitcode(status)}")
+    return 0
+
+
+def _job(job_path: Path, pipe: Any, threads: int) -> int:
+    import torch
+
+    _protocol.close()
+    job = json.loads(job_path.read_text())
+    log = os.open(job["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(log)
+    sys.stdin.close()
+    for name, value in job["env"].items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+    os.chdir(job["cwd"]) if job.get("cwd") else None
+    torch.set_num_threads(threads)
+    from aotbuild import worker
+
+    return child.main([str(job_path)], lambda spec: worker.run(spec, loaded=pipe))
+
+
+def main(argv: list[str]) -> int:
+    return serve(json.loads(Path(argv[0]).read_text()))
+
+
+# -- the builder's side ---------------------------------------------------------------------------
+
+
+class Loader:
+    """The builder's handle on one loader process (its recipe's pipeline, loaded once)."""
+
+    def __init__(self, recipe_spec: dict[str, Any], cache_root: Path, folder: Path,
+                 env: Mapping[str, str | None]) -> None:
+        self.spec = {"recipe": recipe_spec, "cache_root": str(cache_root)}
+        self.folder = folder
+        self.log = folder / "loader.log"
+        self.proc: subprocess.Popen | None = None
+        self.problem = ""  # why it could not load: every job it was asked to run fails with it
+        self.env = {**{name: None for name in child.LAUNCHER_VARIABLES}, **env}
+        self.loads = 0  # loader processes started (a time-out or a crash of the loader starts another)
+        self._buffer = b""
+
+    def _start(self, tick: child.Tick | None, started: float, timeout: float | None) -> None:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        (self.folder / "cwd").mkdir(exist_ok=True)
+        spec_path = self.folder / "loader.json"
+        spec_path.write_text(json.dumps(self.spec))
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen(child.command("aotbuild.loader", str(spec_path)),
+                                         env=child.environment(self.env), stdin=subprocess.PIPE,
+                                         stdout=subprocess.PIPE, stderr=log, cwd=self.folder / "cwd",
+                                         start_new_session=True, bufsize=0)
+        self.loads += 1
+        self._buffer = b""
+        line = self._line(tick, started, "loading the pipeline", timeout)
+        if line != "ready":
+            self.problem = line[len("error "):] if line.startswith("error ") else \
+                f"the loader exited before loading the pipeline{child.tail(self.log)}"
+            self.close()
+
+    def _line(self, tick: child.Tick | None, started: float, phase: str | Path, timeout: float | None) -> str:
+        """The loader's next line ("" when it ended), ticking meanwhile; TimeoutError past ``timeout``."""
+        assert self.proc is not None and self.proc.stdout is not None
+        launched = time.perf_counter()
+        fd = self.proc.stdout.fileno()
+        while b"\n" not in self._buffer:
+            if select.select([fd], [], [], 0.5)[0]:
+                data = os.read(fd, 4096)
+                if not data:  # the loader ended
+                    line, self._buffer = self._buffer, b""
+                    return line.decode(errors="replace").strip()
+                self._buffer += data
+                continue
+            if tick:
+                tick(time.perf_counter() - started, phase if isinstance(phase, str) else child.read_phase(phase))
+            if timeout is not None and time.perf_counter() - launched > timeout:
+                raise TimeoutError
+        line, _, self._buffer = self._buffer.partition(b"\n")
+        return line.decode(errors="replace").strip()
+
+    def run(self, spec: dict[str, Any], spec_path: Path, log: Path, *, env: Mapping[str, str | None],
+            cwd: Path | None, phase_file: Path, tick: child.Tick | None, started: float, name: str,
+            timeout: float | None) -> tuple[int, dict[str, Any]]:
+        """:func:`aotbuild.child.spawn`'s contract for one job, run by a child forked from the loader."""
+        spec = {**spec, "result": str(spec_path.with_name("result.json")), "phase": str(phase_file),
+                "log": str(log), "env": dict(env), "cwd": str(cwd) if cwd else None}
+        spec_path.parent.mkdir(parents=True, exist_ok=True)
+        spec_path.write_text(json.dumps(spec))
+        try:
+            if self.proc is None and not self.problem:
+                self._start(tick, started, timeout)
+            if self.problem:
+                try:  # the job's log, which the builder keeps, says why its pipeline did not load
+                    log.write_bytes(self.log.read_bytes())
+                except OSError:
+                    pass
+                return 1, {"error": self.problem}
+            assert self.proc is not None and self.proc.stdin is not None
+            try:
+                self.proc.stdin.write(f"{spec_path}\n".encode())
+            except OSError:  # the loader ended since the last job: read why below
+                pass
+            line = self._line(tick, started, phase_file, timeout)
+            if line.startswith("started "):
+                line = self._line(tick, started, phase_file, timeout)
+        except TimeoutError:
+            self.close()  # the job with it; the next job starts another loader
+            return -9, {"error": f"{name} ran past its time limit of {timeout:.0f} s "
+                                 f"(AOTBUILD_JOB_TIMEOUT raises it)"}
+        except BaseException:  # Ctrl-C, SIGTERM: stop the loader and its job, keep nothing
+            self.close()
+            raise
+        if not line.startswith("exit "):  # the loader itself died (killed for memory?)
+            self.close()
+            why = f"the build's loader process ended{child.tail(self.log)}"
+            return 1, {"error": f"{name}: {why}"}
+        code = int(line.split()[1])
+        result = child.read_result(Path(spec["result"]))
+        if code != 0 and "error" not in result:
+            result = {"error": f"{name} exited with {code}{child.tail(log)}"}
+        return code, result
+
+    def close(self) -> None:
+        """Stop the loader (and a job it runs): its pipeline is freed."""
+        if self.proc is None:
+            return
+        import signal
+
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        self.proc.wait()
+        for stream in (self.proc.stdin, self.proc.stdout):
+            try:
+                stream.close() if stream else None
+            except OSError:
+                pass
+        self.proc = None
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,79 @@
+"""A build's loader process (aotbuild/loader.py): the recipe's pipeline loaded once, each job's worker
+forked from it; a job that fails, dies or runs too long fails alone.
+
+These jobs stop before compiling (the plan's key they carry is wrong, which the worker checks right
+after placing the pipeline), so the protocol is tested in seconds; tests/test_e2e.py's build proves
+that forked jobs compile, store complete entries and pass their proofs.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from aotbuild import loader
+from aotbuild.loader import Loader
+from aotbuild.recipe import recipe_spec
+from aotbuild.recipes import parse_recipe
+from tests.conftest import TINY_DICT
+
+
+def _run(ld: Loader, folder: Path, cache_root: Path, *, timeout: float = 600, log: Path | None = None):
+    folder.mkdir(parents=True)
+    spec = {"recipe": recipe_spec(parse_recipe(TINY_DICT)), "component": "unet", "shape": {"height": 64, "width": 64},
+            "cache_root": str(cache_root), "key": "0" * 64, "factors": {}, "workdir": str(folder / "work")}
+    return ld.run(spec, folder / "job.json", log or folder / "worker.log", env={"AOTBUILD_TEST_JOB": folder.name},
+                  cwd=None, phase_file=folder / "phase", tick=None, started=time.perf_counter(), name="worker",
+                  timeout=timeout)
+
+
+def test_one_load_serves_every_job_and_a_job_that_dies_fails_alone(tmp_path, models_dir):
+    ld = Loader(recipe_spec(parse_recipe(TINY_DICT)), models_dir, tmp_path / "loader", {})
+    try:
+        code, result = _run(ld, tmp_path / "a", models_dir)
+        assert code == 1 and "another key than the plan" in result["error"]  # the job's own failure, reported
+        assert "another key than the plan" in (tmp_path / "a" / "worker.log").read_text()  # its traceback: its log
+        pid = ld.proc.pid
+        # A job whose process ends without writing a result (here: its log cannot be opened).
+        code, result = _run(ld, tmp_path / "b", models_dir, log=tmp_path / "no-such-folder" / "log")
+        assert code == 1 and result["error"].startswith("worker exited with 1")
+        code, result = _run(ld, tmp_path / "c", models_dir)  # the loader serves on
+        assert code == 1 and "another key than the plan" in result["error"]
+        assert ld.loads == 1 and ld.proc.pid == pid and ld.proc.poll() is None
+    finally:
+        ld.close()
+    assert ld.proc is None
+
+
+def test_a_job_past_its_time_limit_stops_the_loader_and_the_next_job_starts_another(tmp_path, models_dir):
+    ld = Loader(recipe_spec(parse_recipe(TINY_DICT)), models_dir, tmp_path / "loader", {})
+    try:
+        code, result = _run(ld, tmp_path / "a", models_dir, timeout=0.2)  # importing torch alone takes longer
+        assert code == -9 and "ran past its time limit of 0 s" in result["error"] and ld.proc is None
+        code, result = _run(ld, tmp_path / "b", models_dir)
+        assert code == 1 and "another key than the plan" in result["error"] and ld.loads == 2
+    finally:
+        ld.close()
+
+
+def test_a_pipeline_that_cannot_load_fails_each_job_with_the_reason(tmp_path):
+    broken = {**TINY_DICT, "model": {"id": str(tmp_path / "no-model-here"), "dtype": "float32"}}
+    ld = Loader(recipe_spec(parse_recipe(broken)), tmp_path / "cache", tmp_path / "loader", {})
+    try:
+        for name in ("a", "b"):
+            code, result = _run(ld, tmp_path / name, tmp_path / "cache")
+            assert code == 1 and "model.id: no such folder" in result["error"]
+            assert "Traceback" in (tmp_path / name / "worker.log").read_text()  # the loader's log, as the job's
+        assert ld.loads == 1 and ld.proc is None  # tried once, not once per job
+    finally:
+        ld.close()
+
+
+def test_shared_loads_can_be_turned_off(monkeypatch):
+    monkeypatch.setenv(loader.ENV_SHARED_LOADS, "0")
+    assert not loader.available()
+    monkeypatch.delenv(loader.ENV_SHARED_LOADS)
+    if not loader.available():
+        pytest.skip("this platform has no fork for a loader (not Linux)")
