@@ -36,6 +36,8 @@ def test_a_torch_without_the_api_is_refused(monkeypatch):
     ({"compile": {"fullgraph": False}}, "fullgraph must be true"),
     ({"compile": {"mode": "max-autotune"}}, "verified with mode: default only"),
     ({"offload": "model", "compile": {"scope": "regional"}}, "cannot run under model offload"),
+    ({"compile": {"options": {"freezing": True}}}, "compile.options.freezing: strategy aot-compile would keep the "
+                                                   "build's weights"),
 ])
 def test_settings_it_cannot_honour_are_refused(change, expected):
     with pytest.raises(RecipeError, match=re.escape(expected)):

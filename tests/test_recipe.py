@@ -8,7 +8,7 @@ import pytest
 
 from aotbuild.errors import RecipeError
 from aotbuild.recipes import load_recipe, parse_recipe
-from tests.conftest import TINY_RECIPE, run_cli
+from tests.conftest import TINY_DICT, TINY_RECIPE, run_cli
 
 GOOD = """
 model: {id: builtin:tiny-sd}
@@ -150,3 +150,14 @@ def test_list_and_mapping_options_reach_torch_compile_and_the_key_as_plain_value
     assert settings["options"]["custom_should_partition_ops"] == ["aten::mm"]
     assert type(settings["options"]["post_grad_fusion_options"]) is dict
     json.dumps(settings)  # keys are sha256 of canonical JSON
+
+
+@pytest.mark.parametrize("strategy", ["aot-package", "aot-compile"])
+def test_freezing_is_refused_where_an_artifact_would_keep_the_weights(strategy):
+    """Weights are not a key factor: an AOT artifact built with the build's weights folded in would
+    serve another checkpoint of the same model (same key) with the build's weights."""
+    frozen = {**TINY_DICT, "compile": {"options": {"freezing": True}}}
+    with pytest.raises(RecipeError, match=f"strategy {strategy} would keep the build's weights"):
+        parse_recipe({**frozen, "strategy": strategy})
+    parse_recipe({**frozen, "strategy": strategy, "compile": {"options": {"freezing": False}}})
+    parse_recipe(frozen)  # jit-cache: the FX graph cache re-binds frozen weights from the serving module

@@ -143,6 +143,7 @@ class AotCompile(Strategy):
                                                f"(got {recipe.compile.mode!r})")
         if recipe.offload != "none":
             raise recipe.error("offload", "strategy aot-compile cannot run under model offload")
+        self._refuse_freezing(recipe)
         if recipe.model.quantization is not None:
             # torch 2.13: saving the guards of a torchao tensor subclass fails (aten.empty_like is not
             # implemented for Int8Tensor), and torchao's per-module extra_repr cannot be pickled.

@@ -37,6 +37,7 @@ class AotPackage(Strategy):
                                                     "component, or its blocks): fullgraph must be true")
         if recipe.offload != "none":
             raise recipe.error("offload", "strategy aot-package cannot run under model offload")
+        self._refuse_freezing(recipe)
         if recipe.lora is not None:
             raise recipe.error("lora", "strategy aot-package cannot hot-swap adapters (torch.export makes the LoRA "
                                        "scaling a constant of the package): use strategy jit-cache or aot-compile")

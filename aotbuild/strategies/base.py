@@ -108,6 +108,17 @@ class Strategy:
         if why:
             raise recipe.error("strategy", f"strategy {self.name} {why}")
 
+    def _refuse_freezing(self, recipe: Recipe) -> None:
+        """Inductor's ``freezing`` folds the build's weights into what it compiles. An ahead-of-time
+        artifact would keep them, and weights are not a key factor (another checkpoint of the same
+        model has the same key): refused. (jit-cache's FX graph cache re-binds frozen weights from
+        the serving process's own module, torch 2.13 ``CompiledFxGraphConstantsWithGm``.)"""
+        for key, value in recipe.compile.options.items():
+            if key.replace("-", "_") == "freezing" and value:
+                raise recipe.error(f"compile.options.{key}", f"strategy {self.name} would keep the build's weights "
+                                                             "in its artifact (freezing folds them in) and weights "
+                                                             "are not a key factor: use strategy jit-cache")
+
     def compile_factors(self, target: Target, device: str) -> dict[str, Any]:
         """Key factors the strategy adds to the target's compile settings (what its artifacts depend on
         beyond them), or {}."""
