@@ -76,6 +76,7 @@ def serve(spec: dict[str, Any]) -> int:
     from aotbuild.context import cpu_pipeline
     from aotbuild.recipes import recipe_from_spec
 
+    started = time.perf_counter()
     try:
         pipe = cpu_pipeline(recipe_from_spec(spec["recipe"]), Path(spec["cache_root"]))
         if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -86,6 +87,7 @@ def serve(spec: dict[str, Any]) -> int:
         traceback.print_exc()
         _say(f"error {type(exc).__name__}: {exc}")
         return 1
+    seconds = round(time.perf_counter() - started, 3)
     _say("ready")
     for line in sys.stdin:
         job_path = line.strip()
@@ -95,7 +97,7 @@ def serve(spec: dict[str, Any]) -> int:
         if pid == 0:  # the job
             code = 1
             try:
-                code = _job(Path(job_path), pipe, threads)
+                code = _job(Path(job_path), pipe, threads, seconds)
             finally:
                 os._exit(code)
         _say(f"started {pid}")
@@ -104,7 +106,7 @@ def serve(spec: dict[str, Any]) -> int:
     return 0
 
 
-def _job(job_path: Path, pipe: Any, threads: int) -> int:
+def _job(job_path: Path, pipe: Any, threads: int, load_seconds: float) -> int:
     import torch
 
     _protocol.close()
@@ -123,7 +125,7 @@ def _job(job_path: Path, pipe: Any, threads: int) -> int:
     torch.set_num_threads(threads)
     from aotbuild import worker
 
-    return child.main([str(job_path)], lambda spec: worker.run(spec, loaded=pipe))
+    return child.main([str(job_path)], lambda spec: worker.run(spec, loaded=(pipe, load_seconds)))
 
 
 def main(argv: list[str]) -> int:

@@ -16,9 +16,9 @@ from typing import Any
 from aotbuild import child
 
 
-def run(job: dict, loaded: Any = None) -> dict:
+def run(job: dict, loaded: tuple[Any, float] | None = None) -> dict:
     """``loaded``: the pipeline a build's loader process loaded for this job's recipe (this process
-    was forked from it, aotbuild/loader.py); None: load it here."""
+    was forked from it, aotbuild/loader.py) and the seconds that load took; None: load it here."""
     t0 = time.perf_counter()
     child.phase(job, "loading the pipeline" if loaded is None else "placing the shared pipeline")
     from aotbuild import keys, models, pipecall
@@ -30,7 +30,7 @@ def run(job: dict, loaded: Any = None) -> dict:
     recipe = recipe_from_spec(job["recipe"])  # the recipe's data: the file may have changed since the plan
     shape = Shape(**job["shape"])
     component = job["component"]
-    ctx, pipe = job_pipeline(recipe, Path(job["cache_root"]), loaded)
+    ctx, pipe = job_pipeline(recipe, Path(job["cache_root"]), loaded[0] if loaded else None)
     pipecall.check_recipe(recipe, pipecall.CallSignature.of(pipe))
     # Tensor parallelism: this process is one rank (of the launch the builder started); its entry is
     # its own, in its own folder; the compiler's cache folder is the ranks' shared one.
@@ -70,7 +70,9 @@ def run(job: dict, loaded: Any = None) -> dict:
         "key": key,
         "signatures": built.signatures,
         "structure": structure,
-        "seconds": {"load": round(t_load - t0, 3), "compile_and_warmup": round(t_warm - t_load, 3)},
+        # "shared_load": the loader's one load, which this job's recipe paid at its first job.
+        "seconds": {"load": round(t_load - t0, 3), **({"shared_load": loaded[1]} if loaded else {}),
+                    "compile_and_warmup": round(t_warm - t_load, 3)},
         # Which process loaded the weights: this one, or the loader it was forked from (one per recipe).
         "loaded_by": "loader" if loaded is not None else "worker",
         "counters": {k: int(v) for k, v in counters["inductor"].items() if "cache" in k},

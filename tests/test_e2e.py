@@ -30,6 +30,7 @@ def test_build_stored_two_jobs(built_cache):
     # One pipeline load for both jobs (a loader process forks each job's worker), one per proof.
     assert report["loads"] == {"jobs": 2, "build": 1, "proof": 2}
     assert [m["build"]["loaded_by"] for m in manifests] == ["loader", "loader"]
+    assert all(m["build"]["phases"]["shared_load"] > 0 for m in manifests)  # the loader's one load
     # Each job compiled from empty in-process caches: a kernel both shapes use is in both entries.
     shared = {f["sha256"] for f in manifests[0]["files"]} & {f["sha256"] for f in manifests[1]["files"]}
     assert shared and all(len(m["files"]) > len(shared) for m in manifests)

@@ -1,0 +1,330 @@
+"""aotbuild at real size: a Stable Diffusion 1.5-size UNet, and a depth sweep of a tiny-width Flux.
+
+    python benchmarks/scale.py [--parts sd15,flux] [--depths 2,8,16] [--save scale.json]
+
+Nothing is downloaded: every model is made here with random weights from diffusers' own classes.
+
+sd15   The SD 1.5 UNet config (860M parameters, fp32; cross-attention width 768) in the built-in
+       tiny-sd pipeline, whose text encoder is widened to 768 (1 layer) and whose VAE stays tiny.
+       256x256 images (32x32 latents), 2 steps, no guidance. Built once per strategy (jit-cache with
+       two shapes, to show one pipeline load shared by a recipe's jobs; aot-compile and aot-package
+       with the first shape), each served by a fresh process from a moved copy of the cache.
+flux   FluxTransformer2DModel at the built-in tiny-flux's width with D double and D single blocks
+       for each --depths D, full vs regional scope (jit-cache), each served likewise.
+
+Per build: the job's phases (the worker's load or its share of the loader's, compile+warmup, proof),
+the pipeline loads of the build (report.loads), the peak RSS of every process of the build (its
+process tree sampled from /proc every 0.2 s, by role: builder, loader, forked job, worker, proof,
+compile workers; a forked job's RSS counts the pages it shares with the loader), and the entry's
+bytes against the weights'. Models are made in a child process (a process's ru_maxrss survives
+fork and exec, so this one stays small and each served child's peak RSS is its own). Per served
+strategy: load -> first image against eager's, the steady call against eager's, and what the load
+compiled (FX graph cache misses, Dynamo graphs traced). Fresh processes throughout
+(benchmarks/cold_vs_warm.py's child). Never used by tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from harness import REPO, child_env, fmt, run_child, table  # noqa: E402
+
+COLD_VS_WARM = str(Path(__file__).with_name("cold_vs_warm.py"))
+
+#: runwayml/stable-diffusion-v1-5's unet/config.json (the fields that set its architecture).
+SD15_UNET = dict(sample_size=64, in_channels=4, out_channels=4, layers_per_block=2,
+                 block_out_channels=(320, 640, 1280, 1280), cross_attention_dim=768, attention_head_dim=8,
+                 down_block_types=("CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D",
+                                   "DownBlock2D"),
+                 up_block_types=("UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D"),
+                 norm_num_groups=32)
+
+#: cold_vs_warm.py's child mode for each strategy
+MODES = {"jit-cache": "aotbuild", "aot-compile": "aot-compile", "aot-package": "aot-package"}
+
+
+# -- models -------------------------------------------------------------------------------------------
+
+
+def make_sd15(folder: Path, work: Path) -> Path:
+    import torch
+    from diffusers import StableDiffusionPipeline, UNet2DConditionModel
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    from aotbuild import builtin
+
+    tiny = builtin.ensure("builtin:tiny-sd", work / "models")
+    pipe = StableDiffusionPipeline.from_pretrained(str(tiny))
+    torch.manual_seed(0)
+    pipe.unet = UNet2DConditionModel(**SD15_UNET)
+    old = pipe.text_encoder.config
+    torch.manual_seed(0)
+    pipe.text_encoder = CLIPTextModel(CLIPTextConfig(
+        vocab_size=old.vocab_size, hidden_size=768, intermediate_size=1536, num_attention_heads=12,
+        num_hidden_layers=1, max_position_embeddings=77, projection_dim=768, bos_token_id=old.bos_token_id,
+        eos_token_id=old.eos_token_id, pad_token_id=old.pad_token_id))
+    pipe.save_pretrained(str(folder), safe_serialization=True)
+    return folder
+
+
+def make_flux(folder: Path, work: Path, depth: int) -> Path:
+    import torch
+    from diffusers import FluxPipeline, FluxTransformer2DModel
+
+    from aotbuild import builtin
+
+    tiny = builtin.ensure("builtin:tiny-flux", work / "models")
+    pipe = FluxPipeline.from_pretrained(str(tiny))
+    torch.manual_seed(0)
+    pipe.transformer = FluxTransformer2DModel(**{**pipe.transformer.config, "num_layers": depth,
+                                                 "num_single_layers": depth})
+    pipe.save_pretrained(str(folder), safe_serialization=True)
+    return folder
+
+
+def make(kind: str, folder: Path, work: Path, depth: int = 0) -> Path:
+    """make_sd15 / make_flux in a child process: Linux keeps a process's peak RSS (ru_maxrss) across
+    fork and exec, so a model made in this process would show as every served child's peak."""
+    code = subprocess.run([sys.executable, __file__, "--make", kind, str(folder), str(work), str(depth)], cwd=REPO)
+    if code.returncode != 0:
+        sys.exit(f"making the {kind} model failed (exit {code.returncode})")
+    return folder
+
+
+def weight_bytes(folder: Path, component: str) -> int:
+    return sum(p.stat().st_size for p in (folder / component).glob("*.safetensors"))
+
+
+def recipe(path: Path, model: Path, component: str, strategy: str, scope: str, shapes: list[dict],
+           warmup: dict) -> Path:
+    import yaml
+
+    data = {"model": {"id": str(model), "dtype": "float32"}, "target": "inductor", "device": "cpu",
+            "strategy": strategy, "compile": {"components": [component], "scope": scope},
+            "shapes": shapes, "warmup": warmup}
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+# -- the process tree's memory ------------------------------------------------------------------------
+
+
+def _role(pid: int, cmdline: str, roots: dict[str, int]) -> str:
+    if "aotbuild.loader" in cmdline:
+        first = roots.setdefault("loader", pid)
+        return "loader" if pid == first else "forked job"
+    for needle, role in (("aotbuild.worker", "worker"), ("aotbuild.proof", "proof"),
+                         ("aotbuild.strategies.aoti", "package probe"), ("compile_worker", "compile workers"),
+                         ("aotbuild.cli", "builder"), ("cc1plus", "C++ compiler"), ("g++", "C++ compiler")):
+        if needle in cmdline:
+            return role
+    return "other"
+
+
+class TreeRSS:
+    """Peak RSS (MB) per role over the process tree under ``pid``, sampled every 0.2 s."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid, self.peak, self._stop, self._roots = pid, {}, threading.Event(), {}
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _tree(self) -> list[int]:
+        out, todo = [], [self.pid]
+        while todo:
+            pid = todo.pop()
+            out.append(pid)
+            try:
+                for task in os.listdir(f"/proc/{pid}/task"):
+                    todo += [int(c) for c in Path(f"/proc/{pid}/task/{task}/children").read_text().split()]
+            except OSError:
+                pass
+        return out
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            for pid in self._tree():
+                try:
+                    cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                    rss = next(int(line.split()[1]) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+                               if line.startswith("VmRSS:")) / 1024
+                except (OSError, StopIteration, ValueError):
+                    continue
+                role = _role(pid, cmd, self._roots)
+                self.peak[role] = max(self.peak.get(role, 0.0), rss)
+            time.sleep(0.2)
+
+    def stop(self) -> dict[str, float]:
+        self._stop.set()
+        self._thread.join()
+        return self.peak
+
+
+# -- build and serve ----------------------------------------------------------------------------------
+
+
+def build(recipe_path: Path, cache: Path, workdir: Path) -> dict:
+    env = child_env(workdir / "build-caches")
+    started = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-m", "aotbuild.cli", "build", "--json", "--cache", str(cache),
+                             str(recipe_path)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=REPO)
+    rss = TreeRSS(proc.pid)
+    out, err = proc.communicate()
+    peak = rss.stop()
+    wall = time.perf_counter() - started
+    try:
+        report = json.loads(out)
+    except ValueError:
+        return {"ok": False, "reason": f"exit {proc.returncode}: {err.strip().splitlines()[-3:]}", "wall": wall}
+    jobs = []
+    for job in report["jobs"]:
+        manifest = None
+        if job["status"] == "built":
+            shown = subprocess.run([sys.executable, "-m", "aotbuild.cli", "show", "--json", "--cache", str(cache),
+                                    job["key"]], env=env, capture_output=True, text=True, cwd=REPO)
+            manifest = json.loads(shown.stdout)
+        jobs.append({"label": f"{job['shape']['height']}x{job['shape']['width']}", "status": job["status"],
+                     "seconds": job["seconds"], "reason": job["reason"],
+                     "phases": (manifest or {}).get("build", {}).get("phases", {}),
+                     "bytes": (manifest or {}).get("size") or job["size"]})
+    return {"ok": all(j["status"] == "built" for j in jobs), "wall": wall, "jobs": jobs, "loads": report.get("loads"),
+            "rss": peak, "reason": "; ".join(j["reason"] for j in jobs if j["reason"])}
+
+
+def serve(mode: str, recipe_path: Path, cache: Path, workdir: Path) -> dict:
+    """One fresh process of cold_vs_warm.py's child ``mode`` (eager, or a load_compiled mode)."""
+    return run_child(COLD_VS_WARM, [mode, str(recipe_path), str(cache)], child_env(workdir))
+
+
+def served_copy(cache: Path, work: Path, name: str) -> Path:
+    copy = work / f"copy-{name}" / "cache"
+    shutil.copytree(cache, copy, ignore=shutil.ignore_patterns("models"))
+    os.symlink(cache / "models", copy / "models") if (cache / "models").exists() else None
+    return copy
+
+
+def report_part(title: str, weights: int, eager: dict, cells: list[tuple[str, dict, dict | None]]) -> list[str]:
+    lines = [f"\n== {title}: weights {weights / 1e6:.1f} MB; eager: pipeline load "
+             f"{fmt(eager.get('phases', {}).get('pipeline'), '.1f')} s, load -> first image "
+             f"{fmt(eager.get('first'), '.1f')} s, steady call {fmt(eager.get('steady'), '.2f')} s"]
+    rows = []
+    for name, b, s in cells:
+        if not b["ok"]:
+            rows.append([name, "failed", b.get("reason", "")[:80]] + [""] * 10)
+            continue
+        for j in b["jobs"]:
+            ph = j["phases"]
+            rows.append([name, j["label"], f"{j['seconds']:.1f}", fmt(ph.get("load"), ".1f"),
+                         fmt(ph.get("shared_load"), ".1f"), fmt(ph.get("compile_and_warmup"), ".1f"),
+                         fmt(ph.get("proof"), ".1f"), f"{j['bytes'] / 1e6:.1f}", f"{j['bytes'] / weights * 100:.2f}",
+                         fmt(s["first"] / eager["first"] if s and "first" in s and "first" in eager else None, ".2f"),
+                         fmt(s["steady"] / eager["steady"] if s and "steady" in s and "steady" in eager else None,
+                             ".2f"),
+                         str(s["counters"].get("fxgraph_cache_miss", 0)) + "/" + str(s["unique_graphs"])
+                         if s and "counters" in s else (s or {}).get("error", "-")[:40],
+                         fmt(s.get("rss_mb") if s else None, ".0f")])
+            s = None  # served once: the first shape
+    lines.append(table(["build", "shape", "job s", "load s", "loader s", "compile s", "proof s", "entry MB",
+                        "% weights", "first/eager", "steady/eager", "misses/graphs", "serve RSS MB"], rows,
+                       text_columns=2))
+    for name, b, _ in cells:
+        if b["ok"]:
+            loads = b.get("loads") or {}
+            rss = ", ".join(f"{role} {mb:.0f}" for role, mb in sorted(b["rss"].items(), key=lambda x: -x[1]))
+            lines.append(f"{name}: build {b['wall']:.0f} s wall; loads: {loads.get('build')} to compile "
+                         f"{loads.get('jobs')} jobs, {loads.get('proof')} by proofs; peak RSS MB: {rss}")
+    return lines
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--parts", default="sd15,flux")
+    ap.add_argument("--depths", default="2,8,16")
+    ap.add_argument("--save", metavar="FILE.json")
+    ap.add_argument("--keep", action="store_true", help="keep the work folder (models, caches)")
+    ap.add_argument("--make", nargs=4, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.make:
+        kind, folder, work_dir, depth = args.make
+        if kind == "sd15":
+            make_sd15(Path(folder), Path(work_dir))
+        else:
+            make_flux(Path(folder), Path(work_dir), int(depth))
+        return
+    import torch
+
+    from aotbuild.bench import _cpu_model
+
+    machine = (f"{os.cpu_count()} CPUs, {_cpu_model()}, ISA {torch.backends.cpu.get_cpu_capability()}, "
+               f"torch {torch.__version__}")
+    work = Path(tempfile.mkdtemp(prefix="aotscale."))
+    out: list[str] = [f"machine: {machine}"]
+    saved: dict = {"machine": machine}
+    try:
+        if "sd15" in args.parts:
+            print("making the SD 1.5-size pipeline ...", flush=True)
+            model = make("sd15", work / "sd15", work)
+            warm = {"num_inference_steps": 2, "guidance_scale": 0.0}
+            shapes = [{"height": 256, "width": 256}, {"height": 256, "width": 320}]
+            cells = []
+            eager = serve("eager", recipe(work / "sd15_eager.yaml", model, "unet", "jit-cache", "full",
+                                          shapes[:1], warm), work / "cache-sd15", work / "eager-sd15")
+            print(f"  eager: {eager}", flush=True)
+            for strategy in ("jit-cache", "aot-compile", "aot-package"):
+                r = recipe(work / f"sd15_{strategy}.yaml".replace("-", "_"), model, "unet", strategy, "full",
+                           shapes if strategy == "jit-cache" else shapes[:1], warm)
+                print(f"building sd15 {strategy} ...", flush=True)
+                cache = work / f"cache-sd15-{strategy}"
+                b = build(r, cache, work / f"b-{strategy}")
+                print(f"  {b}", flush=True)
+                s = serve(MODES[strategy], r, served_copy(cache, work, strategy), work / f"s-{strategy}") \
+                    if b["ok"] else None
+                print(f"  served: {s}", flush=True)
+                cells.append((strategy, b, s))
+            out += report_part("SD 1.5-size UNet (860M), 256x256, 2 steps", weight_bytes(model, "unet"), eager, cells)
+            saved["sd15"] = {"eager": eager, "cells": cells}
+        if "flux" in args.parts:
+            saved["flux"] = {}
+            for depth in (int(d) for d in args.depths.split(",")):
+                print(f"making the tiny-width Flux at depth {depth} ...", flush=True)
+                model = make("flux", work / f"flux{depth}", work, depth)
+                warm = {"num_inference_steps": 2, "guidance_scale": 3.5}
+                shapes = [{"height": 64, "width": 64}]
+                eager = serve("eager", recipe(work / f"flux{depth}_eager.yaml", model, "transformer", "jit-cache",
+                                              "full", shapes, warm), work / f"cache-flux{depth}", work / f"e-f{depth}")
+                cells = []
+                for scope in ("full", "regional"):
+                    r = recipe(work / f"flux{depth}_{scope}.yaml", model, "transformer", "jit-cache", scope, shapes,
+                               warm)
+                    print(f"building flux depth {depth} {scope} ...", flush=True)
+                    cache = work / f"cache-flux{depth}-{scope}"
+                    b = build(r, cache, work / f"b-f{depth}-{scope}")
+                    s = serve("aotbuild", r, served_copy(cache, work, f"f{depth}-{scope}"),
+                              work / f"s-f{depth}-{scope}") if b["ok"] else None
+                    print(f"  {scope}: build {b.get('wall', 0):.0f} s, served {s}", flush=True)
+                    cells.append((scope, b, s))
+                out += report_part(f"tiny-width Flux, {depth} double + {depth} single blocks, 64x64, 2 steps",
+                                   weight_bytes(model, "transformer"), eager, cells)
+                saved["flux"][depth] = {"eager": eager, "cells": cells}
+        print("\n".join(out))
+        if args.save:
+            Path(args.save).write_text(json.dumps(saved, indent=1, default=str))
+    finally:
+        if args.keep:
+            print(f"kept: {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
