@@ -98,8 +98,16 @@ def serve(spec: dict[str, Any]) -> int:
             code = 1
             try:
                 code = _job(Path(job_path), pipe, threads, seconds)
-            finally:
-                os._exit(code)
+            except BaseException:  # before child.main took over (its spec unreadable): say why in the log
+                import traceback
+
+                traceback.print_exc()
+            finally:  # never back into the loader's loop, whatever happened
+                try:
+                    sys.stdout.flush()
+                    sys.stderr.flush()
+                finally:
+                    os._exit(code)
         _say(f"started {pid}")
         _, status = os.waitpid(pid, 0)
         _say(f"exit {os.waitstatus_to_exitcode(status)}")
