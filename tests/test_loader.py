@@ -8,10 +8,9 @@ that forked jobs compile, store complete entries and pass their proofs.
 
 from __future__ import annotations
 
+import sys
 import time
 from pathlib import Path
-
-import pytest
 
 from aotbuild import loader
 from aotbuild.loader import Loader
@@ -71,9 +70,12 @@ def test_a_pipeline_that_cannot_load_fails_each_job_with_the_reason(tmp_path):
         ld.close()
 
 
-def test_shared_loads_can_be_turned_off(monkeypatch):
+def test_which_jobs_share_a_load(models_dir, monkeypatch):
+    """Inductor jobs share their recipe's load on Linux; AOTBUILD_SHARED_LOADS=0 gives each a worker."""
+    import aotbuild
+    from aotbuild.builder import SharedLoads
+
+    jobs = aotbuild.plan(TINY_DICT, cache=models_dir)
+    assert len(jobs) == 1 and SharedLoads._shares(jobs[0]) == sys.platform.startswith("linux")
     monkeypatch.setenv(loader.ENV_SHARED_LOADS, "0")
-    assert not loader.available()
-    monkeypatch.delenv(loader.ENV_SHARED_LOADS)
-    if not loader.available():
-        pytest.skip("this platform has no fork for a loader (not Linux)")
+    assert not loader.available() and not SharedLoads._shares(jobs[0])
