@@ -93,6 +93,7 @@ SERVE = textwrap.dedent("""
                      for d in dispatchers.values() for x in d.routes.values()),
         "timings": report.timings, "first_calls": report.first_calls, "report": str(report),
         "component": component, "remote": remote is not None,
+        "offload_hook": type(getattr(getattr(pipe, component), "_hf_hook", None)).__name__,  # offload: model
     }))
 """)
 

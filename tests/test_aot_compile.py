@@ -35,13 +35,46 @@ def test_a_torch_without_the_api_is_refused(monkeypatch):
     ({"target": "neuron"}, "strategy aot-compile runs on target inductor (not neuron)"),
     ({"compile": {"fullgraph": False}}, "fullgraph must be true"),
     ({"compile": {"mode": "max-autotune"}}, "verified with mode: default only"),
-    ({"offload": "model", "compile": {"scope": "regional"}}, "cannot run under model offload"),
+    ({"offload": "model"}, "offload: model offload needs compile.scope: regional"),
     ({"compile": {"options": {"freezing": True}}}, "compile.options.freezing: strategy aot-compile would keep the "
                                                    "build's weights"),
 ])
 def test_settings_it_cannot_honour_are_refused(change, expected):
     with pytest.raises(RecipeError, match=re.escape(expected)):
         parse_recipe({**BASE, **change})
+
+
+def test_model_offload_is_accepted_with_regional_scope():
+    recipe = parse_recipe({**BASE, "offload": "model", "compile": {"scope": "regional"}})
+    assert recipe.offload == "model" and recipe.compile.scope == "regional"
+
+
+class _Block(torch.nn.Module):
+    """A block whose moves are recorded, not made (a meta tensor cannot be copied back)."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(2, 2)
+        self.moves: list[str] = []
+
+    def to(self, device):
+        self.moves.append(str(device))
+        return self
+
+
+def test_a_block_is_compiled_on_the_device_its_call_ran_on_and_put_back():
+    """Under offload: model the hook has moved the component back to the CPU by the time the warmup's
+    calls are compiled; the block goes to the call's device for its compile, then home."""
+    block = _Block()
+    with aot_compile._where_called(block, ((torch.ones(2, device="meta"),), {"scale": 1.0})):
+        assert block.moves == ["meta"]
+    assert block.moves == ["meta", "cpu"]
+    with aot_compile._where_called(block, ((torch.ones(2),), {})):  # called where it is: nothing moves
+        pass
+    assert block.moves == ["meta", "cpu"]
+    with pytest.raises(ValueError), aot_compile._where_called(block, ((torch.ones(2, device="meta"),), {})):
+        raise ValueError("a failed compile still puts the block back")
+    assert block.moves == ["meta", "cpu", "meta", "cpu"]
 
 
 def test_the_thread_count_is_a_key_factor_for_aot_compile_only():

@@ -318,15 +318,19 @@ def _build_and_load_fresh(tmp_path, recipe_text: str) -> tuple[dict, dict]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["aot-package", "aot-compile"])
-def test_flux_regional_packages_serve_every_block(tmp_path, strategy):
+@pytest.mark.parametrize(("strategy", "offload"), [("aot-package", "none"), ("aot-compile", "model")])
+def test_flux_regional_packages_serve_every_block(tmp_path, strategy, offload):
     """Issue 12: single-stream blocks after the first get slices; every one must run its package (or
-    its aot-compile function, which gets the block as an argument and canonical strides)."""
+    its aot-compile function, which gets the block as an argument and canonical strides).
+    aot-compile runs under offload: model (issue 26): built and served with accelerate's offload hook
+    on the transformer. Its execution device here is the CPU, so the hook moves nothing: what this
+    proves is the hooked build and load, not a move between devices (_where_called's unit test)."""
     manifest, result = _build_and_load_fresh(tmp_path, textwrap.dedent(f"""
         model: {{id: builtin:tiny-flux, dtype: float32}}
         target: inductor
         device: cpu
         strategy: {strategy}
+        offload: {offload}
         compile: {{components: [transformer], scope: regional}}
         shapes: [{{height: 64, width: 64}}]
         warmup: {{num_inference_steps: 2, max_sequence_length: 8, guidance_scale: 3.5}}  # guidance: an input
@@ -342,3 +346,4 @@ def test_flux_regional_packages_serve_every_block(tmp_path, strategy):
         assert result["swaps"] > 0
     assert result["max_diff"] <= 1e-5
     assert "transformer_blocks.0 was called with" in result["strict"]
+    assert result["offload_hook"] == ("CpuOffload" if offload == "model" else "NoneType")

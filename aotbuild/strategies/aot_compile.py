@@ -141,8 +141,6 @@ class AotCompile(Strategy):
         if recipe.compile.mode != "default":
             raise recipe.error("compile.mode", "strategy aot-compile is verified with mode: default only "
                                                f"(got {recipe.compile.mode!r})")
-        if recipe.offload != "none":
-            raise recipe.error("offload", "strategy aot-compile cannot run under model offload")
         self._refuse_freezing(recipe)
         if recipe.model.quantization is not None:
             # torch 2.13: saving the guards of a torchao tensor subclass fails (aten.empty_like is not
@@ -197,7 +195,7 @@ class AotCompile(Strategy):
         vars(owner).pop("forward", None)  # compile the module's own forward, not a dispatcher
         # The flag gates the API; its default is not assumed. Grad mode is guarded: compiled as recorded.
         with dynamo_config.patch(enable_aot_compile=True), torch.set_grad_enabled(group["grad"]), \
-                _without_hooks(owner):
+                _without_hooks(owner), _where_called(owner, (args, kwargs)):
             function = compiled.aot_compile(((owner, *args), kwargs))
         function.save_compiled_function(str(path))
         return {"signature": group["signature"], "path": f"{ARTIFACT_DIR}/{path.name}",
@@ -278,6 +276,27 @@ class AotCompile(Strategy):
                 runners = {sig: AotRunner(owner, label, variants) for sig, variants in routes.get(name, {}).items()}
                 install_dispatcher(owner, label, runners, fallback, policy)
         return result
+
+
+@contextlib.contextmanager
+def _where_called(owner: Any, call: Any) -> Iterator[None]:
+    """The block on the device its recorded call ran on, while it is compiled. Under ``offload: model``
+    the warmup ran each block on the execution device, and the offload hook has moved the component
+    back to the CPU since; the block's parameters are graph inputs, guarded by device, so it is
+    compiled where it is called, one block at a time (never the whole pipeline), and put back."""
+    import torch
+    from torch.utils._pytree import tree_leaves
+
+    called = {t.device for t in tree_leaves(call) if isinstance(t, torch.Tensor) and t.device.type != "cpu"}
+    held = {t.device for t in (*owner.parameters(), *owner.buffers())}
+    if len(called) != 1 or len(held) != 1 or held == called:
+        yield
+        return
+    owner.to(next(iter(called)))
+    try:
+        yield
+    finally:
+        owner.to(next(iter(held)))
 
 
 class AotRunner:
