@@ -11,6 +11,11 @@ sd15   The SD 1.5 UNet config (860M parameters, fp32; cross-attention width 768)
        with the first shape), each served by a fresh process from a moved copy of the cache.
 flux   FluxTransformer2DModel at the built-in tiny-flux's width with D double and D single blocks
        for each --depths D, full vs regional scope (jit-cache), each served likewise.
+dtype  The SD 1.5-size pipeline's fp32 checkpoint loaded by the build's own load (the loader's
+       context.cpu_pipeline) as float32 and as bfloat16, on 1 thread (as the loader runs) and on
+       every core, each in a fresh process: the peak anonymous RSS (the process's own copies) and
+       the peak file-backed RSS (checkpoint pages mapped by safetensors: page cache, reclaimable)
+       against the UNet's bytes in each dtype, sampled every 5 ms.
 
 Per build: the job's phases (the worker's load or its share of the loader's, compile+warmup, proof),
 the pipeline loads of the build (report.loads), the peak RSS of every process of the build (its
@@ -98,6 +103,62 @@ def make(kind: str, folder: Path, work: Path, depth: int = 0) -> Path:
     if code.returncode != 0:
         sys.exit(f"making the {kind} model failed (exit {code.returncode})")
     return folder
+
+
+PEAK = """
+import json, sys, threading, time
+import torch
+from pathlib import Path
+from aotbuild.context import cpu_pipeline
+from aotbuild.recipes import load_recipe
+
+recipe_path, cache, threads = sys.argv[1], sys.argv[2], int(sys.argv[3])
+torch.set_num_threads(threads)
+peak = {"RssAnon": 0, "RssFile": 0}
+done = threading.Event()
+
+def rss():
+    with open("/proc/self/status") as f:
+        return {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f
+                if line.startswith(("RssAnon", "RssFile"))}
+
+def sample():
+    while not done.is_set():
+        for k, v in rss().items():
+            peak[k] = max(peak[k], v)
+        time.sleep(0.005)
+
+before = rss()
+threading.Thread(target=sample, daemon=True).start()
+start = time.perf_counter()
+pipe = cpu_pipeline(load_recipe(recipe_path), Path(cache))
+seconds = time.perf_counter() - start
+done.set()
+time.sleep(0.01)
+after = rss()
+unet = sum(t.numel() * t.element_size() for t in (*pipe.unet.parameters(), *pipe.unet.buffers()))
+print("RESULT " + json.dumps({"seconds": seconds, "unet_bytes": unet, "anon_before": before["RssAnon"],
+                              "peak_anon": peak["RssAnon"], "peak_file": peak["RssFile"],
+                              "anon_after": after["RssAnon"], "file_after": after["RssFile"]}))
+"""
+
+
+def load_peak(recipe_path: Path, cache: Path, threads: int) -> dict:
+    proc = subprocess.run([sys.executable, "-c", PEAK, str(recipe_path), str(cache), str(threads)], cwd=REPO,
+                          env=child_env(cache.parent / "dtype-compilers"), capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.exit(f"the load failed:\n{proc.stderr[-3000:]}")
+    return json.loads(next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))[len("RESULT "):])
+
+
+def report_dtype(rows: list[tuple[str, int, dict]]) -> list[str]:
+    gb = lambda n: f"{n / 1e9:.2f}"  # noqa: E731
+    body = [[dtype, str(threads), fmt(r["seconds"], ".1f"), gb(r["unet_bytes"]), gb(r["peak_anon"] - r["anon_before"]),
+             f"{(r['peak_anon'] - r['anon_before']) / r['unet_bytes']:.2f}", gb(r["peak_file"]),
+             gb(r["file_after"])] for dtype, threads, r in rows]
+    return ["", "## fp32 checkpoint loaded by the build (context.cpu_pipeline), SD 1.5-size", "",
+            table(["dtype", "threads", "load s", "UNet GB", "anon peak GB over start", "/ UNet",
+                   "file peak GB", "file after GB"], body, text_columns=2)]
 
 
 def weight_bytes(folder: Path, component: str) -> int:
@@ -248,7 +309,7 @@ def report_part(title: str, weights: int, eager: dict, cells: list[tuple[str, di
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--parts", default="sd15,flux")
+    ap.add_argument("--parts", default="sd15,flux,dtype")
     ap.add_argument("--depths", default="2,8,16")
     ap.add_argument("--save", metavar="FILE.json")
     ap.add_argument("--keep", action="store_true", help="keep the work folder (models, caches)")
@@ -316,6 +377,21 @@ def main() -> None:
                 out += report_part(f"tiny-width Flux, {depth} double + {depth} single blocks, 64x64, 2 steps",
                                    weight_bytes(model, "transformer"), eager, cells)
                 saved["flux"][depth] = {"eager": eager, "cells": cells}
+        if "dtype" in args.parts:
+            model = work / "sd15"
+            if not model.exists():
+                print("making the SD 1.5-size pipeline ...", flush=True)
+                make("sd15", model, work)
+            rows = []
+            for dtype in ("float32", "bfloat16"):
+                r = recipe(work / f"dtype_{dtype}.yaml", model, "unet", "jit-cache", "full",
+                           [{"height": 256, "width": 256}], {"num_inference_steps": 2, "guidance_scale": 0.0})
+                r.write_text(r.read_text().replace("dtype: float32", f"dtype: {dtype}"))
+                for threads in (1, os.cpu_count() or 1):
+                    rows.append((dtype, threads, load_peak(r, work / "cache-dtype", threads)))
+                    print(f"  {dtype} on {threads} threads: {rows[-1][2]}", flush=True)
+            out += report_dtype(rows)
+            saved["dtype"] = rows
         print("\n".join(out))
         if args.save:
             Path(args.save).write_text(json.dumps(saved, indent=1, default=str))
