@@ -61,7 +61,9 @@ def derive_recipe(base: Path, dest: Path, *, strategy: str, scope: str = "full",
 
 def child_env(workdir: Path, target: str = "inductor") -> dict[str, str]:
     """os.environ with every compiler cache of ``target`` pointed at an empty folder under
-    ``workdir``, no AOTBUILD_CACHE, and this checkout first on PYTHONPATH."""
+    ``workdir``, a temp folder of its own (``TMPDIR``: Inductor keeps its precompiled C++ headers
+    there, outside its cache, and a fresh machine has none), no AOTBUILD_CACHE, and this checkout
+    first on PYTHONPATH."""
     from aotbuild.constants import ENV_CACHE
     from aotbuild.targets import get_target
 
@@ -72,6 +74,9 @@ def child_env(workdir: Path, target: str = "inductor") -> dict[str, str]:
             env.pop(name, None)
         else:
             env[name] = value
+    temp = workdir / "tmp"
+    temp.mkdir(parents=True, exist_ok=True)
+    env["TMPDIR"] = str(temp)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
     return env
 

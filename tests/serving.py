@@ -3,7 +3,8 @@
 ``serve_fresh(recipe, cache, workdir)`` starts a fresh interpreter in another directory with an
 empty Inductor cache and no AOTBUILD_CACHE, which
 
-1. runs the recipe's warmup eagerly at every shape (the reference, same seed);
+1. runs the recipe's warmup eagerly at every shape (the reference, same seed), with a fresh temp
+   folder (where Inductor keeps its precompiled headers, outside its cache folder);
 2. loads with ``load_compiled(on_miss="error", strict_shapes=True)`` (``remote=`` when given);
 3. runs the warmup again at every shape through the loaded pipeline, counting what compiled (the
    strategy's own counter, Inductor's counters, Dynamo's graphs and frames) and which C++ kernels
@@ -56,6 +57,9 @@ SERVE = textwrap.dedent("""
 
     refs, eager_outputs = run_all(load_pipeline(r, resolve_model(r, Path(cache)), "float32"))
 
+    import tempfile
+    headers = Path(tempfile.gettempdir())  # a fresh temp folder, as on a fresh machine
+    assert not any(headers.rglob("*.gch")), "the temp folder must start without precompiled headers"
     inductor = Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
     assert not inductor.exists() or not any(inductor.iterdir()), "the Inductor cache must start empty"
     kernels = lambda: sorted(p.relative_to(inductor).as_posix() for p in inductor.rglob("*")
@@ -91,6 +95,7 @@ SERVE = textwrap.dedent("""
         "strict": strict, "calls": {n: d.calls for n, d in dispatchers.items()},
         "swaps": sum(getattr(getattr(x, "runner", None), "swaps", 0)
                      for d in dispatchers.values() for x in d.routes.values()),
+        "precompiled_headers": sorted(p.name for p in headers.rglob("*.gch")),
         "timings": report.timings, "first_calls": report.first_calls, "report": str(report),
         "component": component, "remote": remote is not None,
         "offload_hook": type(getattr(getattr(pipe, component), "_hf_hook", None)).__name__,  # offload: model
@@ -103,12 +108,15 @@ def serve_fresh(recipe: Path, cache: Path, workdir: Path, *, component: str = "u
     """What SERVE measured in a fresh process (in ``cwd``, default a new folder under ``workdir``)."""
     cwd = cwd or workdir / "elsewhere"
     cwd.mkdir(parents=True, exist_ok=True)
+    temp = workdir / "serve-tmp"  # Inductor keeps precompiled headers in the temp folder, not its cache
+    temp.mkdir(exist_ok=True)
     script = workdir / "serve.py"
     script.write_text(SERVE)
     argv = [str(recipe), str(cache), component, strict_shape] + ([remote] if remote else [])
     proc = run_python(f"import runpy, sys; sys.argv = ['serve', *{argv!r}]; "
                       f"runpy.run_path({str(script)!r}, run_name='__main__')",
-                      env={"TORCHINDUCTOR_CACHE_DIR": str(workdir / "empty-inductor"), "AOTBUILD_CACHE": ""},
+                      env={"TORCHINDUCTOR_CACHE_DIR": str(workdir / "empty-inductor"), "AOTBUILD_CACHE": "",
+                           "TMPDIR": str(temp)},
                       cwd=cwd)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))[len("RESULT "):])
@@ -119,6 +127,7 @@ def assert_served(result: dict) -> None:
     unbuilt shape refused (tests/test_strategies.py)."""
     assert result["hits"] == result["shapes"] and result["misses"] == 0
     assert result["compiles"] == 0, result["counter"]
+    assert result["precompiled_headers"] == []  # a fresh machine's load compiles no C++ header either
     assert result["counters"].get("fxgraph_cache_miss", 0) == 0  # whatever the strategy counts
     assert result["max_diff"] <= 1e-4 and result["component_max_diff"] <= 1e-5
     assert result["strict"] and "1x4x4x4" in result["strict"]  # 32x32 pixels = a 4x4 latent

@@ -265,7 +265,7 @@ class AotCompile(Strategy):
                 blobs = dict(entry.files)
                 for record in entry.manifest.packages:
                     if record["path"] not in loaded:
-                        with open(blobs[record["path"]], "rb") as f:
+                        with open(blobs[record["path"]], "rb") as f, ctx.target.loading():
                             loaded[record["path"]] = torch.compiler.load_compiled_function(f)
                     for instance in record.get("instances", [""]):
                         routes.setdefault(instance, {}).setdefault(record["signature"], []).append(

@@ -9,6 +9,7 @@ functions) is the strategy's concern (``aotbuild/strategies``), not the target's
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -150,6 +151,12 @@ class Target:
     def install(self, files: Iterable[tuple[str, Path]], device: str) -> InstallResult:
         """Put artifacts back where this process's compiler will find them, before compiling."""
         raise NotImplementedError
+
+    def loading(self) -> contextlib.AbstractContextManager[None]:
+        """Entered while installed artifacts are loaded: around a strategy's deserializing, and
+        around each call of a built route (where jit-cache loads its kernels). Never changes what is
+        loaded or how it runs; may skip work that only a compile would use."""
+        return contextlib.nullcontext()
 
 
 def raise_recompile_limit(n_shapes: int) -> None:

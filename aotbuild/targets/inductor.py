@@ -20,8 +20,9 @@ import platform
 import re
 import subprocess
 import tempfile
+import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -255,6 +256,9 @@ class InductorTarget(Target):
         if _parse_device(device)[0] == "cpu" and len(picked) == 1 and isinstance(next(iter(picked)), str):
             skip_isa_probes(next(iter(picked)))
 
+    def loading(self) -> contextlib.AbstractContextManager[None]:
+        return headers_not_precompiled()
+
     def install(self, files: Iterable[tuple[str, Path]], device: str) -> InstallResult:
         folder = Path(active_cache_dir())
         index = _parse_device(device)[1] or 0
@@ -315,6 +319,53 @@ def skip_isa_probes(built_for: str) -> bool:
     with inductor_config.patch({"cpp.vec_isa_ok": True}):
         cpu_vec_isa.valid_vec_isa_list()
     return True
+
+
+_HEADERS_LOCK = threading.Lock()
+_HEADERS = {"depth": 0, "saved": None}
+
+
+@contextlib.contextmanager
+def headers_not_precompiled() -> Iterator[None]:
+    """While installed CPU kernels are loaded, Inductor does not precompile its C++ prefix header.
+
+    Each process's first C++ kernel load (``CppCodeCache.load_async``, once per process) prepares a
+    precompiled header before it looks for the kernel's ``.so``: a g++ preprocessing run and an
+    ``openssl`` hash (0.25 s here), and, where the header's ``.gch`` is not in the temp folder
+    (``/tmp/torchinductor_<user>/precompiled_headers``: every fresh container), a full header
+    compile of ~150 MB (8 s here). A ``.gch`` only speeds up compiling; a loaded ``.so`` never uses
+    it. Inside this context the header is written as a plain ``#include`` file and passed instead:
+    the kernel's key and command line are the same (they are hashed before the header is chosen, and
+    the ``TORCH_INDUCTOR_PRECOMPILE_HEADERS`` define stays), and a kernel that must be compiled after
+    all is compiled from the plain header (correct, slower). Outside it, Inductor is as it was.
+    Nests, and is safe across threads (the last one out restores)."""
+    try:
+        from torch._inductor import codecache
+    except ImportError:
+        yield
+        return
+    original = getattr(codecache, "_precompile_header", None)
+    if original is None or not hasattr(codecache, "write") or not hasattr(codecache, "_HEADER_DIR"):
+        yield  # another torch: leave it alone
+        return
+
+    def plain(header: str, hashable_cmd_line: str, **_compile_command: Any) -> str:
+        return codecache.write(f"#include <{header}>\n", "h", extra=hashable_cmd_line,
+                               specified_dir=os.path.join(codecache._HEADER_DIR, "plain"))[1]
+
+    with _HEADERS_LOCK:
+        if _HEADERS["depth"] == 0:
+            _HEADERS["saved"] = original
+            codecache._precompile_header = plain
+        _HEADERS["depth"] += 1
+    try:
+        yield
+    finally:
+        with _HEADERS_LOCK:
+            _HEADERS["depth"] -= 1
+            if _HEADERS["depth"] == 0:
+                codecache._precompile_header = _HEADERS["saved"]
+                _HEADERS["saved"] = None
 
 
 #: Compiled kernel files: what a process that had to compile a kernel leaves in the Inductor folder.
