@@ -401,10 +401,10 @@ def plan(recipes: tuple[str, ...], cache: str | None, as_json: bool, fail_on_mis
         _emit_json({"cache": str(resolve_cache_root(cache)), "remote": target.url if target else None,
                     "jobs": [j.as_json() for j in jobs]})
     else:
-        rows = [[j.recipe.name, j.component + _rank_text(j.factors), str(j.shape), j.key[:12] if j.key else "-",
-                 j.status,
+        rows = [[j.recipe.name, j.component + _rank_text(j.factors), str(j.shape), j.recipe.strategy,
+                 j.key[:12] if j.key else "-", j.status,
                  "" if j.status == HIT else j.reason] for j in jobs]
-        _echo(_table(rows, ["recipe", "component", "shape", "key", "status", "reason"]))
+        _echo(_table(rows, ["recipe", "component", "shape", "strategy", "key", "status", "reason"]))
         hits = sum(j.status == HIT for j in jobs)
         there_text = f", {sum(j.status == REMOTE for j in jobs)} on {target.url}" if target else ""
         _echo(f"{hits}/{len(jobs)} jobs cached in {resolve_cache_root(cache)}{there_text}")

@@ -57,7 +57,8 @@ class Job:
 
     def as_json(self) -> dict[str, Any]:
         data = {"recipe": self.recipe.name, "source": self.recipe.source, "component": self.component,
-                "shape": self.shape.as_dict(), "key": self.key, "status": self.status, "reason": self.reason}
+                "shape": self.shape.as_dict(), "strategy": self.recipe.strategy,
+                "key": self.key, "status": self.status, "reason": self.reason}
         if self.rank is not None:
             data.update(rank=self.rank, tensor=self.recipe.tensor_parallel)
         if self.status == MISS:

@@ -67,9 +67,10 @@ def test_plan_ls_show_on_built_cache(built_cache):
     root, report = built_cache
     proc = run_cli("plan", "--cache", str(root), "--fail-on-miss", str(TINY_RECIPE))
     assert proc.returncode == 0, proc.stderr
-    assert [line.split()[4] for line in proc.stdout.splitlines()[2:4]] == ["hit", "hit"]
+    assert [line.split()[5] for line in proc.stdout.splitlines()[2:4]] == ["hit", "hit"]
     data = json.loads(run_cli("plan", "--json", "--cache", str(root), str(TINY_RECIPE)).stdout)
     assert {j["status"] for j in data["jobs"]} == {"hit"}
+    assert {j["strategy"] for j in data["jobs"]} == {"jit-cache"}  # the recipe names none: the default
     listing = json.loads(run_cli("ls", "--json", "--cache", str(root)).stdout)
     assert sorted(e["key"] for e in listing["entries"]) == sorted(j["key"] for j in report["jobs"])
     assert listing["models"] == ["tiny-sd-v1"]
