@@ -214,3 +214,19 @@ def test_folder_targets_count_files_the_compiler_wrote_not_files_laid(tmp_path, 
     (tmp_path / "neff-cache" / "MODULE_b").mkdir()
     (tmp_path / "neff-cache" / "MODULE_b" / "model.neff").write_bytes(b"compiled here")
     assert count() == 1
+
+
+def test_a_serving_process_s_own_compiler_folder_is_removed_when_it_exits(tmp_path):
+    """A load with no compiler cache folder set makes one for the process (the compiler reads it at
+    compile time); it is that process's alone, so it does not outlive it."""
+    proc = run_python(textwrap.dedent("""
+        import os
+        from aotbuild.targets import get_target
+        target = get_target("neuron")
+        os.environ.pop(target.cache_env, None)
+        print("FOLDER", target.install([], "cpu").folder)
+    """), env={"TMPDIR": str(tmp_path)})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    folder = Path(next(x for x in proc.stdout.splitlines() if x.startswith("FOLDER "))[len("FOLDER "):])
+    assert folder.parent == tmp_path and folder.name.startswith("aotbuild-neuron-cache-")
+    assert not folder.exists()

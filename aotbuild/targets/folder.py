@@ -9,8 +9,10 @@ lays the tree back (hard links from the store, else copies) into the folder the 
 
 from __future__ import annotations
 
+import atexit
 import importlib
 import os
+import shutil
 import tempfile
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -163,6 +165,7 @@ class FolderCacheTarget(Target):
         if not folder:
             folder = tempfile.mkdtemp(prefix=f"aotbuild-{self.name}-cache-")
             os.environ[self.cache_env] = folder  # read by the compiler at compile time
+            atexit.register(shutil.rmtree, folder, ignore_errors=True)  # this process's own: not left behind
         files = list(files)
         self._laid = self._laid | {os.path.normpath(Path(folder).joinpath(*safe_relpath(rel).parts))
                                    for rel, _ in files}
