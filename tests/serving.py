@@ -95,6 +95,8 @@ SERVE = textwrap.dedent("""
         "strict": strict, "calls": {n: d.calls for n, d in dispatchers.items()},
         "swaps": sum(getattr(getattr(x, "runner", None), "swaps", 0)
                      for d in dispatchers.values() for x in d.routes.values()),
+        "rebinds": sum(getattr(getattr(x, "runner", None), "rebinds", 0)
+                       for d in dispatchers.values() for x in d.routes.values()),
         "precompiled_headers": sorted(p.name for p in headers.rglob("*.gch")),
         "timings": report.timings, "first_calls": report.first_calls, "report": str(report),
         "component": component, "remote": remote is not None,

@@ -14,7 +14,7 @@ from aotbuild import ShapeNotBuilt
 from aotbuild.dispatch import RouteDeclined, install_dispatcher, signature
 from aotbuild.errors import RecipeError
 from aotbuild.recipes import parse_recipe
-from aotbuild.strategies import aot_compile, get_strategy
+from aotbuild.strategies import aot_compile, calls, get_strategy
 
 BASE = {"model": {"id": "builtin:tiny-sd"}, "strategy": "aot-compile", "shapes": [{"height": 64, "width": 64}]}
 
@@ -66,13 +66,13 @@ def test_a_block_is_compiled_on_the_device_its_call_ran_on_and_put_back():
     """Under offload: model the hook has moved the component back to the CPU by the time the warmup's
     calls are compiled; the block goes to the call's device for its compile, then home."""
     block = _Block()
-    with aot_compile._where_called(block, ((torch.ones(2, device="meta"),), {"scale": 1.0})):
+    with calls.where_called(block, ((torch.ones(2, device="meta"),), {"scale": 1.0})):
         assert block.moves == ["meta"]
     assert block.moves == ["meta", "cpu"]
-    with aot_compile._where_called(block, ((torch.ones(2),), {})):  # called where it is: nothing moves
+    with calls.where_called(block, ((torch.ones(2),), {})):  # called where it is: nothing moves
         pass
     assert block.moves == ["meta", "cpu"]
-    with pytest.raises(ValueError), aot_compile._where_called(block, ((torch.ones(2, device="meta"),), {})):
+    with pytest.raises(ValueError), calls.where_called(block, ((torch.ones(2, device="meta"),), {})):
         raise ValueError("a failed compile still puts the block back")
     assert block.moves == ["meta", "cpu", "meta", "cpu"]
 

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 from aotbuild.dispatch import RouteDeclined, install_dispatcher, signature
 from aotbuild.strategies.base import BuildJob, Built, Planned, Resolved, Strategy, lazy_compile
-from aotbuild.strategies.calls import floats_of, repeated_blocks, snapshot, structure
+from aotbuild.strategies.calls import floats_of, repeated_blocks, snapshot, structure, where_called
 
 if TYPE_CHECKING:
     from aotbuild.recipe import Recipe
@@ -195,7 +195,7 @@ class AotCompile(Strategy):
         vars(owner).pop("forward", None)  # compile the module's own forward, not a dispatcher
         # The flag gates the API; its default is not assumed. Grad mode is guarded: compiled as recorded.
         with dynamo_config.patch(enable_aot_compile=True), torch.set_grad_enabled(group["grad"]), \
-                _without_hooks(owner), _where_called(owner, (args, kwargs)):
+                _without_hooks(owner), where_called(owner, (args, kwargs)):
             function = compiled.aot_compile(((owner, *args), kwargs))
         function.save_compiled_function(str(path))
         return {"signature": group["signature"], "path": f"{ARTIFACT_DIR}/{path.name}",
@@ -276,27 +276,6 @@ class AotCompile(Strategy):
                 runners = {sig: AotRunner(owner, label, variants) for sig, variants in routes.get(name, {}).items()}
                 install_dispatcher(owner, label, runners, fallback, policy)
         return result
-
-
-@contextlib.contextmanager
-def _where_called(owner: Any, call: Any) -> Iterator[None]:
-    """The block on the device its recorded call ran on, while it is compiled. Under ``offload: model``
-    the warmup ran each block on the execution device, and the offload hook has moved the component
-    back to the CPU since; the block's parameters are graph inputs, guarded by device, so it is
-    compiled where it is called, one block at a time (never the whole pipeline), and put back."""
-    import torch
-    from torch.utils._pytree import tree_leaves
-
-    called = {t.device for t in tree_leaves(call) if isinstance(t, torch.Tensor) and t.device.type != "cpu"}
-    held = {t.device for t in (*owner.parameters(), *owner.buffers())}
-    if len(called) != 1 or len(held) != 1 or held == called:
-        yield
-        return
-    owner.to(next(iter(called)))
-    try:
-        yield
-    finally:
-        owner.to(next(iter(held)))
 
 
 class AotRunner:

@@ -35,8 +35,6 @@ class AotPackage(Strategy):
         if not recipe.compile.fullgraph:
             raise recipe.error("compile.fullgraph", "strategy aot-package exports whole modules (the "
                                                     "component, or its blocks): fullgraph must be true")
-        if recipe.offload != "none":
-            raise recipe.error("offload", "strategy aot-package cannot run under model offload")
         self._refuse_freezing(recipe)
         if recipe.lora is not None:
             raise recipe.error("lora", "strategy aot-package cannot hot-swap adapters (torch.export makes the LoRA "
@@ -128,7 +126,8 @@ class AotPackage(Strategy):
         result = ctx.target.install(files, ctx.device) if files else None
         for p in planned:
             packages = [(package, dict(e.files)) for e in p.entries for package in e.manifest.packages]
-            routes = aoti.load_packages(p.module, p.component, packages, ctx.device)
+            routes = aoti.load_packages(p.module, p.component, packages, ctx.device,
+                                        bind_at_first_call=ctx.recipe.offload == "model")
             if ctx.recipe.compile.scope == "regional":  # the component runs eagerly, its blocks dispatch
                 for name, block in calls.repeated_blocks(p.module, ctx.recipe.compile.blocks, ctx.recipe):
                     fallback = lazy_compile(ctx, block, scope="full") if policy == "compile" else None

@@ -55,6 +55,7 @@ from aotbuild.strategies.calls import (
     repeated_blocks,
     snapshot,
     structure,
+    where_called,
 )
 
 if TYPE_CHECKING:
@@ -289,8 +290,9 @@ class BlockRecorder:
             for package in packages:
                 exporter = named[package["instances"][0]]
                 args, kwargs = _relaid(package["call"], package["layout"])
-                record = _package(exporter, sig, args, kwargs, workdir, inductor_configs,
-                                  group=f"{cls}\n{shape_of}")
+                with where_called(exporter, (args, kwargs)):  # under offload: model, on the call's device
+                    record = _package(exporter, sig, args, kwargs, workdir, inductor_configs,
+                                      group=f"{cls}\n{shape_of}")
                 if record["baked"]:  # a tensor compiled in would be the exporter's value for every instance
                     raise PackageMismatch(f"{cls}: AOTInductor compiled {len(record['baked'])} tensors into the "
                                           f"package (e.g. {next(iter(record['baked']))}), so it cannot be shared "
@@ -359,7 +361,8 @@ class PackageRunner:
     ``user_managed=True`` only rebinds pointers: nothing is copied)."""
 
     def __init__(self, model: Any, module: Any, component: str, package: dict[str, Any], device: str,
-                 shared: dict[str, Any] | None = None, lifted: dict[str, Any] | None = None):
+                 shared: dict[str, Any] | None = None, lifted: dict[str, Any] | None = None,
+                 bind_at_first_call: bool = False):
         self.model = model
         #: the values of tensors the model makes in forward (stored beside the package), on the device
         self.lifted = lifted or {}
@@ -371,10 +374,13 @@ class PackageRunner:
         self.baked: dict[str, str] = package.get("baked", {})
         self.device_kind = device.partition(":")[0]
         self.shared = shared if shared is not None else {}
-        self.bound: tuple[Any, ...] = ()
+        self.bound: tuple[Any, ...] | None = None  # the identity of the tensors last supplied
         self.rebinds = 0
         self.swaps = 0
-        self._bind()
+        if not bind_at_first_call:
+            self._bind()  # a module that does not fit is refused at load
+        # else (offload: model): the weights are on the CPU until the offload hook moves the
+        # component to the execution device, just before its blocks run; bound (and checked) then.
 
     def _tensors(self) -> dict[str, Any]:
         return {**{fqn: _lookup(self.module, fqn) for fqn in self.meta}, **self.lifted}
@@ -408,7 +414,9 @@ class PackageRunner:
         return {fqn: _lookup(self.module, fqn) for fqn in (*self.meta, *self.baked)}
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self._identity(self._watched()) != self.bound:  # pipe.to(...), dtype change, LoRA fuse
+        if self.bound is None:
+            self._bind()  # the first call of a runner bound at its first call
+        elif self._identity(self._watched()) != self.bound:  # pipe.to(...), dtype change, LoRA fuse, offload
             self.rebinds += 1
             self._bind()  # checks the supplied constants' shape, dtype and device first
             if self.baked and baked_digests(self.module, self.meta) != self.baked:
@@ -458,10 +466,11 @@ class PackageRunner:
 
 
 def load_packages(module: Any, component: str, packages: list[tuple[dict[str, Any], dict[str, Path]]],
-                  device: str) -> dict[str, dict[str, Callable[..., Any]]]:
+                  device: str, bind_at_first_call: bool = False) -> dict[str, dict[str, Callable[..., Any]]]:
     """instance -> signature -> runner, for every package ("" is the component itself; regional
     packages name their block instances). ``packages``: each record with its entry's files (relative
-    path -> blob). Each package is loaded once, from a hard link (or copy) named *.pt2."""
+    path -> blob). Each package is loaded once, from a hard link (or copy) named *.pt2.
+    ``bind_at_first_call``: under ``offload: model``, each runner takes its weights at its first call."""
     import torch
 
     from aotbuild.trees import lay_tree
@@ -491,7 +500,7 @@ def load_packages(module: Any, component: str, packages: list[tuple[dict[str, An
                 raise PackageMismatch(f"{component} has no block {instance!r}, which its AOT package serves; "
                                       f"rebuild the recipe for this model")
             label = f"{component}.{instance}" if instance else component
-            runner = PackageRunner(model, owner, label, package, device, shared, lifted)
+            runner = PackageRunner(model, owner, label, package, device, shared, lifted, bind_at_first_call)
             routes.setdefault(instance, {})[package["signature"]] = _stride_guard(runner)
     return routes
 

@@ -3,19 +3,44 @@
 Both run the warmup eagerly while the component (or each repeated block) records its calls, then
 compile from those recordings. Here: a call's snapshot (its inputs, copied, each tensor in its own
 layout), its leaves, tensors, strides and float arguments (``torch.utils._pytree``, kwargs in name
-order), the tensor-layout helpers (:func:`copyable`, :func:`relayout`), and
-:func:`structure`: what must be equal for one artifact to serve two module instances.
+order), the tensor-layout helpers (:func:`copyable`, :func:`relayout`), :func:`where_called` (a
+block on its call's device while it is compiled, for ``offload: model``), and :func:`structure`:
+what must be equal for one artifact to serve two module instances.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from aotbuild.recipe import Recipe
 
 Call = tuple[tuple[Any, ...], dict[str, Any]]
+
+
+@contextlib.contextmanager
+def where_called(owner: Any, call: Any) -> Iterator[None]:
+    """The module on the device its recorded call ran on, while it is compiled or exported. Under
+    ``offload: model`` the warmup ran each block on the execution device, and the offload hook has
+    moved the component back to the CPU since; what is compiled must see the block's parameters where
+    the call will find them (aot-compile guards their device; an AOTInductor package is built for
+    one device), so it is moved there, one block at a time (never the whole pipeline), and put back."""
+    import torch
+    from torch.utils._pytree import tree_leaves
+
+    called = {t.device for t in tree_leaves(call) if isinstance(t, torch.Tensor) and t.device.type != "cpu"}
+    held = {t.device for t in (*owner.parameters(), *owner.buffers())}
+    if len(called) != 1 or len(held) != 1 or held == called:
+        yield
+        return
+    owner.to(next(iter(called)))
+    try:
+        yield
+    finally:
+        owner.to(next(iter(held)))
 
 
 def flatten_call(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[Any], Any]:
