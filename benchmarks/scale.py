@@ -166,10 +166,10 @@ def weight_bytes(folder: Path, component: str) -> int:
 
 
 def recipe(path: Path, model: Path, component: str, strategy: str, scope: str, shapes: list[dict],
-           warmup: dict) -> Path:
+           warmup: dict, dtype: str = "float32") -> Path:
     import yaml
 
-    data = {"model": {"id": str(model), "dtype": "float32"}, "target": "inductor", "device": "cpu",
+    data = {"model": {"id": str(model), "dtype": dtype}, "target": "inductor", "device": "cpu",
             "strategy": strategy, "compile": {"components": [component], "scope": scope},
             "shapes": shapes, "warmup": warmup}
     path.write_text(yaml.safe_dump(data, sort_keys=False))
@@ -385,8 +385,8 @@ def main() -> None:
             rows = []
             for dtype in ("float32", "bfloat16"):
                 r = recipe(work / f"dtype_{dtype}.yaml", model, "unet", "jit-cache", "full",
-                           [{"height": 256, "width": 256}], {"num_inference_steps": 2, "guidance_scale": 0.0})
-                r.write_text(r.read_text().replace("dtype: float32", f"dtype: {dtype}"))
+                           [{"height": 256, "width": 256}], {"num_inference_steps": 2, "guidance_scale": 0.0},
+                           dtype)
                 for threads in (1, os.cpu_count() or 1):
                     rows.append((dtype, threads, load_peak(r, work / "cache-dtype", threads)))
                     print(f"  {dtype} on {threads} threads: {rows[-1][2]}", flush=True)

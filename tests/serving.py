@@ -17,6 +17,7 @@ empty Inductor cache and no AOTBUILD_CACHE, which
 from __future__ import annotations
 
 import json
+import tempfile
 import textwrap
 from pathlib import Path
 
@@ -110,8 +111,8 @@ def serve_fresh(recipe: Path, cache: Path, workdir: Path, *, component: str = "u
     """What SERVE measured in a fresh process (in ``cwd``, default a new folder under ``workdir``)."""
     cwd = cwd or workdir / "elsewhere"
     cwd.mkdir(parents=True, exist_ok=True)
-    temp = workdir / "serve-tmp"  # Inductor keeps precompiled headers in the temp folder, not its cache
-    temp.mkdir(exist_ok=True)
+    # Inductor keeps precompiled headers in the temp folder, not its cache: a new one per replica
+    temp = Path(tempfile.mkdtemp(prefix="serve-tmp.", dir=workdir))
     script = workdir / "serve.py"
     script.write_text(SERVE)
     argv = [str(recipe), str(cache), component, strict_shape] + ([remote] if remote else [])

@@ -76,6 +76,19 @@ def test_a_block_is_compiled_on_the_device_its_call_ran_on_and_put_back():
         raise ValueError("a failed compile still puts the block back")
     assert block.moves == ["meta", "cpu", "meta", "cpu"]
 
+    class HalfMoved(_Block):
+        def to(self, device):
+            super().to(device)
+            if str(device) == "meta":
+                raise RuntimeError("out of memory")  # some parameters moved, then the move failed
+            return self
+
+    half = HalfMoved()
+    with pytest.raises(RuntimeError, match="out of memory"), \
+            calls.where_called(half, ((torch.ones(2, device="meta"),), {})):
+        raise AssertionError("not reached")
+    assert half.moves == ["meta", "cpu"]  # put back all the same
+
 
 def test_the_thread_count_is_a_key_factor_for_aot_compile_only():
     """The artifact's global-state guard holds the thread count (cpp.dynamic_threads or not, any device)."""

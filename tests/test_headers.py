@@ -74,6 +74,36 @@ def test_the_inductor_target_loads_inside_it_and_other_targets_change_nothing():
         assert codecache._precompile_header is original
 
 
+def test_a_jit_cache_route_loads_inside_it_at_its_first_call_only():
+    """Dynamo loads a signature's kernels at its first call; later calls (and their recompiles, if
+    any) keep the compiler as it is."""
+    import contextlib
+
+    from aotbuild.strategies.jit_cache import _loading
+
+    class Target:
+        entered = 0
+
+        @contextlib.contextmanager
+        def loading(self):
+            Target.entered += 1
+            yield
+
+    calls = []
+    route = _loading(Target(), lambda *a, **k: calls.append((a, k)) or "out")
+    assert [route(1), route(2, x=3), route(4)] == ["out"] * 3
+    assert Target.entered == 1 and len(calls) == 3
+
+    def failing(*a, **k):
+        raise RuntimeError("the first call failed")
+
+    again = _loading(Target(), failing)
+    for _ in range(2):
+        with pytest.raises(RuntimeError):
+            again()
+    assert Target.entered == 3  # a first call that failed is still a first call next time
+
+
 KERNEL = textwrap.dedent("""
     import os, torch
     from pathlib import Path

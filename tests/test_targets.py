@@ -220,13 +220,20 @@ def test_a_serving_process_s_own_compiler_folder_is_removed_when_it_exits(tmp_pa
     """A load with no compiler cache folder set makes one for the process (the compiler reads it at
     compile time); it is that process's alone, so it does not outlive it."""
     proc = run_python(textwrap.dedent("""
-        import os
+        import os, sys
         from aotbuild.targets import get_target
         target = get_target("neuron")
         os.environ.pop(target.cache_env, None)
-        print("FOLDER", target.install([], "cpu").folder)
+        folder = target.install([], "cpu").folder
+        child = os.fork()
+        if child == 0:
+            sys.exit(0)  # a forked worker exits normally, running the inherited atexit handlers
+        os.waitpid(child, 0)
+        print("FOLDER", folder, os.path.isdir(folder))
     """), env={"TMPDIR": str(tmp_path)})
     assert proc.returncode == 0, proc.stderr[-2000:]
-    folder = Path(next(x for x in proc.stdout.splitlines() if x.startswith("FOLDER "))[len("FOLDER "):])
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("FOLDER "))
+    folder, kept_after_child = Path(line.split()[1]), line.split()[2]
+    assert kept_after_child == "True"  # the child did not remove its parent's folder
     assert folder.parent == tmp_path and folder.name.startswith("aotbuild-neuron-cache-")
     assert not folder.exists()

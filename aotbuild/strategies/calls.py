@@ -36,8 +36,8 @@ def where_called(owner: Any, call: Any) -> Iterator[None]:
     if len(called) != 1 or len(held) != 1 or held == called:
         yield
         return
-    owner.to(next(iter(called)))
     try:
+        owner.to(next(iter(called)))  # inside: a move that fails half-way (out of memory) is undone too
         yield
     finally:
         owner.to(next(iter(held)))

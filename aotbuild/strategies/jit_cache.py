@@ -10,6 +10,7 @@ compile in a serving process is the target's to say (``Target.compile_counter``)
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from aotbuild.dispatch import install_dispatcher
@@ -17,7 +18,7 @@ from aotbuild.strategies.base import BuildJob, Built, Planned, Resolved, Strateg
 
 if TYPE_CHECKING:
     from aotbuild.store import Entry
-    from aotbuild.targets.base import InstallResult
+    from aotbuild.targets.base import InstallResult, Target
 
 
 class JitCache(Strategy):
@@ -47,20 +48,26 @@ class JitCache(Strategy):
             compiled: Any = None
             if p.entries or policy == "compile":
                 compiled = ctx.target.compile(p.module, ctx.recipe, ctx.device)
-            # Dynamo traces and loads the installed kernels at a route's first call, not here.
-            route = _loading(ctx.target, compiled) if compiled is not None else None
-            routes = {sig: route for e in p.entries for sig in e.manifest.signatures}
+            # Dynamo traces and loads the installed kernels at each signature's first call, not here.
+            routes = {sig: _loading(ctx.target, compiled) for e in p.entries for sig in e.manifest.signatures}
             install_dispatcher(p.module, p.component, routes, compiled, policy)
         return result
 
 
-def _loading(target: Any, compiled: Any) -> Any:
-    """A built signature's route: the compiled forward, run inside the target's ``loading()``. The
-    fallback for unbuilt signatures (``on_miss="compile"``) stays outside: a real compile keeps every
-    speed-up the compiler has."""
+def _loading(target: Target, compiled: Any) -> Callable[..., Any]:
+    """A built signature's route: the compiled forward, its first call (where Dynamo traces and the
+    compiler loads the installed kernels) inside the target's ``loading()``, later calls as they are.
+    The fallback for unbuilt signatures (``on_miss="compile"``) stays outside: a real compile keeps
+    every speed-up the compiler has."""
+    loaded = False
 
     def route(*args: Any, **kwargs: Any) -> Any:
-        with target.loading():
+        nonlocal loaded
+        if loaded:
             return compiled(*args, **kwargs)
+        with target.loading():
+            out = compiled(*args, **kwargs)
+        loaded = True
+        return out
 
     return route

@@ -165,8 +165,15 @@ class FolderCacheTarget(Target):
         if not folder:
             folder = tempfile.mkdtemp(prefix=f"aotbuild-{self.name}-cache-")
             os.environ[self.cache_env] = folder  # read by the compiler at compile time
-            atexit.register(shutil.rmtree, folder, ignore_errors=True)  # this process's own: not left behind
+            atexit.register(_remove_if_mine, folder, os.getpid())  # this process's own: not left behind
         files = list(files)
         self._laid = self._laid | {os.path.normpath(Path(folder).joinpath(*safe_relpath(rel).parts))
                                    for rel, _ in files}
         return InstallResult(*lay_tree(files, Path(folder)), folder)
+
+
+def _remove_if_mine(folder: str, pid: int) -> None:
+    """At exit, the compiler folder this process made, but not in a child forked after it was made
+    (a preloaded server's worker exits while its parent still compiles into the folder)."""
+    if os.getpid() == pid:
+        shutil.rmtree(folder, ignore_errors=True)

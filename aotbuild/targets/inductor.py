@@ -332,7 +332,7 @@ def headers_not_precompiled() -> Iterator[None]:
     Each process's first C++ kernel load (``CppCodeCache.load_async``, once per process) prepares a
     precompiled header before it looks for the kernel's ``.so``: a g++ preprocessing run and an
     ``openssl`` hash (0.25 s here), and, where the header's ``.gch`` is not in the temp folder
-    (``/tmp/torchinductor_<user>/precompiled_headers``: every fresh container), a full header
+    (``$TMPDIR/torchinductor_<user>/precompiled_headers``: every fresh container), a full header
     compile of ~150 MB (8 s here). A ``.gch`` only speeds up compiling; a loaded ``.so`` never uses
     it. Inside this context the header is written as a plain ``#include`` file and passed instead:
     the kernel's key and command line are the same (they are hashed before the header is chosen, and
@@ -344,8 +344,7 @@ def headers_not_precompiled() -> Iterator[None]:
     except ImportError:
         yield
         return
-    original = getattr(codecache, "_precompile_header", None)
-    if original is None or not hasattr(codecache, "write") or not hasattr(codecache, "_HEADER_DIR"):
+    if not all(hasattr(codecache, name) for name in ("_precompile_header", "write", "_HEADER_DIR")):
         yield  # another torch: leave it alone
         return
 
@@ -353,9 +352,9 @@ def headers_not_precompiled() -> Iterator[None]:
         return codecache.write(f"#include <{header}>\n", "h", extra=hashable_cmd_line,
                                specified_dir=os.path.join(codecache._HEADER_DIR, "plain"))[1]
 
-    with _HEADERS_LOCK:
+    with _HEADERS_LOCK:  # the function to restore is read under the lock: never another thread's stand-in
         if _HEADERS["depth"] == 0:
-            _HEADERS["saved"] = original
+            _HEADERS["saved"] = codecache._precompile_header
             codecache._precompile_header = plain
         _HEADERS["depth"] += 1
     try:
