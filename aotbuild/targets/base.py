@@ -153,9 +153,9 @@ class Target:
         raise NotImplementedError
 
     def loading(self) -> contextlib.AbstractContextManager[None]:
-        """Entered while installed artifacts are loaded: around a strategy's deserializing, and
-        around each call of a built route (where jit-cache loads its kernels). Never changes what is
-        loaded or how it runs; may skip work that only a compile would use."""
+        """Entered while installed artifacts are loaded: around aot-compile's deserializing, and
+        around the first call of each signature jit-cache serves (where Dynamo loads its kernels).
+        Never changes what is loaded or how it runs; may skip work that only a compile would use."""
         return contextlib.nullcontext()
 
 
