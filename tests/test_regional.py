@@ -115,6 +115,9 @@ def test_under_offload_a_package_takes_its_weights_at_the_first_call_where_the_h
     model = _Binding()
     runner = aoti.PackageRunner(model, block, "unet.block", package, "meta", bind_at_first_call=True)
     assert model.bound == []
+    other = {**package, "constants": {**package["constants"], "weight": [[4, 2], "float32", "meta"]}}
+    with pytest.raises(PackageMismatch, match="weight is now float32 \\[2, 2\\] on cpu, but .* \\[4, 2\\] on meta"):
+        aoti.PackageRunner(_Binding(), block, "unet.block", other, "meta", bind_at_first_call=True)  # at load
     block.to("meta")  # what the hook does before the component runs
     runner(hidden_states=torch.empty(1, 2, device="meta"))
     runner(hidden_states=torch.empty(1, 2, device="meta"))

@@ -379,8 +379,10 @@ class PackageRunner:
         self.swaps = 0
         if not bind_at_first_call:
             self._bind()  # a module that does not fit is refused at load
-        # else (offload: model): the weights are on the CPU until the offload hook moves the
-        # component to the execution device, just before its blocks run; bound (and checked) then.
+        else:  # offload: model: the weights are on the CPU until the offload hook moves the component
+            # to the execution device, just before its blocks run; bound then, and refused at load if
+            # anything but their device differs.
+            self._check(self._tensors(), device=False)
 
     def _tensors(self) -> dict[str, Any]:
         return {**{fqn: _lookup(self.module, fqn) for fqn in self.meta}, **self.lifted}
@@ -390,8 +392,8 @@ class PackageRunner:
         return tuple((id(t), t.data_ptr(), t.dtype, t.device, tuple(t.shape)) if t is not None else None
                      for t in tensors.values())
 
-    def _bind(self) -> None:
-        tensors = self._tensors()
+    def _check(self, tensors: dict[str, Any], device: bool = True) -> None:
+        """Every constant the package asked for, with its shape, dtype and (``device``) device."""
         # AOTInductor takes a missing buffer or lifted constant with a warning, and the next call
         # segfaults: every name it asked for must be supplied (a missing parameter it does refuse).
         for fqn, (shape, dtype, device_kind) in self.meta.items():
@@ -400,11 +402,15 @@ class PackageRunner:
                 raise PackageMismatch(f"{self.component}: the module has no {fqn!r}, which its AOT package needs; "
                                       f"rebuild the recipe for this model")
             have = (list(t.shape), str(t.dtype).replace("torch.", ""), t.device.type)
-            if have != (shape, dtype, device_kind):
+            if have[:2] != (shape, dtype) or (device and have[2] != device_kind):
                 raise PackageMismatch(
                     f"{self.component}: {fqn} is now {have[1]} {have[0]} on {have[2]}, but its AOT package was "
                     f"built for {dtype} {shape} on {device_kind}; rebuild the recipe for this dtype/device or "
                     f"load it again with load_compiled")
+
+    def _bind(self) -> None:
+        tensors = self._tensors()
+        self._check(tensors)
         self.model.load_constants(tensors, check_full_update=True, user_managed=True)
         self.shared["owner"] = self
         self.bound = self._identity(self._watched())
