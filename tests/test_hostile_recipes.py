@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -86,12 +87,14 @@ def test_a_bomb_is_measured_in_steps_not_expanded(tmp_path, monkeypatch):
     assert len(visits) < 50  # nodes composed: one per sequence written, none per expansion
 
 
-@pytest.mark.parametrize("limit,value", [("MAX_RECIPE_NODES", 30), ("MAX_RECIPE_DEPTH", 3)])
-def test_the_caps_are_the_module_constants(tmp_path, monkeypatch, limit, value):
+@pytest.mark.parametrize("limit,value,says", [("MAX_RECIPE_NODES", 30, "expands to more than 30 values"),
+                                              ("MAX_RECIPE_DEPTH", 3, "is nested more than 3 levels deep")])
+def test_the_caps_are_the_module_constants(tmp_path, monkeypatch, limit, value, says):
+    """The refusal names the patched cap: the reader reads the constant, not a copy of it."""
     monkeypatch.setattr(recipe_module, limit, value)
     path = tmp_path / "r.yaml"
     path.write_text(HEAD + "warmup: {a: [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18]]}\n")
-    with pytest.raises(RecipeError):
+    with pytest.raises(RecipeError, match=f"^{re.escape(str(path))}: {says}"):
         load_recipe(path)
 
 
