@@ -47,6 +47,7 @@ def test_passed_pipe_on_wrong_device_is_refused(models_dir):
         load_compiled(recipe, pipe, cache=models_dir)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="asserts what a host without CUDA answers; CUDA is here")
 def test_cuda_recipe_without_cuda_is_target_unavailable(tmp_path):
     from aotbuild import TargetUnavailable
 
