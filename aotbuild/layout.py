@@ -25,7 +25,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
-from aotbuild import constants
+from aotbuild import constants, safeio
 from aotbuild.errors import StoreError, UsageError
 
 HEX64 = re.compile(r"^[0-9a-f]{64}\Z")
@@ -83,39 +83,19 @@ def _pyproject_setting(start: Path, name: str) -> tuple[Path, object] | None:
 
 
 def _read_pyproject(path: Path) -> dict:
-    import stat
-
     try:
-        import tomllib
-    except ImportError:  # Python 3.10
-        import tomli as tomllib  # type: ignore[no-redef]
-
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-        try:
-            info = os.fstat(fd)
-            if not stat.S_ISREG(info.st_mode) or info.st_size > MAX_PYPROJECT_BYTES:
-                raise UsageError(f"{path}: not a regular file of at most {MAX_PYPROJECT_BYTES} bytes")
-            raw = os.read(fd, MAX_PYPROJECT_BYTES + 1)
-        finally:
-            os.close(fd)
-        text = raw.decode("utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
+        text = safeio.read_text(path, MAX_PYPROJECT_BYTES)
+    except (safeio.NotRegularFile, safeio.FileTooLarge):
+        raise UsageError(f"{path}: not a regular file of at most {MAX_PYPROJECT_BYTES} bytes") from None
+    except (OSError, safeio.BadData) as exc:
         raise UsageError(f"{path}: cannot read [tool.aotbuild]: {exc}") from None
-    depth = deepest = 0
-    for c in text:  # brackets outside strings are rare enough in pyproject files: counting all is a bound
-        if c in "[{":
-            depth += 1
-            deepest = max(deepest, depth)
-        elif c in "]}":
-            depth = max(depth - 1, 0)
-    if deepest > MAX_PYPROJECT_DEPTH:
-        raise UsageError(f"{path}: nested more than {MAX_PYPROJECT_DEPTH} levels deep; cannot read [tool.aotbuild]")
     try:
-        return tomllib.loads(text)
-    except (ValueError, RecursionError) as exc:
-        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise UsageError(f"{path}: cannot read [tool.aotbuild]: {reason[:200]}") from None
+        return safeio.loads_toml(text, max_depth=MAX_PYPROJECT_DEPTH)
+    except safeio.TooDeep:
+        raise UsageError(f"{path}: nested more than {MAX_PYPROJECT_DEPTH} levels deep; cannot read "
+                         f"[tool.aotbuild]") from None
+    except safeio.BadData as exc:
+        raise UsageError(f"{path}: cannot read [tool.aotbuild]: {exc}") from None
 
 
 def _pyproject_cache(start: Path) -> Path | None:

@@ -23,18 +23,14 @@ The store only writes manifests (store.py); codec and files stay apart (STYLE.md
 
 from __future__ import annotations
 
-import errno
 import json
 import math
-import os
-import re
-import stat
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from aotbuild import constants
+from aotbuild import constants, safeio
 from aotbuild.errors import ManifestError, StaleManifest
 from aotbuild.keys import key_of
 from aotbuild.layout import HEX64
@@ -45,10 +41,6 @@ MAX_BYTES = 16 * 1024 * 1024
 MAX_DEPTH = 32
 #: Longest string a manifest may hold where a name or signature is expected.
 MAX_NAME = 4096
-
-_STRINGS = re.compile(r'"(?:[^"\\]|\\.)*"', re.DOTALL)
-_BRACKETS = re.compile(r"[\[\]{}]")
-
 
 @dataclass(frozen=True)
 class FileRecord:
@@ -156,33 +148,22 @@ def read(path: Path, key: str) -> Manifest | None:
     """The manifest stored at ``path`` for ``key``; None when there is no such file.
 
     Raises OSError when it cannot be read (permissions), ManifestError when it is malformed (not a
-    regular file, too big, too deep, a wrong field) and StaleManifest when it is of another format.
-    Opens without blocking, so a FIFO planted under a manifest's name cannot hang a reader."""
+    regular file, a symbolic link, too big, too deep, a wrong field) and StaleManifest when it is of
+    another format. Read through aotbuild.safeio: without blocking (a FIFO planted under a
+    manifest's name cannot hang a reader), never through a link."""
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOFOLLOW", 0))
+        raw = safeio.read_bytes(path, MAX_BYTES, follow_symlinks=False)
     except FileNotFoundError:
         return None
-    except OSError as exc:
-        if exc.errno in (errno.ELOOP, errno.EMLINK):
-            raise ManifestError("a symbolic link, not a manifest file") from None
-        if exc.errno in (errno.ENXIO, errno.EISDIR):  # a FIFO without a writer; a folder
-            raise ManifestError("not a regular file") from None
-        raise
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise ManifestError("not a regular file")
-        if info.st_size > MAX_BYTES:
-            raise ManifestError(f"{info.st_size} bytes, more than a manifest may have ({MAX_BYTES})")
-        chunks, total = [], 0
-        while chunk := os.read(fd, 1 << 20):
-            chunks.append(chunk)
-            total += len(chunk)
-            if total > MAX_BYTES:  # grew while we read
-                raise ManifestError(f"more than {MAX_BYTES} bytes")
-    finally:
-        os.close(fd)
-    return from_json(b"".join(chunks), key)
+    except safeio.LinkRefused:
+        raise ManifestError("a symbolic link, not a manifest file") from None
+    except safeio.NotRegularFile:  # a FIFO, a device, a folder
+        raise ManifestError("not a regular file") from None
+    except safeio.FileTooLarge as exc:
+        if exc.size is None:  # grew while we read
+            raise ManifestError(f"more than {MAX_BYTES} bytes") from None
+        raise ManifestError(f"{exc.size} bytes, more than a manifest may have ({MAX_BYTES})") from None
+    return from_json(raw, key)
 
 
 def from_json(text: str | bytes, key: str) -> Manifest:
@@ -196,30 +177,17 @@ def from_json(text: str | bytes, key: str) -> Manifest:
             raise ManifestError("not UTF-8 text") from None
     if len(text) > MAX_BYTES:
         raise ManifestError(f"more than {MAX_BYTES} characters")
-    depth = json_depth(text)
-    if depth > MAX_DEPTH:
-        raise ManifestError(f"JSON nested {depth} deep, more than a manifest may be ({MAX_DEPTH})")
     try:
-        data = json.loads(text, parse_constant=_no_constant)
-    except (ValueError, RecursionError) as exc:
-        raise ManifestError(f"not JSON ({str(exc)[:80]})") from None
+        data = safeio.loads_json(text, max_bytes=MAX_BYTES, max_depth=MAX_DEPTH)
+    except safeio.TooDeep as exc:
+        raise ManifestError(f"JSON nested {exc.depth} deep, more than a manifest may be ({MAX_DEPTH})") from None
+    except safeio.BadData as exc:
+        raise ManifestError(str(exc)) from None
     return from_dict(data, key)
 
 
-def json_depth(text: str) -> int:
-    """Deepest nesting of ``[`` and ``{`` in JSON text (strings skipped), without parsing it."""
-    depth = deepest = 0
-    for m in _BRACKETS.finditer(_STRINGS.sub("", text)):
-        if m.group() in "[{":
-            depth += 1
-            deepest = max(deepest, depth)
-        else:
-            depth -= 1
-    return deepest
-
-
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON")
+#: Deepest nesting of ``[`` and ``{`` in JSON text (strings skipped), without parsing it.
+json_depth = safeio.json_depth
 
 
 def from_dict(data: Any, key: str) -> Manifest:
@@ -376,7 +344,20 @@ class _Checker:
         if not all(isinstance(line, str) and len(line) <= MAX_NAME for line in lines):
             raise self.fail("structure.lines", "not a list of lines")
         self.obj(value.get("compiler", {}), "structure.compiler")
+        if value.get("dependencies") is not None:  # what the graphs depend on (aotbuild/dependencies.py)
+            self.dependencies(value["dependencies"])
         return value
+
+    def dependencies(self, value: Any) -> None:
+        value = self.obj(value, "structure.dependencies")
+        items = self.obj(value.get("items", {}), "structure.dependencies.items")
+        if not all(isinstance(v, str) and len(k) <= MAX_NAME and len(v) <= MAX_NAME for k, v in items.items()):
+            raise self.fail("structure.dependencies.items", "not {path: text}")
+        for state in self.list_of(value.get("globals", []), "structure.dependencies.globals"):
+            if (not isinstance(state, list) or len(state) != 3 or not isinstance(state[0], bool)
+                    or not isinstance(state[1], str) or not isinstance(state[2], list)
+                    or not all(isinstance(a, str) for a in state[2])):
+                raise self.fail("structure.dependencies.globals", "not [grad, dtype, [autocast]]")
 
     def signed_by(self, value: Any) -> tuple[dict[str, str], ...]:
         items = self.list_of(value, "signed_by")

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from aotbuild import builtin
+from aotbuild import builtin, safeio
 from aotbuild.blocks import describe_repeating
-from aotbuild.errors import ModelUnavailable
+from aotbuild.errors import ModelUnavailable, ModelUnreachable
 from aotbuild.layout import Layout
 from aotbuild.recipe import CompileSpec, Recipe
 from aotbuild.suggest import suggest
@@ -155,7 +155,7 @@ def hub_file(repo_id: str, filename: str, revision: str | None) -> Path:
             reason = reason[:200] + " ..."
         name = type(exc).__name__
         if down:
-            raise ModelUnavailable(f"cannot fetch {filename} of {repo_id}: {down}, and the local Hugging "
+            raise ModelUnreachable(f"cannot fetch {filename} of {repo_id}: {down}, and the local Hugging "
                                    f"Face cache does not have it; pre-download it (hf download) or point model.id at "
                                    f"a local folder") from None
         if "LocalEntryNotFound" in name or "Connect" in name or "Offline" in name:
@@ -167,42 +167,27 @@ def hub_file(repo_id: str, filename: str, revision: str | None) -> Path:
             hint = "; check model.id (owner/name), or set HF_TOKEN for a private repo"
         else:
             hint = ""
-        raise ModelUnavailable(f"cannot fetch {filename} of {repo_id}: {name}: {reason}{hint}") from None
+        raise ModelUnreachable(f"cannot fetch {filename} of {repo_id}: {name}: {reason}{hint}") from None
 
 
 def _read_json(path: Path, inside: Path | None = None) -> dict[str, Any]:
     """A JSON object from a regular file of at most MAX_JSON_BYTES, opened without blocking, nested at
     most MAX_JSON_DEPTH deep (counted before parsing), without NaN or Infinity; with ``inside``, the
-    file's real path must stay in that folder."""
-    from aotbuild.manifest import json_depth
-
+    file's real path must stay in that folder (aotbuild.safeio reads it)."""
     path = Path(path)
     try:
-        if inside is not None and not path.resolve().is_relative_to(Path(inside).resolve()):
-            raise ModelUnavailable(f"{path} is outside its model folder {inside} (a symlink?): refused")
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-        try:
-            info = os.fstat(fd)
-            if not stat.S_ISREG(info.st_mode) or info.st_size > MAX_JSON_BYTES:
-                raise ModelUnavailable(f"{path} is not a regular file of at most {MAX_JSON_BYTES} bytes")
-            raw = os.read(fd, MAX_JSON_BYTES + 1)
-        finally:
-            os.close(fd)
-        text = raw.decode("utf-8")
-        if json_depth(text) > MAX_JSON_DEPTH:
-            raise ModelUnavailable(f"{path} is nested more than {MAX_JSON_DEPTH} levels deep")
-        data = json.loads(text, parse_constant=_no_constant)
-    except ModelUnavailable:
-        raise
-    except (OSError, ValueError, RecursionError) as exc:
+        data = safeio.read_json(path, max_bytes=MAX_JSON_BYTES, max_depth=MAX_JSON_DEPTH, within=inside)
+    except safeio.LinkRefused:
+        raise ModelUnavailable(f"{path} is outside its model folder {inside} (a symlink?): refused") from None
+    except (safeio.NotRegularFile, safeio.FileTooLarge):
+        raise ModelUnavailable(f"{path} is not a regular file of at most {MAX_JSON_BYTES} bytes") from None
+    except safeio.TooDeep:
+        raise ModelUnavailable(f"{path} is nested more than {MAX_JSON_DEPTH} levels deep") from None
+    except (OSError, ValueError) as exc:
         raise ModelUnavailable(f"cannot read {path}: {printable(str(exc))[:200]}") from None
     if not isinstance(data, dict):
         raise ModelUnavailable(f"{path} is not a JSON object")
     return data
-
-
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON")
 
 
 #: Config keys that record where or with what a config was written, not what the module computes.

@@ -13,7 +13,7 @@ RUNTIME_MODULES = {
     "aotbuild", "aotbuild.blocks", "aotbuild.builtin", "aotbuild.constants", "aotbuild.errors", "aotbuild.frozen",
     "aotbuild.keys", "aotbuild.layout", "aotbuild.locks", "aotbuild.manifest", "aotbuild.models",
     "aotbuild.context", "aotbuild.explain", "aotbuild.recipe", "aotbuild.recipe_file", "aotbuild.recipes",
-    "aotbuild.registry", "aotbuild.runtime", "aotbuild.store",
+    "aotbuild.registry", "aotbuild.runtime", "aotbuild.safeio", "aotbuild.store",
     "aotbuild.strategies", "aotbuild.strategies.base", "aotbuild.suggest", "aotbuild.targets", "aotbuild.targets.base",
     "aotbuild.text", "aotbuild.pipecall",
 }
