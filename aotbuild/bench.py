@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from aotbuild.errors import AotbuildError, UsageError
+from aotbuild.recipe import Shape
 
 MODES = ("eager", "cold", "warm")
 LABELS = {"eager": "eager (no compile)", "cold": "cold compile", "warm": "aotbuild warm load"}
@@ -169,25 +170,17 @@ def machine_text(m: dict[str, Any]) -> str:
     return ", ".join(str(p) for p in parts)
 
 
-def parse_shape(text: str) -> tuple[int, int, int]:
-    """``"64x96"`` or ``"64x96x2"`` (height x width [x batch]) -> (height, width, batch)."""
-    parts = text.lower().split("x")
-    try:
-        numbers = [int(p) for p in parts]
-    except ValueError:
-        numbers = []
-    if len(numbers) not in (2, 3) or min(numbers) < 1:
-        raise UsageError(f"--shape {text!r}: expected HEIGHTxWIDTH or HEIGHTxWIDTHxBATCH, e.g. 64x96")
-    return numbers[0], numbers[1], numbers[2] if len(numbers) == 3 else 1
-
-
 def pick_shape(recipe: Any, text: str | None) -> Any:
+    """The recipe's shape that ``text`` labels (as ``str(shape)`` prints it: aotbuild/recipe.py's
+    ``Shape.parse``), or its first shape when ``text`` is None."""
     if text is None:
         return recipe.shapes[0]
-    height, width, batch = parse_shape(text)
-    for shape in recipe.shapes:
-        if (shape.height, shape.width, shape.batch_size) == (height, width, batch):
-            return shape
+    try:
+        wanted = Shape.parse(text)
+    except ValueError as exc:
+        raise UsageError(f"--shape {exc}") from None
+    if wanted in recipe.shapes:
+        return wanted
     raise UsageError(f"--shape {text}: {recipe.source} does not build it (its shapes: "
                      f"{', '.join(map(str, recipe.shapes))}); add it to the recipe's shapes first")
 

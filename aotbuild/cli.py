@@ -737,7 +737,8 @@ def rm(items: tuple[str, ...], cache: str | None, as_json: bool) -> int:
 @click.argument("recipe")
 @cache_option
 @json_option
-@click.option("--shape", metavar="HxW[xB]", help="The recipe's shape to measure (default: its first).")
+@click.option("--shape", metavar="[Fx]HxW[bB]", help="The recipe's shape to measure, labelled as `aotbuild plan` "
+              "prints it: 64x96, 64x96b2 (batch 2), 9x64x96 (9 frames); default: its first.")
 @click.option("--repeats", type=click.IntRange(1, 50), default=3, show_default=True,
               help="Fresh processes for eager and warm; the table shows min / median / max.")
 @click.option("--cold-repeats", type=click.IntRange(1, 50), default=1, show_default=True,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +32,8 @@ SHAPE_OWNED = ("height", "width", "num_images_per_prompt", "num_videos_per_promp
 #: Pipeline-call arguments a warmup may not set because they cannot be written in YAML or are ours.
 WARMUP_FORBIDDEN = SHAPE_OWNED + ("generator", "latents", "callback_on_step_end", "prompt_embeds")
 MAX_SIDE = 16384
+#: A shape's label (:meth:`Shape.__str__`): [FRAMESx]HEIGHTxWIDTH[bBATCH], ASCII digits only.
+_SHAPE_LABEL = re.compile(r"(?:([0-9]+)x)?([0-9]+)x([0-9]+)(?:b([0-9]+))?", re.IGNORECASE)
 
 
 @dataclass(frozen=True)
@@ -178,11 +181,29 @@ class Shape:
     num_frames: int | None = None
 
     def __str__(self) -> str:
-        """``64x96``, ``64x96x2`` (batch 2), ``9x64x96`` (9 frames), ``9x64x96x2``."""
+        """The label: ``64x96``, ``64x96b2`` (batch 2), ``9x64x96`` (9 frames), ``9x64x96b2``.
+
+        The batch has its own mark so that three numbers are always frames x height x width: a
+        label ``AxBxC`` for both (batch C, or A frames) could not be read back (issue 30)."""
         text = f"{self.height}x{self.width}"
         if self.num_frames is not None:
             text = f"{self.num_frames}x{text}"
-        return text if self.batch_size == 1 else f"{text}x{self.batch_size}"
+        return text if self.batch_size == 1 else f"{text}b{self.batch_size}"
+
+    @classmethod
+    def parse(cls, text: str) -> Shape:
+        """The shape a label names: the exact inverse of ``str(shape)`` (``x`` and ``b`` in either case).
+
+        Raises ValueError for anything else. Only the label's form is checked here; what a recipe
+        allows (multiples of 8, the bounds) is the recipe's check."""
+        match = _SHAPE_LABEL.fullmatch(text.strip()) if len(text) <= 80 else None
+        if match is None:
+            raise ValueError(f"{text!r} is not a shape: expected HEIGHTxWIDTH or FRAMESxHEIGHTxWIDTH, then "
+                             "bBATCH for a batch above 1 (e.g. 64x96, 64x96b2, 9x64x96)")
+        frames, height, width, batch = (None if g is None else int(g) for g in match.groups())
+        if 0 in (frames, height, width, batch):
+            raise ValueError(f"{text!r} is not a shape: its sizes are positive")
+        return cls(height, width, 1 if batch is None else batch, frames)
 
     def as_dict(self) -> dict[str, int]:
         """A key factor: ``num_frames`` only where the shape sets it (so image recipes keep their keys)."""

@@ -8,10 +8,13 @@ import textwrap
 
 import pytest
 from click.testing import CliRunner
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from aotbuild import bench
 from aotbuild.cli import main
 from aotbuild.errors import UsageError
+from aotbuild.recipe import Shape
 from aotbuild.recipes import load_recipe
 from tests.conftest import FAKES, REPO, TINY_RECIPE, run_cli
 
@@ -128,15 +131,32 @@ def test_the_plot_install_hint_reads_the_same_everywhere():
         assert len(re.findall(r"aotbuild\[plot\]", text)) == text.count(hint), doc
 
 
-@pytest.mark.parametrize("text,expected", [("64x96", (64, 96, 1)), ("64X64x2", (64, 64, 2))])
+sizes = st.integers(min_value=1, max_value=10**6)
+labelled = st.builds(Shape, sizes, sizes, sizes, st.none() | sizes)
+
+
+@settings(max_examples=300, deadline=None)
+@given(labelled)
+def test_a_shape_label_reads_back_as_the_shape(shape):
+    """Shape.parse is the exact inverse of the label every command prints (with and without frames and
+    batch): a label of three numbers that could be a batch or frames was the bug (issue 30)."""
+    assert Shape.parse(str(shape)) == shape
+    assert Shape.parse(str(shape).upper()) == shape
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("64x96", Shape(64, 96)), ("64X64b2", Shape(64, 64, 2)), ("9x64x64", Shape(64, 64, 1, 9)),
+    (" 9x64x96B3 ", Shape(64, 96, 3, 9)),
+])
 def test_parse_shape(text, expected):
-    assert bench.parse_shape(text) == expected
+    assert Shape.parse(text) == expected
 
 
-@pytest.mark.parametrize("text", ["64", "64x", "axb", "64x64x2x1", "0x64"])
+@pytest.mark.parametrize("text", ["64", "64x", "axb", "64x64x2x1", "0x64", "64x64b0", "64x64b", "b2x64x64",
+                                  "-8x64", "\u0663x8", "64x64x"])
 def test_bad_shape_text(text):
-    with pytest.raises(UsageError, match="expected HEIGHTxWIDTH"):
-        bench.parse_shape(text)
+    with pytest.raises(UsageError, match=r"^--shape '.*' is not a shape: "):
+        bench.pick_shape(load_recipe(TINY_RECIPE), text)
 
 
 def test_shape_not_in_the_recipe_names_the_recipes_shapes():
@@ -144,6 +164,14 @@ def test_shape_not_in_the_recipe_names_the_recipes_shapes():
     assert str(bench.pick_shape(recipe, "64x96")) == "64x96"
     with pytest.raises(UsageError, match=r"its shapes: 64x64, 64x96\); add it to the recipe"):
         bench.pick_shape(recipe, "128x128")
+
+
+@pytest.mark.parametrize("name", ["tiny_wan_cpu", "tiny_sd_cpu"])
+def test_every_shape_a_built_in_recipe_prints_is_one_bench_takes(name):
+    """What plan and the report print for a shape is what --shape takes: `--shape 9x64x64` on the Wan
+    recipe was refused as height 9, width 64, batch 64."""
+    recipe = load_recipe(REPO / "recipes" / f"{name}.yaml")
+    assert [bench.pick_shape(recipe, str(s)) for s in recipe.shapes] == list(recipe.shapes)
 
 
 def test_bad_mode_is_a_usage_error():

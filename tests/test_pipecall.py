@@ -97,8 +97,8 @@ def test_the_shapes_own_the_count_and_size_arguments(arg):
 
 
 def test_video_shapes_have_labels_and_keys_of_their_own():
-    assert str(Shape(64, 96)) == "64x96" and str(Shape(64, 96, 2)) == "64x96x2"
-    assert str(Shape(64, 96, num_frames=9)) == "9x64x96" and str(Shape(64, 96, 2, 9)) == "9x64x96x2"
+    assert str(Shape(64, 96)) == "64x96" and str(Shape(64, 96, 2)) == "64x96b2"
+    assert str(Shape(64, 96, num_frames=9)) == "9x64x96" and str(Shape(64, 96, 2, 9)) == "9x64x96b2"
     assert Shape(64, 64).as_dict() == {"height": 64, "width": 64, "batch_size": 1}  # image keys unchanged
     assert Shape(64, 64, num_frames=9).as_dict() == {"height": 64, "width": 64, "batch_size": 1, "num_frames": 9}
     with pytest.raises(RecipeError, match="num_frames: 0 is not allowed"):
