@@ -11,11 +11,9 @@ from __future__ import annotations
 
 import contextlib
 import enum
-import errno
 import hashlib
 import os
 import shutil
-import stat
 import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -23,9 +21,11 @@ from pathlib import Path
 from typing import BinaryIO
 
 from aotbuild import manifest as codec
+from aotbuild import safeio
 from aotbuild.errors import ManifestError, StaleManifest, StoreError, UsageError
 from aotbuild.layout import HEX64, Layout, shared_dirs
 from aotbuild.manifest import Manifest
+from aotbuild.safeio import atomic_write, open_regular
 
 try:
     import fcntl
@@ -35,6 +35,7 @@ except ImportError:  # pragma: no cover - Windows
 _CHUNK = 1 << 20
 #: A failure record is a small JSON object (a reason, a time, a version).
 MAX_FAILURE_BYTES = 64 * 1024
+MAX_FAILURE_DEPTH = 8
 
 
 def sha256_file(path: Path) -> str:
@@ -105,20 +106,6 @@ def _open_source(source: Path | BinaryIO) -> Iterator[BinaryIO]:
         yield source
 
 
-def open_regular(path: str | os.PathLike) -> BinaryIO:
-    """``path`` opened for reading without blocking, refused (OSError) unless a regular file: a FIFO
-    or a device planted in a store or a remote folder must not hang or feed a reader forever."""
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise IsADirectoryError(errno.EISDIR, "not a regular file", str(path))
-        os.set_blocking(fd, True)
-        return os.fdopen(fd, "rb")
-    except BaseException:
-        os.close(fd)
-        raise
-
-
 class Store:
     """``records``: how the manifests' strategy records are checked before an entry is handed out
     (:data:`RecordsCheck`; aotbuild.strategies.records_problem); without it only the codec's checks apply."""
@@ -162,35 +149,26 @@ class Store:
         StoreError and nothing is stored (a pulled blob that does not match its name). With
         ``max_size`` (a pulled blob's declared size), reading stops one byte past it: a longer
         source is refused without being read to its end."""
-        fd, tmp = self._tempfile()
         h = hashlib.sha256()
         size = 0
-        try:
-            with os.fdopen(fd, "wb") as out, _open_source(source) as src:
-                while chunk := src.read(_CHUNK if max_size is None else min(_CHUNK, max_size + 1 - size)):
-                    h.update(chunk)
-                    out.write(chunk)
-                    size += len(chunk)
-                    if max_size is not None and size > max_size:
-                        raise StoreError(f"blob {(expect or '')[:12]} has more bytes than the {max_size} its manifest "
-                                         f"declares: refused")
-                out.flush()
-                os.fsync(out.fileno())
+        with atomic_write(None, mode=0o444, make_temp=self._tempfile) as w, _open_source(source) as src:
+            while chunk := src.read(_CHUNK if max_size is None else min(_CHUNK, max_size + 1 - size)):
+                h.update(chunk)
+                w.file.write(chunk)
+                size += len(chunk)
+                if max_size is not None and size > max_size:
+                    raise StoreError(f"blob {(expect or '')[:12]} has more bytes than the {max_size} its manifest "
+                                     f"declares: refused")
             digest = h.hexdigest()
             if expect is not None and digest != expect:
                 raise StoreError(f"blob {expect[:12]} does not match its content (sha256 {digest[:12]}): refused")
             final = self.layout.blob(digest)
             if final.is_file() and final.stat().st_size == size and sha256_file(final) == digest:
-                os.unlink(tmp)  # already there and intact (a damaged one is replaced below)
+                w.discard()  # already there and intact (a damaged one is replaced)
             else:
                 shared_dirs(final.parent)
-                os.chmod(tmp, 0o444)
-                os.replace(tmp, final)
-            return digest, size
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
+                w.target = final
+        return digest, size
 
     def has_blob(self, digest: str, size: int, *, verify: bool = False) -> bool:
         """A blob of that name and size is stored (and, with ``verify``, hashes to its name)."""
@@ -210,19 +188,10 @@ class Store:
                 raise StoreError(f"refusing to write manifest {key[:12]}: blob {item.sha256[:12]} is missing")
         text = manifest.without_pack().to_json()  # the codec refuses what no reader would accept
         final = self.layout.manifest(key)
-        fd, tmp = self._tempfile()
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as out:
-                out.write(text)
-                out.flush()
-                os.fsync(out.fileno())
+        # 0644, not mkstemp's 0600: other users of a shared store must read it
+        with atomic_write(final, mode=0o644, make_temp=self._tempfile) as w:
+            w.file.write(text.encode("utf-8"))
             shared_dirs(final.parent)
-            os.chmod(tmp, 0o644)  # mkstemp makes 0600: other users of a shared store must read it
-            os.replace(tmp, final)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
         return final
 
     # -- reading ------------------------------------------------------------------------------
@@ -353,35 +322,16 @@ class Store:
         path = self.layout.failure(key)
         with contextlib.suppress(OSError):
             shared_dirs(path.parent)
-            fd, tmp = self._tempfile()
-            try:
-                with os.fdopen(fd, "w", encoding="utf-8") as out:
-                    json.dump(record, out, sort_keys=True)
-                os.chmod(tmp, 0o644)
-                os.replace(tmp, path)
-            except BaseException:
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp)
-                raise
+            with atomic_write(path, mode=0o644, make_temp=self._tempfile) as w:
+                w.file.write(json.dumps(record, sort_keys=True).encode("utf-8"))
 
     def failure(self, key: str) -> dict | None:
-        """The failure record of job ``key``, or None (none, unreadable, or not a small JSON object)."""
-        import json
-
-        path = self.layout.failure(key)
+        """The failure record of job ``key``, or None (none, unreadable, a link, or not a small, shallow
+        JSON object: a hostile store's record is ignored, never a traceback)."""
         try:
-            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOFOLLOW", 0))
-        except OSError:
-            return None
-        try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                return None
-            raw = os.read(fd, MAX_FAILURE_BYTES + 1)
-        finally:
-            os.close(fd)
-        try:
-            data = json.loads(raw[:MAX_FAILURE_BYTES].decode("utf-8")) if len(raw) <= MAX_FAILURE_BYTES else None
-        except ValueError:
+            data = safeio.read_json(self.layout.failure(key), max_bytes=MAX_FAILURE_BYTES,
+                                    max_depth=MAX_FAILURE_DEPTH, follow_symlinks=False)
+        except (OSError, ValueError):
             return None
         return data if isinstance(data, dict) and isinstance(data.get("reason"), str) else None
 
