@@ -17,21 +17,22 @@ with bounded work for its modules and rank (no weights are loaded to plan).
 
 from __future__ import annotations
 
-import json
 import os
 import re
-import stat
 import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from aotbuild import safeio
 from aotbuild.errors import UsageError
 from aotbuild.recipe import LoraAdapter, Recipe
 from aotbuild.text import printable
 
 DEFAULT_WEIGHT_NAME = "pytorch_lora_weights.safetensors"
 MAX_HEADER = 64 * 1024 * 1024
+#: A safetensors header is {name: {dtype, shape: [...], data_offsets: [...]}, "__metadata__": {...}}.
+MAX_HEADER_DEPTH = 8
 #: ``<component>.<module path>.lora_A.weight`` (peft) or ``.lora.down.weight`` (older diffusers).
 _KEY = re.compile(r"^(?P<component>[A-Za-z_][A-Za-z0-9_]*)\.(?P<module>.+)\.(?:lora_A|lora\.down|lora_down)\.weight$")
 #: Methods of a served pipeline that would recompile or break the hot-swap layout: refused after load.
@@ -68,36 +69,54 @@ def target_name(module_path: str) -> str:
 
 
 def read(path: Path) -> AdapterFile:
-    """The header of a LoRA .safetensors file (8 bytes of length, then JSON): never its tensors."""
+    """The header of a LoRA .safetensors file (8 bytes of length, then JSON): never its tensors.
+
+    The file is opened once, through aotbuild.safeio (a regular file, without blocking); the header's
+    length and JSON depth are checked on the bytes read, then ``safetensors`` itself parses that same
+    open file (through ``/proc/self/fd``, never re-opened by its path) and checks that the header's
+    offsets cover the file exactly: a truncated file is refused here, when the recipe is planned."""
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-        try:
-            info = os.fstat(fd)
-            if not stat.S_ISREG(info.st_mode):
-                raise UsageError(f"{path}: not a regular file")
-            head = os.read(fd, 8)
+        with safeio.open_regular(path) as f:
+            head = f.read(8)
             if len(head) < 8:
                 raise UsageError(f"{path}: not a safetensors file")
             (length,) = struct.unpack("<Q", head)
-            if length > min(MAX_HEADER, info.st_size):
+            if length > min(MAX_HEADER, os.fstat(f.fileno()).st_size):
                 raise UsageError(f"{path}: a safetensors header of {length} bytes: refused")
-            header = json.loads(os.read(fd, length).decode("utf-8"))
-        finally:
-            os.close(fd)
+            header = safeio.loads_json(f.read(length), max_bytes=MAX_HEADER, max_depth=MAX_HEADER_DEPTH)
+            if not isinstance(header, dict):
+                raise UsageError(f"{path}: not a safetensors file")
+            shapes = _shapes(f.fileno())
+    except UsageError:
+        raise
+    except safeio.TooDeep:
+        raise UsageError(f"{path}: a safetensors header nested more than {MAX_HEADER_DEPTH} levels deep: "
+                         f"refused") from None
     except (OSError, ValueError) as exc:
         raise UsageError(f"{path}: cannot read its safetensors header: {printable(str(exc))[:200]}") from None
-    if not isinstance(header, dict):
-        raise UsageError(f"{path}: not a safetensors file")
     modules: dict[str, set[str]] = {}
     rank = 0
-    for key, value in header.items():
-        match = _KEY.match(key) if isinstance(value, dict) else None
-        if match and isinstance(value.get("shape"), list) and value["shape"]:
+    for key, shape in shapes.items():
+        match = _KEY.match(key)
+        if match and shape:
             modules.setdefault(match["component"], set()).add(match["module"])
-            rank = max(rank, int(value["shape"][0]))
+            rank = max(rank, int(shape[0]))
     if not modules:
         raise UsageError(f"{path}: holds no LoRA weights (no '<component>.<module>.lora_A.weight' tensors)")
     return AdapterFile(Path(path), modules, rank)
+
+
+def _shapes(fd: int) -> dict[str, list[int]]:
+    """Tensor name -> shape, as ``safetensors`` reads the open file ``fd`` (its own header checks: data
+    offsets in order and covering the file; a ValueError when they do not hold)."""
+    from safetensors import safe_open
+
+    proc = f"/proc/self/fd/{fd}"
+    try:
+        with safe_open(proc if os.path.exists(proc) else f"/dev/fd/{fd}", framework="numpy") as st:
+            return {name: list(st.get_slice(name).get_shape()) for name in st.keys()}
+    except Exception as exc:  # safetensors' SafetensorError is a bare Exception
+        raise ValueError(str(exc).splitlines()[0] if str(exc) else type(exc).__name__) from None
 
 
 def _repository(folder: Path) -> Path:

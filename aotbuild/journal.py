@@ -27,6 +27,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
 
+from aotbuild import safeio
 from aotbuild.errors import StoreError
 from aotbuild.layout import HEX64, shared_dirs
 from aotbuild.locks import is_unlocked, store_lock
@@ -44,6 +45,11 @@ PREFIX = "j."
 #: How long a failed writer or the next one waits for the exclusive lock to reclaim (seconds);
 #: past it the journal stays for the writer after.
 RECLAIM_TIMEOUT = 10.0
+#: Bounds on what is read back (aotbuild.safeio): a journal lists one 65-byte line per blob; the
+#: reclaimed log only grows, so only its tail is read, each note a small, shallow JSON object.
+MAX_JOURNAL_BYTES = 64 << 20
+NOTES_TAIL_BYTES = 1 << 20
+MAX_NOTE_DEPTH = 8
 
 
 class EntryWriter:
@@ -113,8 +119,8 @@ def entry_writer(store: Store) -> Iterator[EntryWriter]:
 
 
 def _journal_digests(path: Path) -> set[str]:
-    try:
-        text = path.read_text(errors="replace")
+    try:  # a journal that cannot be read (a link, a FIFO, too big) lists nothing
+        text = safeio.read_bytes(path, MAX_JOURNAL_BYTES, follow_symlinks=False).decode("utf-8", "replace")
     except OSError:
         return set()
     return {line for line in text.split() if HEX64.match(line)}
@@ -186,23 +192,24 @@ def reclaim_dead(store: Store) -> None:
 
 
 def _note(store: Store, record: dict[str, Any]) -> None:
-    with contextlib.suppress(OSError):
+    with contextlib.suppress(OSError):  # a FIFO or a link planted at the log's name is not written to
         log = store.layout.reclaimed_log
         log.parent.mkdir(parents=True, exist_ok=True)
-        with open(log, "a", encoding="utf-8") as f:
-            f.write(json.dumps({"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **record}) + "\n")
+        safeio.append_line(log, json.dumps({"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **record}))
 
 
 def notes(store: Store, last: int = 20) -> list[dict[str, Any]]:
-    """What writers reclaimed from dead ones, most recent last (for ``verify --json``)."""
+    """What writers reclaimed from dead ones, most recent last (for ``verify --json``): the log's
+    tail, read without blocking and never through a link (a FIFO there cannot hang ``verify``);
+    a line that is not a small, shallow JSON object is skipped."""
     try:
-        lines = store.layout.reclaimed_log.read_text(encoding="utf-8").splitlines()[-last:]
+        tail = safeio.read_tail(store.layout.reclaimed_log, NOTES_TAIL_BYTES, follow_symlinks=False)
     except OSError:
         return []
     out = []
-    for line in lines:
+    for line in tail.decode("utf-8", "replace").splitlines()[-last:]:
         with contextlib.suppress(ValueError):
-            data = json.loads(line)
+            data = safeio.loads_json(line, max_bytes=NOTES_TAIL_BYTES, max_depth=MAX_NOTE_DEPTH)
             if isinstance(data, dict):
                 out.append(data)
     return out
