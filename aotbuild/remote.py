@@ -39,7 +39,8 @@ from aotbuild.journal import entry_writer
 from aotbuild.layout import HEX64
 from aotbuild.locks import flocked, store_lock
 from aotbuild.manifest import Manifest, ManifestError, StaleManifest
-from aotbuild.store import Entry, Store, open_regular, sha256_file
+from aotbuild.safeio import atomic_write, open_regular
+from aotbuild.store import Entry, Store, sha256_file
 
 _HF = re.compile(r"^hf://(?:(?P<kind>datasets|models)/)?(?P<repo>[\w.-]+/[\w.-]+)(?:@(?P<rev>[\w./-]+))?/?$")
 #: Operations per Hub commit: big pushes go in several pack commits, all before the manifest commits.
@@ -329,13 +330,13 @@ class HubRemote(Remote):
                     raise StoreError(f"{filename} on {self.url} is {declared} bytes, more than the {limit} it may "
                                      f"have: refused before downloading")
                 received = 0
-                with open(dest, "wb") as out:
+                with atomic_write(dest) as out:  # a download cut short leaves no partial file
                     for chunk in response.iter_bytes(1 << 20):
                         received += len(chunk)
                         if received > limit:
                             raise StoreError(f"{filename} on {self.url} sent more than the {limit} bytes it may "
                                              f"have: refused while downloading")
-                        out.write(chunk)
+                        out.file.write(chunk)
             return dest
 
         try:
@@ -474,18 +475,18 @@ def _write_pack(entry: Entry, folder: Path) -> tuple[Path, str, int]:
     digests = {item.path: item.sha256 for item in entry.manifest.files}
     members = sorted({digests[rel]: blob for rel, blob in entry.files}.items())
     path = folder / f"{entry.key}.tar"
-    with tarfile.open(path, "w", format=tarfile.USTAR_FORMAT) as tar:
+    with atomic_write(path) as out, tarfile.open(fileobj=out.file, mode="w", format=tarfile.USTAR_FORMAT) as tar:
         for digest, blob in members:
             info = tarfile.TarInfo(digest)
             info.size, info.mode, info.mtime = blob.stat().st_size, 0o444, 0
-            with open(blob, "rb") as f:
+            with open_regular(blob) as f:
                 tar.addfile(info, f)
     return path, sha256_file(path), path.stat().st_size
 
 
 def _read_pack(path: Path, wanted: set[str]) -> Iterator[tuple[str, BinaryIO]]:
     """The wanted members of a verified pack: plain files named by a digest, nothing else is read."""
-    with tarfile.open(path, "r:") as tar:
+    with open_regular(path) as f, tarfile.open(fileobj=f, mode="r:") as tar:
         for member in tar:
             if not member.isreg() or not HEX64.match(member.name):
                 raise StoreError(f"pack member {member.name!r} is not a plain file named by its sha256")

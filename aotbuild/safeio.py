@@ -18,7 +18,8 @@ expanded before anything is constructed, safe tags only.
 
 Writing: :func:`atomic_write` writes a temp file in the destination's folder (or the one a caller's
 ``make_temp`` gives), fsyncs it and renames it into place; on any failure the temp file is removed.
-:func:`place` puts a file made by a callback (a hard link, a copy) into place the same way, and
+:func:`place` puts a file made by a callback (a hard link, a copy) into place the same way,
+:func:`write_new` creates a file that must not replace one (a private key), and
 :func:`append_line` appends to a regular file that is not a link, without blocking.
 
 Every refusal is an exception of this module: an ``OSError`` for the file (:class:`NotRegularFile`,
@@ -40,7 +41,7 @@ from typing import Any, BinaryIO
 
 __all__ = ["NotRegularFile", "FileTooLarge", "LinkRefused", "BadData", "TooDeep", "open_regular", "read_bytes",
            "read_text", "read_tail", "json_depth", "loads_json", "read_json", "loads_toml", "loads_yaml",
-           "atomic_write", "place", "append_line"]
+           "atomic_write", "place", "write_new", "append_line"]
 
 
 class NotRegularFile(IsADirectoryError):
@@ -361,6 +362,21 @@ def place(target: str | os.PathLike, make: Callable[[Path], None]) -> None:
     finally:
         if temp.exists() or temp.is_symlink():
             temp.unlink()
+
+
+def write_new(path: str | os.PathLike, data: bytes, *, mode: int = 0o644) -> None:
+    """Create ``path`` with ``data``, never replacing a file or following a link that is there
+    (FileExistsError): for files that must not be overwritten (a private key)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), mode)
+    try:
+        with os.fdopen(fd, "wb") as out:
+            out.write(data)
+            out.flush()
+            os.fsync(out.fileno())
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        raise
 
 
 def append_line(path: str | os.PathLike, line: str, *, mode: int = 0o644) -> None:

@@ -25,6 +25,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from aotbuild import safeio
 from aotbuild.errors import UsageError
 
 #: A key's name: what signatures are filed under.
@@ -60,20 +61,15 @@ def keygen(name: str | os.PathLike) -> tuple[Path, Path]:
                              serialization.NoEncryption())
     raw_public = key.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
     base.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(private, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as out:
-        out.write(f"{base.name}:{base64.b64encode(seed).decode()}\n")
-    fd = os.open(public, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    with os.fdopen(fd, "w") as out:
-        out.write(f"{base.name}:{base64.b64encode(raw_public).decode()}\n")
+    safeio.write_new(private, f"{base.name}:{base64.b64encode(seed).decode()}\n".encode(), mode=0o600)
+    safeio.write_new(public, f"{base.name}:{base64.b64encode(raw_public).decode()}\n".encode(), mode=0o644)
     return private, public
 
 
 def _read_key_file(path: str | os.PathLike) -> tuple[str, bytes]:
     path = Path(path)
-    try:
-        with open(path, "rb") as f:
-            text = f.read(MAX_KEY_FILE + 1).decode("ascii").strip()
+    try:  # a regular file, without blocking; a symlink is followed (the operator's choice of key)
+        text = safeio.read_bytes(path, MAX_KEY_FILE).decode("ascii").strip()
     except (OSError, UnicodeDecodeError) as exc:
         raise UsageError(f"{path}: cannot read the key: {exc}") from None
     name, _, data = text.partition(":")

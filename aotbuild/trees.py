@@ -11,6 +11,7 @@ from pathlib import Path
 
 from aotbuild.errors import StoreError
 from aotbuild.layout import safe_relpath
+from aotbuild.safeio import place
 
 
 def collect_tree(base: Path) -> list[tuple[str, Path]]:
@@ -50,8 +51,8 @@ def lay_tree(files: Iterable[tuple[str, Path]], folder: Path) -> tuple[int, int]
             laid.setdefault(blob, dest)
             continue
         dest.parent.mkdir(parents=True, exist_ok=True)
-        tmp = dest.with_name(f".{dest.name}.{os.getpid()}.tmp")
-        try:
+
+        def make(tmp: Path, blob: Path = blob) -> None:
             try:
                 os.link(blob, tmp)
             except OSError:  # another filesystem, or links not allowed
@@ -59,10 +60,8 @@ def lay_tree(files: Iterable[tuple[str, Path]], folder: Path) -> tuple[int, int]
                     os.link(laid[blob], tmp)  # KeyError: the first copy of this blob
                 except (KeyError, OSError):
                     shutil.copyfile(blob, tmp)
-            os.replace(tmp, dest)
-            laid.setdefault(blob, dest)
-        finally:
-            if tmp.exists():
-                tmp.unlink()
+
+        place(dest, make)  # one rename from a temp name beside it (aotbuild.safeio)
+        laid.setdefault(blob, dest)
         installed += 1
     return installed, present
