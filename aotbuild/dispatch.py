@@ -15,6 +15,12 @@ from collections.abc import Callable
 from typing import Any
 
 from aotbuild.errors import ShapeNotBuilt
+from aotbuild.safeio import loads_json
+
+#: A call signature is read back from manifests (strings of up to 4096 characters): parsed with bounded
+#: depth, so a hostile one is a ValueError, never a RecursionError.
+SIGNATURE_BYTES = 1 << 16
+SIGNATURE_DEPTH = 64
 
 
 def _encode(value: Any) -> Any:
@@ -39,7 +45,7 @@ def signature(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
 
 def describe(sig: str) -> str:
     """Tensor shapes of a signature, short enough for an error message."""
-    data = json.loads(sig)
+    data = loads_json(sig, max_bytes=SIGNATURE_BYTES, max_depth=SIGNATURE_DEPTH)
     parts = []
 
     def walk(name: str, v: Any) -> None:
@@ -150,7 +156,7 @@ def _first_tensor(sig: str) -> list[int] | None:
                 return found
         return None
 
-    data = json.loads(sig)
+    data = loads_json(sig, max_bytes=SIGNATURE_BYTES, max_depth=SIGNATURE_DEPTH)
     return walk(data["args"]) or walk(data["kwargs"])
 
 
