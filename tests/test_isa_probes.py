@@ -1,59 +1,205 @@
-"""A CPU load skips Inductor's vector-ISA probes when the entry's build picked the ISA this CPU's
-flags give (aotbuild/targets/inductor.py, skip_isa_probes); otherwise Inductor probes as always.
+"""A CPU load answers Inductor's vector-ISA probes from the entry's record when this CPU's facts are
+the build's (aotbuild/targets/inductor_isa.py): no probe compiles, and Inductor picks the build's ISA
+with the build's kernel flags. Otherwise Inductor probes as always.
 
-Each case runs in a fresh interpreter: Inductor caches its ISA list for the process."""
+The CPU is faked (torch.cpu's flag reads, ``platform.machine``, ``_init_amx``) and so are the probes
+(``VecISA.check_build`` records each probe and answers without g++), so every ISA Inductor can pick
+on x86 is checked on any host. Inductor makes its ISA list once per process: one fresh interpreter
+imports torch, and each step of each case runs in a process forked from it before any list is made
+(a build, a load, and a plain process for comparison)."""
 
 from __future__ import annotations
 
 import json
-import platform
+import sys
 import textwrap
 
 import pytest
 
 from tests.conftest import run_python
 
-pytestmark = pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 ISA probes")
+pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="Inductor probes x86 ISAs on Linux and Windows")
 
-CASE = textwrap.dedent("""
-    import json, sys
+DRIVER = textwrap.dedent("""
+    import json, os, platform, sys, traceback
+    import torch
     import torch._inductor.config as config
-    from torch._inductor import cpu_vec_isa
+    from torch._inductor import cpu_vec_isa as v
+    from torch._inductor.cpp_builder import _get_build_args_of_chosen_isa
     from aotbuild.targets.inductor import InductorTarget
+    import aotbuild.targets.inductor_isa  # noqa: F401 (imported once, before the forks)
 
-    probes = []
-    cpu_vec_isa.VecISA.check_build = lambda self, code: probes.append(str(self)) or True  # no g++ here
-    flags = cpu_vec_isa.x86_isa_checker()
-    named = [isa for isa in cpu_vec_isa.supported_vec_isa_list if all(f in flags for f in str(isa).split())]
-    built_for = sys.argv[1] if sys.argv[1] != "-" else str(cpu_vec_isa.get_isa_from_cpu_capability(
-        None, named, cpu_vec_isa.invalid_vec_isa))
-    InductorTarget().before_install([{"vec_isa": built_for}, {"vec_isa": built_for}], sys.argv[2])
-    picked = str(cpu_vec_isa.pick_vec_isa())
-    print("RESULT " + json.dumps({"picked": picked, "built_for": built_for, "probes": probes,
-                                  "vec_isa_ok": config.cpp.vec_isa_ok}))
+    PROBES = {v.VecISA._avx_code: "base", v.VecAVX512._avx512_bf16_code: "avx512_bf16",
+              v.VecAVX512VNNI._avx512_vnni_code: "avx512_vnni", v.VecAMX._amx_code: "amx_tile",
+              v.VecAMX._amx_fp16_code: "amx_fp16"}
+
+    def fake(cpu, compiles, env):
+        # This process's CPU and compiler, as the case says.
+        os.environ["ATEN_CPU_CAPABILITY"] = env
+        platform.machine = lambda: "x86_64"
+        flags = cpu["flags"]
+        torch.cpu._is_avx2_supported = lambda: "avx2" in flags
+        torch.cpu._is_avx512_supported = lambda: "avx512" in flags
+        torch.cpu._is_vnni_supported = lambda: "avx512_vnni" in flags
+        torch.cpu._is_amx_tile_supported = lambda: "amx_tile" in flags
+        torch.cpu._is_avx512_bf16_supported = lambda: cpu["avx512_bf16"]
+        torch.cpu._is_amx_fp16_supported = lambda: cpu["amx_fp16"]
+        torch.cpu._init_amx = lambda: cpu["amx_permission"]
+        probes = []
+        def check_build(self, code):
+            probes.append(str(self) + ": " + PROBES[code])
+            return compiles.get(PROBES[code], True)
+        v.VecISA.check_build = check_build
+        return probes
+
+    def picked():
+        isa = v.pick_vec_isa()
+        macros, arch_flags = _get_build_args_of_chosen_isa(isa)  # what the ISA puts on the compile command
+        return {"isa": str(isa), "macros": macros, "arch_flags": arch_flags, "bits": isa.bit_width()}
+
+    def build(case):
+        probes = fake(case["cpu"], case.get("compiles", {}), case.get("env", ""))
+        v.pick_vec_isa()  # the compile picks its ISA
+        facts = InductorTarget().build_facts("cpu")
+        return {"facts": facts, "picked": picked(), "probes": probes}
+
+    def load(case, builds):
+        load = case.get("load", {})
+        probes = fake({**case["cpu"], **load.get("cpu", {})}, case.get("compiles", {}), load.get("env", ""))
+        if builds is not None:
+            InductorTarget().before_install(builds, load.get("device", "cpu"))
+        return {"picked": picked(), "probes": probes, "vec_isa_ok": config.cpp.vec_isa_ok}
+
+    def forked(fn, *args):
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.close(read)
+            try:
+                out = json.dumps(fn(*args))
+            except BaseException:
+                out = json.dumps({"error": traceback.format_exc()})
+            with os.fdopen(write, "w") as pipe:
+                pipe.write(out)
+            os._exit(0)
+        os.close(write)
+        with os.fdopen(read) as pipe:
+            out = pipe.read()
+        os.waitpid(pid, 0)
+        return json.loads(out)
+
+    results = {}
+    for name, case in json.loads(sys.stdin.read()).items():
+        built = forked(build, case)
+        if "error" in built:
+            results[name] = built
+            continue
+        facts = built["facts"]
+        for edit in case.get("edit", []):  # a record edited after the build: [path..., value or None]
+            at = facts
+            for part in edit[:-2]:
+                at = at.get(part, {})
+            if edit[-1] is None:
+                at.pop(edit[-2], None)
+            else:
+                at[edit[-2]] = edit[-1]
+        builds = case.get("builds", [facts, facts])
+        builds = [facts if b == "built" else b for b in builds]
+        results[name] = {"build": built, "load": forked(load, case, builds), "plain": forked(load, case, None)}
+    print("RESULT " + json.dumps(results))
 """)
 
+AMX = {"flags": ["avx2", "avx512", "avx512_vnni", "amx_tile"], "avx512_bf16": True, "amx_fp16": True,
+       "amx_permission": True}
+VNNI = {"flags": ["avx2", "avx512", "avx512_vnni"], "avx512_bf16": True, "amx_fp16": False, "amx_permission": False}
+AVX512 = {"flags": ["avx2", "avx512"], "avx512_bf16": False, "amx_fp16": False, "amx_permission": False}
+AVX2 = {"flags": ["avx2"], "avx512_bf16": False, "amx_fp16": False, "amx_permission": False}
+NONE = {"flags": [], "avx512_bf16": False, "amx_fp16": False, "amx_permission": False}
 
-def _case(tmp_path, built_for: str, device: str = "cpu") -> dict:
-    script = tmp_path / "case.py"
-    script.write_text(CASE)
-    proc = run_python(f"import runpy, sys; sys.argv = ['case', {built_for!r}, {device!r}]; "
-                      f"runpy.run_path({str(script)!r}, run_name='__main__')",
-                      env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"), "ATEN_CPU_CAPABILITY": ""})
+#: Loads on the build's CPU: each answered from the record, no probe; the picked ISA is `isa`.
+REPLAYED = {
+    "amx": ({"cpu": AMX}, "avx512 avx512_vnni amx_tile"),
+    "amx, its fp16 probe failing": ({"cpu": AMX, "compiles": {"amx_fp16": False}}, "avx512 avx512_vnni amx_tile"),
+    "amx, its tile probe failing": ({"cpu": AMX, "compiles": {"amx_tile": False}}, "avx512 avx512_vnni"),
+    "avx512 vnni with bf16": ({"cpu": VNNI}, "avx512 avx512_vnni"),
+    "avx512 vnni, its bf16 probe failing": ({"cpu": VNNI, "compiles": {"avx512_bf16": False}}, "avx512 avx512_vnni"),
+    "avx512 vnni without bf16": ({"cpu": {**VNNI, "avx512_bf16": False}}, "avx512 avx512_vnni"),
+    "avx512 with bf16": ({"cpu": {**AVX512, "avx512_bf16": True}}, "avx512"),
+    "avx512": ({"cpu": AVX512}, "avx512"),
+    "avx512 by ATEN_CPU_CAPABILITY": ({"cpu": AMX, "env": "avx512", "load": {"env": "avx512"}},
+                                      "avx512 avx512_vnni amx_tile"),
+    "avx2 by ATEN_CPU_CAPABILITY": ({"cpu": VNNI, "env": "avx2", "load": {"env": "avx2"}}, "avx2"),
+    "avx2": ({"cpu": AVX2}, "avx2"),
+    "none": ({"cpu": NONE}, "INVALID_VEC_ISA"),
+    "none, the avx2 probe failing": ({"cpu": AVX2, "compiles": {"base": False}}, "INVALID_VEC_ISA"),
+}
+
+#: Loads whose CPU, settings or record cannot vouch for the build's probes: Inductor probes itself.
+PROBED = {
+    "a CPU with VNNI the build's lacked": {"cpu": AVX512, "load": {"cpu": {"flags": VNNI["flags"]}}},
+    "a CPU without the build's VNNI": {"cpu": VNNI, "load": {"cpu": {"flags": AVX512["flags"]}}},
+    "a CPU with bf16 the build's lacked": {"cpu": AVX512, "load": {"cpu": {"avx512_bf16": True}}},
+    "a CPU with amx_fp16 the build's lacked": {"cpu": {**AMX, "amx_fp16": False}, "load": {"cpu": {"amx_fp16": True}}},
+    "no AMX tile permission here": {"cpu": AMX, "load": {"cpu": {"amx_permission": False}}},
+    "ATEN_CPU_CAPABILITY at the load only": {"cpu": VNNI, "load": {"env": "avx2"}},
+    "an entry from before the record": {"cpu": VNNI, "edit": [["vec_isa_probes", None]]},
+    "a record of another pick": {"cpu": VNNI, "edit": [["vec_isa", "avx512"]]},
+    "a record missing a sub-probe": {"cpu": VNNI, "edit": [["vec_isa_probes", "isas", "avx512", "avx512_bf16", None]]},
+    "a record's flags this Inductor does not give": {"cpu": VNNI,
+                                                     "edit": [["vec_isa_probes", "arch_flags", ["-mavx2"]]]},
+    "a record claiming a failed probe passed": {"cpu": VNNI, "compiles": {"avx512_vnni": False}, "edit": [
+        ["vec_isa_probes", "isas", "avx512 avx512_vnni", "ok", True],
+        ["vec_isa_probes", "isas", "avx512 avx512_vnni", "avx512_bf16", True]]},
+    "a record claiming a failed sub-probe passed": {"cpu": {**AVX512, "avx512_bf16": True}, "compiles": {
+        "avx512_bf16": False}, "edit": [["vec_isa_probes", "isas", "avx512", "avx512_bf16", True]]},
+    "entries that disagree": {"cpu": VNNI, "builds": ["built", {"vec_isa": "avx2"}]},
+    "a CUDA load": {"cpu": VNNI, "load": {"device": "cuda"}},
+}
+
+
+@pytest.fixture(scope="module")
+def outcomes(tmp_path_factory):
+    cases = {**{name: case for name, (case, _) in REPLAYED.items()}, **PROBED}
+    folder = tmp_path_factory.mktemp("isa")
+    (folder / "driver.py").write_text(DRIVER)
+    (folder / "cases.json").write_text(json.dumps(cases))
+    proc = run_python(f"import runpy, sys; sys.stdin = open({str(folder / 'cases.json')!r}); "
+                      f"runpy.run_path({str(folder / 'driver.py')!r}, run_name='__main__')",
+                      env={"TORCHINDUCTOR_CACHE_DIR": str(folder / "inductor")})
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))[len("RESULT "):])
 
 
-def test_an_entry_built_for_this_cpu_s_isa_skips_the_probes_and_changes_no_setting(tmp_path):
-    result = _case(tmp_path, "-")
-    assert result["probes"] == [] and result["picked"] == result["built_for"]
-    assert result["vec_isa_ok"] is None  # Inductor's setting as it was: the FX graph cache key holds it
+def _outcome(outcomes, name: str) -> dict:
+    outcome = outcomes[name]
+    assert "error" not in outcome, outcome.get("error")
+    for step in ("build", "load", "plain"):
+        assert "error" not in outcome[step], outcome[step]["error"]
+    return outcome
 
 
-def test_an_entry_built_for_another_isa_leaves_inductor_to_probe(tmp_path):
-    result = _case(tmp_path, "vsx")  # a POWER build: this CPU's flags cannot vouch for it
-    assert result["probes"], "Inductor should have probed its ISAs itself"
+@pytest.mark.parametrize("name", list(REPLAYED))
+def test_a_load_on_the_build_s_cpu_runs_no_probe_and_picks_the_build_s_isa_and_flags(outcomes, name):
+    outcome, isa = _outcome(outcomes, name), REPLAYED[name][1]
+    build, load, plain = outcome["build"], outcome["load"], outcome["plain"]
+    assert build["picked"]["isa"] == build["facts"]["vec_isa"] == isa
+    assert "vec_isa_probes" in build["facts"]
+    assert load["probes"] == []
+    assert load["picked"] == build["picked"] == plain["picked"]  # Inductor's own pick, without its probes
+    assert load["vec_isa_ok"] is None  # Inductor's setting as it was: the FX graph cache key holds it
 
 
-def test_a_cuda_load_leaves_the_cpu_probes_alone(tmp_path):
-    assert _case(tmp_path, "-", device="cuda")["probes"]
+def test_the_sub_probes_change_the_kernel_flags_the_load_replays(outcomes):
+    """The cases above would pass with the sub-probes ignored if they changed nothing: they do."""
+    flags = {name: " ".join(_outcome(outcomes, name)["load"]["picked"]["arch_flags"]).split() for name in REPLAYED}
+    assert "-mavx512bf16" in flags["avx512 with bf16"] and "-mavx512bf16" not in flags["avx512"]
+    assert "-mamx-fp16" in flags["amx"] and "-mamx-fp16" not in flags["amx, its fp16 probe failing"]
+    assert "-mavx512bf16" in flags["amx"]
+
+
+@pytest.mark.parametrize("name", list(PROBED))
+def test_a_load_its_cpu_or_record_cannot_vouch_for_leaves_inductor_to_probe(outcomes, name):
+    outcome = _outcome(outcomes, name)
+    load, plain = outcome["load"], outcome["plain"]
+    assert load["probes"], "Inductor should have probed its ISAs itself"
+    assert load == plain  # the same probes, pick and flags as a process that installed nothing

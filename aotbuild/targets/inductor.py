@@ -249,12 +249,19 @@ class InductorTarget(Target):
             return {}
         from torch._inductor.cpu_vec_isa import pick_vec_isa
 
-        return {"vec_isa": str(pick_vec_isa())}  # after the compile: picked already, nothing probed again
+        from aotbuild.targets.inductor_isa import probe_record
+
+        # After the compile: picked already, nothing probed again. The probes' results let a load
+        # on a CPU that vouches for them skip the probes (aotbuild/targets/inductor_isa.py).
+        picked, record = str(pick_vec_isa()), probe_record()
+        return {"vec_isa": picked, **({"vec_isa_probes": record} if record is not None else {})}
 
     def before_install(self, builds: list[Mapping[str, Any]], device: str) -> None:
-        picked = {b.get("vec_isa") for b in builds}
-        if _parse_device(device)[0] == "cpu" and len(picked) == 1 and isinstance(next(iter(picked)), str):
-            skip_isa_probes(next(iter(picked)))
+        from aotbuild.targets.inductor_isa import replay_probes
+
+        found = {json.dumps([b.get("vec_isa"), b.get("vec_isa_probes")], sort_keys=True, default=repr) for b in builds}
+        if _parse_device(device)[0] == "cpu" and len(found) == 1:  # every hit entry found the same
+            replay_probes(builds[0].get("vec_isa"), builds[0].get("vec_isa_probes"))
 
     def loading(self) -> contextlib.AbstractContextManager[None]:
         return headers_not_precompiled()
@@ -288,37 +295,6 @@ class InductorTarget(Target):
                 raise
             installed += 1
         return InstallResult(installed, present, str(folder))
-
-
-def skip_isa_probes(built_for: str) -> bool:
-    """Let Inductor take this CPU's vector ISAs from its flags, without its probes, when the ISA it
-    would then pick is ``built_for``, the one the entry's build picked after probing. True if so.
-
-    Every fresh process that touches Inductor's C++ code checks each vector ISA the CPU's flags name
-    by compiling a probe and ``dlopen``-ing it in a new Python process (``cpu_vec_isa.check_build``):
-    a second or more of a replica's first image on CPU. The build host's probes passed for
-    ``built_for``, and this CPU's flags (which the kernel also clears where the OS does not enable an
-    ISA) name it, so the probes add nothing the shipped kernels need. Inductor's own switch,
-    ``cpp.vec_isa_ok``, is set only while its cached ISA list is made (so no compile setting, which
-    the FX graph cache key holds, changes); with ``cpp.simdlen`` set, off x86, or a list already
-    made, nothing is done."""
-    import torch._inductor.config as inductor_config
-    from torch._inductor import cpu_vec_isa
-
-    if (platform.machine() not in ("x86_64", "AMD64") or inductor_config.cpp.simdlen is not None
-            or inductor_config.cpp.vec_isa_ok is not None or cpu_vec_isa.valid_vec_isa_list.cache_info().currsize):
-        return False
-    flags = cpu_vec_isa.x86_isa_checker()
-    named = [isa for isa in cpu_vec_isa.supported_vec_isa_list if all(f in flags for f in str(isa).split())]
-    if not named:
-        return False
-    picked = cpu_vec_isa.get_isa_from_cpu_capability(os.getenv("ATEN_CPU_CAPABILITY"), named,
-                                                      cpu_vec_isa.invalid_vec_isa)
-    if str(picked) != built_for:
-        return False
-    with inductor_config.patch({"cpp.vec_isa_ok": True}):
-        cpu_vec_isa.valid_vec_isa_list()
-    return True
 
 
 _HEADERS_LOCK = threading.Lock()
