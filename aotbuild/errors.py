@@ -48,6 +48,11 @@ class ShapeNotBuilt(CacheMiss):
     """A call at a shape that was not built, under ``strict_shapes=True``."""
 
 
+class StaleGraph(CacheMiss):
+    """A call whose compiled graph no longer computes what the changed module does (an attribute, a
+    processor, a weight's layout or dtype, grad mode: aotbuild/dependencies.py), under ``on_miss="error"``."""
+
+
 class TargetUnavailable(AotbuildError, RuntimeError):
     """The recipe's target cannot run in this environment; the message says why."""
 
@@ -57,7 +62,18 @@ class StoreError(AotbuildError, OSError):
 
 
 class ModelUnavailable(AotbuildError):
-    """The model's files cannot be reached (offline, no such repo, no such folder)."""
+    """The model's files cannot be read or are refused: a folder's file that is not a bounded JSON
+    object (NaN, nested too deep, too big), a link out of the folder, a component name that is not a
+    plain name. The input is at fault, as with a bad recipe (exit 2)."""
+
+    exit_code = 2
+
+
+class ModelUnreachable(ModelUnavailable):
+    """A Hub model's files cannot be fetched (offline and not in the local Hugging Face cache, no
+    network, no such repo, gated): a failure of the model, not of the host (exit 1)."""
+
+    exit_code = 1
 
 
 class PackageMismatch(AotbuildError, RuntimeError):
