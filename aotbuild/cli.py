@@ -632,16 +632,32 @@ def verify(cache: str | None, as_json: bool, fix: bool, trusted_keys: str | None
     else:
         for p in problems:
             key = f" (entry {p.key[:12]})" if p.key else ""
-            left = "  (remains)" if fix and p in remain else ""
+            left = "  (remains)" if fix and p in remain else "  (left for its owner)" if not p.fixable else ""
             _echo(f"{p.kind:<9} {_line(p.path)}: {_line(p.detail)}{key}{left}")
+        owners = [p for p in (remain if fix else problems) if not p.fixable]
         if fix:
-            _echo(f"{len(problems) - len(remain)} problem(s) fixed in {store.root}"
-                       + (f"; {len(remain)} remain (an unreadable manifest is never deleted: its owner must "
-                          f"fix its permissions; nor is what aotbuild did not write)" if remain else ""))
+            summary = [f"{len(problems) - len(remain)} problem(s) fixed in {store.root}"]
+            summary += [f"{len(remain)} remain"] if remain else []
         else:
-            hint = "; run `aotbuild verify --fix` to repair" if problems else ""
-            _echo(f"{len(problems)} problem(s) found in {store.root}{hint}")
+            repairs = sum(p.fixable for p in problems)
+            summary = [f"{len(problems)} problem(s) found in {store.root}"]
+            summary += ["run `aotbuild verify --fix` to repair" + (f" {repairs} of them" if owners else "")] \
+                if repairs else []
+        summary += [_left_for_owners(owners)] if owners else []
+        _echo("; ".join(summary))
+    # A finding --fix never removes keeps the exit at 1 too: the store holds something aotbuild cannot
+    # vouch for (a file it did not write, an entry nobody trusted signed, a manifest it cannot read).
     return EXIT_FAILED if remain else EXIT_OK
+
+
+def _left_for_owners(problems: list) -> str:
+    """What ``verify --fix`` never removes, and what its owner does about each kind."""
+    from aotbuild.manage import OWNER_ACTION
+
+    one = len(problems) == 1
+    actions = "; ".join(f"{kind}: {OWNER_ACTION[kind]}" for kind in sorted({p.kind for p in problems}))
+    return (f"{len(problems)} left for {'its owner' if one else 'their owners'} (--fix never removes "
+            f"{'it' if one else 'them'}): {actions}")
 
 
 @main.command()

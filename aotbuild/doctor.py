@@ -132,7 +132,7 @@ def check_store(cache_root: Path, deep: bool) -> Check:
         problems = verify(store)
         if problems:
             return _failed("store", f"{len(problems)} problem(s), e.g. {problems[0].kind} {problems[0].path}: "
-                                    f"{problems[0].detail}", "aotbuild verify --fix", entries=len(entries))
+                                    f"{problems[0].detail}", _store_fix(problems), entries=len(entries))
     broken = [m.key for m in entries if not store.check_entry(m.key)[0]]
     if broken:
         return _failed("store", f"{len(broken)} of {len(entries)} entries have missing or resized blobs",
@@ -140,6 +140,18 @@ def check_store(cache_root: Path, deep: bool) -> Check:
     how = "every blob hashed" if deep else "sizes checked; --deep hashes every blob"
     return Check("store", detail=f"{len(entries)} entries, {format_size(size)} ({how})",
                  data={"entries": len(entries), "size": size})
+
+
+def _store_fix(problems: list) -> str:
+    """``verify --fix`` only where it repairs something; what it never removes is left for its owner."""
+    from aotbuild.manage import OWNER_ACTION
+
+    repairs = sum(p.fixable for p in problems)
+    fixes = [f"aotbuild verify --fix{f' repairs {repairs} of them' if repairs < len(problems) else ''}"] \
+        if repairs else []
+    fixes += [f"{kind} (left for its owner, --fix never removes it): {OWNER_ACTION[kind]}"
+              for kind in sorted({p.kind for p in problems if not p.fixable})]
+    return "; ".join(fixes)
 
 
 def check_remote(url: str | None) -> Check:

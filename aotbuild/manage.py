@@ -31,6 +31,12 @@ CORRUPT, MISSING, MALFORMED, UNREADABLE, ORPHAN, TEMP = "corrupt", "missing", "m
     "temp"
 FOREIGN = "foreign"  # in the store's folders, but not a name aotbuild writes: --fix leaves it
 UNTRUSTED = "untrusted"  # with trusted keys: no trusted key signed it (reported; --fix never deletes it)
+#: What ``verify --fix`` repairs; every other kind is left for its owner, who alone may remove or fix it.
+FIXABLE = frozenset({CORRUPT, MISSING, MALFORMED, ORPHAN, TEMP})
+#: What the owner of a finding ``--fix`` leaves does about it.
+OWNER_ACTION = {UNREADABLE: "its owner fixes its permissions",
+                FOREIGN: "aotbuild did not write it: its owner removes it, or points the cache elsewhere",
+                UNTRUSTED: "no trusted key signed it: sign it (push --sign-key) or remove it (aotbuild rm KEY)"}
 
 
 @dataclass
@@ -42,7 +48,13 @@ class Problem:
     blob: str | None = None  # the digest a "missing" problem is about
 
     def as_json(self) -> dict[str, Any]:
-        return {"kind": self.kind, "path": str(self.path), "detail": self.detail, "key": self.key}
+        return {"kind": self.kind, "path": str(self.path), "detail": self.detail, "key": self.key,
+                "fixable": self.fixable}
+
+    @property
+    def fixable(self) -> bool:
+        """Does ``verify --fix`` repair it? (Else it is left for its owner: :data:`OWNER_ACTION`.)"""
+        return self.kind in FIXABLE
 
     def remains(self) -> bool:
         """After ``verify --fix``: is this problem still there? (An unreadable manifest always is, and so is

@@ -7,6 +7,7 @@ Stand-in artifacts instead of real compiles (tests/standins.py, the ``fake_compi
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from pathlib import Path
 
@@ -92,3 +93,36 @@ def test_verify_does_not_report_a_writer_that_is_still_writing(tmp_path):
     finally:
         os.close(fd)
     assert [(p.kind, p.path.name) for p in verify(store)] == [("temp", Path(path).name)]
+
+
+def test_verify_suggests_fix_only_for_what_fix_repairs_and_names_the_rest_for_its_owner(tmp_path):
+    """It said `run aotbuild verify --fix` for a file aotbuild did not write, which --fix never removes."""
+    from click.testing import CliRunner
+
+    from aotbuild.cli import main
+
+    def cli(*args: str):
+        return CliRunner().invoke(main, [*args, "--cache", str(store.root)], catch_exceptions=False)
+
+    store = Store(tmp_path / "c")
+    add_entry(store, tmp_path, "a", {"x.so": b"kernel-a"})
+    store.layout.tmp.mkdir(parents=True, exist_ok=True)
+    theirs = store.layout.tmp / "notes.txt"
+    theirs.write_text("not aotbuild's")
+    alone = cli("verify")
+    assert alone.exit_code == 1  # it alone keeps verify at 1 (docs/cli.md says why)
+    assert "--fix to repair" not in alone.stdout and "verify --fix`" not in alone.stdout
+    assert "(left for its owner)" in alone.stdout
+    assert "1 left for its owner (--fix never removes it): foreign: aotbuild did not write it" in alone.stdout
+
+    orphan = tmp_path / "orphan"
+    orphan.write_bytes(b"no manifest names it")
+    store.put_blob(orphan)
+    both = cli("verify")
+    assert both.exit_code == 1
+    assert "run `aotbuild verify --fix` to repair 1 of them; 1 left for its owner" in both.stdout
+    data = json.loads(cli("verify", "--json").stdout)
+    assert sorted((p["kind"], p["fixable"]) for p in data["problems"]) == [("foreign", False), ("orphan", True)]
+    fixed = cli("verify", "--fix")
+    assert fixed.exit_code == 1 and theirs.exists()
+    assert "1 problem(s) fixed" in fixed.stdout and "1 remain; 1 left for its owner" in fixed.stdout

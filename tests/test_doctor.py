@@ -48,3 +48,22 @@ def test_the_roundtrip_builds_and_a_fresh_process_serves_with_0_compiles(tmp_pat
     roundtrip = checks(proc)["roundtrip"]
     assert roundtrip["ok"] and roundtrip["compiled_at_load"] == 0 and roundtrip["max_abs_diff"] <= 1e-4
     assert not (tmp_path / "c").exists()  # never the user's store: a temporary cache
+
+
+def test_the_store_check_suggests_verify_fix_only_for_what_it_repairs(tmp_path):
+    from aotbuild.doctor import check_store
+    from aotbuild.store import Store
+    from tests.standins import add_entry
+
+    store = Store(tmp_path / "c")
+    add_entry(store, tmp_path, "a", {"x.so": b"kernel-a"})
+    store.layout.tmp.mkdir(parents=True, exist_ok=True)
+    (store.layout.tmp / "notes.txt").write_text("not aotbuild's")
+    alone = check_store(store.root, deep=True)
+    assert not alone.ok and "verify --fix" not in alone.fix
+    assert alone.fix.startswith("foreign (left for its owner, --fix never removes it): aotbuild did not write it")
+    orphan = tmp_path / "orphan"
+    orphan.write_bytes(b"no manifest names it")
+    store.put_blob(orphan)
+    both = check_store(store.root, deep=True)
+    assert both.fix.startswith("aotbuild verify --fix repairs 1 of them; foreign (left for its owner")
