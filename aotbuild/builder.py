@@ -3,6 +3,8 @@
 Order of work per job: plan says miss -> staging folder under ``<cache>/tmp`` -> worker subprocess
 with the target's capture environment -> collect files -> blobs -> manifest (last). A failed job is
 reported with the end of its log (kept under ``<cache>/logs``) and never stored; the other jobs run.
+A failed job is remembered (``<cache>/failures/<key>.json``) and not built again until
+``retry_failed``: a job fails the same way until something in its key, or aotbuild, changes.
 """
 
 from __future__ import annotations
@@ -20,12 +22,13 @@ from typing import TYPE_CHECKING, Any
 
 from aotbuild import child, constants
 from aotbuild.child import Tick
+from aotbuild.context import Unavailable
 from aotbuild.errors import ProofFailed, StoreError
 from aotbuild.journal import entry_writer
 from aotbuild.layout import FROM_PROJECT, cache_root_origin, format_size, resolve_max_size
 from aotbuild.locks import flocked, store_lock
 from aotbuild.manifest import FileRecord, Manifest, Proof
-from aotbuild.planner import FAILED_BEFORE, HIT, MISS, UNAVAILABLE, Job, plan, shard_jobs
+from aotbuild.planner import FAILED_BEFORE, HIT, MISS, RETRY_HINT, UNAVAILABLE, Job, plan, shard_jobs
 from aotbuild.recipe import recipe_spec, recipe_to_dict
 from aotbuild.recipes import Recipes
 from aotbuild.store import Store
@@ -48,6 +51,8 @@ class JobResult:
     size: int = 0
     reason: str = ""
     details: dict[str, Any] = field(default_factory=dict)
+    #: failed before (its failure record says why) and not built this time: nothing new to remember
+    not_retried: bool = False
 
     def as_json(self) -> dict[str, Any]:
         return {**self.job.as_json(), "status": self.status, "seconds": round(self.seconds, 3), "size": self.size,
@@ -66,8 +71,20 @@ class BuildReport:
 
     @property
     def failed(self) -> list[JobResult]:
-        """Jobs that failed, or compiled but could not be stored."""
+        """Jobs that failed (this time, or before and not retried), or compiled but could not be stored,
+        or whose model could not be read or fetched."""
         return [r for r in self.results if r.status in (FAILED, UNCACHED)]
+
+    @property
+    def bad_input(self) -> list[JobResult]:
+        """Jobs whose model folder or files could not be read or were refused: the input is at fault,
+        as with a bad recipe (``aotbuild build`` exits 2)."""
+        return [r for r in self.results if r.job.cause is Unavailable.MODEL]
+
+    @property
+    def skipped(self) -> list[JobResult]:
+        """Jobs this host cannot build: their target or device is not here (another host builds them)."""
+        return [r for r in self.results if r.status == SKIPPED]
 
     def text(self, pushed: str = "") -> str:
         """The job table, the cache, then what was pushed (``pushed``: a PushReport's text), a note and gc."""
@@ -77,6 +94,10 @@ class BuildReport:
                  format_size(r.size) if r.size else "-", r.reason] for r in self.results]
         lines = [table(rows, ["job", "key", "status", "seconds", "size", "note"]), f"cache: {self.cache}"]
         lines += [pushed] if pushed else []
+        if self.skipped:
+            why = "; ".join(sorted({r.reason for r in self.skipped}))
+            lines.append(f"skipped: {len(self.skipped)} job(s) this host cannot build (another host builds them): "
+                         f"{why}")
         jobs = self.loads["jobs"]
         if jobs:
             lines.append(f"loads: the pipeline was loaded {_times(self.loads['build'])} to compile {jobs} job"
@@ -182,7 +203,7 @@ Progress = Callable[[str, int, int, Job, "JobResult | None"], None]
 def build(recipes: Recipes, cache: str | Path | None = None, *,
           progress: Progress | None = None, shard: tuple[int, int] | None = None,
           remote: Remote | None = None, max_size: int | None = None,
-          sign_key: str | Path | None = None, pipe: Any = None) -> BuildReport:
+          sign_key: str | Path | None = None, pipe: Any = None, retry_failed: bool = False) -> BuildReport:
     """Build every missing job of ``recipes``; jobs already cached (and intact) are left alone.
 
     ``recipes``: recipe files or folders, recipe data as dicts, Recipe objects, or a list of them
@@ -200,10 +221,15 @@ def build(recipes: Recipes, cache: str | Path | None = None, *,
     ``max_size`` (default: ``AOTBUILD_MAX_SIZE``, then ``[tool.aotbuild] max_size`` when that
     pyproject.toml also names the cache) is the cache's
     size limit: an entry bigger than it is not stored, and after the build ``gc`` removes the least
-    recently used entries until the cache fits (never one this build needs)."""
+    recently used entries until the cache fits (never one this build needs).
+
+    A job that failed before (its failure record, written by this aotbuild version) is not built
+    again: its result is "failed", with the recorded reason, until ``retry_failed=True``. A job whose
+    target or device is not on this host is "skipped"; one whose model cannot be read or fetched is
+    "failed" (``BuildReport.bad_input`` holds those whose model folder or files are at fault)."""
     if pipe is not None:
         return _build_for_pipe(recipes, pipe, cache, progress=progress, shard=shard, remote=remote,
-                               max_size=max_size, sign_key=sign_key)
+                               max_size=max_size, sign_key=sign_key, retry_failed=retry_failed)
     root, origin = cache_root_origin(cache)
     store = checked_store(root)
     if sign_key is not None:  # a bad key fails now, not after an hour of compiling
@@ -220,7 +246,10 @@ def build(recipes: Recipes, cache: str | Path | None = None, *,
             entry, why = store.open_entry(job.key)
             if entry is None:
                 jobs[i] = replace(job, status=MISS, reason=f"rebuilt: {why}")
-    _whole_groups(jobs)
+    # The one rule for failures: a job (a tensor-parallel job: any of its ranks) that failed before is
+    # not built again until retry_failed; its result keeps the build failed (exit 1), never "skipped".
+    known = {} if retry_failed else {j.group: j.reason for j in jobs if j.status == FAILED_BEFORE}
+    _whole_groups(jobs, known)
     on_remote = remote.keys() if remote is not None and any(j.status in (MISS, FAILED_BEFORE) for j in jobs) \
         else set()
     # A tensor-parallel job is on the remote only when every rank's entry is.
@@ -233,14 +262,17 @@ def build(recipes: Recipes, cache: str | Path | None = None, *,
             if sign_key is not None:
                 _sign_cached(store, job.key, sign_key)
             results[i] = JobResult(job, CACHED, size=_entry_size(store, job.key))
-        elif job.status == UNAVAILABLE:
-            results[i] = JobResult(job, SKIPPED, reason=job.reason)
+        elif job.status == UNAVAILABLE:  # skipped only when another host can build it
+            results[i] = JobResult(job, SKIPPED if job.cause is Unavailable.TARGET else FAILED, reason=job.reason)
         elif job.key in on_remote:
             results[i] = JobResult(job, ON_REMOTE, reason=f"already on {remote.url if remote else ''}")
+        elif job.group in known:
+            results[i] = JobResult(job, FAILED, reason=f"{_first_line(known[job.group])}; {RETRY_HINT}",
+                                   not_retried=True)
     todo = [j for i, j in enumerate(jobs) if i not in results]
     loads = SharedLoads(store, todo)
     try:
-        report = _run_jobs(store, jobs, todo, results, loads, progress, limit, sign_key)
+        report = _run_jobs(store, jobs, todo, results, loads, progress, limit, sign_key, retry_failed)
     finally:
         loads.close()
     report.loads = loads.counts
@@ -257,7 +289,8 @@ def build(recipes: Recipes, cache: str | Path | None = None, *,
 
 
 def _run_jobs(store: Store, jobs: list[Job], todo: list[Job], results: dict[int, JobResult], loads: SharedLoads,
-              progress: Progress | None, limit: int | None, sign_key: str | Path | None) -> BuildReport:
+              progress: Progress | None, limit: int | None, sign_key: str | Path | None,
+              retry_failed: bool = False) -> BuildReport:
     """Every job not yet in ``results``, in order: built once per key, a tensor-parallel job's ranks
     in one launch."""
     done_keys: dict[str, JobResult] = {}
@@ -275,14 +308,14 @@ def _run_jobs(store: Store, jobs: list[Job], todo: list[Job], results: dict[int,
         elif job.siblings:
             tick = _ticker(progress, n + 1, len(todo), job) if progress else None
             group = sorted((j for j in todo if j.group == job.group), key=lambda j: j.rank or 0)
-            for sibling, sibling_result in zip(group, _build_ranks_once(store, group, tick, limit, sign_key, loads),
-                                               strict=True):
+            built = _build_ranks_once(store, group, tick, limit, sign_key, loads, retry_failed)
+            for sibling, sibling_result in zip(group, built, strict=True):
                 _remember(store, sibling, sibling_result)
                 done_keys[sibling.key] = ranked[sibling.key] = sibling_result  # type: ignore[index]
             result = ranked.pop(job.key)
         else:
             tick = _ticker(progress, n + 1, len(todo), job) if progress else None
-            result = _build_once(store, job, tick, limit, sign_key, loads)
+            result = _build_once(store, job, tick, limit, sign_key, loads, retry_failed)
             _remember(store, job, result)
             done_keys[job.key] = result
         results[i] = result
@@ -314,10 +347,11 @@ def _build_for_pipe(recipes: Recipes, pipe: Any, cache: str | Path | None, **opt
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def _whole_groups(jobs: list[Job]) -> None:
+def _whole_groups(jobs: list[Job], known: dict[str | None, str]) -> None:
     """A tensor-parallel job is built whole: when one rank's entry is missing or damaged, every rank of
-    it is rebuilt (its ranks' artifacts come from one launch and are proven together)."""
-    todo = {j.group for j in jobs if j.siblings and j.status in (MISS, FAILED_BEFORE)}
+    it is rebuilt (its ranks' artifacts come from one launch and are proven together); not one that
+    failed before (``known``), which is not built at all."""
+    todo = {j.group for j in jobs if j.siblings and j.status in (MISS, FAILED_BEFORE)} - set(known)
     for i, job in enumerate(jobs):
         if job.siblings and job.group in todo and job.status == HIT:
             jobs[i] = replace(job, status=MISS, reason="rebuilt with the other ranks of its job")
@@ -339,9 +373,11 @@ def _sign_cached(store: Store, key: str, sign_key: str | Path) -> None:
 
 
 def _build_once(store: Store, job: Job, tick: Tick | None, limit: int | None,
-                sign_key: str | Path | None = None, loads: SharedLoads | None = None) -> JobResult:
+                sign_key: str | Path | None = None, loads: SharedLoads | None = None,
+                retry_failed: bool = False) -> JobResult:
     """Build ``job`` under its per-key lock: a second builder of the same job (another CI shard,
-    another terminal) waits for the first, showing that it waits, then finds the entry cached."""
+    another terminal) waits for the first, showing that it waits, then finds the entry cached, or
+    (unless ``retry_failed``) the first's failure, which it does not retry."""
     assert job.key is not None
     lock = store.layout.build_lock(job.key)
     started = time.perf_counter()
@@ -358,13 +394,16 @@ def _build_once(store: Store, job: Job, tick: Tick | None, limit: int | None,
                     store.touch(job.key)
                     return JobResult(job, CACHED, time.perf_counter() - started, size=entry.manifest.size,
                                      reason="built meanwhile by another aotbuild process")
+                failed = None if retry_failed else _failed_meanwhile(store, job.key)
+                if failed:
+                    return JobResult(job, FAILED, time.perf_counter() - started, reason=failed, not_retried=True)
             return _build_one(store, job, tick, limit, sign_key, loads=loads)
     except StoreError as exc:  # the lock file cannot be created: a read-only store
         return JobResult(job, FAILED, 0.0, reason=f"cannot build into {store.root}: {exc}")
 
 
 def _build_ranks_once(store: Store, jobs: list[Job], tick: Tick | None, limit: int | None,
-                      sign_key: str | Path | None, loads: SharedLoads) -> list[JobResult]:
+                      sign_key: str | Path | None, loads: SharedLoads, retry_failed: bool = False) -> list[JobResult]:
     """Every rank of one tensor-parallel job, under its rank 0's build lock (as :func:`_build_once`)."""
     first = jobs[0]
     assert first.group is not None
@@ -383,11 +422,24 @@ def _build_ranks_once(store: Store, jobs: list[Job], tick: Tick | None, limit: i
                     return [JobResult(j, CACHED, time.perf_counter() - started, size=e.manifest.size,
                                       reason="built meanwhile by another aotbuild process")
                             for j, e in zip(jobs, entries, strict=True) if e is not None]
+                failed = None if retry_failed else _failed_meanwhile(store, first.group)
+                if failed:
+                    return [JobResult(j, FAILED, time.perf_counter() - started, reason=failed, not_retried=True)
+                            for j in jobs]
             loads.counts["jobs"] += 1
             loads.counts["build"] += len(jobs)  # each rank loads its own (and shards it)
             return _build_ranks(store, jobs, tick, limit, sign_key, loads)
     except StoreError as exc:
         return [JobResult(j, FAILED, 0.0, reason=f"cannot build into {store.root}: {exc}") for j in jobs]
+
+
+def _failed_meanwhile(store: Store, key: str) -> str:
+    """After waiting for another builder of job ``key``: its failure, as a reason, if it recorded one
+    (this aotbuild version's), else ""."""
+    record = store.failure(key)
+    if record is None or record.get("aotbuild") != constants.VERSION:
+        return ""
+    return f"failed meanwhile in another aotbuild process: {_first_line(record['reason'])}; {RETRY_HINT}"
 
 
 def _build_ranks(store: Store, jobs: list[Job], tick: Tick | None, limit: int | None,
@@ -488,7 +540,7 @@ def _remember(store: Store, job: Job, result: JobResult) -> None:
     assert job.key is not None
     if result.status == BUILT:
         store.remove_failure(job.key)
-    elif result.status == FAILED:
+    elif result.status == FAILED and not result.not_retried:
         store.put_failure(job.key, {"key": job.key, "reason": result.reason[:2000], "aotbuild": constants.VERSION,
                                     "time": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                                     "recipe": job.recipe.name, "component": job.component,
@@ -552,6 +604,10 @@ def _build_one(store: Store, job: Job, tick: Tick | None = None, limit: int | No
         return JobResult(job, FAILED, time.perf_counter() - started, reason=f"cannot run the job: {exc}")
     finally:
         store.clean_staging(staging)
+
+
+def _first_line(reason: str) -> str:
+    return reason.partition("\n")[0]
 
 
 def _one_line(reason: str) -> str:

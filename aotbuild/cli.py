@@ -1,7 +1,7 @@
 """The ``aotbuild`` command: a thin click layer over the Python API.
 
 Every known error becomes one line on stderr and an exit code (0 ok, 1 failed, 2 bad input, 3 a
-miss under ``--fail-on-miss``), never a traceback. ``--json`` output follows docs/cli.md.
+miss under ``--fail-on-miss``, 130 interrupted), never a traceback. ``--json`` output follows docs/cli.md.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import click
 from aotbuild import constants
 from aotbuild.errors import AotbuildError
 
-EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_MISS = 0, 1, 2, 3
+EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_MISS, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 REMOTE = "remote"  # plan --remote: not cached here, on the remote
 
 
@@ -78,7 +78,7 @@ def _run(fn: Callable[[], int | None]) -> None:
         code = EXIT_FAILED
     except KeyboardInterrupt as exc:
         _echo(f"interrupted{f' ({exc})' if str(exc) else ''}", err=True)
-        code = 130
+        code = EXIT_INTERRUPTED
     sys.exit(code)
 
 
@@ -219,13 +219,17 @@ def _signals_interrupt() -> None:
 @remote_option("After building, push every entry of these jobs to URL; jobs already there are not built.",
                name="--push")
 @sign_option
+@click.option("--retry-failed", "retry_failed", is_flag=True,
+              help="Build again the jobs that failed before (by default a recorded failure is not retried).")
 @command
 def build(recipes: tuple[str, ...], cache: str | None, as_json: bool, shard: str | None, remote: str | None,
-          sign_key: str | None) -> int:
+          sign_key: str | None, retry_failed: bool) -> int:
     """Compile every job of RECIPES (files or folders) that the cache lacks.
 
     Each job (component x shape) compiles in a fresh subprocess; what it compiled is stored in the
-    cache. Exit 1 when any job failed (the others still run, are stored and pushed).
+    cache. Exit 1 when any job failed (the others still run, are stored and pushed), or failed before
+    and was not retried (--retry-failed builds it); 2 for a bad recipe or a model folder that cannot
+    be read; 0 when every job not built was skipped because its target or device is not on this host.
 
     \b
     Examples:
@@ -239,7 +243,7 @@ def build(recipes: tuple[str, ...], cache: str | None, as_json: bool, shard: str
 
     target = _remote(remote)
     report = run_build(list(recipes), cache, progress=None if as_json else _progress(), sign_key=sign_key,
-                       shard=parse_shard(shard) if shard else None, remote=target)
+                       shard=parse_shard(shard) if shard else None, remote=target, retry_failed=retry_failed)
     pushed = None
     if target is not None:
         from aotbuild.sync import push
@@ -251,6 +255,8 @@ def build(recipes: tuple[str, ...], cache: str | None, as_json: bool, shard: str
         _emit_json({**report.as_json(), **({"push": pushed.as_json()} if pushed else {})})
     else:
         _echo(report.text(pushed.text() if pushed is not None else ""))
+    if report.bad_input:  # the input is at fault (a model folder it cannot read), as with a bad recipe
+        return EXIT_BAD_INPUT
     return EXIT_FAILED if report.failed else EXIT_OK
 
 

@@ -38,15 +38,17 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
 from aotbuild import constants, models
+from aotbuild.errors import AotbuildError, ModelUnavailable, ModelUnreachable, TargetUnavailable
 from aotbuild.recipe import Recipe, Shape
 from aotbuild.strategies import Strategy, get_strategy
 from aotbuild.targets import Target, get_target
 
-__all__ = ["Context", "environment_factors", "job_factors", "job_pipeline", "shard_pipeline"]
+__all__ = ["Context", "Unavailable", "environment_factors", "job_factors", "job_pipeline", "shard_pipeline"]
 
 
 def environment_factors() -> dict[str, Any]:
@@ -70,10 +72,33 @@ def _version(dist: str) -> str | None:
         return None
 
 
+class Unavailable(Enum):
+    """Why none of a recipe's jobs can be keyed here: what callers branch on (``build`` skips a job
+    only for ``TARGET``); ``Context.problem`` is the same reason in words, for people."""
+
+    #: the target or its device is not on this host (a Neuron recipe on a CPU runner): another host builds it
+    TARGET = "target"
+    #: the model's files cannot be read or are refused (NaN in a config.json, nested too deep, a link
+    #: out of the folder): the input is at fault, as with a bad recipe
+    MODEL = "model"
+    #: a Hub model's files cannot be fetched (offline, no network, no such repo, gated): a failure of the model
+    HUB = "hub"
+
+    @classmethod
+    def of(cls, exc: ModelUnavailable) -> Unavailable:
+        return cls.HUB if isinstance(exc, ModelUnreachable) else cls.MODEL
+
+    def error(self, message: str) -> AotbuildError:
+        """The exception of this kind (each carries its CLI exit code)."""
+        kind = {Unavailable.TARGET: TargetUnavailable, Unavailable.MODEL: ModelUnavailable,
+                Unavailable.HUB: ModelUnreachable}[self]
+        return kind(message)
+
+
 @dataclass
 class Context:
     """What the jobs of one recipe share (its target and strategy objects among them). ``problem`` says
-    why none of them can be keyed here."""
+    why none of them can be keyed here, ``cause`` what kind of reason it is (None when they can)."""
 
     recipe: Recipe
     target: Target
@@ -84,6 +109,7 @@ class Context:
     environment: dict[str, Any] = field(default_factory=dict)
     fingerprint: dict[str, Any] = field(default_factory=dict)
     problem: str = ""
+    cause: Unavailable | None = None
 
     @classmethod
     def create(cls, recipe: Recipe, cache_root: Path, *, resolve_model: bool = True) -> Context:
@@ -91,7 +117,7 @@ class Context:
         ctx = cls(recipe, target, get_strategy(recipe.strategy))
         available = target.availability(recipe.device)
         if not available.ok:
-            ctx.problem = f"target unavailable: {available.reason}"
+            ctx.problem, ctx.cause = f"target unavailable: {available.reason}", Unavailable.TARGET
             return ctx
         ctx.device = recipe.device or target.default_device()
         ctx.dtype = recipe.model.dtype or target.default_dtype
@@ -101,7 +127,7 @@ class Context:
             try:
                 ctx.model = models.resolve_model(recipe, cache_root)
             except models.ModelUnavailable as exc:
-                ctx.problem = f"model unavailable: {exc}"
+                ctx.problem, ctx.cause = f"model unavailable: {exc}", Unavailable.of(exc)
                 return ctx
             models.check_components(recipe, ctx.model)
         return ctx

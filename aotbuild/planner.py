@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from aotbuild import keys, models, pipecall
-from aotbuild.context import Context
+from aotbuild import constants, keys, models, pipecall
+from aotbuild.context import Context, Unavailable
 from aotbuild.explain import Entries, estimate, explain_miss
 from aotbuild.layout import resolve_cache_root
 from aotbuild.recipe import Recipe, Shape
@@ -20,8 +20,11 @@ from aotbuild.store import Store, Unusable
 from aotbuild.strategies import checked_store
 
 HIT, MISS, UNAVAILABLE = "hit", "miss", "unavailable"
-#: A miss whose last build failed (its failure record says why): kept out of estimates.
+#: A miss whose last build, by this aotbuild version, failed (its failure record says why): kept out of
+#: estimates, and not built again until ``build --retry-failed`` (the one rule for failures).
 FAILED_BEFORE = "failed"
+#: What a build says of a job it did not retry.
+RETRY_HINT = "not retried: `aotbuild build --retry-failed` builds it again"
 
 
 @dataclass
@@ -31,7 +34,7 @@ class Job:
     shape: Shape
     key: str | None
     factors: dict[str, Any] | None
-    status: str  # hit | miss | unavailable
+    status: str  # hit | miss | failed | unavailable
     reason: str = ""
     #: A miss's expected build time and entry size, from the nearest cached entry (estimate()).
     estimated_build_s: float | None = None
@@ -44,6 +47,8 @@ class Job:
     #: the same component and shape, in rank order (built, proven, pushed and pulled together)
     rank: int | None = None
     siblings: tuple[str, ...] = ()
+    #: why an unavailable job cannot be keyed here (a kind, for callers: build skips only TARGET)
+    cause: Unavailable | None = None
 
     @property
     def label(self) -> str:
@@ -63,6 +68,8 @@ class Job:
             data.update(rank=self.rank, tensor=self.recipe.tensor_parallel)
         if self.status == MISS:
             data.update(estimated_build_s=self.estimated_build_s, estimated_size=self.estimated_size)
+        if self.cause is not None:
+            data["unavailable"] = self.cause.value
         return data
 
 
@@ -72,16 +79,17 @@ def jobs_for(ctx: Context, store: Store) -> list[Job]:
     manifests: list[Entries] = []  # read once, on the first miss to explain
     for component in recipe.compile.components:
         config: tuple[str, dict[str, Any]] | None = None
-        problem = ctx.problem
+        problem, cause = ctx.problem, ctx.cause
         if not problem:
             assert ctx.model is not None
             try:
                 config = models.component_config(ctx.model, component, recipe.model.revision)
             except models.ModelUnavailable as exc:
-                problem = f"model unavailable: {exc}"
+                problem, cause = f"model unavailable: {exc}", Unavailable.of(exc)
         for shape in recipe.shapes:
             if problem or config is None:
-                jobs.extend(Job(recipe, component, shape, None, None, UNAVAILABLE, problem, ctx=ctx, rank=rank)
+                jobs.extend(Job(recipe, component, shape, None, None, UNAVAILABLE, problem, ctx=ctx, rank=rank,
+                                cause=cause)
                             for rank in ctx.ranks)
                 continue
             ranked = [(rank, ctx.factors(component, config[0], config[1], shape, ctx.pipeline_class, rank))
@@ -95,12 +103,15 @@ def jobs_for(ctx: Context, store: Store) -> list[Job]:
 def _job(ctx: Context, store: Store, component: str, shape: Shape, rank: int | None, factors: dict[str, Any],
          siblings: tuple[str, ...], manifests: list[Entries]) -> Job:
     """One job (one rank's, for a tensor-parallel recipe): a hit, failed before, or a miss and why.
-    ``manifests`` holds the store's manifests once a miss needed them (read once per plan)."""
+    ``manifests`` holds the store's manifests once a miss needed them (read once per plan).
+
+    A failure recorded by another aotbuild version says nothing about this one (a fix may have
+    landed): that job is a miss, which the next build retries, as a new toolchain's new key is."""
     recipe = ctx.recipe
     key = keys.key_of(factors)
     ok, why = store.check_entry(key)
     failed = store.failure(key) if not ok and why.kind is Unusable.NOT_BUILT else None
-    if failed is not None:
+    if failed is not None and failed.get("aotbuild") == constants.VERSION:
         reason = (f"failed before ({failed.get('time', '?')}, aotbuild {failed.get('aotbuild', '?')}): "
                   f"{failed['reason']}")
         return Job(recipe, component, shape, key, factors, FAILED_BEFORE, reason, unusable=why.kind, ctx=ctx,
@@ -113,6 +124,8 @@ def _job(ctx: Context, store: Store, component: str, shape: Shape, rank: int | N
     reason: str = why
     if why.kind is Unusable.NOT_BUILT:
         reason = explain_miss(manifests[0], recipe.name, component, factors, store.root)
+        if failed is not None:
+            reason += f" (it failed with aotbuild {failed.get('aotbuild', '?')}: this version tries again)"
     return Job(recipe, component, shape, key, factors, HIT if ok else MISS, reason, *(cost or (None, None)),
                unusable=why.kind, ctx=ctx, rank=rank, siblings=siblings)
 
@@ -178,10 +191,11 @@ def shard_jobs(jobs: list[Job], index: int, count: int) -> list[Job]:
     The distinct keys of the full job list, sorted, are dealt round-robin: key number k (0-based)
     goes to shard k % count + 1. Every runner of a CI matrix computes the same split whatever its own
     cache holds, each key is built by exactly one shard (two recipes sharing a job share its shard),
-    and runners get a balanced count. Jobs without a key (target unavailable) go to shard 1."""
+    and runners get a balanced count. Jobs without a key (unavailable here) go to shard 1."""
     # A tensor-parallel job's ranks are built in one launch: they go to one shard, by their rank 0's key.
     order = {key: k for k, key in enumerate(sorted({j.group for j in jobs if j.group}))}
     return [j for j in jobs if (order[j.group] % count if j.group else 0) == index - 1]
 
 
-__all__ = ["Job", "plan", "jobs_for", "parse_shard", "shard_jobs", "HIT", "MISS", "UNAVAILABLE", "FAILED_BEFORE"]
+__all__ = ["Job", "plan", "jobs_for", "parse_shard", "shard_jobs", "HIT", "MISS", "UNAVAILABLE", "FAILED_BEFORE",
+           "RETRY_HINT"]

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from aotbuild import keys, models, pipecall
 from aotbuild.context import Context, prepare_pipeline, shard_pipeline
-from aotbuild.errors import CacheMiss, RemoteError, TargetUnavailable, UsageError
+from aotbuild.errors import CacheMiss, RemoteError, UsageError
 from aotbuild.explain import Entries, explain_miss
 from aotbuild.layout import resolve_cache_root
 from aotbuild.locks import store_lock
@@ -131,8 +131,8 @@ def load_compiled(recipe: str | Path | Recipe | Mapping[str, Any], pipe: Any = N
     store = checked_store(root, trusted_from_env(trusted_keys))
     passed = pipe is not None
     ctx = Context.create(recipe, root, resolve_model=not passed)
-    if ctx.problem:
-        raise TargetUnavailable(f"{recipe.source}: {ctx.problem}")
+    if ctx.cause is not None:  # TargetUnavailable, or ModelUnavailable (ModelUnreachable for a Hub model)
+        raise ctx.cause.error(f"{recipe.source}: {ctx.problem}")
     if recipe.tensor_parallel > 1:  # a rank: its process group, device and threads before the weights load
         from aotbuild import parallel
 

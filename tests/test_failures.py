@@ -11,7 +11,8 @@ from aotbuild.builder import FAILED, JobResult
 from tests.conftest import TINY_RECIPE, run_cli
 
 
-def test_a_failed_job_is_remembered_shown_by_plan_and_cleared_by_a_build(cache, fake_compiles, monkeypatch):
+def test_a_failed_job_is_remembered_shown_by_plan_and_cleared_by_a_build_that_retries_it(cache, fake_compiles,
+                                                                                          monkeypatch):
     from aotbuild import plan
 
     stand_in = builder._build_one  # fake_compiles' stand-in compile
@@ -32,8 +33,10 @@ def test_a_failed_job_is_remembered_shown_by_plan_and_cleared_by_a_build(cache, 
     assert "to build" not in text  # no estimate counts a job that fails again
     assert run_cli("verify", "--cache", str(cache)).returncode == 0  # records are aotbuild's: no problem
 
-    monkeypatch.setattr(builder, "_build_one", stand_in)  # now it builds
-    report = builder.build(str(TINY_RECIPE), cache)
+    monkeypatch.setattr(builder, "_build_one", stand_in)  # now it would build
+    report = builder.build(str(TINY_RECIPE), cache)  # a recorded failure is not retried (issue 30)
+    assert [r.status for r in report.results] == ["failed", "failed"] and all(r.not_retried for r in report.results)
+    report = builder.build(str(TINY_RECIPE), cache, retry_failed=True)
     assert [r.status for r in report.results] == ["built", "built"]
     assert [j.status for j in plan(str(TINY_RECIPE), cache)] == ["hit", "hit"]
     assert not list((cache / "failures").glob("*.json"))  # a successful build clears the record
