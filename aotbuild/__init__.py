@@ -18,6 +18,7 @@ from aotbuild.errors import (
     RecipeError,
     RemoteError,
     ShapeNotBuilt,
+    StaleGraph,
     StoreError,
     TargetUnavailable,
     UsageError,
@@ -39,7 +40,7 @@ _LAZY = {
 }
 
 __all__ = ["AotbuildError", "CacheMiss", "ModelUnavailable", "PackageMismatch",
-           "RecipeError", "RemoteError", "ShapeNotBuilt", "StoreError",
+           "RecipeError", "RemoteError", "ShapeNotBuilt", "StaleGraph", "StoreError",
            "TargetUnavailable", "UsageError", "__version__", "load_compiled", "LoadReport", "build", "plan",
            "load_recipe", "parse_recipe", "Recipe", "push", "pull", "parse_remote"]
 

@@ -91,6 +91,11 @@ class Dispatcher:
         self.declined = ""  # why a route last refused a call (warned about once)
         #: told the seconds of the first call a route served, then dropped (load_compiled's report)
         self.on_first_call: Callable[[float], None] | None = None
+        #: the per-call check of what the routes' graphs depend on (aotbuild/dependencies.py ``Watch``:
+        #: ``check() -> reason or ""``), and what a call does when it fails: load_compiled's on_miss
+        self.watch: Any = None
+        self.on_stale = "error"
+        self.stale = ""  # the last reason warned about
 
     @property
     def built(self) -> set[str]:
@@ -100,6 +105,10 @@ class Dispatcher:
         sig = signature(args, kwargs)
         route = self.routes.get(sig)
         why = ""
+        if route is not None and self.watch is not None:
+            stale = self.watch.check()
+            if stale:
+                return self._stale(stale, args, kwargs)
         if route is not None:
             timed, start = self.on_first_call, time.perf_counter()
             try:
@@ -115,6 +124,9 @@ class Dispatcher:
                 return out
         self.calls["unbuilt"] += 1
         if self.on_unbuilt == "record":
+            from aotbuild.dependencies import observe
+
+            observe()  # the global state the build's graphs are traced under (the manifest records it)
             assert self.fallback is not None
             if self.on_record is not None:
                 self.on_record(sig, args, kwargs)
@@ -136,6 +148,29 @@ class Dispatcher:
                 return self.eager(*args, **kwargs)
         return self.fallback(*args, **kwargs)
 
+    def _stale(self, why: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """A built signature whose graph no longer computes what the module does (issue 31): never served.
+        on_miss "error" raises, "eager" runs the module eagerly, "compile" compiles it (with a warning)."""
+        self.calls["stale"] = self.calls.get("stale", 0) + 1
+        if self.on_stale == "error":
+            from aotbuild.errors import StaleGraph
+
+            raise StaleGraph(f"{self.component} changed since its entry was built, and load_compiled(on_miss="
+                             f"\"error\") never compiles: {why}. Undo the change, or build for the changed "
+                             f"pipeline (`aotbuild.build(recipe, pipe=pipe)`), or load with on_miss=\"eager\"")
+        if why != self.stale:
+            import warnings
+
+            self.stale = why
+            then = "runs eagerly" if self.on_stale == "eager" or self.fallback is None else "compiles"
+            warnings.warn(f"aotbuild: {self.component}: {why}; its entry no longer fits, the call {then}",
+                          stacklevel=3)
+        if self.on_stale == "eager" or self.fallback is None:
+            import torch
+
+            with torch.compiler.set_stance("force_eager"):
+                return self.eager(*args, **kwargs)
+        return self.fallback(*args, **kwargs)
 
     def _warn_declined(self, why: str) -> None:
         if why != self.declined:

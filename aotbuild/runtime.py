@@ -172,6 +172,7 @@ def load_compiled(recipe: str | Path | Recipe | Mapping[str, Any], pipe: Any = N
             report.installed_files, report.present_files = installed.installed, installed.present
             report.install_folder = installed.folder
         timings["install"] = time.perf_counter() - started
+        _watch(planned, on_miss, ctx.recipe.offload == "none")
         for p in planned:
             for d in dispatchers(p.module):
                 d.on_first_call = lambda s, c=p.component: report.first_calls.setdefault(c, round(s, 4))
@@ -236,13 +237,15 @@ def _open_entries(ctx: Context, store: Store, pipe: Any, wanted: list[_Wanted], 
     manifests: Entries | None = None  # read once, on the first miss to explain
     for component in ctx.recipe.compile.components:
         module = getattr(pipe, component)
+        live: dict[str, Any] = {}  # the module's dependency snapshot, taken once (aotbuild/dependencies.py)
         entries: list[Entry] = []
         for w in (w for w in wanted if w.component == component):
             entry, reason = store.open_entry(w.key) if not blocker else (None, None)
             why = blocker or str(reason)
             if entry is not None:
-                why = _structure_problem(module, component, entry) or ctx.strategy.check(ctx, module, component,
-                                                                                         entry)
+                why = (_structure_problem(module, component, entry)
+                       or _dependency_problem(module, component, entry, live, ctx.recipe.offload == "none")
+                       or ctx.strategy.check(ctx, module, component, entry))
                 entry = None if why else entry
             if entry is not None:
                 store.touch(w.key)  # recency for gc; skipped where the store is read-only
@@ -264,6 +267,42 @@ def _structure_problem(module: Any, component: str, entry: Entry) -> str:
     return mismatch(module, entry.manifest.structure or {}, component)
 
 
+def _dependency_problem(module: Any, component: str, entry: Entry, live: dict[str, Any], devices: bool) -> str:
+    """Whether what the entry's graphs depend on beyond their inputs (attributes, processors, hooks,
+    weights' layout: aotbuild/dependencies.py) is what the live module has; an entry without that
+    record (an older aotbuild) misses: nothing proves it computes what this module does (issue 31)."""
+    from aotbuild import dependencies
+
+    recorded = (entry.manifest.structure or {}).get("dependencies")
+    if not live:
+        live.update(dependencies.snapshot(module))
+    why = dependencies.diff(recorded, live, component, ignore=dependencies.ROOT_OUTSIDE)
+    if why and not devices and recorded and recorded.get("version") == dependencies.VERSION \
+            and dependencies.only_devices(recorded, live, "", dependencies.ROOT_OUTSIDE):
+        return ""  # offload: the weights move between the CPU and the device between calls
+    return why
+
+
+def _watch(planned: list[Planned], on_miss: str, devices: bool) -> None:
+    """Each compiled module's dispatcher re-checks, once per call, what its graphs depend on (armed
+    from the module, which matched the entry at load); a change follows ``on_miss``."""
+    from aotbuild.dependencies import Watch
+    from aotbuild.dispatch import Dispatcher
+
+    for p in planned:
+        records = [r for e in p.entries if (r := (e.manifest.structure or {}).get("dependencies"))]
+        if not records:
+            continue
+        # One module, so one snapshot; the global states seen are every shape's build's.
+        states = [s for r in records for s in r.get("globals") or []]
+        recorded = {**records[0], "globals": [s for i, s in enumerate(states) if s not in states[:i]]}
+        for path, sub in p.module.named_modules():
+            d = vars(sub).get("forward")
+            if isinstance(d, Dispatcher) and d.routes:
+                d.watch = Watch(sub, recorded, p.component, path, devices=devices)
+                d.on_stale = on_miss
+
+
 def _next_step(recipe: Recipe, blocker: str, remote: Remote | None, passed: bool = False) -> str:
     """What builds the misses: for a pipe the caller passed (maybe not the recipe's model), the
     build for that pipeline object."""
@@ -275,10 +314,10 @@ def _next_step(recipe: Recipe, blocker: str, remote: Remote | None, passed: bool
 
 
 def _call_policy(on_miss: str, strict_shapes: bool) -> str:
-    """What a call at an unbuilt shape does: strict_shapes raises; on_miss="eager" keeps such calls
-    eager; otherwise (on_miss "compile" or "error", which acted at load) it compiles, as plain
-    torch.compile would."""
-    return "error" if strict_shapes else ("eager" if on_miss == "eager" else "compile")
+    """What a call at an unbuilt shape does: on_miss="error" means this pipeline never compiles, so
+    it raises (strict_shapes is implied); strict_shapes=True raises under the other policies too;
+    otherwise on_miss="eager" keeps such calls eager and "compile" compiles, as torch.compile would."""
+    return "error" if strict_shapes or on_miss == "error" else on_miss
 
 
 def _announce(report: LoadReport, recipe: Recipe, on_miss: str, blocker: str, passed: bool = False) -> None:

@@ -49,9 +49,14 @@ def run(job: dict, loaded: tuple[Any, float] | None = None) -> dict:
     # What the component is called with is the pipeline's business (guidance may double the batch, or
     # call twice, or be an input): the strategy records every call's signature, and loads dispatch on them.
     warmup = pipecall.warmup_kwargs(recipe, shape, pipe, defaults=ctx.target.warmup_defaults)
+    from aotbuild import dependencies
     from aotbuild.structure import record
 
     structure = record(module, ctx.target.global_settings())  # before the strategy puts anything in it
+    # What the graphs depend on beyond their inputs (issue 31), also before the strategy's wrappers;
+    # the global state of the component's calls is seen by the strategy's recorders during the warmup.
+    depends = dependencies.snapshot(module)
+    dependencies.reset_observed()
     workdir.mkdir(parents=True, exist_ok=True)
     job_spec = BuildJob(ctx, pipe, component, module, warmup, workdir,
                         phase=lambda text: child.phase(job, text))
@@ -63,6 +68,7 @@ def run(job: dict, loaded: tuple[Any, float] | None = None) -> dict:
             raise RuntimeError(why) from exc  # the whole traceback stays in the job's log
         raise
     t_warm = time.perf_counter()
+    structure["dependencies"] = {**depends, "globals": dependencies.observed()}
     from torch._dynamo.utils import counters
 
     return {

@@ -317,6 +317,9 @@ class CallRecorder:
         def run(*args: Any, **kwargs: Any) -> Any:
             import torch
 
+            from aotbuild.dependencies import observe
+
+            observe()  # the global state the artifacts are compiled under (the manifest records it)
             sig, floats, grad = signature(args, kwargs), floats_of(args, kwargs), torch.is_grad_enabled()
             key = (type(module).__name__, digest, sig, json.dumps(floats), str(grad))
             group = self.groups.get(key)

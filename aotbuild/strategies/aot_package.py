@@ -85,6 +85,11 @@ class AotPackage(Strategy):
             for fqn, digest in baked.items():
                 if not isinstance(digest, str):
                     return f"packages[].baked[{fqn[:40]!r}]: not a digest"
+            strides = record.get("constant_strides", {})
+            if not isinstance(strides, dict) or not all(
+                    isinstance(v, list) and all(isinstance(d, int) and not isinstance(d, bool) for d in v)
+                    for v in strides.values()):
+                return "packages[].constant_strides: not {name: [strides]}"
             if record.get("strides") is not None and not isinstance(record["strides"], list):
                 return "packages[].strides: not a list"
             lifted = record.get("lifted", {})

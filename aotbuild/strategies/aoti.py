@@ -79,6 +79,13 @@ def constant_meta(module: Any, fqns: list[str]) -> dict[str, list[Any]]:
     return meta
 
 
+def constant_strides(module: Any, fqns: list[str]) -> dict[str, list[int]]:
+    """Each weight's strides at export: a package's kernels read its constants with them, and binding a
+    tensor of another layout gave garbage with 0 compiles (channels_last: 0.57 off, issue 31)."""
+    state = {**dict(module.named_parameters()), **dict(module.named_buffers())}
+    return {fqn: list(state[fqn].stride()) for fqn in fqns if fqn in state}
+
+
 def _tensor_digest(t: Any) -> str:
     import torch
 
@@ -146,7 +153,8 @@ def _package(module: Any, sig: str, args: tuple[Any, ...], kwargs: dict[str, Any
     fqns = _probe(path, workdir / PROBE_CACHE)
     weights = [f for f in fqns if f not in lifted]
     record = {"signature": sig, "path": f"{PACKAGE_DIR}/{path.name}", "strides": strides,
-              "constants": constant_meta(module, weights), "baked": baked_digests(module, weights)}
+              "constants": constant_meta(module, weights), "baked": baked_digests(module, weights),
+              "constant_strides": constant_strides(module, weights)}
     if lifted:
         from safetensors.torch import save_file
 
@@ -370,6 +378,7 @@ class PackageRunner:
         self.component = component
         self.package = package
         self.meta: dict[str, list[Any]] = package["constants"]
+        self.constant_strides: dict[str, list[int]] = package.get("constant_strides", {})
         self.strides = package.get("strides")
         self.baked: dict[str, str] = package.get("baked", {})
         self.device_kind = device.partition(":")[0]
@@ -407,6 +416,12 @@ class PackageRunner:
                     f"{self.component}: {fqn} is now {have[1]} {have[0]} on {have[2]}, but its AOT package was "
                     f"built for {dtype} {shape} on {device_kind}; rebuild the recipe for this dtype/device or "
                     f"load it again with load_compiled")
+            strides = self.constant_strides.get(fqn)
+            if strides is not None and list(t.stride()) != strides and t.numel() > 1:
+                raise PackageMismatch(
+                    f"{self.component}: {fqn} has strides {list(t.stride())}, but its AOT package reads it with "
+                    f"{strides} (another memory format: channels_last?); convert it back "
+                    f"(.to(memory_format=torch.contiguous_format)) or rebuild the recipe for this layout")
 
     def _bind(self) -> None:
         tensors = self._tensors()

@@ -1,0 +1,361 @@
+"""What a compiled graph depends on beyond its tensor inputs: recorded at build, checked at load and per call.
+
+A compiled component bakes in what the module's Python did when it was traced: plain attributes
+(FreeU's ``b1``/``s1`` on the UNet's up blocks, a chunk size, a flag), the objects it called (an
+attention processor, a diffusers hook, a forward wrapper), each weight's dtype, shape, strides,
+device and ``requires_grad``, and the global state of the call (grad mode, default dtype,
+autocast). Neither the key (the recipe) nor the structure check (aotbuild/structure.py: classes and
+tensor shapes) sees those, and the AOT strategies' artifacts do not re-check them: aot-package
+served the image without FreeU, the old processor's output, and garbage for channels_last weights,
+with 0 compiles (issue 31). So the build records a conservative *snapshot* of the component
+(:func:`snapshot`: for every submodule its class, its plain attributes, the classes of the callable
+objects it holds and its tensor attributes' metadata, its forward hook counts, and per parameter and
+buffer its metadata, never a value) and the global state its calls ran under (:func:`observe`, from
+the build's recorders). The load compares the live module with it (:func:`diff`: the first
+difference in words) and, once per call of each compiled module, a :class:`Watch` re-checks it
+cheaply: precomputed (dict, keys) pairs compared by value, parameters by metadata only, so new
+weights of the same structure (``load_state_dict``) and a processor of the same class keep serving.
+
+What is left out on purpose: ``training`` (read only by dropout with p > 0 and batch norm, whose
+``training`` is kept), dict-valued attributes (peft's per-adapter ``scaling``: a hot-swapped
+adapter's scale is the LoRA feature's to check), aotbuild's own dispatcher and the compiled call
+``module.compile()`` sets, and the watched module's own hooks and ``forward`` (they run around the
+dispatcher, outside the compiled code).
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import operator
+import types
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from aotbuild.text import printable
+
+__all__ = ["VERSION", "ROOT_OUTSIDE", "only_devices", "snapshot", "digest", "diff", "observe", "observed",
+           "reset_observed", "call_state", "Watch"]
+
+#: The snapshot's format: another version is compared as "built by another aotbuild".
+VERSION = 1
+#: Attributes every torch module has that are not code the graph runs (hooks are counted apart).
+_MODULE_INTERNALS = frozenset({
+    "_parameters", "_buffers", "_modules", "_non_persistent_buffers_set", "_backward_pre_hooks", "_backward_hooks",
+    "_is_full_backward_hook", "_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
+    "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_state_dict_hooks", "_state_dict_pre_hooks",
+    "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks", "_compiled_call_impl", "training",
+})
+#: Root-only: what wraps the compiled module from outside (aotbuild's dispatcher, an offload hook's
+#: forward) is not in the graph.
+ROOT_OUTSIDE = frozenset({"forward", "_old_forward", "<hooks>"})
+_PLAIN = (bool, int, float, str, type(None))
+_HOOKS = "<hooks>"
+
+
+# -- the snapshot ---------------------------------------------------------------------------------
+
+
+def _is_plain(value: Any) -> bool:
+    if isinstance(value, _PLAIN):
+        return True
+    if isinstance(value, (tuple, list)) and len(value) <= 64:
+        return all(isinstance(v, _PLAIN) for v in value)
+    return False
+
+
+def _tensor_meta(t: Any, kind: str) -> str:
+    dtype = str(t.dtype).replace("torch.", "")
+    return (f"{kind} {dtype} {list(t.shape)} stride {list(t.stride())} {t.device.type}"
+            f"{' grad' if t.requires_grad else ''}")
+
+
+def _callable_name(value: Any) -> str:
+    if isinstance(value, (types.FunctionType, types.BuiltinFunctionType)):
+        return f"function {getattr(value, '__module__', '')}.{getattr(value, '__qualname__', '?')}"
+    cls = type(value)
+    return f"{cls.__module__}.{cls.__qualname__} object"
+
+
+def _attribute(name: str, value: Any) -> str | None:
+    """What the snapshot keeps of one attribute, or None (not something compiled code reads as a constant)."""
+    import torch
+
+    if _is_plain(value):
+        return repr(value)
+    if isinstance(value, (torch.dtype, torch.device)):
+        return repr(value)
+    if isinstance(value, torch.Tensor):
+        return _tensor_meta(value, "tensor")
+    if isinstance(value, torch.nn.Module):
+        return None  # a submodule (or a reference to one): walked as a module
+    if name == "_diffusers_hook":  # a HookRegistry: which hooks it runs, by name and class
+        hooks = getattr(value, "hooks", {})
+        return "hooks " + ", ".join(f"{k}={type(h).__qualname__}" for k, h in sorted(hooks.items()))
+    if callable(value) and not isinstance(value, type):
+        from aotbuild.dispatch import Dispatcher
+
+        if isinstance(value, Dispatcher):
+            return None
+        return _callable_name(value)
+    return None
+
+
+def _keeps_training(sub: Any) -> bool:
+    import torch
+
+    if isinstance(sub, torch.nn.modules.batchnorm._BatchNorm):
+        return True
+    return isinstance(sub, torch.nn.modules.dropout._DropoutNd) and float(getattr(sub, "p", 0.0)) > 0.0
+
+
+def _hooks(sub: Any) -> str | None:
+    forward, pre = len(sub._forward_hooks), len(sub._forward_pre_hooks)
+    return f"forward {forward}, pre {pre}" if forward or pre else None
+
+
+def _items(module: Any) -> Iterator[tuple[str, str]]:
+    """(path, what) for every submodule, attribute, hook count and tensor of ``module``."""
+    for path, sub in module.named_modules(remove_duplicate=False):
+        prefix = f"{path}." if path else ""
+        cls = type(sub)
+        yield path or ".", f"{cls.__module__}.{cls.__qualname__}"
+        for name, value in vars(sub).items():
+            if name in _MODULE_INTERNALS:
+                continue
+            what = _attribute(name, value)
+            if what is not None and value is not None:  # None is absent: getattr(self, "b1", None)
+                yield prefix + name, what
+        if _keeps_training(sub):
+            yield prefix + "training", repr(sub.training)
+        hooks = _hooks(sub)
+        if hooks:
+            yield prefix + _HOOKS, hooks
+        for name, t in sub._parameters.items():
+            if t is not None:
+                yield prefix + name, _tensor_meta(t, "param")
+        for name, t in sub._buffers.items():
+            if t is not None:
+                yield prefix + name, _tensor_meta(t, "buffer")
+
+
+def snapshot(module: Any) -> dict[str, Any]:
+    """The manifest's ``structure.dependencies``: every item (path -> what) and their digest; the
+    build adds ``globals``, the states its calls ran under (:func:`observed`)."""
+    items = dict(_items(module))
+    return {"version": VERSION, "digest": digest(items), "items": items}
+
+
+def digest(items: Mapping[str, str]) -> str:
+    return hashlib.sha256("\n".join(f"{k}\t{v}" for k, v in sorted(items.items())).encode()).hexdigest()
+
+
+def _hint(path: str, here: str | None, there: str | None) -> str:
+    leaf = path.rsplit(".", 1)[-1]
+    if leaf in ("b1", "b2", "s1", "s2"):
+        return ": FreeU?"
+    if leaf == "processor":
+        return ": another attention processor?"
+    if leaf == "_diffusers_hook" or leaf == _HOOKS:
+        return ": a hook (a diffusers cache, a forward hook)?"
+    if " stride " in (here or "") and " stride " in (there or ""):
+        h, t = (here or "").split(" stride ")[0], (there or "").split(" stride ")[0]
+        if h == t:
+            return ": another memory format (channels_last?)"
+        if h.split(" ")[1] != t.split(" ")[1]:
+            return ": another dtype (pipe.to(dtype)?)"
+        return ": moved, or requires_grad changed"
+    return ""
+
+
+def diff(recorded: Mapping[str, Any] | None, live: Mapping[str, Any], component: str,
+         under: str = "", ignore: frozenset[str] = frozenset()) -> str:
+    """The first difference between a recorded snapshot and the live one, in words (``"unet.up_blocks.0.b1:
+    1.2 here, absent in the entry: FreeU?"``), or "". ``under``: only paths below that module path
+    (a block); ``ignore``: paths (relative to ``under``) left out."""
+    if not recorded or not isinstance(recorded.get("items"), Mapping):
+        return f"{component}: the entry was built by an older aotbuild (no dependency record): rebuild"
+    if recorded.get("version") != VERSION:
+        return f"{component}: the entry's dependency record is version {recorded.get('version')!r}, this " \
+               f"aotbuild reads {VERSION}: rebuild"
+    there, here = _below(recorded["items"], under, ignore), _below(live["items"], under, ignore)
+    if not under and not ignore and recorded.get("digest") == live.get("digest"):
+        return ""
+    for path in sorted(set(there) | set(here), key=lambda p: (p not in here, p)):
+        a, b = here.get(path), there.get(path)
+        if a != b:
+            full = ".".join(p for p in (component, under, "" if path == "." else path) if p)
+            entry = printable(str(b) if b is not None else "absent")
+            return f"{printable(full)}: {printable(a or 'absent')} here, {entry} in the entry{_hint(path, a, b)}"
+    return ""
+
+
+def _below(items: Mapping[str, Any], under: str, ignore: frozenset[str]) -> dict[str, Any]:
+    if not under:
+        return {k: v for k, v in items.items() if k not in ignore}
+    out = {}
+    head = under + "."
+    for k, v in items.items():
+        if k == under:
+            rel = "."
+        elif k.startswith(head):
+            rel = k[len(head):]
+        else:
+            continue
+        if rel not in ignore:
+            out[rel] = v
+    return out
+
+
+# -- the global state of a call --------------------------------------------------------------------
+
+_OBSERVED: list[list[Any]] = []
+
+
+def call_state() -> list[Any]:
+    """Grad mode, default dtype and the autocast state of CPU and CUDA: what a trace assumes of the process."""
+    import torch
+
+    autocast = [d for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)]
+    return [torch.is_grad_enabled(), str(torch.get_default_dtype()).replace("torch.", ""),
+            [f"{d}:{str(torch.get_autocast_dtype(d)).replace('torch.', '')}" for d in autocast]]
+
+
+def observe() -> None:
+    """Called by the build's recorders at each call of a component or block: the states seen."""
+    state = call_state()
+    if state not in _OBSERVED:
+        _OBSERVED.append(state)
+
+
+def observed() -> list[list[Any]]:
+    return [list(s) for s in _OBSERVED]
+
+
+def reset_observed() -> None:
+    _OBSERVED.clear()
+
+
+def _describe_state(state: list[Any]) -> str:
+    grad, dtype, autocast = state
+    return f"grad {'on' if grad else 'off'}, default dtype {dtype}, autocast {', '.join(autocast) or 'off'}"
+
+
+# -- the per-call check ----------------------------------------------------------------------------
+
+
+class Watch:
+    """The cheap per-call check of one compiled module (a component, or a regional block) against the
+    entry's record. Armed from the live module once it matched the record (at load), a call compares
+    flat lists built by C-level maps: each submodule's attribute dict (its length and the recorded
+    keys' values), the held objects' classes, the children, the hook counts, and each parameter's and
+    buffer's data pointer (``.to(dtype)``, ``.to(memory_format=...)``, a device move or a new
+    Parameter each allocate anew; ``load_state_dict`` copies in place). Not in the fast check:
+    ``requires_grad`` flipped in place (aot-compile's own guards check it, an AOT package's output does
+    not depend on it; the load-time check does compare it). A
+    fingerprint that moved is re-checked in full (:func:`diff` against the record, never against the
+    armed state): a difference is the reason returned, none (``disable_freeu`` leaves its factors as
+    None, new weights) re-arms on the new state."""
+
+    def __init__(self, module: Any, recorded: Mapping[str, Any], component: str, under: str = "",
+                 devices: bool = True):
+        self.module = module
+        self.recorded = recorded
+        self.component = component
+        self.under = under
+        self.devices = devices
+        self.ignore = ROOT_OUTSIDE
+        self.states = [(s[0], s[1], tuple(s[2])) for s in recorded.get("globals") or []]
+        self.reason = ""
+        self._arm()
+
+    def _arm(self) -> None:
+        dicts, plain, objects, children, hooks, trained, stores = [], [], [], [], [], [], []
+        for path, sub in self.module.named_modules(remove_duplicate=False):
+            d = vars(sub)
+            root = path == ""
+            dicts.append(d)
+            keys = [k for k, v in d.items() if k not in _MODULE_INTERNALS and not (root and k in ROOT_OUTSIDE)
+                    and _attribute(k, v) is not None]
+            held = [k for k in keys if not _is_plain(d[k])]
+            if len(keys) > len(held):
+                plain.append((d, operator.itemgetter(*[k for k in keys if k not in held])))
+            objects += [(d, k) for k in held]
+            if d["_modules"]:
+                children.append(d["_modules"])
+            if not root:
+                hooks += [sub._forward_hooks, sub._forward_pre_hooks]
+            if _keeps_training(sub):
+                trained.append(sub)
+            stores += [d["_parameters"], d["_buffers"]]
+        self.dicts, self.plain, self.objects, self.children = dicts, plain, objects, children
+        self.hooks, self.trained, self.stores = hooks, trained, [st for st in stores if st]
+        armed = self._fingerprint()
+        self.armed = (*armed[:1], copy.deepcopy(armed[1]), *armed[2:])  # a list attribute changed in place moves
+        self.reason = ""
+
+    def _fingerprint(self) -> tuple[Any, ...]:
+        import torch
+
+        tensors = [t for st in self.stores for t in st.values() if t is not None]
+        try:
+            values = [get(d) for d, get in self.plain]
+        except KeyError:  # a recorded attribute was deleted
+            values = None
+        return (list(map(len, self.dicts)), values, [_fingerprint(d.get(k)) for d, k in self.objects],
+                [m for mods in self.children for m in mods.values()], list(map(len, self.hooks)),
+                [m.training for m in self.trained], list(map(torch._C.TensorBase.data_ptr, tensors)))
+
+    def moved(self) -> bool:
+        """Whether anything the fingerprint covers differs from when it was armed."""
+        return self._fingerprint() != self.armed
+
+    def check(self) -> str:
+        """Why this call cannot be served by the entry (the first difference), or ""."""
+        if self.states:
+            state = _state_now()
+            if state not in self.states:
+                return (f"{self.component}{'.' + self.under if self.under else ''} is called with "
+                        f"{_describe_state([state[0], state[1], list(state[2])])}; the entry was traced with "
+                        f"{_describe_state(list(self.states[0]))}: another grad mode, default dtype or autocast")
+        if not self.moved():
+            return self.reason
+        live = snapshot(self.module)
+        if self.under:  # the block's own items, with the recorded paths' prefix
+            live = {**live, "items": {(f"{self.under}.{k}" if k != "." else self.under): v
+                                      for k, v in live["items"].items()}}
+        reason = diff(self.recorded, live, self.component, self.under, self.ignore)
+        if reason and not self.devices and only_devices(self.recorded, live, self.under, self.ignore):
+            reason = ""
+        self._arm()
+        self.reason = reason
+        return reason
+
+
+def _state_now() -> tuple[Any, ...]:
+    s = call_state()
+    return (s[0], s[1], tuple(s[2]))
+
+
+def only_devices(recorded: Mapping[str, Any], live: Mapping[str, Any], under: str, ignore: frozenset[str]) -> bool:
+    """Whether every difference is a tensor's device (offload moves weights between calls)."""
+    there, here = _below(recorded["items"], under, ignore), _below(live["items"], under, ignore)
+    if set(there) != set(here):
+        return False
+
+    def strip(what: str) -> str:
+        return " ".join(w for w in what.split(" ") if w not in ("cpu", "cuda", "meta", "xpu", "mps"))
+    return all(strip(str(there[k])) == strip(str(here[k])) for k in there)
+
+
+def _fingerprint(value: Any) -> Any:
+    """A held object's class (a function itself; a tensor's metadata), and for a diffusers HookRegistry
+    its hooks' names (hooks come and go in place)."""
+    if isinstance(value, (types.FunctionType, types.BuiltinFunctionType)):
+        return id(value)
+    if hasattr(value, "stride") and hasattr(value, "dtype") and hasattr(value, "shape"):
+        return (value.dtype, value.shape, value.stride(), value.device.type)
+    hooks = getattr(value, "hooks", None) if type(value).__name__ == "HookRegistry" else None
+    return (type(value), tuple(hooks)) if isinstance(hooks, dict) else type(value)
+
+

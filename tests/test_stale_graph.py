@@ -1,0 +1,354 @@
+"""A hit never serves a stale graph (issue 31): what a graph depends on is recorded at build and checked
+at load and at every call of a compiled module.
+
+Measured before this (tiny-sd, on_miss="error"): FreeU enabled, a user's attention processor set, or
+the UNet moved to channels_last were served by aot-package with 0 compiles and a wrong image (the
+image without FreeU, the old processor's output, 0.57 off for channels_last); after load, aot-compile
+too. The fast tier tests the record and its check (aotbuild/dependencies.py) and the dispatcher's
+policy; the slow tier runs the matrix of changes x strategies x before/after load on the session's
+shared builds (tests/conftest.py ``strategy_build``), each cell either served compiled and equal to
+eager with the same change, or refused naming the change, and never compiling.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from aotbuild import dependencies
+from aotbuild.dispatch import Dispatcher
+from aotbuild.errors import CacheMiss, StaleGraph, UsageError
+
+
+class Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+        self.conv = torch.nn.Conv2d(4, 4, 3)
+        self.scale = 1.0
+
+    def forward(self, x):
+        return self.proj(x) * self.scale
+
+
+class Outer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([Block(), Block()])
+
+
+def _diff(before, module) -> str:
+    return dependencies.diff(before, dependencies.snapshot(module), "m", ignore=dependencies.ROOT_OUTSIDE)
+
+
+def test_an_attribute_written_or_added_is_named():
+    m = Outer()
+    before = dependencies.snapshot(m)
+    assert _diff(before, m) == ""
+    m.blocks[1].scale = 2.0
+    assert _diff(before, m) == "m.blocks.1.scale: 2.0 here, 1.0 in the entry"
+    m.blocks[1].scale = 1.0
+    m.blocks[0].b1 = 1.2  # as enable_freeu does on each up block
+    assert _diff(before, m) == "m.blocks.0.b1: 1.2 here, absent in the entry: FreeU?"
+    m.blocks[0].b1 = None  # disable_freeu leaves None: the code reads getattr(self, "b1", None)
+    assert _diff(before, m) == ""
+
+
+def test_weights_values_never_count_their_layout_dtype_and_class_do():
+    m = Outer()
+    before = dependencies.snapshot(m)
+    m.load_state_dict({k: v * 3 for k, v in m.state_dict().items()})
+    assert _diff(before, m) == ""
+    m.to(memory_format=torch.channels_last)
+    assert "m.blocks.0.conv.weight: param float32 [4, 4, 3, 3] stride [36, 1, 12, 4]" in _diff(before, m)
+    assert _diff(before, m).endswith("another memory format (channels_last?)")
+    m.to(memory_format=torch.contiguous_format)
+    assert _diff(before, m) == ""
+    m.to(torch.float64)
+    assert "float64" in _diff(before, m) and _diff(before, m).endswith("another dtype (pipe.to(dtype)?)")
+    m.to(torch.float32)
+    m.blocks[0].proj = torch.nn.Identity()
+    assert _diff(before, m).startswith("m.blocks.0.proj: torch.nn.modules.linear.Identity here")
+
+
+class Doubling:
+    def __call__(self, *args, **kwargs):
+        return None
+
+
+class Halving:
+    def __call__(self, *args, **kwargs):
+        return None
+
+
+def test_held_callables_count_by_class_hooks_by_count():
+    m = Outer()
+    m.blocks[0].processor = Doubling()
+    before = dependencies.snapshot(m)
+    m.blocks[0].processor = Doubling()  # another object of the same class: the same code
+    assert _diff(before, m) == ""
+    m.blocks[0].processor = Halving()
+    assert _diff(before, m).startswith(f"m.blocks.0.processor: {__name__}.Halving object here, {__name__}.Doubling "
+                                       f"object in the entry: another attention processor?")
+    m.blocks[0].processor = Doubling()
+    handle = m.blocks[1].register_forward_hook(lambda *a: None)
+    assert _diff(before, m) == "m.blocks.1.<hooks>: forward 1, pre 0 here, absent in the entry: a hook (a " \
+                               "diffusers cache, a forward hook)?"
+    handle.remove()
+    m.register_forward_hook(lambda *a: None)  # on the compiled module itself: runs outside its graph
+    assert _diff(before, m) == ""
+
+
+def test_an_entry_without_a_record_misses_as_built_by_an_older_aotbuild():
+    assert dependencies.diff(None, dependencies.snapshot(Outer()), "unet") == \
+        "unet: the entry was built by an older aotbuild (no dependency record): rebuild"
+
+
+def test_the_watch_catches_each_change_and_rearms_on_a_benign_one():
+    m = Outer()
+    recorded = {**dependencies.snapshot(m), "globals": [[False, "float32", []]]}
+    watch = dependencies.Watch(m, recorded, "m")
+    with torch.no_grad():
+        assert watch.check() == ""
+        m.blocks[0].b1 = 1.2
+        assert "b1: 1.2 here" in watch.check()
+        assert "b1: 1.2 here" in watch.check()  # sticky until undone
+        m.blocks[0].b1 = None
+        assert watch.check() == ""
+        m.blocks[1].scale = 3.0
+        assert "scale: 3.0 here" in watch.check()
+        m.blocks[1].scale = 1.0
+        m.load_state_dict({k: v + 1 for k, v in m.state_dict().items()})
+        assert watch.check() == ""
+        m.blocks[1].conv.to(memory_format=torch.channels_last)  # a submodule moved on its own
+        assert "blocks.1.conv.weight" in watch.check()
+        m.blocks[1].conv.to(memory_format=torch.contiguous_format)
+        m.blocks[0].proj.weight = torch.nn.Parameter(torch.zeros(4, 4, dtype=torch.float64))
+        assert "blocks.0.proj.weight: param float64" in watch.check()
+        m.blocks[0].proj.weight = torch.nn.Parameter(torch.zeros(4, 4))
+        assert watch.check() == ""
+        m.blocks[0].proj = torch.nn.Linear(4, 4, bias=False)  # a child replaced
+        assert "blocks.0.proj.bias: absent here" in watch.check()
+    assert "called with grad on" in watch.check()
+
+
+def test_a_block_watch_checks_its_own_subtree_only():
+    m = Outer()
+    recorded = {**dependencies.snapshot(m), "globals": []}
+    watch = dependencies.Watch(m.blocks[1], recorded, "m", under="blocks.1")
+    assert watch.check() == ""
+    m.blocks[0].scale = 5.0  # another block: runs eagerly (regional), not this block's graph
+    assert watch.check() == ""
+    m.blocks[1].scale = 5.0
+    assert watch.check() == "m.blocks.1.scale: 5.0 here, 1.0 in the entry"
+
+
+class _Changed:
+    def __init__(self, why: str):
+        self.why = why
+
+    def check(self) -> str:
+        return self.why
+
+
+@pytest.mark.parametrize("policy", ["error", "eager", "compile"])
+def test_a_changed_module_follows_the_load_policy_at_its_call(policy):
+    calls = []
+    d = Dispatcher("unet", lambda x: calls.append("eager") or x, {'{"args": [["float"]], "kwargs": {}}':
+                                                                  lambda x: calls.append("route") or x},
+                   lambda x: calls.append("compiled") or x, "error")
+    d.watch, d.on_stale = _Changed(""), policy
+    d(1.0)
+    assert calls == ["route"]
+    d.watch = _Changed("unet.up_blocks.0.b1: 1.2 here, absent in the entry: FreeU?")
+    if policy == "error":
+        with pytest.raises(StaleGraph, match="never compiles: unet.up_blocks.0.b1: 1.2 here"):
+            d(1.0)
+        assert isinstance(StaleGraph("x"), CacheMiss)
+        return
+    with pytest.warns(UserWarning, match="FreeU"):
+        d(1.0)
+    assert calls[-1] == {"eager": "eager", "compile": "compiled"}[policy]
+
+
+def test_on_miss_error_means_no_compile_at_an_unbuilt_call_either():
+    from aotbuild.runtime import _call_policy
+
+    assert _call_policy("error", strict_shapes=False) == "error"
+    assert _call_policy("compile", strict_shapes=True) == "error"
+    assert _call_policy("eager", strict_shapes=False) == "eager"
+    assert _call_policy("compile", strict_shapes=False) == "compile"
+
+
+def test_the_manifest_refuses_a_malformed_dependency_record():
+    from aotbuild.manifest import ManifestError, _Checker
+
+    c = _Checker()
+    good = {"digest": "0" * 64, "lines": [], "dependencies": {"version": 1, "items": {"a": "1"},
+                                                              "globals": [[False, "float32", []]]}}
+    assert c.structure(good) is good
+    for bad in ({"items": {"a": 1}}, {"items": {}, "globals": [[1, "float32", []]]}, {"items": []}):
+        with pytest.raises(ManifestError, match="structure.dependencies"):
+            c.structure({**good, "dependencies": bad})
+
+
+# -- the matrix, on the session's shared builds ----------------------------------------------------
+
+STRATEGIES = ("jit-cache", "aot-package", "aot-compile")
+
+
+class ScaledProcessor:
+    """A user's attention processor: diffusers' own, output scaled (its class lives in this test)."""
+
+    def __init__(self):
+        from diffusers.models.attention_processor import AttnProcessor2_0
+
+        self.inner = AttnProcessor2_0()
+
+    def __call__(self, attn, hidden_states, *args, **kwargs):
+        return self.inner(attn, hidden_states, *args, **kwargs) * 1.5
+
+
+def _freeu(pipe):
+    pipe.enable_freeu(s1=0.9, s2=0.2, b1=1.2, b2=1.4)
+
+
+def _processor(pipe):
+    pipe.unet.set_attn_processor(ScaledProcessor())
+
+
+def _same_processor(pipe):
+    from diffusers.models.attention_processor import AttnProcessor2_0
+
+    pipe.unet.set_attn_processor(AttnProcessor2_0())
+
+
+def _channels_last(pipe):
+    pipe.unet.to(memory_format=torch.channels_last)
+
+
+def _attribute(pipe):
+    pipe.unet.up_blocks[0].resnets[0].output_scale_factor = 2.0
+
+
+def _new_weights(pipe):
+    g = torch.Generator().manual_seed(1)
+    pipe.unet.load_state_dict({k: v + 0.02 * torch.randn(v.shape, generator=g, dtype=v.dtype)
+                               for k, v in pipe.unet.state_dict().items()})
+
+
+def _dtype(pipe):
+    pipe.to(torch.bfloat16)
+
+
+#: change -> (what it does, its effect on eager's image is measurable, benign: served compiled)
+CHANGES = {
+    "freeu": (_freeu, True, False),
+    "processor": (_processor, True, False),
+    "same-class-processor": (_same_processor, False, True),
+    "channels-last": (_channels_last, False, False),  # eager: no change; a stale package: garbage
+    "attribute": (_attribute, True, False),
+    "new-weights": (_new_weights, True, True),
+    "dtype": (_dtype, True, False),
+}
+_EAGER: dict[str, torch.Tensor] = {}
+
+
+def _pipe(recipe, models_dir):
+    from aotbuild.models import load_pipeline, resolve_model
+
+    return load_pipeline(recipe, resolve_model(recipe, models_dir), "float32")
+
+
+def _image(pipe, recipe):
+    from aotbuild.pipecall import warmup_kwargs
+
+    return pipe(**warmup_kwargs(recipe, recipe.shapes[0], pipe), output_type="pt").images.float()
+
+
+def _eager(name, recipe, models_dir):
+    if name not in _EAGER:
+        pipe = _pipe(recipe, models_dir)
+        if name != "none":
+            CHANGES[name][0](pipe)
+        _EAGER[name] = _image(pipe, recipe)
+    return _EAGER[name]
+
+
+@pytest.fixture
+def no_codegen(monkeypatch):
+    """A compile is a failure: abort at Inductor's first code generation instead of waiting for it."""
+    from torch._inductor import compile_fx
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("Inductor generated code: a cell compiled")
+
+    monkeypatch.setattr(compile_fx._InProcessFxCompile, "codegen_and_compile", refuse)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_no_change_is_served_stale(strategy, strategy_build, models_dir, no_codegen):
+    """Each change x before/after load: served compiled and within 1e-4 of eager with the change, or
+    refused naming it; never a compile (on_miss="error"), never a stale image."""
+    from torch._dynamo.utils import counters
+
+    from aotbuild import load_compiled
+    from aotbuild.recipes import load_recipe
+
+    recipe_path, cache, _ = strategy_build(strategy)
+    recipe = load_recipe(recipe_path)
+    plain = _eager("none", recipe, models_dir)
+    results = {}
+    for name, (change, effect, benign) in CHANGES.items():
+        expected = _eager(name, recipe, models_dir)
+        moved = (expected - plain).abs().max().item()
+        if effect:  # an ignored change cannot pass
+            assert moved > 1e-3, f"{name}: no measurable effect in eager ({moved})"
+        for when in ("before", "after"):
+            torch._dynamo.reset()
+            graphs = counters["stats"]["unique_graphs"]
+            pipe = _pipe(recipe, models_dir)
+            try:
+                if when == "before":
+                    change(pipe)
+                load_compiled(recipe, pipe, cache=cache, on_miss="error")
+                if when == "after":
+                    change(pipe)
+                got = _image(pipe, recipe)
+            except (CacheMiss, UsageError) as exc:
+                lines = str(exc).strip().splitlines()
+                results[(name, when)] = "refused: " + next((x.strip() for x in lines if "MISS" in x), lines[0])
+                assert not benign, f"{strategy} {name} {when}: a benign change was refused: {exc}"
+                continue
+            served = pipe.unet.forward.calls["built"]
+            error = (got - expected).abs().max().item()
+            results[(name, when)] = f"served compiled ({served} calls), {error:.1e} from eager"
+            assert served >= 1 and error <= 1e-4, f"{strategy} {name} {when}: stale ({error} from eager)"
+            if strategy != "jit-cache":  # jit-cache traces at its first call (that is not compiling)
+                assert counters["stats"]["unique_graphs"] == graphs, f"{strategy} {name} {when}: Dynamo traced"
+    print(f"\n{strategy}:\n" + "\n".join(f"  {n} {w}: {r}" for (n, w), r in results.items()))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_a_call_in_another_grad_mode_is_refused(strategy, strategy_build, models_dir, no_codegen):
+    """Grad mode is part of what a trace assumed: a denoiser call with grad on (the build's ran under
+    the pipeline's no_grad) is refused under on_miss="error", not compiled."""
+    from aotbuild import load_compiled
+    from aotbuild.recipes import load_recipe
+
+    recipe_path, cache, _ = strategy_build(strategy)
+    recipe = load_recipe(recipe_path)
+    pipe = load_compiled(recipe, _pipe(recipe, models_dir), cache=cache, on_miss="error")
+    seen = []
+    handle = pipe.unet.register_forward_pre_hook(lambda m, a, k: seen.append((a, k)) or None, with_kwargs=True)
+    _image(pipe, recipe)
+    handle.remove()
+    args, kwargs = seen[0]
+    with torch.enable_grad(), pytest.raises(StaleGraph, match="called with grad on"):
+        pipe.unet(*args, **kwargs)
+    with torch.no_grad(), warnings.catch_warnings():
+        pipe.unet(*args, **kwargs)  # and served again as built
