@@ -159,3 +159,30 @@ def test_a_failure_recorded_by_another_aotbuild_is_retried(cache, fake_compiles)
     assert all("it failed with aotbuild 0.0.1: this version tries again" in j.reason for j in jobs)
     report = build(str(TINY_RECIPE), cache)
     assert [r.status for r in report.results] == ["built", "built"] and sorted(fake_compiles) == sorted(keys)
+
+
+def test_a_build_that_waited_for_another_builder_does_not_retry_its_failure(cache, fake_compiles):
+    """Two builders of one job (a terminal and a CI job on a shared cache): the second waited, then
+    built the job again after the first failed it."""
+    import contextlib
+
+    from aotbuild import build, plan
+    from aotbuild.constants import VERSION
+    from aotbuild.locks import flocked
+    from tests.conftest import TINY_DICT
+
+    store = Store(cache)
+    [job] = plan(TINY_DICT, cache)
+    first = contextlib.ExitStack()  # the other builder, holding the job's build lock
+    first.enter_context(flocked(store.layout.build_lock(job.key), exclusive=True, timeout=0))
+
+    def progress(event, n, total, _job, result):
+        if event == "tick" and result.status.startswith("waiting"):  # the other builder fails, then lets go
+            store.put_failure(job.key, {"key": job.key, "reason": REASON, "aotbuild": VERSION, "time": "now"})
+            first.close()
+
+    [result] = build(TINY_DICT, cache, progress=progress).results
+    assert result.status == "failed" and fake_compiles == []
+    assert result.reason.startswith("failed meanwhile in another aotbuild process: the component cannot be")
+    assert result.reason.endswith("not retried: `aotbuild build --retry-failed` builds it again")
+    assert store.failure(job.key)["reason"] == REASON  # the other builder's record, not overwritten
