@@ -186,3 +186,31 @@ def test_a_build_that_waited_for_another_builder_does_not_retry_its_failure(cach
     assert result.reason.startswith("failed meanwhile in another aotbuild process: the component cannot be")
     assert result.reason.endswith("not retried: `aotbuild build --retry-failed` builds it again")
     assert store.failure(job.key)["reason"] == REASON  # the other builder's record, not overwritten
+
+
+def test_a_tensor_parallel_job_one_of_whose_ranks_failed_is_not_built_until_retry_failed(tmp_path, monkeypatch):
+    """Its ranks are built in one launch: a failure recorded for any rank holds back the whole job."""
+    from aotbuild import build, builtin, plan
+    from aotbuild.constants import VERSION
+
+    recipe = {"model": {"id": "builtin:tiny-flux", "dtype": "float32"}, "target": "inductor", "device": "cpu",
+              "compile": {"components": ["transformer"]}, "shapes": [{"height": 64, "width": 64}],
+              "warmup": {"num_inference_steps": 2, "guidance_scale": 3.5}, "parallel": {"tensor": 2}}
+    root = tmp_path / "c"
+    builtin.ensure("builtin:tiny-flux", root / "models")
+    ranks = plan([recipe], root)
+    assert sorted(j.rank for j in ranks) == [0, 1]
+    rank1 = next(j for j in ranks if j.rank == 1)
+    Store(root).put_failure(rank1.key, {"key": rank1.key, "reason": REASON, "aotbuild": VERSION, "time": "now"})
+    launches: list[int] = []
+
+    def launch(store, jobs, *args):  # what builds every rank of one job in one launch
+        launches.append(len(jobs))
+        return [JobResult(j, FAILED, 1.0, reason="stand-in") for j in jobs]
+
+    monkeypatch.setattr(builder, "_build_ranks_once", launch)
+    report = build([recipe], root)
+    assert [r.status for r in report.results] == ["failed", "failed"] and launches == []
+    assert all(r.not_retried and "captured whole" in r.reason for r in report.results)
+    build([recipe], root, retry_failed=True)
+    assert launches == [2]  # both ranks, in one launch
