@@ -250,7 +250,6 @@ def bench(recipe_path: str | Path | Any, cache: str | Path | None = None, *, sha
 
     ``progress`` gets a line per step; ``build_progress`` is passed to :func:`aotbuild.build`;
     ``warn`` gets :func:`load_warning`'s line when the machine is busy."""
-    from aotbuild.errors import TargetUnavailable
     from aotbuild.layout import resolve_cache_root
     from aotbuild.planner import HIT, UNAVAILABLE, plan
     from aotbuild.recipe import build_hint
@@ -267,7 +266,8 @@ def bench(recipe_path: str | Path | Any, cache: str | Path | None = None, *, sha
     jobs = plan([one], root)
     blocked = [j for j in jobs if j.status == UNAVAILABLE]
     if blocked:
-        raise TargetUnavailable(f"cannot bench {recipe.source}: {blocked[0].reason}")
+        assert blocked[0].cause is not None  # TargetUnavailable, or ModelUnavailable for a model (exit 2)
+        raise blocked[0].cause.error(f"cannot bench {recipe.source}: {blocked[0].reason}")
     report = BenchReport(recipe.name, recipe.source, recipe.model.id, recipe.target, recipe.strategy,
                          recipe.compile.scope, list(recipe.compile.components), str(chosen), {}, repeats, calls,
                          cold_repeats=cold_repeats)

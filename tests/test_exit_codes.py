@@ -67,6 +67,20 @@ def test_a_build_whose_model_folder_cannot_be_read_exits_2(model_folder, tmp_pat
     assert plan.exit_code == 0 and jobs_of(plan)[0]["unavailable"] == "model"  # plan reports; build refuses
 
 
+def test_a_model_folder_that_cannot_be_read_is_a_model_error_for_bench_and_load_compiled_too(model_folder, tmp_path):
+    """Both said TargetUnavailable (exit 1) for any job that could not be keyed: the kind is the model's."""
+    from aotbuild import ModelUnavailable, TargetUnavailable, load_compiled
+
+    (model_folder / "unet" / "config.json").write_text('{"in_channels": NaN}')
+    recipe = model_folder.parent / "r.yaml"
+    result = cli("bench", "--modes", "eager", "--cache", str(tmp_path / "cache"), str(recipe))
+    assert result.exit_code == 2 and "cannot bench" in result.stderr and "NaN is not JSON" in result.stderr
+    (model_folder / "model_index.json").write_text("[" * 100 + "]" * 100)
+    with pytest.raises(ModelUnavailable, match="nested more than 64 levels") as info:
+        load_compiled(recipe, cache=tmp_path / "cache")
+    assert not isinstance(info.value, TargetUnavailable)
+
+
 def test_a_target_not_on_this_host_is_skipped_with_exit_0_and_names_what_is_missing(tmp_path, monkeypatch):
     """A Neuron recipe on a CPU runner (no stand-in backends in this process): another host builds it."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
