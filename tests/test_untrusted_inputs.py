@@ -8,6 +8,7 @@ never shrinks a cache named on the command line, ``verify --fix`` deletes only w
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -340,3 +341,131 @@ def test_explaining_a_miss_compares_a_bounded_number_of_entries(monkeypatch):
         assert explain.explain_miss(index, "mine", "unet", manifests.factors("x")).startswith("not built")
     assert len(diffs) == 50  # one full difference per miss, against its nearest entry only
     assert len(flattened) == 50 * 3  # per miss: the job's factors, and differences' two; entries once, at the index
+
+
+# -- hostile files in a store or a repository: one line, never a traceback or a hang (aotbuild/safeio.py) ----
+
+def _invoke(*args: str):
+    """An aotbuild command in this process (click's CliRunner): (exit code, stdout, stderr); an exception
+    the command did not turn into an exit code is raised (a subprocess would print its traceback)."""
+    import signal
+
+    from click.testing import CliRunner
+
+    from aotbuild.cli import main
+
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, getattr(signal, "SIGHUP", signal.SIGTERM))}
+    try:
+        result = CliRunner().invoke(main, list(args), catch_exceptions=True)
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        raise result.exception
+    return result.exit_code, result.stdout, result.stderr
+
+
+def test_a_deeply_nested_failure_record_is_ignored_by_plan(cache):
+    from aotbuild.layout import Layout
+    from tests.conftest import TINY_RECIPE
+
+    code, out, _ = _invoke("plan", "--json", "--cache", str(cache), str(TINY_RECIPE))
+    keys = [job["key"] for job in json.loads(out)["jobs"]]
+    assert code == 0 and keys
+    deep = '{"reason": "x", "more": ' + "[" * 20_000 + "]" * 20_000 + "}"  # under the 64 KiB cap
+    for key in keys:
+        path = Layout(cache).failure(key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(deep)
+    code, out, err = _invoke("plan", "--json", "--cache", str(cache), str(TINY_RECIPE))
+    assert "Traceback" not in out + err and "RecursionError" not in out + err
+    assert code == 0 and {job["status"] for job in json.loads(out)["jobs"]} != {"failed"}  # not a failure record
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs here")
+def test_a_fifo_at_the_reclaimed_log_does_not_hang_verify(tmp_path):
+    import subprocess
+
+    from aotbuild.layout import Layout
+    from aotbuild.store import Store
+
+    store = Store(tmp_path / "root")
+    manifests.add_entry(store, tmp_path / "src", "a", {"x.so": b"kernel"})
+    log = Layout(store.root).reclaimed_log
+    log.parent.mkdir(parents=True, exist_ok=True)
+    os.mkfifo(log)
+    try:  # a hang guard, not a speed threshold: before, verify waited for a writer forever
+        proc = subprocess.run([sys.executable, "-m", "aotbuild.cli", "verify", "--json", "--cache", str(store.root)],
+                              capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired:
+        pytest.fail("verify --json hung on a FIFO at logs/reclaimed.jsonl")
+    assert "Traceback" not in proc.stderr
+    assert json.loads(proc.stdout)["notes"] == []
+
+
+def _safetensors(path: Path, header: str, data: bytes) -> Path:
+    import struct
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    raw = header.encode()
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + data)
+    return path
+
+
+def test_a_lora_file_with_a_deeply_nested_header_is_one_line(cache, tmp_path):
+    repo = tmp_path / "repo"
+    deep = '{"unet.a.lora_A.weight": {"dtype": "F32", "shape": [4, 8], "data_offsets": [0, 128]}, "x": ' \
+           + "[" * 100_000 + "]" * 100_000 + "}"
+    _safetensors(repo / "loras" / "deep" / "pytorch_lora_weights.safetensors", deep, b"\0" * 128)
+    (repo / "pyproject.toml").write_text("[project]\nname = 'x'\n")
+    (repo / "r.yaml").write_text(RECIPE.format(model="builtin:tiny-sd")
+                                 + "lora: {rank: 8, adapters: [{path: loras/deep, adapter_name: deep}]}\n")
+    code, out, err = _invoke("plan", "--cache", str(cache), str(repo / "r.yaml"))
+    assert "Traceback" not in out + err and "RecursionError" not in out + err
+    assert code == 2 and "nested more than 8 levels deep" in err
+    assert len([line for line in err.splitlines() if "safetensors" in line]) == 1
+
+
+def test_a_truncated_lora_file_is_refused_when_it_is_read(tmp_path):
+    """safetensors itself checks the header against the file it was handed: data cut short is refused
+    when the recipe is planned, not when the adapter is loaded (docs/security.md)."""
+    from aotbuild import adapters
+
+    header = '{"unet.a.lora_A.weight": {"dtype": "F32", "shape": [4, 8], "data_offsets": [0, 128]}}'
+    whole = _safetensors(tmp_path / "whole.safetensors", header, b"\0" * 128)
+    assert adapters.read(whole).rank == 4
+    cut = _safetensors(tmp_path / "cut.safetensors", header, b"\0" * 100)
+    with pytest.raises(UsageError, match="cannot read its safetensors header"):
+        adapters.read(cut)
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs here")
+def test_a_fifo_named_as_a_trusted_key_is_one_line_not_a_hang(tmp_path):
+    import threading
+
+    from aotbuild.signing import load_trusted
+
+    fifo = tmp_path / "ci.pub"
+    os.mkfifo(fifo)  # before, open() waited for a writer forever
+    done = threading.Event()
+
+    def release() -> None:  # a hang guard: a reader still blocked after 60 s gets a writer and EOF
+        if not done.wait(60):
+            with contextlib.suppress(OSError):
+                os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+
+    guard = threading.Thread(target=release, daemon=True)
+    guard.start()
+    try:
+        with pytest.raises(UsageError, match="cannot read the key"):  # not "not a key file" (read, empty)
+            load_trusted([fifo])
+    finally:
+        done.set()
+        guard.join()
+
+
+def test_a_deeply_nested_call_signature_is_a_value_error_not_a_recursion_error():
+    from aotbuild.dispatch import describe
+
+    with pytest.raises(ValueError):  # a manifest's signature may be any string of 4096 characters
+        describe("[" * 4096)
