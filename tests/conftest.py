@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+pytest_plugins = ["tests.guards"]  # a fast test that reaches Inductor's code generation fails
+
 REPO = Path(__file__).resolve().parents[1]
 TINY_RECIPE = REPO / "recipes" / "tiny_sd_cpu.yaml"
 #: recipes/tiny_sd_cpu.yaml's settings at one shape, as the dict a Python caller passes.
