@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -58,23 +59,91 @@ def run_cli(*args: str, env: dict | None = None, cwd: Path | None = None) -> sub
                           env={**os.environ, **(env or {})}, cwd=cwd or REPO)
 
 
+def invoke_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """``run_cli`` in this process (click's CliRunner), for commands whose promise is not process
+    isolation (a read-only ``show``, ``ls``, ``plan``): no fresh interpreter importing torch again.
+    The same result fields; an exception the command did not turn into an exit code is raised (a
+    subprocess would have printed its traceback). No ``cwd``: pass ``--cache``. The variables and
+    logging the command sets are undone by ``restore_process_state``; its signal handlers here."""
+    import signal
+
+    from click.testing import CliRunner
+
+    from aotbuild.cli import main
+
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, getattr(signal, "SIGHUP", signal.SIGTERM))}
+    try:
+        result = CliRunner().invoke(main, list(args), env=env, catch_exceptions=True)
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        raise result.exception
+    return subprocess.CompletedProcess(["aotbuild", *args], result.exit_code, result.stdout, result.stderr)
+
+
 def run_python(code: str, env: dict | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})}, cwd=cwd or REPO)
 
 
-#: Session fixtures that build for real (minutes): the tests using one run on one xdist worker, so
-#: each build happens once per run. A test uses at most one of them (two groups balance the workers).
-SHARED_BUILDS = ("built_cache", "strategy_build")
+#: Session fixtures that build for real (minutes). Each entry is built once per run, whichever xdist
+#: worker asks first (``once_per_run``); the tests sharing an entry are grouped on one worker so that
+#: no worker waits for another's build. A test uses at most one shared entry.
+SHARED_BUILDS = ("built_cache", "strategy_build", "aot_cache")
+
+
+def build_group(item: pytest.Item) -> str | None:
+    """The shared entry a test reads: ``tiny-sd:<strategy>`` (``built_cache`` is the jit-cache one:
+    strategy_build("jit-cache") reuses it), or None."""
+    shared = [name for name in SHARED_BUILDS if name in item.fixturenames]
+    if "aot_cache" in shared:
+        shared.remove("strategy_build")  # aot_cache is strategy_build("aot-package")
+    assert len(shared) <= 1, f"{item.nodeid} uses {shared}: one shared build per test keeps the groups apart"
+    if not shared:
+        return None
+    if shared[0] == "built_cache":
+        return "tiny-sd:jit-cache"
+    if shared[0] == "aot_cache":
+        return "tiny-sd:aot-package"
+    strategy = getattr(item, "callspec", None) and item.callspec.params.get("strategy")
+    return f"tiny-sd:{strategy}" if strategy else "tiny-sd:strategy_build"
 
 
 def pytest_collection_modifyitems(config, items):
-    """Group the tests for ``--dist=loadgroup``: those sharing a session build by that build, the rest
-    by module (module fixtures, e.g. tests/test_parallel.py's builds, are built once per worker)."""
+    """For ``--dist=loadgroup``: the tests reading one shared entry form one group (one worker builds
+    it, the others never wait for it); every other test is its own unit, so no module is pinned to one
+    worker. Slow tests are queued first: the longest work starts first, and the two workers end
+    together instead of one finishing a module of builds alone."""
     for item in items:
-        shared = [name for name in SHARED_BUILDS if name in item.fixturenames]
-        assert len(shared) <= 1, f"{item.nodeid} uses {shared}: one shared build per test keeps one build per run"
-        item.add_marker(pytest.mark.xdist_group(shared[0] if shared else item.module.__name__))
+        group = build_group(item)
+        if group:
+            item.add_marker(pytest.mark.xdist_group(group))
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable: slow first, then the rest
+
+
+def once_per_run(tmp_path_factory: pytest.TempPathFactory, name: str, build) -> Any:
+    """``build(folder)`` once per test run, across xdist workers (xdist's recipe for a session fixture:
+    a file lock in the folder the workers' temp folders share, the result kept there as JSON).
+    A failed build is kept too: the other workers fail with its message instead of building again."""
+    from filelock import FileLock
+
+    shared = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # gw0, gw1: their base temps share a parent, fresh per run
+        shared = shared.parent
+    result = shared / f"{name}.json"
+    with FileLock(str(shared / f"{name}.lock")):
+        if not result.is_file():
+            try:
+                value = {"ok": build(shared / name)}
+            except BaseException as exc:  # an assertion of the build's: recorded, then raised here
+                result.write_text(json.dumps({"error": f"{type(exc).__name__}: {exc}"}))
+                raise
+            result.write_text(json.dumps(value))
+        value = json.loads(result.read_text())
+    if "error" in value:
+        pytest.fail(f"the shared build {name} failed on another worker: {value['error'][-3000:]}")
+    return value["ok"]
 
 
 @pytest.fixture(scope="session")
@@ -89,13 +158,17 @@ def models_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def built_cache(tmp_path_factory) -> tuple[Path, dict]:
-    """The tiny recipe built once per session, for real, with the CLI: (cache root, build --json)."""
-    root = tmp_path_factory.mktemp("built-cache")
-    inductor = tmp_path_factory.mktemp("build-inductor")
-    proc = run_cli("build", "--json", "--cache", str(root), str(TINY_RECIPE),
-                   env={"TORCHINDUCTOR_CACHE_DIR": str(inductor), "AOTBUILD_CACHE": ""})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return root, json.loads(proc.stdout)
+    """The tiny recipe built once per run, for real, with the CLI: (cache root, build --json)."""
+
+    def build(folder: Path) -> list:
+        root = folder / "cache"
+        proc = run_cli("build", "--json", "--cache", str(root), str(TINY_RECIPE),
+                       env={"TORCHINDUCTOR_CACHE_DIR": str(folder / "build-inductor"), "AOTBUILD_CACHE": ""})
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return [str(root), json.loads(proc.stdout)]
+
+    root, report = once_per_run(tmp_path_factory, "built-cache", build)
+    return Path(root), report
 
 
 #: The tiny model at one shape, for any strategy: what tests/test_strategies.py holds every strategy to.
@@ -123,19 +196,45 @@ def build_strategy(strategy: str, root: Path, models_dir: Path) -> tuple[Path, P
     return recipe, root / "cache", json.loads(proc.stdout)
 
 
-_STRATEGY_BUILDS: dict[str, tuple[Path, Path, dict]] = {}
+@pytest.fixture(scope="session")
+def strategy_build(tmp_path_factory, models_dir, built_cache_lazy):
+    """``strategy_build("aot-package")``: STRATEGY_RECIPE built for that strategy, once per run.
+    jit-cache's entry is ``built_cache``'s 64x64 one (the same key: checked by a plan, else built)."""
+
+    def get(strategy: str) -> tuple[Path, Path, dict]:
+        if strategy == "jit-cache":
+            reused = _jit_cache_from_built_cache(tmp_path_factory, built_cache_lazy())
+            if reused:
+                return reused
+
+        def build(folder: Path) -> list:
+            recipe, cache, report = build_strategy(strategy, folder, models_dir)
+            return [str(recipe), str(cache), report]
+
+        recipe, cache, report = once_per_run(tmp_path_factory, f"strategy-{strategy}", build)
+        return Path(recipe), Path(cache), report
+
+    return get
 
 
 @pytest.fixture(scope="session")
-def strategy_build(tmp_path_factory, models_dir):
-    """``strategy_build("aot-package")``: STRATEGY_RECIPE built for that strategy, once per session."""
+def built_cache_lazy(request):
+    """``built_cache`` on demand: a strategy_build("aot-package") test does not build the tiny recipe."""
+    return lambda: request.getfixturevalue("built_cache")
 
-    def get(strategy: str) -> tuple[Path, Path, dict]:
-        if strategy not in _STRATEGY_BUILDS:
-            _STRATEGY_BUILDS[strategy] = build_strategy(strategy, tmp_path_factory.mktemp(strategy), models_dir)
-        return _STRATEGY_BUILDS[strategy]
 
-    return get
+def _jit_cache_from_built_cache(tmp_path_factory, built: tuple[Path, dict]) -> tuple[Path, Path, dict] | None:
+    """STRATEGY_RECIPE for jit-cache served from ``built_cache``'s root when its one job is a hit there:
+    (recipe file, that root, the build --json narrowed to that job); None if the keys ever differ."""
+    from aotbuild.planner import plan
+
+    root, report = built
+    recipe = tmp_path_factory.mktemp("jit-cache") / "tiny_sd_jit-cache.yaml"
+    recipe.write_text(STRATEGY_RECIPE.format(strategy="jit-cache"))
+    job, = plan([str(recipe)], root)
+    if job.status != "hit":
+        return None
+    return recipe, root, {**report, "jobs": [j for j in report["jobs"] if j["key"] == job.key]}
 
 
 @pytest.fixture(scope="session")

@@ -10,7 +10,7 @@ import torch
 from aotbuild import ShapeNotBuilt, load_compiled
 from aotbuild.errors import RecipeError
 from aotbuild.recipes import parse_recipe
-from tests.conftest import STRATEGY_RECIPE, run_cli
+from tests.conftest import STRATEGY_RECIPE, invoke_cli
 
 AOT_RECIPE = STRATEGY_RECIPE.format(strategy="aot-package")
 
@@ -19,7 +19,7 @@ AOT_RECIPE = STRATEGY_RECIPE.format(strategy="aot-package")
 def test_package_is_weightless_and_has_probe_files(aot_cache):
     recipe, cache, report = aot_cache
     key = report["jobs"][0]["key"]
-    manifest = json.loads(run_cli("show", "--json", "--cache", str(cache), key[:12]).stdout)
+    manifest = json.loads(invoke_cli("show", "--json", "--cache", str(cache), key[:12]).stdout)
     packages = [f for f in manifest["files"] if f["path"].startswith("aoti/")]
     assert len(packages) == 1 and len(manifest["packages"]) == 1
     params = _tiny_unet_params(cache)

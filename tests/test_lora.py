@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from aotbuild.errors import RecipeError, UsageError
-from tests.conftest import run_cli, run_python
+from tests.conftest import invoke_cli, run_cli, run_python
 
 ATTENTION = ["to_q", "to_k", "to_v", "to_out.0"]
 ADAPTERS = {"style": (4, 4, ATTENTION, 1), "other": (2, 4, ATTENTION, 2), "big": (16, 16, ATTENTION, 3),
@@ -216,7 +216,7 @@ def test_a_lora_build_serves_and_hot_swaps_with_0_compiles(loras, models_dir, tm
                     env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "build-inductor"), "AOTBUILD_CACHE": ""})
     assert build.returncode == 0, build.stdout[-2000:] + build.stderr[-3000:]
     job = json.loads(build.stdout)["jobs"][0]
-    manifest = json.loads(run_cli("show", "--json", "--cache", str(cache), job["key"][:12]).stdout)
+    manifest = json.loads(invoke_cli("show", "--json", "--cache", str(cache), job["key"][:12]).stdout)
     assert manifest["proof"]["swaps"] == 1 and manifest["proof"]["compiles"] == 0  # the proof swapped one in
     replica = tmp_path / "replica"
     shutil.move(str(cache), replica / "cache")
