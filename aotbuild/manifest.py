@@ -64,11 +64,15 @@ class Proof:
     calls: int = 0  # component calls compared
     counter: str = ""  # what "compiles" counted (e.g. "fx graph cache misses")
     swaps: int = 0  # adapters hot-swapped in and served too (lora)
+    #: what serving did beyond the verdict (aotbuild/proof.py, ``served``): hits, compiler counts,
+    #: dispatcher calls, swaps and rebinds, the strict-shape refusal; {} for entries proven before
+    served: Mapping[str, Any] = field(default_factory=dict)
 
     def as_json(self) -> dict[str, Any]:
         return {"load_s": self.load_s, "compiles": self.compiles, "max_abs_diff": self.max_abs_diff,
                 "tolerance": self.tolerance, "instances": self.instances, "calls": self.calls,
-                "counter": self.counter, **({"swaps": self.swaps} if self.swaps else {})}
+                "counter": self.counter, **({"swaps": self.swaps} if self.swaps else {}),
+                **({"served": _plain(self.served)} if self.served else {})}
 
 
 @dataclass(frozen=True)
@@ -380,7 +384,8 @@ class _Checker:
                      instances=self.integer(value.get("instances"), "proof.instances"),
                      calls=self.integer(value.get("calls", 0), "proof.calls"),
                      counter=str(value.get("counter", ""))[:200],
-                     swaps=self.integer(value.get("swaps", 0), "proof.swaps"))
+                     swaps=self.integer(value.get("swaps", 0), "proof.swaps"),
+                     served=self.obj(value.get("served", {}), "proof.served"))
 
     def pack(self, value: Any) -> dict[str, Any]:
         value = self.obj(value, "pack")

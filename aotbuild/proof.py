@@ -18,7 +18,11 @@ folder (the target's ``capture_env``) and another working directory. That proces
    Dynamo graphs traced plus the target's count).
 
 Any compile, any difference above the dtype's tolerance, or any error fails the job with the reason
-and the fix, and nothing is stored. What it measured is the manifest's ``proof``.
+and the fix, and nothing is stored. What it measured is the manifest's ``proof``; its ``served``
+section keeps what a replica would see beyond the verdict (:func:`served`): the load's hits, Dynamo
+graphs and FX graph cache counts, each dispatcher's calls, the packages' weight swaps and rebinds,
+the offload hook, and the refusal of a call at a shape the entry was not built for. The tests read
+those instead of serving every entry a second time (issue 30, item 4).
 """
 
 from __future__ import annotations
@@ -145,6 +149,7 @@ def serve(spec: dict[str, Any]) -> dict[str, Any]:
     #    compile while it loads (an aot-compile function rebuilds missing kernels then).
     counter_name, count = ctx.strategy.compile_counter(ctx.target)
     before = count()
+    seen = _compiler_counts()
     t0 = time.perf_counter()
     load_compiled(recipe, pipe, cache=spec["store"], on_miss="error", strict_shapes=True)
 
@@ -159,9 +164,68 @@ def serve(spec: dict[str, Any]) -> dict[str, Any]:
                                adapter_name=recipe.lora.adapters[0].adapter_name)  # the guard load_compiled put
         worst = max(worst, _replay(module, component, swapped_calls, lambda: None))
         swaps = 1
-    return {"compiles": int(count() - before), "counter": counter_name, "max_abs_diff": worst,
+    compiles = int(count() - before)
+    record = served(pipe, module, seen)
+    # 5. A call at a shape this entry was not built for is refused (strict_shapes), never compiled.
+    record["strict"] = _strict_refusal(pipe, recipe, shape, ctx)
+    return {"compiles": compiles, "counter": counter_name, "max_abs_diff": worst,
             "tolerance": tolerance(ctx.dtype), "instances": len(expected), "calls": len(calls),
-            "load_s": round(t_first[0] if t_first else 0.0, 3), "swaps": swaps}
+            "load_s": round(t_first[0] if t_first else 0.0, 3), "swaps": swaps, "served": record}
+
+
+def _compiler_counts() -> dict[str, int]:
+    """Dynamo's graphs and Inductor's FX graph cache hits and misses so far in this process."""
+    from torch._dynamo.utils import counters
+
+    return {"dynamo_graphs": int(counters["stats"].get("unique_graphs", 0)),
+            "fxgraph_cache_hit": int(counters["inductor"].get("fxgraph_cache_hit", 0)),
+            "fxgraph_cache_miss": int(counters["inductor"].get("fxgraph_cache_miss", 0))}
+
+
+def served(pipe: Any, module: Any, before: dict[str, int]) -> dict[str, Any]:
+    """What serving the loaded entry did, counted since ``before`` (:func:`_compiler_counts`): the
+    load's hits and misses, this process's rank and tensor-parallel degree, the compiler's counts,
+    every dispatcher's calls ("" for the component, a block's name for regional scope), the weight
+    swaps and rebinds of aot-package runners, and the type of the offload hook on the component
+    ("NoneType" without offload)."""
+    from aotbuild.dispatch import Dispatcher
+
+    now = _compiler_counts()
+    dispatchers = {name: m.forward for name, m in module.named_modules()
+                   if isinstance(vars(m).get("forward"), Dispatcher)}
+    runners = [getattr(route, "runner", None) for d in dispatchers.values() for route in d.routes.values()]
+    report = pipe.aotbuild_report
+    return {"hits": len(report.hits), "misses": len(report.misses), "rank": report.rank, "tensor": report.tensor,
+            **{name: now[name] - before[name] for name in now},
+            "dispatch": {name: dict(d.calls) for name, d in dispatchers.items()},
+            "package_swaps": sum(getattr(r, "swaps", 0) for r in runners),
+            "rebinds": sum(getattr(r, "rebinds", 0) for r in runners),
+            "offload_hook": type(getattr(module, "_hf_hook", None)).__name__}
+
+
+def strict_shape(shape: Any) -> Any:
+    """A shape no job of the entry's recipe needs: half the height (a multiple of 8 where the built
+    one is a multiple of 16), the same width, frames and batch. The proof's store holds this job's
+    entry only, so any other shape is one it was not built for."""
+    return replace(shape, height=shape.height // 2)
+
+
+def _strict_refusal(pipe: Any, recipe: Any, shape: Any, ctx: Any) -> str:
+    """The pipeline called at :func:`strict_shape`: the ShapeNotBuilt message that refused it, or
+    what happened instead (``"not refused: ..."``). Skipped for tensor-parallel ranks (a refusal on
+    one rank and not the other would leave a collective waiting)."""
+    from aotbuild import pipecall
+    from aotbuild.errors import ShapeNotBuilt
+
+    if recipe.tensor_parallel > 1:
+        return "not tried: tensor parallel"
+    try:
+        pipe(**pipecall.warmup_kwargs(recipe, strict_shape(shape), pipe, defaults=ctx.target.warmup_defaults))
+    except ShapeNotBuilt as exc:
+        return str(exc)[:2000]
+    except Exception as exc:  # the pipeline refused the shape itself: recorded, not a failed proof
+        return f"not refused: {type(exc).__name__}: {exc}"[:2000]
+    return "not refused: the call ran"
 
 
 def _replay(module: Any, component: str, calls: list[tuple[Any, Any, list[Any]]], first: Any) -> float:
@@ -232,7 +296,7 @@ def verdict(result: dict[str, Any], label: str) -> Any:
     proof = Proof(load_s=float(result["load_s"]), compiles=int(result["compiles"]),
                   max_abs_diff=float(result["max_abs_diff"]), tolerance=float(result["tolerance"]),
                   instances=int(result["instances"]), calls=int(result["calls"]), counter=str(result["counter"]),
-                  swaps=int(result.get("swaps", 0)))
+                  swaps=int(result.get("swaps", 0)), served=dict(result.get("served", {})))
     if proof.compiles:
         raise ProofFailed(f"a fresh process loading the entry compiled {proof.compiles} time(s) "
                           f"({proof.counter}) for {label}: the artifacts do not cover every call, so nothing was "

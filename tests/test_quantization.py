@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import json
 import shutil
-import textwrap
 
 import pytest
 
 from aotbuild.errors import RecipeError
-from tests.conftest import run_cli, run_python
+from tests.conftest import invoke_cli, run_cli
 
 QUANTIZED = {"model": {"id": "builtin:tiny-sd", "dtype": "float32",
                        "quantization": {"backend": "torchao", "quant_type": "int8wo"}},
@@ -77,43 +76,11 @@ def test_without_torchao_the_error_says_how_to_install_it(monkeypatch):
         quantize.require()
 
 
-SERVE = textwrap.dedent("""
-    import json, sys
-    from aotbuild import load_compiled
-    from aotbuild.recipes import load_recipe
-    from aotbuild.context import job_pipeline
-    from aotbuild.pipecall import warmup_kwargs
-    from aotbuild.strategies import get_strategy
-    from aotbuild.targets import get_target
-    from torch._dynamo.utils import counters
-
-    r = load_recipe(sys.argv[1])
-    cache = sys.argv[2]
-
-    def outputs(pipe):
-        seen = []
-        h = pipe.unet.register_forward_hook(lambda m, a, o: seen.append(o[0].detach().clone()))
-        pipe(**warmup_kwargs(r, r.shapes[0], pipe), output_type="pt")
-        h.remove()
-        return seen
-
-    name, count = get_strategy(r.strategy).compile_counter(get_target(r.target))
-    before = count()
-    pipe = load_compiled(r, cache=cache, on_miss="error", strict_shapes=True)
-    served = outputs(pipe)
-    compiles = count() - before
-    _, eager = job_pipeline(r, __import__("pathlib").Path(cache))  # quantized eagerly, the same way
-    expected = outputs(eager)
-    print("RESULT " + json.dumps({"hits": len(pipe.aotbuild_report.hits), "compiles": compiles,
-                                  "fx_miss": counters["inductor"]["fxgraph_cache_miss"],
-                                  "weight": type(pipe.unet.get_submodule(
-                                      "down_blocks.0.attentions.0.transformer_blocks.0.attn1.to_q").weight).__name__,
-                                  "diff": max(float((a - b).abs().max()) for a, b in zip(served, expected))}))
-""")
-
-
-@pytest.mark.slow  # one real compile of the int8 UNet and its proof, then a fresh replica
+@pytest.mark.slow  # one real compile of the int8 UNet and its proof
 def test_an_int8_weight_only_build_serves_with_0_compiles_equal_to_eager_quantized(models_dir, tmp_path):
+    """The build's proof is the replica (aotbuild/proof.py): a fresh process, every compiler folder
+    empty, quantizes the pipeline as the recipe says, loads the entry from another store and replays
+    every call; what it saw is the entry's ``proof.served`` (issue 30, item 4: no second serve here)."""
     recipe = tmp_path / "tiny_sd_int8wo.yaml"
     recipe.write_text(json.dumps(QUANTIZED))
     cache = tmp_path / "cache"
@@ -121,17 +88,15 @@ def test_an_int8_weight_only_build_serves_with_0_compiles_equal_to_eager_quantiz
     build = run_cli("build", "--json", "--cache", str(cache), str(recipe),
                     env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "build-inductor"), "AOTBUILD_CACHE": ""})
     assert build.returncode == 0, build.stdout[-3000:]
-    assert json.loads(build.stdout)["jobs"][0]["status"] == "built"
-    replica = tmp_path / "replica"
-    shutil.move(str(cache), replica / "cache")
-    script = tmp_path / "serve.py"
-    script.write_text(SERVE)
-    (tmp_path / "elsewhere").mkdir()
-    proc = run_python(f"import runpy, sys; sys.argv = ['s', {str(recipe)!r}, {str(replica / 'cache')!r}]; "
-                      f"runpy.run_path({str(script)!r}, run_name='__main__')",
-                      env={"TORCHINDUCTOR_CACHE_DIR": str(replica / "empty-inductor"), "AOTBUILD_CACHE": ""},
-                      cwd=tmp_path / "elsewhere")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))[7:])
-    assert result["hits"] == 1 and result["compiles"] == 0 and result["fx_miss"] == 0, result
-    assert result["weight"] == "Int8Tensor" and result["diff"] <= 1e-5, result
+    job = json.loads(build.stdout)["jobs"][0]
+    assert job["status"] == "built"
+    manifest = json.loads(invoke_cli("show", "--json", "--cache", str(cache), job["key"][:12]).stdout)
+    proof, served = manifest["proof"], manifest["proof"]["served"]
+    # equal to eager quantized the same way (the proof's own pipeline), with 0 compiles and no FX graph miss
+    assert proof["compiles"] == 0 and proof["max_abs_diff"] <= 1e-5 and proof["calls"] >= 1, proof
+    assert served["hits"] == 1 and served["fxgraph_cache_miss"] == 0 and served["fxgraph_cache_hit"] >= 1, served
+    assert served["dispatch"] == {"": {"built": proof["calls"], "unbuilt": 0}}, served
+    # served with int8 weights: the entry's structure (checked before its load was a hit) names their class
+    to_q = "down_blocks.0.attentions.0.transformer_blocks.0.attn1.to_q.weight: param "
+    line, = (x for x in manifest["structure"]["lines"] if x.startswith(to_q))
+    assert line[len(to_q):].split()[0].endswith(".Int8Tensor"), line

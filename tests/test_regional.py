@@ -336,7 +336,7 @@ def _build_and_load_fresh(tmp_path, recipe_text: str) -> tuple[dict, dict]:
     entry's manifest, what tests/serving.py measured)."""
     import json
 
-    from tests.conftest import run_cli
+    from tests.conftest import invoke_cli, run_cli
     from tests.serving import serve_fresh
 
     recipes = tmp_path / "recipes"
@@ -346,9 +346,9 @@ def _build_and_load_fresh(tmp_path, recipe_text: str) -> tuple[dict, dict]:
     cache = tmp_path / "cache"
     proc = run_cli("build", "--json", "--cache", str(cache), str(recipe),
                    env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "build-inductor")})
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     key = json.loads(proc.stdout)["jobs"][0]["key"]
-    manifest = json.loads(run_cli("show", "--json", "--cache", str(cache), key[:12]).stdout)
+    manifest = json.loads(invoke_cli("show", "--json", "--cache", str(cache), key[:12]).stdout)
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     return manifest, serve_fresh(recipe, cache, tmp_path, component="transformer", cwd=elsewhere)
