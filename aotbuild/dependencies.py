@@ -93,9 +93,7 @@ def _attribute(name: str, value: Any) -> str | None:
         hooks = getattr(value, "hooks", {})
         return "hooks " + ", ".join(f"{k}={type(h).__qualname__}" for k, h in sorted(hooks.items()))
     if callable(value) and not isinstance(value, type):
-        from aotbuild.dispatch import Dispatcher
-
-        if isinstance(value, Dispatcher):
+        if getattr(type(value), "aotbuild_wrapper", False):  # aotbuild's dispatcher: around the graph
             return None
         return _callable_name(value)
     return None

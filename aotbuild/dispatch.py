@@ -78,6 +78,9 @@ class Dispatcher:
     ``"error"`` (raise ``ShapeNotBuilt``).
     """
 
+    #: what aotbuild/dependencies.py leaves out of a module's snapshot: it wraps the graph, it is not in it
+    aotbuild_wrapper = True
+
     def __init__(self, component: str, eager: Callable[..., Any], routes: dict[str, Callable[..., Any]],
                  fallback: Callable[..., Any] | None, on_unbuilt: str,
                  on_record: Callable[[str, tuple[Any, ...], dict[str, Any]], None] | None = None):
