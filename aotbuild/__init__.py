@@ -36,13 +36,14 @@ _LAZY = {
     "parse_recipe": "aotbuild.recipes",
     "push": "aotbuild.sync",
     "pull": "aotbuild.sync",
+    "sign": "aotbuild.sync",
     "parse_remote": "aotbuild.remote",
 }
 
 __all__ = ["AotbuildError", "CacheMiss", "ModelUnavailable", "PackageMismatch",
            "RecipeError", "RemoteError", "ShapeNotBuilt", "StaleGraph", "StoreError",
            "TargetUnavailable", "UsageError", "__version__", "load_compiled", "LoadReport", "build", "plan",
-           "load_recipe", "parse_recipe", "Recipe", "push", "pull", "parse_remote"]
+           "load_recipe", "parse_recipe", "Recipe", "push", "pull", "sign", "parse_remote"]
 
 if TYPE_CHECKING:
     from aotbuild.builder import build
@@ -51,7 +52,7 @@ if TYPE_CHECKING:
     from aotbuild.recipes import load_recipe, parse_recipe
     from aotbuild.remote import parse_remote
     from aotbuild.runtime import LoadReport, load_compiled
-    from aotbuild.sync import pull, push
+    from aotbuild.sync import pull, push, sign
 
 
 def __getattr__(name: str) -> Any:

@@ -232,10 +232,11 @@ def build(recipes: Recipes, cache: str | Path | None = None, *,
                                max_size=max_size, sign_key=sign_key, retry_failed=retry_failed)
     root, origin = cache_root_origin(cache)
     store = checked_store(root)
+    own: dict[str, bytes] = {}
     if sign_key is not None:  # a bad key fails now, not after an hour of compiling
-        from aotbuild.signing import load_private
+        from aotbuild.signing import public_of
 
-        load_private(sign_key)
+        own = public_of(sign_key)
     # pyproject.toml's max_size applies only to the cache it names itself (a pull request writes it).
     limit = max_size if max_size is not None else resolve_max_size(project=origin == FROM_PROJECT)
     jobs = plan(recipes, root, signatures=False)  # a builder makes entries: whom serving trusts is not its say
@@ -246,12 +247,22 @@ def build(recipes: Recipes, cache: str | Path | None = None, *,
             entry, why = store.open_entry(job.key)
             if entry is None:
                 jobs[i] = replace(job, status=MISS, reason=f"rebuilt: {why}")
+            elif own and _not_signed_by(entry.manifest, own):
+                # A signature says "built and proven here": an entry this key did not sign was found, not
+                # built, so it is built again (and signed), never signed as it is.
+                jobs[i] = replace(job, status=MISS, reason=f"rebuilt: {_not_signed_by(entry.manifest, own)}")
     # The one rule for failures: a job (a tensor-parallel job: any of its ranks) that failed before is
     # not built again until retry_failed; its result keeps the build failed (exit 1), never "skipped".
     known = {} if retry_failed else {j.group: j.reason for j in jobs if j.status == FAILED_BEFORE}
     _whole_groups(jobs, known)
     on_remote = remote.keys() if remote is not None and any(j.status in (MISS, FAILED_BEFORE) for j in jobs) \
         else set()
+    if own and on_remote:  # a remote entry this key did not sign is absent to a signed build (it builds its own)
+        from aotbuild.remote import untrusted_on_remote
+
+        wanted = sorted({k for j in jobs if j.status in (MISS, FAILED_BEFORE) and j.key
+                         for k in (j.siblings or (j.key,)) if k in on_remote})
+        on_remote -= set(untrusted_on_remote(remote, wanted, own)) if remote is not None else set()
     # A tensor-parallel job is on the remote only when every rank's entry is.
     on_remote -= {j.key for j in jobs if j.siblings and not set(j.siblings) <= on_remote}
     results: dict[int, JobResult] = {}
@@ -259,8 +270,6 @@ def build(recipes: Recipes, cache: str | Path | None = None, *,
         if job.status == HIT:
             assert job.key is not None
             store.touch(job.key)
-            if sign_key is not None:
-                _sign_cached(store, job.key, sign_key)
             results[i] = JobResult(job, CACHED, size=_entry_size(store, job.key))
         elif job.status == UNAVAILABLE:  # skipped only when another host can build it
             results[i] = JobResult(job, SKIPPED if job.cause is Unavailable.TARGET else FAILED, reason=job.reason)
@@ -357,19 +366,12 @@ def _whole_groups(jobs: list[Job], known: dict[str | None, str]) -> None:
             jobs[i] = replace(job, status=MISS, reason="rebuilt with the other ranks of its job")
 
 
-def _sign_cached(store: Store, key: str, sign_key: str | Path) -> None:
-    """A cached entry this key has not signed gets its signature (``build --sign-key`` signs every
-    entry of its jobs, so a store served directly is signed as a pushed one is)."""
-    from aotbuild.signing import load_private, sign
+def _not_signed_by(manifest: Any, own: dict[str, bytes]) -> str:
+    """Why ``manifest`` carries no valid signature by the signing key ``own`` ("" when it does)."""
+    from aotbuild.signing import check
 
-    manifest = store.read_manifest(key)
-    if manifest is None or any(s["key"] == load_private(sign_key)[0] for s in manifest.signed_by):
-        return
-    try:
-        with store_lock(store.root, exclusive=False):  # gc cannot take its blobs meanwhile
-            store.put_manifest(sign(manifest, sign_key))
-    except (OSError, StoreError):
-        pass  # a read-only store: push --sign-key still signs what it sends
+    why = check(manifest, own)
+    return f"found in the cache, not signed by {next(iter(own))} ({why.split(':')[0].split(';')[0]})" if why else ""
 
 
 def _build_once(store: Store, job: Job, tick: Tick | None, limit: int | None,

@@ -159,14 +159,17 @@ def remote_option(help_text: str, name: str = "--remote") -> Callable[..., Any]:
 
 
 sign_option = click.option("--sign-key", "sign_key", metavar="NAME.key", type=click.Path(dir_okay=False),
-                           help="Sign each entry with this private key (aotbuild keygen NAME makes one).")
+                           help="Sign each entry this build produces and proves with this private key (aotbuild "
+                                "keygen NAME makes one); an entry found in the cache unsigned by it is rebuilt.")
 trusted_option = click.option("--trusted-keys", "trusted_keys", metavar="A.pub,B.pub",
                               help="Accept only entries signed by one of these public keys (default: "
-                                   "AOTBUILD_TRUSTED_KEYS).")
+                                   "AOTBUILD_TRUSTED_KEYS; `none`: verify nothing, on purpose).")
 
 
 def _keys(text: str | None) -> list[str] | None:
-    return [p.strip() for p in text.split(",") if p.strip()] if text else None
+    """The paths of ``--trusted-keys``; None when it is not given. Given but empty is [], which
+    signing.trusted_from_env refuses (fail closed), never "not given"."""
+    return None if text is None else [p.strip() for p in text.split(",")]
 
 
 def _remote(url: str | None, required: bool = False) -> Any:
@@ -246,11 +249,14 @@ def build(recipes: tuple[str, ...], cache: str | None, as_json: bool, shard: str
                        shard=parse_shard(shard) if shard else None, remote=target, retry_failed=retry_failed)
     pushed = None
     if target is not None:
+        from aotbuild.signing import public_of
         from aotbuild.sync import push
 
         keys = [r.job.key for r in report.results if r.status in (BUILT, CACHED) and r.job.key]
+        # Nothing is signed on the way out; with --sign-key, a remote entry that key did not sign gives
+        # way to this build's own (signed) one.
         pushed = push(keys, target, cache, progress=None if as_json else _push_progress(),
-                      sign_key=sign_key) if keys else None
+                      trusted=public_of(sign_key) if sign_key else None) if keys else None
     if as_json:
         _emit_json({**report.as_json(), **({"push": pushed.as_json()} if pushed else {})})
     else:
@@ -272,13 +278,17 @@ def _push_progress() -> Callable[[str], None]:
 @remote_option("Remote to push to: file:///shared/folder, hf://owner/repo[@rev], hf://datasets/owner/repo.")
 @cache_option
 @json_option
-@sign_option
+@trusted_option
+@click.option("--sign-key", "sign_key", hidden=True, help="Removed: see `aotbuild sign`.")
 @command
-def push(items: tuple[str, ...], remote: str | None, cache: str | None, as_json: bool, sign_key: str | None) -> int:
+def push(items: tuple[str, ...], remote: str | None, cache: str | None, as_json: bool, trusted_keys: str | None,
+         sign_key: str | None) -> int:
     """Send cache entries to a remote: KEYS (hex prefixes, 8+ characters) or RECIPES; none = all.
 
     Only what the remote lacks is sent, blobs before manifests. Entries are hash-checked first:
-    a corrupt one is named and not pushed (exit 1).
+    a corrupt one is named and not pushed (exit 1). A push never signs (`aotbuild sign` does, knowingly);
+    with trusted keys, an entry on the remote that none of them signed is replaced by a pushed one that
+    one of them did, and one they signed is never overwritten.
 
     \b
     Examples:
@@ -286,10 +296,15 @@ def push(items: tuple[str, ...], remote: str | None, cache: str | None, as_json:
       aotbuild push 3f1c9a0b --remote hf://datasets/my-org/aot-cache
     """
 
+    from aotbuild.errors import UsageError
+    from aotbuild.signing import trusted_from_env
     from aotbuild.sync import push as run_push
 
-    report = run_push(list(items), _remote(remote, required=True), cache, sign_key=sign_key,
-                      progress=None if as_json else _push_progress())
+    if sign_key is not None:
+        raise UsageError("push --sign-key was removed: a push never signs. `aotbuild sign KEYS... --sign-key "
+                         "NAME.key` signs local entries you vouch for (docs/security.md), then push them")
+    report = run_push(list(items), _remote(remote, required=True), cache,
+                      trusted=trusted_from_env(_keys(trusted_keys)), progress=None if as_json else _push_progress())
     if as_json:
         _emit_json(report.as_json())
     else:
@@ -400,9 +415,17 @@ def plan(recipes: tuple[str, ...], cache: str | None, as_json: bool, fail_on_mis
         jobs = shard_jobs(jobs, *parse_shard(shard))
     target = _remote(remote)
     if target is not None and any(j.status in (MISS, FAILED_BEFORE) for j in jobs):
+        from aotbuild.remote import untrusted_on_remote
+        from aotbuild.signing import trusted_from_env
+
         there = target.keys()
-        jobs = [replace(j, status=REMOTE, reason=f"on {target.url}")
-                if j.status in (MISS, FAILED_BEFORE) and j.key in there else j for j in jobs]
+        needed = [j.key for j in jobs if j.status in (MISS, FAILED_BEFORE) and j.key in there]
+        trusted = trusted_from_env(_keys(trusted_keys))
+        # With trusted keys, a remote entry counts only when a trusted key signed it: its manifest is read
+        # (bounded; no blob is fetched), so the --fail-on-miss gate means what a serving machine will load.
+        refused = untrusted_on_remote(target, needed, trusted) if trusted is not None else {}
+        jobs = [replace(j, reason=f"on {target.url} but refused there: {refused[j.key]}") if j.key in refused
+                else replace(j, status=REMOTE, reason=f"on {target.url}") if j.key in needed else j for j in jobs]
     if as_json:
         _emit_json({"cache": str(resolve_cache_root(cache)), "remote": target.url if target else None,
                     "jobs": [j.as_json() for j in jobs]})
@@ -575,27 +598,77 @@ def show(key: str, cache: str | None, as_json: bool) -> int:
     for path, value in flatten(dict(manifest.factors)).items():
         _echo(f"  {_line(path)} = {json.dumps(value)}")
     _echo(f"signatures: {len(manifest.signatures)} call signature(s) built")
-    _echo(f"signed by:  {', '.join(_line(s['key']) for s in manifest.signed_by) or 'nobody (unsigned)'}")
+    _echo(f"signed by:  {_signed_text(manifest)}")
+    return EXIT_OK
+
+
+def _signed_text(manifest: Any) -> str:
+    """Each key that signed, and (with trusted keys set) which trusted key's signature verifies."""
+    from aotbuild.signing import signer, trusted_from_env
+
+    names = ", ".join(_line(s["key"]) for s in manifest.signed_by) or "nobody (unsigned)"
+    trusted = trusted_from_env() if manifest.signed_by else None
+    if trusted is None:
+        return names
+    who = signer(manifest, trusted)
+    return f"{names} ({f'verified: trusted key {_line(who)}' if who else 'no trusted key signature verifies'})"
+
+
+@main.command()
+@click.argument("items", nargs=-1, required=True)
+@click.option("--sign-key", "sign_key", metavar="NAME.key", type=click.Path(dir_okay=False), required=True,
+              help="The private key to sign with.")
+@cache_option
+@json_option
+@command
+def sign(items: tuple[str, ...], sign_key: str, cache: str | None, as_json: bool) -> int:
+    """Sign local entries you VOUCH for: KEYS (hex prefixes, 8+ characters) or RECIPES (their cached jobs).
+
+    A signature tells every machine that trusts the key "load this": `build --sign-key` gives it only
+    to what that build compiled and proved. This command gives it to entries found in a cache (pulled,
+    restored, copied), so use it only for entries whose origin you know (docs/security.md). Each is
+    hash-checked first; nothing is signed when one is damaged or missing.
+
+    \b
+    Example:
+      aotbuild sign 3f1c9a0b 77d0e2aa --sign-key keys/ci.key
+    """
+
+    from aotbuild.sync import sign as run_sign
+
+    signed = run_sign(list(items), sign_key, cache)
+    if as_json:
+        _emit_json({"signed": signed})
+    else:
+        _echo(f"signed {len(signed)} entries" + "".join(f"\n  {k[:12]}" for k in signed))
     return EXIT_OK
 
 
 @main.command()
 @click.argument("name")
+@click.option("--convert", is_flag=True, help="NAME is an old-format key file (NAME:base64): rewrite it in the "
+                                              "new format, in place (.key private, .pub public).")
 @command
-def keygen(name: str) -> int:
-    """Write an Ed25519 key pair: NAME.key (private, mode 0600) and NAME.pub, each one line NAME:base64.
+def keygen(name: str, convert: bool) -> int:
+    """Write an Ed25519 key pair: NAME.key (private, mode 0600) and NAME.pub, each one line
+    `aotbuild-ed25519-private-v1 NAME BASE64` / `aotbuild-ed25519-public-v1 NAME BASE64`.
 
-    Sign with `build --sign-key NAME.key` or `push --sign-key NAME.key`; serving machines trust the
-    public key (`AOTBUILD_TRUSTED_KEYS=NAME.pub`). NAME may include a folder; existing files are
-    never overwritten.
+    Sign with `build --sign-key NAME.key`; serving machines trust the public key
+    (`AOTBUILD_TRUSTED_KEYS=NAME.pub`). NAME may include a folder; existing files are never
+    overwritten, except by --convert.
 
     \b
-    Example:
+    Examples:
       aotbuild keygen keys/ci-2026
+      aotbuild keygen --convert keys/ci.key
     """
 
+    from aotbuild.signing import convert as run_convert
     from aotbuild.signing import keygen as run_keygen
 
+    if convert:
+        _echo(f"converted {run_convert(name)} to the new key format (signatures it made stay valid)")
+        return EXIT_OK
     private, public = run_keygen(name)
     _echo(f"private key: {private} (keep it secret: a CI secret)\npublic key:  {public} (trust it where you serve)")
     return EXIT_OK
@@ -634,7 +707,8 @@ def verify(cache: str | None, as_json: bool, fix: bool, trusted_keys: str | None
         from aotbuild.journal import notes
 
         _emit_json({"cache": str(store.root), "fixed": fix, "problems": [p.as_json() for p in problems],
-                    "remaining": [p.as_json() for p in remain], "notes": notes(store)})
+                    "remaining": [p.as_json() for p in remain], "notes": notes(store),
+                    **({"signed_by": _signers(store)} if store.trusted is not None else {})})
     else:
         for p in problems:
             key = f" (entry {p.key[:12]})" if p.key else ""
@@ -651,9 +725,27 @@ def verify(cache: str | None, as_json: bool, fix: bool, trusted_keys: str | None
                 if repairs else []
         summary += [_left_for_owners(owners)] if owners else []
         _echo("; ".join(summary))
+        if store.trusted is not None:  # rotation: which trusted key vouches for how many entries
+            _echo(_signers_text(store))
     # A finding --fix never removes keeps the exit at 1 too: the store holds something aotbuild cannot
     # vouch for (a file it did not write, an entry nobody trusted signed, a manifest it cannot read).
     return EXIT_FAILED if remain else EXIT_OK
+
+
+def _signers(store: Any) -> dict[str, str]:
+    """key -> the trusted key whose signature on its entry verifies ("" for none)."""
+    from aotbuild.signing import signer
+
+    return {m.key: signer(m, store.trusted) for m in store.iter_manifests()}
+
+
+def _signers_text(store: Any) -> str:
+    from collections import Counter
+
+    counts = Counter(_signers(store).values())
+    by = ", ".join(f"{_line(name)} {n}" for name, n in sorted(counts.items()) if name)
+    return (f"{sum(n for name, n in counts.items() if name)} entries signed by a trusted key: {by or 'none'}"
+            + (f"; {counts['']} by none" if counts[""] else ""))
 
 
 def _left_for_owners(problems: list) -> str:

@@ -36,7 +36,8 @@ FIXABLE = frozenset({CORRUPT, MISSING, MALFORMED, ORPHAN, TEMP})
 #: What the owner of a finding ``--fix`` leaves does about it.
 OWNER_ACTION = {UNREADABLE: "its owner fixes its permissions",
                 FOREIGN: "aotbuild did not write it: its owner removes it, or points the cache elsewhere",
-                UNTRUSTED: "no trusted key signed it: sign it (push --sign-key) or remove it (aotbuild rm KEY)"}
+                UNTRUSTED: "no trusted key signed it: rebuild it with `build --sign-key`, vouch for it with "
+                           "`aotbuild sign` (docs/security.md), or remove it (aotbuild rm KEY)"}
 
 
 @dataclass

@@ -52,6 +52,8 @@ class PushResult:
     sent: list[str] = field(default_factory=list)  # keys whose entry the remote did not have
     present: list[str] = field(default_factory=list)  # keys the remote already had
     signed: list[str] = field(default_factory=list)  # of those, the ones given a pushed signature
+    #: of ``sent``, the keys whose manifest there no trusted key signed, replaced by one a trusted key did
+    superseded: list[str] = field(default_factory=list)
     bytes_sent: int = 0
 
 
@@ -68,11 +70,32 @@ class Remote:
         """Copy the entry ``key`` into ``store``, verified. "" when pulled, else why not."""
         raise NotImplementedError
 
-    def push(self, entries: list[Entry], progress: Callable[[str], None] | None = None,
-             workdir: Path | None = None) -> PushResult:
-        """Send every entry the remote lacks: blobs (or packs) first, manifests last. ``workdir``:
-        where a remote that packs entries may stage them (the local store's ``tmp/``)."""
+    def read_manifest(self, key: str) -> Manifest | None:
+        """The remote's manifest of ``key`` (one bounded read, nothing else is fetched); None when it is
+        not there or cannot be read as a manifest (malformed, stale): either way, not an entry."""
         raise NotImplementedError
+
+    def push(self, entries: list[Entry], progress: Callable[[str], None] | None = None,
+             workdir: Path | None = None, trusted: dict[str, bytes] | None = None) -> PushResult:
+        """Send every entry the remote lacks: blobs (or packs) first, manifests last. ``workdir``:
+        where a remote that packs entries may stage them (the local store's ``tmp/``). With
+        ``trusted`` keys, a remote manifest none of them signed is replaced by a pushed one that one
+        of them did (signing.supersedes); one they signed is never overwritten."""
+        raise NotImplementedError
+
+
+def untrusted_on_remote(remote: Remote, keys: list[str], trusted: dict[str, bytes]) -> dict[str, str]:
+    """key -> why the remote's entry of it is not one a trusted key signed, for each of ``keys`` (the
+    remote's manifests only, each read bounded; no blob or pack is fetched)."""
+    from aotbuild.signing import check
+
+    out = {}
+    for key in keys:
+        manifest = remote.read_manifest(key)
+        why = "its manifest there cannot be read" if manifest is None else check(manifest, trusted)
+        if why:
+            out[key] = why
+    return out
 
 
 def parse_remote(url: str) -> Remote:
@@ -180,22 +203,32 @@ class FolderRemote(Remote):
 
         return _ingest(store, key, manifest, blobs)
 
+    def read_manifest(self, key: str) -> Manifest | None:
+        self._check_root()
+        return self.store.read_manifest(key)
+
     def push(self, entries: list[Entry], progress: Callable[[str], None] | None = None,
-             workdir: Path | None = None) -> PushResult:
+             workdir: Path | None = None, trusted: dict[str, bytes] | None = None) -> PushResult:
         result = PushResult()
         if not self.store.root.parent.is_dir():  # never create a whole tree from a typo
             raise RemoteError(f"{self.url}: {self.store.root.parent} does not exist (not mounted?); create the "
                               "remote folder's parent first")
         try:
             with store_lock(self.store.root, exclusive=False):  # the folder may be gc'd as a --cache
-                self._push(entries, result, progress)
+                self._push(entries, result, progress, trusted or {})
         except OSError as exc:
             raise RemoteError(f"cannot write to {self.url}: {exc}") from None
         return result
 
-    def _push(self, entries: list[Entry], result: PushResult, progress: Callable[[str], None] | None) -> None:
+    def _push(self, entries: list[Entry], result: PushResult, progress: Callable[[str], None] | None,
+              trusted: dict[str, bytes]) -> None:
+        from aotbuild.signing import supersedes
+
         for entry in entries:
-            if self.store.check_entry(entry.key)[0]:
+            there = self.store.check_entry(entry.key)[0]
+            if there and trusted and supersedes(entry.manifest, self.store.read_manifest(entry.key), trusted):
+                result.superseded.append(entry.key)
+            elif there:
                 result.present.append(entry.key)
                 if self._add_signatures(entry.manifest):
                     result.signed.append(entry.key)
@@ -344,17 +377,20 @@ class HubRemote(Remote):
         except errors.EntryNotFoundError:
             return None
 
+    def read_manifest(self, key: str) -> Manifest | None:
+        with tempfile.TemporaryDirectory(prefix="aotbuild-sig.") as folder:
+            try:
+                path = self._download(self.manifest_path(key), Path(folder), codec.MAX_BYTES)
+                return codec.read(path, key) if path is not None else None
+            except (ValueError, OSError, StoreError):
+                return None  # malformed or too big there: pull and verify decide about it, a push does not
+
     def _resigned(self, entry: Entry) -> Manifest | None:
         """The remote's manifest of ``entry`` with the signatures pushed beside its own, where it is the
         same manifest (a signature covers its content) and they add one; else None."""
         from aotbuild.signing import merge_signatures
 
-        with tempfile.TemporaryDirectory(prefix="aotbuild-sig.") as folder:
-            path = self._download(self.manifest_path(entry.key), Path(folder), codec.MAX_BYTES)
-            try:
-                there = codec.read(path, entry.key) if path is not None else None
-            except (ValueError, OSError):
-                return None  # malformed there: pull and verify decide about it, a push does not
+        there = self.read_manifest(entry.key)
         return merge_signatures(there, entry.manifest) if there is not None else None
 
     def fetch(self, key: str, store: Store) -> str:
@@ -408,13 +444,19 @@ class HubRemote(Remote):
         return _ingest(store, key, manifest, blobs)
 
     def push(self, entries: list[Entry], progress: Callable[[str], None] | None = None,
-             workdir: Path | None = None) -> PushResult:
+             workdir: Path | None = None, trusted: dict[str, bytes] | None = None) -> PushResult:
         """Packs are written under ``workdir`` (the local store's ``tmp/``, so a big push does not
         fill a small system /tmp), committed and deleted batch by batch; the manifests go last."""
         from huggingface_hub import CommitOperationAdd
 
+        from aotbuild.signing import supersedes
+
         result = PushResult()
         on_remote = self.keys()
+        if trusted:  # a manifest there no trusted key signed gives way to a pushed one a trusted key signed
+            result.superseded = [e.key for e in entries if e.key in on_remote
+                                 and supersedes(e.manifest, self.read_manifest(e.key), trusted)]
+            on_remote -= set(result.superseded)
         todo = [e for e in entries if e.key not in on_remote]
         present = [e for e in entries if e.key in on_remote]
         result.present = [e.key for e in present]
@@ -498,4 +540,4 @@ def _read_pack(path: Path, wanted: set[str]) -> Iterator[tuple[str, BinaryIO]]:
                 yield member.name, stream
 
 
-__all__ = ["Remote", "FolderRemote", "HubRemote", "PushResult", "parse_remote", "pull_entry"]
+__all__ = ["Remote", "FolderRemote", "HubRemote", "PushResult", "parse_remote", "pull_entry", "untrusted_on_remote"]

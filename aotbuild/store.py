@@ -188,6 +188,13 @@ class Store:
                 raise StoreError(f"refusing to write manifest {key[:12]}: blob {item.sha256[:12]} is missing")
         text = manifest.without_pack().to_json()  # the codec refuses what no reader would accept
         final = self.layout.manifest(key)
+        if self.trusted:  # one manifest per key: one a trusted key signed is never overwritten by another
+            from aotbuild.signing import check, payload
+
+            old = self.read_manifest(key)
+            if old is not None and not check(old, self.trusted) and payload(old.as_json()) != payload(
+                    manifest.as_json()):
+                raise StoreError(f"refusing to replace manifest {key[:12]}: a trusted key signed the one stored")
         # 0644, not mkstemp's 0600: other users of a shared store must read it
         with atomic_write(final, mode=0o644, make_temp=self._tempfile) as w:
             w.file.write(text.encode("utf-8"))

@@ -39,24 +39,27 @@ class PushReport:
 
         r = self.result
         signed = f" ({len(r.signed)} given the new signature)" if r.signed else ""
+        superseded = (f"; {len(r.superseded)} replaced an entry there that no trusted key signed"
+                      if r.superseded else "")
         lines = [f"pushed {len(r.sent)} entries ({format_size(r.bytes_sent)}) to {self.remote}; "
-                 f"{len(r.present)} already there{signed}"]
+                 f"{len(r.present)} already there{signed}{superseded}"]
         lines += [f"not pushed: {printable(what)}: {printable(why)}" for what, why in self.skipped]
         return "\n".join(lines)
 
     def as_json(self) -> dict[str, Any]:
         return {"remote": self.remote, "sent": self.result.sent, "present": self.result.present,
-                "signed": self.result.signed,
+                "signed": self.result.signed, "superseded": self.result.superseded,
                 "bytes_sent": self.result.bytes_sent, "skipped": [{"what": w, "reason": r} for w, r in self.skipped]}
 
 
 def push(items: list[str] | tuple[str, ...], remote: Remote, cache: str | Path | None = None,
-         progress: Callable[[str], None] | None = None, sign_key: str | Path | None = None) -> PushReport:
+         progress: Callable[[str], None] | None = None, trusted: dict[str, bytes] | None = None) -> PushReport:
     """Push KEYS or RECIPES (files or folders); none means every entry of the local store.
 
     Every entry is hash-verified locally before it is sent: a corrupt entry is skipped, named, and
-    never pushed. With ``sign_key``, each entry sent carries that key's signature too (an entry may
-    gather several: key rotation signs with the new key beside the old)."""
+    never pushed. A push never signs: each entry travels with the signatures it has (:func:`sign`
+    adds one, knowingly). With ``trusted`` keys (name -> public key, signing.trusted_from_env), a
+    remote manifest none of them signed is replaced by a pushed one that one of them did."""
     store = checked_store(resolve_cache_root(cache))
     keys: list[str] = []
     skipped: list[tuple[str, str]] = []
@@ -82,14 +85,47 @@ def push(items: list[str] | tuple[str, ...], remote: Remote, cache: str | Path |
             if why.kind in DAMAGED:
                 damaged.append(key[:12])
         else:
-            if sign_key is not None:
-                from dataclasses import replace
-
-                from aotbuild.signing import sign
-
-                entry = replace(entry, manifest=sign(entry.manifest, sign_key))
             entries.append(entry)
-    return PushReport(remote.url, remote.push(entries, progress, workdir=store.layout.tmp), skipped, damaged)
+    return PushReport(remote.url, remote.push(entries, progress, workdir=store.layout.tmp, trusted=trusted),
+                      skipped, damaged)
+
+
+def sign(items: list[str] | tuple[str, ...], sign_key: str | Path, cache: str | Path | None = None) -> list[str]:
+    """Sign, with ``sign_key``, the local entries of KEYS (hex prefixes) or RECIPES (their cached jobs):
+    the signer VOUCHES for entries it did not build (docs/security.md), so nothing is signed unless
+    named: no items is an error, not "all". Each entry is hash-checked first; a damaged or missing one
+    is an error and nothing is signed. Returns the keys signed (an entry this key signed already is
+    left as it is)."""
+    from aotbuild.locks import store_lock
+    from aotbuild.signing import load_private, public_of, signer
+    from aotbuild.signing import sign as sign_manifest
+
+    if not items:
+        raise UsageError("name the entries to sign (keys or recipes): `aotbuild sign` vouches for each one, "
+                         "so it never signs a whole cache by default")
+    name, _ = load_private(sign_key)
+    own = public_of(sign_key)
+    store = checked_store(resolve_cache_root(cache))
+    keys = [store.resolve_prefix(i) for i in items if is_key_prefix(i)]
+    recipes = [i for i in items if not is_key_prefix(i)]
+    for job in plan(recipes, store.root, signatures=False) if recipes else []:
+        if job.status != HIT or not job.key:
+            raise UsageError(f"{job.label}: not in the local cache ({job.reason or job.status}): nothing signed")
+        keys.append(job.key)
+    keys = list(dict.fromkeys(keys))
+    signed = []
+    with store_lock(store.root, exclusive=False):  # gc cannot take a blob from under a signature
+        entries = []
+        for key in keys:
+            entry, why = store.open_entry(key)  # hash-checked: a signature covers the blobs' hashes
+            if entry is None:
+                raise UsageError(f"{key[:12]}: {why}: nothing signed")
+            entries.append(entry)
+        for entry in entries:  # the manifest that was checked, not one read again
+            if signer(entry.manifest, own) != name:
+                store.put_manifest(sign_manifest(entry.manifest, sign_key))
+                signed.append(entry.key)
+    return signed
 
 
 def rank_keys(factors: Any) -> list[str]:

@@ -42,12 +42,12 @@ def signed_entry(store: Store, tmp_path, name: str, key_file, blobs: dict[str, b
     return key
 
 
-def test_keygen_writes_a_pair_in_nix_format_and_never_overwrites(tmp_path):
+def test_keygen_writes_a_pair_told_apart_by_content_and_never_overwrites(tmp_path):
     private, public = signing.keygen(tmp_path / "keys" / "ci-2026")
     assert stat.S_IMODE(private.stat().st_mode) == 0o600
-    for path in (private, public):
-        name, _, data = path.read_text().strip().partition(":")
-        assert name == "ci-2026" and len(base64.b64decode(data)) == 32
+    for path, kind in ((private, "private"), (public, "public")):
+        header, name, data = path.read_text().split()
+        assert header == f"aotbuild-ed25519-{kind}-v1" and name == "ci-2026" and len(base64.b64decode(data)) == 32
     with pytest.raises(UsageError, match="never overwrites"):
         signing.keygen(tmp_path / "keys" / "ci-2026")
     proc = run_cli("keygen", str(tmp_path / "keys" / "ci-2026"))
@@ -55,7 +55,7 @@ def test_keygen_writes_a_pair_in_nix_format_and_never_overwrites(tmp_path):
     assert run_cli("keygen", str(tmp_path / "cli")).returncode == 0 and (tmp_path / "cli.pub").is_file()
 
 
-def test_build_signs_what_it_stores_and_what_it_finds_cached_and_refuses_a_bad_key_first(
+def test_build_signs_what_it_stores_rebuilds_what_it_finds_unsigned_and_refuses_a_bad_key_first(
         cache, fake_compiles, keys, tmp_path):
     from aotbuild import builder
     from aotbuild.builder import BUILT, CACHED
@@ -64,7 +64,7 @@ def test_build_signs_what_it_stores_and_what_it_finds_cached_and_refuses_a_bad_k
     ci, other = keys
     bad = tmp_path / "bad.key"
     bad.write_text("not a key\n")
-    with pytest.raises(UsageError, match="not a key file"):
+    with pytest.raises(UsageError, match="not a private key file"):
         builder.build([str(TINY_RECIPE)], cache, sign_key=bad)
     assert fake_compiles == []  # refused before any job ran
     first = builder.build([str(TINY_RECIPE)], cache, sign_key=ci)
@@ -72,10 +72,12 @@ def test_build_signs_what_it_stores_and_what_it_finds_cached_and_refuses_a_bad_k
     store = Store(cache)
     keys_built = [r.job.key for r in first.results]
     assert all([s["key"] for s in store.read_manifest(k).signed_by] == ["ci"] for k in keys_built)
-    second = builder.build([str(TINY_RECIPE)], cache, sign_key=other)  # cached: signed beside ci
-    assert {r.status for r in second.results} == {CACHED} and len(fake_compiles) == len(keys_built)
+    assert {r.status for r in builder.build([str(TINY_RECIPE)], cache, sign_key=ci).results} == {CACHED}
+    # Another key finds entries it did not build: it builds (and signs) its own, never signs what it found
+    second = builder.build([str(TINY_RECIPE)], cache, sign_key=other)
+    assert {r.status for r in second.results} == {BUILT} and len(fake_compiles) == 2 * len(keys_built)
     for k in keys_built:
-        assert sorted(s["key"] for s in store.read_manifest(k).signed_by) == ["ci", "other"]
+        assert [s["key"] for s in store.read_manifest(k).signed_by] == ["other"]
     trusting = Store(cache, trusted=signing.load_trusted([tmp_path / "keys" / "other.pub"]))
     assert all(trusting.open_entry(k)[0] is not None for k in keys_built)
 
@@ -145,11 +147,12 @@ def test_signatures_survive_push_and_pull_through_a_folder_remote_and_rotation_w
     key = signed_entry(local, tmp_path, "a", None)
     folder = tmp_path / "remote"
     folder.mkdir()
-    push = run_cli("push", key[:12], "--remote", f"file://{folder}", "--cache", str(local.root), "--sign-key", str(ci))
+    assert run_cli("sign", key[:12], "--cache", str(local.root), "--sign-key", str(ci)).returncode == 0
+    push = run_cli("push", key[:12], "--remote", f"file://{folder}", "--cache", str(local.root))
     assert push.returncode == 0, push.stderr
     # Rotation: the new key signs beside the old on the remote; trust both; then drop the old.
-    again = run_cli("push", key[:12], "--remote", f"file://{folder}", "--cache", str(local.root),
-                    "--sign-key", str(other))
+    assert run_cli("sign", key[:12], "--cache", str(local.root), "--sign-key", str(other)).returncode == 0
+    again = run_cli("push", key[:12], "--remote", f"file://{folder}", "--cache", str(local.root))
     assert again.returncode == 0
     there = Store(folder).read_manifest(key)
     assert sorted(s["key"] for s in there.signed_by) == ["ci", "other"]
@@ -183,18 +186,20 @@ def test_signatures_survive_the_hub_stand_in(keys, tmp_path, monkeypatch, no_amb
         server.create_repo("org/c", repo_type="dataset")
         monkeypatch.setenv("HF_ENDPOINT", server.endpoint)
         monkeypatch.setenv("HF_TOKEN", "hf_w")
-        report = sync.push([key[:12]], parse_remote("hf://datasets/org/c"), local.root, sign_key=ci)
+        sync.sign([key[:12]], ci, local.root)
+        report = sync.push([key[:12]], parse_remote("hf://datasets/org/c"), local.root)
         assert report.result.sent == [key]
         serving = Store(tmp_path / "serving", trusted=signing.load_trusted([tmp_path / "keys" / "ci.pub"]))
         assert parse_remote("hf://datasets/org/c").fetch(key, serving) == ""
         assert [s["key"] for s in serving.read_manifest(key).signed_by] == ["ci"]
         assert serving.open_entry(key)[0] is not None
         # Rotation on the Hub: the new key's signature joins the old one; the pack is not sent again.
-        again = sync.push([key[:12]], parse_remote("hf://datasets/org/c"), local.root, sign_key=other)
+        sync.sign([key[:12]], other, local.root)
+        again = sync.push([key[:12]], parse_remote("hf://datasets/org/c"), local.root)
         assert again.result.sent == [] and again.result.signed == [key] and again.result.bytes_sent == 0
         assert "1 given the new signature" in again.text()
-        assert sync.push([key[:12]], parse_remote("hf://datasets/org/c"), local.root,
-                         sign_key=other).result.signed == []  # nothing new: no commit
+        assert sync.push([key[:12]], parse_remote("hf://datasets/org/c"),
+                         local.root).result.signed == []  # nothing new: no commit
         rotated = Store(tmp_path / "rotated", trusted=signing.load_trusted([tmp_path / "keys" / "other.pub"]))
         assert parse_remote("hf://datasets/org/c").fetch(key, rotated) == ""
         assert sorted(s["key"] for s in rotated.read_manifest(key).signed_by) == ["ci", "other"]
