@@ -333,3 +333,38 @@ def test_a_planted_unsigned_entry_is_never_served_to_a_machine_that_trusts_only_
                 assert entry is None or not _planted(entry.manifest), (step, key)
         if step == "plan" and gate.returncode == 0:  # the gate passed: every job is served
             assert all(serving.open_entry(k)[0] is not None for k in keys)
+
+
+def test_on_the_hub_stand_in_a_signed_push_replaces_an_unsigned_manifest_and_the_gate_reads_it(
+        cache, fake_compiles, ci, tmp_path, monkeypatch, no_ambient_hf_auth):
+    from aotbuild import builder, sync
+    from aotbuild.remote import parse_remote, untrusted_on_remote
+    from tests.fakes.hub_server import HubStandIn
+
+    attacker = tmp_path / "attacker"
+    shutil.copytree(cache / "models", attacker / "models")
+    keys = [r.job.key for r in builder.build([RECIPE], attacker).results]
+    for key in keys:
+        m = Store(attacker).read_manifest(key)
+        Store(attacker).put_manifest(replace(m, build={**m.build, "by": "attacker"}))
+    trusted = signing.load_trusted([ci[1]])
+    with HubStandIn(write_token="hf_w") as server:
+        server.create_repo("org/c", repo_type="dataset")
+        monkeypatch.setenv("HF_ENDPOINT", server.endpoint)
+        monkeypatch.setenv("HF_TOKEN", "hf_w")
+        hub = parse_remote("hf://datasets/org/c")
+        assert sync.push(keys, hub, attacker).result.sent == keys
+        assert set(untrusted_on_remote(hub, keys, trusted)) == set(keys)  # the gate's view: all misses
+        proc = invoke_cli("build", RECIPE, "--cache", str(cache), "--sign-key", str(ci[0]), "--push",
+                          "hf://datasets/org/c", "--json")
+        assert proc.returncode == 0, proc.stderr
+        report = json.loads(proc.stdout)
+        assert {r["status"] for r in report["jobs"]} == {"built"}
+        assert sorted(report["push"]["superseded"]) == sorted(keys)
+        assert untrusted_on_remote(hub, keys, trusted) == {}
+        serving = Store(tmp_path / "serving", trusted=trusted)
+        assert all(hub.fetch(k, serving) == "" and not _planted(serving.read_manifest(k)) for k in keys)
+        # and the attacker's push back over it changes nothing: a trusted-signed manifest stays
+        again = sync.push(keys, hub, attacker, trusted=trusted).result
+        assert again.sent == [] and sorted(again.present) == sorted(keys)
+        assert untrusted_on_remote(hub, keys, trusted) == {}
