@@ -104,6 +104,28 @@ def test_sign_vouches_only_for_what_it_is_named_and_checks_hashes_first(cache, f
     assert signing.signer(store.read_manifest(keys[0]), signing.load_trusted([ci[1]])) == "ci"
 
 
+@pytest.mark.parametrize("change", ["builder", "toolchain", "proof", "files"])
+def test_the_provenance_a_manifest_records_is_inside_what_is_signed(change, ci, tmp_path):
+    """Who built it (aotbuild version, host), with what (torch, Python) and what the proof measured:
+    a signature over the manifest covers each; changing one after signing is a bad signature."""
+    from aotbuild.manifest import FileRecord, Proof
+    from tests import manifests
+
+    store = Store(tmp_path / "c")
+    key = manifests.add_entry(store, tmp_path / "src", "a", {"x.so": b"kernel"})
+    m = replace(store.read_manifest(key), build={"aotbuild": "0.1.0", "host": "ci-1", "torch": "2.5.1",
+                                                   "python": "3.11.9"},
+                proof=Proof(load_s=1.0, compiles=0, max_abs_diff=0.0, tolerance=1e-3, instances=1, calls=2))
+    signed = signing.sign(m, ci[0])
+    trusted = signing.load_trusted([ci[1]])
+    assert signing.check(signed, trusted) == ""
+    changed = {"builder": lambda x: replace(x, build={**x.build, "aotbuild": "9.9", "host": "elsewhere"}),
+               "toolchain": lambda x: replace(x, build={**x.build, "torch": "2.6.0"}),
+               "proof": lambda x: replace(x, proof=replace(x.proof, compiles=3)),
+               "files": lambda x: replace(x, files=(FileRecord("x.so", "0" * 64, 6),))}[change](signed)
+    assert signing.check(changed, trusted).startswith("bad signature by ci")
+
+
 # -- 2. fail closed ------------------------------------------------------------------------------
 
 
