@@ -35,6 +35,7 @@ from typing import Any
 
 from aotbuild import safeio
 from aotbuild.errors import UsageError
+from aotbuild.text import printable
 
 #: A key's name: what signatures are filed under.
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}\Z")
@@ -252,7 +253,9 @@ def check(manifest: Any, trusted: Mapping[str, bytes]) -> str:
         except (InvalidSignature, ValueError):
             return f"bad signature by {entry['key']}: the manifest changed after it was signed, or the signature did"
         return ""
-    return f"signed by an untrusted key ({', '.join(sorted(set(names)))[:200]}); trusted: {', '.join(sorted(trusted))}"
+    # a manifest's signer names are anyone's text: escaped (no newline, no workflow command), bounded
+    shown = printable(", ".join(sorted(set(names))))[:200]
+    return f"signed by an untrusted key ({shown}); trusted: {', '.join(sorted(trusted))}"
 
 
 def signer(manifest: Any, trusted: Mapping[str, bytes]) -> str:

@@ -126,6 +126,16 @@ def test_the_provenance_a_manifest_records_is_inside_what_is_signed(change, ci, 
     assert signing.check(changed, trusted).startswith("bad signature by ci")
 
 
+def test_an_untrusted_signer_name_is_printed_escaped(ci, tmp_path):
+    from tests import manifests
+
+    store = Store(tmp_path / "c")
+    m = store.read_manifest(manifests.add_entry(store, tmp_path / "src", "a", {"x.so": b"kernel"}))
+    forged = replace(m, signed_by=({"key": "x\n::error::owned\x1b]0;t\x07", "sig": "AAAA"},))
+    why = signing.check(forged, signing.load_trusted([ci[1]]))
+    assert why.startswith("signed by an untrusted key") and "\n" not in why and "\x1b" not in why
+
+
 # -- 2. fail closed ------------------------------------------------------------------------------
 
 
