@@ -11,7 +11,7 @@ import pytest
 
 from aotbuild import load_compiled
 from aotbuild.store import Store
-from tests.conftest import TINY_RECIPE, run_cli
+from tests.conftest import TINY_RECIPE, invoke_cli, run_cli
 from tests.fakes.hub_server import HubStandIn
 from tests.serving import assert_warm, serve_fresh
 
@@ -33,9 +33,9 @@ def test_folder_remote_ci_flow_and_lazy_runtime_pull(built_cache, tmp_path):
     assert {j["status"] for j in report["jobs"]} == {"cached"} and len(report["push"]["sent"]) == 2
 
     serving = fresh_root(cache, tmp_path / "serving")
-    gate = run_cli("plan", "--cache", str(serving), str(TINY_RECIPE), "--fail-on-miss")
+    gate = invoke_cli("plan", "--cache", str(serving), str(TINY_RECIPE), "--fail-on-miss")
     assert gate.returncode == 3  # nothing local
-    gate = run_cli("plan", "--json", "--cache", str(serving), str(TINY_RECIPE), "--remote", remote, "--fail-on-miss")
+    gate = invoke_cli("plan", "--json", "--cache", str(serving), str(TINY_RECIPE), "--remote", remote, "--fail-on-miss")
     assert gate.returncode == 0, gate.stderr
     assert {j["status"] for j in json.loads(gate.stdout)["jobs"]} == {"remote"}
 
@@ -70,7 +70,7 @@ def test_hub_remote_push_then_read_only_pull_with_the_cli(built_cache, tmp_path,
         pulled = run_cli("pull", "--json", "--cache", str(serving), str(TINY_RECIPE), "--remote", url, env=env)
         assert pulled.returncode == 0, pulled.stderr[-3000:]
         assert [j["status"] for j in json.loads(pulled.stdout)["jobs"]] == ["pulled", "pulled"]
-        gate = run_cli("plan", "--cache", str(serving), str(TINY_RECIPE), "--fail-on-miss")
+        gate = invoke_cli("plan", "--cache", str(serving), str(TINY_RECIPE), "--fail-on-miss")
         assert gate.returncode == 0, gate.stdout
         for key in (j["key"] for j in json.loads(pulled.stdout)["jobs"]):  # byte-identical to the source
             local, source = Store(serving).open_entry(key)[0], Store(cache).open_entry(key)[0]

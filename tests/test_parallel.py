@@ -13,7 +13,7 @@ from aotbuild import parallel
 from aotbuild.errors import RecipeError, UsageError
 from aotbuild.planner import plan, shard_jobs
 from aotbuild.recipes import parse_recipe
-from tests.conftest import REPO, run_cli
+from tests.conftest import REPO, invoke_cli, run_cli
 
 FLUX = {"model": {"id": "builtin:tiny-flux", "dtype": "float32"}, "target": "inductor", "device": "cpu",
         "strategy": "jit-cache", "compile": {"components": ["transformer"]}, "shapes": [{"height": 64, "width": 64}],
@@ -209,7 +209,7 @@ def test_a_tensor_parallel_flux_builds_then_two_fresh_ranks_serve_it_with_0_comp
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     jobs = json.loads(proc.stdout)["jobs"]
     assert [j["status"] for j in jobs] == ["built", "built"], jobs
-    show = run_cli("show", jobs[0]["key"][:12], "--json", "--cache", str(build))
+    show = invoke_cli("show", jobs[0]["key"][:12], "--json", "--cache", str(build))
     manifest = json.loads(show.stdout)
     assert manifest["proof"]["compiles"] == 0 and manifest["factors"]["parallel"]["tensor"] == 2
 
