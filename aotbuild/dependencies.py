@@ -288,6 +288,13 @@ class Watch:
             stores += [d["_parameters"], d["_buffers"]]
         self.dicts, self.plain, self.objects, self.children = dicts, plain, objects, children
         self.hooks, self.trained, self.stores = hooks, trained, [st for st in stores if st]
+        # A tensor with no storage of its own (a DTensor, a torchao quantized weight: data_ptr 0) is
+        # followed by its metadata instead, slower but rare.
+        import torch
+
+        self.odd = [(st, name) for st in self.stores for name, t in st.items()
+                    if t is not None and t.numel() and t.device.type != "meta"
+                    and torch._C.TensorBase.data_ptr(t) == 0]
         armed = self._fingerprint()
         self.armed = (*armed[:1], copy.deepcopy(armed[1]), *armed[2:])  # a list attribute changed in place moves
         self.reason = ""
@@ -302,7 +309,8 @@ class Watch:
             values = None
         return (list(map(len, self.dicts)), values, [_fingerprint(d.get(k)) for d, k in self.objects],
                 [m for mods in self.children for m in mods.values()], list(map(len, self.hooks)),
-                [m.training for m in self.trained], list(map(torch._C.TensorBase.data_ptr, tensors)))
+                [m.training for m in self.trained], list(map(torch._C.TensorBase.data_ptr, tensors)),
+                [_fingerprint(st.get(name)) for st, name in self.odd])
 
     def moved(self) -> bool:
         """Whether anything the fingerprint covers differs from when it was armed."""
@@ -352,7 +360,7 @@ def _fingerprint(value: Any) -> Any:
     if isinstance(value, (types.FunctionType, types.BuiltinFunctionType)):
         return id(value)
     if hasattr(value, "stride") and hasattr(value, "dtype") and hasattr(value, "shape"):
-        return (value.dtype, value.shape, value.stride(), value.device.type)
+        return (id(value), value.dtype, value.shape, value.stride(), value.device.type)
     hooks = getattr(value, "hooks", None) if type(value).__name__ == "HookRegistry" else None
     return (type(value), tuple(hooks)) if isinstance(hooks, dict) else type(value)
 

@@ -134,6 +134,38 @@ def test_the_watch_catches_each_change_and_rearms_on_a_benign_one():
     assert "called with grad on" in watch.check()
 
 
+class Wrapped(torch.Tensor):
+    """A tensor with no storage of its own, as a DTensor or a torchao quantized weight: data_ptr is 0."""
+
+    @staticmethod
+    def __new__(cls, inner):
+        return torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype, device=inner.device,
+                                                   strides=inner.stride())
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        from torch.utils._pytree import tree_map
+
+        def unwrap(x):
+            return x.inner if isinstance(x, Wrapped) else x
+
+        out = func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs or {}))
+        return tree_map(lambda x: Wrapped(x) if isinstance(x, torch.Tensor) else x, out)
+
+
+def test_the_watch_follows_a_weight_without_storage_by_its_metadata():
+    m = torch.nn.Linear(4, 4)
+    m.weight = torch.nn.Parameter(Wrapped(torch.randn(4, 4)), requires_grad=False)
+    assert torch._C.TensorBase.data_ptr(m.weight) == 0
+    watch = dependencies.Watch(m, {**dependencies.snapshot(m), "globals": []}, "m")
+    assert watch.check() == ""
+    m.weight.data = Wrapped(torch.randn(4, 4, dtype=torch.float64))  # the Parameter object stays
+    assert watch.check().startswith("m.weight: param float64 [4, 4]")
+
+
 def test_a_block_watch_checks_its_own_subtree_only():
     m = Outer()
     recorded = {**dependencies.snapshot(m), "globals": []}
@@ -171,6 +203,25 @@ def test_a_changed_module_follows_the_load_policy_at_its_call(policy):
     with pytest.warns(UserWarning, match="FreeU"):
         d(1.0)
     assert calls[-1] == {"eager": "eager", "compile": "compiled"}[policy]
+
+
+def test_a_jit_cache_route_under_error_refuses_inductor_code_generation():
+    """What the route does when a Dynamo guard fails and the graph is not in the installed cache."""
+    import contextlib
+
+    import torch._inductor.config as inductor_config
+
+    from aotbuild.strategies.jit_cache import _loading
+
+    class Target:
+        loading = staticmethod(contextlib.nullcontext)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x: x * 2 + 1, backend="inductor")
+    with inductor_config.patch(fx_graph_cache=False):  # a miss, whatever this machine's cache holds
+        with pytest.raises(StaleGraph, match="unet: a call needs a graph the installed cache does not have"):
+            _loading(Target(), compiled, "unet", refuse=True)(torch.ones(3))
+    torch._dynamo.reset()
 
 
 def test_on_miss_error_means_no_compile_at_an_unbuilt_call_either():
@@ -352,3 +403,23 @@ def test_a_call_in_another_grad_mode_is_refused(strategy, strategy_build, models
         pipe.unet(*args, **kwargs)
     with torch.no_grad(), warnings.catch_warnings():
         pipe.unet(*args, **kwargs)  # and served again as built
+
+
+@pytest.mark.slow
+def test_jit_cache_refuses_a_compile_the_dependency_check_did_not_foresee(strategy_build, models_dir):
+    """Under on_miss="error", a graph jit-cache's installed cache lacks (a Dynamo guard failed on a
+    change the recorded dependencies do not cover) raises at Inductor's code generation instead of
+    compiling silently. The change here is FreeU with the per-call check switched off."""
+    from aotbuild import load_compiled
+    from aotbuild.recipes import load_recipe
+
+    recipe_path, cache, _ = strategy_build("jit-cache")
+    recipe = load_recipe(recipe_path)
+    torch._dynamo.reset()
+    pipe = load_compiled(recipe, _pipe(recipe, models_dir), cache=cache, on_miss="error")
+    expected = _eager("none", recipe, models_dir)
+    assert (_image(pipe, recipe) - expected).abs().max().item() <= 1e-4  # served from the cache: no codegen
+    pipe.unet.forward.watch = None  # a change the record cannot see
+    _freeu(pipe)
+    with pytest.raises(StaleGraph, match="a call needs a graph the installed cache does not have"):
+        _image(pipe, recipe)

@@ -10,7 +10,8 @@ compile in a serving process is the target's to say (``Target.compile_counter``)
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from aotbuild.dispatch import install_dispatcher
@@ -49,25 +50,79 @@ class JitCache(Strategy):
             if p.entries or policy == "compile":
                 compiled = ctx.target.compile(p.module, ctx.recipe, ctx.device)
             # Dynamo traces and loads the installed kernels at each signature's first call, not here.
-            routes = {sig: _loading(ctx.target, compiled) for e in p.entries for sig in e.manifest.signatures}
+            routes = {sig: _loading(ctx.target, compiled, p.component, refuse=policy == "error")
+                      for e in p.entries for sig in e.manifest.signatures}
             install_dispatcher(p.module, p.component, routes, compiled, policy)
         return result
 
 
-def _loading(target: Target, compiled: Any) -> Callable[..., Any]:
+def _loading(target: Target, compiled: Any, component: str = "", refuse: bool = False) -> Callable[..., Any]:
     """A built signature's route: the compiled forward, its first call (where Dynamo traces and the
     compiler loads the installed kernels) inside the target's ``loading()``, later calls as they are.
     The fallback for unbuilt signatures (``on_miss="compile"``) stays outside: a real compile keeps
-    every speed-up the compiler has."""
+    every speed-up the compiler has. ``refuse`` (on_miss="error": this pipeline never compiles): a
+    graph the installed cache does not have (a Dynamo guard failed on a change the dependency check
+    cannot see, then an FX graph cache miss) raises ``StaleGraph`` at Inductor's code generation
+    instead of compiling silently (issue 31)."""
     loaded = False
 
     def route(*args: Any, **kwargs: Any) -> Any:
         nonlocal loaded
-        if loaded:
-            return compiled(*args, **kwargs)
-        with target.loading():
-            out = compiled(*args, **kwargs)
+        with _refusing_codegen(component) if refuse else contextlib.nullcontext():
+            try:
+                if loaded:
+                    return compiled(*args, **kwargs)
+                with target.loading():
+                    out = compiled(*args, **kwargs)
+            except Exception as exc:
+                stale = _stale_cause(exc)
+                if stale is None:
+                    raise
+                raise stale from None
         loaded = True
         return out
 
     return route
+
+
+@contextlib.contextmanager
+def _refusing_codegen(component: str) -> Iterator[None]:
+    """Inductor's code generation raises while held (process-wide, like the loading header switch:
+    another thread's compile in that time is refused too). Not imported before a route needs it."""
+    import sys
+
+    fx = sys.modules.get("torch._inductor.compile_fx")
+    compiler = getattr(fx, "_InProcessFxCompile", None)
+    original = vars(compiler).get("codegen_and_compile") if compiler is not None else None
+    if original is None:  # Inductor not imported yet: nothing of it compiles before Dynamo imports it
+        import torch._inductor.compile_fx as fx
+
+        compiler = fx._InProcessFxCompile
+        original = vars(compiler)["codegen_and_compile"]
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        from aotbuild.errors import StaleGraph
+
+        raise StaleGraph(f"{component}: a call needs a graph the installed cache does not have (a Dynamo guard "
+                         f"failed: something the graph depends on changed), and load_compiled(on_miss=\"error\") "
+                         f"never compiles; load with on_miss=\"compile\" to compile it")
+
+    compiler.codegen_and_compile = refuse
+    try:
+        yield
+    finally:
+        compiler.codegen_and_compile = original
+
+
+def _stale_cause(exc: BaseException) -> BaseException | None:
+    """The StaleGraph that Dynamo wrapped (BackendCompilerFailed), if any."""
+    from aotbuild.errors import StaleGraph
+
+    seen: BaseException | None = exc
+    for _ in range(8):
+        if seen is None:
+            return None
+        if isinstance(seen, StaleGraph):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
