@@ -127,6 +127,9 @@ def serve(spec: dict[str, Any]) -> dict[str, Any]:
 
         return run
 
+    # What a module's own forward was before the recording (accelerate's offload hook puts one on the
+    # component): put back afterwards, so the entry is served through it as a replica's would be.
+    own = {id(m): vars(m).get("forward") for m in [module, *(b for _, b in instances)]}
     for name, block in instances:
         if block is not module:
             block.forward = recording(name, block.forward, top=False)
@@ -134,9 +137,10 @@ def serve(spec: dict[str, Any]) -> dict[str, Any]:
     try:
         pipe(**pipecall.warmup_kwargs(recipe, shape, pipe, defaults=ctx.target.warmup_defaults))
     finally:
-        for _, block in instances:
-            vars(block).pop("forward", None)
-        vars(module).pop("forward", None)
+        for m in [*(b for _, b in instances), module]:
+            vars(m).pop("forward", None)
+            if own[id(m)] is not None:
+                m.forward = own[id(m)]
     if not calls:
         raise RuntimeError(f"the warmup never called {component}")
     expected = {n for n, b in instances if b is not module} or {""}
