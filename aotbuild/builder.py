@@ -232,6 +232,9 @@ def build(recipes: Recipes, cache: str | Path | None = None, *,
                                max_size=max_size, sign_key=sign_key, retry_failed=retry_failed)
     root, origin = cache_root_origin(cache)
     store = checked_store(root)
+    from aotbuild.journal import reclaim_dead
+
+    reclaim_dead(store)  # what a build killed with -9 left in tmp/: verify is clean after this one
     own: dict[str, bytes] = {}
     if sign_key is not None:  # a bad key fails now, not after an hour of compiling
         from aotbuild.signing import public_of

@@ -18,6 +18,16 @@ run with the job's secrets (``HF_TOKEN``). So children start with ``-P`` (Python
 ``PYTHONSAFEPATH=1`` in their environment, which processes they launch inherit), and on 3.10
 through :data:`SHIM`, which drops the cwd entry before anything else is imported. ``PYTHONPATH``
 keeps working (``-I`` would drop it too).
+
+A child never outlives its parent (:func:`guard`): a CI runner kills a build with SIGKILL after its
+grace period, and a child in its own session (``start_new_session``, so that the parent can kill it
+whole) is not in the group the runner kills. On Linux each child asks the kernel for SIGKILL when
+its parent dies (``prctl(PR_SET_PDEATHSIG)``; a forked child loses it, so the loader's forked jobs
+ask again), then checks that the parent it was started by (``AOTBUILD_PARENT_PID``) is still its
+parent, in case it died first; elsewhere a watchdog thread polls the parent's pid and kills the
+child's process group. Ranks of a launch are guarded the same way, the launcher too (it runs through
+this module's ``__main__``). What a dead build left in ``<cache>/tmp`` is reclaimed by the next
+build (aotbuild/journal.py).
 """
 
 from __future__ import annotations
@@ -53,10 +63,12 @@ SAFE_PATH_FLAG = sys.version_info >= (3, 11)
 def command(module: str, *args: str, ranks: int = 1) -> list[str]:
     """The command line that runs ``python -m module args`` without the cwd on ``sys.path``; with
     ``ranks`` > 1, ``ranks`` processes of it through torch's own launcher (``torch.distributed.run``,
-    what ``torchrun`` runs: a local rendezvous on a free port, RANK, WORLD_SIZE and LOCAL_RANK set)."""
+    what ``torchrun`` runs: a local rendezvous on a free port, RANK, WORLD_SIZE and LOCAL_RANK set),
+    itself run through this module (``python -m aotbuild.child torch.distributed.run ...``) so that
+    the launcher is guarded (:func:`guard`) like the ranks it starts."""
     if ranks > 1:
-        module, args = "torch.distributed.run", ("--standalone", "--nproc-per-node", str(ranks), "--max-restarts",
-                                                 "0", "-m", module, *args)
+        module, args = "aotbuild.child", ("torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
+                                          "--max-restarts", "0", "-m", module, *args)
     if SAFE_PATH_FLAG:
         return [sys.executable, "-P", "-m", module, *args]
     return [sys.executable, "-c", SHIM, module, *args]
@@ -77,7 +89,8 @@ def environment(extra: Mapping[str, str | None]) -> dict[str, str]:
     """This process's environment with ``extra`` applied (None removes a variable); the library
     verbosity that the CLI quieted for itself is given back (a child's log is for a human chasing a
     failure)."""
-    env = {**os.environ, **extra, "PYTHONUNBUFFERED": "1", "PYTHONSAFEPATH": "1"}
+    env = {**os.environ, **extra, "PYTHONUNBUFFERED": "1", "PYTHONSAFEPATH": "1",
+           constants.ENV_PARENT_PID: str(os.getpid())}
     for name in os.environ.get(constants.ENV_QUIETED, "").split(","):
         if name.endswith("_VERBOSITY"):
             env.pop(name, None)
@@ -151,8 +164,69 @@ def _kill(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
+#: How often the watchdog (platforms without a parent-death signal) looks at the parent's pid.
+WATCHDOG_SECONDS = 1.0
+#: ``prctl`` options (linux/prctl.h).
+_PR_SET_PDEATHSIG = 1
+_guarded_in: int | None = None  # the pid that ran guard(): a forked child runs it again
+
+
+def guard(parent: int | None = None) -> None:
+    """Make this process die with its parent: ``parent`` (default: the pid the parent put in
+    ``AOTBUILD_PARENT_PID``; after a fork, the pid that forked). On Linux the kernel sends SIGKILL
+    when the parent dies; if it died before that was set (this process then has another parent, its
+    subreaper or init), this process exits now. Elsewhere a daemon thread polls the parent's pid
+    and kills this process's group. The processes this one starts are told its pid in turn."""
+    global _guarded_in
+    if _guarded_in == os.getpid():
+        return
+    _guarded_in = os.getpid()
+    if parent is None:
+        value = os.environ.get(constants.ENV_PARENT_PID, "")
+        parent = int(value) if value.isdigit() else None
+    os.environ[constants.ENV_PARENT_PID] = str(os.getpid())
+    if parent is None or parent == os.getpid():  # not started by aotbuild
+        return
+    if not _parent_death_signal():
+        _watchdog(parent)
+    if os.getppid() != parent:  # the parent died before the signal was asked for
+        os._exit(137)
+
+
+def _parent_death_signal() -> bool:
+    """Ask Linux for SIGKILL when the parent dies; False where there is no such thing."""
+    if not sys.platform.startswith("linux"):
+        return False
+    import ctypes
+    import signal
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def _watchdog(parent: int) -> None:
+    import signal
+    import threading
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(WATCHDOG_SECONDS)
+        try:  # the whole group: a child is its session's leader, and what it started is in it
+            if os.getpgrp() == os.getpid():
+                os.killpg(os.getpgrp(), signal.SIGKILL)
+        finally:
+            os._exit(137)
+
+    threading.Thread(target=watch, name="aotbuild-parent-watchdog", daemon=True).start()
+
+
 def main(argv: list[str], fn: Callable[[dict[str, Any]], dict[str, Any]]) -> int:
     """The child: read the spec file ``argv[0]``, run ``fn`` on it, write the result where it says."""
+    guard()
+    constants.pause_for_tests(_module_of(fn).rsplit(".", 1)[-1])
     spec = json.loads(Path(argv[0]).read_text())
     try:
         result = fn(spec)
@@ -165,9 +239,19 @@ def main(argv: list[str], fn: Callable[[dict[str, Any]], dict[str, Any]]) -> int
     return 1 if "error" in result else 0
 
 
+def _module_of(fn: Callable[..., Any]) -> str:
+    """The module ``fn`` is from: for one run as ``python -m``, its name, not ``__main__``."""
+    name = getattr(fn, "__module__", "") or ""
+    if name == "__main__":
+        main_spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+        name = main_spec.name if main_spec is not None else name
+    return name
+
+
 def phase(spec: Mapping[str, Any], text: str) -> None:
     """In the child: tell the parent what it is doing (shown next to the elapsed time); of a
     multi-rank child, rank 0 speaks for all."""
+    constants.pause_for_tests(text.split(" ", 1)[0])
     if spec.get("phase") and not _rank():
         Path(spec["phase"]).write_text(text)
 
@@ -194,3 +278,11 @@ def tail(log: Path, lines: int = 3) -> str:
     except OSError:
         return ""
     return (": " + " | ".join(t.strip() for t in text)) if text else ""
+
+
+if __name__ == "__main__":  # ``python -m aotbuild.child MODULE ARGS``: MODULE run as ``-m`` would, guarded
+    import runpy
+
+    guard()
+    sys.argv = sys.argv[1:]
+    runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)

@@ -18,7 +18,8 @@ FORMAT_VERSION = 3  # 3: manifests record the component's structure (aotbuild/st
 ENV_CACHE = "AOTBUILD_CACHE"
 #: The remote cache the CLI pushes to and pulls from when ``--remote`` is not given.
 ENV_REMOTE = "AOTBUILD_REMOTE"
-#: Seconds to wait for another aotbuild process's store lock before giving up with the lock's path.
+#: Seconds to wait for another aotbuild process's store lock before giving up with the lock's path
+#: (0 to MAX_LOCK_TIMEOUT; anything else is an error naming the variable, constants.env_number).
 ENV_LOCK_TIMEOUT = "AOTBUILD_LOCK_TIMEOUT"
 DEFAULT_LOCK_TIMEOUT = 60.0
 #: The cache's size limit ("20GB"); ``[tool.aotbuild] max_size`` loses to it, ``--max-size`` wins.
@@ -33,6 +34,15 @@ ENV_ALLOW_OPTIONS = "AOTBUILD_ALLOW_OPTIONS"
 ENV_SHARED_LOADS = "AOTBUILD_SHARED_LOADS"
 #: Where PyTorch Inductor keeps its own on-disk cache (FX graphs, kernels).
 ENV_INDUCTOR_CACHE = "TORCHINDUCTOR_CACHE_DIR"
+#: Set by aotbuild in each child's environment: the pid of the process that started it, which the
+#: child checks is still its parent once it asked to die with it (aotbuild/child.py ``guard``).
+ENV_PARENT_PID = "AOTBUILD_PARENT_PID"
+#: Tests only: a process of a build that reaches this point sleeps there (:data:`PAUSE_SECONDS`), so
+#: a test can kill the build at that phase cheaply. Points: a phase's first word as a child reports
+#: it ("loading", "compiling"; the loader's load is "loading"), or a child's module at its start
+#: ("worker", "proof", "aoti", "bench").
+ENV_TEST_PAUSE = "AOTBUILD_TEST_PAUSE"
+PAUSE_SECONDS = 300
 
 DEFAULT_CACHE_ROOT = os.path.join("~", ".cache", "aotbuild")
 
@@ -55,11 +65,49 @@ LIMITS = {"steps": ("AOTBUILD_MAX_STEPS", 200), "prompts": ("AOTBUILD_MAX_PROMPT
           "entry_bytes": ("AOTBUILD_MAX_ENTRY_BYTES", 256 * 1024 ** 3)}
 
 
+#: The largest value an operator may raise a bound of LIMITS to (a value beyond is a typo): a week for
+#: a job's seconds, 2**62 for counts and bytes.
+MAX_LIMIT = 2 ** 62
+LIMIT_MAX = {"job_seconds": 7 * 86400}
+
+
+def env_number(variable: str, default: float, low: float, high: float, *, integer: bool = False) -> float:
+    """The number in environment variable ``variable`` (``default`` when unset or empty), which must
+    be finite and within [low, high]: anything else (``inf``, ``nan``, ``-1``, ``10s``) is a
+    UsageError naming the variable, the value and the range, never a silent default or an unbounded
+    wait."""
+    import math
+
+    text = os.environ.get(variable, "").strip()
+    if not text:
+        return default
+    try:
+        value: float = int(text) if integer else float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or not low <= value <= high:
+        from aotbuild.errors import UsageError
+        from aotbuild.text import printable
+
+        kind = "an integer" if integer else "a number"
+        raise UsageError(f"{variable}={printable(text[:40])}: must be {kind} from {low:g} to {high:g}")
+    return value
+
+
 def limit(name: str) -> int:
-    """A bound of LIMITS, from its environment variable when that is a positive integer."""
+    """A bound of LIMITS, from its environment variable (a positive integer up to MAX_LIMIT)."""
     variable, default = LIMITS[name]
-    value = os.environ.get(variable, "")
-    return int(value) if value.isdigit() and int(value) > 0 else default
+    return int(env_number(variable, default, 1, LIMIT_MAX.get(name, MAX_LIMIT), integer=True))
+
+
+def pause_for_tests(point: str) -> None:
+    """Sleep here when ``AOTBUILD_TEST_PAUSE`` names ``point`` (tests only, :data:`ENV_TEST_PAUSE`)."""
+    if point and os.environ.get(ENV_TEST_PAUSE) == point:
+        import sys
+        import time
+
+        print(f"{ENV_TEST_PAUSE}: pausing at {point}", file=sys.stderr, flush=True)  # what the test waits for
+        time.sleep(PAUSE_SECONDS)
 
 
 #: Public keys (comma-separated ``.pub`` paths) whose signatures make an entry loadable: with any
@@ -75,12 +123,12 @@ def env_cache_root() -> str | None:
     return os.environ.get(ENV_CACHE) or None
 
 
+#: The longest AOTBUILD_LOCK_TIMEOUT may ask a process to wait for a lock: a day.
+MAX_LOCK_TIMEOUT = 86400.0
+
+
 def lock_timeout() -> float:
-    value = os.environ.get(ENV_LOCK_TIMEOUT)
-    try:
-        return float(value) if value else DEFAULT_LOCK_TIMEOUT
-    except ValueError:
-        return DEFAULT_LOCK_TIMEOUT
+    return env_number(ENV_LOCK_TIMEOUT, DEFAULT_LOCK_TIMEOUT, 0, MAX_LOCK_TIMEOUT)
 
 
 def env_max_size() -> str | None:

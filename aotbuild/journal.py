@@ -12,6 +12,11 @@ lifetime (``<cache>/tmp/j.*``), every digest it is about to store, before storin
   before it starts, and records what it removed in ``<cache>/logs/reclaimed.jsonl``, which
   ``aotbuild verify --json`` lists under ``notes``.
 
+A build killed with -9 also leaves its staging folders (``tmp/job-*``, ``tmp/load.*``: its children
+die with it, aotbuild/child.py): the next build, and the next writer, removes each one whose
+``.lock`` nobody holds, under that lock, and notes it in the same log, so ``verify`` is clean after
+the next command, without ``--fix``.
+
 A digest listed in a live journal is never removed: that writer may be about to name it, even if
 it found the blob already stored (content addressing shares blobs between entries).
 """
@@ -170,11 +175,47 @@ def reclaim(store: Store, digests: set[str], exclude: Path | None = None) -> lis
         return removed
 
 
+#: Staging folders a build makes in ``tmp/``, each locked by its ``.lock`` while the build lives.
+STAGING_PREFIXES = ("job-", "load.")
+#: Seconds a staging folder's ``.lock`` must have existed before it is taken for dead (its build
+#: creates the file, then locks it: a few microseconds in which it looks unlocked).
+STAGING_GRACE = 2.0
+
+
+def reclaim_staging(store: Store) -> list[str]:
+    """Remove the staging folders of builds that died (their ``.lock`` exists and nobody holds it),
+    each under its own lock, taken without waiting; returns their names. A folder without a
+    ``.lock``, or whose ``.lock`` is younger than STAGING_GRACE, is left alone: its build may be
+    between creating it and locking it."""
+    import shutil
+
+    from aotbuild.locks import flocked
+
+    removed = []
+    for folder in sorted(store.layout.tmp.iterdir()):
+        if not folder.name.startswith(STAGING_PREFIXES) or not store.layout.wrote(folder) or folder.is_symlink() \
+                or not folder.is_dir() or not (folder / ".lock").is_file() or not is_unlocked(folder / ".lock") \
+                or time.time() - (folder / ".lock").stat().st_mtime < STAGING_GRACE:
+            continue
+        try:
+            with flocked(folder / ".lock", exclusive=True, timeout=0):
+                shutil.rmtree(folder, ignore_errors=True)
+        except StoreError:  # taken meanwhile: not dead
+            continue
+        removed.append(folder.name)
+    return removed
+
+
 def reclaim_dead(store: Store) -> None:
-    """Reclaim the journals and temp files of writers that died (nobody holds their lock)."""
+    """Reclaim the journals, temp files and staging folders of writers that died (nobody holds
+    their lock)."""
     tmp = store.layout.tmp
     if not tmp.is_dir():
         return
+    with contextlib.suppress(OSError):
+        folders = reclaim_staging(store)
+        if folders:
+            _note(store, {"staging_folders": folders})
     dead = [p for p in tmp.glob(f"{PREFIX}*") if p.is_file() and is_unlocked(p)]
     stale_temp = [p for p in tmp.glob("w.*") if p.is_file() and is_unlocked(p)]
     if not dead and not stale_temp:

@@ -19,6 +19,9 @@ What keeps each job's entry complete and each job's failure its own:
   moving to the device) is that child's copy, never the next job's.
 - A job that crashes, is killed for memory or runs past its time limit ends its forked child; the
   next job forks from the loader (a time-out stops the loader too, and the next job starts another).
+- The loader dies with the builder, and each forked job with the loader, however either dies
+  (SIGKILL included): both ask for a parent-death signal (aotbuild/child.py ``guard``), the forked
+  job again after the fork, which drops it.
 - The loader never initialises CUDA (forked children could not use it) and runs torch on one thread
   until it forks: GNU OpenMP's thread pool does not survive a fork (a child that inherits it hangs
   in its first parallel op); each child sets the thread count back.
@@ -67,6 +70,7 @@ def _say(line: str) -> None:
 
 def serve(spec: dict[str, Any]) -> int:
     global _protocol
+    child.guard()  # dies with the builder (aotbuild/child.py)
     _protocol = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
     import torch
@@ -77,6 +81,7 @@ def serve(spec: dict[str, Any]) -> int:
     from aotbuild.recipes import recipe_from_spec
 
     started = time.perf_counter()
+    constants.pause_for_tests("loading")
     try:
         pipe = cpu_pipeline(recipe_from_spec(spec["recipe"]), Path(spec["cache_root"]))
         if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -93,10 +98,12 @@ def serve(spec: dict[str, Any]) -> int:
         job_path = line.strip()
         if not job_path:
             continue
+        loader = os.getpid()
         pid = os.fork()
         if pid == 0:  # the job
             code = 1
             try:
+                child.guard(loader)  # a forked child lost the loader's parent-death signal: dies with the loader
                 code = _job(Path(job_path), pipe, threads, seconds)
             except BaseException:  # before child.main took over (its spec unreadable): say why in the log
                 import traceback

@@ -161,7 +161,9 @@ def test_a_child_runs_as_ranks_through_torch_s_launcher_and_never_inherits_a_ran
 
     cmd = child.command("aotbuild.worker", "spec.json", ranks=2)
     launcher = cmd[1:] if sys.version_info >= (3, 11) else cmd[3:]
-    assert launcher[:3] == ["-P", "-m", "torch.distributed.run"] or launcher[0] == "torch.distributed.run"
+    # the launcher runs through aotbuild.child, which makes it die with its parent (issue 32, item 4)
+    assert launcher[:4] == ["-P", "-m", "aotbuild.child", "torch.distributed.run"] \
+        or launcher[:2] == ["aotbuild.child", "torch.distributed.run"]
     assert cmd[-3:] == ["-m", "aotbuild.worker", "spec.json"] and "--standalone" in cmd
     assert cmd[cmd.index("--nproc-per-node") + 1] == "2"
     assert child.command("aotbuild.worker", "spec.json")[-2:] == ["aotbuild.worker", "spec.json"]
