@@ -142,6 +142,8 @@ child.spawn("aotbuild.worker", {}, folder / "spec.json", folder / "log", ranks=r
 FORKER = """
 import os, sys, time
 from aotbuild import child
+if sys.argv[1] == "watchdog":  # as on a platform without a parent-death signal
+    child._parent_death_signal = lambda: False
 parent = os.getpid()
 if os.fork() == 0:
     child.guard(parent)  # what the loader's forked job does first
@@ -195,9 +197,11 @@ def test_a_spawned_child_and_a_launch_s_ranks_die_with_the_process_that_spawned_
     _kill_and_expect_none(proc, mark)
 
 
-def test_a_forked_child_that_asks_again_dies_with_the_process_that_forked_it():
+@pytest.mark.parametrize("how", ["signal", "watchdog"])
+def test_a_forked_child_that_asks_again_dies_with_the_process_that_forked_it(how):
+    """The loader's forked job: the parent-death signal (Linux), or the watchdog thread elsewhere."""
     mark = uuid.uuid4().hex
-    proc = _start(FORKER, mark)
+    proc = _start(FORKER, mark, how)
     assert proc.stdout is not None and proc.stdout.readline().strip() == b"forked"
     _wait_for(lambda: len(marked(mark)) == 2, "the forked child", 30)
     _kill_and_expect_none(proc, mark)
