@@ -137,3 +137,21 @@ def env_max_size() -> str | None:
 
 def env_allowed_options() -> str:
     return os.environ.get(ENV_ALLOW_OPTIONS, "")
+
+
+#: fsspec storage options for object-store remotes (s3://, gs://, az://), a JSON object; from the
+#: environment only: a repository's pyproject.toml cannot point a push at another endpoint or bucket.
+ENV_REMOTE_OPTIONS = "AOTBUILD_REMOTE_OPTIONS"
+#: An S3-compatible store's endpoint (botocore's own variable), used when the options name none.
+ENV_AWS_ENDPOINT = "AWS_ENDPOINT_URL"
+#: Tries per object-store request (1 to 20, default 3) and the first backoff in seconds (doubling).
+ENV_REMOTE_RETRIES = "AOTBUILD_REMOTE_RETRIES"
+ENV_REMOTE_BACKOFF = "AOTBUILD_REMOTE_BACKOFF"
+
+
+def env_remote_options() -> str:
+    return os.environ.get(ENV_REMOTE_OPTIONS, "")
+
+
+def env_aws_endpoint() -> str:
+    return os.environ.get(ENV_AWS_ENDPOINT, "")

@@ -99,8 +99,17 @@ def untrusted_on_remote(remote: Remote, keys: list[str], trusted: dict[str, byte
 
 
 def parse_remote(url: str) -> Remote:
-    """``file:///abs/path``, ``hf://owner/repo[@rev]`` or ``hf://datasets/owner/repo[@rev]``."""
+    """``file:///abs/path``, ``hf://owner/repo[@rev]``, ``hf://datasets/owner/repo[@rev]`` or an object
+    store's ``s3://``, ``gs://``, ``az://``/``abfs://``, ``memory://`` (aotbuild/remote_fsspec.py)."""
     url = url.strip()
+    if url.startswith("hf://buckets/") or url == "hf://buckets":
+        raise UsageError(f"remote {url!r}: hf://buckets/ is reserved for the Hub's storage buckets, which aotbuild "
+                         "does not read yet: use their S3 gateway as s3://bucket with AWS_ENDPOINT_URL")
+    from aotbuild.remote_fsspec import parse as parse_object_store
+
+    remote = parse_object_store(url)  # s3://, gs://, az://, abfs://, memory://
+    if remote is not None:
+        return remote
     if url.startswith("file://"):
         path = url[len("file://"):]
         if not path.startswith("/"):
@@ -112,8 +121,8 @@ def parse_remote(url: str) -> Remote:
         return HubRemote(url, match["repo"], repo_type, match["rev"])
     if url.startswith("hf://"):
         raise UsageError(f"remote {url!r}: expected hf://owner/repo[@revision] or hf://datasets/owner/repo[@revision]")
-    raise UsageError(f"{url!r} is not a remote: use file:///shared/folder or hf://owner/repo "
-                     f"(hf://datasets/owner/repo for a dataset repo)")
+    raise UsageError(f"{url!r} is not a remote: use file:///shared/folder, hf://owner/repo (hf://datasets/owner/repo "
+                     f"for a dataset repo), s3://bucket/prefix, gs://bucket/prefix or az://container/prefix")
 
 
 def pull_entry(remote: Remote, key: str, store: Store) -> str:

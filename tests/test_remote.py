@@ -48,7 +48,7 @@ def test_parse_remote(url, kind, expected):
 @pytest.mark.parametrize("url,message", [
     ("file://relative/dir", "three slashes"),
     ("hf://only-one-part", "hf://owner/repo"),
-    ("s3://bucket/x", "is not a remote"),
+    ("ftp://host/x", "is not a remote"),
 ])
 def test_bad_remote_urls_say_what_is_allowed(url, message):
     with pytest.raises(UsageError, match=message):

@@ -1,0 +1,342 @@
+"""Object-store remotes through fsspec: ``s3://``, ``gs://``, ``az://``/``abfs://`` and ``memory://``.
+
+    s3://bucket/prefix         S3 and S3-compatible stores (AWS_ENDPOINT_URL), through s3fs: aotbuild[s3]
+    gs://bucket/prefix         Google Cloud Storage, through gcsfs: aotbuild[gcs]
+    az://container/prefix      Azure Blob Storage (abfs:// too), through adlfs: aotbuild[azure]
+    memory://name/prefix       fsspec's in-process store (tests)
+
+The layout is the folder remote's: ``blobs/<2 hex>/<sha256>`` and ``manifests/<2 hex>/<key>.json``
+under the prefix. The same rules hold:
+
+- Blobs are content-addressed and uploaded before the manifest that names them, so a reader never
+  sees an entry whose blobs are missing; an interrupted push leaves at most unreferenced blobs. Blobs
+  and new manifests are written create-only where the store offers it (S3 ``If-None-Match: *``;
+  fsspec's ``mode="create"``); where it does not, the protocol is still safe by ordering and content
+  addressing (two pushers of one key write the same blob bytes). No remote locks.
+- A manifest a trusted key signed is never overwritten; one no trusted key signed may be replaced by
+  one a trusted key did, on S3 conditional on the version that was read (``If-Match``).
+- Pulls read the manifest (at most manifest.MAX_BYTES), then only the blobs the local cache lacks, in
+  bounded ranges, each hashed as it is written and refused unless it matches its name and size
+  (remote._ingest). Nothing is deserialised but the JSON manifest.
+- Credentials come from each store's own chain (environment, profile, instance metadata); aotbuild
+  never reads, writes or prints them, and the text of a store's errors is scrubbed of secrets before
+  it is shown. The endpoint and fsspec's storage options come from the environment only
+  (``AWS_ENDPOINT_URL``, ``AOTBUILD_REMOTE_OPTIONS``), never from a repository's pyproject.toml.
+- A store's failures (unreachable, throttled, a cut connection) are retried
+  ``AOTBUILD_REMOTE_RETRIES`` times with doubling backoff, then raise one RemoteError naming the
+  remote and why: a pull makes it a miss that says so, a push fails the build. Denied access and
+  missing objects are not retried.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from aotbuild import constants
+from aotbuild import manifest as codec
+from aotbuild.errors import RemoteError, StoreError, UsageError
+from aotbuild.layout import HEX64
+from aotbuild.manifest import Manifest, StaleManifest
+from aotbuild.remote import PushResult, Remote, _ingest
+from aotbuild.store import Entry, Store
+
+#: scheme -> (fsspec protocol, the package it needs, the extra that installs it)
+SCHEMES = {"s3": ("s3", "s3fs", "s3"), "gs": ("gcs", "gcsfs", "gcs"), "gcs": ("gcs", "gcsfs", "gcs"),
+           "az": ("az", "adlfs", "azure"), "abfs": ("abfs", "adlfs", "azure"), "memory": ("memory", None, None)}
+_URL = re.compile(r"^(?P<scheme>[a-z0-9]+)://(?P<bucket>[\w.-]+)(?P<prefix>(?:/[\w.=+-]+)*)/?$")
+#: Bytes fetched per ranged read of a blob.
+RANGE = 8 << 20
+#: Option names whose values are secrets: scrubbed from every message.
+_SECRET_NAME = re.compile(r"secret|token|password|key|credential|sas|connection|sig", re.I)
+_SECRET_ENV = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_ACCESS_KEY_ID", "AZURE_STORAGE_KEY",
+               "AZURE_STORAGE_SAS_TOKEN", "AZURE_STORAGE_CONNECTION_STRING", "AZURE_CLIENT_SECRET",
+               "GOOGLE_OAUTH_ACCESS_TOKEN")
+
+
+def parse(url: str) -> FsspecRemote | None:
+    """The object-store remote ``url`` names; None when its scheme is not an object store's."""
+    scheme = url.split("://", 1)[0] if "://" in url else ""
+    if scheme not in SCHEMES:
+        return None
+    match = _URL.match(url)
+    if not match or "@" in url or "?" in url:
+        raise UsageError(f"remote {_scrub(url)!r}: expected {scheme}://bucket[/prefix] (no credentials, no query: "
+                         "credentials come from the store's own chain, the endpoint from AWS_ENDPOINT_URL or "
+                         f"{constants.ENV_REMOTE_OPTIONS})")
+    protocol, package, extra = SCHEMES[scheme]
+    if package is not None and importlib.util.find_spec(package) is None:
+        raise UsageError(f"remote {url}: {package} is not installed: pip install 'aotbuild[{extra}]'")
+    root = (match["bucket"] + match["prefix"]).rstrip("/")
+    return FsspecRemote(url.rstrip("/"), protocol, root)
+
+
+def storage_options(protocol: str) -> dict[str, Any]:
+    """fsspec's options for ``protocol``: ``AOTBUILD_REMOTE_OPTIONS`` (a JSON object), with S3's
+    endpoint from ``AWS_ENDPOINT_URL`` when the options name none, and the store's own retries off
+    (ours are bounded and reported)."""
+    from aotbuild import safeio
+
+    text = constants.env_remote_options()
+    try:
+        options = safeio.loads_json(text, max_bytes=64 * 1024, max_depth=8) if text.strip() else {}
+    except ValueError as exc:
+        raise UsageError(f"{constants.ENV_REMOTE_OPTIONS}: not JSON ({_scrub(str(exc))})") from None
+    if not isinstance(options, dict):
+        raise UsageError(f"{constants.ENV_REMOTE_OPTIONS}: must be a JSON object of fsspec storage options")
+    options = dict(options)
+    if protocol == "s3":
+        client = dict(options.get("client_kwargs") or {})
+        endpoint = constants.env_aws_endpoint()
+        if endpoint and "endpoint_url" not in client and "endpoint_url" not in options:
+            client["endpoint_url"] = endpoint
+        options["client_kwargs"] = client
+        config = dict(options.get("config_kwargs") or {})
+        config.setdefault("retries", {"max_attempts": 1})
+        config.setdefault("connect_timeout", 10)
+        config.setdefault("read_timeout", 60)
+        options["config_kwargs"] = config
+    options.setdefault("skip_instance_cache", True)
+    options.setdefault("use_listings_cache", False)
+    return options
+
+
+def _secrets() -> list[str]:
+    out = [os.environ.get(name, "") for name in _SECRET_ENV]
+
+    def walk(value: Any, name: str = "") -> None:
+        if isinstance(value, dict):
+            for k, v in value.items():
+                walk(v, str(k))
+        elif isinstance(value, str) and _SECRET_NAME.search(name):
+            out.append(value)
+
+    try:
+        from aotbuild import safeio
+
+        walk(safeio.loads_json(constants.env_remote_options() or "{}", max_bytes=64 * 1024, max_depth=8))
+    except ValueError:
+        pass
+    return sorted({s for s in out if len(s) >= 4}, key=len, reverse=True)
+
+
+def _scrub(text: str) -> str:
+    """``text`` without credentials: known secret values, a URL's user part, signed-URL query values."""
+    for secret in _secrets():
+        text = text.replace(secret, "***")
+    text = re.sub(r"(://)[^/@\s]+@", r"\1***@", text)
+    text = re.sub(r"([?&][\w-]*(?:sig|signature|credential|token|key|security)[\w-]*=)[^&\s]+", r"\1***", text,
+                  flags=re.I)
+    return text
+
+
+def _why(exc: BaseException) -> str:
+    """One scrubbed line for ``exc``."""
+    lines = str(exc).strip().splitlines()
+    return _scrub(f"{type(exc).__name__}: {lines[0] if lines else ''}")[:300]
+
+
+class _Ranges:
+    """A blob on the store as a binary stream: ranged reads of at most RANGE bytes, each retried."""
+
+    def __init__(self, remote: FsspecRemote, path: str, limit: int):
+        self.remote, self.path, self.limit = remote, path, limit
+        self.pos, self.buf = 0, b""
+
+    def read(self, n: int = -1) -> bytes:
+        if not self.buf and self.pos < self.limit:
+            end = min(self.pos + max(n, RANGE), self.limit)
+            self.buf = self.remote._call(f"reading {self.path}", lambda: self.remote.fs.cat_file(
+                self.path, start=self.pos, end=end))
+            self.pos = end if len(self.buf) == end - self.pos else self.limit  # short: the object ended
+        n = len(self.buf) if n < 0 else n
+        out, self.buf = self.buf[:n], self.buf[n:]
+        return out
+
+
+class FsspecRemote(Remote):
+    """An object store through fsspec (see the module docstring)."""
+
+    def __init__(self, url: str, protocol: str, root: str):
+        self.url = url
+        self.protocol = protocol
+        self.root = root
+        self._fs: Any = None
+
+    @property
+    def fs(self) -> Any:
+        if self._fs is None:
+            import fsspec
+
+            self._fs = self._call("connecting", lambda: fsspec.filesystem(self.protocol,
+                                                                          **storage_options(self.protocol)))
+        return self._fs
+
+    def manifest_path(self, key: str) -> str:
+        return f"{self.root}/manifests/{key[:2]}/{key}.json"
+
+    def blob_path(self, digest: str) -> str:
+        return f"{self.root}/blobs/{digest[:2]}/{digest}"
+
+    def _call(self, what: str, fn: Callable[[], Any]) -> Any:
+        """``fn()``, retried with backoff on a store's transient failures; FileNotFoundError and
+        FileExistsError are the caller's; denied access and everything after the last try are one
+        RemoteError naming the remote (scrubbed of credentials)."""
+        tries = int(constants.env_number(constants.ENV_REMOTE_RETRIES, 3, 1, 20, integer=True))
+        delay = constants.env_number(constants.ENV_REMOTE_BACKOFF, 0.5, 0, 60)
+        for attempt in range(1, tries + 1):
+            try:
+                return fn()
+            except (FileNotFoundError, FileExistsError, UsageError):
+                raise
+            except PermissionError as exc:
+                raise RemoteError(f"{self.url}: {what} was denied ({_why(exc)}): check the credentials the "
+                                  "store's own chain provides (environment, profile, instance role)") from None
+            except ImportError as exc:
+                raise UsageError(f"{self.url}: {_why(exc)}") from None
+            except Exception as exc:  # the network, the store's throttling, a cut connection
+                if attempt == tries:
+                    raise RemoteError(f"{self.url}: {what} failed after {tries} tries: {_why(exc)}") from None
+                time.sleep(delay * 2 ** (attempt - 1))
+        raise AssertionError("unreachable")
+
+    def _check_bucket(self) -> None:
+        bucket = self.root.split("/", 1)[0]
+        if self.protocol != "memory" and not self._call("checking the bucket", lambda: self.fs.exists(bucket)):
+            raise RemoteError(f"{self.url}: no bucket {bucket!r} there (or these credentials cannot see it)")
+
+    def keys(self) -> set[str]:
+        folder = f"{self.root}/manifests"
+        try:
+            paths = self._call(f"listing {folder}", lambda: self.fs.find(folder))
+        except FileNotFoundError:
+            paths = []
+        if not paths:
+            self._check_bucket()  # an empty listing of a bucket that is not there is a typo, not an empty remote
+        names = (p.rsplit("/", 1)[-1] for p in paths)
+        return {n[:-5] for n in names if n.endswith(".json") and HEX64.match(n[:-5])}
+
+    def _manifest(self, key: str) -> tuple[Manifest | None, str | None]:
+        """(the manifest there, its version for a conditional replace) or (None, None) when it is not
+        there. Raises ManifestError/StaleManifest when it cannot be one; at most MAX_BYTES are read."""
+        path = self.manifest_path(key)
+        try:
+            version = None
+            if self.protocol == "s3":  # read before the content: a replace conditional on it is conservative
+                version = self._call(f"reading {path}", lambda: self.fs.info(path)).get("ETag")
+            raw = self._call(f"reading {path}", lambda: self.fs.cat_file(path, start=0, end=codec.MAX_BYTES + 1))
+        except FileNotFoundError:
+            return None, None
+        return codec.from_json(raw, key), version
+
+    def read_manifest(self, key: str) -> Manifest | None:
+        try:
+            return self._manifest(key)[0]
+        except ValueError:
+            return None
+
+    def fetch(self, key: str, store: Store) -> str:
+        try:
+            manifest, _ = self._manifest(key)
+        except StaleManifest as exc:
+            return f"refused: the remote's entry is stale ({exc})"
+        except ValueError as exc:
+            return f"refused: the remote's manifest is malformed ({exc})"
+        if manifest is None:
+            return "not on the remote"
+
+        def blobs(wanted: list[tuple[str, int]]) -> Iterator[tuple[str, BinaryIO]]:
+            for digest, size in wanted:
+                path = self.blob_path(digest)
+                reader = _Ranges(self, path, size + 1)  # one byte more than declared: a longer blob is refused
+                try:
+                    first = reader.read(0)
+                except FileNotFoundError:
+                    raise StoreError(f"blob {digest[:12]} is missing on the remote") from None
+                assert first == b""
+                yield digest, reader  # type: ignore[misc]
+
+        return _ingest(store, key, manifest, blobs)
+
+    def _put_new(self, what: str, put: Callable[[str], Any]) -> bool:
+        """``put(mode)`` create-only where the store offers it; False when the object was already there."""
+        try:
+            self._call(what, lambda: put("create"))
+        except FileExistsError:
+            return False
+        except NotImplementedError:
+            self._call(what, lambda: put("overwrite"))
+        return True
+
+    def _replace(self, key: str, data: bytes, version: str | None) -> bool:
+        """Replace the manifest of ``key``, on S3 only if it is still ``version``; False when it changed."""
+        path = self.manifest_path(key)
+        extra = {"IfMatch": version} if self.protocol == "s3" and version else {}
+
+        def put() -> None:
+            try:
+                self.fs.pipe_file(path, data, **extra)
+            except OSError as exc:  # s3fs: 412 Precondition Failed, someone else wrote it since
+                if "pre-condition" in str(exc) or "PreconditionFailed" in str(exc):
+                    raise FileExistsError(path) from None
+                raise
+
+        try:
+            self._call(f"writing {path}", put)
+        except FileExistsError:
+            return False
+        return True
+
+    def push(self, entries: list[Entry], progress: Callable[[str], None] | None = None,
+             workdir: Path | None = None, trusted: dict[str, bytes] | None = None) -> PushResult:
+        from aotbuild.signing import merge_signatures, supersedes
+
+        result = PushResult()
+        on_remote = self.keys()
+        for entry in entries:
+            there, version = None, None
+            if entry.key in on_remote:
+                try:
+                    there, version = self._manifest(entry.key)
+                except ValueError:
+                    there = None  # malformed there: replaced by ours
+            if there is not None and not (trusted and supersedes(entry.manifest, there, trusted)):
+                result.present.append(entry.key)
+                merged = merge_signatures(there, entry.manifest)
+                if merged is not None and self._replace(entry.key, merged.to_json().encode(), version):
+                    result.signed.append(entry.key)
+                continue
+            by_path = {item.path: item for item in entry.manifest.files}
+            for rel, blob in entry.files:
+                digest, size = by_path[rel].sha256, by_path[rel].size
+                target = self.blob_path(digest)
+                try:
+                    self._call(f"checking {target}", lambda t=target: self.fs.info(t))
+                    continue
+                except FileNotFoundError:
+                    pass
+                if self._put_new(f"uploading {target}",
+                                 lambda mode, b=blob, t=target: self.fs.put_file(str(b), t, mode=mode)):
+                    result.bytes_sent += size
+            data = entry.manifest.to_json().encode()
+            path = self.manifest_path(entry.key)
+            if entry.key in on_remote:  # superseded (or malformed there): replace what was read
+                if not self._replace(entry.key, data, version):
+                    raise RemoteError(f"{self.url}: the manifest of {entry.key[:12]} changed while it was "
+                                      "replaced; push again")
+                result.superseded.append(entry.key)
+            elif not self._put_new(f"writing {path}", lambda mode, p=path, d=data: self.fs.pipe_file(p, d, mode=mode)):
+                result.present.append(entry.key)  # another pusher's manifest landed first: it stays
+                continue
+            result.sent.append(entry.key)
+            if progress:
+                progress(entry.key)
+        return result
+
+
+__all__ = ["FsspecRemote", "SCHEMES", "parse", "storage_options"]

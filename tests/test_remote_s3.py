@@ -1,0 +1,343 @@
+"""Object-store remotes against a real S3 API server on the loopback: moto's ThreadedMotoServer, which
+s3fs speaks HTTP to as to AWS (and which enforces ``If-None-Match``/``If-Match`` and, when asked,
+credentials). Entries are small stand-ins (tests/standins.py): no compiles."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import uuid
+
+import pytest
+
+pytest.importorskip("s3fs")
+moto_server = pytest.importorskip("moto.server")
+
+from aotbuild import signing  # noqa: E402
+from aotbuild.errors import RemoteError, UsageError  # noqa: E402
+from aotbuild.remote import parse_remote, pull_entry  # noqa: E402
+from aotbuild.remote_fsspec import FsspecRemote, storage_options  # noqa: E402
+from aotbuild.store import Store  # noqa: E402
+from tests.conftest import REPO, run_cli  # noqa: E402
+from tests.standins import add_entry, entries, key_of  # noqa: E402
+
+SECRET = "wJalrXUtnFEMI-sekrit-K7MDENG"
+ACCESS = "AKIAH9TESTACCESS"
+
+
+@pytest.fixture(scope="module")
+def s3_server():
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    yield f"http://{host}:{port}"
+    server.stop()
+
+
+@pytest.fixture
+def s3(s3_server, monkeypatch):
+    """A fresh bucket on the module's server, with the S3 variables pointing there; its name."""
+    import boto3
+
+    for name, value in {"AWS_ENDPOINT_URL": s3_server, "AWS_ACCESS_KEY_ID": ACCESS, "AWS_SECRET_ACCESS_KEY": SECRET,
+                        "AWS_DEFAULT_REGION": "us-east-1", "AOTBUILD_REMOTE_RETRIES": "2",
+                        "AOTBUILD_REMOTE_BACKOFF": "0"}.items():
+        monkeypatch.setenv(name, value)
+    for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AOTBUILD_REMOTE_OPTIONS"):
+        monkeypatch.delenv(name, raising=False)
+    bucket = f"b-{uuid.uuid4().hex[:12]}"
+    boto3.client("s3", endpoint_url=s3_server).create_bucket(Bucket=bucket)
+    return bucket
+
+
+def _objects(remote: FsspecRemote, folder: str) -> list[str]:
+    return remote.fs.find(f"{remote.root}/{folder}")
+
+
+def test_urls_parse_to_object_stores_and_hf_buckets_is_reserved(monkeypatch):
+    for url, protocol, root in [("s3://bkt/a/b", "s3", "bkt/a/b"), ("memory://m", "memory", "m")]:
+        remote = parse_remote(url)
+        assert isinstance(remote, FsspecRemote) and (remote.protocol, remote.root) == (protocol, root)
+    with pytest.raises(UsageError, match="reserved for the Hub's storage buckets"):
+        parse_remote("hf://buckets/org/cache")
+    with pytest.raises(UsageError, match="no credentials"):
+        parse_remote(f"s3://{ACCESS}:{SECRET}@bkt/x")
+
+
+@pytest.mark.parametrize("url,package,extra", [("gs://b/p", "gcsfs", "gcs"), ("az://c/p", "adlfs", "azure"),
+                                               ("abfs://c/p", "adlfs", "azure"), ("s3://b/p", "s3fs", "s3")])
+def test_a_missing_extra_is_one_line_naming_it(url, package, extra, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == package else real(name, *a))
+    with pytest.raises(UsageError) as info:
+        parse_remote(url)
+    assert str(info.value) == f"remote {url}: {package} is not installed: pip install 'aotbuild[{extra}]'"
+
+
+def test_memory_remote_round_trip(tmp_path):
+    local = Store(tmp_path / "local")
+    a = add_entry(local, tmp_path, "a", {"x.so": b"kernel-a"})
+    remote = parse_remote(f"memory://t-{uuid.uuid4().hex[:8]}/cache")
+    assert remote.push(entries(local, a)).sent == [a] and remote.keys() == {a}
+    other = Store(tmp_path / "other")
+    assert remote.fetch(a, other) == "" and other.open_entry(a)[0] is not None
+
+
+def test_push_is_incremental_and_pull_fetches_only_what_is_missing(s3, tmp_path):
+    local = Store(tmp_path / "local")
+    a = add_entry(local, tmp_path, "a", {"k/x.so": b"kernel-a", "shared.py": b"same in both"})
+    b = add_entry(local, tmp_path, "b", {"k/y.so": b"kernel-b", "shared.py": b"same in both"})
+    remote = parse_remote(f"s3://{s3}/ci")
+    assert remote.keys() == set()
+    first = remote.push(entries(local, a))
+    assert first.sent == [a] and first.bytes_sent == len(b"kernel-a") + len(b"same in both")
+    second = remote.push(entries(local, a, b))
+    assert second.present == [a] and second.sent == [b] and second.bytes_sent == len(b"kernel-b")
+    assert remote.keys() == {a, b} and len(_objects(remote, "blobs")) == 3
+
+    other = Store(tmp_path / "other")
+    assert remote.fetch(a, other) == ""
+    read: list[str] = []
+    real = remote.fs.cat_file
+    remote.fs.cat_file = lambda path, **kw: read.append(path) or real(path, **kw)
+    assert remote.fetch(b, other) == ""  # the shared blob is already local: only kernel-b's blob is read
+    assert sum("/blobs/" in p for p in read) == 1 and sum("/manifests/" in p for p in read) == 1
+    entry, _ = other.open_entry(b)
+    assert entry is not None and {rel for rel, _ in entry.files} == {"k/y.so", "shared.py"}
+    assert remote.fetch(key_of("nope"), other) == "not on the remote"
+
+
+@pytest.mark.parametrize("damage", ["truncated", "replaced", "longer"])
+def test_a_damaged_blob_on_the_server_is_refused_and_nothing_is_stored(s3, tmp_path, damage):
+    local = Store(tmp_path / "local")
+    a = add_entry(local, tmp_path, "a", {"x.so": b"kernel-a", "y.so": b"kernel-b"})
+    remote = parse_remote(f"s3://{s3}/ci")
+    remote.push(entries(local, a))
+    victim = max(_objects(remote, "blobs"))  # fetched last: blobs are fetched in digest order
+    remote.fs.pipe_file(victim, {"truncated": b"kern", "replaced": b"kernel-X", "longer": b"kernel-XY"}[damage])
+    other = Store(tmp_path / "other")
+    why = remote.fetch(a, other)
+    assert why.startswith("refused") and victim.rsplit("/", 1)[1][:12] in why
+    assert not other.has(a)
+    assert [p for p in other.root.rglob("*") if p.is_file() and p.suffix != ".lock"] == []
+
+
+def test_a_pull_racing_a_push_sees_no_entry_until_its_blobs_are_there(s3, tmp_path):
+    local = Store(tmp_path / "local")
+    a = add_entry(local, tmp_path, "a", {"x.so": b"kernel-a", "y.so": b"kernel-b"})
+    pusher, reader = parse_remote(f"s3://{s3}/ci"), parse_remote(f"s3://{s3}/ci")
+    blobs_up, go_on = threading.Event(), threading.Event()
+    real = pusher.fs.pipe_file
+
+    def pipe_file(path, data, **kw):  # the manifest write: hold it until the reader has looked
+        blobs_up.set()
+        assert go_on.wait(60)
+        return real(path, data, **kw)
+
+    pusher.fs.pipe_file = pipe_file
+    thread = threading.Thread(target=pusher.push, args=(entries(local, a),))
+    thread.start()
+    assert blobs_up.wait(60)
+    other = Store(tmp_path / "other")
+    assert len(_objects(reader, "blobs")) == 2 and reader.keys() == set()
+    assert reader.fetch(a, other) == "not on the remote"
+    go_on.set()
+    thread.join(60)
+    assert reader.fetch(a, other) == "" and other.open_entry(a)[0] is not None
+
+
+PUSHER = textwrap.dedent("""
+    import sys
+    from pathlib import Path
+    from aotbuild.remote import parse_remote
+    from aotbuild.store import Store
+    local = Store(Path(sys.argv[1]))
+    found = [local.open_entry(m.key)[0] for m in local.iter_manifests()]
+    result = parse_remote(sys.argv[2]).push(found)
+    print("RESULT", len(result.sent), len(result.present), flush=True)
+""")
+
+
+def test_two_concurrent_pushers_of_the_same_keys_both_succeed(s3, tmp_path):
+    local = Store(tmp_path / "local")
+    keys = [add_entry(local, tmp_path, f"e{i}", {f"f{j}.so": os.urandom(5000) for j in range(3)}) for i in range(6)]
+    script = tmp_path / "pusher.py"
+    script.write_text(PUSHER)
+    url = f"s3://{s3}/ci"
+    procs = [subprocess.Popen([sys.executable, str(script), str(local.root), url], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+             for _ in range(2)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [o[1][-2000:] for o in outs]
+    sent = [int(o[0].split()[1]) for o in outs]
+    assert sum(sent) >= len(keys)  # each key sent by one of them at least (a manifest is written create-only)
+    remote = parse_remote(url)
+    assert remote.keys() == set(keys)
+    other = Store(tmp_path / "other")
+    assert all(remote.fetch(k, other) == "" for k in keys)
+
+
+def test_a_manifest_is_written_create_only(s3, tmp_path):
+    """Two pushers that both saw no manifest: the second's create-only write is refused by the server
+    (If-None-Match), and it reports the key as present instead of overwriting."""
+    local = Store(tmp_path / "local")
+    a = add_entry(local, tmp_path, "a", {"x.so": b"kernel-a"})
+    first, second = parse_remote(f"s3://{s3}/ci"), parse_remote(f"s3://{s3}/ci")
+    second.keys = lambda: set()  # it listed before the first one's manifest landed
+    assert first.push(entries(local, a)).sent == [a]
+    before = first.fs.info(first.manifest_path(a))["ETag"]
+    result = second.push(entries(local, a))
+    assert result.sent == [] and result.present == [a]
+    assert first.fs.info(first.manifest_path(a))["ETag"] == before
+
+
+def test_a_trusted_signed_manifest_is_never_overwritten_and_an_unsigned_one_gives_way(s3, tmp_path):
+    ci_key, ci_pub = signing.keygen(tmp_path / "keys" / "ci")
+    trusted = signing.load_trusted([ci_pub])
+    plain = Store(tmp_path / "plain")
+    a = add_entry(plain, tmp_path, "a", {"x.so": b"kernel-a"})
+    signed = Store(tmp_path / "signed")
+    add_entry(signed, tmp_path, "a", {"x.so": b"kernel-a"})
+    signed.put_manifest(signing.sign(signed.read_manifest(a), ci_key))
+    remote = parse_remote(f"s3://{s3}/ci")
+    assert remote.push(entries(plain, a), trusted=trusted).sent == [a]  # unsigned first
+    result = remote.push(entries(signed, a), trusted=trusted)
+    assert result.superseded == [a] and signing.check(remote.read_manifest(a), trusted) == ""
+    again = remote.push(entries(plain, a), trusted=trusted)  # an unsigned one never replaces it
+    assert again.present == [a] and signing.check(remote.read_manifest(a), trusted) == ""
+
+
+def test_a_replace_is_conditional_on_the_version_read(s3, tmp_path):
+    local = Store(tmp_path / "local")
+    a = add_entry(local, tmp_path, "a", {"x.so": b"kernel-a"})
+    remote = parse_remote(f"s3://{s3}/ci")
+    remote.push(entries(local, a))
+    _, version = remote._manifest(a)
+    remote.fs.pipe_file(remote.manifest_path(a), remote.read_manifest(a).to_json().encode() + b" ")  # changed since
+    assert remote._replace(a, b"{}", version) is False
+    assert remote.read_manifest(a) is not None
+
+
+def test_a_listing_of_10000_keys_is_paged(s3, tmp_path):
+    """Seeded on the server side (moto's backend, in this process): one listing, in pages of 1000."""
+    from moto.s3.models import s3_backends
+
+    backend = next(b for account in s3_backends.values() for b in account.values() if s3 in b.buckets)
+    keys = {key_of(f"k{i}") for i in range(10_000)}
+    for key in keys:
+        backend.put_object(s3, f"ci/manifests/{key[:2]}/{key}.json", b"{}")
+    remote = parse_remote(f"s3://{s3}/ci")
+    calls: list[str] = []
+    real = remote.fs._call_s3
+
+    async def counted(method, *args, **kwargs):
+        calls.append(method if isinstance(method, str) else method.__name__)
+        return await real(method, *args, **kwargs)
+
+    remote.fs._call_s3 = counted
+    assert remote.keys() == keys
+    assert calls.count("list_objects_v2") <= 11 and len(calls) <= 12, calls[:20]
+
+
+def test_a_server_that_stops_mid_pull_is_a_remote_error_naming_it(tmp_path, monkeypatch, s3_server):
+    import boto3
+
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    for name, value in {"AWS_ENDPOINT_URL": f"http://{host}:{port}", "AWS_ACCESS_KEY_ID": ACCESS,
+                        "AWS_SECRET_ACCESS_KEY": SECRET, "AWS_DEFAULT_REGION": "us-east-1",
+                        "AOTBUILD_REMOTE_RETRIES": "2", "AOTBUILD_REMOTE_BACKOFF": "0"}.items():
+        monkeypatch.setenv(name, value)
+    try:
+        boto3.client("s3", endpoint_url=f"http://{host}:{port}").create_bucket(Bucket="stops")
+        local = Store(tmp_path / "local")
+        a = add_entry(local, tmp_path, "a", {"x.so": b"kernel-a"})
+        remote = parse_remote("s3://stops/ci")
+        remote.push(entries(local, a))
+        real = remote.fs.cat_file
+
+        def cat_file(path, **kw):
+            if "/blobs/" in path:
+                server.stop()
+            return real(path, **kw)
+
+        remote.fs.cat_file = cat_file
+        other = Store(tmp_path / "other")
+        with pytest.raises(RemoteError) as info:
+            pull_entry(remote, a, other)
+    finally:
+        server.stop()
+    message = str(info.value)
+    assert message.startswith("s3://stops/ci: reading ") and "failed after 2 tries" in message
+    assert "\n" not in message and SECRET not in message
+    assert not other.has(a)
+
+
+def test_a_wrong_endpoint_and_denied_credentials_are_one_line_without_secrets(s3, tmp_path, monkeypatch):
+    import moto.settings
+
+    remote = parse_remote(f"s3://{s3}/ci")
+    monkeypatch.setattr(moto.settings, "INITIAL_NO_AUTH_ACTION_COUNT", 0)  # the server checks credentials now
+    with pytest.raises(RemoteError) as denied:
+        remote.keys()
+    monkeypatch.setattr(moto.settings, "INITIAL_NO_AUTH_ACTION_COUNT", float("inf"))
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # the discard port: nothing listens
+    with pytest.raises(RemoteError) as unreachable:
+        parse_remote(f"s3://{s3}/ci").keys()
+    for info, words in ((denied, "denied"), (unreachable, "failed after 2 tries")):
+        message = str(info.value)
+        assert message.startswith(f"s3://{s3}/ci: ") and words in message, message
+        assert "\n" not in message and SECRET not in message and ACCESS not in message
+
+
+def test_a_failed_push_fails_the_command_naming_the_remote_and_no_secret_is_printed(s3, tmp_path, monkeypatch):
+    """Through the CLI, in a project whose pyproject.toml tries to name another endpoint and bucket:
+    it cannot (only the environment and the command line do), and a push to a dead endpoint is exit 1."""
+    local = Store(tmp_path / "cache")
+    a = add_entry(local, tmp_path, "a", {"x.so": b"kernel-a"})
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "pyproject.toml").write_text(textwrap.dedent("""
+        [tool.aotbuild]
+        remote = "s3://attacker/x"
+        endpoint_url = "http://127.0.0.1:9"
+        remote_options = {client_kwargs = {endpoint_url = "http://127.0.0.1:9"}}
+    """))
+    env = {"AOTBUILD_REMOTE": f"s3://{s3}/ci"}
+    ok = run_cli("push", "--cache", str(local.root), env=env, cwd=project)
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    assert parse_remote(f"s3://{s3}/ci").keys() == {a}  # the environment's endpoint and bucket, not the file's
+    dead = run_cli("push", "--cache", str(local.root), "--remote", f"s3://{s3}/other",
+                   env={"AWS_ENDPOINT_URL": "http://127.0.0.1:9"}, cwd=project)
+    assert dead.returncode == 1, (dead.stdout, dead.stderr)
+    assert f"s3://{s3}/other" in dead.stderr and "failed after 2 tries" in dead.stderr
+    for proc in (ok, dead):
+        assert SECRET not in proc.stdout + proc.stderr and ACCESS not in proc.stdout + proc.stderr
+
+
+def test_storage_options_come_from_the_environment(monkeypatch):
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:1234")
+    monkeypatch.setenv("AOTBUILD_REMOTE_OPTIONS", '{"anon": true}')
+    options = storage_options("s3")
+    assert options["anon"] is True and options["client_kwargs"]["endpoint_url"] == "http://127.0.0.1:1234"
+    monkeypatch.setenv("AOTBUILD_REMOTE_OPTIONS", '{"client_kwargs": {"endpoint_url": "http://x:1"}}')
+    assert storage_options("s3")["client_kwargs"]["endpoint_url"] == "http://x:1"
+    monkeypatch.setenv("AOTBUILD_REMOTE_OPTIONS", "[1]")
+    with pytest.raises(UsageError, match="AOTBUILD_REMOTE_OPTIONS"):
+        storage_options("s3")
+
+
+def test_a_secret_in_the_options_never_reaches_a_message(monkeypatch):
+    from aotbuild.remote_fsspec import _scrub
+
+    monkeypatch.setenv("AOTBUILD_REMOTE_OPTIONS", '{"secret": "opt-secret-123", "key": "opt-key-456"}')
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET)
+    text = _scrub(f"boom opt-secret-123 opt-key-456 {SECRET} https://u:p@h/x?X-Amz-Signature=abc&b=1")
+    assert not any(s in text for s in ("opt-secret-123", "opt-key-456", SECRET, "u:p@", "abc"))
+
