@@ -42,7 +42,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from aotbuild import constants
+from aotbuild import constants, side_channels
 
 #: tick(seconds since ``started``, the child's phase): called about twice a second while it runs.
 Tick = Callable[[float, str], None]
@@ -94,6 +94,7 @@ def environment(extra: Mapping[str, str | None]) -> dict[str, str]:
     for name in os.environ.get(constants.ENV_QUIETED, "").split(","):
         if name.endswith("_VERBOSITY"):
             env.pop(name, None)
+    side_channels.scrub(env)  # no remote compiler cache in a build's children (aotbuild/side_channels.py)
     return {k: v for k, v in env.items() if v is not None}
 
 

@@ -136,8 +136,10 @@ cache_option = click.option("--cache", "cache", envvar=constants.ENV_CACHE, type
                             help="Cache root (default: AOTBUILD_CACHE, then [tool.aotbuild] cache in the nearest "
                                  "pyproject.toml, then ~/.cache/aotbuild).")
 json_option = click.option("--json", "as_json", is_flag=True, help="Machine-readable output (docs/cli.md).")
-shard_option = click.option("--shard", "shard", metavar="I/N",
-                            help="Only shard I of N (1-based) of the full job list: one per CI runner (docs/ci.md).")
+shard_option = click.option("--shard", "shard", metavar="I/N|auto",
+                            help="Only shard I of N (1-based) of the full job list: one per CI runner; `auto`: I and N "
+                                 "from the scheduler (GitLab, Buildkite, Kubernetes, Slurm, AWS/Google Batch; "
+                                 "docs/ci.md).")
 
 
 def _no_cache(root: Any, as_json: bool, empty: dict[str, Any]) -> bool:
@@ -242,11 +244,11 @@ def build(recipes: tuple[str, ...], cache: str | None, as_json: bool, shard: str
 
     from aotbuild.builder import BUILT, CACHED
     from aotbuild.builder import build as run_build
-    from aotbuild.planner import parse_shard
+    from aotbuild.shards import resolve
 
     target = _remote(remote)
     report = run_build(list(recipes), cache, progress=None if as_json else _progress(), sign_key=sign_key,
-                       shard=parse_shard(shard) if shard else None, remote=target, retry_failed=retry_failed)
+                       shard=resolve(shard) if shard else None, remote=target, retry_failed=retry_failed)
     pushed = None
     if target is not None:
         from aotbuild.signing import public_of
@@ -397,9 +399,12 @@ def plan(recipes: tuple[str, ...], cache: str | None, as_json: bool, fail_on_mis
 
     from aotbuild.errors import RecipeError
     from aotbuild.layout import resolve_cache_root
-    from aotbuild.planner import FAILED_BEFORE, HIT, MISS, parse_shard, shard_jobs
+    from aotbuild.planner import FAILED_BEFORE, HIT, MISS, identity, shard_jobs
     from aotbuild.planner import plan as run_plan
     from aotbuild.recipes import load_recipes
+    from aotbuild.shards import list_digest, resolve, summary
+
+    picked = resolve(shard) if shard else None  # a bad --shard (auto with no scheduler) fails before planning
 
     # Every bad recipe of a folder is reported, and the good ones planned: three bad recipes, one run.
     bad: list[RecipeError] = []
@@ -411,8 +416,10 @@ def plan(recipes: tuple[str, ...], cache: str | None, as_json: bool, fail_on_mis
         except RecipeError as exc:  # what plan checks against the model (warmup keys, adapters)
             bad.append(exc)
     jobs.sort(key=lambda j: (j.key is None, j.key or "", j.label))
-    if shard:
-        jobs = shard_jobs(jobs, *parse_shard(shard))
+    sharded = None
+    if picked is not None:
+        everything, jobs = jobs, shard_jobs(jobs, *picked)
+        sharded = summary(picked, len(jobs), len(everything), list_digest(identity(j) for j in everything))
     target = _remote(remote)
     if target is not None and any(j.status in (MISS, FAILED_BEFORE) for j in jobs):
         from aotbuild.remote import untrusted_on_remote
@@ -428,7 +435,7 @@ def plan(recipes: tuple[str, ...], cache: str | None, as_json: bool, fail_on_mis
                 else replace(j, status=REMOTE, reason=f"on {target.url}") if j.key in needed else j for j in jobs]
     if as_json:
         _emit_json({"cache": str(resolve_cache_root(cache)), "remote": target.url if target else None,
-                    "jobs": [j.as_json() for j in jobs]})
+                    **({"shard": sharded} if sharded else {}), "jobs": [j.as_json() for j in jobs]})
     else:
         rows = [[j.recipe.name, j.component + _rank_text(j.factors), str(j.shape), j.recipe.strategy,
                  j.key[:12] if j.key else "-", j.status,

@@ -139,6 +139,41 @@ def env_allowed_options() -> str:
     return os.environ.get(ENV_ALLOW_OPTIONS, "")
 
 
+#: ``--shard auto`` (aotbuild/shards.py): the count of a Kubernetes Indexed Job's shards (its
+#: ``completions``; Kubernetes puts only the index in a pod's environment).
+ENV_SHARD_COUNT = "AOTBUILD_SHARD_COUNT"
+#: The schedulers' own variables ``--shard auto`` reads: (index, count) each.
+GITLAB_SHARD_VARIABLES = ("CI_NODE_INDEX", "CI_NODE_TOTAL")  # 1-based
+BUILDKITE_SHARD_VARIABLES = ("BUILDKITE_PARALLEL_JOB", "BUILDKITE_PARALLEL_JOB_COUNT")  # 0-based
+KUBERNETES_SHARD_VARIABLES = ("JOB_COMPLETION_INDEX", ENV_SHARD_COUNT)  # 0-based
+AWS_BATCH_SHARD_VARIABLES = ("AWS_BATCH_JOB_ARRAY_INDEX", "AWS_BATCH_JOB_ARRAY_SIZE")  # 0-based
+GCP_BATCH_SHARD_VARIABLES = ("BATCH_TASK_INDEX", "BATCH_TASK_COUNT")  # 0-based
+#: A Slurm array task: its id, the array's count, min, max and step (in that order).
+SLURM_ARRAY_VARIABLES = ("SLURM_ARRAY_TASK_ID", "SLURM_ARRAY_TASK_COUNT", "SLURM_ARRAY_TASK_MIN",
+                         "SLURM_ARRAY_TASK_MAX", "SLURM_ARRAY_TASK_STEP")
+
+#: Set to 1: build jobs keep the compiler's remote-cache variables (REMOTE_COMPILER_CACHE_VARIABLES),
+#: which are otherwise removed from their environment (aotbuild/side_channels.py); the variables
+#: kept are then a key factor.
+ENV_ALLOW_REMOTE_COMPILER_CACHE = "AOTBUILD_ALLOW_REMOTE_COMPILER_CACHE"
+#: What makes torch or Triton read or write a cache outside the entry (torch/_inductor/config.py,
+#: remote_cache.py, _functorch/config.py, _dynamo/config.py, torch/compiler/config.py; Triton's knobs):
+#: a side channel that can fill or skip what an entry captures.
+REMOTE_COMPILER_CACHE_VARIABLES = (
+    "TORCHINDUCTOR_FX_GRAPH_REMOTE_CACHE", "TORCHINDUCTOR_AUTOTUNE_REMOTE_CACHE",
+    "TORCHINDUCTOR_BUNDLED_AUTOTUNE_REMOTE_CACHE", "TORCHINDUCTOR_AUTOGRAD_REMOTE_CACHE",
+    "TORCHINDUCTOR_NON_BLOCKING_REMOTE_CACHE_WRITE", "TORCHINDUCTOR_REDIS_URL", "TORCHINDUCTOR_REDIS_HOST",
+    "TORCHINDUCTOR_REDIS_PORT", "TORCH_DYNAMO_AUTOMATIC_DYNAMIC_REMOTE_PGO", "TORCH_COMPILE_STICKY_PGO_KEY",
+    "TORCH_COMPILE_STICKY_PGO_READ", "TORCH_COMPILE_STICKY_PGO_WRITE", "TORCH_COMPILE_JOB_ID",
+    "TRITON_CACHE_MANAGER", "TRITON_REMOTE_CACHE_BACKEND")
+#: ... and any variable with one of these prefixes (torch's and Triton's future remote caches).
+REMOTE_COMPILER_CACHE_PREFIXES = ("TORCHINDUCTOR_REMOTE_", "TRITON_REMOTE_")
+
+
+def env_allow_remote_compiler_cache() -> bool:
+    return os.environ.get(ENV_ALLOW_REMOTE_COMPILER_CACHE, "") == "1"
+
+
 #: fsspec storage options for object-store remotes (s3://, gs://, az://), a JSON object; from the
 #: environment only: a repository's pyproject.toml cannot point a push at another endpoint or bucket.
 ENV_REMOTE_OPTIONS = "AOTBUILD_REMOTE_OPTIONS"
@@ -155,3 +190,12 @@ def env_remote_options() -> str:
 
 def env_aws_endpoint() -> str:
     return os.environ.get(ENV_AWS_ENDPOINT, "")
+#: The object stores' own credential variables: never used by aotbuild, read only so that their
+#: values can be scrubbed from a store's error text before it is shown (aotbuild/remote_fsspec.py).
+SECRET_ENV = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_ACCESS_KEY_ID", "AZURE_STORAGE_KEY",
+              "AZURE_STORAGE_SAS_TOKEN", "AZURE_STORAGE_CONNECTION_STRING", "AZURE_CLIENT_SECRET",
+              "GOOGLE_OAUTH_ACCESS_TOKEN")
+
+
+def env_secrets() -> list[str]:
+    return [os.environ.get(name, "") for name in SECRET_ENV]

@@ -54,12 +54,18 @@ __all__ = ["Context", "Unavailable", "environment_factors", "job_factors", "job_
 def environment_factors() -> dict[str, Any]:
     import torch
 
+    from aotbuild import side_channels
+
+    # A remote compiler cache kept on purpose (AOTBUILD_ALLOW_REMOTE_COMPILER_CACHE=1) is a factor;
+    # otherwise build jobs never see one, and keys are unchanged (aotbuild/side_channels.py).
+    remote_cache = side_channels.factors()
     return {
         "torch": torch.__version__,
         "torch_build": getattr(torch.version, "git_version", None),
         "diffusers": _version("diffusers"),
         "transformers": _version("transformers"),
         "python": f"{sys.version_info.major}.{sys.version_info.minor}",
+        **({"remote_compiler_cache": remote_cache} if remote_cache else {}),
     }
 
 

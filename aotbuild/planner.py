@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from aotbuild import constants, keys, models, pipecall
+from aotbuild import constants, keys, models, pipecall, shards
 from aotbuild.context import Context, Unavailable
 from aotbuild.explain import Entries, estimate, explain_miss
 from aotbuild.layout import resolve_cache_root
@@ -172,30 +172,36 @@ def _check_shardable(recipe: Recipe, model: models.ResolvedModel) -> None:
 
 
 def parse_shard(text: str) -> tuple[int, int]:
-    """``"I/N"`` (1-based) -> (I, N)."""
-    from aotbuild.errors import UsageError
-
-    head, _, tail = text.partition("/")
-    try:
-        index, count = int(head), int(tail)
-    except ValueError:
-        raise UsageError(f"--shard {text!r}: expected I/N, e.g. 2/4") from None
-    if count < 1 or not 1 <= index <= count:
-        raise UsageError(f"--shard {text!r}: I must be between 1 and N")
-    return index, count
+    """``"I/N"`` (1-based) -> (I, N) (aotbuild/shards.py; ``--shard auto``: ``shards.resolve``)."""
+    return shards.parse_shard(text)
 
 
-def shard_jobs(jobs: list[Job], index: int, count: int) -> list[Job]:
+def identity(job: Job) -> str:
+    """The job's host-independent identity (shards.job_identity): recipe, component, shape."""
+    return shards.job_identity(job.recipe.name, job.component, str(job.shape))
+
+
+def shard_jobs(jobs: list[Job], index: int, count: int, source: str = "") -> list[Job]:
     """The jobs of shard ``index`` of ``count`` (1-based), decided before any job is dropped as a hit.
 
-    The distinct keys of the full job list, sorted, are dealt round-robin: key number k (0-based)
-    goes to shard k % count + 1. Every runner of a CI matrix computes the same split whatever its own
-    cache holds, each key is built by exactly one shard (two recipes sharing a job share its shard),
-    and runners get a balanced count. Jobs without a key (unavailable here) go to shard 1."""
-    # A tensor-parallel job's ranks are built in one launch: they go to one shard, by their rank 0's key.
-    order = {key: k for k, key in enumerate(sorted({j.group for j in jobs if j.group}))}
-    return [j for j in jobs if (order[j.group] % count if j.group else 0) == index - 1]
+    The distinct job identities of the full job list (recipe, component, shape: never the key, which
+    holds host facts such as the CPU's ISA), sorted, are dealt round-robin: identity number k
+    (0-based) goes to shard k % count + 1. Every runner of a CI matrix computes the same split
+    whatever its own cache holds and whatever its CPU, each job is in exactly one shard (a
+    tensor-parallel job's ranks share an identity: one launch, one shard), and runners get a
+    balanced count. Logs (logger ``aotbuild``) this shard's count and the digest of the full list,
+    so that two shards' logs show whether they split the same list; ``source`` says where
+    (index, count) came from."""
+    import logging
+
+    names = [identity(j) for j in jobs]
+    mine = shards.deal(names, index, count)
+    picked = [j for j, name in zip(jobs, names, strict=True) if name in mine]
+    logging.getLogger("aotbuild").info(
+        "shard %d/%d%s: %d of %d jobs (job list digest %s)", index, count, f" from {source}" if source else "",
+        len(picked), len(jobs), shards.list_digest(names))
+    return picked
 
 
-__all__ = ["Job", "plan", "jobs_for", "parse_shard", "shard_jobs", "HIT", "MISS", "UNAVAILABLE", "FAILED_BEFORE",
-           "RETRY_HINT"]
+__all__ = ["Job", "plan", "jobs_for", "parse_shard", "shard_jobs", "identity", "HIT", "MISS", "UNAVAILABLE",
+           "FAILED_BEFORE", "RETRY_HINT"]

@@ -1,0 +1,231 @@
+"""``--shard auto`` (aotbuild/shards.py): each scheduler's variables give every worker its own shard,
+the shards partition the plan by job identity (never by key: keys hold the host's ISA), and a
+worker that finds no scheduler, half of one, a non-contiguous Slurm array or two schedulers that
+disagree is refused (exit 2) instead of building everything. Builds use stand-in compiles."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from aotbuild import builder
+from aotbuild.builder import FAILED, JobResult
+from aotbuild.errors import UsageError
+from aotbuild.shards import Shard, from_environment
+from tests.conftest import REPO, TINY_DICT, invoke_cli, run_cli
+
+#: Every variable --shard auto reads: each worker's environment starts with none of them.
+ALL_VARIABLES = ("CI_NODE_INDEX", "CI_NODE_TOTAL", "BUILDKITE_PARALLEL_JOB", "BUILDKITE_PARALLEL_JOB_COUNT",
+                 "JOB_COMPLETION_INDEX", "AOTBUILD_SHARD_COUNT", "SLURM_ARRAY_TASK_ID", "SLURM_ARRAY_TASK_COUNT",
+                 "SLURM_ARRAY_TASK_MIN", "SLURM_ARRAY_TASK_MAX", "SLURM_ARRAY_TASK_STEP", "AWS_BATCH_JOB_ARRAY_INDEX",
+                 "AWS_BATCH_JOB_ARRAY_SIZE", "BATCH_TASK_INDEX", "BATCH_TASK_COUNT")
+
+
+def workers(scheduler: str, n: int) -> list[dict[str, str]]:
+    """The environments a scheduler gives its n workers (as its documentation says it does)."""
+    if scheduler == "gitlab":
+        return [{"CI_NODE_INDEX": str(i + 1), "CI_NODE_TOTAL": str(n)} for i in range(n)]
+    if scheduler == "buildkite":
+        return [{"BUILDKITE_PARALLEL_JOB": str(i), "BUILDKITE_PARALLEL_JOB_COUNT": str(n)} for i in range(n)]
+    if scheduler == "kubernetes":
+        return [{"JOB_COMPLETION_INDEX": str(i), "AOTBUILD_SHARD_COUNT": str(n)} for i in range(n)]
+    if scheduler == "slurm":  # sbatch --array=10-(10+3(n-1)):3
+        return [{"SLURM_ARRAY_TASK_ID": str(10 + 3 * i), "SLURM_ARRAY_TASK_COUNT": str(n),
+                 "SLURM_ARRAY_TASK_MIN": "10", "SLURM_ARRAY_TASK_MAX": str(10 + 3 * (n - 1)),
+                 "SLURM_ARRAY_TASK_STEP": "3"} for i in range(n)]
+    if scheduler == "aws-batch":
+        return [{"AWS_BATCH_JOB_ARRAY_INDEX": str(i), "AWS_BATCH_JOB_ARRAY_SIZE": str(n)} for i in range(n)]
+    assert scheduler == "gcp-batch"
+    return [{"BATCH_TASK_INDEX": str(i), "BATCH_TASK_COUNT": str(n)} for i in range(n)]
+
+
+SCHEDULERS = ["gitlab", "buildkite", "kubernetes", "slurm", "aws-batch", "gcp-batch"]
+
+
+@pytest.mark.parametrize("scheduler", SCHEDULERS)
+def test_each_scheduler_gives_each_worker_its_own_shard(scheduler):
+    found = [from_environment(env) for env in workers(scheduler, 5)]
+    assert [(s.index, s.count) for s in found] == [(i, 5) for i in range(1, 6)]
+
+
+@pytest.fixture
+def recipes(tmp_path) -> Path:
+    """Three recipes, seven jobs, no two with the same key (each shape is used once)."""
+    folder = tmp_path / "recipes"
+    folder.mkdir()
+    shapes = [[(64, 64), (64, 96)], [(96, 64), (96, 96)], [(32, 32), (32, 64), (64, 32)]]
+    for name, sizes in zip("abc", shapes, strict=True):
+        data = {**TINY_DICT, "strategy": "jit-cache",
+                "shapes": [{"height": h, "width": w} for h, w in sizes]}
+        (folder / f"{name}.yaml").write_text(json.dumps(data))  # JSON is YAML
+    return folder
+
+
+def _plan(cache: Path, recipes: Path, *args: str, env: dict[str, str] | None = None):
+    clean = {name: None for name in ALL_VARIABLES}  # CliRunner: None unsets
+    return invoke_cli("plan", "--json", "--cache", str(cache), str(recipes), *args, env={**clean, **(env or {})})
+
+
+def _jobs(proc) -> list[tuple[str, str, str]]:
+    assert proc.returncode == 0, proc.stderr
+    return [(j["recipe"], j["component"], json.dumps(j["shape"], sort_keys=True))
+            for j in json.loads(proc.stdout)["jobs"]]
+
+
+@pytest.mark.parametrize("scheduler", SCHEDULERS)
+def test_n_auto_workers_partition_the_plan_exactly(scheduler, cache, recipes):
+    everything = _jobs(_plan(cache, recipes))
+    assert len(everything) == 7
+    for n in (1, 3, 7, 9):
+        outs = [_plan(cache, recipes, "--shard", "auto", env=env) for env in workers(scheduler, n)]
+        shards = [_jobs(p) for p in outs]
+        assert sorted(sum(shards, [])) == sorted(everything)  # every job once: none twice, none missing
+        assert max(map(len, shards)) - min(map(len, shards)) <= 1  # balanced
+        info = [json.loads(p.stdout)["shard"] for p in outs]
+        assert len({i["digest"] for i in info}) == 1 and [i["index"] for i in info] == list(range(1, n + 1))
+        assert all(i["of"] == 7 and i["jobs"] == len(s) for i, s in zip(info, shards, strict=True))
+        assert all(f"of 7 jobs (job list digest {info[0]['digest']})" in p.stderr for p in outs)  # in the log
+
+
+def test_auto_workers_as_subprocesses_split_the_plan(cache, recipes):
+    """Two workers of a Kubernetes Indexed Job as processes of their own (the variables in their
+    real environment): the same partition."""
+    everything = _jobs(_plan(cache, recipes))
+    shards = [_jobs(run_cli("plan", "--json", "--cache", str(cache), str(recipes), "--shard", "auto", env=env))
+              for env in workers("kubernetes", 2)]
+    assert sorted(sum(shards, [])) == sorted(everything) and all(shards)
+
+
+@pytest.mark.parametrize("env,says", [
+    ({}, "no scheduler's shard variables are set (looked for CI_NODE_INDEX"),
+    ({"CI_NODE_INDEX": "2"}, "CI_NODE_INDEX is set but CI_NODE_TOTAL is not"),
+    ({"BUILDKITE_PARALLEL_JOB_COUNT": "4"}, "BUILDKITE_PARALLEL_JOB_COUNT is set but BUILDKITE_PARALLEL_JOB is not"),
+    ({"JOB_COMPLETION_INDEX": "0"}, "JOB_COMPLETION_INDEX is set but AOTBUILD_SHARD_COUNT is not (Kubernetes"),
+    ({"AOTBUILD_SHARD_COUNT": "4"}, "AOTBUILD_SHARD_COUNT is set but JOB_COMPLETION_INDEX is not"),
+    ({"AWS_BATCH_JOB_ARRAY_INDEX": "3"}, "AWS_BATCH_JOB_ARRAY_INDEX is set but AWS_BATCH_JOB_ARRAY_SIZE is not"),
+    ({"BATCH_TASK_COUNT": "3"}, "BATCH_TASK_COUNT is set but BATCH_TASK_INDEX is not"),
+    ({"SLURM_ARRAY_TASK_ID": "3"}, "SLURM_ARRAY_TASK_COUNT, SLURM_ARRAY_TASK_MIN not set"),
+    # sbatch --array=1,3,7: three tasks between 1 and 7, step 1
+    ({"SLURM_ARRAY_TASK_ID": "3", "SLURM_ARRAY_TASK_COUNT": "3", "SLURM_ARRAY_TASK_MIN": "1",
+      "SLURM_ARRAY_TASK_MAX": "7"}, "the Slurm array is not contiguous (--array=A-B or A-B:S): SLURM_ARRAY_TASK_ID=3, "
+                                    "SLURM_ARRAY_TASK_COUNT=3, SLURM_ARRAY_TASK_MIN=1, SLURM_ARRAY_TASK_MAX=7"),
+    ({"SLURM_ARRAY_TASK_ID": "5", "SLURM_ARRAY_TASK_COUNT": "3", "SLURM_ARRAY_TASK_MIN": "1",
+      "SLURM_ARRAY_TASK_STEP": "3"}, "not contiguous"),  # --array=1-7:3 has tasks 1, 4, 7
+    ({"CI_NODE_INDEX": "5", "CI_NODE_TOTAL": "4"}, "CI_NODE_INDEX=5 is outside 1..4"),
+    ({"BUILDKITE_PARALLEL_JOB": "4", "BUILDKITE_PARALLEL_JOB_COUNT": "4"}, "outside 0..3"),
+    ({"BATCH_TASK_INDEX": "x1", "BATCH_TASK_COUNT": "4"}, "BATCH_TASK_INDEX='x1' is not a whole number"),
+    ({"CI_NODE_INDEX": "1", "CI_NODE_TOTAL": "2", "JOB_COMPLETION_INDEX": "1", "AOTBUILD_SHARD_COUNT": "2"},
+     "schedulers disagree: GitLab (CI_NODE_INDEX=1, CI_NODE_TOTAL=2) says 1/2; Kubernetes (JOB_COMPLETION_INDEX=1, "
+     "AOTBUILD_SHARD_COUNT=2) says 2/2"),
+])
+def test_auto_refuses_what_would_build_the_wrong_share(env, says, cache, recipes):
+    proc = _plan(cache, recipes, "--shard", "auto", env=env)
+    assert proc.returncode == 2
+    assert says in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    assert not proc.stdout.strip()  # nothing planned, nothing printed as if it were the shard's list
+
+
+def test_agreeing_schedulers_and_gitlab_without_parallel_are_accepted():
+    both = {"CI_NODE_INDEX": "2", "CI_NODE_TOTAL": "2", "JOB_COMPLETION_INDEX": "1", "AOTBUILD_SHARD_COUNT": "2"}
+    assert from_environment(both)[:2] == (2, 2)
+    assert from_environment({"CI_NODE_TOTAL": "1"})[:2] == (1, 1)  # GitLab sets it to 1 for a job without parallel:
+    with pytest.raises(UsageError, match="CI_NODE_TOTAL is set but CI_NODE_INDEX is not"):
+        from_environment({"CI_NODE_TOTAL": "3"})
+
+
+def test_the_partition_is_the_same_on_an_avx2_and_an_avx512_runner(cache, recipes, monkeypatch):
+    """A matrix whose runners differ in ISA: keys differ, each job is still in exactly one shard."""
+    import torch
+
+    from aotbuild.planner import plan, shard_jobs
+
+    def jobs_on(isa: str):
+        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: isa)
+        return plan(str(recipes), cache)
+
+    avx2, avx512 = jobs_on("AVX2"), jobs_on("AVX512")
+    assert {j.key for j in avx2}.isdisjoint({j.key for j in avx512})  # the host factor is in every key
+    for n in (2, 3, 4):
+        # runners 1..n-1 land on AVX2 machines, the last on AVX-512: the union is still the plan, once each
+        split = [shard_jobs(avx2 if i < n else avx512, i, n) for i in range(1, n + 1)]
+        names = sorted((j.recipe.name, str(j.shape)) for s in split for j in s)
+        assert names == sorted((j.recipe.name, str(j.shape)) for j in avx2)
+
+
+def _build(cache: Path, recipes: Path, remote: Path, env: dict[str, str]):
+    clean = {name: None for name in ALL_VARIABLES}
+    return invoke_cli("build", "--json", "--cache", str(cache), str(recipes), "--shard", "auto",
+                      "--push", remote.as_uri(), env={**clean, **env})
+
+
+def _fresh_cache(models_dir: Path, path: Path) -> Path:
+    shutil.copytree(models_dir / "models", path / "models")
+    return path
+
+
+def test_auto_shards_build_the_plan_once_and_a_rerun_builds_only_what_the_remote_lacks(
+        models_dir, recipes, fake_compiles, tmp_path):
+    remote = tmp_path / "remote"
+    remote.mkdir()
+    envs = workers("gitlab", 3)
+    for i, env in enumerate(envs):
+        assert _build(_fresh_cache(models_dir, tmp_path / f"runner{i}"), recipes, remote, env).returncode == 0
+    from aotbuild.remote import parse_remote
+    from aotbuild.store import Store
+
+    assert len(fake_compiles) == 7 and len(set(fake_compiles)) == 7  # every job, each once
+    assert parse_remote(remote.as_uri()).keys() == set(fake_compiles)  # and all pushed
+    # Shard 2's runner was preempted after building one job and before its push: that entry is lost
+    # from the remote. Its rerun, on a fresh runner, compiles only that one.
+    lost = fake_compiles[3]  # shard 2's first (the jobs build in shard order)
+    Store(remote).remove_manifest(lost)
+    fake_compiles.clear()
+    proc = _build(_fresh_cache(models_dir, tmp_path / "rerun2"), recipes, remote, envs[1])
+    assert proc.returncode == 0 and fake_compiles == [lost]
+    fake_compiles.clear()
+    assert _build(_fresh_cache(models_dir, tmp_path / "rerun1"), recipes, remote, envs[0]).returncode == 0
+    assert fake_compiles == []  # nothing missing: nothing built
+
+
+def test_a_failing_job_is_built_once_across_shards_and_reruns(models_dir, recipes, fake_compiles, monkeypatch,
+                                                               tmp_path):
+    stand_in = builder._build_one
+    tried: list[str] = []
+
+    def failing_one(store, job, tick=None, limit=None, sign_key=None, *, loads=None):
+        if job.recipe.name == "b" and job.shape.height == 96 and job.shape.width == 96:
+            tried.append(job.key)
+            return JobResult(job, FAILED, 1.0, reason="the component cannot be captured whole: Unsupported: x")
+        return stand_in(store, job, tick, limit, sign_key, loads=loads)
+
+    monkeypatch.setattr(builder, "_build_one", failing_one)
+    remote = tmp_path / "remote"
+    remote.mkdir()
+    envs = workers("slurm", 3)
+    caches = [_fresh_cache(models_dir, tmp_path / f"runner{i}") for i in range(3)]
+    codes = [_build(c, recipes, remote, env).returncode for c, env in zip(caches, envs, strict=True)]
+    assert sorted(codes) == [0, 0, 1]  # the shard holding the failure is red, the others green
+    codes = [_build(c, recipes, remote, env).returncode for c, env in zip(caches, envs, strict=True)]
+    assert sorted(codes) == [0, 0, 1]  # a known failure keeps its shard red on a rerun...
+    assert len(tried) == 1  # ...and is tried once, by one shard, until --retry-failed
+    assert len(fake_compiles) == 6
+
+
+def test_shard_spec_api_accepts_a_shard_with_its_source():
+    from aotbuild.shards import resolve
+
+    assert resolve("2/4") == Shard(2, 4, "--shard")
+    assert resolve("auto", {"BATCH_TASK_INDEX": "0", "BATCH_TASK_COUNT": "2"})[:2] == (1, 2)
+    with pytest.raises(UsageError, match="expected I/N"):
+        resolve("auto-ish", {})
+
+
+def test_docs_show_the_scheduler_examples():
+    text = (REPO / "docs" / "ci.md").read_text()
+    for needle in ("--shard auto", "completionMode: Indexed", "backoffLimitPerIndex", "AOTBUILD_SHARD_COUNT",
+                   "#SBATCH --array", "CI_NODE_INDEX", "BUILDKITE_PARALLEL_JOB", "AWS_BATCH_JOB_ARRAY_INDEX",
+                   "BATCH_TASK_INDEX"):
+        assert needle in text, needle
