@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import FAKES, REPO, TINY_DICT, run_cli
+from tests.conftest import FAKES, REPO, TINY_DICT, invoke_cli
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 
@@ -122,9 +122,9 @@ def test_sigkill_at_each_phase_leaves_no_process_and_the_next_build_leaves_no_de
     # The next command: a build of a recipe whose target is not here (skipped, nothing compiled).
     other = tmp_path / "other.yaml"
     other.write_text(json.dumps({**TINY_DICT, "target": "neuron"}))
-    nxt = run_cli("build", "--cache", str(cache), str(other), env={"PYTHONPATH": str(REPO)})
+    nxt = invoke_cli("build", "--cache", str(cache), str(other))  # in-process: no torch imported again
     assert nxt.returncode == 0, nxt.stderr[-3000:]
-    verify = run_cli("verify", "--cache", str(cache))
+    verify = invoke_cli("verify", "--cache", str(cache))
     assert verify.returncode == 0, verify.stdout[-3000:] + verify.stderr[-3000:]
     assert not [p for p in (cache / "tmp").iterdir() if p.name.startswith(("job-", "load."))]
 
