@@ -91,6 +91,8 @@ def _attribute(name: str, value: Any) -> str | None:
         return None  # a submodule (or a reference to one): walked as a module
     if name == "_diffusers_hook":  # a HookRegistry: which hooks it runs, by name and class
         hooks = getattr(value, "hooks", {})
+        if not hooks:  # an empty registry runs nothing: pipelines make one per call (Flux's cache_context)
+            return None
         return "hooks " + ", ".join(f"{k}={type(h).__qualname__}" for k, h in sorted(hooks.items()))
     if callable(value) and not isinstance(value, type):
         if getattr(type(value), "aotbuild_wrapper", False):  # aotbuild's dispatcher: around the graph
