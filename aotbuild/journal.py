@@ -13,9 +13,9 @@ lifetime (``<cache>/tmp/j.*``), every digest it is about to store, before storin
   ``aotbuild verify --json`` lists under ``notes``.
 
 A build killed with -9 also leaves its staging folders (``tmp/job-*``, ``tmp/load.*``: its children
-die with it, aotbuild/child.py): the next build, and the next writer, removes each one whose
-``.lock`` nobody holds, under that lock, and notes it in the same log, so ``verify`` is clean after
-the next command, without ``--fix``.
+die with it, aotbuild/child.py; a killed pull's ``tmp/pull.*`` too): the next build, and the next
+writer, removes each one whose ``.lock`` nobody holds (and is older than STAGING_GRACE), under that
+lock, and notes it in the same log, so ``verify`` is clean after the next command, without ``--fix``.
 
 A digest listed in a live journal is never removed: that writer may be about to name it, even if
 it found the blob already stored (content addressing shares blobs between entries).
@@ -175,8 +175,8 @@ def reclaim(store: Store, digests: set[str], exclude: Path | None = None) -> lis
         return removed
 
 
-#: Staging folders a build makes in ``tmp/``, each locked by its ``.lock`` while the build lives.
-STAGING_PREFIXES = ("job-", "load.")
+#: Staging folders a build (or a pull) makes in ``tmp/``, each locked by its ``.lock`` while it lives.
+STAGING_PREFIXES = ("job-", "load.", "pull.")
 #: Seconds a staging folder's ``.lock`` must have existed before it is taken for dead (its build
 #: creates the file, then locks it: a few microseconds in which it looks unlocked).
 STAGING_GRACE = 2.0

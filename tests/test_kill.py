@@ -217,3 +217,30 @@ def test_a_child_whose_parent_died_before_it_asked_exits_at_once():
     ok = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
                         env={**os.environ, "PYTHONPATH": str(REPO), "AOTBUILD_PARENT_PID": str(os.getpid())})
     assert ok.returncode == 0 and "ran on" in ok.stdout  # its real parent: it runs
+
+
+def test_the_next_writer_removes_only_dead_staging_folders(tmp_path):
+    """What journal.reclaim_dead takes for a dead build's folder: a ``.lock`` nobody holds, older than
+    the grace; a live build's (locked), a young one, one without a lock and a foreign name stay."""
+    from aotbuild import journal
+    from aotbuild.locks import flocked
+    from aotbuild.store import Store
+
+    store = Store(tmp_path / "cache")
+    tmp = store.layout.tmp
+    old = time.time() - 60
+    names = {"dead": "job-0123456789ab.dead", "load": "load.dead", "pull": "pull.dead", "live": "job-0123456789ab.live",
+             "young": "load.young", "nolock": "job-0123456789ab.nolock", "foreign": "mine"}
+    for key, name in names.items():
+        (tmp / name / "sub").mkdir(parents=True)
+        (tmp / name / "sub" / "f").write_bytes(b"x")
+        if key != "nolock":
+            (tmp / name / ".lock").touch()
+            if key != "young":
+                os.utime(tmp / name / ".lock", (old, old))
+    with flocked(tmp / names["live"] / ".lock", exclusive=True, timeout=0):
+        journal.reclaim_dead(store)
+        left = sorted(p.name for p in tmp.iterdir())
+    assert left == sorted(names[k] for k in ("live", "young", "nolock", "foreign"))
+    notes = journal.notes(store)
+    assert sorted(notes[-1]["staging_folders"]) == sorted(names[k] for k in ("dead", "load", "pull"))
