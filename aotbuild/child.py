@@ -189,9 +189,21 @@ def guard(parent: int | None = None) -> None:
     if parent is None or parent == os.getpid():  # not started by aotbuild
         return
     if not _parent_death_signal():
-        _watchdog(parent)
-    if os.getppid() != parent:  # the parent died before the signal was asked for
+        _watchdog(os.getppid())
+    if os.getppid() != parent and not _alive(parent):  # the parent died before the signal was asked for
         os._exit(137)
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (another parent than ``parent`` can also mean that ``python``
+    is a wrapper that started this interpreter: then the parent lives and this process runs on)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process: it exists
+        return True
+    return True
 
 
 def _parent_death_signal() -> bool:
@@ -209,6 +221,8 @@ def _parent_death_signal() -> bool:
 
 
 def _watchdog(parent: int) -> None:
+    """A thread that kills this process (its group, when it leads one) once ``parent``, its parent
+    now, is no longer its parent."""
     import signal
     import threading
 

@@ -211,12 +211,18 @@ def test_a_child_whose_parent_died_before_it_asked_exits_at_once():
     """The race: the parent is gone before the child set its death signal; the child finds another
     parent than the one it was started by, and exits instead of running on."""
     code = "from aotbuild import child; child.guard(); print('ran on')"
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # its pid: a parent that died
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
-                          env={**os.environ, "PYTHONPATH": str(REPO), "AOTBUILD_PARENT_PID": "1"})
+                          env={**os.environ, "PYTHONPATH": str(REPO), "AOTBUILD_PARENT_PID": str(gone.pid)})
     assert proc.returncode == 137 and "ran on" not in proc.stdout
     ok = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
                         env={**os.environ, "PYTHONPATH": str(REPO), "AOTBUILD_PARENT_PID": str(os.getpid())})
     assert ok.returncode == 0 and "ran on" in ok.stdout  # its real parent: it runs
+    # Started through a wrapper (another parent than the one named, alive): it runs too.
+    wrapped = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
+                             env={**os.environ, "PYTHONPATH": str(REPO), "AOTBUILD_PARENT_PID": "1"})
+    assert wrapped.returncode == 0 and "ran on" in wrapped.stdout
 
 
 def test_the_next_writer_removes_only_dead_staging_folders(tmp_path):
