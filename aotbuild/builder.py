@@ -28,7 +28,7 @@ from aotbuild.journal import entry_writer
 from aotbuild.layout import FROM_PROJECT, cache_root_origin, format_size, resolve_max_size
 from aotbuild.locks import flocked, store_lock
 from aotbuild.manifest import FileRecord, Manifest, Proof
-from aotbuild.planner import FAILED_BEFORE, HIT, MISS, RETRY_HINT, UNAVAILABLE, Job, plan, shard_jobs
+from aotbuild.planner import FAILED_BEFORE, HIT, MISS, RETRY_HINT, UNAVAILABLE, Job, plan, shard_jobs, shard_summary
 from aotbuild.recipe import recipe_spec, recipe_to_dict
 from aotbuild.recipes import Recipes
 from aotbuild.store import Store
@@ -68,6 +68,8 @@ class BuildReport:
     #: pipeline loads: "build" by the compiling processes (a loader process shared by a recipe's jobs,
     #: or a worker that loaded its own), "proof" by the proofs (a fresh process per entry), for "jobs"
     loads: dict[str, int] = field(default_factory=lambda: {"jobs": 0, "build": 0, "proof": 0})
+    #: with ``shard``: this shard's index, count, source, job count and the full list's digest (shards.summary)
+    shard: dict[str, Any] | None = None
 
     @property
     def failed(self) -> list[JobResult]:
@@ -114,7 +116,7 @@ class BuildReport:
         for r in self.results:
             counts[r.status] = counts.get(r.status, 0) + 1
         return {"cache": self.cache, "jobs": [r.as_json() for r in self.results], "counts": counts,
-                "loads": dict(self.loads),
+                "loads": dict(self.loads), **({"shard": self.shard} if self.shard else {}),
                 **({"gc": self.gc.as_json()} if self.gc else {}), **({"note": self.note} if self.note else {})}
 
 
@@ -243,8 +245,10 @@ def build(recipes: Recipes, cache: str | Path | None = None, *,
     # pyproject.toml's max_size applies only to the cache it names itself (a pull request writes it).
     limit = max_size if max_size is not None else resolve_max_size(project=origin == FROM_PROJECT)
     jobs = plan(recipes, root, signatures=False)  # a builder makes entries: whom serving trusts is not its say
+    sharded = None
     if shard is not None:
-        jobs = shard_jobs(jobs, *shard)
+        everything, jobs = jobs, shard_jobs(jobs, *shard)
+        sharded = shard_summary(shard, len(jobs), everything)
     for i, job in enumerate(jobs):
         if job.status == HIT and job.key:  # plan only checked sizes: a damaged blob means rebuild
             entry, why = store.open_entry(job.key)
@@ -288,6 +292,7 @@ def build(recipes: Recipes, cache: str | Path | None = None, *,
     finally:
         loads.close()
     report.loads = loads.counts
+    report.shard = sharded
     if limit is not None and any(r.status == BUILT for r in report.results):
         from aotbuild.manage import gc, store_size
 

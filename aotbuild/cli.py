@@ -399,10 +399,10 @@ def plan(recipes: tuple[str, ...], cache: str | None, as_json: bool, fail_on_mis
 
     from aotbuild.errors import RecipeError
     from aotbuild.layout import resolve_cache_root
-    from aotbuild.planner import FAILED_BEFORE, HIT, MISS, identity, shard_jobs
+    from aotbuild.planner import FAILED_BEFORE, HIT, MISS, shard_jobs, shard_summary
     from aotbuild.planner import plan as run_plan
     from aotbuild.recipes import load_recipes
-    from aotbuild.shards import list_digest, resolve, summary
+    from aotbuild.shards import resolve
 
     picked = resolve(shard) if shard else None  # a bad --shard (auto with no scheduler) fails before planning
 
@@ -419,7 +419,7 @@ def plan(recipes: tuple[str, ...], cache: str | None, as_json: bool, fail_on_mis
     sharded = None
     if picked is not None:
         everything, jobs = jobs, shard_jobs(jobs, *picked)
-        sharded = summary(picked, len(jobs), len(everything), list_digest(identity(j) for j in everything))
+        sharded = shard_summary(picked, len(jobs), everything)
     target = _remote(remote)
     if target is not None and any(j.status in (MISS, FAILED_BEFORE) for j in jobs):
         from aotbuild.remote import untrusted_on_remote

@@ -203,5 +203,12 @@ def shard_jobs(jobs: list[Job], index: int, count: int, source: str = "") -> lis
     return picked
 
 
-__all__ = ["Job", "plan", "jobs_for", "parse_shard", "shard_jobs", "identity", "HIT", "MISS", "UNAVAILABLE",
-           "FAILED_BEFORE", "RETRY_HINT"]
+def shard_summary(shard: tuple[int, ...] | shards.Shard, picked: int, everything: list[Job]) -> dict[str, Any]:
+    """What ``--json`` says of a shard: index, count, source, its job count and the full list's digest."""
+    index, count, *source = shard
+    return shards.summary(shards.Shard(index, count, *source), picked, len(everything),
+                          shards.list_digest(identity(j) for j in everything))
+
+
+__all__ = ["Job", "plan", "jobs_for", "parse_shard", "shard_jobs", "shard_summary", "identity", "HIT", "MISS",
+           "UNAVAILABLE", "FAILED_BEFORE", "RETRY_HINT"]

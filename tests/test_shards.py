@@ -173,8 +173,12 @@ def test_auto_shards_build_the_plan_once_and_a_rerun_builds_only_what_the_remote
     remote = tmp_path / "remote"
     remote.mkdir()
     envs = workers("gitlab", 3)
-    for i, env in enumerate(envs):
-        assert _build(_fresh_cache(models_dir, tmp_path / f"runner{i}"), recipes, remote, env).returncode == 0
+    outs = [_build(_fresh_cache(models_dir, tmp_path / f"runner{i}"), recipes, remote, env)
+            for i, env in enumerate(envs)]
+    assert [p.returncode for p in outs] == [0, 0, 0]
+    info = [json.loads(p.stdout)["shard"] for p in outs]  # what each shard's --json says of its shard
+    assert [(i["index"], i["count"], i["jobs"], i["of"]) for i in info] == [(1, 3, 3, 7), (2, 3, 2, 7), (3, 3, 2, 7)]
+    assert len({i["digest"] for i in info}) == 1 and info[0]["source"].startswith("GitLab (CI_NODE_INDEX=1")
     from aotbuild.remote import parse_remote
     from aotbuild.store import Store
 
