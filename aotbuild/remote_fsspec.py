@@ -31,7 +31,6 @@ under the prefix. The same rules hold:
 from __future__ import annotations
 
 import importlib.util
-import os
 import re
 import time
 from collections.abc import Callable, Iterator
@@ -54,9 +53,6 @@ _URL = re.compile(r"^(?P<scheme>[a-z0-9]+)://(?P<bucket>[\w.-]+)(?P<prefix>(?:/[
 RANGE = 8 << 20
 #: Option names whose values are secrets: scrubbed from every message.
 _SECRET_NAME = re.compile(r"secret|token|password|key|credential|sas|connection|sig", re.I)
-_SECRET_ENV = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_ACCESS_KEY_ID", "AZURE_STORAGE_KEY",
-               "AZURE_STORAGE_SAS_TOKEN", "AZURE_STORAGE_CONNECTION_STRING", "AZURE_CLIENT_SECRET",
-               "GOOGLE_OAUTH_ACCESS_TOKEN")
 
 
 def parse(url: str) -> FsspecRemote | None:
@@ -107,7 +103,7 @@ def storage_options(protocol: str) -> dict[str, Any]:
 
 
 def _secrets() -> list[str]:
-    out = [os.environ.get(name, "") for name in _SECRET_ENV]
+    out = constants.env_secrets()
 
     def walk(value: Any, name: str = "") -> None:
         if isinstance(value, dict):

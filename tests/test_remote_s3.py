@@ -341,3 +341,46 @@ def test_a_secret_in_the_options_never_reaches_a_message(monkeypatch):
     text = _scrub(f"boom opt-secret-123 opt-key-456 {SECRET} https://u:p@h/x?X-Amz-Signature=abc&b=1")
     assert not any(s in text for s in ("opt-secret-123", "opt-key-456", SECRET, "u:p@", "abc"))
 
+
+
+def test_a_store_throttling_is_retried_then_served(s3, tmp_path, monkeypatch):
+    """S3's SlowDown (503) and a cut connection are transient: retried with backoff, and the pull succeeds."""
+    local = Store(tmp_path / "local")
+    a = add_entry(local, tmp_path, "a", {"x.so": b"kernel-a"})
+    remote = parse_remote(f"s3://{s3}/ci")
+    remote.push(entries(local, a))
+    real, failed = remote.fs.cat_file, []
+
+    def flaky(path, **kw):
+        if "/blobs/" in path and not failed:
+            failed.append(path)
+            raise OSError("SlowDown: Please reduce your request rate.")
+        return real(path, **kw)
+
+    remote.fs.cat_file = flaky
+    other = Store(tmp_path / "other")
+    assert remote.fetch(a, other) == "" and failed and other.open_entry(a)[0] is not None
+    monkeypatch.setenv("AOTBUILD_REMOTE_RETRIES", "1")  # no second try: the same failure is the error
+    failed.clear()
+    with pytest.raises(RemoteError, match="failed after 1 tries: OSError: SlowDown"):
+        remote.fetch(a, Store(tmp_path / "third"))
+
+
+@pytest.mark.slow
+def test_a_real_build_pushed_to_s3_is_pulled_and_served_fresh_with_0_compiles(built_cache, s3, tmp_path):
+    import json
+    import shutil
+
+    from tests.conftest import TINY_RECIPE
+    from tests.serving import assert_warm, serve_fresh
+
+    cache, _ = built_cache
+    url = f"s3://{s3}/ci"
+    pushed = run_cli("push", "--json", "--cache", str(cache), str(TINY_RECIPE), "--remote", url)
+    assert pushed.returncode == 0, pushed.stderr[-3000:]
+    assert len(json.loads(pushed.stdout)["sent"]) == 2
+    serving = tmp_path / "serving"
+    shutil.copytree(cache / "models", serving / "models")  # only the built-in model, which any machine can create
+    result = serve_fresh(TINY_RECIPE, serving, tmp_path, remote=url)  # a fresh process: pulls from S3, then loads
+    assert_warm(result)
+    assert result["pulled"] == 2
