@@ -6,15 +6,19 @@ the device fingerprint (``device``) and the build host's thread count replaced b
 hashed, and the hashes must equal the pins below. So every other factor (model, component config,
 compile settings, shape, warmup, format) is held constant across commits.
 
-The component configs come from the built-in models that this diffusers version saves, so the pins
-hold for the diffusers release they were written with (PINNED_WITH); another release skips the test.
-A change that means to change keys (a new factor, FORMAT_VERSION) regenerates them on purpose:
-``python tests/test_key_pins.py`` prints the new table. Regenerated for FORMAT_VERSION 3 (manifests
-record the component's structure).
+The component configs come from the built-in models that the installed diffusers saves, so the pins
+hold for the versions of .ci/constraints.txt, which CI installs (.ci/run, the README's test command).
+With other versions installed the test skips, naming the constraints file; under CI (``CI=true``) it
+fails instead, so a CI run never passes without checking keys. A change that means to change keys (a
+new factor, FORMAT_VERSION) regenerates them on purpose: ``python tests/test_key_pins.py`` prints the
+new table. Regenerated for FORMAT_VERSION 3 (manifests record the component's structure); the three
+video and PixArt recipes were added with their keys computed by that command (issue 30).
 """
 
 from __future__ import annotations
 
+import os
+import re
 import sys
 from pathlib import Path
 
@@ -24,11 +28,15 @@ REPO = Path(__file__).resolve().parents[1]
 FIXED_ENV = {"torch": "pinned", "torch_build": "pinned", "diffusers": "pinned", "transformers": "pinned",
              "python": "3.x"}
 FIXED_DEVICE = {"device_kind": "cpu", "machine": "pinned", "cpu_isa": "pinned"}
-PINNED_WITH = "0.42.1"
+CONSTRAINTS = REPO / ".ci" / "constraints.txt"
 
 VARIANTS = [("jit-cache", "full"), ("jit-cache", "regional"), ("aot-package", "full"), ("aot-package", "regional"),
             ("aot-compile", "full"), ("aot-compile", "regional")]
-RECIPES = ["tiny_sd_cpu", "tiny_sdxl_cpu", "tiny_sd3_cpu", "tiny_flux_cpu"]
+#: Every built-in recipe (test_every_built_in_recipe_is_pinned holds this list to recipes/tiny_*_cpu.yaml).
+RECIPES = ["tiny_sd_cpu", "tiny_sdxl_cpu", "tiny_sd3_cpu", "tiny_flux_cpu", "tiny_pixart_cpu", "tiny_wan_cpu",
+           "tiny_wan22_cpu"]
+#: Regional scope's block classes where the model declares no _repeated_blocks.
+BLOCKS = {"tiny_sd3_cpu": ["JointTransformerBlock"], "tiny_pixart_cpu": ["BasicTransformerBlock"]}
 
 
 def _pinned_key(factors: dict) -> str:
@@ -52,8 +60,8 @@ def compute(cache_root: Path) -> dict[str, list[str]]:
             data = yaml.safe_load(path.read_text())
             data["strategy"] = strategy
             data.setdefault("compile", {})["scope"] = scope
-            if scope == "regional" and name == "tiny_sd3_cpu":
-                data["compile"]["blocks"] = ["JointTransformerBlock"]
+            if scope == "regional" and name in BLOCKS:
+                data["compile"]["blocks"] = BLOCKS[name]
             jobs = plan([data], cache_root)
             assert all(j.key for j in jobs), [j.reason for j in jobs]
             out[f"{name}/{strategy}/{scope}"] = [_pinned_key(j.factors) for j in
@@ -140,6 +148,66 @@ PINS = {
     'tiny_flux_cpu/aot-compile/regional': [
         '402aa80dd2f6e96102ba259a2166125249dc7ea0a38208c9017eb939f47ed0fb',
     ],
+    'tiny_pixart_cpu/jit-cache/full': [
+        '5387e504b0ccce469b4b22c1a8391a15fe72d39f2005f4f932b9fd0c92894b30',
+    ],
+    'tiny_pixart_cpu/jit-cache/regional': [
+        '2cb365929aa16c4c4745fac5f9fb883dff2354bb4fda77f41daf4d4419840b07',
+    ],
+    'tiny_pixart_cpu/aot-package/full': [
+        'eb17f0ebc464e4260c8a21fc6c48d44de1cc67b9ab4d007e0a4674bafc087871',
+    ],
+    'tiny_pixart_cpu/aot-package/regional': [
+        '9cb38061d595abc5f89141625157ebacf330c9359f744b01bc4797e364e04317',
+    ],
+    'tiny_pixart_cpu/aot-compile/full': [
+        'd476d1a56427ec8644f77a3d11476a6786f908f9cb87dcb328df42646d58c9c0',
+    ],
+    'tiny_pixart_cpu/aot-compile/regional': [
+        '529c81c45a922c8ca7a37cd5e1d9739924bb8535e4602f32c42c9f7ad473c228',
+    ],
+    'tiny_wan_cpu/jit-cache/full': [
+        '62fbe100b64616055a01c3d95cdb9929f43c242969293dcc2405abd648b883cb',
+    ],
+    'tiny_wan_cpu/jit-cache/regional': [
+        '3cd9df7c04ab6f3074bd49cfbe08eab09c0303656544af204c8422dd10196389',
+    ],
+    'tiny_wan_cpu/aot-package/full': [
+        '1df3582963b622b1953cc89c2e5cca3d0334caa9903fa110503cbc4939fd04cb',
+    ],
+    'tiny_wan_cpu/aot-package/regional': [
+        'ec767306bb0fdb5010b6d2fae86730b988b993b589af17e90b67023627d726d4',
+    ],
+    'tiny_wan_cpu/aot-compile/full': [
+        '2713843b3c5380f792e91ad9a242729df1f063feff740d17ddd4d254245ded8d',
+    ],
+    'tiny_wan_cpu/aot-compile/regional': [
+        '66618236e63bd94d5f1e279dd2f6609d7a43fd98c2d92f5ffc2f8e81cdbd0c42',
+    ],
+    'tiny_wan22_cpu/jit-cache/full': [
+        'a588d7d4d89ba66f989e63f518ce30fff172dab31400b7ca806d31c4ac496256',
+        'b93904cdc1d59c32fb66d61fcebbbeb6c1ece0f9d78f5442d5a06d87aa8f77ff',
+    ],
+    'tiny_wan22_cpu/jit-cache/regional': [
+        '01060413f862e3aa3d4cb3ea15394ef78dd3898987aa32781b9e956abab648db',
+        'd55190df8247aa68b8aa01afdf504dea4de69a7435ab6d6b4c5b44136ec35197',
+    ],
+    'tiny_wan22_cpu/aot-package/full': [
+        'ec9baa708596aebe5fa9c1b006a61aa98fa3d620fe7325ae9ac7272ebeed3466',
+        '2b79313d129c4015141466825166ee76559d18296c04365852c8aa6e72a07cff',
+    ],
+    'tiny_wan22_cpu/aot-package/regional': [
+        'd5ccf113d847a94196e04c301d3524106bb9af8b9c38195f4d80829f61501638',
+        '6ad2feb64b79c374ffb7c64c87b53aae3fb87045963668d1e155330ec2777905',
+    ],
+    'tiny_wan22_cpu/aot-compile/full': [
+        '772281be6528c3e4316225f4112e39c4ab886aec794f4a5a15669aab6172051a',
+        'bd85afdeff3b5b2dc0e61b4c028918a4d707f0c94fd72eb27b2275d8c2f12238',
+    ],
+    'tiny_wan22_cpu/aot-compile/regional': [
+        'c4eed7365544211bc517d1c60dc0dca383ade3eb0f27b578dad4ba5806c0f0de',
+        '83a5296eebefc320aa13a841223d82fb4108555b690c3abf461a70f941b96b43',
+    ],
 }
 
 
@@ -153,11 +221,49 @@ def builtins_cache(tmp_path_factory) -> Path:
     return root
 
 
-def test_keys_of_builtin_recipes_are_pinned(builtins_cache):
-    from importlib.metadata import version
+def constrained_versions() -> dict[str, str]:
+    """``name==version`` lines of .ci/constraints.txt, names as pip normalizes them."""
+    pins = {}
+    for line in CONSTRAINTS.read_text().splitlines():
+        line = line.split("#")[0].strip()
+        if line:
+            name, _, version = line.partition("==")
+            pins[re.sub(r"[-_.]+", "-", name.strip().lower())] = version.strip()
+    return pins
 
-    if version("diffusers") != PINNED_WITH:
-        pytest.skip(f"pins were written with diffusers {PINNED_WITH}; this is {version('diffusers')}")
+
+def version_mismatches() -> list[str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = []
+    for name, wanted in constrained_versions().items():
+        try:
+            here = version(name)
+        except PackageNotFoundError:
+            here = "not installed"
+        if here != wanted:
+            out.append(f"{name} {here} (constraints: {wanted})")
+    return out
+
+
+def test_the_constraints_pin_the_key_pins_libraries():
+    assert set(constrained_versions()) == {"diffusers", "transformers", "peft", "torchao", "huggingface-hub"}
+    assert all(re.fullmatch(r"[0-9][0-9A-Za-z.+]*", v) for v in constrained_versions().values())
+
+
+def test_every_built_in_recipe_is_pinned():
+    assert sorted(RECIPES) == sorted(p.stem for p in (REPO / "recipes").glob("tiny_*_cpu.yaml"))
+    assert sorted(PINS) == sorted(f"{name}/{s}/{scope}" for name in RECIPES for s, scope in VARIANTS)
+
+
+def test_keys_of_builtin_recipes_are_pinned(builtins_cache):
+    mismatches = version_mismatches()
+    if mismatches:
+        why = (f"the key pins hold for the versions of {CONSTRAINTS.relative_to(REPO)}; installed: "
+               f"{', '.join(mismatches)} (pip install -e '.[test]' -c {CONSTRAINTS.relative_to(REPO)})")
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(f"CI must check the key pins: {why}")
+        pytest.skip(why)
     assert compute(builtins_cache) == PINS
 
 
