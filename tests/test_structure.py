@@ -89,6 +89,7 @@ def test_inductor_records_what_its_cache_key_holds_and_quantize_changes_it():
 @pytest.mark.parametrize("change", ["lora", "int8wo"])
 def test_a_changed_pipe_is_a_miss_with_its_reason_under_every_strategy(strategy_build, strategy, change):
     from aotbuild import load_compiled
+    from aotbuild.dispatch import dispatchers
     from aotbuild.models import load_pipeline, resolve_model
     from aotbuild.recipes import load_recipe
 
@@ -112,8 +113,12 @@ def test_a_changed_pipe_is_a_miss_with_its_reason_under_every_strategy(strategy_
             named = "Int8Tensor"
         with pytest.raises(CacheMiss) as info:
             load_compiled(recipe, pipe=pipe, cache=cache, on_miss="error")
-        assert named in str(info.value) and "differs from the one the entry was built for" in str(info.value)
-        assert not pipe.aotbuild_report.hits if hasattr(pipe, "aotbuild_report") else True
+        text = str(info.value)
+        assert named in text and "differs from the one the entry was built for" in text
+        assert f"{recipe.name}: 0 hit, 1 miss " in text.splitlines()[0]
+        # Refused before anything was installed: no report on the pipe, no dispatcher, no compiled call.
+        assert not hasattr(pipe, "aotbuild_report") and dispatchers(pipe.unet) == []
+        assert all(vars(m).get("_compiled_call_impl") is None for m in pipe.unet.modules())
     finally:
         inductor_config.load_config(saved)
 
