@@ -29,59 +29,22 @@ import shutil
 import tarfile
 import tempfile
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, BinaryIO
 
 from aotbuild import manifest as codec
 from aotbuild.errors import RemoteError, StoreError, UsageError
-from aotbuild.journal import entry_writer
 from aotbuild.layout import HEX64
 from aotbuild.locks import flocked, store_lock
 from aotbuild.manifest import Manifest, ManifestError, StaleManifest
+from aotbuild.remote_base import PushResult, Remote, ingest
 from aotbuild.safeio import atomic_write, open_regular
 from aotbuild.store import Entry, Store, sha256_file
 
 _HF = re.compile(r"^hf://(?:(?P<kind>datasets|models)/)?(?P<repo>[\w.-]+/[\w.-]+)(?:@(?P<rev>[\w./-]+))?/?$")
 #: Operations per Hub commit: big pushes go in several pack commits, all before the manifest commits.
 HUB_COMMIT_BATCH = 100
-
-
-@dataclass
-class PushResult:
-    sent: list[str] = field(default_factory=list)  # keys whose entry the remote did not have
-    present: list[str] = field(default_factory=list)  # keys the remote already had
-    signed: list[str] = field(default_factory=list)  # of those, the ones given a pushed signature
-    #: of ``sent``, the keys whose manifest there no trusted key signed, replaced by one a trusted key did
-    superseded: list[str] = field(default_factory=list)
-    bytes_sent: int = 0
-
-
-class Remote:
-    """Where entries are pushed and pulled. Subclasses: FolderRemote, HubRemote."""
-
-    url: str
-
-    def keys(self) -> set[str]:
-        """Every key with a manifest on the remote (one listing, for plans and pushes)."""
-        raise NotImplementedError
-
-    def fetch(self, key: str, store: Store) -> str:
-        """Copy the entry ``key`` into ``store``, verified. "" when pulled, else why not."""
-        raise NotImplementedError
-
-    def read_manifest(self, key: str) -> Manifest | None:
-        """The remote's manifest of ``key`` (one bounded read, nothing else is fetched); None when it is
-        not there or cannot be read as a manifest (malformed, stale): either way, not an entry."""
-        raise NotImplementedError
-
-    def push(self, entries: list[Entry], progress: Callable[[str], None] | None = None,
-             workdir: Path | None = None, trusted: dict[str, bytes] | None = None) -> PushResult:
-        """Send every entry the remote lacks: blobs (or packs) first, manifests last. ``workdir``:
-        where a remote that packs entries may stage them (the local store's ``tmp/``). With
-        ``trusted`` keys, a remote manifest none of them signed is replaced by a pushed one that one
-        of them did (signing.supersedes); one they signed is never overwritten."""
-        raise NotImplementedError
 
 
 def untrusted_on_remote(remote: Remote, keys: list[str], trusted: dict[str, bytes]) -> dict[str, str]:
@@ -137,36 +100,6 @@ def pull_entry(remote: Remote, key: str, store: Store) -> str:
         return f"cannot write to the local cache {store.root}: {exc}"
 
 
-def _ingest(store: Store, key: str, manifest: Manifest,
-            blobs: Callable[[list[tuple[str, int]]], Iterator[tuple[str, BinaryIO]]]) -> str:
-    """Store every blob ``blobs`` yields (each refused unless it hashes to its name), then the
-    manifest, as a writer of ``store`` (its shared lock: gc cannot take a blob from under us)."""
-    why = store.untrusted(manifest)  # before any blob is fetched or written
-    if why:
-        return f"refused: {why}"
-    try:
-        wanted = manifest.blobs()
-        # Journaled: a refused or broken pull removes the blobs it wrote (journal.py).
-        with entry_writer(store) as writer, store_lock(store.root, exclusive=False):
-            missing = {d: s for d, s in wanted if not store.has_blob(d, s, verify=True)}
-            if missing:
-                for digest, stream in blobs(sorted(missing.items())):
-                    if digest not in missing:
-                        raise StoreError(f"the remote sent {digest[:12]}, which entry {key[:12]} does not name")
-                    _, size = writer.put_blob(stream, expect=digest, max_size=missing[digest])
-                    if size != missing[digest]:
-                        raise StoreError(f"blob {digest[:12]} has {size} bytes, the manifest says "
-                                         f"{missing[digest]}")
-            writer.put_manifest(manifest.without_pack())  # refuses if any blob is still missing
-    except RemoteError:  # the remote failed midway (network, auth): the caller reports it
-        raise
-    except StoreError as exc:
-        return f"refused: {exc}"
-    except OSError as exc:
-        return f"could not write to the local cache {store.root}: {exc}"
-    return ""
-
-
 class FolderRemote(Remote):
     """A shared folder laid out like a local store: it can also be used directly as ``--cache``."""
 
@@ -210,7 +143,7 @@ class FolderRemote(Remote):
                 with f:
                     yield digest, f
 
-        return _ingest(store, key, manifest, blobs)
+        return ingest(store, key, manifest, blobs)
 
     def read_manifest(self, key: str) -> Manifest | None:
         self._check_root()
@@ -450,7 +383,7 @@ class HubRemote(Remote):
             assert tar_path is not None
             yield from _read_pack(tar_path, {d for d, _ in missing})
 
-        return _ingest(store, key, manifest, blobs)
+        return ingest(store, key, manifest, blobs)
 
     def push(self, entries: list[Entry], progress: Callable[[str], None] | None = None,
              workdir: Path | None = None, trusted: dict[str, bytes] | None = None) -> PushResult:

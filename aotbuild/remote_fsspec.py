@@ -17,7 +17,7 @@ under the prefix. The same rules hold:
   one a trusted key did, on S3 conditional on the version that was read (``If-Match``).
 - Pulls read the manifest (at most manifest.MAX_BYTES), then only the blobs the local cache lacks, in
   bounded ranges, each hashed as it is written and refused unless it matches its name and size
-  (remote._ingest). Nothing is deserialised but the JSON manifest.
+  (remote_base.ingest). Nothing is deserialised but the JSON manifest.
 - Credentials come from each store's own chain (environment, profile, instance metadata); aotbuild
   never reads, writes or prints them, and the text of a store's errors is scrubbed of secrets before
   it is shown. The endpoint and fsspec's storage options come from the environment only
@@ -42,7 +42,7 @@ from aotbuild import manifest as codec
 from aotbuild.errors import RemoteError, StoreError, UsageError
 from aotbuild.layout import HEX64
 from aotbuild.manifest import Manifest, StaleManifest
-from aotbuild.remote import PushResult, Remote, _ingest
+from aotbuild.remote_base import PushResult, Remote, ingest
 from aotbuild.store import Entry, Store
 
 #: scheme -> (fsspec protocol, the package it needs, the extra that installs it)
@@ -257,7 +257,7 @@ class FsspecRemote(Remote):
                 assert first == b""
                 yield digest, reader  # type: ignore[misc]
 
-        return _ingest(store, key, manifest, blobs)
+        return ingest(store, key, manifest, blobs)
 
     def _put_new(self, what: str, put: Callable[[str], Any]) -> bool:
         """``put(mode)`` create-only where the store offers it; False when the object was already there."""
