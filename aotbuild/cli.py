@@ -181,7 +181,8 @@ def _remote(url: str | None, required: bool = False) -> Any:
     if not url:
         if required:
             raise UsageError("name a remote with --remote URL or AOTBUILD_REMOTE (file:///shared/folder, "
-                             "hf://owner/repo, hf://datasets/owner/repo)")
+                             "hf://owner/repo, hf://datasets/owner/repo, s3://bucket/prefix, gs://bucket/prefix, "
+                             "az://container/prefix)")
         return None
     return parse_remote(url)
 
@@ -277,7 +278,8 @@ def _push_progress() -> Callable[[str], None]:
 
 @main.command()
 @click.argument("items", nargs=-1)
-@remote_option("Remote to push to: file:///shared/folder, hf://owner/repo[@rev], hf://datasets/owner/repo.")
+@remote_option("Remote to push to: file:///shared/folder, hf://owner/repo[@rev], hf://datasets/owner/repo, "
+               "s3://bucket/prefix, gs://bucket/prefix, az://container/prefix.")
 @cache_option
 @json_option
 @trusted_option
@@ -316,7 +318,8 @@ def push(items: tuple[str, ...], remote: str | None, cache: str | None, as_json:
 
 @main.command()
 @click.argument("recipes", nargs=-1, required=True)
-@remote_option("Remote to pull from: file:///shared/folder, hf://owner/repo[@rev], hf://datasets/owner/repo.")
+@remote_option("Remote to pull from: file:///shared/folder, hf://owner/repo[@rev], hf://datasets/owner/repo, "
+               "s3://bucket/prefix, gs://bucket/prefix, az://container/prefix.")
 @cache_option
 @json_option
 @click.option("--fail-on-miss", is_flag=True, help="Exit 3 when a job is neither cached nor on the remote.")
