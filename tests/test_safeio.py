@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -175,6 +176,18 @@ def test_json_depth_is_checked_before_parsing_and_nan_is_refused():
         safeio.loads_json('{"x": "0123456789"}', max_bytes=10, max_depth=3)
     with pytest.raises(safeio.BadData, match="not UTF-8"):
         safeio.loads_json(b'{"x": "\xff"}', max_bytes=100, max_depth=3)
+
+
+def test_json_depth_skips_escaped_quotes_and_is_linear_on_unterminated_strings():
+    assert safeio.json_depth(r'["a\"[", [1]]') == 2  # an escaped quote does not end the string
+    assert safeio.json_depth(r'["a\\", [1]]') == 2  # an escaped backslash does not escape the quote
+    assert safeio.json_depth('["never closed [[[[') == 1
+    # A quote followed by 200,000 escaped quotes never closes: a whole-string regular expression
+    # backtracks from each of them (minutes here, hours at 1 MB). Run in a child with a hang guard, not a time limit.
+    code = "from aotbuild import safeio; print(safeio.json_depth('\"' + '\\\\\"' * 200_000))"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(PACKAGE.parent)})
+    assert proc.returncode == 0 and proc.stdout.strip() == "0", proc.stderr[-2000:]
 
 
 def test_toml_and_yaml_depth_is_checked_before_parsing():
