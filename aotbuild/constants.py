@@ -12,7 +12,9 @@ import os
 VERSION = "0.1.0"
 
 #: Bumped whenever the meaning of a key factor or the manifest layout changes: old entries then miss.
-FORMAT_VERSION = 3  # 3: manifests record the component's structure (aotbuild/structure.py)
+#: 3: manifests record the component's structure (aotbuild/structure.py); 4: what its graphs depend on
+#: (aotbuild/dependencies.py), so an entry built before that is stale: plan and build see a miss and rebuild it.
+FORMAT_VERSION = 4
 
 #: Cache root from the environment; ``--cache`` wins over it, ``pyproject.toml`` loses to it.
 ENV_CACHE = "AOTBUILD_CACHE"

@@ -11,8 +11,8 @@ hold for the versions of .ci/constraints.txt, which CI installs (.ci/run, the RE
 With other versions installed the test skips, naming the constraints file; under CI (``CI=true``) it
 fails instead, so a CI run never passes without checking keys. A change that means to change keys (a
 new factor, FORMAT_VERSION) regenerates them on purpose: ``python tests/test_key_pins.py`` prints the
-new table. Regenerated for FORMAT_VERSION 3 (manifests record the component's structure); the three
-video and PixArt recipes were added with their keys computed by that command (issue 30).
+new table. Regenerated for FORMAT_VERSION 4 (manifests record what each graph depends on: issue 31,
+aotbuild/dependencies.py); every built-in recipe's keys computed by that command (issue 30).
 """
 
 from __future__ import annotations
@@ -71,142 +71,142 @@ def compute(cache_root: Path) -> dict[str, list[str]]:
 
 PINS = {
     'tiny_sd_cpu/jit-cache/full': [
-        '8a20dd73c68a23dbc1c4b8a46512edf71744c701fb5eed6d5d592c90ae797d3f',
-        '05374ddc1f9cd50b5b3036f06bbb9fae90c409f15ae490d39f6a3477878efd92',
+        'df532807b47849258b5b0502202daa445f4b01a76d14e15ec6bcdc5e9b123786',
+        'a90fcb4756cbf4f4da370502423514c4c3d8e9fe81ce1ec91286920032e0bd2f',
     ],
     'tiny_sd_cpu/jit-cache/regional': [
-        'a2bf465463439ef3c3a7672b977736bf109aec4795f3f8aaf0b5f7ef6c55ec9c',
-        'e55adc26c85eda95698c0c57d0e89dccb911a6f87989cb57a3cae29a501ee9bb',
+        '9a48395f19584d090f88d05c68d9cbbc561f9e2597774b856b84292aa21b66d0',
+        '2128096b4026ea07453b2edb94e5a06f42eaedb900566c0eae1326a8f4819bfc',
     ],
     'tiny_sd_cpu/aot-package/full': [
-        '9f2c99a68b47ed59f7ca0ce9cf1a74b0691ec5fa4bb0d17c517384b01d7bdb1f',
-        '7ce647f7c69337ec51d0960e6f52de1c079686882580804b0f6f23e06e1055c6',
+        'b9e97f7e98bce029314c551558f49c2602b8b7e7da47ece584eb10e19320fddd',
+        '30e44c86be045857ae51aa8fea0a2b8be0022368834c64ad230f74965cefd607',
     ],
     'tiny_sd_cpu/aot-package/regional': [
-        'ba71a1de3e69d1d753505c5058ebd2134c1770d6baa0c9f6bd1f9473e6334bd4',
-        '8da240ae826f6f1538a30d63febb4c3c94107204fa0201b984bad765023b9ef9',
+        'c621a4bfd55ba90a3010327f7df96e0e8203e0402f10f263c077a054a425df81',
+        '4b63368da3a7a31c3cb5e774637919a8c43e6d99d5a6f70c62abcc817a53104b',
     ],
     'tiny_sd_cpu/aot-compile/full': [
-        '732239a4e543abdb1a0e01c606c6675156ee46837fe656a2b5205ad0613cb31c',
-        '6b0c8838a51b346517305c1f34808e03b0beb65536fefe13a46ca72db189f029',
+        '071138536fd281b7fed45bc098119b64da7a01117d608e71d71a40c89b55235a',
+        '1463586fe629014cb0194f04d8fc9988ae3a4019f27a1accaff1769a94a9c2fe',
     ],
     'tiny_sd_cpu/aot-compile/regional': [
-        '0962396c70707e20ca48b99b142ebce09b53227483c2587c617b8c1ca82b977e',
-        'd0007bc1f56d06c6d0a3a28f2d9ae111b4d7b461a5f2c33fcc35f4ed193f49a5',
+        '5013a9f16f058901c3da945ce8b3574fa5601c178817ea6887bfcb5654c9bee5',
+        'e3567d4e9b81e4a4f517d01e6a5c581deda1054b9fe6d5e38d0e44ccc4bd15e8',
     ],
     'tiny_sdxl_cpu/jit-cache/full': [
-        '327abe35a4d0079314ca0ff2f82294f35c2b4f0244dbd8e78aa69c9aad416d6d',
+        '71cca74925625414a4b746d4f17c679ec2e84cfcaf8c89278a76069d624c6674',
     ],
     'tiny_sdxl_cpu/jit-cache/regional': [
-        'bc4aca9c7b69e35a0413bf4ff7320ecbc69ac9bccb603e12906bb39a6a8ef796',
+        'd8694a2b7b619de9c5b071e80ef7e9dd0cab74f5bf74bb4e6ff41a46047b74de',
     ],
     'tiny_sdxl_cpu/aot-package/full': [
-        '9a96cbb909a35b33445ef059737793d5d6373bd26f00471fcaede14904498365',
+        '5c32dfcc40114931ca3918048000ca0043fa901a01acea4d3059fe572fecd06a',
     ],
     'tiny_sdxl_cpu/aot-package/regional': [
-        '2147735479a35ced98252e0cbf2bb71552614af5d4a2e34b4cbe53ea09ee6eca',
+        '01ac484ab83159a856b93fe448a2c812c5e0ec1fac2305c06a0966ca9b2d9a1c',
     ],
     'tiny_sdxl_cpu/aot-compile/full': [
-        '887b915ee75ffee1b9d103e61d02a6d6de2c3b7c36a184111bf6da23a0ed9664',
+        'df6b4bdeb1f99701e1406079b227b06f22bc00b9f7178abd08a61987bc5ce2ba',
     ],
     'tiny_sdxl_cpu/aot-compile/regional': [
-        '30ac8bbeaadd4cdbcec4c223d9c1dabc31e4732934165b975fc8df65a333a8f5',
+        'f7df89409f19615fa79de556c3a00dfa3569feef790627c06150348cfa64332d',
     ],
     'tiny_sd3_cpu/jit-cache/full': [
-        '36c892139f87444e41d1799333c5056f8bcba9f4582b283d99c13df938249150',
+        'e0406de54910348333f9db776f56c495ae782cc5b8bd5225ad7a987f45f91385',
     ],
     'tiny_sd3_cpu/jit-cache/regional': [
-        '793c10ec58cb5f687a83811ea2d74c2f38d7d5504002716152a77f19393e90a0',
+        '419c1ed2397b0abd7841bf931ae0ef535ad4e744a83e6c59f66b271e519b696a',
     ],
     'tiny_sd3_cpu/aot-package/full': [
-        '7bfa2178625a80e5a7e218f9414686f78d22f3b3934691cef12ecff988b5534f',
+        'fdcf878406fcb7d8ba5903e28d07ca9be3a09dafbc345d2e17b922ea8e525f36',
     ],
     'tiny_sd3_cpu/aot-package/regional': [
-        '40fefb478fe019e7e4d52b32561368a4cca6ebb083767d0374044e2a9f65e8c1',
+        '5162b06fffaa9db203d536b0440c07981299014cc9135235e8ea98ff294503da',
     ],
     'tiny_sd3_cpu/aot-compile/full': [
-        'eea21ddb3ab199b29ab03000196a3da4c0d0456da1567f0b94a172e6238a9600',
+        '7c2928a367e0c5dd55cac59a27c02261d8f51bd000b2e06b0de7c1719c73ec5a',
     ],
     'tiny_sd3_cpu/aot-compile/regional': [
-        '3fd6c2bc5f9f20116816c0f62c98502b1396facb56b20ababe58e74703534be6',
+        '9bafdc724d6cf12d38b6d65d76514f8087a60e16a0592603e51fa259bad1606f',
     ],
     'tiny_flux_cpu/jit-cache/full': [
-        '6d455b8949417b9d0c306c80054d3cff49df2fe163cdca12732fa43fcf4e2247',
+        'c4886d73b5222e6b57c3e245c82d06bf8a4132f6dfd4cd2d5a66100c964879e6',
     ],
     'tiny_flux_cpu/jit-cache/regional': [
-        '7579cddcd7daa7ddc4f29a9f52d18ef3dbe567b3aa0187bb337a9a7228e3b2a8',
+        '35a99ffee77718b74c0292b621c963249c818971aefeb805e0758dcd611af306',
     ],
     'tiny_flux_cpu/aot-package/full': [
-        'c2f64b224a01dcc7c446d0d9cc9136861212e889561a1afceeabcc9ceed2ecdd',
+        'c08758c9135ae10f647c65a2451f9159f25d978612f76933600bdcb53ea7dd4c',
     ],
     'tiny_flux_cpu/aot-package/regional': [
-        '38ec94b3fd5bdbc36e28068f01c7f5df8d148da924c3efaca8188c56a3e403b8',
+        'a67741d4264f7bb9e3b6386bec04f445deab2a7e7ed44b9643c08f92fc03aa71',
     ],
     'tiny_flux_cpu/aot-compile/full': [
-        '246f58c35a48245799941184bf51e3437123d77920ddea5122a1d43d7b073a22',
+        'f44791936f5f00133e3ee8e9119d0401a2a6644fec15290200dd6776c4ff1f0b',
     ],
     'tiny_flux_cpu/aot-compile/regional': [
-        '402aa80dd2f6e96102ba259a2166125249dc7ea0a38208c9017eb939f47ed0fb',
+        'e8afa6f82f5e61b163c3b12665276f6324cbe63f1b135ae1e8b2295a9331924d',
     ],
     'tiny_pixart_cpu/jit-cache/full': [
-        '5387e504b0ccce469b4b22c1a8391a15fe72d39f2005f4f932b9fd0c92894b30',
+        '6a2142a671c133be2493a3c0fd52fe72731744829bfe8d9fdb803e62d7bf024e',
     ],
     'tiny_pixart_cpu/jit-cache/regional': [
-        '2cb365929aa16c4c4745fac5f9fb883dff2354bb4fda77f41daf4d4419840b07',
+        'ecb546d3945c30243e60acb60610396c63362fa9c32e7df4991f2d747cff6801',
     ],
     'tiny_pixart_cpu/aot-package/full': [
-        'eb17f0ebc464e4260c8a21fc6c48d44de1cc67b9ab4d007e0a4674bafc087871',
+        '2ba527fbcfcf39da447f3e0701e22ad7133725676a50397c8168742cb450e075',
     ],
     'tiny_pixart_cpu/aot-package/regional': [
-        '9cb38061d595abc5f89141625157ebacf330c9359f744b01bc4797e364e04317',
+        '0a7e0e9d12762c2b26baf28cee037ebafbe1578b8d23fd32550a46204fecfa43',
     ],
     'tiny_pixart_cpu/aot-compile/full': [
-        'd476d1a56427ec8644f77a3d11476a6786f908f9cb87dcb328df42646d58c9c0',
+        '9c1433f15292fc51ca0c818720be620258cd221f4b4709b841f2cc2b2b339c98',
     ],
     'tiny_pixart_cpu/aot-compile/regional': [
-        '529c81c45a922c8ca7a37cd5e1d9739924bb8535e4602f32c42c9f7ad473c228',
+        '5757a2c43b642f7d031fcb3fd05a63dd4e4b47b4527e49fb8e7998642afd9f5c',
     ],
     'tiny_wan_cpu/jit-cache/full': [
-        '62fbe100b64616055a01c3d95cdb9929f43c242969293dcc2405abd648b883cb',
+        '9dcbc72b666e51f177696b2c1ea7ae015c162930b9fd982ae5ed7e351e486387',
     ],
     'tiny_wan_cpu/jit-cache/regional': [
-        '3cd9df7c04ab6f3074bd49cfbe08eab09c0303656544af204c8422dd10196389',
+        'e326f9618057dc89d900470b7f2f13d5332584913bd32401ab5111580f0606cc',
     ],
     'tiny_wan_cpu/aot-package/full': [
-        '1df3582963b622b1953cc89c2e5cca3d0334caa9903fa110503cbc4939fd04cb',
+        '690c8802819703cf0272fee9c0fa963479d827d6e497f56e430c6fabe61b80ad',
     ],
     'tiny_wan_cpu/aot-package/regional': [
-        'ec767306bb0fdb5010b6d2fae86730b988b993b589af17e90b67023627d726d4',
+        '1eb61da30c713da92aa91efaebf7a6d5e18ea7d51d086a90b80314f1ce0c67ac',
     ],
     'tiny_wan_cpu/aot-compile/full': [
-        '2713843b3c5380f792e91ad9a242729df1f063feff740d17ddd4d254245ded8d',
+        '77326c559924cea5334645523c1a73415bf70522ccff81e9074c1ad6979863c6',
     ],
     'tiny_wan_cpu/aot-compile/regional': [
-        '66618236e63bd94d5f1e279dd2f6609d7a43fd98c2d92f5ffc2f8e81cdbd0c42',
+        'efd99876b6e6c45757dcbfbddaead38b85dd1dace140cbcd3044c7688f389fd8',
     ],
     'tiny_wan22_cpu/jit-cache/full': [
-        'a588d7d4d89ba66f989e63f518ce30fff172dab31400b7ca806d31c4ac496256',
-        'b93904cdc1d59c32fb66d61fcebbbeb6c1ece0f9d78f5442d5a06d87aa8f77ff',
+        '13ce94bffdf16e2de207cfd515e5d8e19d7281f93ce1c76edca358aba8108905',
+        'cf685ae2f415a6ba5004080144fa7a05f6d7da5d39353ecca76ec000ce4b1c69',
     ],
     'tiny_wan22_cpu/jit-cache/regional': [
-        '01060413f862e3aa3d4cb3ea15394ef78dd3898987aa32781b9e956abab648db',
-        'd55190df8247aa68b8aa01afdf504dea4de69a7435ab6d6b4c5b44136ec35197',
+        '5373c75330a320ac291710b9e0342a34c72590cba3945a8d6275a3e8d3cad4b6',
+        '8c99edda32f759786296e74831d3e7b1784c3b136a3fc95605465cd8803ca034',
     ],
     'tiny_wan22_cpu/aot-package/full': [
-        'ec9baa708596aebe5fa9c1b006a61aa98fa3d620fe7325ae9ac7272ebeed3466',
-        '2b79313d129c4015141466825166ee76559d18296c04365852c8aa6e72a07cff',
+        '5591e707cd44235d2066bbf538befcdfccf32900173e0d6e7d770ed047557848',
+        '87df1948b1ecc9c76a034875bfa001fdeaced23dd9f7d70c32520b96de17c31e',
     ],
     'tiny_wan22_cpu/aot-package/regional': [
-        'd5ccf113d847a94196e04c301d3524106bb9af8b9c38195f4d80829f61501638',
-        '6ad2feb64b79c374ffb7c64c87b53aae3fb87045963668d1e155330ec2777905',
+        '292bb107cddceca9fe8cf964d0d209ddc93ec818cb2a222d6860c27caf2226a2',
+        '618e517670858dcf55f75fd44735428de6d9079a0aac390ebc179a47e05999b5',
     ],
     'tiny_wan22_cpu/aot-compile/full': [
-        '772281be6528c3e4316225f4112e39c4ab886aec794f4a5a15669aab6172051a',
-        'bd85afdeff3b5b2dc0e61b4c028918a4d707f0c94fd72eb27b2275d8c2f12238',
+        'a6f51760a421e3648f079346a7fd2a9346a41319f34fa1054dd27ff7c582031f',
+        'd4510e5c0ac833ea3cf3bf5a988eea2d0fe91519c06e56896dc5f3695ccd0a92',
     ],
     'tiny_wan22_cpu/aot-compile/regional': [
-        'c4eed7365544211bc517d1c60dc0dca383ade3eb0f27b578dad4ba5806c0f0de',
-        '83a5296eebefc320aa13a841223d82fb4108555b690c3abf461a70f941b96b43',
+        '39ff90cf19f6c88a5346d556153c7701608fb9890f163562db13a9210bf8e148',
+        '70bd95ace73d17d074ef7bdda4cafe5b66e943114c151a2f7912d94987da0af5',
     ],
 }
 
