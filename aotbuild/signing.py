@@ -242,17 +242,21 @@ def check(manifest: Any, trusted: Mapping[str, bytes]) -> str:
     if not manifest.signed_by:
         return "unsigned: this machine trusts only signed entries (AOTBUILD_TRUSTED_KEYS)"
     body = payload(manifest.as_json())
-    names = []
-    for entry in manifest.signed_by:
-        names.append(entry["key"])
+    names, bad = [], ""
+    for entry in manifest.signed_by:  # any trusted signature that verifies: signed_by is not itself signed, so
+        names.append(entry["key"])     # a junk entry under a trusted name must not hide a good one (review)
         public = trusted.get(entry["key"])
         if public is None:
             continue
         try:
             ed25519.Ed25519PublicKey.from_public_bytes(public).verify(base64.b64decode(entry["sig"]), body)
         except (InvalidSignature, ValueError):
-            return f"bad signature by {entry['key']}: the manifest changed after it was signed, or the signature did"
+            bad = bad or (f"bad signature by {printable(entry['key'])[:200]}: the manifest changed after it was "
+                          "signed, or the signature did")
+            continue
         return ""
+    if bad:
+        return bad
     # a manifest's signer names are anyone's text: escaped (no newline, no workflow command), bounded
     shown = printable(", ".join(sorted(set(names))))[:200]
     return f"signed by an untrusted key ({shown}); trusted: {', '.join(sorted(trusted))}"

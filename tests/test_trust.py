@@ -126,6 +126,21 @@ def test_the_provenance_a_manifest_records_is_inside_what_is_signed(change, ci, 
     assert signing.check(changed, trusted).startswith("bad signature by ci")
 
 
+def test_a_junk_signature_under_a_trusted_name_does_not_hide_a_good_one(ci, tmp_path):
+    """signed_by is not itself signed: whoever writes the store can add entries to it. A junk one under a
+    trusted key's name, before the good signature, must not turn a signed entry into a miss."""
+    from tests import manifests
+
+    store = Store(tmp_path / "c")
+    key = manifests.add_entry(store, tmp_path / "src", "a", {"x.so": b"kernel"})
+    signed = signing.sign(store.read_manifest(key), ci[0])
+    trusted = signing.load_trusted([ci[1]])
+    good = signed.signed_by[0]
+    junk = {**good, "sig": base64.b64encode(b"\0" * 64).decode()}
+    assert signing.check(replace(signed, signed_by=(junk, good)), trusted) == ""
+    assert signing.check(replace(signed, signed_by=(junk,)), trusted).startswith("bad signature by ci")
+
+
 def test_an_untrusted_signer_name_is_printed_escaped(ci, tmp_path):
     from tests import manifests
 
