@@ -10,10 +10,12 @@ served the image without FreeU, the old processor's output, and garbage for chan
 with 0 compiles (issue 31). So the build records a conservative *snapshot* of the component
 (:func:`snapshot`: for every submodule its class, its plain attributes, the classes of the callable
 objects it holds and its tensor attributes' metadata, its forward hook counts, and per parameter and
-buffer its metadata, never a value) and the global state its calls ran under (:func:`observe`, from
-the build's recorders). The load compares the live module with it (:func:`diff`: the first
-difference in words) and, once per call of each compiled module, a :class:`Watch` re-checks it
-cheaply: precomputed (dict, keys) pairs compared by value, parameters by metadata only, so new
+buffer its metadata, never a value), the global state its calls ran under and what each compiled
+module held at its first call (:func:`observe`, from the build's recorders; :func:`call_time`: a
+pipeline may set a processor for its calls, diffusers' PAG does). The load compares the live module
+with it (:func:`diff`: the first difference in words) and, once per call of each compiled module, a
+:class:`Watch` re-checks it (with the first call's differences applied: :func:`at_call`) cheaply:
+precomputed (dict, keys) pairs compared by value, parameters by metadata only, so new
 weights of the same structure (``load_state_dict``) and a processor of the same class keep serving.
 
 What is left out on purpose: ``training`` (read only by dropout with p > 0 and batch norm, whose
@@ -35,7 +37,7 @@ from typing import Any
 from aotbuild.text import printable
 
 __all__ = ["VERSION", "ROOT_OUTSIDE", "only_devices", "snapshot", "digest", "diff", "observe", "observed",
-           "reset_observed", "call_state", "Watch"]
+           "reset_observed", "record_calls", "at_call", "call_time", "call_state", "Watch"]
 
 #: The snapshot's format: another version is compared as "built by another aotbuild".
 VERSION = 1
@@ -210,6 +212,10 @@ def _below(items: Mapping[str, Any], under: str, ignore: frozenset[str]) -> dict
 # -- the global state of a call --------------------------------------------------------------------
 
 _OBSERVED: list[list[Any]] = []
+#: The component whose calls the build records (:func:`record_calls`), and per module path (relative to
+#: it) the items of that module's subtree at its first recorded call.
+_ROOT: list[Any] = []
+_AT_CALL: dict[str, dict[str, str]] = {}
 
 
 def call_state() -> list[Any]:
@@ -221,19 +227,81 @@ def call_state() -> list[Any]:
             [f"{d}:{str(torch.get_autocast_dtype(d)).replace('torch.', '')}" for d in autocast]]
 
 
-def observe() -> None:
-    """Called by the build's recorders at each call of a component or block: the states seen."""
+def record_calls(module: Any) -> None:
+    """Start recording the calls of ``module`` (a component): the states seen and, at the first call of
+    the component or of each of its blocks, what that module holds then (:func:`call_time`)."""
+    reset_observed()
+    _ROOT.append(module)
+
+
+def observe(module: Any = None) -> None:
+    """Called by the build's recorders at each call of a component or block (``module``: the one
+    called): the states seen, and the module's items at its first call. A pipeline's ``__call__`` may set
+    what the graph is traced with before it calls the module and restore it after (diffusers' PAG sets
+    its attention processors for the denoising loop): the per-call check compares a call with that, the
+    load-time check (before any call) with the snapshot taken before the warmup."""
     state = call_state()
     if state not in _OBSERVED:
         _OBSERVED.append(state)
+    if not _ROOT:
+        return
+    root = _ROOT[0]
+    target = root if module is None else module
+    path = next((p for p, m in root.named_modules(remove_duplicate=False) if m is target), None)
+    if path is None or path in _AT_CALL:  # not in the component (not recorded), or seen already
+        return
+    prefix = f"{path}." if path else ""
+    _AT_CALL[path] = {(prefix + k if k != "." else path or "."): v for k, v in _items(target)}
 
 
 def observed() -> list[list[Any]]:
     return [list(s) for s in _OBSERVED]
 
 
+def call_time(recorded: Mapping[str, Any]) -> dict[str, Any]:
+    """The manifest's ``structure.dependencies.calls`` for the snapshot ``recorded`` (taken before the
+    warmup): what the recorded modules held at their first call that differs from it, as ``changed``
+    (path -> what) and ``removed`` (paths)."""
+    items = dict(recorded["items"])
+    merged = _overlay(items, _AT_CALL)
+    for path in _AT_CALL:  # what wraps a recorded module (the recorder itself, a dispatcher) is not its graph's
+        for name in ROOT_OUTSIDE:
+            key = f"{path}.{name}" if path else name
+            if key in items:
+                merged[key] = items[key]
+            else:
+                merged.pop(key, None)
+    return {"changed": {k: v for k, v in merged.items() if items.get(k) != v},
+            "removed": sorted(k for k in items if k not in merged)}
+
+
+def _overlay(items: Mapping[str, str], subtrees: Mapping[str, Mapping[str, str]]) -> dict[str, str]:
+    out = dict(items)
+    for path in sorted(subtrees, key=lambda p: (p.count(".") + bool(p), p)):  # outer first, inner over it
+        if path:
+            head = path + "."
+            out = {k: v for k, v in out.items() if k != path and not k.startswith(head)}
+        else:
+            out = {}
+        out.update(subtrees[path])
+    return out
+
+
+def at_call(recorded: Mapping[str, Any]) -> dict[str, Any]:
+    """The record a call is compared with: the snapshot with the first call's differences
+    (``calls``) applied; the snapshot itself for a record without them (built by an older aotbuild)."""
+    calls = recorded.get("calls")
+    if not isinstance(calls, Mapping) or not isinstance(recorded.get("items"), Mapping):
+        return dict(recorded)
+    items = {k: v for k, v in recorded["items"].items() if k not in set(calls.get("removed") or ())}
+    items.update(calls.get("changed") or {})
+    return {**recorded, "items": items, "digest": digest(items)}
+
+
 def reset_observed() -> None:
     _OBSERVED.clear()
+    _ROOT.clear()
+    _AT_CALL.clear()
 
 
 def _describe_state(state: list[Any]) -> str:

@@ -129,7 +129,9 @@ class Dispatcher:
         if self.on_unbuilt == "record":
             from aotbuild.dependencies import observe
 
-            observe()  # the global state the build's graphs are traced under (the manifest records it)
+            # the global state the build's graphs are traced under, and what the module holds at its first
+            # call (a pipeline may set a processor just before): the manifest records both
+            observe(getattr(self.eager, "__self__", None))
             assert self.fallback is not None
             if self.on_record is not None:
                 self.on_record(sig, args, kwargs)

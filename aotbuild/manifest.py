@@ -362,6 +362,13 @@ class _Checker:
                     or not isinstance(state[1], str) or not isinstance(state[2], list)
                     or not all(isinstance(a, str) for a in state[2])):
                 raise self.fail("structure.dependencies.globals", "not [grad, dtype, [autocast]]")
+        if value.get("calls") is not None:  # what the modules held at their first call, where it differs
+            calls = self.obj(value["calls"], "structure.dependencies.calls")
+            changed = self.obj(calls.get("changed", {}), "structure.dependencies.calls.changed")
+            removed = self.list_of(calls.get("removed", []), "structure.dependencies.calls.removed")
+            if not all(isinstance(v, str) and len(k) <= MAX_NAME and len(v) <= MAX_NAME for k, v in changed.items()) \
+                    or not all(isinstance(k, str) and len(k) <= MAX_NAME for k in removed):
+                raise self.fail("structure.dependencies.calls", "not {changed: {path: text}, removed: [path]}")
 
     def signed_by(self, value: Any) -> tuple[dict[str, str], ...]:
         items = self.list_of(value, "signed_by")

@@ -244,7 +244,8 @@ def _open_entries(ctx: Context, store: Store, pipe: Any, wanted: list[_Wanted], 
             why = blocker or str(reason)
             if entry is not None:
                 why = (_structure_problem(module, component, entry)
-                       or _dependency_problem(module, component, entry, live, ctx.recipe.offload == "none")
+                       or _dependency_problem(module, component, entry, live, ctx.recipe.offload == "none",
+                                              _compiled_paths(module, ctx.recipe))
                        or ctx.strategy.check(ctx, module, component, entry))
                 entry = None if why else entry
             if entry is not None:
@@ -267,26 +268,42 @@ def _structure_problem(module: Any, component: str, entry: Entry) -> str:
     return mismatch(module, entry.manifest.structure or {}, component)
 
 
-def _dependency_problem(module: Any, component: str, entry: Entry, live: dict[str, Any], devices: bool) -> str:
+def _compiled_paths(module: Any, recipe: Recipe) -> list[str]:
+    """The module paths whose graphs an entry holds: the component itself (""), or a regional recipe's
+    blocks (the rest of the component runs eagerly)."""
+    if recipe.compile.scope != "regional":
+        return [""]
+    from aotbuild.blocks import select_blocks
+
+    return [name for name, _ in select_blocks(module, recipe.compile.blocks, recipe)]
+
+
+def _dependency_problem(module: Any, component: str, entry: Entry, live: dict[str, Any], devices: bool,
+                        paths: list[str] | None = None) -> str:
     """Whether what the entry's graphs depend on beyond their inputs (attributes, processors, hooks,
     weights' layout: aotbuild/dependencies.py) is what the live module has; an entry without that
-    record (an older aotbuild) misses: nothing proves it computes what this module does (issue 31)."""
+    record (an older aotbuild) misses: nothing proves it computes what this module does (issue 31).
+    ``paths``: the compiled modules (a regional recipe's blocks: each compared as the per-call check
+    compares it, what is outside them runs eagerly); default: the component."""
     from aotbuild import dependencies
 
     recorded = (entry.manifest.structure or {}).get("dependencies")
     if not live:
         live.update(dependencies.snapshot(module))
-    why = dependencies.diff(recorded, live, component, ignore=dependencies.ROOT_OUTSIDE)
-    if why and not devices and recorded and recorded.get("version") == dependencies.VERSION \
-            and dependencies.only_devices(recorded, live, "", dependencies.ROOT_OUTSIDE):
-        return ""  # offload: the weights move between the CPU and the device between calls
-    return why
+    for path in paths if paths is not None else [""]:
+        why = dependencies.diff(recorded, live, component, under=path, ignore=dependencies.ROOT_OUTSIDE)
+        if why and not devices and recorded and recorded.get("version") == dependencies.VERSION \
+                and dependencies.only_devices(recorded, live, path, dependencies.ROOT_OUTSIDE):
+            continue  # offload: the weights move between the CPU and the device between calls
+        if why:
+            return why
+    return ""
 
 
 def _watch(planned: list[Planned], on_miss: str, devices: bool) -> None:
     """Each compiled module's dispatcher re-checks, once per call, what its graphs depend on (armed
     from the module, which matched the entry at load); a change follows ``on_miss``."""
-    from aotbuild.dependencies import Watch
+    from aotbuild import dependencies
     from aotbuild.dispatch import Dispatcher
 
     for p in planned:
@@ -295,11 +312,14 @@ def _watch(planned: list[Planned], on_miss: str, devices: bool) -> None:
             continue
         # One module, so one snapshot; the global states seen are every shape's build's.
         states = [s for r in records for s in r.get("globals") or []]
-        recorded = {**records[0], "globals": [s for i, s in enumerate(states) if s not in states[:i]]}
+        # Compared with what the module held at its first call at build (a pipeline may set a processor
+        # for its calls: diffusers' PAG), not before the warmup as the load-time check is.
+        recorded = {**dependencies.at_call(records[0]),
+                    "globals": [s for i, s in enumerate(states) if s not in states[:i]]}
         for path, sub in p.module.named_modules():
             d = vars(sub).get("forward")
             if isinstance(d, Dispatcher) and d.routes:
-                d.watch = Watch(sub, recorded, p.component, path, devices=devices)
+                d.watch = dependencies.Watch(sub, recorded, p.component, path, devices=devices)
                 d.on_stale = on_miss
 
 

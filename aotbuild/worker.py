@@ -56,7 +56,7 @@ def run(job: dict, loaded: tuple[Any, float] | None = None) -> dict:
     # What the graphs depend on beyond their inputs (issue 31), also before the strategy's wrappers;
     # the global state of the component's calls is seen by the strategy's recorders during the warmup.
     depends = dependencies.snapshot(module)
-    dependencies.reset_observed()
+    dependencies.record_calls(module)
     workdir.mkdir(parents=True, exist_ok=True)
     job_spec = BuildJob(ctx, pipe, component, module, warmup, workdir,
                         phase=lambda text: child.phase(job, text))
@@ -68,7 +68,11 @@ def run(job: dict, loaded: tuple[Any, float] | None = None) -> dict:
             raise RuntimeError(why) from exc  # the whole traceback stays in the job's log
         raise
     t_warm = time.perf_counter()
-    structure["dependencies"] = {**depends, "globals": dependencies.observed()}
+    # The per-call check compares with what the modules held at their first call (a pipeline may set
+    # an attention processor for its calls, PAG does); the load-time check with ``depends``.
+    structure["dependencies"] = {**depends, "globals": dependencies.observed(),
+                                 "calls": dependencies.call_time(depends)}
+    dependencies.reset_observed()
     from torch._dynamo.utils import counters
 
     return {

@@ -177,6 +177,101 @@ def test_a_block_watch_checks_its_own_subtree_only():
     assert watch.check() == "m.blocks.1.scale: 5.0 here, 1.0 in the entry"
 
 
+class _PagProcessor:
+    def __call__(self, x):
+        return x * 2
+
+
+class _Component(Outer):
+    def forward(self, x):
+        return self.blocks[1](self.blocks[0](x))
+
+
+def _record_build(m, blocks: bool):
+    """What the build records of ``m``: the snapshot before the warmup, then a warmup through the
+    recorders' dispatchers (on the component, or on each block) whose "pipeline" sets a processor on
+    every block before its call and restores it after, as diffusers' PAG pipelines do."""
+    from aotbuild.dispatch import install_dispatcher, uninstall_dispatchers
+
+    depends = dependencies.snapshot(m)
+    dependencies.record_calls(m)
+    for owner in list(m.blocks) if blocks else [m]:
+        install_dispatcher(owner, "m", {}, owner.forward, "record")
+
+    def pipeline():
+        for block in m.blocks:
+            block.processor = _PagProcessor()
+        with torch.no_grad():
+            m(torch.ones(4))
+        for block in m.blocks:
+            del block.processor
+
+    pipeline()
+    pipeline()
+    record = {**depends, "globals": dependencies.observed(), "calls": dependencies.call_time(depends)}
+    dependencies.reset_observed()
+    assert uninstall_dispatchers(m) == (2 if blocks else 1)
+    return record
+
+
+@pytest.mark.parametrize("blocks", [False, True], ids=["component", "regional"])
+def test_what_the_pipeline_sets_for_its_calls_is_served_a_users_change_is_not(blocks):
+    """PAG sets its attention processors in the pipeline's __call__ and restores them after: the graph
+    was traced with them, so a call with them is served; the load (before any call) sees the module
+    without them, as the snapshot before the warmup did (it was refused on every call)."""
+    m = _Component()
+    record = _record_build(m, blocks)
+    assert record["calls"]["changed"] == {"blocks.0.processor": f"{__name__}._PagProcessor object",
+                                          "blocks.1.processor": f"{__name__}._PagProcessor object"}
+    assert _diff(record, m) == ""  # the load-time check: no processor yet
+    at_call = {**dependencies.at_call(record), "globals": record["globals"]}
+    watches = [dependencies.Watch(b, at_call, "m", f"blocks.{i}") for i, b in enumerate(m.blocks)] if blocks \
+        else [dependencies.Watch(m, at_call, "m")]
+    for block in m.blocks:
+        block.processor = _PagProcessor()  # a new instance of the traced class, as every call makes
+    with torch.no_grad():
+        assert [w.check() for w in watches] == [""] * len(watches)
+        m.blocks[1].scale = 2.0  # the user's change
+        assert "m.blocks.1.scale: 2.0 here, 1.0 in the entry" in [w.check() for w in watches]
+        m.blocks[1].scale = 1.0
+        m.blocks[0].processor = object()  # another processor than the one traced
+        assert "another attention processor?" in watches[0].check()
+    # a record without the first call's (an older aotbuild's) is compared as before
+    assert dependencies.at_call({k: v for k, v in record.items() if k != "calls"})["items"] == record["items"]
+
+
+class _Entry:
+    def __init__(self, structure):
+        self.manifest = type("M", (), {"structure": structure})()
+
+
+def test_the_load_check_of_a_regional_entry_compares_the_compiled_blocks_only():
+    """FreeU is on the UNet's up blocks, outside the compiled transformer blocks: it runs eagerly, so the
+    load serves it (as the per-call check did after load); a change inside a block is refused."""
+    from types import SimpleNamespace
+
+    from aotbuild.runtime import _compiled_paths, _dependency_problem
+
+    m = Outer()
+    m.mid = torch.nn.Linear(4, 4)  # not a block: runs eagerly under regional scope
+    structure = {"dependencies": {**dependencies.snapshot(m), "globals": []}}
+    regional = SimpleNamespace(compile=SimpleNamespace(scope="regional", blocks=("Block",)))
+    full = SimpleNamespace(compile=SimpleNamespace(scope="full", blocks=None))
+    paths = _compiled_paths(m, regional)
+    assert paths == ["blocks.0", "blocks.1"] and _compiled_paths(m, full) == [""]
+    m.mid.b1 = 1.2
+    m.s1 = 0.9
+    assert _dependency_problem(m, "unet", _Entry(structure), {}, True, paths) == ""
+    assert _dependency_problem(m, "unet", _Entry(structure), {}, True, [""]).startswith("unet.mid.b1: 1.2 here")
+    m.blocks[1].b1 = 1.2
+    assert _dependency_problem(m, "unet", _Entry(structure), {}, True, paths) == \
+        "unet.blocks.1.b1: 1.2 here, absent in the entry: FreeU?"
+    m.blocks[1].b1 = None
+    m.blocks[0].proj.to(torch.float64)
+    assert _dependency_problem(m, "unet", _Entry(structure), {}, True, paths).startswith(
+        "unet.blocks.0.proj.bias: param float64 [4]")
+
+
 class _Changed:
     def __init__(self, why: str):
         self.why = why

@@ -319,7 +319,8 @@ class CallRecorder:
 
             from aotbuild.dependencies import observe
 
-            observe()  # the global state the artifacts are compiled under (the manifest records it)
+            observe(module)  # the global state the artifacts are compiled under, what the module holds at its
+            # first call (the manifest records both)
             sig, floats, grad = signature(args, kwargs), floats_of(args, kwargs), torch.is_grad_enabled()
             key = (type(module).__name__, digest, sig, json.dumps(floats), str(grad))
             group = self.groups.get(key)
