@@ -161,8 +161,9 @@ class Dispatcher:
             from aotbuild.errors import StaleGraph
 
             raise StaleGraph(f"{self.component} changed since its entry was built, and load_compiled(on_miss="
-                             f"\"error\") never compiles: {why}. Undo the change, or build for the changed "
-                             f"pipeline (`aotbuild.build(recipe, pipe=pipe)`), or load with on_miss=\"eager\"")
+                             f"\"error\") never compiles: {why}. Undo the change, or load with on_miss=\"eager\" "
+                             f"(this module then runs eagerly). aotbuild.build(recipe, pipe=pipe) does not keep "
+                             f"such a change: it saves the pipeline with save_pretrained")
         if why != self.stale:
             import warnings
 
