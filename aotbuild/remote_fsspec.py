@@ -30,6 +30,7 @@ under the prefix. The same rules hold:
 
 from __future__ import annotations
 
+import errno
 import importlib.util
 import re
 import time
@@ -138,14 +139,16 @@ def _why(exc: BaseException) -> str:
 
 
 class _Ranges:
-    """A blob on the store as a binary stream: ranged reads of at most RANGE bytes, each retried."""
+    """A blob on the store as a binary stream: ranged reads of at most RANGE bytes, each retried, of
+    its first ``limit`` bytes. ``limit`` must not exceed the object's size: a range that starts at
+    the object's end is never requested (S3 answers it 416 InvalidRange, not an empty body)."""
 
     def __init__(self, remote: FsspecRemote, path: str, limit: int):
         self.remote, self.path, self.limit = remote, path, limit
         self.pos, self.buf = 0, b""
 
     def read(self, n: int = -1) -> bytes:
-        if not self.buf and self.pos < self.limit:
+        if not self.buf and self.pos < self.limit:  # pos >= limit: nothing is left to ask for
             end = min(self.pos + max(n, RANGE), self.limit)
             self.buf = self.remote._call(f"reading {self.path}", lambda: self.remote.fs.cat_file(
                 self.path, start=self.pos, end=end))
@@ -188,8 +191,8 @@ class FsspecRemote(Remote):
         for attempt in range(1, tries + 1):
             try:
                 return fn()
-            except (FileNotFoundError, FileExistsError, UsageError):
-                raise
+            except (FileNotFoundError, FileExistsError, UsageError, NotImplementedError):
+                raise  # NotImplementedError: the store lacks a feature (_put_new falls back), not transient
             except PermissionError as exc:
                 raise RemoteError(f"{self.url}: {what} was denied ({_why(exc)}): check the credentials the "
                                   "store's own chain provides (environment, profile, instance role)") from None
@@ -249,20 +252,36 @@ class FsspecRemote(Remote):
         def blobs(wanted: list[tuple[str, int]]) -> Iterator[tuple[str, BinaryIO]]:
             for digest, size in wanted:
                 path = self.blob_path(digest)
-                reader = _Ranges(self, path, size + 1)  # one byte more than declared: a longer blob is refused
                 try:
-                    first = reader.read(0)
+                    info = self._call(f"checking {path}", lambda p=path: self.fs.info(p))
                 except FileNotFoundError:
-                    raise StoreError(f"blob {digest[:12]} is missing on the remote") from None
-                assert first == b""
-                yield digest, reader  # type: ignore[misc]
+                    info = {}
+                if info.get("type", "file") != "file" or not isinstance(info.get("size"), int):
+                    raise StoreError(f"blob {digest[:12]} is missing on the remote")
+                if info["size"] > size:
+                    raise StoreError(f"blob {digest[:12]} has {info['size']} bytes on the remote, more than the "
+                                     f"{size} its manifest declares: refused")
+                # At most one byte more than declared (a blob that grew since is refused by the reader),
+                # and never past the object's end: no range is requested once it is reached.
+                yield digest, _Ranges(self, path, min(size + 1, info["size"]))  # type: ignore[misc]
 
         return ingest(store, key, manifest, blobs)
 
     def _put_new(self, what: str, put: Callable[[str], Any]) -> bool:
-        """``put(mode)`` create-only where the store offers it; False when the object was already there."""
+        """``put(mode)`` create-only where the store offers it; False when the object was already there.
+        Where it does not (fsspec's NotImplementedError; s3fs's OSError(ENOSYS) for a 501 NotImplemented
+        answer to ``If-None-Match``), an ordinary write: safe by ordering and content addressing."""
+
+        def create() -> Any:
+            try:
+                return put("create")
+            except OSError as exc:
+                if exc.errno == errno.ENOSYS:
+                    raise NotImplementedError(str(exc)) from exc
+                raise
+
         try:
-            self._call(what, lambda: put("create"))
+            self._call(what, create)
         except FileExistsError:
             return False
         except NotImplementedError:

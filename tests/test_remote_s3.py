@@ -127,6 +127,41 @@ def test_a_damaged_blob_on_the_server_is_refused_and_nothing_is_stored(s3, tmp_p
     assert [p for p in other.root.rglob("*") if p.is_file() and p.suffix != ".lock"] == []
 
 
+def test_an_empty_blob_and_one_of_an_exact_multiple_of_the_range_are_pulled(s3, tmp_path, monkeypatch):
+    """A range that would start at the object's end is never asked for: S3 answers it 416 InvalidRange
+    (``Range: bytes=8-8`` of an 8-byte object, ``bytes=0-0`` of an empty one)."""
+    from aotbuild import remote_fsspec, store
+
+    monkeypatch.setattr(remote_fsspec, "RANGE", 4)  # the 8 MiB range and 1 MiB read, made small
+    monkeypatch.setattr(store, "_CHUNK", 4)
+    local = Store(tmp_path / "local")
+    a = add_entry(local, tmp_path, "a", {"empty.py": b"", "x.so": b"kernel-a", "y.so": b"kernel-b-12"})
+    remote = parse_remote(f"s3://{s3}/ci")
+    assert remote.push(entries(local, a)).sent == [a] and len(_objects(remote, "blobs")) == 3
+    other = Store(tmp_path / "other")
+    assert remote.fetch(a, other) == ""
+    entry, _ = other.open_entry(a)
+    assert entry is not None and {rel: blob.read_bytes() for rel, blob in entry.files} == {
+        "empty.py": b"", "x.so": b"kernel-a", "y.so": b"kernel-b-12"}
+
+
+@pytest.mark.parametrize("blob", [b"", b"kernel-a"])
+def test_a_blob_made_longer_on_the_server_is_refused_at_any_size(s3, tmp_path, monkeypatch, blob):
+    from aotbuild import remote_fsspec
+
+    monkeypatch.setattr(remote_fsspec, "RANGE", 4)
+    local = Store(tmp_path / "local")
+    a = add_entry(local, tmp_path, "a", {"x.so": blob})
+    remote = parse_remote(f"s3://{s3}/ci")
+    remote.push(entries(local, a))
+    [victim] = _objects(remote, "blobs")
+    remote.fs.pipe_file(victim, blob + b"X")
+    other = Store(tmp_path / "other")
+    why = remote.fetch(a, other)
+    assert why.startswith("refused") and victim.rsplit("/", 1)[1][:12] in why and "bytes" in why, why
+    assert not other.has(a)
+
+
 def test_a_pull_racing_a_push_sees_no_entry_until_its_blobs_are_there(s3, tmp_path):
     local = Store(tmp_path / "local")
     a = add_entry(local, tmp_path, "a", {"x.so": b"kernel-a", "y.so": b"kernel-b"})
@@ -194,6 +229,36 @@ def test_a_manifest_is_written_create_only(s3, tmp_path):
     result = second.push(entries(local, a))
     assert result.sent == [] and result.present == [a]
     assert first.fs.info(first.manifest_path(a))["ETag"] == before
+
+
+def test_a_store_without_conditional_writes_gets_ordinary_writes(s3, tmp_path):
+    """An S3-compatible store that does not implement ``If-None-Match`` answers 501 NotImplemented,
+    which s3fs raises as OSError(ENOSYS): the push falls back to ordinary writes (safe by ordering and
+    content addressing) instead of failing. The fault is injected where the store would answer it."""
+    from botocore.exceptions import ClientError
+    from s3fs.errors import translate_boto_error
+
+    local = Store(tmp_path / "local")
+    a = add_entry(local, tmp_path, "a", {"x.so": b"kernel-a", "y.so": b"kernel-b"})
+    remote = parse_remote(f"s3://{s3}/ci")
+    real, refused, plain = remote.fs._call_s3, [], []
+
+    async def no_conditional_writes(method, *args, **kwargs):
+        if "IfNoneMatch" in kwargs:
+            refused.append(kwargs["Key"])
+            raise translate_boto_error(ClientError({"Error": {"Code": "NotImplemented", "Message": "A header you "
+                                                              "provided implies functionality that is not implemented"},
+                                                    "ResponseMetadata": {"HTTPStatusCode": 501}}, method))
+        if method == "put_object":
+            plain.append(kwargs["Key"])
+        return await real(method, *args, **kwargs)
+
+    remote.fs._call_s3 = no_conditional_writes
+    result = remote.push(entries(local, a))
+    assert result.sent == [a] and result.bytes_sent == len(b"kernel-a") + len(b"kernel-b")
+    assert len(refused) == 3 and sorted(plain) == sorted(refused)  # two blobs and the manifest, each once
+    other = Store(tmp_path / "other")
+    assert parse_remote(f"s3://{s3}/ci").fetch(a, other) == "" and other.open_entry(a)[0] is not None
 
 
 def test_a_trusted_signed_manifest_is_never_overwritten_and_an_unsigned_one_gives_way(s3, tmp_path):
