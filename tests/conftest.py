@@ -110,15 +110,35 @@ def build_group(item: pytest.Item) -> str | None:
     return f"tiny-sd:{strategy}" if strategy else "tiny-sd:strategy_build"
 
 
+def group_node_id(item: pytest.Item, group: str) -> None:
+    """What ``--dist=loadgroup`` needs: the group as a suffix of the node id (``...::test@group``), the
+    one thing xdist's scheduler reads. xdist 3.8 writes ``item._nodeid`` for an ``xdist_group`` mark, and
+    from pytest 9.2 on nothing reads that attribute (the id is ``item._id``, a ``NodeId``): every group
+    silently became ungrouped, and two workers waited on one shared build's lock at once. So the
+    suffix is written here, for either form; ``tests/test_suite_groups.py`` checks it takes."""
+    if item.nodeid.endswith(f"@{group}"):
+        return
+    if hasattr(item, "_id"):  # pytest >= 9.2
+        from _pytest.nodeid import coerce_node_id
+
+        item._id = coerce_node_id(f"{item.nodeid}@{group}")
+    else:
+        item._nodeid = f"{item.nodeid}@{group}"
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the marks added here
 def pytest_collection_modifyitems(config, items):
     """For ``--dist=loadgroup``: the tests reading one shared entry form one group (one worker builds
     it, the others never wait for it); every other test is its own unit, so no module is pinned to one
     worker. Slow tests are queued first: the longest work starts first, and the two workers end
     together instead of one finishing a module of builds alone."""
+    grouping = os.environ.get("PYTEST_XDIST_WORKER") and config.getvalue("loadgroup")
     for item in items:
         group = build_group(item)
         if group:
             item.add_marker(pytest.mark.xdist_group(group))
+            if grouping:
+                group_node_id(item, group)
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable: slow first, then the rest
 
 
