@@ -137,8 +137,12 @@ def pytest_collection_modifyitems(config, items):
         group = build_group(item)
         if group:
             item.add_marker(pytest.mark.xdist_group(group))
-            if grouping:
-                group_node_id(item, group)
+        # A module's own mark too (``pytestmark = pytest.mark.xdist_group(...)``): its tests share an
+        # expensive module fixture (a subprocess, a server) that each worker would otherwise start.
+        names = sorted({str(mark.args[0] if mark.args else mark.kwargs.get("name", "default"))
+                        for mark in item.iter_markers("xdist_group")})
+        if grouping and names:
+            group_node_id(item, "_".join(names))
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable: slow first, then the rest
 
 

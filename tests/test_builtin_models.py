@@ -14,7 +14,9 @@ import pytest
 
 from aotbuild import builtin, models, pipecall
 from aotbuild.recipes import load_recipe
-from tests.conftest import REPO, run_cli
+from tests.conftest import REPO, invoke_cli
+
+pytestmark = pytest.mark.xdist_group("builtin-models")  # one worker makes the built-in models this module shares
 
 # built-in -> (recipe, the component it compiles, pipeline class, T5 tokenizer folder or None)
 NEW_BUILTINS = {
@@ -103,7 +105,7 @@ def test_t5_tokenizer_round_trips_text_and_saves_as_created(name, builtin_root):
 
 def test_plan_lists_each_recipe_s_component(builtin_root):
     recipes = [str(REPO / "recipes" / v[0]) for v in NEW_BUILTINS.values()]
-    proc = run_cli("plan", "--json", "--cache", str(builtin_root), *recipes)
+    proc = invoke_cli("plan", "--json", "--cache", str(builtin_root), *recipes)
     assert proc.returncode == 0, proc.stderr
     jobs = json.loads(proc.stdout)["jobs"]
     assert {(j["recipe"], j["component"], j["status"]) for j in jobs} == {

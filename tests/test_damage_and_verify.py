@@ -18,7 +18,7 @@ from aotbuild.builder import BUILT, CACHED
 from aotbuild.errors import StoreError
 from aotbuild.manage import verify
 from aotbuild.store import Store
-from tests.conftest import TINY_RECIPE, run_cli
+from tests.conftest import TINY_RECIPE, invoke_cli
 from tests.standins import add_entry, check_no_dangling
 
 # -- 2, 3: damaged blobs are never a hit and the next build rebuilds them --------------------------
@@ -64,12 +64,12 @@ def test_verify_lists_a_corrupt_blob_and_fix_repairs(tmp_path):
     blob = store.layout.blob(hashlib.sha256(b"kernel-a").hexdigest())
     blob.chmod(0o644)
     blob.write_bytes(b"kernel-A")
-    found = run_cli("verify", "--cache", str(store.root))
+    found = invoke_cli("verify", "--cache", str(store.root))
     assert found.returncode == 1
     assert "corrupt" in found.stdout and "hash mismatch" in found.stdout and a[:12] in found.stdout
     assert "aotbuild verify --fix" in found.stdout  # the next step
-    assert run_cli("verify", "--fix", "--cache", str(store.root)).returncode == 0  # everything it found is fixed
-    assert run_cli("verify", "--cache", str(store.root)).returncode == 0
+    assert invoke_cli("verify", "--fix", "--cache", str(store.root)).returncode == 0  # everything it found is fixed
+    assert invoke_cli("verify", "--cache", str(store.root)).returncode == 0
     assert not store.has(a) and store.open_entry(b)[0] is not None  # b keeps the blob they shared
     check_no_dangling(store)
 

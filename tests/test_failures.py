@@ -8,7 +8,7 @@ import pytest
 
 from aotbuild import builder
 from aotbuild.builder import FAILED, JobResult
-from tests.conftest import TINY_RECIPE, run_cli
+from tests.conftest import TINY_RECIPE, invoke_cli
 
 
 def test_a_failed_job_is_remembered_shown_by_plan_and_cleared_by_a_build_that_retries_it(cache, fake_compiles,
@@ -27,11 +27,11 @@ def test_a_failed_job_is_remembered_shown_by_plan_and_cleared_by_a_build_that_re
     assert [j.status for j in jobs] == ["failed", "failed"]
     assert all(j.reason.startswith("failed before (") and "captured whole" in j.reason for j in jobs)
     assert all(j.estimated_build_s is None for j in jobs)  # out of the estimates
-    proc = run_cli("plan", "--json", "--cache", str(cache), str(TINY_RECIPE))
+    proc = invoke_cli("plan", "--json", "--cache", str(cache), str(TINY_RECIPE))
     assert {j["status"] for j in json.loads(proc.stdout)["jobs"]} == {"failed"}
-    text = run_cli("plan", "--cache", str(cache), str(TINY_RECIPE)).stdout
+    text = invoke_cli("plan", "--cache", str(cache), str(TINY_RECIPE)).stdout
     assert "to build" not in text  # no estimate counts a job that fails again
-    assert run_cli("verify", "--cache", str(cache)).returncode == 0  # records are aotbuild's: no problem
+    assert invoke_cli("verify", "--cache", str(cache)).returncode == 0  # records are aotbuild's: no problem
 
     monkeypatch.setattr(builder, "_build_one", stand_in)  # now it would build
     report = builder.build(str(TINY_RECIPE), cache)  # a recorded failure is not retried (issue 30)
@@ -77,7 +77,7 @@ def test_plan_reports_every_bad_recipe_of_a_folder_and_plans_the_good_ones(model
     (folder / "a.yaml").write_text("model: builtin:tiny-sd\nshape: []\n")
     (folder / "b.yaml").write_text("model: builtin:tiny-sd\nshapes: [{height: 7, width: 64}]\n")
     (folder / "c.yaml").write_text(TINY_RECIPE.read_text())
-    proc = run_cli("plan", "--cache", str(models_dir), str(folder))
+    proc = invoke_cli("plan", "--cache", str(models_dir), str(folder))
     assert proc.returncode == 2
     assert "a.yaml: shape: unknown key; did you mean 'shapes'?" in proc.stderr
     assert "b.yaml: shapes[0].height: 7 is not allowed" in proc.stderr
@@ -93,10 +93,10 @@ def test_ls_shows_each_entry_s_model_strategy_and_scope(tmp_path):
     data = json.loads(store.layout.manifest(key).read_text())
     data["recipe_data"] = {"model": {"id": "builtin:tiny-sd"}}
     manifests.write_raw(store, key, data)
-    out = run_cli("ls", "--cache", str(store.root)).stdout
+    out = invoke_cli("ls", "--cache", str(store.root)).stdout
     header = out.splitlines()[0].split()
     assert header == ["key", "recipe", "model", "component", "shape", "target", "strategy", "scope", "size",
                       "created"]
     assert "builtin:tiny-sd" in out and "jit-cache" in out and "full" in out
-    entry = json.loads(run_cli("ls", "--json", "--cache", str(store.root)).stdout)["entries"][0]
+    entry = json.loads(invoke_cli("ls", "--json", "--cache", str(store.root)).stdout)["entries"][0]
     assert (entry["model"], entry["strategy"], entry["scope"]) == ("builtin:tiny-sd", "jit-cache", "full")

@@ -19,7 +19,7 @@ from aotbuild import builder
 from aotbuild.builder import BUILT, UNCACHED
 from aotbuild.manage import verify
 from aotbuild.store import Store
-from tests.conftest import REPO, TINY_RECIPE, run_cli
+from tests.conftest import REPO, TINY_RECIPE, invoke_cli
 from tests.standins import add_entry, check_no_dangling
 
 # -- 1, 15: a killed writer, then verify / verify --fix --------------------------------------------
@@ -60,13 +60,13 @@ def test_a_killed_writer_leaves_a_miss_and_verify_fix_reclaims_its_leftovers(tmp
     proc.wait(timeout=30)
     store = Store(root)
     assert store.open_entry("ab" * 32) == (None, "not built")  # the entry is a miss
-    found = run_cli("verify", "--json", "--cache", str(root))
+    found = invoke_cli("verify", "--json", "--cache", str(root))
     assert found.returncode == 1
     kinds = sorted(p["kind"] for p in json.loads(found.stdout)["problems"])
     assert kinds == ["orphan", "temp"]  # the whole first blob, and the half-written temp file
-    fixed = run_cli("verify", "--fix", "--cache", str(root))
+    fixed = invoke_cli("verify", "--fix", "--cache", str(root))
     assert fixed.returncode == 0 and "2 problem(s) fixed" in fixed.stdout
-    assert run_cli("verify", "--cache", str(root)).returncode == 0
+    assert invoke_cli("verify", "--cache", str(root)).returncode == 0
     assert not list(store.blob_files()) and not list(store.layout.tmp.iterdir())
 
 
@@ -145,6 +145,6 @@ def test_a_writer_killed_with_9_is_reclaimed_by_the_next_writer(tmp_path):
     assert sorted(p.kind for p in verify(store)) == ["orphan", "temp"]  # its blob, its dead journal
     add_entry(store, tmp_path, "next", {"x.so": b"the next writer"})  # any writer reclaims first
     assert verify(store) == []  # without --fix
-    report = json.loads(run_cli("verify", "--json", "--cache", str(root)).stdout)
+    report = json.loads(invoke_cli("verify", "--json", "--cache", str(root)).stdout)
     assert report["problems"] == [] and report["notes"][-1]["reclaimed_blobs"] == [
         hashlib.sha256(b"orphan-to-be").hexdigest()]

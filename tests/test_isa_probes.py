@@ -18,7 +18,8 @@ import pytest
 
 from tests.conftest import run_python
 
-pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="Inductor probes x86 ISAs on Linux and Windows")
+pytestmark = [pytest.mark.skipif(sys.platform != "linux", reason="Inductor probes x86 ISAs on Linux and Windows"),
+              pytest.mark.xdist_group("isa-probes")]  # one worker runs the probe subprocess (outcomes)
 
 DRIVER = textwrap.dedent("""
     import json, os, platform, sys, traceback

@@ -30,6 +30,8 @@ FIXED_ENV = {"torch": "pinned", "torch_build": "pinned", "diffusers": "pinned", 
 FIXED_DEVICE = {"device_kind": "cpu", "machine": "pinned", "cpu_isa": "pinned"}
 CONSTRAINTS = REPO / ".ci" / "constraints.txt"
 
+pytestmark = pytest.mark.xdist_group("key-pins")  # one worker makes the built-in models this module shares
+
 VARIANTS = [("jit-cache", "full"), ("jit-cache", "regional"), ("aot-package", "full"), ("aot-package", "regional"),
             ("aot-compile", "full"), ("aot-compile", "regional")]
 #: Every built-in recipe (test_every_built_in_recipe_is_pinned holds this list to recipes/tiny_*_cpu.yaml).

@@ -8,7 +8,7 @@ from aotbuild.explain import estimate
 from aotbuild.planner import plan
 from aotbuild.store import Store
 from tests import manifests as m
-from tests.conftest import run_cli
+from tests.conftest import invoke_cli
 
 TINY = {
     "model": {"id": "builtin:tiny-sd", "dtype": "float32"}, "device": "cpu",
@@ -75,9 +75,9 @@ def test_plan_estimates_misses_from_a_cached_neighbour(tmp_path, models_dir):
 
     recipe = tmp_path / "r.yaml"
     recipe.write_text(json.dumps(TINY))  # JSON is YAML
-    proc = run_cli("plan", "--json", "--cache", str(root), str(recipe))
+    proc = invoke_cli("plan", "--json", "--cache", str(root), str(recipe))
     assert proc.returncode == 0, proc.stderr
     out = {j["key"]: j for j in json.loads(proc.stdout)["jobs"]}
     assert out[missing.key]["estimated_build_s"] == 42.5 and out[missing.key]["estimated_size"] == 4096
-    text = run_cli("plan", "--cache", str(root), str(recipe)).stdout
+    text = invoke_cli("plan", "--cache", str(root), str(recipe)).stdout
     assert "to build 1 job(s): about 42 s and 4.1 KB (estimated from the nearest cached entries)" in text, text

@@ -8,7 +8,7 @@ import pytest
 
 from aotbuild.errors import RecipeError
 from aotbuild.recipes import load_recipe, parse_recipe
-from tests.conftest import TINY_DICT, TINY_RECIPE, run_cli
+from tests.conftest import TINY_DICT, TINY_RECIPE, invoke_cli, run_cli
 
 GOOD = """
 model: {id: builtin:tiny-sd}
@@ -101,7 +101,7 @@ def test_cli_exit_code_2_without_traceback(tmp_path, text, expected):
 
 
 def test_cli_missing_recipe_file(tmp_path):
-    proc = run_cli("plan", str(tmp_path / "missing.yaml"))
+    proc = invoke_cli("plan", str(tmp_path / "missing.yaml"))
     assert proc.returncode == 2 and "no such file" in proc.stderr and "Traceback" not in proc.stderr
 
 
@@ -125,7 +125,7 @@ def test_component_checks_need_the_model(tmp_path, models_dir):
 
 def test_cli_unknown_component_exit_2(tmp_path, models_dir):
     path = write(tmp_path, GOOD + "compile: {components: [unte]}\n")
-    proc = run_cli("plan", "--cache", str(models_dir), str(path))
+    proc = invoke_cli("plan", "--cache", str(models_dir), str(path))
     assert proc.returncode == 2 and "did you mean 'unet'" in proc.stderr and "Traceback" not in proc.stderr
 
 

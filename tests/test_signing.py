@@ -15,7 +15,7 @@ from aotbuild import signing
 from aotbuild.errors import UsageError
 from aotbuild.store import Store, Unusable
 from tests import manifests
-from tests.conftest import run_cli, run_python
+from tests.conftest import invoke_cli, run_cli, run_python
 
 
 class _Marker:
@@ -156,7 +156,7 @@ def test_signatures_survive_push_and_pull_through_a_folder_remote_and_rotation_w
     assert again.returncode == 0
     there = Store(folder).read_manifest(key)
     assert sorted(s["key"] for s in there.signed_by) == ["ci", "other"]
-    show = run_cli("show", key[:12], "--cache", str(folder))
+    show = invoke_cli("show", key[:12], "--cache", str(folder))
     assert "signed by:  ci, other" in show.stdout
     for trusted in ("ci.pub", "other.pub", "ci.pub,other.pub"):
         serving = tmp_path / f"serving-{trusted}"
@@ -170,7 +170,7 @@ def test_signatures_survive_push_and_pull_through_a_folder_remote_and_rotation_w
     revoked = signing.load_trusted([tmp_path / "keys" / "other.pub"])
     only_ci = signed_entry(local, tmp_path, "b", ci)
     assert Store(local.root, trusted=revoked).open_entry(only_ci)[1].kind is Unusable.UNTRUSTED  # revoked: a miss
-    verify = run_cli("verify", "--cache", str(local.root), "--trusted-keys", str(tmp_path / "keys" / "other.pub"))
+    verify = invoke_cli("verify", "--cache", str(local.root), "--trusted-keys", str(tmp_path / "keys" / "other.pub"))
     assert verify.returncode == 1 and "untrusted" in verify.stdout
 
 

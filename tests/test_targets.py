@@ -17,7 +17,7 @@ import torch
 
 from aotbuild.errors import RecipeError
 from aotbuild.recipes import parse_recipe
-from tests.conftest import FAKES, REPO, run_cli, run_python
+from tests.conftest import FAKES, REPO, invoke_cli, run_cli, run_python
 
 CUDA = torch.cuda.is_available()
 #: Facts of a host without CUDA: where CUDA is, a cuda recipe is available and inductor defaults to cuda.
@@ -65,7 +65,7 @@ def test_real_recipes_validate_and_plan_as_unavailable():
     assert set(jobs) == {"sdxl_neuron", "sd35_tpu", "flux_schnell_tpu_offload"}
     assert all(j["status"] == "unavailable" and j["reason"].startswith("target unavailable: ") for j in jobs.values())
     assert "torch_neuronx" in jobs["sdxl_neuron"]["reason"] and "torch_tpu" in jobs["sd35_tpu"]["reason"]
-    assert run_cli("plan", "--fail-on-miss", *map(str, recipes)).returncode == 3
+    assert invoke_cli("plan", "--fail-on-miss", *map(str, recipes)).returncode == 3
 
 
 @cpu_only
@@ -79,7 +79,7 @@ def test_the_cuda_recipe_plans_as_unavailable_without_cuda(tmp_path):
 
 
 def test_targets_command():
-    data = json.loads(run_cli("targets", "--json").stdout)["targets"]
+    data = json.loads(invoke_cli("targets", "--json").stdout)["targets"]
     by = {t["name"]: t for t in data}
     # inductor's default device is cuda where CUDA is (aotbuild/targets/inductor.py)
     assert by["inductor"]["available"] and by["inductor"]["default_device"] == ("cuda" if CUDA else "cpu")
@@ -88,9 +88,9 @@ def test_targets_command():
     faked = {t["name"]: t for t in json.loads(run_cli("targets", "--json", env=FAKES).stdout)["targets"]}
     assert faked["neuron"]["available"] and faked["neuron"]["versions"]["torch_neuronx"] == "0.0.0+standin"
     assert faked["tpu"]["default_device"] == "tpu"
-    table = run_cli("targets").stdout
+    table = invoke_cli("targets").stdout
     assert "neuron" in table and "why not" in table
-    strategies = {s["name"]: s for s in json.loads(run_cli("targets", "--json").stdout)["strategies"]}
+    strategies = {s["name"]: s for s in json.loads(invoke_cli("targets", "--json").stdout)["strategies"]}
     assert strategies["jit-cache"]["targets"] == ["inductor", "neuron", "tpu"]
     assert strategies["aot-compile"]["targets"] == ["inductor"] and strategies["aot-compile"]["available"]
     assert "aot-compile" in table and "torch >= 2.13" in table

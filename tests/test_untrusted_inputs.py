@@ -19,7 +19,7 @@ import pytest
 
 from aotbuild.errors import UsageError
 from tests import manifests
-from tests.conftest import run_cli
+from tests.conftest import invoke_cli, run_cli
 
 SECRET = "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY"
 RECIPE = ("model: {{id: {model}, dtype: float32}}\nshapes: [{{height: 64, width: 64}}]\n"
@@ -36,7 +36,7 @@ def model_folder(models_dir, tmp_path) -> Path:
 
 
 def plan_json(recipe: Path, cache: Path) -> tuple[int, dict, str]:
-    proc = run_cli("plan", "--json", "--cache", str(cache), str(recipe))
+    proc = invoke_cli("plan", "--json", "--cache", str(cache), str(recipe))
     return proc.returncode, json.loads(proc.stdout) if proc.stdout.strip() else {}, proc.stderr
 
 
@@ -203,7 +203,7 @@ def test_verify_fix_deletes_only_what_aotbuild_wrote(tmp_path):
         path.write_text("not aotbuild's")
     ours = store.layout.tmp / "w.abc123xy"  # a dead writer's temp file: aotbuild's own name
     ours.write_text("leftover")
-    proc = run_cli("verify", "--fix", "--json", "--cache", str(root))
+    proc = invoke_cli("verify", "--fix", "--json", "--cache", str(root))
     data = json.loads(proc.stdout)
     assert proc.returncode == 1 and all(p.exists() for p in theirs) and not ours.exists()
     assert sorted(p["path"] for p in data["remaining"]) == sorted(map(str, theirs))
@@ -218,12 +218,12 @@ def test_a_recipe_file_name_cannot_print_a_ci_workflow_command(models_dir, tmp_p
     folder = tmp_path / "recipes"
     folder.mkdir()
     (folder / "x\n::error::pwned\x1b]0;title\x07.yaml").write_text(RECIPE.format(model="builtin:tiny-sd"))
-    proc = run_cli("plan", "--cache", str(models_dir), str(folder))
+    proc = invoke_cli("plan", "--cache", str(models_dir), str(folder))
     assert proc.returncode == 0, proc.stderr
     lines = (proc.stdout + proc.stderr).splitlines()
     assert not any(line.startswith("::") for line in lines) and "\x1b" not in proc.stdout + proc.stderr
     assert "x\\n::error::pwned\\x1b]0;title\\x07" in proc.stdout
-    data = json.loads(run_cli("plan", "--json", "--cache", str(models_dir), str(folder)).stdout)
+    data = json.loads(invoke_cli("plan", "--json", "--cache", str(models_dir), str(folder)).stdout)
     assert data["jobs"][0]["recipe"] == "x\\n::error::pwned\\x1b]0;title\\x07"  # --json stays JSON
 
 
@@ -235,14 +235,14 @@ def test_a_manifest_field_with_control_characters_is_malformed_and_build_fields_
     data = json.loads(store.layout.manifest(key).read_text())
     data["build"]["created"] = "2026\x1b]0;owned\x07\n::error::x"
     manifests.write_raw(store, key, data)
-    shown = run_cli("show", "--cache", str(store.root), key[:12])
+    shown = invoke_cli("show", "--cache", str(store.root), key[:12])
     assert shown.returncode == 0 and "\x1b" not in shown.stdout
     assert not any(line.startswith("::") for line in shown.stdout.splitlines())
     data["recipe"] = "r\n::error::x"
     manifests.write_raw(store, key, data)
     entry, why = store.open_entry(key)
     assert entry is None and "recipe: holds control characters" in why
-    listed = run_cli("ls", "--cache", str(store.root))
+    listed = invoke_cli("ls", "--cache", str(store.root))
     assert "0 entries" in listed.stdout and not any(line.startswith("::") for line in listed.stdout.splitlines())
 
 
