@@ -56,10 +56,14 @@ DEFAULT_WARMUP_PROMPT = "a photo of a cat"
 
 
 #: Bounds on the work one recipe can ask for (recipes come from pull requests), each raisable by the
-#: operator with its variable: warmup steps, prompts in a warmup, shapes, jobs (components x shapes)
-#: per recipe, and seconds per build job and per proof.
+#: operator with its variable: warmup steps, prompts in a warmup, shapes, jobs (components x shapes x
+#: ranks) per recipe, and seconds per build job and per proof.
 LIMITS = {"steps": ("AOTBUILD_MAX_STEPS", 200), "prompts": ("AOTBUILD_MAX_PROMPTS", 64),
           "shapes": ("AOTBUILD_MAX_SHAPES", 64), "jobs": ("AOTBUILD_MAX_JOBS", 256),
+          # One warmup call's images (batch_size x prompts) and pixels (height x width x frames x images),
+          # and its text encoders' max_sequence_length.
+          "batch": ("AOTBUILD_MAX_BATCH", 1024), "pixels": ("AOTBUILD_MAX_PIXELS", 2 ** 28),
+          "sequence": ("AOTBUILD_MAX_SEQUENCE", 4096),
           "job_seconds": ("AOTBUILD_JOB_TIMEOUT", 4 * 3600),
           # What one manifest may name (manifests come from stores and remotes others write): files,
           # and bytes in all (an entry embedding a 12B model's bf16 weights is ~24 GB).

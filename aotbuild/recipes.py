@@ -65,23 +65,43 @@ def _check_combinations(recipe: Recipe) -> None:
 
 def _check_bounds(recipe: Recipe) -> None:
     """The work a recipe asks for is bounded (docs/recipes.md, "Limits"); the operator raises a bound
-    with its environment variable, a pull request cannot."""
-    from aotbuild.constants import LIMITS, limit
-    from aotbuild.recipe import prompt_count
+    with its environment variable, a pull request cannot. Every list and size that multiplies the work
+    is measured: steps (a count or a custom schedule), prompts, the batch and pixels of each warmup
+    call, shapes, and the jobs (processes) of the whole recipe (issue 32)."""
+    from aotbuild.constants import LIMITS, PROMPT_ARGUMENTS, limit
+    from aotbuild.recipe import MAX_FRAMES, prompt_count
 
     def over(name: str, key: str, value: int, what: str) -> None:
         if value > limit(name):
             raise recipe.error(key, f"{value} {what}: at most {limit(name)} (raise it with {LIMITS[name][0]})")
 
-    steps = recipe.warmup.get("num_inference_steps")
+    warmup = recipe.warmup
+    steps = warmup.get("num_inference_steps")
     if isinstance(steps, int) and not isinstance(steps, bool):
         over("steps", "warmup.num_inference_steps", steps, "warmup steps")
-    for name in ("prompt", "prompt_2", "prompt_3", "negative_prompt"):
-        if name in recipe.warmup:
-            over("prompts", f"warmup.{name}", prompt_count(recipe.warmup[name]), "prompts")
+    for name in ("timesteps", "sigmas"):  # a custom schedule: one step per item
+        if isinstance(warmup.get(name), (list, tuple)):
+            over("steps", f"warmup.{name}", len(warmup[name]), f"warmup steps (items of {name})")
+    texts = 1
+    for name in sorted(PROMPT_ARGUMENTS & set(warmup)):
+        texts = max(texts, prompt_count(warmup[name]))
+        over("prompts", f"warmup.{name}", prompt_count(warmup[name]), "prompts")
+    sequence = warmup.get("max_sequence_length")
+    if isinstance(sequence, int) and not isinstance(sequence, bool):
+        over("sequence", "warmup.max_sequence_length", sequence, "tokens per prompt")
+    frames = warmup.get("num_frames")  # where no shape sets them (aotbuild/pipecall.py refuses both)
+    if isinstance(frames, int) and not isinstance(frames, bool) and not 1 <= frames <= MAX_FRAMES:
+        raise recipe.error("warmup.num_frames", f"{frames} is not allowed: 1 to {MAX_FRAMES}")
     over("shapes", "shapes", len(recipe.shapes), "shapes")
-    over("jobs", "compile.components", len(recipe.compile.components) * len(recipe.shapes),
-         "jobs (components x shapes)")
+    for i, shape in enumerate(recipe.shapes):  # what one warmup call makes: images of all its prompts
+        batch = shape.batch_size * texts
+        over("batch", f"shapes[{i}].batch_size", batch, f"images per warmup call (batch_size {shape.batch_size} x "
+                                                        f"{texts} prompts)")
+        count = shape.num_frames or (frames if isinstance(frames, int) and not isinstance(frames, bool) else 1)
+        over("pixels", f"shapes[{i}]", shape.height * shape.width * count * batch,
+             f"pixels per warmup call ({shape.height}x{shape.width}, {count} frames, {batch} images)")
+    over("jobs", "compile.components", len(recipe.compile.components) * len(recipe.shapes) * recipe.tensor_parallel,
+         "jobs (components x shapes x tensor-parallel ranks)")
 
 
 def load_recipe(path: str | Path) -> Recipe:

@@ -1,0 +1,65 @@
+"""Every list and size a recipe (or a model folder planned at plan time) can make large is bounded,
+refused with the key and the variable that raises the bound (issue 32, item 5): a custom schedule's
+length, the images and pixels of one warmup call, the text encoders' sequence length, a warmup's
+frames, the jobs of a tensor-parallel recipe, and the sizes of a component built on the meta device.
+The refusal and its message are asserted, never a time."""
+
+from __future__ import annotations
+
+import pytest
+
+from aotbuild.errors import RecipeError
+from aotbuild.recipes import parse_recipe
+
+BASE = {"model": "builtin:tiny-sd", "shapes": [{"height": 64, "width": 64}]}
+
+
+def refused(data: dict) -> RecipeError:
+    with pytest.raises(RecipeError) as info:
+        parse_recipe(data)
+    return info.value
+
+
+@pytest.mark.parametrize("over,key,says,variable", [
+    ({"warmup": {"timesteps": list(range(1000, 0, -1))}}, "warmup.timesteps",
+     "1000 warmup steps (items of timesteps): at most 200", "AOTBUILD_MAX_STEPS"),
+    ({"warmup": {"sigmas": [1.0 - i / 5000 for i in range(5000)]}}, "warmup.sigmas",
+     "5000 warmup steps (items of sigmas): at most 200", "AOTBUILD_MAX_STEPS"),
+    ({"warmup": {"negative_prompt_2": ["x"] * 65}}, "warmup.negative_prompt_2", "65 prompts: at most 64",
+     "AOTBUILD_MAX_PROMPTS"),
+    ({"warmup": {"prompt": ["a cat"] * 64}, "shapes": [{"height": 64, "width": 64, "batch_size": 17}]},
+     "shapes[0].batch_size", "1088 images per warmup call (batch_size 17 x 64 prompts): at most 1024",
+     "AOTBUILD_MAX_BATCH"),
+    ({"shapes": [{"height": 64, "width": 64}, {"height": 16384, "width": 16384, "batch_size": 2}]}, "shapes[1]",
+     "536870912 pixels per warmup call (16384x16384, 1 frames, 2 images): at most 268435456", "AOTBUILD_MAX_PIXELS"),
+    ({"shapes": [{"height": 2048, "width": 2048, "num_frames": 4096}]}, "shapes[0]",
+     "17179869184 pixels per warmup call (2048x2048, 4096 frames, 1 images)", "AOTBUILD_MAX_PIXELS"),
+    ({"warmup": {"num_frames": 4096}, "shapes": [{"height": 2048, "width": 2048}]}, "shapes[0]",
+     "(2048x2048, 4096 frames, 1 images)", "AOTBUILD_MAX_PIXELS"),
+    ({"warmup": {"max_sequence_length": 1_000_000}}, "warmup.max_sequence_length",
+     "1000000 tokens per prompt: at most 4096", "AOTBUILD_MAX_SEQUENCE"),
+    ({"parallel": {"tensor": 64}, "shapes": [{"height": 8 * (i + 1), "width": 64} for i in range(5)]},
+     "compile.components", "320 jobs (components x shapes x tensor-parallel ranks): at most 256", "AOTBUILD_MAX_JOBS"),
+])
+def test_a_recipe_over_a_bound_is_refused_with_its_key_and_the_operator_can_raise_it(monkeypatch, over, key, says,
+                                                                                      variable):
+    data = {**BASE, **over}
+    error = refused(data)
+    assert error.key == key, str(error)
+    assert says in error.message and f"(raise it with {variable})" in error.message, error.message
+    monkeypatch.setenv(variable, str(10 ** 12))
+    parse_recipe(data)  # the operator's choice: nothing else refuses it
+
+
+def test_the_bounds_allow_what_real_recipes_ask_for():
+    """A Wan 2.2 video at 81x720x1280 with two prompts, a 50-step custom schedule, SDXL at batch 8."""
+    parse_recipe({**BASE, "shapes": [{"height": 720, "width": 1280, "num_frames": 81}],
+                  "warmup": {"prompt": ["a", "b"], "sigmas": [1.0 - i / 50 for i in range(50)],
+                             "max_sequence_length": 512}})
+    parse_recipe({**BASE, "shapes": [{"height": 1024, "width": 1024, "batch_size": 8}]})
+    parse_recipe({**BASE, "shapes": [{"height": 16384, "width": 16384}]})  # the largest side, once
+
+
+def test_a_warmup_num_frames_is_bounded_like_a_shapes():
+    error = refused({**BASE, "warmup": {"num_frames": 10 ** 9}})
+    assert error.key == "warmup.num_frames" and "1000000000 is not allowed: 1 to 4096" in error.message
