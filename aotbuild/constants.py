@@ -64,6 +64,9 @@ LIMITS = {"steps": ("AOTBUILD_MAX_STEPS", 200), "prompts": ("AOTBUILD_MAX_PROMPT
           # and its text encoders' max_sequence_length.
           "batch": ("AOTBUILD_MAX_BATCH", 1024), "pixels": ("AOTBUILD_MAX_PIXELS", 2 ** 28),
           "sequence": ("AOTBUILD_MAX_SEQUENCE", 4096),
+          # A component built on the meta device at plan time (aotbuild/models.py): its config's layer
+          # counts, and every other size it gives.
+          "model_layers": ("AOTBUILD_MAX_MODEL_LAYERS", 1024), "model_width": ("AOTBUILD_MAX_MODEL_WIDTH", 2 ** 19),
           "job_seconds": ("AOTBUILD_JOB_TIMEOUT", 4 * 3600),
           # What one manifest may name (manifests come from stores and remotes others write): files,
           # and bytes in all (an entry embedding a 12B model's bf16 weights is ~24 GB).

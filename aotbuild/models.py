@@ -248,7 +248,9 @@ def check_blocks(recipe: Recipe, model: ResolvedModel) -> None:
 
 
 def _meta_component(model: ResolvedModel, name: str, revision: str | None) -> Any:
-    """Component ``name`` built from its ``config.json`` on the meta device (no weights), or None."""
+    """Component ``name`` built from its ``config.json`` on the meta device (no weights), or None.
+    The config's sizes are bounded first (:func:`check_config_sizes`): a pull request's model folder
+    decides how big a model plan builds."""
     from aotbuild.blocks import meta_module
 
     library, class_name = model.components()[name]
@@ -256,7 +258,48 @@ def _meta_component(model: ResolvedModel, name: str, revision: str | None) -> An
         config = _component_json(model, name, revision)
     except ModelUnavailable:
         return None
+    check_config_sizes(config, f"{model.location}/{name}/config.json")
     return meta_module(library, class_name, config)
+
+
+#: config.json keys that count layers or blocks (num_layers, layers_per_block, num_hidden_layers,
+#: transformer_layers_per_block, num_single_layers, depth, n_layer, num_res_blocks); block_out_channels
+#: and the like are sizes.
+_LAYER_KEY = re.compile(r"layers|(^|_)layer$|(^|_)depth$|^num_\w*blocks$", re.IGNORECASE)
+#: Integers of a config.json that are no size: ids, rope bases, seeds.
+_NOT_A_SIZE = re.compile(r"(_id|_ids|theta|seed)$", re.IGNORECASE)
+
+
+def check_config_sizes(config: Any, where: str) -> None:
+    """Every size in a component's config (nested sections and lists included) within the bounds of a
+    model built at plan time, before anything is built, even on the meta device: layer counts at most
+    ``AOTBUILD_MAX_MODEL_LAYERS``, any other integer at most ``AOTBUILD_MAX_MODEL_WIDTH``; a
+    ModelUnavailable naming the file and the key otherwise (issue 32: a config asking for 10,000
+    layers or a 10**6-wide layer). Walks at most the JSON's depth, bounded when it was read."""
+    from aotbuild.constants import LIMITS, limit
+
+    most = {bound: limit(bound) for bound in ("model_layers", "model_width")}
+
+    def refuse(path: str, value: int, bound: str, what: str) -> ModelUnavailable:
+        return ModelUnavailable(f"{printable(where)}: {printable(path)[:120]} is {value}, over the {what} a "
+                                f"component built at plan time may ask for (at most {most[bound]}; raise it with "
+                                f"{LIMITS[bound][0]})")
+
+    def visit(path: str, name: str, value: Any) -> None:
+        if isinstance(value, dict):
+            for k, v in value.items():
+                visit(f"{path}.{k}" if path else str(k), str(k), v)
+        elif isinstance(value, list):  # one block per item of down_block_types, block_out_channels, ...
+            if len(value) > most["model_layers"]:
+                raise refuse(f"{path} (items)", len(value), "model_layers", "layers")
+            for i, v in enumerate(value):
+                visit(f"{path}[{i}]", name, v)
+        elif isinstance(value, int) and not isinstance(value, bool) and not _NOT_A_SIZE.search(name):
+            bound = "model_layers" if _LAYER_KEY.search(name) else "model_width"
+            if value > most[bound]:
+                raise refuse(path, value, bound, "layers" if bound == "model_layers" else "size")
+
+    visit("", "", config)
 
 
 def _is_module_class(class_name: str) -> bool:

@@ -63,3 +63,73 @@ def test_the_bounds_allow_what_real_recipes_ask_for():
 def test_a_warmup_num_frames_is_bounded_like_a_shapes():
     error = refused({**BASE, "warmup": {"num_frames": 10 ** 9}})
     assert error.key == "warmup.num_frames" and "1000000000 is not allowed: 1 to 4096" in error.message
+
+
+# -- a model built on the meta device at plan time --------------------------------------------------
+
+@pytest.fixture
+def pr_model(models_dir, tmp_path):
+    """A pull request's copy of the tiny SD model and a recipe whose compile.blocks plan checks by
+    building the UNet from its config.json on the meta device (aotbuild/models.py check_blocks)."""
+    import shutil
+
+    folder = tmp_path / "pr" / "model"
+    shutil.copytree(next((models_dir / "models").glob("tiny-sd-v*")), folder)
+    recipe = tmp_path / "pr" / "r.yaml"
+    recipe.write_text("model: {id: ./model, dtype: float32}\ndevice: cpu\nshapes: [{height: 64, width: 64}]\n"
+                      "compile: {components: [unet], scope: regional, blocks: [BasicTransformerBlock]}\n")
+    return folder, recipe
+
+
+def _set_config(folder, **values):
+    import json
+
+    path = folder / "unet" / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **values}))
+
+
+@pytest.mark.parametrize("values,says,variable", [
+    ({"layers_per_block": 10_000}, "layers_per_block is 10000, over the layers", "AOTBUILD_MAX_MODEL_LAYERS"),
+    ({"block_out_channels": [32, 1_000_000]}, "block_out_channels[1] is 1000000, over the size",
+     "AOTBUILD_MAX_MODEL_WIDTH"),
+    ({"down_block_types": ["DownBlock2D"] * 5000}, "down_block_types (items) is 5000, over the layers",
+     "AOTBUILD_MAX_MODEL_LAYERS"),
+    ({"transformer_layers_per_block": [1, 20_000]}, "transformer_layers_per_block[1] is 20000, over the layers",
+     "AOTBUILD_MAX_MODEL_LAYERS"),
+    ({"extra": {"nested": {"sample_size": 10 ** 9}}}, "extra.nested.sample_size is 1000000000, over the size",
+     "AOTBUILD_MAX_MODEL_WIDTH"),
+])
+def test_a_model_config_is_sized_before_plan_builds_it_even_on_meta(pr_model, tmp_path, monkeypatch, values, says,
+                                                                      variable):
+    from aotbuild import blocks
+    from aotbuild.errors import ModelUnavailable
+    from aotbuild.planner import plan
+    from tests.conftest import invoke_cli
+
+    folder, recipe = pr_model
+    _set_config(folder, **values)
+    built = []
+    real = blocks.meta_module
+    monkeypatch.setattr(blocks, "meta_module", lambda *a: built.append(a) or real(*a))
+    with pytest.raises(ModelUnavailable) as info:
+        plan([str(recipe)], tmp_path / "cache")
+    assert built == []  # refused before anything was built, even on the meta device
+    message = str(info.value)
+    assert message.startswith(f"{folder.resolve()}/unet/config.json: "), message
+    assert says in message and f"raise it with {variable}" in message, message
+    proc = invoke_cli("plan", "--cache", str(tmp_path / "cache"), str(recipe))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert [line for line in proc.stderr.splitlines() if says in line], proc.stderr
+
+
+def test_the_operator_raises_a_model_bound_and_plan_builds_it(pr_model, tmp_path, monkeypatch):
+    from aotbuild import blocks
+    from aotbuild.planner import plan
+
+    folder, recipe = pr_model
+    _set_config(folder, layers_per_block=2000)
+    monkeypatch.setenv("AOTBUILD_MAX_MODEL_LAYERS", "4000")  # the operator's choice
+    built = []
+    monkeypatch.setattr(blocks, "meta_module", lambda *a: built.append(a[2]["layers_per_block"]))  # None: unchecked
+    job, = plan([str(recipe)], tmp_path / "cache")
+    assert built == [2000] and job.status == "miss"
