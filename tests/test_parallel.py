@@ -174,32 +174,15 @@ def test_a_child_runs_as_ranks_through_torch_s_launcher_and_never_inherits_a_ran
     assert code == 0 and result == {"RANK": None, "WORLD_SIZE": None}, result
 
 
-SERVE = """
-import json, sys
-import torch
-from diffusers import DiffusionPipeline
-from aotbuild import load_compiled
-from aotbuild.strategies import get_strategy
-from aotbuild.targets import get_target
-
-recipe, cache, model, strategy = sys.argv[1:5]
-name, count = get_strategy(strategy).compile_counter(get_target("inductor"))
-call = dict(prompt="a cat", height=64, width=64, num_inference_steps=2, guidance_scale=3.5, output_type="pt")
-eager = DiffusionPipeline.from_pretrained(model)  # the unsharded pipeline, eager, in this process
-reference = eager(**call, generator=torch.Generator("cpu").manual_seed(0)).images
-before = count()
-pipe = load_compiled(recipe, cache=cache, on_miss="error", strict_shapes=True)
-image = pipe(**call, generator=torch.Generator("cpu").manual_seed(0)).images
-report = pipe.aotbuild_report
-print("RESULT " + json.dumps({"rank": report.rank, "tensor": report.tensor, "hits": len(report.hits),
-                              "misses": len(report.misses), "compiles": count() - before,
-                              "diff": float((image - reference).abs().max()), "text": str(report)}))
-"""
-
-
-@pytest.mark.slow  # two ranks compile the tiny Flux transformer, a fresh pair proves it, a third pair serves
+@pytest.mark.slow  # two ranks compile the tiny Flux transformer, a fresh pair of ranks proves it
 @pytest.mark.parametrize("strategy", ["jit-cache", "aot-compile"])
 def test_a_tensor_parallel_flux_builds_then_two_fresh_ranks_serve_it_with_0_compiles(strategy, flux_cache, tmp_path):
+    """The build's proof is the replica (aotbuild/builder.py ``_prove_ranks``): a fresh launch of two
+    ranks by torch's launcher, in another working directory with every compiler folder empty, each
+    loading its own rank's entry from another store than the build's, after running the unsharded
+    pipeline eagerly as the reference. Each rank's entry keeps what its rank saw (``proof.served``):
+    a third pair serving the moved cache again would prove nothing more (issue 30, item 4; a moved
+    cache is served for real per strategy in tests/test_strategies.py)."""
     import yaml
 
     build = tmp_path / "build"
@@ -211,32 +194,37 @@ def test_a_tensor_parallel_flux_builds_then_two_fresh_ranks_serve_it_with_0_comp
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     jobs = json.loads(proc.stdout)["jobs"]
     assert [j["status"] for j in jobs] == ["built", "built"], jobs
-    show = invoke_cli("show", jobs[0]["key"][:12], "--json", "--cache", str(build))
-    manifest = json.loads(show.stdout)
-    assert manifest["proof"]["compiles"] == 0 and manifest["factors"]["parallel"]["tensor"] == 2
+    check_each_rank_served([json.loads(invoke_cli("show", job["key"][:12], "--json", "--cache", str(build)).stdout)
+                            for job in jobs], strategy)
 
-    # A new replica: the cache moved, another cwd, an empty Inductor folder, two ranks from torchrun.
-    served = tmp_path / "serving" / "cache"
-    shutil.move(str(build), str(served))
-    cwd = tmp_path / "elsewhere"
-    cwd.mkdir()
-    script = tmp_path / "serve.py"
-    script.write_text(SERVE)
-    import subprocess
 
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                          str(script), str(recipe), str(served), str(served / "models" / "tiny-flux-v1"), strategy],
-                         capture_output=True, text=True, cwd=cwd,
-                         env={**__import__("os").environ, "PYTHONPATH": str(REPO), "AOTBUILD_CACHE": "",
-                              "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "serving" / "inductor")})
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
-    results = sorted((json.loads(line[7:]) for line in run.stdout.splitlines() if line.startswith("RESULT ")),
-                     key=lambda r: r["rank"])
-    assert [r["rank"] for r in results] == [0, 1], run.stdout
-    for r in results:
-        assert r["hits"] == 1 and r["misses"] == 0 and r["compiles"] == 0, r
-        assert r["diff"] <= 1e-4, r
-        assert f"(rank {r['rank']} of 2)" in r["text"]
+def check_each_rank_served(manifests: list[dict], strategy: str) -> None:
+    """What each rank of the proof's fresh pair saw serving its own entry (``proof.served``)."""
+    assert sorted(m["factors"]["parallel"]["rank"] for m in manifests) == [0, 1]
+    for manifest in manifests:
+        rank, proof = manifest["factors"]["parallel"]["rank"], manifest["proof"]
+        served = proof["served"]
+        assert manifest["factors"]["parallel"]["tensor"] == 2
+        # this rank's own entry, loaded by the rank it was built for: a hit, nothing compiled
+        assert served["rank"] == rank and served["tensor"] == 2, served
+        assert served["hits"] == 1 and served["misses"] == 0, served
+        assert proof["compiles"] == 0 and served["fxgraph_cache_miss"] == 0, proof
+        if strategy == "jit-cache":
+            assert served["fxgraph_cache_hit"] >= 1, served  # the rank's graphs, from its entry
+        else:
+            assert served["dynamo_graphs"] == 0, served  # every call reached the rank's compiled function
+        assert proof["calls"] >= 1 and served["dispatch"] == {"": {"built": proof["calls"], "unbuilt": 0}}, served
+        # the sharded transformer's outputs against the unsharded eager pipeline's, on each rank
+        assert proof["max_abs_diff"] <= 1e-4, proof
+        assert served["strict"] == "not tried: tensor parallel", served  # one rank refusing alone would hang
+
+
+def test_a_rank_s_load_report_names_its_rank_and_the_degree():
+    from aotbuild.runtime import LoadReport
+
+    assert "tp_flux (rank 1 of 2): 0 hit, 0 miss" in str(LoadReport("tp_flux", "/c", rank=1, tensor=2))
+    assert LoadReport("tp_flux", "/c", rank=1, tensor=2).as_dict()["rank"] == 1
+    assert "rank" not in str(LoadReport("tp_flux", "/c")) and "rank" not in LoadReport("tp_flux", "/c").as_dict()
 
 
 def _ranked_entries(store, tmp_path, name: str, ranks=(0, 1)) -> list[str]:
