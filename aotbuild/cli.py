@@ -53,15 +53,33 @@ def _echo(text: Any = "", **kwargs: Any) -> None:
     click.echo(_clean(text), **kwargs)
 
 
+def _error(text: Any) -> None:
+    """An error on stderr: one line, whatever its message embeds. The one place errors are printed, so
+    a value from a recipe, a model folder, a manifest or a remote that reaches a message (a newline then
+    ``::error::``, an escape sequence) is shown escaped, and no raise site can forget (issue 32)."""
+    click.echo(_line(f"error: {text}"), err=True)
+
+
 def _emit_json(data: Any) -> None:
-    _echo(json.dumps(data, indent=2, sort_keys=True))
+    """``--json``: valid JSON whose every text is :func:`_line`'d too, as the tables' cells are: a
+    script that prints a field (``jq -r .jobs[].reason``) prints no newline or escape from a file."""
+    def clean(value: Any) -> Any:
+        if isinstance(value, str):
+            return _line(value)
+        if isinstance(value, dict):
+            return {clean(k): clean(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [clean(v) for v in value]
+        return value
+
+    _echo(json.dumps(clean(data), indent=2, sort_keys=True))
 
 
 def _run(fn: Callable[[], int | None]) -> None:
     try:
         code = fn() or 0
     except AotbuildError as exc:
-        _echo(f"error: {exc}", err=True)
+        _error(exc)
         code = exc.exit_code
     except BrokenPipeError:  # `aotbuild ls | head`: the reader left, nothing to say (Python docs' recipe)
         import os
@@ -74,10 +92,10 @@ def _run(fn: Callable[[], int | None]) -> None:
         where = f"{exc.filename}: " if exc.filename else ""
         hint = "; check the path and its permissions (--cache DIR, AOTBUILD_CACHE)" if exc.errno in (
             errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOENT, errno.ENOTDIR) else ""
-        _echo(f"error: {where}{exc.strerror or exc}{hint}", err=True)
+        _error(f"{where}{exc.strerror or exc}{hint}")
         code = EXIT_FAILED
     except KeyboardInterrupt as exc:
-        _echo(f"interrupted{f' ({exc})' if str(exc) else ''}", err=True)
+        click.echo(_line(f"interrupted{f' ({exc})' if str(exc) else ''}"), err=True)
         code = EXIT_INTERRUPTED
     sys.exit(code)
 
@@ -101,7 +119,7 @@ class _EchoHandler(logging.Handler):
     """Writes to whatever stderr is at the time (click's test runner swaps it)."""
 
     def emit(self, record: logging.LogRecord) -> None:
-        _echo(self.format(record), err=True)
+        click.echo(_line(self.format(record)), err=True)  # a note naming a value: one line, as errors
 
 
 def _quiet_libraries() -> None:
@@ -372,7 +390,7 @@ def _progress() -> Callable[..., None]:
             _echo(f"{head} {result.status} ({result.seconds:.0f} s so far)", err=True)
         elif event == "end":
             prefix = "\r\033[K" if live else ""
-            note = f": {result.reason}" if result.reason else ""
+            note = f": {_line(result.reason)}" if result.reason else ""  # a failure's reason: one line
             click.echo(prefix + _clean(f"{head} {result.status} in {result.seconds:.1f} s{note}"), err=True)
 
     return show
@@ -451,7 +469,7 @@ def plan(recipes: tuple[str, ...], cache: str | None, as_json: bool, fail_on_mis
         if cost:
             _echo(cost)
     for exc in bad:
-        _echo(f"error: {exc}", err=True)
+        _error(exc)
     if bad:
         return EXIT_BAD_INPUT
     missing = any(j.status not in (HIT, REMOTE) for j in jobs)

@@ -1,0 +1,89 @@
+"""What aotbuild prints of a value from a pull request's files cannot drive a CI log or a terminal
+(issue 32, item 5): every error goes through one printer in aotbuild/cli.py (``_error``) that puts it
+on one line with newlines and control characters escaped, whatever the raise site embedded. The
+corpus's case: a Hub adapter's name holding a newline and ``::error::`` (GitHub Actions runs such a
+line as a workflow command) reached stderr through a Hub error's message."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.conftest import invoke_cli, run_cli
+
+HOSTILE = "\n::error::x\x1b[31m"
+SHOWN = "\\n::error::x\\x1b[31m"
+GOOD = "model: {id: builtin:tiny-sd, dtype: float32}\nshapes: [{height: 64, width: 64}]\n"
+#: name: recipe text (the hostile value in a YAML double-quoted string: \n and \e are its escapes)
+RECIPES = {
+    "hub adapter": GOOD + 'lora: {rank: 4, adapters: [{path: "org/lora\\n::error::x\\e[31m", adapter_name: a}]}\n',
+    "hub model": 'model: {id: "org/model\\n::error::x\\e[31m", dtype: float32}\nshapes: [{height: 64, width: 64}]\n',
+    "local model": 'model: {id: "./model\\n::error::x\\e[31m", dtype: float32}\nshapes: [{height: 64, width: 64}]\n',
+    "warmup key": GOOD + 'warmup: {"k\\n::error::x\\e[31m": 1}\n',
+}
+ENV = {"HF_HUB_OFFLINE": "1", "AOTBUILD_CACHE": ""}
+
+
+def assert_escaped(out: str) -> None:
+    """No line a CI runner would take for a workflow command, no escape sequence, the value shown."""
+    assert "\x1b" not in out, out[-2000:]
+    assert not any(line.lstrip().startswith("::") for line in out.splitlines()), out[-2000:]
+    assert "Traceback" not in out, out[-2000:]
+
+
+@pytest.fixture
+def folder(tmp_path):
+    recipes = tmp_path / "recipes"
+    recipes.mkdir()
+    return recipes
+
+
+@pytest.mark.parametrize("name", list(RECIPES))
+@pytest.mark.parametrize("command", ["plan", "pull"])
+def test_an_error_naming_a_hostile_value_is_one_escaped_line(cache, folder, tmp_path, name, command):
+    (folder / "r.yaml").write_text(RECIPES[name])
+    remote = ["--remote", (tmp_path / "remote").as_uri()] if command == "pull" else []
+    proc = invoke_cli(command, *remote, "--cache", str(cache), str(folder / "r.yaml"), env=ENV)
+    assert proc.returncode != 0 or name == "hub model"  # plan lists that one's jobs as unavailable, with the reason
+    assert_escaped(proc.stdout + proc.stderr)
+    assert SHOWN in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("command", ["build", "bench"])
+def test_build_and_bench_print_a_hostile_value_escaped(cache, folder, command):
+    """In a fresh process, as CI runs them."""
+    (folder / "r.yaml").write_text(RECIPES["hub adapter"])
+    proc = run_cli(command, "--cache", str(cache), str(folder / "r.yaml"), env=ENV)
+    assert proc.returncode != 0
+    assert_escaped(proc.stdout + proc.stderr)
+    assert f"error: cannot fetch pytorch_lora_weights.safetensors of org/lora{SHOWN}" in proc.stderr, proc.stderr
+
+
+def test_json_output_stays_json_and_errors_stay_on_stderr(cache, folder):
+    """plan --json of a folder with good and hostile recipes: the good one planned as JSON on stdout
+    (a value inside it JSON-escaped), each bad one an escaped line on stderr."""
+    (folder / "good.yaml").write_text(GOOD)
+    (folder / "bad.yaml").write_text(RECIPES["warmup key"])
+    (folder / "hub.yaml").write_text(RECIPES["hub model"])
+    proc = invoke_cli("plan", "--json", "--cache", str(cache), str(folder), env=ENV)
+    assert proc.returncode == 2
+    data = json.loads(proc.stdout)
+    reasons = {job["recipe"]: job["reason"] for job in data["jobs"]}
+    assert set(reasons) == {"good", "hub"} and f"org/model{SHOWN}" in reasons["hub"]
+    assert_escaped(proc.stdout + proc.stderr)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and SHOWN in errors[0], proc.stderr
+
+
+def test_a_note_logged_with_a_hostile_value_is_one_line(capsys):
+    """aotbuild's log notes go through the same kind of printer as errors."""
+    import logging
+
+    from aotbuild.cli import _EchoHandler
+
+    handler = _EchoHandler()
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    handler.emit(logging.LogRecord("aotbuild", logging.WARNING, __file__, 1, "shard from %s", (HOSTILE,), None))
+    err = capsys.readouterr().err
+    assert err == f"shard from {SHOWN}\n"
