@@ -35,6 +35,13 @@ MAX_HEADER = 64 * 1024 * 1024
 MAX_HEADER_DEPTH = 8
 #: ``<component>.<module path>.lora_A.weight`` (peft) or ``.lora.down.weight`` (older diffusers).
 _KEY = re.compile(r"^(?P<component>[A-Za-z_][A-Za-z0-9_]*)\.(?P<module>.+)\.(?:lora_A|lora\.down|lora_down)\.weight$")
+#: A module path as torch names it (``down_blocks.0.attentions.1.to_out.0``): it becomes a key factor,
+#: so a name with a control character or a space would make every entry built with it unreadable.
+_MODULE = re.compile(r"^[A-Za-z0-9_]+(?:\.[A-Za-z0-9_]+)*\Z")
+#: What a safetensors dtype looks like (F32, BF16, F8_E4M3, ...); which ones exist is safetensors' check.
+_DTYPE = re.compile(r"^[A-Z][A-Z0-9_]{0,15}\Z")
+#: The most dimensions a tensor of a LoRA file may have (a conv's weight has 4).
+MAX_DIMS = 8
 #: Methods of a served pipeline that would recompile or break the hot-swap layout: refused after load.
 REFUSED_AFTER_LOAD = ("set_adapters", "fuse_lora", "unfuse_lora", "unload_lora_weights", "delete_adapters",
                       "disable_lora", "enable_lora", "enable_lora_hotswap")
@@ -86,6 +93,7 @@ def read(path: Path) -> AdapterFile:
             header = safeio.loads_json(f.read(length), max_bytes=MAX_HEADER, max_depth=MAX_HEADER_DEPTH)
             if not isinstance(header, dict):
                 raise UsageError(f"{path}: not a safetensors file")
+            check_header(path, header)
             shapes = _shapes(f.fileno())
     except UsageError:
         raise
@@ -98,12 +106,57 @@ def read(path: Path) -> AdapterFile:
     rank = 0
     for key, shape in shapes.items():
         match = _KEY.match(key)
+        if match and not _MODULE.match(match["module"]):
+            raise UsageError(f"{printable(path)}: tensor {describe(key)}: its module path is not a torch module's "
+                             f"name (letters, digits, _ and dots)")
         if match and shape:
             modules.setdefault(match["component"], set()).add(match["module"])
             rank = max(rank, int(shape[0]))
     if not modules:
         raise UsageError(f"{path}: holds no LoRA weights (no '<component>.<module>.lora_A.weight' tensors)")
     return AdapterFile(Path(path), modules, rank)
+
+
+def describe(value: Any) -> str:
+    """A header's value in a message: its repr (control characters escaped), cut to 80 characters."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _natural(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2 ** 63
+
+
+def check_header(path: Path, header: dict[str, Any]) -> None:
+    """Every value of a safetensors header that anything reads, type-checked before use: each tensor a
+    mapping whose ``dtype`` is a dtype's name, ``shape`` a list of at most MAX_DIMS sizes, and
+    ``data_offsets`` [begin, end] (that they cover the data exactly is safetensors' check);
+    ``__metadata__`` a mapping of text to text (what diffusers reads an adapter's alpha and settings
+    from). A wrong value is a UsageError naming the
+    file and the field (issue 32: a pull request commits this file); safetensors then checks again."""
+    def fail(field: str, expected: str, value: Any) -> UsageError:
+        return UsageError(f"{printable(path)}: safetensors header field {field}: expected {expected}, got "
+                          f"{describe(value)} ({type(value).__name__})")
+
+    for name, info in header.items():
+        where = describe(name)
+        if name == "__metadata__":
+            if not isinstance(info, dict):
+                raise fail(where, "a mapping of text to text", info)
+            for key, value in info.items():
+                if not isinstance(value, str):
+                    raise fail(f"__metadata__.{describe(key)}", "text", value)
+            continue
+        if not isinstance(info, dict):
+            raise fail(where, "a mapping with dtype, shape and data_offsets", info)
+        dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+        if not isinstance(dtype, str) or not _DTYPE.match(dtype):
+            raise fail(f"{where}.dtype", "a dtype's name (F32, BF16, ...)", dtype)
+        if not isinstance(shape, list) or len(shape) > MAX_DIMS or not all(_natural(n) for n in shape):
+            raise fail(f"{where}.shape", f"a list of at most {MAX_DIMS} sizes (integers from 0)", shape)
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(_natural(n) for n in offsets)
+                and offsets[0] <= offsets[1]):
+            raise fail(f"{where}.data_offsets", "[begin, end], integers from 0, begin <= end", offsets)
 
 
 def _shapes(fd: int) -> dict[str, list[int]]:
@@ -132,21 +185,26 @@ def resolve(recipe: Recipe, adapter: LoraAdapter, key: str = "lora.adapters[0].p
     """The adapter's safetensors file: a local file (or a folder's weight file) inside the recipe's
     repository, else a Hub repo's file (``weight_name``), fetched by huggingface_hub."""
     weight = adapter.weight_name or DEFAULT_WEIGHT_NAME
-    if not weight.endswith(".safetensors") or "/" in weight or "\\" in weight:
+    if not weight.endswith(".safetensors") or "/" in weight or "\\" in weight or printable(weight) != weight:
         raise recipe.error(key.replace(".path", ".weight_name"), f"{weight!r}: adapters are .safetensors files "
                                                                   f"(never a pickle), named plainly")
-    local = recipe.base / adapter.path
-    if local.exists() or adapter.path.startswith((".", "/", "~")):
-        file = local / weight if local.is_dir() else local
-        if not file.name.endswith(".safetensors"):
-            raise recipe.error(key, f"{adapter.path}: adapters are .safetensors files (never a pickle)")
-        repo = _repository(recipe.base)
-        if not file.resolve().is_relative_to(repo):
-            raise recipe.error(key, f"{adapter.path} is outside the recipe's repository {repo} (a symlink?): "
-                                    f"refused")
-        if not file.is_file():
-            raise recipe.error(key, f"no such adapter file: {file}")
-        return file
+    if printable(adapter.path) != adapter.path:  # a NUL, a newline: no file's nor Hub repo's name
+        raise recipe.error(key, f"{adapter.path!r}: a path or Hub id holds no control characters")
+    try:
+        local = recipe.base / adapter.path
+        if local.exists() or adapter.path.startswith((".", "/", "~")):
+            file = local / weight if local.is_dir() else local
+            if not file.name.endswith(".safetensors"):
+                raise recipe.error(key, f"{adapter.path}: adapters are .safetensors files (never a pickle)")
+            repo = _repository(recipe.base)
+            if not file.resolve().is_relative_to(repo):
+                raise recipe.error(key, f"{adapter.path} is outside the recipe's repository {repo} (a symlink?): "
+                                        f"refused")
+            if not file.is_file():
+                raise recipe.error(key, f"no such adapter file: {file}")
+            return file
+    except OSError as exc:  # a name too long, a loop of links: the path cannot be a file here
+        raise recipe.error(key, f"{adapter.path[:200]}: cannot be used as a path ({exc.strerror or exc})") from None
     from aotbuild.models import hub_file
 
     return hub_file(adapter.path, weight, None)
@@ -234,7 +292,10 @@ def guard(pipe: Any, recipe: Recipe) -> None:
             raise UsageError(f"adapter_name={adapter_name!r}: hot-swap replaces one of {sorted(names)}")
         if isinstance(source, (str, os.PathLike)):
             base = Path(source)
-            file = base / kwargs.get("weight_name", DEFAULT_WEIGHT_NAME) if base.is_dir() else base
+            weight = kwargs.get("weight_name") or DEFAULT_WEIGHT_NAME
+            if not isinstance(weight, str):
+                raise UsageError(f"weight_name={describe(weight)}: expected a file name")
+            file = base / weight if base.is_dir() else base
             if file.exists():
                 found = read(file)
                 if found.rank > lora.rank:
