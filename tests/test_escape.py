@@ -57,7 +57,8 @@ def test_build_and_bench_print_a_hostile_value_escaped(cache, folder, command):
     proc = run_cli(command, "--cache", str(cache), str(folder / "r.yaml"), env=ENV)
     assert proc.returncode != 0
     assert_escaped(proc.stdout + proc.stderr)
-    assert f"error: cannot fetch pytorch_lora_weights.safetensors of org/lora{SHOWN}" in proc.stderr, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and f"org/lora{SHOWN}" in errors[0], proc.stderr
 
 
 def test_json_output_stays_json_and_errors_stay_on_stderr(cache, folder):
@@ -74,6 +75,29 @@ def test_json_output_stays_json_and_errors_stay_on_stderr(cache, folder):
     assert_escaped(proc.stdout + proc.stderr)
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and SHOWN in errors[0], proc.stderr
+
+
+@pytest.mark.parametrize("error,shown", [
+    ("usage", f"error: cannot fetch org/x{SHOWN}"),
+    ("os", f"error: /tmp/d{SHOWN}: No such file or directory"),
+])
+def test_whatever_a_raise_site_embeds_the_cli_prints_one_escaped_line(capsys, error, shown):
+    """The choke point itself: an error whose message holds a raw newline and escape (a raise site that
+    forgot printable(), or an OSError's file name) is still printed on one line."""
+    import errno
+
+    from aotbuild.cli import _run
+    from aotbuild.errors import UsageError
+
+    def fail():
+        if error == "usage":
+            raise UsageError(f"cannot fetch org/x{HOSTILE}")
+        raise FileNotFoundError(errno.ENOENT, "No such file or directory", f"/tmp/d{HOSTILE}")
+
+    with pytest.raises(SystemExit):
+        _run(fail)
+    err = capsys.readouterr().err
+    assert err.startswith(shown) and err.count("\n") == 1 and "\x1b" not in err, err
 
 
 def test_a_note_logged_with_a_hostile_value_is_one_line(capsys):
