@@ -62,7 +62,12 @@ MAX_FOLDER_ENTRIES = 100_000
 
 def check_model_index(index: dict[str, Any], where: str) -> None:
     """Component names are plain names and their libraries diffusers or transformers: nothing else
-    is ever imported by a name a model folder gives."""
+    is ever imported by a name a model folder gives. ``_class_name`` (the pipeline class: a key factor)
+    is a class name too."""
+    pipeline = index.get("_class_name", "DiffusionPipeline")
+    if not isinstance(pipeline, str) or not pipeline.isidentifier():
+        raise ModelUnavailable(f"{printable(where)}: _class_name is {printable(repr(pipeline))[:80]}: expected a "
+                               f"pipeline class name (e.g. StableDiffusionPipeline)")
     for name, value in index.items():
         if name.startswith("_") or not isinstance(value, list) or len(value) != 2 or not value[1]:
             continue

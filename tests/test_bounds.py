@@ -133,3 +133,20 @@ def test_the_operator_raises_a_model_bound_and_plan_builds_it(pr_model, tmp_path
     monkeypatch.setattr(blocks, "meta_module", lambda *a: built.append(a[2]["layers_per_block"]))  # None: unchecked
     job, = plan([str(recipe)], tmp_path / "cache")
     assert built == [2000] and job.status == "miss"
+
+
+@pytest.mark.parametrize("value", [["StableDiffusionPipeline"], 5, "Pipe\n::error::x", "../x"])
+def test_a_model_index_class_name_is_type_checked_before_it_becomes_a_key_factor(pr_model, tmp_path, value):
+    """``_class_name`` is the pipeline key factor and the class a build loads: a list or a number was
+    keyed as its str() (every entry built with it then failed to load)."""
+    import json
+
+    from aotbuild.planner import plan
+
+    folder, recipe = pr_model
+    index = folder / "model_index.json"
+    index.write_text(json.dumps({**json.loads(index.read_text()), "_class_name": value}))
+    job, = plan([str(recipe)], tmp_path / "cache")
+    assert job.status == "unavailable" and job.key is None
+    assert "model_index.json: _class_name is " in job.reason and "expected a pipeline class name" in job.reason
+    assert "\n" not in job.reason
