@@ -62,7 +62,7 @@ LIMITS = {"steps": ("AOTBUILD_MAX_STEPS", 200), "prompts": ("AOTBUILD_MAX_PROMPT
           "shapes": ("AOTBUILD_MAX_SHAPES", 64), "jobs": ("AOTBUILD_MAX_JOBS", 256),
           # One warmup call's images (batch_size x prompts) and pixels (height x width x frames x images),
           # and its text encoders' max_sequence_length.
-          "batch": ("AOTBUILD_MAX_BATCH", 1024), "pixels": ("AOTBUILD_MAX_PIXELS", 2 ** 28),
+          "batch": ("AOTBUILD_MAX_BATCH", 1024), "pixels": ("AOTBUILD_MAX_PIXELS", 2 ** 27),
           "sequence": ("AOTBUILD_MAX_SEQUENCE", 4096),
           # A component built on the meta device at plan time (aotbuild/models.py): its config's layer
           # counts, and every other size it gives.
@@ -199,11 +199,22 @@ def env_remote_options() -> str:
 
 def env_aws_endpoint() -> str:
     return os.environ.get(ENV_AWS_ENDPOINT, "")
+
+
+#: A GCS-compatible endpoint (google-cloud-storage's and gcsfs's own variable; the emulator's address).
+ENV_GCS_EMULATOR = "STORAGE_EMULATOR_HOST"
+
+
+def env_gcs_emulator() -> str:
+    value = os.environ.get(ENV_GCS_EMULATOR, "")
+    return "" if value == "default" else value
+
+
 #: The object stores' own credential variables: never used by aotbuild, read only so that their
 #: values can be scrubbed from a store's error text before it is shown (aotbuild/remote_fsspec.py).
 SECRET_ENV = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_ACCESS_KEY_ID", "AZURE_STORAGE_KEY",
               "AZURE_STORAGE_SAS_TOKEN", "AZURE_STORAGE_CONNECTION_STRING", "AZURE_CLIENT_SECRET",
-              "GOOGLE_OAUTH_ACCESS_TOKEN")
+              "AZURE_STORAGE_ACCOUNT_KEY", "AZURE_STORAGE_CLIENT_SECRET", "GOOGLE_OAUTH_ACCESS_TOKEN")
 
 
 def env_secrets() -> list[str]:
