@@ -111,3 +111,23 @@ def test_a_note_logged_with_a_hostile_value_is_one_line(capsys):
     handler.emit(logging.LogRecord("aotbuild", logging.WARNING, __file__, 1, "shard from %s", (HOSTILE,), None))
     err = capsys.readouterr().err
     assert err == f"shard from {SHOWN}\n"
+
+
+def test_verify_and_gc_report_a_hostile_file_name_in_a_shared_store_escaped(tmp_path):
+    """Another writer's files in a shared store: a manifest-like name and a job folder holding a newline,
+    ``::error::`` and an escape. verify reports both by path (the value itself, shown escaped)."""
+    from aotbuild.store import Store
+    from tests import manifests
+
+    store = Store(tmp_path / "c")
+    key = manifests.add_entry(store, tmp_path / "src", "a", {"x.so": b"kernel"})
+    (store.layout.manifest(key).parent / f"zz{HOSTILE}.json").write_text("{}")
+    (store.root / "tmp").mkdir(exist_ok=True)
+    (store.root / "tmp" / f"job-{HOSTILE}").mkdir()
+    for command in (["verify"], ["verify", "--json"], ["gc", "--dry-run"], ["ls"], ["ls", "--json"]):
+        proc = invoke_cli(*command, "--cache", str(store.root))
+        assert_escaped(proc.stdout + proc.stderr)
+        if "--json" in command:
+            json.loads(proc.stdout)
+    shown = invoke_cli("verify", "--cache", str(store.root)).stdout
+    assert f"zz{SHOWN}.json: not a name aotbuild writes" in shown and f"job-{SHOWN}: not a name" in shown, shown
