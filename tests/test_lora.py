@@ -181,11 +181,16 @@ SERVE = textwrap.dedent("""
         h.remove()
         return seen
 
-    def eager_with(adapter):  # an eager pipeline prepared with that adapter as the recipe's own
+    eager = {}
+
+    def eager_with(adapter):  # an eager pipeline prepared with that adapter as the recipe's own (once each)
+        if adapter in eager:
+            return eager[adapter]
         rr = replace(r, lora=replace(r.lora, adapters=(replace(r.lora.adapters[0], path=adapter),)))
         ctx = Context.create(rr, __import__("pathlib").Path(cache))
         p = load_pipeline(rr, ctx.model, "float32"); place_pipeline(p, rr, "cpu"); prepare_pipeline(p, rr)
-        return outputs(p)
+        eager[adapter] = outputs(p)
+        return eager[adapter]
 
     before = count()
     pipe = load_compiled(r, cache=cache, on_miss="error", strict_shapes=True)
