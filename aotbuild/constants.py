@@ -64,6 +64,8 @@ LIMITS = {"steps": ("AOTBUILD_MAX_STEPS", 200), "prompts": ("AOTBUILD_MAX_PROMPT
           # and its text encoders' max_sequence_length.
           "batch": ("AOTBUILD_MAX_BATCH", 1024), "pixels": ("AOTBUILD_MAX_PIXELS", 2 ** 27),
           "sequence": ("AOTBUILD_MAX_SEQUENCE", 4096),
+          # compile.options.compile_threads: Inductor starts (and warms) that many compile processes at once.
+          "compile_threads": ("AOTBUILD_MAX_COMPILE_THREADS", 64),
           # A component built on the meta device at plan time (aotbuild/models.py): its config's layer
           # counts, and every other size it gives.
           "model_layers": ("AOTBUILD_MAX_MODEL_LAYERS", 1024), "model_width": ("AOTBUILD_MAX_MODEL_WIDTH", 2 ** 19),

@@ -92,6 +92,11 @@ def _check_bounds(recipe: Recipe) -> None:
     frames = warmup.get("num_frames")  # where no shape sets them (aotbuild/pipecall.py refuses both)
     if isinstance(frames, int) and not isinstance(frames, bool) and not 1 <= frames <= MAX_FRAMES:
         raise recipe.error("warmup.num_frames", f"{frames} is not allowed: 1 to {MAX_FRAMES}")
+    options = recipe.compile.options
+    for key in ("compile_threads", "compile-threads"):  # Inductor warms a pool of that many processes
+        threads = options.get(key)
+        if isinstance(threads, int) and not isinstance(threads, bool):
+            over("compile_threads", f"compile.options.{key}", threads, "compile processes")
     over("shapes", "shapes", len(recipe.shapes), "shapes")
     for i, shape in enumerate(recipe.shapes):  # what one warmup call makes: images of all its prompts
         batch = shape.batch_size * texts

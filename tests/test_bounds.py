@@ -40,6 +40,8 @@ def refused(data: dict) -> RecipeError:
      "(2048x2048, 4096 frames, 1 images)", "AOTBUILD_MAX_PIXELS"),
     ({"warmup": {"max_sequence_length": 1_000_000}}, "warmup.max_sequence_length",
      "1000000 tokens per prompt: at most 4096", "AOTBUILD_MAX_SEQUENCE"),
+    ({"compile": {"options": {"compile_threads": 100_000}}}, "compile.options.compile_threads",
+     "100000 compile processes: at most 64", "AOTBUILD_MAX_COMPILE_THREADS"),
     ({"parallel": {"tensor": 64}, "shapes": [{"height": 8 * (i + 1), "width": 64} for i in range(5)]},
      "compile.components", "320 jobs (components x shapes x tensor-parallel ranks): at most 256", "AOTBUILD_MAX_JOBS"),
 ])
