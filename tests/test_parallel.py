@@ -174,15 +174,42 @@ def test_a_child_runs_as_ranks_through_torch_s_launcher_and_never_inherits_a_ran
     assert code == 0 and result == {"RANK": None, "WORLD_SIZE": None}, result
 
 
+SERVE = """
+import json, sys
+import torch
+from diffusers import DiffusionPipeline
+from aotbuild import load_compiled
+from aotbuild.strategies import get_strategy
+from aotbuild.targets import get_target
+
+recipe, cache, model, strategy = sys.argv[1:5]
+name, count = get_strategy(strategy).compile_counter(get_target("inductor"))
+call = dict(prompt="a cat", height=64, width=64, num_inference_steps=2, guidance_scale=3.5, output_type="pt")
+eager = DiffusionPipeline.from_pretrained(model)  # the unsharded pipeline, eager, in this process
+reference = eager(**call, generator=torch.Generator("cpu").manual_seed(0)).images
+before = count()
+pipe = load_compiled(recipe, cache=cache, on_miss="error", strict_shapes=True)
+image = pipe(**call, generator=torch.Generator("cpu").manual_seed(0)).images
+report = pipe.aotbuild_report
+print("RESULT " + json.dumps({"rank": report.rank, "tensor": report.tensor, "hits": len(report.hits),
+                              "misses": len(report.misses), "compiles": count() - before,
+                              "diff": float((image - reference).abs().max()), "text": str(report)}))
+"""
+
+
 @pytest.mark.slow  # two ranks compile the tiny Flux transformer, a fresh pair of ranks proves it
 @pytest.mark.parametrize("strategy", ["jit-cache", "aot-compile"])
 def test_a_tensor_parallel_flux_builds_then_two_fresh_ranks_serve_it_with_0_compiles(strategy, flux_cache, tmp_path):
     """The build's proof is the replica (aotbuild/builder.py ``_prove_ranks``): a fresh launch of two
     ranks by torch's launcher, in another working directory with every compiler folder empty, each
     loading its own rank's entry from another store than the build's, after running the unsharded
-    pipeline eagerly as the reference. Each rank's entry keeps what its rank saw (``proof.served``):
-    a third pair serving the moved cache again would prove nothing more (issue 30, item 4; a moved
-    cache is served for real per strategy in tests/test_strategies.py)."""
+    pipeline eagerly as the reference. Each rank's entry keeps what its rank saw (``proof.served``),
+    read here instead of a second pair serving the same entries (issue 30, item 4). The proof runs
+    while the build's folders still exist, so a moved cache is served by a real pair once, for
+    aot-compile: its ranks' artifacts are compiled functions that name their kernel files, where an
+    entry that only worked beside the build's folder would show; jit-cache's moved cache is served
+    for real without tensor parallelism (tests/test_strategies.py), through the same collect and
+    install as each rank's."""
     import yaml
 
     build = tmp_path / "build"
@@ -196,6 +223,35 @@ def test_a_tensor_parallel_flux_builds_then_two_fresh_ranks_serve_it_with_0_comp
     assert [j["status"] for j in jobs] == ["built", "built"], jobs
     check_each_rank_served([json.loads(invoke_cli("show", job["key"][:12], "--json", "--cache", str(build)).stdout)
                             for job in jobs], strategy)
+    if strategy == "aot-compile":
+        serve_moved_cache(build, recipe, tmp_path, strategy)
+
+
+def serve_moved_cache(build: Path, recipe: Path, tmp_path: Path, strategy: str) -> None:
+    """A new replica: the cache moved (the build's folders gone), another cwd, an empty Inductor
+    folder, two ranks from torchrun, each a hit with 0 compiles and the unsharded eager image."""
+    import os
+    import subprocess
+
+    served = tmp_path / "serving" / "cache"
+    shutil.move(str(build), str(served))
+    cwd = tmp_path / "elsewhere"
+    cwd.mkdir()
+    script = tmp_path / "serve.py"
+    script.write_text(SERVE)
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          str(script), str(recipe), str(served), str(served / "models" / "tiny-flux-v1"), strategy],
+                         capture_output=True, text=True, cwd=cwd,
+                         env={**os.environ, "PYTHONPATH": str(REPO), "AOTBUILD_CACHE": "",
+                              "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "serving" / "inductor")})
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
+    results = sorted((json.loads(line[7:]) for line in run.stdout.splitlines() if line.startswith("RESULT ")),
+                     key=lambda r: r["rank"])
+    assert [r["rank"] for r in results] == [0, 1], run.stdout
+    for r in results:
+        assert r["hits"] == 1 and r["misses"] == 0 and r["compiles"] == 0, r
+        assert r["diff"] <= 1e-4, r
+        assert f"(rank {r['rank']} of 2)" in r["text"]
 
 
 def check_each_rank_served(manifests: list[dict], strategy: str) -> None:
