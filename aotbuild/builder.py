@@ -29,7 +29,7 @@ from aotbuild.layout import FROM_PROJECT, cache_root_origin, format_size, resolv
 from aotbuild.locks import flocked, store_lock
 from aotbuild.manifest import FileRecord, Manifest, Proof
 from aotbuild.planner import FAILED_BEFORE, HIT, MISS, RETRY_HINT, UNAVAILABLE, Job, plan, shard_jobs, shard_summary
-from aotbuild.recipe import recipe_spec, recipe_to_dict
+from aotbuild.recipe import Recipe, recipe_spec, recipe_to_dict
 from aotbuild.recipes import Recipes
 from aotbuild.store import Store
 from aotbuild.strategies import checked_store
@@ -355,13 +355,43 @@ def _build_for_pipe(recipes: Recipes, pipe: Any, cache: str | Path | None, **opt
     if not hasattr(pipe, "save_pretrained"):
         raise UsageError(f"pipe= takes a diffusers pipeline (it is saved with save_pretrained); got "
                          f"{type(pipe).__name__}")
+    recipe = _with_pipe_changes(loaded[0], pipe)
     folder = Path(tempfile.mkdtemp(prefix="aotbuild-pipe-"))
     try:
         logging.getLogger("aotbuild").info("saving the pipeline for the build's jobs in %s", folder)
         pipe.save_pretrained(str(folder))
-        return build([replace(loaded[0], pipeline_folder=str(folder))], cache, **options)
+        return build([replace(recipe, pipeline_folder=str(folder))], cache, **options)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def _with_pipe_changes(recipe: Recipe, pipe: Any) -> Recipe:
+    """The recipe with the pipe's changes that ``save_pretrained`` drops (FreeU's factors, an attention
+    processor, a cache hook, a memory format: aotbuild/changes.py) declared, so the jobs re-apply them
+    and ``load_compiled(recipe, pipe=pipe)`` keys the same; UsageError for a change no other process can
+    re-create (a processor class of the caller's script), or one that contradicts the recipe's own."""
+    import logging
+
+    from aotbuild import changes
+    from aotbuild.errors import UsageError
+
+    found = changes.detect(pipe, recipe)
+    if found.refused:
+        raise UsageError(f"build(recipe, pipe=pipe) cannot build for this pipeline: {found.refused}. The build's "
+                         f"jobs load the pipeline saved with save_pretrained in fresh processes and re-apply only the "
+                         f"changes a recipe can declare (docs/recipes.md, \"Declared changes\"): undo that change, "
+                         f"or load with on_miss=\"eager\"")
+    if found.changes is None:
+        return recipe
+    if recipe.changes is not None:
+        if any(changes.factors(recipe, c) != changes.factors(replace(recipe, changes=found.changes), c)
+               for c in recipe.compile.components):
+            raise UsageError(f"the pipeline's changes ({changes.as_recipe_text(found.changes)}) are not the ones "
+                             f"{recipe.source} declares ({changes.as_recipe_text(recipe.changes)}): make them agree")
+        return recipe
+    logging.getLogger("aotbuild").info("the build's jobs re-apply the pipeline's %s",
+                                       changes.as_recipe_text(found.changes))
+    return replace(recipe, changes=found.changes)
 
 
 def _whole_groups(jobs: list[Job], known: dict[str | None, str]) -> None:

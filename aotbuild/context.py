@@ -24,6 +24,8 @@ job, proof and ``load_compiled`` all call it, so they agree by construction:
 ``lora``            only with ``lora:``: the rank and target modules compiled for, the adapters' names
 ``quantization``    only for a quantized component: backend and version, type and arguments, and the
                     Inductor settings the backend sets for the whole process
+``changes``         only with ``changes:``: the declared changes of this component (FreeU's factors for
+                    the unet, attention processor, cache hook, memory format; aotbuild/changes.py)
 ``parallel``        only with ``parallel.tensor`` > 1: degree, mesh shape, collective backend, the
                     ``_tp_plan``'s sha256, and the rank (aotbuild/parallel.py); the thread count
                     keyed (``compile.cpu_threads``) is then a rank's, :func:`parallel.rank_threads`
@@ -162,14 +164,15 @@ def job_factors(ctx: Context, component: str, component_class: str, config: dict
     """Every key factor of one job (of one rank's entry, for a tensor-parallel recipe): from the recipe,
     its target and strategy, this machine, and the component as loaded (class and architecture
     config) or as planned (from its ``config.json``)."""
-    from aotbuild import adapters, parallel, quantize
+    from aotbuild import adapters, changes, parallel, quantize
 
     recipe = ctx.recipe
     sharded = parallel.factors(recipe, component_class, ctx.device, rank)
     # The pipeline as users change it: present only where the recipe sets it (other keys unchanged).
     changed = {name: value for name, value in (("lora", adapters.factors(recipe, component)),
                                                ("quantization", quantize.factors(recipe, component)),
-                                               ("parallel", sharded))
+                                               ("parallel", sharded),
+                                               ("changes", changes.factors(recipe, component)))
                if value is not None}
     compile_settings = {**ctx.target.compile_settings(recipe, ctx.device),
                         **ctx.strategy.compile_factors(ctx.target, ctx.device)}

@@ -36,7 +36,7 @@ from typing import Any
 
 from aotbuild.text import printable
 
-__all__ = ["VERSION", "ROOT_OUTSIDE", "only_devices", "snapshot", "digest", "diff", "observe", "observed",
+__all__ = ["VERSION", "ROOT_OUTSIDE", "only_devices", "snapshot", "digest", "diff", "recipe_key", "observe", "observed",
            "reset_observed", "record_calls", "at_call", "call_time", "call_state", "Watch"]
 
 #: The snapshot's format: another version is compared as "built by another aotbuild".
@@ -168,6 +168,21 @@ def _hint(path: str, here: str | None, there: str | None) -> str:
             return ": another dtype (pipe.to(dtype)?)"
         return ": moved, or requires_grad changed"
     return ""
+
+
+def recipe_key(reason: str) -> str:
+    """The recipe key that declares the change a :func:`diff` reason names (aotbuild/changes.py: FreeU's
+    factors, an attention processor, a cache hook, a memory format), or "" for one no recipe declares."""
+    for hint, key in _DECLARED_BY:
+        if reason.endswith(hint):
+            return key
+    return ""
+
+
+#: A difference's hint (:func:`_hint`) -> the recipe key that declares such a change.
+_DECLARED_BY = ((": FreeU?", "changes.freeu"), (": another attention processor?", "changes.attention_processor"),
+                (": a hook (a diffusers cache, a forward hook)?", "changes.cache"),
+                (": another memory format (channels_last?)", "changes.memory_format"))
 
 
 def diff(recorded: Mapping[str, Any] | None, live: Mapping[str, Any], component: str,

@@ -162,8 +162,7 @@ class Dispatcher:
 
             raise StaleGraph(f"{self.component} changed since its entry was built, and load_compiled(on_miss="
                              f"\"error\") never compiles: {why}. Undo the change, or load with on_miss=\"eager\" "
-                             f"(this module then runs eagerly). aotbuild.build(recipe, pipe=pipe) does not keep "
-                             f"such a change: it saves the pipeline with save_pretrained")
+                             f"(this module then runs eagerly){_rebuild_advice(why)}")
         if why != self.stale:
             import warnings
 
@@ -185,6 +184,19 @@ class Dispatcher:
             self.declined = why
             then = {"error": "raises", "eager": "runs eagerly"}.get(self.on_unbuilt, "compiles")
             warnings.warn(f"aotbuild: {self.component}: {why}; the call {then}", stacklevel=3)
+
+
+def _rebuild_advice(why: str) -> str:
+    """How to serve a changed module compiled: the recipe key that declares the change, or the build for the
+    pipeline object (which re-creates only what a recipe can declare, and refuses the rest with the reason)."""
+    from aotbuild.dependencies import recipe_key
+
+    key = recipe_key(why)
+    if key:
+        return (f"; to serve it compiled, declare it in the recipe ({key}: docs/recipes.md, \"Declared changes\") "
+                f"and build, or build for this pipeline with aotbuild.build(recipe, pipe=pipe), then load again")
+    return ("; aotbuild.build(recipe, pipe=pipe) builds for a changed pipeline only the changes a recipe can declare "
+            "(changes: freeu, attention_processor, cache, memory_format) and refuses others with the reason")
 
 
 def _first_tensor(sig: str) -> list[int] | None:

@@ -342,7 +342,8 @@ def _component_json(model: ResolvedModel, name: str, revision: str | None) -> di
 
 
 def load_pipeline(recipe: Recipe, model: ResolvedModel, dtype: str, *, quiet: bool = False) -> Any:
-    """``from_pretrained`` with the recipe's dtype, variant, revision and pipeline class."""
+    """``from_pretrained`` with the recipe's dtype, variant, revision and pipeline class, then the
+    recipe's ``changes`` (aotbuild/changes.py): every build job, proof and load of it gets them."""
     import diffusers
     import torch
 
@@ -363,6 +364,10 @@ def load_pipeline(recipe: Recipe, model: ResolvedModel, dtype: str, *, quiet: bo
     if recipe.model.revision and not model.is_local:
         kwargs["revision"] = recipe.model.revision
     pipe = cls.from_pretrained(model.location, **kwargs)
+    if recipe.changes is not None:  # FreeU, a processor, a cache hook, a memory format: as the recipe declares
+        from aotbuild import changes
+
+        changes.apply(pipe, recipe)
     if quiet and hasattr(pipe, "set_progress_bar_config"):  # build jobs and benchmarks; a user's pipe keeps its bar
         pipe.set_progress_bar_config(disable=True)
     return pipe

@@ -157,6 +157,10 @@ def plan(recipes: Recipes, cache: str | Path | None = None, *,
                     adapters.check_recipe(recipe, component)
             if recipe.tensor_parallel > 1:  # a _tp_plan, heads the degree divides
                 _check_shardable(recipe, ctx.model)
+            if recipe.changes is not None:  # FreeU on a model with a unet, names this diffusers knows
+                from aotbuild import changes
+
+                changes.check_recipe(recipe, ctx.model.components(), ctx.pipeline_class)
         jobs.extend(jobs_for(ctx, store))
     return sorted(jobs, key=lambda j: (j.key is None, j.key or "", j.label))
 

@@ -26,6 +26,9 @@ SCOPES = ("full", "regional")
 OFFLOADS = ("none", "model")
 MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 DTYPES = ("float32", "float16", "bfloat16")
+MEMORY_FORMATS = ("channels_last",)
+#: ``changes.freeu``'s factors (diffusers' enable_freeu arguments).
+FREEU_FACTORS = ("s1", "s2", "b1", "b2")
 #: Pipeline-call arguments that the shapes own: a warmup may not set them (nor ``num_frames`` where a
 #: shape sets it: aotbuild/pipecall.py).
 SHAPE_OWNED = ("height", "width", "num_images_per_prompt", "num_videos_per_prompt")
@@ -88,9 +91,18 @@ SCHEMA: dict[str, dict[str, Field] | Field] = {
         "tensor": Field("int", 1, doc="tensor-parallel degree: ranks the compiled components are sharded over "
                                       "(the model's _tp_plan); 1: unsharded"),
     },
+    "changes": {
+        "freeu": Field("mapping", None, doc="FreeU's factors {s1, s2, b1, b2}: pipe.enable_freeu(...) on the unet"),
+        "attention_processor": Field("str?", doc="a diffusers attention processor class: set_attn_processor(Class()) "
+                                                 "on each compiled component"),
+        "cache": Field("mapping", None, doc="a diffusers cache hook {config: a diffusers.hooks config class, its "
+                                            "fields}: enable_cache(...) on each compiled component"),
+        "memory_format": Field("str?", choices=MEMORY_FORMATS, doc="the compiled components' weights' memory format: "
+                                                                    "component.to(memory_format=torch.channels_last)"),
+    },
 }
 #: Optional sections: parsed only when the recipe has them (their absence keeps every key as it was).
-OPTIONAL_SECTIONS = ("lora", "parallel")
+OPTIONAL_SECTIONS = ("lora", "parallel", "changes")
 #: The largest tensor-parallel degree a recipe may ask for.
 MAX_TENSOR_PARALLEL = 64
 QUANT_SCHEMA = {
@@ -162,6 +174,17 @@ class ParallelSpec:
 
 
 @dataclass(frozen=True)
+class ChangesSpec:
+    """``changes``: what users change on a pipeline after from_pretrained, re-created by every load of the
+    recipe (aotbuild/changes.py). None: not declared (never a key factor)."""
+
+    freeu: Mapping[str, float] | None = None
+    attention_processor: str | None = None
+    cache: Mapping[str, Any] | None = None
+    memory_format: str | None = None
+
+
+@dataclass(frozen=True)
 class CompileSpec:
     components: tuple[str, ...] = ("unet",)
     scope: str = "full"
@@ -226,6 +249,8 @@ class Recipe:
     lora: LoraSpec | None = None
     #: ``parallel``; None: unsharded (as ``tensor: 1``)
     parallel: ParallelSpec | None = None
+    #: ``changes``; None: the pipeline as from_pretrained gives it
+    changes: ChangesSpec | None = None
     #: The folder a relative ``model.id`` is resolved against; None: the recipe file's folder. A job
     #: or proof process gets it from its parent (it runs elsewhere) instead of re-reading the file.
     folder: str | None = field(default=None, compare=False)
@@ -440,6 +465,7 @@ def parse_structure(data: Any, source: str = DATA_SOURCE, name: str | None = Non
     lora = LoraSpec(**check.section(data["lora"], "lora")) if data.get("lora") is not None else None
     parallel = ParallelSpec(**check.section(data["parallel"], "parallel")) if data.get("parallel") is not None \
         else None
+    changes = _changes(check, data["changes"]) if data.get("changes") is not None else None
     shapes = check.shapes(data.get("shapes"))
     warmup = top["warmup"]
     for arg in warmup:
@@ -451,8 +477,35 @@ def parse_structure(data: Any, source: str = DATA_SOURCE, name: str | None = Non
     return Recipe(
         name=name, source=source, folder=folder, model=model, target=top["target"],
         device=top["device"], strategy=top["strategy"], offload=top["offload"], compile=compile_spec,
-        shapes=shapes, warmup=warmup, lora=lora, parallel=parallel,
+        shapes=shapes, warmup=warmup, lora=lora, parallel=parallel, changes=changes,
     )
+
+
+def _changes(check: _Checker, data: Any) -> ChangesSpec | None:
+    """``changes``: the section's keys and types, FreeU's four finite factors, a cache's ``config`` name.
+    What the model and this diffusers allow is checked at plan time (aotbuild/changes.py). Empty: None."""
+    spec = ChangesSpec(**check.section(data, "changes"))
+    if spec.freeu is not None:
+        missing = [k for k in FREEU_FACTORS if k not in spec.freeu]
+        extra = [k for k in spec.freeu if k not in FREEU_FACTORS]
+        if missing or extra:
+            raise check.fail("changes.freeu", f"takes exactly {', '.join(FREEU_FACTORS)} (enable_freeu's factors); "
+                                              + (f"missing {', '.join(missing)}" if missing else
+                                                 f"unknown {', '.join(map(printable, extra))}"))
+        for k in FREEU_FACTORS:
+            v = spec.freeu[k]
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise check.fail(f"changes.freeu.{k}", f"expected a number, got {describe_value(v)}")
+        spec = ChangesSpec(**{**spec.__dict__, "freeu": freeze({k: float(spec.freeu[k]) for k in FREEU_FACTORS})})
+    if spec.cache is not None:
+        name = spec.cache.get("config")
+        if not isinstance(name, str) or not name.isidentifier():
+            raise check.fail("changes.cache", "names its diffusers config class in config: (e.g. {config: "
+                                              "FirstBlockCacheConfig, threshold: 0.05})")
+    if spec.attention_processor is not None and not spec.attention_processor.isidentifier():
+        raise check.fail("changes.attention_processor", f"{printable(spec.attention_processor)[:80]!r} is not a class "
+                                                        f"name (e.g. AttnProcessor2_0)")
+    return None if spec == ChangesSpec() else spec
 
 
 def check_structure_rules(recipe: Recipe) -> None:
@@ -549,6 +602,8 @@ def recipe_to_dict(recipe: Recipe) -> dict[str, Any]:
                                       for a in recipe.lora.adapters]}
     if recipe.parallel is not None:
         extra["parallel"] = {"tensor": recipe.parallel.tensor}
+    if recipe.changes is not None:
+        extra["changes"] = {k: thaw(v) for k, v in recipe.changes.__dict__.items() if v is not None}
     return json.loads(json.dumps({
         "name": recipe.name, "model": model, "target": recipe.target, "device": recipe.device,
         "strategy": recipe.strategy, "offload": recipe.offload,

@@ -10,7 +10,7 @@ import logging
 import time
 import warnings
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -160,7 +160,7 @@ def load_compiled(recipe: str | Path | Recipe | Mapping[str, Any], pipe: Any = N
             planned = _open_entries(ctx, store, pipe, wanted, report, blocker, pulled, remote_notes)
         timings["verify"] = time.perf_counter() - started
         if report.misses and on_miss == "error":
-            raise CacheMiss(f"{report}{_next_step(recipe, blocker, remote, passed)}")
+            raise CacheMiss(f"{report}{_next_step(recipe, blocker, remote, pipe if passed else None)}")
         from aotbuild.dispatch import dispatchers, uninstall_dispatchers
 
         started = time.perf_counter()
@@ -203,9 +203,18 @@ def _check_arguments(on_miss: str, remote: str | Remote | None) -> Remote | None
 
 
 def _pipeline(ctx: Context, pipe: Any) -> Any:
-    """The caller's pipeline, checked against the recipe's dtype and device; else the recipe's, loaded."""
+    """The caller's pipeline, checked against the recipe's dtype and device; else the recipe's, loaded
+    (with its declared ``changes``: models.load_pipeline). A caller's pipeline with changes a recipe can
+    declare (FreeU's factors, an attention processor, a cache hook, a memory format) is keyed with them
+    when the recipe declares none, as ``build(recipe, pipe=pipe)`` builds it."""
     if pipe is not None:
         _check_pipe(pipe, ctx)
+        if ctx.recipe.changes is None:  # keyed as build(recipe, pipe=pipe) keys it (aotbuild/changes.py)
+            from aotbuild import changes
+
+            found = changes.detect(pipe, ctx.recipe)
+            if found.changes is not None:
+                ctx.recipe = replace(ctx.recipe, changes=found.changes)
         return pipe
     assert ctx.model is not None
     pipe = models.load_pipeline(ctx.recipe, ctx.model, ctx.dtype)
@@ -323,13 +332,23 @@ def _watch(planned: list[Planned], on_miss: str, devices: bool) -> None:
                 d.on_stale = on_miss
 
 
-def _next_step(recipe: Recipe, blocker: str, remote: Remote | None, passed: bool = False) -> str:
+def _next_step(recipe: Recipe, blocker: str, remote: Remote | None, passed: Any = None) -> str:
     """What builds the misses: for a pipe the caller passed (maybe not the recipe's model), the
-    build for that pipeline object."""
+    build for that pipeline object, with the ``changes`` it re-creates (or why it cannot)."""
     if blocker:
         return ""
-    how = "`aotbuild.build(recipe, pipe=pipe)` builds them for this pipeline" if passed \
-        else f"{build_hint(recipe)} builds them here"
+    how = f"{build_hint(recipe)} builds them here"
+    if passed is not None:
+        from aotbuild import changes
+
+        found = changes.detect(passed, recipe) if recipe.changes is None else changes.Detected(None)
+        if found.refused:
+            return (f"\n  next: this pipeline cannot be built for: {found.refused}; undo that change, or load with "
+                    f"on_miss=\"eager\"")
+        how = "`aotbuild.build(recipe, pipe=pipe)` builds them for this pipeline"
+        if found.changes is not None:
+            how += f" (it re-applies the pipeline's {changes.as_recipe_text(found.changes)}: declare that in the " \
+                   f"recipe and CI can pre-build it)"
     return f"\n  next: {how}" + (" (or load with remote=URL to fetch CI-built entries)" if remote is None else "")
 
 

@@ -146,6 +146,8 @@ VALID = {
     ("shapes", 0, "height"): st.integers(min_value=1, max_value=64).map(lambda n: n * 8),
     ("shapes", 0, "width"): st.integers(min_value=1, max_value=64).map(lambda n: n * 8),
     ("lora", "adapters", 0, "path"): st.sampled_from(["lora.safetensors", "adapters/style"]),
+    ("changes", "freeu"): st.fixed_dictionaries({k: st.floats(0, 2) for k in ("s1", "s2", "b1", "b2")}),
+    ("changes", "cache"): st.sampled_from([{"config": "FirstBlockCacheConfig"}, {"config": "X", "threshold": 0.1}]),
 }
 
 

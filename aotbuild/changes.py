@@ -1,0 +1,462 @@
+"""``changes``: the ways users change a pipeline after ``from_pretrained``, declared so a build re-creates them.
+
+A compiled graph bakes in FreeU's factors, the attention processor it called, the weights' memory
+format and a diffusers cache hook (aotbuild/dependencies.py records them; a load or a call with
+other ones misses). ``save_pretrained`` keeps none of them, so neither a build job loading the model
+nor ``aotbuild.build(recipe, pipe=pipe)`` (which saves the pipe for its jobs) could build for such a
+pipeline. A recipe's ``changes`` section declares them; each is one :class:`Change`:
+
+=========================  =====================================================  ==================
+``changes.freeu``          ``pipe.enable_freeu(s1=, s2=, b1=, b2=)``               the ``unet`` only
+``changes.attention_processor``  ``component.set_attn_processor(<class>())``       compiled components
+``changes.cache``          ``component.enable_cache(<config class>(**fields))``    compiled components
+``changes.memory_format``  ``component.to(memory_format=torch.channels_last)``     compiled components
+=========================  =====================================================  ==================
+
+Each is a key factor of the components it changes, only when declared (a recipe without the section
+keeps every key), checked at plan time against the model's classes (:func:`check_recipe`), and
+applied by ``models.load_pipeline`` right after ``from_pretrained`` (:func:`apply`): in the build's
+jobs, their proofs and ``load_compiled``. :func:`detect` reads the same changes off a live pipeline
+(``build(recipe, pipe=pipe)``, and ``load_compiled(recipe, pipe=pipe)`` for a recipe that declares
+none): it builds each compiled component again from its config on the meta device, applies the
+changes it found there, and compares the two dependency snapshots; whatever still differs (a
+processor class of the user's, a processor set on some layers only, an attribute written by hand)
+cannot be re-created in another process and is refused with that difference.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from aotbuild.frozen import freeze, thaw
+from aotbuild.recipe import FREEU_FACTORS, ChangesSpec, Recipe
+from aotbuild.suggest import suggest
+from aotbuild.text import printable
+
+__all__ = ["FREEU_FACTORS", "FREEU_COMPONENT", "Change", "CHANGES", "factors", "check_recipe", "apply", "detect",
+           "Detected", "processor_classes", "cache_config_classes", "as_recipe_text"]
+
+#: The component FreeU changes (``DiffusionPipeline.enable_freeu`` calls ``self.unet.enable_freeu``).
+FREEU_COMPONENT = "unet"
+
+
+def processor_classes() -> dict[str, type]:
+    """diffusers' attention processor classes, by name: what ``changes.attention_processor`` may name."""
+    from diffusers.models import attention_processor
+
+    return {name: cls for name, cls in vars(attention_processor).items()
+            if isinstance(cls, type) and "Processor" in name and cls.__module__.startswith("diffusers.")
+            and any("__call__" in vars(base) for base in cls.__mro__[:-1]) and not name.startswith("_")}
+
+
+def cache_config_classes() -> dict[str, type]:
+    """diffusers' cache hook configs (``diffusers.hooks``), by name: what ``changes.cache.config`` may name."""
+    import diffusers.hooks
+
+    return {name: cls for name, cls in vars(diffusers.hooks).items()
+            if isinstance(cls, type) and dataclasses.is_dataclass(cls) and name.endswith("Config")
+            and ("Cache" in name or "Broadcast" in name)}
+
+
+# -- the changes, one object each ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Change:
+    """One declarable change: its recipe key, which components it changes, its key factor, its plan-time
+    check, how it is applied to a live pipeline (or a meta module) and how it is read off one."""
+
+    name: str
+
+    @property
+    def key(self) -> str:
+        return f"changes.{self.name}"
+
+    def value(self, spec: ChangesSpec) -> Any:
+        return getattr(spec, self.name)
+
+    def changes(self, component: str) -> bool:
+        return True
+
+    def factor(self, value: Any) -> Any:
+        return thaw(value)
+
+    def check(self, recipe: Recipe, value: Any, component: str, module_class: type | None) -> None:
+        """recipe.error(...) when ``module_class`` (None: not importable here) cannot take the change."""
+
+    def apply(self, module: Any, value: Any, recipe: Recipe | None) -> None:
+        raise NotImplementedError
+
+    def read(self, module: Any, component: str) -> tuple[Any, str]:
+        """(the declarable value this live module holds, or None; why it cannot be declared, or "")."""
+        raise NotImplementedError
+
+    def as_fresh(self, module: Any, fresh: Any) -> bool:
+        """Whether ``module`` holds what a fresh load (``fresh``, on the meta device) holds: no change."""
+        return False
+
+
+class _FreeU(Change):
+    def changes(self, component: str) -> bool:
+        return component == FREEU_COMPONENT
+
+    def check(self, recipe: Recipe, value: Any, component: str, module_class: type | None) -> None:
+        if component == FREEU_COMPONENT and module_class is not None and not hasattr(module_class, "enable_freeu"):
+            raise recipe.error(self.key, f"{component} ({module_class.__name__}) has no enable_freeu: FreeU "
+                                         f"changes a UNet's up blocks")
+
+    def apply(self, module: Any, value: Any, recipe: Recipe | None) -> None:
+        module.enable_freeu(**{k: float(value[k]) for k in FREEU_FACTORS})
+
+    def read(self, module: Any, component: str) -> tuple[Any, str]:
+        if component != FREEU_COMPONENT:
+            return None, ""
+        seen = []
+        for block in getattr(module, "up_blocks", None) or ():
+            values = tuple(getattr(block, k, None) for k in FREEU_FACTORS)
+            if any(v is not None for v in values):
+                seen.append(values)
+        if not seen:
+            return None, ""
+        first = seen[0]
+        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in first):
+            return None, f"{component}.up_blocks: FreeU factors {first} are not finite numbers"
+        return freeze(dict(zip(FREEU_FACTORS, map(float, first), strict=True))), ""
+
+
+class _Processor(Change):
+    def check(self, recipe: Recipe, value: Any, component: str, module_class: type | None) -> None:
+        known = processor_classes()
+        if value not in known:
+            raise recipe.error(self.key, f"{printable(value)!r} is not an attention processor of diffusers"
+                                         f"{suggest(value, list(known))} (allowed: {', '.join(sorted(known))})")
+        if module_class is not None and not hasattr(module_class, "set_attn_processor"):
+            raise recipe.error(self.key, f"{component} ({module_class.__name__}) has no set_attn_processor: it "
+                                         f"takes no attention processor")
+        try:
+            known[value]()
+        except Exception as exc:  # noqa: BLE001 - a processor that needs arguments, a library or a GPU
+            raise recipe.error(self.key, f"{value} cannot be created without arguments here: "
+                                         f"{printable(str(exc))[:160]}") from None
+
+    def apply(self, module: Any, value: Any, recipe: Recipe | None) -> None:
+        module.set_attn_processor(processor_classes()[value]())
+
+    def as_fresh(self, module: Any, fresh: Any) -> bool:
+        def classes(m: Any) -> dict[str, type]:
+            return {k: type(p) for k, p in (getattr(m, "attn_processors", None) or {}).items()}
+        return classes(module) == classes(fresh)
+
+    def read(self, module: Any, component: str) -> tuple[Any, str]:
+        processors = getattr(module, "attn_processors", None)
+        if not isinstance(processors, Mapping) or not processors:
+            return None, ""
+        classes = {type(p) for p in processors.values()}
+        if len(classes) > 1:  # the caller's comparison says whether the meta module's defaults differ too
+            return None, ""
+        cls = classes.pop()
+        known = processor_classes()
+        if known.get(cls.__name__) is cls:
+            return cls.__name__, ""
+        where = ("defined in __main__ (a script or notebook)" if cls.__module__ == "__main__"
+                 else f"{cls.__module__}.{cls.__qualname__}, not one of diffusers' attention processors")
+        return None, (f"{component}'s attention processor {cls.__qualname__} is {where}: the build's processes "
+                      f"cannot re-create it (changes.attention_processor names one of "
+                      f"diffusers.models.attention_processor's classes)")
+
+
+class _Cache(Change):
+    def factor(self, value: Any) -> Any:
+        return {"config": value["config"], **_cache_fields(value)}
+
+    def check(self, recipe: Recipe, value: Any, component: str, module_class: type | None) -> None:
+        known = cache_config_classes()
+        name = value["config"]
+        if name not in known:
+            raise recipe.error(f"{self.key}.config", f"{printable(name)!r} is not a cache config of diffusers"
+                                                     f"{suggest(name, list(known))} (allowed: "
+                                                     f"{', '.join(sorted(known))})")
+        fields = {f.name: f for f in dataclasses.fields(known[name]) if f.init}
+        for field_name in value:
+            if field_name != "config" and field_name not in fields:
+                raise recipe.error(f"{self.key}.{field_name}", f"{name} has no field {printable(field_name)!r}"
+                                                               f"{suggest(field_name, list(fields))} (fields: "
+                                                               f"{', '.join(fields)})")
+        try:
+            known[name](**{k: v for k, v in thaw(value).items() if k != "config"})
+        except Exception as exc:  # noqa: BLE001 - a required field missing, a value of the wrong kind
+            raise recipe.error(self.key, f"{name}({', '.join(k for k in value if k != 'config')}) is refused: "
+                                         f"{printable(str(exc))[:160]}") from None
+        if module_class is not None and not hasattr(module_class, "enable_cache"):
+            raise recipe.error(self.key, f"{component} ({module_class.__name__}) has no enable_cache: diffusers' "
+                                         f"cache hooks are for its transformer models")
+
+    def apply(self, module: Any, value: Any, recipe: Recipe | None) -> None:
+        config = cache_config_classes()[value["config"]]
+        module.enable_cache(config(**{k: v for k, v in thaw(value).items() if k != "config"}))
+
+    def read(self, module: Any, component: str) -> tuple[Any, str]:
+        config = getattr(module, "_cache_config", None)
+        if config is None:
+            return None, ""
+        cls = type(config)
+        if cache_config_classes().get(cls.__name__) is not cls:
+            return None, f"{component}'s cache config {cls.__qualname__} is not one of diffusers' cache configs"
+        out: dict[str, Any] = {"config": cls.__name__}
+        for f in dataclasses.fields(config):
+            if not f.init:
+                continue
+            value, default = getattr(config, f.name), _default(f)
+            if default is not _NO_DEFAULT and _same(value, default):
+                continue
+            plain = _plain(value)
+            if plain is _NOT_PLAIN:
+                return None, (f"{component}'s {cls.__name__}.{f.name} is {type(value).__name__}, not data a recipe "
+                              f"can hold: the build's processes cannot re-create it")
+            out[f.name] = plain
+        return freeze(out), ""
+
+
+class _MemoryFormat(Change):
+    def apply(self, module: Any, value: Any, recipe: Recipe | None) -> None:
+        import torch
+
+        module.to(memory_format=getattr(torch, value))
+
+    def read(self, module: Any, component: str) -> tuple[Any, str]:
+        import torch
+
+        for p in module.parameters():
+            if p.dim() == 4 and p.shape[1] > 1 and p.shape[2] * p.shape[3] > 1 \
+                    and p.is_contiguous(memory_format=torch.channels_last) and not p.is_contiguous():
+                return "channels_last", ""
+        return None, ""
+
+
+#: In the order :func:`apply` applies them (a processor before the cache hooks that wrap the blocks,
+#: the memory format last: it moves the weights).
+CHANGES: tuple[Change, ...] = (_FreeU("freeu"), _Processor("attention_processor"), _Cache("cache"),
+                               _MemoryFormat("memory_format"))
+
+_NO_DEFAULT = object()
+_NOT_PLAIN = object()
+
+
+def _default(f: dataclasses.Field) -> Any:
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return _NO_DEFAULT
+
+
+def _same(a: Any, b: Any) -> bool:
+    try:
+        return type(a) is type(b) and bool(a == b) or (isinstance(a, (tuple, list)) and list(a) == list(b))
+    except Exception:  # noqa: BLE001 - a value without a plain ==
+        return False
+
+
+def _plain(value: Any) -> Any:
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else _NOT_PLAIN
+    if isinstance(value, (list, tuple)):
+        items = [_plain(v) for v in value]
+        return _NOT_PLAIN if any(v is _NOT_PLAIN for v in items) else items
+    return _NOT_PLAIN
+
+
+def _cache_fields(value: Mapping[str, Any]) -> dict[str, Any]:
+    """A cache setting's fields without those at their default (declared or detected, one key): the
+    config class decides the defaults; where it cannot be imported, the fields as written."""
+    fields = {k: thaw(v) for k, v in value.items() if k != "config"}
+    try:
+        cls = cache_config_classes().get(value["config"])
+    except ImportError:
+        cls = None
+    if cls is None:
+        return fields
+    defaults = {f.name: _default(f) for f in dataclasses.fields(cls) if f.init}
+    return {k: v for k, v in fields.items() if k not in defaults or defaults[k] is _NO_DEFAULT
+            or not _same(_plain(defaults[k]), v)}
+
+
+# -- key factors, plan-time checks, applying ---------------------------------------------------------
+
+
+def factors(recipe: Recipe, component: str) -> dict[str, Any] | None:
+    """The ``changes`` key factor of one component: the declared changes that change it; None when
+    there are none (the key is then what it was without the section)."""
+    spec = recipe.changes
+    if spec is None:
+        return None
+    out = {c.name: c.factor(c.value(spec)) for c in CHANGES if c.value(spec) is not None and c.changes(component)}
+    return out or None
+
+
+def check_recipe(recipe: Recipe, components: Mapping[str, tuple[str, str]], pipeline_class: str) -> None:
+    """Plan time: each declared change against the model's component classes (``components``: name ->
+    (library, class), from model_index.json) and the names this diffusers knows."""
+    spec = recipe.changes
+    if spec is None:
+        return
+    if spec.freeu is not None and FREEU_COMPONENT not in components:
+        raise recipe.error("changes.freeu", f"{pipeline_class} has no {FREEU_COMPONENT}: FreeU (enable_freeu) "
+                                            f"changes a UNet's up blocks (components: {', '.join(components)})")
+    for change in CHANGES:
+        value = change.value(spec)
+        if value is None:
+            continue
+        named = [FREEU_COMPONENT] if change.name == "freeu" else list(recipe.compile.components)
+        for component in named:
+            library, class_name = components.get(component, ("", ""))
+            change.check(recipe, value, component, _class(library, class_name))
+
+
+def _class(library: str, class_name: str) -> type | None:
+    import importlib
+
+    if library not in ("diffusers", "transformers"):  # never import a module a model folder names
+        return None
+    try:
+        return getattr(importlib.import_module(library), class_name, None)
+    except ImportError:
+        return None
+
+
+def apply(pipe: Any, recipe: Recipe) -> None:
+    """The declared changes, on a pipeline ``from_pretrained`` just loaded (models.load_pipeline), each
+    checked first against the loaded component's class (a load without a plan gets the plan's errors)."""
+    spec = recipe.changes
+    if spec is None:
+        return
+    for change in CHANGES:
+        value = change.value(spec)
+        if value is None:
+            continue
+        for component in ([FREEU_COMPONENT] if change.name == "freeu" else recipe.compile.components):
+            module = getattr(pipe, component, None)
+            if module is None:
+                raise recipe.error(change.key, f"the pipeline has no {component}")
+            change.check(recipe, value, component, type(module))
+            change.apply(module, value, recipe)
+
+
+# -- reading the changes off a live pipeline --------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Detected:
+    """What :func:`detect` found: the declarable changes (None: none), or why they cannot be declared."""
+
+    changes: ChangesSpec | None
+    refused: str = ""
+
+
+def detect(pipe: Any, recipe: Recipe) -> Detected:
+    """The declarable changes of ``pipe``'s compiled components (and FreeU on its unet): each
+    component is built again from its config on the meta device, the changes read off the live one
+    are applied to it, and the two dependency snapshots must then agree (a tensor by shape and
+    strides: dtype and device are the recipe's). ``refused`` is the first thing that cannot be
+    re-created in another process, in words."""
+    from aotbuild import dependencies
+
+    found: dict[str, Any] = {}
+    components = list(dict.fromkeys([*recipe.compile.components]))
+    for component in components:
+        module = getattr(pipe, component, None)
+        if module is None:
+            continue
+        mine: dict[str, Any] = {}
+        fresh = _meta_twin(module)
+        for change in CHANGES:
+            if fresh is not None and change.as_fresh(module, fresh):
+                continue
+            value, why = change.read(module, component)
+            if why:
+                return Detected(None, why)
+            if value is None:
+                continue
+            if change.name in found and found[change.name] != value:
+                return Detected(None, f"{component}'s {change.key} ({_show(value)}) differs from another "
+                                      f"component's ({_show(found[change.name])}): the recipe declares one for all")
+            mine[change.name] = value
+        if fresh is None:
+            if mine:
+                return Detected(None, f"{component} ({type(module).__name__}) cannot be built again from its config "
+                                      f"here, so its changes cannot be checked")
+            continue
+        try:
+            for change in CHANGES:
+                if change.name in mine:
+                    change.apply(fresh, mine[change.name], None)
+        except Exception as exc:  # noqa: BLE001 - diffusers refused the change on a fresh module
+            return Detected(None, f"{component}: its changes cannot be re-created: {printable(str(exc))[:160]}")
+        why = _remaining(dependencies.snapshot(module)["items"], dependencies.snapshot(fresh)["items"], component,
+                         dependencies.ROOT_OUTSIDE)
+        if why:
+            return Detected(None, why)
+        found.update(mine)
+    # a component that holds none of a change the others hold: the recipe would apply it to all
+    for name, value in found.items():
+        change = next(c for c in CHANGES if c.name == name)
+        for component in components:
+            if change.changes(component) and getattr(pipe, component, None) is not None \
+                    and change.read(getattr(pipe, component), component)[0] is None:
+                return Detected(None, f"{change.key} ({_show(value)}) is on some compiled components but not on "
+                                      f"{component}: the recipe declares one for all")
+    if not found:
+        return Detected(None)
+    return Detected(ChangesSpec(**found))
+
+
+def _meta_twin(module: Any) -> Any:
+    """The component built again from its config on the meta device (what a fresh load holds), or None."""
+    from aotbuild.blocks import meta_module
+
+    config = getattr(module, "config", None)
+    if config is None:
+        return None
+    library = "transformers" if type(module).__module__.startswith("transformers.") else "diffusers"
+    data = config.to_dict() if hasattr(config, "to_dict") and library == "transformers" else dict(config)
+    return meta_module(library, type(module).__name__, data)
+
+
+def _remaining(live: Mapping[str, str], fresh: Mapping[str, str], component: str, outside: frozenset[str]) -> str:
+    """The first difference left between the live module and its re-created twin, in words, or "".
+    ``outside``: what wraps the component from outside its graph (an offload hook's forward, a
+    dispatcher), left out as the load's check leaves it out."""
+    def comparable(what: str) -> str:
+        if what.startswith(("param ", "buffer ", "tensor ")):  # kind dtype [shape] stride [...] device [grad]
+            words = what.split(" ")
+            shape_and_stride = what[len(words[0]) + len(words[1]) + 2:].rsplit("]", 1)[0] + "]"
+            return f"{words[0]} {shape_and_stride}"
+        return what
+
+    for path in sorted((set(live) | set(fresh)) - outside):
+        a, b = live.get(path), fresh.get(path)
+        if a is None or b is None or comparable(a) != comparable(b):
+            full = f"{component}.{path}" if path != "." else component
+            return (f"{printable(full)} is {printable(a or 'absent')} here, {printable(b or 'absent')} in a fresh "
+                    f"load with the declarable changes found (FreeU, attention_processor, cache, memory_format): a "
+                    f"change the build's processes cannot re-create")
+    return ""
+
+
+def _show(value: Any) -> str:
+    return printable(str(thaw(value)))[:120]
+
+
+def as_recipe_text(spec: ChangesSpec) -> str:
+    """The ``changes`` section that declares ``spec``, as one line of YAML flow text."""
+    import json
+
+    parts = [f"{name}: {json.dumps(thaw(getattr(spec, name)))}" for name in (c.name for c in CHANGES)
+             if getattr(spec, name) is not None]
+    return "changes: {" + ", ".join(parts) + "}"

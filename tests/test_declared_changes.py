@@ -1,0 +1,296 @@
+"""A recipe's ``changes`` section (issue 31, item 4): FreeU's factors, an attention processor, a diffusers
+cache hook and a memory format, declared so a build re-creates them (aotbuild/changes.py).
+
+Before it, ``save_pretrained`` dropped all four, so neither a build of the recipe nor
+``aotbuild.build(recipe, pipe=pipe)`` could build for a pipeline with FreeU on: a StaleGraph's advice
+could only be "undo the change". The fast tier checks the section's parsing, its key factor (absent:
+no key changes, tests/test_key_pins.py), the plan-time checks against the model, that loads apply it,
+that the changes are read off a live pipe (or refused with the reason) by ``build(recipe, pipe=pipe)``
+and ``load_compiled(recipe, pipe=pipe)``, and the advice of a miss; the slow test builds a FreeU recipe
+and serves a user's pipe with the same FreeU compiled.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import aotbuild
+from aotbuild import changes
+from aotbuild.errors import CacheMiss, RecipeError, StaleGraph, UsageError
+from aotbuild.recipe import ChangesSpec, recipe_to_dict
+from aotbuild.recipes import parse_recipe
+from tests.conftest import TINY_DICT as TINY
+
+FREEU = {"s1": 0.9, "s2": 0.2, "b1": 1.2, "b2": 1.4}
+
+
+def _recipe(**declared):
+    return parse_recipe({**TINY, "changes": declared} if declared else TINY)
+
+
+def _pipe(recipe, root):
+    from aotbuild.models import load_pipeline, resolve_model
+
+    return load_pipeline(recipe, resolve_model(recipe, root), "float32")
+
+
+def _keys(recipe, root):
+    return {j.component: j.key for j in aotbuild.plan(recipe, cache=root)}
+
+
+class ScaledProcessor:
+    """A user's processor: a class of this test file, which no recipe can name."""
+
+    def __call__(self, attn, hidden_states, *args, **kwargs):
+        from diffusers.models.attention_processor import AttnProcessor2_0
+
+        return AttnProcessor2_0()(attn, hidden_states, *args, **kwargs) * 1.5
+
+
+# -- the section --------------------------------------------------------------------------------------
+
+
+def test_the_section_parses_and_round_trips():
+    recipe = _recipe(freeu=FREEU, attention_processor="AttnProcessor", memory_format="channels_last",
+                     cache={"config": "FirstBlockCacheConfig", "threshold": 0.2})
+    assert dict(recipe.changes.freeu) == FREEU and recipe.changes.memory_format == "channels_last"
+    data = recipe_to_dict(recipe)["changes"]
+    assert data == {"freeu": FREEU, "attention_processor": "AttnProcessor", "memory_format": "channels_last",
+                    "cache": {"config": "FirstBlockCacheConfig", "threshold": 0.2}}
+    assert parse_recipe({**TINY, "changes": data}).changes == recipe.changes
+    assert _recipe().changes is None and parse_recipe({**TINY, "changes": {}}).changes is None
+    assert "changes" not in recipe_to_dict(_recipe())
+
+
+@pytest.mark.parametrize(("declared", "key", "words"), [
+    ({"freeu": {"s1": 0.9, "s2": 0.2, "b1": 1.2}}, "changes.freeu", "missing b2"),
+    ({"freeu": {**FREEU, "b3": 1.0}}, "changes.freeu", "unknown b3"),
+    ({"freeu": {**FREEU, "b1": "high"}}, "changes.freeu.b1", "expected a number"),
+    ({"memory_format": "channels_first"}, "changes.memory_format", "channels_last"),
+    ({"cache": {"threshold": 0.2}}, "changes.cache", "config:"),
+    ({"attention_processor": "../evil"}, "changes.attention_processor", "not a class name"),
+    ({"freu": FREEU}, "changes.freu", "did you mean 'freeu'"),
+])
+def test_a_malformed_section_names_its_key(declared, key, words):
+    with pytest.raises(RecipeError) as info:
+        _recipe(**declared)
+    assert info.value.key == key and words in str(info.value)
+
+
+def test_only_declared_changes_are_key_factors_of_the_components_they_change():
+    from aotbuild.context import Context, job_factors
+
+    def factors(recipe, component):
+        ctx = Context.create(recipe, ".", resolve_model=False)
+        return job_factors(ctx, component, "X", {}, recipe.shapes[0], "StableDiffusionPipeline")
+
+    plain = factors(_recipe(), "unet")
+    assert "changes" not in plain  # the section's absence keeps every key (tests/test_key_pins.py)
+    declared = _recipe(freeu=FREEU, memory_format="channels_last")
+    assert factors(declared, "unet")["changes"] == {"freeu": FREEU, "memory_format": "channels_last"}
+    assert factors(declared, "vae")["changes"] == {"memory_format": "channels_last"}  # FreeU is the unet's
+    assert "changes" not in factors(_recipe(freeu=FREEU), "vae")
+    # a cache field at its default is the same setting: declared or read off a pipe, one key
+    at_default = _recipe(cache={"config": "FirstBlockCacheConfig", "threshold": 0.05})
+    assert changes.factors(at_default, "unet") == {"cache": {"config": "FirstBlockCacheConfig"}}
+
+
+# -- plan-time checks against the model ---------------------------------------------------------------
+
+
+def test_the_plan_keys_a_declared_change_and_checks_it_against_the_model(cache):
+    plain, freeu = _keys(_recipe(), cache), _keys(_recipe(freeu=FREEU), cache)
+    assert plain["unet"] != freeu["unet"]
+    with pytest.raises(RecipeError) as info:
+        aotbuild.plan(_recipe(attention_processor="AttnProcesor"), cache=cache)
+    assert info.value.key == "changes.attention_processor"
+    assert "did you mean 'AttnProcessor'" in str(info.value) and "AttnProcessor2_0" in str(info.value)
+    with pytest.raises(RecipeError) as info:  # UNet2DConditionModel is no CacheMixin
+        aotbuild.plan(_recipe(cache={"config": "FirstBlockCacheConfig"}), cache=cache)
+    assert info.value.key == "changes.cache" and "has no enable_cache" in str(info.value)
+    with pytest.raises(RecipeError) as info:
+        aotbuild.plan(_recipe(cache={"config": "FirstBlockCache"}), cache=cache)
+    assert info.value.key == "changes.cache.config" and "FirstBlockCacheConfig" in str(info.value)
+
+
+def test_freeu_on_a_pipeline_without_a_unet_is_a_recipe_error(tmp_path):
+    flux = {**TINY, "model": {"id": "builtin:tiny-flux", "dtype": "float32"},
+            "compile": {"components": ["transformer"]}}
+    with pytest.raises(RecipeError) as info:
+        aotbuild.plan(parse_recipe({**flux, "changes": {"freeu": FREEU}}), cache=tmp_path)
+    assert info.value.key == "changes.freeu" and "FluxPipeline has no unet" in str(info.value)
+    with pytest.raises(RecipeError) as info:
+        aotbuild.plan(parse_recipe({**flux, "changes": {"cache": {"config": "FirstBlockCacheConfig", "treshold": 1}}}),
+                      cache=tmp_path)
+    assert info.value.key == "changes.cache.treshold" and "did you mean 'threshold'" in str(info.value)
+
+
+# -- applied by every load, read off a live pipe ------------------------------------------------------
+
+
+def test_a_load_applies_the_declared_changes(models_dir):
+    from diffusers.models.attention_processor import AttnProcessor
+
+    pipe = _pipe(_recipe(freeu=FREEU, attention_processor="AttnProcessor", memory_format="channels_last"), models_dir)
+    assert all(block.b1 == 1.2 and block.s2 == 0.2 for block in pipe.unet.up_blocks)
+    assert {type(p) for p in pipe.unet.attn_processors.values()} == {AttnProcessor}
+    assert pipe.unet.conv_in.weight.is_contiguous(memory_format=torch.channels_last)
+    assert not pipe.unet.conv_in.weight.is_contiguous()
+    plain = _pipe(_recipe(), models_dir)
+    assert plain.unet.up_blocks[0].b1 is None if hasattr(plain.unet.up_blocks[0], "b1") else True
+
+
+def test_the_changes_of_a_live_pipe_are_read_as_the_recipe_declares_them(models_dir):
+    recipe = _recipe()
+    pipe = _pipe(recipe, models_dir)
+    assert changes.detect(pipe, recipe) == changes.Detected(None)  # from_pretrained's pipe: nothing
+    from diffusers.models.attention_processor import AttnProcessor2_0
+
+    pipe.unet.set_attn_processor(AttnProcessor2_0())  # the class it had: no change
+    assert changes.detect(pipe, recipe) == changes.Detected(None)
+    pipe.enable_freeu(**FREEU)
+    pipe.unet.to(memory_format=torch.channels_last)
+    found = changes.detect(pipe, recipe)
+    assert found.changes == _recipe(freeu=FREEU, memory_format="channels_last").changes and not found.refused
+
+
+@pytest.mark.parametrize(("change", "words"), [
+    (lambda pipe: pipe.unet.set_attn_processor(ScaledProcessor()),
+     "test_declared_changes.ScaledProcessor, not one of diffusers' attention processors"),
+    (lambda pipe: pipe.unet.set_attn_processor(type("Mine", (ScaledProcessor,), {"__module__": "__main__"})()),
+     "defined in __main__"),
+    (lambda pipe: setattr(pipe.unet.up_blocks[0].resnets[0], "output_scale_factor", 2.0),
+     "unet.up_blocks.0.resnets.0.output_scale_factor is 2.0 here, 1.0 in a fresh load"),
+    (lambda pipe: (pipe.enable_freeu(**FREEU), setattr(pipe.unet.up_blocks[1], "b1", 3.0)),
+     "unet.up_blocks.1.b1 is 3.0 here, 1.2 in a fresh load"),
+    (lambda pipe: pipe.unet.down_blocks[0].attentions[0].transformer_blocks[0].attn1.set_processor(
+        __import__("diffusers").models.attention_processor.AttnProcessor()),
+     "processor is diffusers.models.attention_processor.AttnProcessor object here"),
+])
+def test_a_change_no_other_process_can_re_create_is_refused_with_the_reason(models_dir, change, words):
+    recipe = _recipe()
+    pipe = _pipe(recipe, models_dir)
+    change(pipe)
+    found = changes.detect(pipe, recipe)
+    assert found.changes is None and words in found.refused, found.refused
+    with pytest.raises(UsageError, match="cannot build for this pipeline") as info:
+        aotbuild.build(TINY, cache=models_dir, pipe=pipe)
+    assert words in str(info.value)
+
+
+def test_a_diffusers_cache_hook_is_read_off_a_transformer(tmp_path):
+    from diffusers.hooks import FirstBlockCacheConfig
+
+    flux = parse_recipe({**TINY, "model": {"id": "builtin:tiny-flux", "dtype": "float32"},
+                         "compile": {"components": ["transformer"]}})
+    pipe = _pipe(flux, tmp_path)
+    assert changes.detect(pipe, flux) == changes.Detected(None)  # FluxAttnProcessor is the model's own default
+    pipe.transformer.enable_cache(FirstBlockCacheConfig(threshold=0.2))
+    found = changes.detect(pipe, flux)
+    assert found.changes == ChangesSpec(cache=found.changes.cache) and not found.refused
+    assert dict(found.changes.cache) == {"config": "FirstBlockCacheConfig", "threshold": 0.2}
+
+
+# -- build(recipe, pipe=pipe) and load_compiled(recipe, pipe=pipe) key the pipe's changes ------------
+
+
+def test_build_for_a_pipe_re_applies_its_changes_and_a_load_of_that_pipe_keys_them(cache, fake_compiles):
+    recipe = _recipe()
+    pipe = _pipe(recipe, cache)
+    pipe.enable_freeu(**FREEU)
+    declared = _keys(_recipe(freeu=FREEU), cache)
+    report = aotbuild.build(TINY, cache=cache, pipe=pipe)
+    assert fake_compiles == [declared["unet"]] and report.results[0].job.recipe.changes is not None
+    with pytest.raises(CacheMiss) as info:  # a stand-in entry: the load keys it, then refuses its artifacts
+        aotbuild.load_compiled(TINY, pipe, cache=cache, on_miss="error")
+    assert declared["unet"][:12] in str(info.value)
+    # a pipe of the plain model misses the FreeU entry, and is told what builds it
+    empty = cache.parent / "empty"
+    with pytest.raises(CacheMiss) as info:
+        aotbuild.load_compiled(TINY, pipe, cache=empty, on_miss="error")
+    assert ("next: `aotbuild.build(recipe, pipe=pipe)` builds them for this pipeline (it re-applies the pipeline's "
+            "changes: {freeu: ") in str(info.value) and "declare that in the recipe" in str(info.value)
+    # the recipe's own changes and the pipe's must agree
+    with pytest.raises(UsageError, match="are not the ones"):
+        aotbuild.build({**TINY, "changes": {"freeu": {**FREEU, "b1": 1.1}}}, cache=cache, pipe=pipe)
+
+
+def test_a_miss_of_a_pipe_with_a_change_no_recipe_declares_says_so(cache):
+    pipe = _pipe(_recipe(), cache)
+    pipe.unet.set_attn_processor(ScaledProcessor())
+    with pytest.raises(CacheMiss) as info:
+        aotbuild.load_compiled(TINY, pipe, cache=cache, on_miss="error")
+    assert "next: this pipeline cannot be built for: unet's attention processor ScaledProcessor" in str(info.value)
+    assert "build(recipe, pipe=pipe)` builds" not in str(info.value)
+
+
+def test_a_stale_graph_names_the_recipe_key_that_declares_the_change():
+    from aotbuild.dispatch import Dispatcher
+
+    class Changed:
+        def __init__(self, why):
+            self.why = why
+
+        def check(self):
+            return self.why
+
+    d = Dispatcher("unet", lambda x: x, {'{"args": [["float"]], "kwargs": {}}': lambda x: x}, lambda x: x, "error")
+    d.on_stale = "error"
+    d.watch = Changed("unet.up_blocks.0.b1: 1.2 here, absent in the entry: FreeU?")
+    with pytest.raises(StaleGraph) as info:
+        d(1.0)
+    assert "declare it in the recipe (changes.freeu" in str(info.value) and "save_pretrained" not in str(info.value)
+    d.watch = Changed("unet.conv_in.weight: param float32 [8, 4, 3, 3] stride [36, 1, 12, 4] cpu grad here, "
+                      "param float32 [8, 4, 3, 3] stride [36, 9, 3, 1] cpu grad in the entry: another memory format "
+                      "(channels_last?)")
+    with pytest.raises(StaleGraph, match=r"changes\.memory_format"):
+        d(1.0)
+    d.watch = Changed("unet.up_blocks.0.resnets.0.output_scale_factor: 2.0 here, 1.0 in the entry")
+    with pytest.raises(StaleGraph, match="refuses others with the reason"):
+        d(1.0)
+
+
+# -- built and served ---------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_declared_freeu_is_built_and_a_users_pipe_with_it_is_served_compiled(cache, tmp_path, monkeypatch):
+    """aot-package served the image without FreeU for a pipe with FreeU (issue 31); now the recipe
+    declares FreeU, the build bakes it in, and a user's own pipe with the same enable_freeu hits, with
+    0 compiles and eager-with-FreeU's image."""
+    from torch._dynamo.utils import counters
+    from torch._inductor import compile_fx
+
+    from aotbuild.pipecall import warmup_kwargs
+    from tests.conftest import run_cli
+
+    data = {**TINY, "strategy": "aot-package", "changes": {"freeu": FREEU}}
+    path = tmp_path / "tiny_freeu.yaml"
+    import yaml
+
+    path.write_text(yaml.safe_dump(data))
+    proc = run_cli("build", "--json", "--cache", str(cache), str(path),
+                   env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "build-inductor"), "AOTBUILD_CACHE": ""})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    recipe = parse_recipe(data)
+
+    def image(pipe):
+        return pipe(**warmup_kwargs(recipe, recipe.shapes[0], pipe), output_type="pt").images.float()
+
+    plain = _pipe(_recipe(), cache)
+    without = image(plain)
+    plain.enable_freeu(**FREEU)
+    expected = image(plain)
+    assert (expected - without).abs().max().item() > 1e-3  # FreeU moves the image: an ignored FreeU cannot pass
+
+    pipe = _pipe(_recipe(), cache)  # the user's own pipe, FreeU enabled by hand
+    pipe.enable_freeu(**FREEU)
+    graphs = counters["stats"]["unique_graphs"]
+    monkeypatch.setattr(compile_fx._InProcessFxCompile, "codegen_and_compile",
+                        lambda *a, **k: pytest.fail("Inductor generated code: the load compiled"))
+    aotbuild.load_compiled(str(path), pipe, cache=cache, on_miss="error")
+    got = image(pipe)
+    assert pipe.aotbuild_report.misses == [] and pipe.unet.forward.calls["built"] >= 1
+    assert counters["stats"]["unique_graphs"] == graphs
+    assert (got - expected).abs().max().item() <= 1e-4
