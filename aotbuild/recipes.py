@@ -76,8 +76,12 @@ def _check_bounds(recipe: Recipe) -> None:
             raise recipe.error(key, f"{value} {what}: at most {limit(name)} (raise it with {LIMITS[name][0]})")
 
     warmup = recipe.warmup
+    for name in ("num_inference_steps", "max_sequence_length", "num_frames"):  # counts: whole numbers
+        value = warmup.get(name)  # (a float slipped past the bounds: PNDM runs 100000.0 steps)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise recipe.error(f"warmup.{name}", f"expected a whole number from 1, got {describe_value(value)}")
     steps = warmup.get("num_inference_steps")
-    if isinstance(steps, int) and not isinstance(steps, bool):
+    if steps is not None:
         over("steps", "warmup.num_inference_steps", steps, "warmup steps")
     for name in ("timesteps", "sigmas"):  # a custom schedule: one step per item
         if isinstance(warmup.get(name), (list, tuple)):
@@ -93,10 +97,11 @@ def _check_bounds(recipe: Recipe) -> None:
     if isinstance(frames, int) and not isinstance(frames, bool) and not 1 <= frames <= MAX_FRAMES:
         raise recipe.error("warmup.num_frames", f"{frames} is not allowed: 1 to {MAX_FRAMES}")
     options = recipe.compile.options
-    for key in ("compile_threads", "compile-threads"):  # Inductor warms a pool of that many processes
+    for key, what in (("compile_threads", "compile processes"), ("compile-threads", "compile processes"),
+                      ("cpp.threads", "threads per CPU kernel")):  # a pool of processes; OpenMP's num_threads
         threads = options.get(key)
         if isinstance(threads, int) and not isinstance(threads, bool):
-            over("compile_threads", f"compile.options.{key}", threads, "compile processes")
+            over("compile_threads", f"compile.options.{key}", threads, what)
     over("shapes", "shapes", len(recipe.shapes), "shapes")
     for i, shape in enumerate(recipe.shapes):  # what one warmup call makes: images of all its prompts
         batch = shape.batch_size * texts

@@ -42,6 +42,8 @@ def refused(data: dict) -> RecipeError:
      "1000000 tokens per prompt: at most 4096", "AOTBUILD_MAX_SEQUENCE"),
     ({"compile": {"options": {"compile_threads": 100_000}}}, "compile.options.compile_threads",
      "100000 compile processes: at most 64", "AOTBUILD_MAX_COMPILE_THREADS"),
+    ({"compile": {"options": {"cpp.threads": 100_000, "cpp.dynamic_threads": False}}}, "compile.options.cpp.threads",
+     "100000 threads per CPU kernel: at most 64", "AOTBUILD_MAX_COMPILE_THREADS"),  # num_threads(100000)
     ({"parallel": {"tensor": 64}, "shapes": [{"height": 8 * (i + 1), "width": 64} for i in range(5)]},
      "compile.components", "320 jobs (components x shapes x tensor-parallel ranks): at most 256", "AOTBUILD_MAX_JOBS"),
 ])
@@ -67,6 +69,16 @@ def test_the_bounds_allow_what_real_recipes_ask_for():
 def test_a_warmup_num_frames_is_bounded_like_a_shapes():
     error = refused({**BASE, "warmup": {"num_frames": 10 ** 9}})
     assert error.key == "warmup.num_frames" and "1000000000 is not allowed: 1 to 4096" in error.message
+
+
+@pytest.mark.parametrize("name", ["num_inference_steps", "max_sequence_length", "num_frames"])
+@pytest.mark.parametrize("value,shown", [(100_000.0, "100000.0 (float)"), (True, "True (bool)"),
+                                         ("9999", "'9999' (str)"), (0, "0 (int)"), (-5, "-5 (int)")])
+def test_a_warmup_count_is_a_whole_number_so_no_type_slips_past_its_bound(name, value, shown):
+    """Found in review: the bounds measured ints only, so ``num_inference_steps: 100000.0`` passed
+    unmeasured, and diffusers' PNDMScheduler (SD 1.x's) runs 100,009 steps for it."""
+    error = refused({**BASE, "warmup": {name: value}})
+    assert error.key == f"warmup.{name}" and f"expected a whole number from 1, got {shown}" in error.message, error
 
 
 # -- a model built on the meta device at plan time --------------------------------------------------
