@@ -107,8 +107,8 @@ def _pyproject_cache(start: Path) -> Path | None:
         return None
     folder, value = found
     where = folder / "pyproject.toml"
-    if not isinstance(value, str) or not value:
-        raise UsageError(f"{where}: [tool.aotbuild] cache must be a folder path")
+    if not isinstance(value, str) or not value or not value.isprintable():  # a newline would reach CI's log
+        raise UsageError(f"{where}: [tool.aotbuild] cache must be a folder path (no control characters)")
     path = Path(value)
     root = (folder / path).resolve()
     if path.is_absolute() or value.startswith("~") or not root.is_relative_to(folder.resolve()) \

@@ -131,3 +131,17 @@ def test_verify_and_gc_report_a_hostile_file_name_in_a_shared_store_escaped(tmp_
             json.loads(proc.stdout)
     shown = invoke_cli("verify", "--cache", str(store.root)).stdout
     assert f"zz{SHOWN}.json: not a name aotbuild writes" in shown and f"job-{SHOWN}: not a name" in shown, shown
+
+
+@pytest.mark.parametrize("command", ["ls", "plan", "verify"])
+def test_a_pull_requests_pyproject_cache_with_a_newline_is_refused_not_printed(tmp_path, monkeypatch, command):
+    """Found in review: ``[tool.aotbuild] cache`` comes from the pull request's pyproject.toml, and
+    every command prints its cache root (``no cache at ROOT``, ``... jobs cached in ROOT``) through the
+    multi-line printer, which keeps newlines: ``::error::`` reached CI's log on a line of its own."""
+    (tmp_path / "pyproject.toml").write_text('[tool.aotbuild]\ncache = "c\\n::error::x\\u001b[31m"\n')
+    (tmp_path / "r.yaml").write_text(GOOD)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("AOTBUILD_CACHE", raising=False)
+    proc = invoke_cli(command, *(["r.yaml"] if command == "plan" else []), env={"HF_HUB_OFFLINE": "1"})
+    assert_escaped(proc.stdout + proc.stderr)
+    assert proc.returncode == 2 and "[tool.aotbuild] cache must be a folder path" in proc.stderr, proc.stderr
