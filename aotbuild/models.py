@@ -11,6 +11,7 @@ import json
 import os
 import re
 import stat
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -263,8 +264,43 @@ def _meta_component(model: ResolvedModel, name: str, revision: str | None) -> An
         config = _component_json(model, name, revision)
     except ModelUnavailable:
         return None
-    check_config_sizes(config, f"{model.location}/{name}/config.json")
-    return meta_module(library, class_name, config)
+    where = f"{model.location}/{name}/config.json"
+    check_config_sizes(config, where)
+    return _counted(lambda: meta_module(library, class_name, config), where)
+
+
+#: Submodules a component built at plan time may register, per layer ``AOTBUILD_MAX_MODEL_LAYERS``
+#: allows (Flux-dev, SDXL's UNet, HunyuanVideo and Wan 14B register 1,100 to 2,000 in all).
+MODULES_PER_LAYER = 64
+
+
+def _counted(build: Callable[[], Any], where: str) -> Any:
+    """``build()`` stopped once it has registered more submodules than ``MODULES_PER_LAYER`` x
+    ``AOTBUILD_MAX_MODEL_LAYERS``: each key of a config is bounded on its own, but they multiply (1,024
+    ``down_block_types`` x ``layers_per_block: 1024`` is a million blocks), so the build is counted."""
+    import torch
+
+    from aotbuild.constants import LIMITS, limit
+
+    most = MODULES_PER_LAYER * limit("model_layers")
+    count = 0
+
+    def hook(module: Any, name: str, submodule: Any) -> None:
+        nonlocal count
+        count += 1
+        if count > most:
+            raise ModelUnavailable("too many modules")  # meta_module gives up on any error
+
+    handle = torch.nn.modules.module.register_module_module_registration_hook(hook)
+    try:
+        built = build()
+    finally:
+        handle.remove()
+    if count > most:
+        raise ModelUnavailable(f"{printable(where)}: builds more than {most} modules ({MODULES_PER_LAYER} per layer "
+                               f"the layers bound allows: its sizes multiply; raise it with "
+                               f"{LIMITS['model_layers'][0]})")
+    return built
 
 
 #: config.json keys that count layers or blocks (num_layers, layers_per_block, num_hidden_layers,

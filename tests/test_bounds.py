@@ -151,6 +151,30 @@ def test_the_operator_raises_a_model_bound_and_plan_builds_it(pr_model, tmp_path
     assert built == [2000] and job.status == "miss"
 
 
+def test_a_model_config_whose_bounded_sizes_multiply_is_stopped_by_its_module_count(pr_model, tmp_path, monkeypatch):
+    """Found in review: each key is bounded on its own, but they multiply (1,024 down blocks x
+    ``layers_per_block: 1024`` passed both bounds: a million blocks). Scaled down: with a layers bound
+    of 16 the budget is 16 x 64 = 1,024 modules; tiny-sd's UNet registers 216, and 1,596 with
+    ``layers_per_block: 16``, which is within the per-key bound."""
+    from aotbuild.errors import ModelUnavailable
+    from aotbuild.planner import plan
+    from tests.conftest import invoke_cli
+
+    folder, recipe = pr_model
+    monkeypatch.setenv("AOTBUILD_MAX_MODEL_LAYERS", "16")
+    job, = plan([str(recipe)], tmp_path / "cache")  # the real config: well inside
+    assert job.status == "miss", job.reason
+    _set_config(folder, layers_per_block=16)
+    with pytest.raises(ModelUnavailable) as info:
+        plan([str(recipe)], tmp_path / "cache")
+    message = str(info.value)
+    assert message.startswith(f"{folder.resolve()}/unet/config.json: builds more than 1024 modules"), message
+    assert "raise it with AOTBUILD_MAX_MODEL_LAYERS" in message, message
+    proc = invoke_cli("plan", "--cache", str(tmp_path / "cache"), str(recipe), env={"AOTBUILD_MAX_MODEL_LAYERS": "16"})
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert [line for line in proc.stderr.splitlines() if "builds more than 1024 modules" in line], proc.stderr
+
+
 @pytest.mark.parametrize("value", [["StableDiffusionPipeline"], 5, "Pipe\n::error::x", "../x"])
 def test_a_model_index_class_name_is_type_checked_before_it_becomes_a_key_factor(pr_model, tmp_path, value):
     """``_class_name`` is the pipeline key factor and the class a build loads: a list or a number was
