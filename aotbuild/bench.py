@@ -97,9 +97,13 @@ class BenchReport:
         return data
 
     def text(self) -> str:
+        from aotbuild.text import printable
+
         m = self.machine
-        lines = [f"{self.recipe} ({self.model}): {', '.join(self.components)} at {self.shape}; {self.target} on "
-                 f"{m.get('device', '?')}, {self.strategy}" + (f", scope {self.scope}" if self.scope != "full" else ""),
+        scope = f", scope {self.scope}" if self.scope != "full" else ""
+        # the model's id is the recipe's (a folder's name may hold a newline): on one line, escaped
+        lines = [printable(f"{self.recipe} ({self.model}): {', '.join(self.components)} at {self.shape}; "
+                           f"{self.target} on {m.get('device', '?')}, {self.strategy}{scope}"),
                  f"machine: {machine_text(m)}",
                  f"{self._processes_text()}; times are min / median / max over the processes; steady = "
                  f"median of {self.calls} call(s) after the first", ""]

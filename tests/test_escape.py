@@ -145,3 +145,18 @@ def test_a_pull_requests_pyproject_cache_with_a_newline_is_refused_not_printed(t
     proc = invoke_cli(command, *(["r.yaml"] if command == "plan" else []), env={"HF_HUB_OFFLINE": "1"})
     assert_escaped(proc.stdout + proc.stderr)
     assert proc.returncode == 2 and "[tool.aotbuild] cache must be a folder path" in proc.stderr, proc.stderr
+
+
+def test_bench_names_a_local_model_folder_holding_a_newline_on_one_escaped_line(capsys):
+    """Found in review: bench's report starts with the recipe's ``model.id``, which a pull request can
+    make a folder whose name holds ``\\n::error::`` (git keeps such a name); the CLI prints the report
+    through the multi-line printer, which keeps newlines."""
+    from aotbuild.bench import BenchReport, Run
+    from aotbuild.cli import _echo
+
+    report = BenchReport("r", "r.yaml", f"./m{HOSTILE}", "inductor", "jit-cache", "full", ["unet"], "64x64",
+                         {"device": "cpu"}, 1, 1, {"eager": [Run(1.0, 0.1, 100.0, 0, 0, 0)]})
+    _echo(report.text())
+    out = capsys.readouterr().out
+    assert_escaped(out)
+    assert out.startswith(f"r (./m{SHOWN}): unet at 64x64; inductor on cpu, jit-cache\n"), out
