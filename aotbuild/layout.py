@@ -125,13 +125,18 @@ _UNITS = {"": 1, "b": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "t": 1000**4,
 
 def parse_size(text: str | int) -> int:
     """Bytes from ``"20GB"``, ``"500MB"``, ``"1.5GiB"``, ``"4096"`` (decimal units; ``*iB`` binary)."""
-    if isinstance(text, int) and not isinstance(text, bool):
-        return text
     match = _SIZE.match(str(text))
     if not match:
         raise UsageError(f"{text!r} is not a size: use e.g. 20GB, 500MB, 1.5GiB or a number of bytes")
     unit = (match[2] or "").lower().rstrip("b")
-    return int(float(match[1]) * _UNITS[unit])
+    size = text if isinstance(text, int) and not isinstance(text, bool) else float(match[1]) * _UNITS[unit]
+    if not 0 <= size <= MAX_SIZE:  # 400 digits are inf as a float: an OverflowError's traceback
+        raise UsageError(f"{str(text)[:40]!r} is not a size of 0 to 2^62 bytes")
+    return int(size)
+
+
+#: The largest size a setting may give (as the other numeric settings: aotbuild/constants.py).
+MAX_SIZE = 2 ** 62
 
 
 def format_size(n: int) -> str:

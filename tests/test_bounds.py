@@ -190,3 +190,19 @@ def test_a_model_index_class_name_is_type_checked_before_it_becomes_a_key_factor
     assert job.status == "unavailable" and job.key is None
     assert "model_index.json: _class_name is " in job.reason and "expected a pipeline class name" in job.reason
     assert "\n" not in job.reason
+
+
+@pytest.mark.parametrize("value", ["9" * 400, "99999999999TiB", str(2 ** 63)])
+def test_a_size_setting_past_2_62_bytes_is_one_line_not_a_traceback(tmp_path, value):
+    """Found in review: ``AOTBUILD_MAX_SIZE`` (or a pull request's ``[tool.aotbuild] max_size``) of 400
+    digits is inf as a float, and ``int(inf)`` raised an OverflowError's traceback."""
+    from aotbuild.errors import UsageError
+    from aotbuild.layout import parse_size
+    from tests.conftest import invoke_cli
+
+    with pytest.raises(UsageError, match=r"is not a size of 0 to 2\^62 bytes"):
+        parse_size(value)
+    proc = invoke_cli("gc", "--cache", str(tmp_path / "c"), env={"AOTBUILD_MAX_SIZE": value})
+    assert proc.returncode == 2 and "Traceback" not in proc.stdout + proc.stderr, proc.stderr[-2000:]
+    assert proc.stderr.count("\n") == 1 and "is not a size of 0 to 2^62 bytes" in proc.stderr, proc.stderr
+    assert parse_size("20GB") == 20 * 10 ** 9 and parse_size(2 ** 62) == 2 ** 62
