@@ -365,7 +365,7 @@ def _announce(report: LoadReport, recipe: Recipe, on_miss: str, blocker: str, pa
     if not report.misses:
         return
     then = "compiles on first call" if on_miss == "compile" else "runs eagerly"
-    misses = "; ".join(f"{e.component} {e.shape} ({e.key[:12]}): {e.reason}" for e in report.misses[:3])
+    misses = "; ".join(f"{e.component} {e.shape} ({e.key[:12]}): {printable(e.reason)}" for e in report.misses[:3])
     more = f"; and {len(report.misses) - 3} more" if len(report.misses) > 3 else ""
     build = "" if blocker else "; `aotbuild.build(recipe, pipe=pipe)` builds them" if passed \
         else f"; {build_hint(recipe)} builds them"

@@ -160,3 +160,21 @@ def test_bench_names_a_local_model_folder_holding_a_newline_on_one_escaped_line(
     out = capsys.readouterr().out
     assert_escaped(out)
     assert out.startswith(f"r (./m{SHOWN}): unet at 64x64; inductor on cpu, jit-cache\n"), out
+
+
+def test_load_compileds_miss_warning_names_a_reason_holding_a_newline_on_one_line():
+    """Found in review: the report's text escapes each miss's reason, the warning naming the same
+    misses did not (a reason quotes a store's or a remote's word: a manifest's value, a path)."""
+    import warnings
+
+    from aotbuild.recipe import Shape
+    from aotbuild.recipes import parse_recipe
+    from aotbuild.runtime import LoadReport, ReportEntry, _announce
+
+    recipe = parse_recipe({"model": "builtin:tiny-sd", "shapes": [{"height": 64, "width": 64}]})
+    report = LoadReport("r", "/c", [ReportEntry("unet", Shape(64, 64), "a" * 64, False, f"no entry{HOSTILE}")])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _announce(report, recipe, "compile", "")
+    text = str(caught[0].message)
+    assert f"no entry{SHOWN}" in text and "\n" not in text and "\x1b" not in text, text
