@@ -144,6 +144,20 @@ def check_recipe(recipe: Recipe, call: CallSignature) -> None:
     if framed and "num_frames" in recipe.warmup:
         raise recipe.error("warmup.num_frames", f"shapes[{framed[0]}] sets num_frames: the shapes own it, so set it "
                                                 f"in each shape, not in the warmup")
+    if call.is_video and not framed and "num_frames" not in recipe.warmup:  # the pipeline's default frames
+        from aotbuild.recipes import check_pixels
+
+        check_pixels(recipe, _default_frames(call.pipeline))
+
+
+def _default_frames(name: str) -> int:
+    """The ``num_frames`` diffusers' pipeline ``name`` makes when the call sets none (Wan: 81), else 1."""
+    cls = pipeline_class(name)
+    try:
+        default = inspect.signature(cls.__call__).parameters["num_frames"].default if cls is not None else None
+    except (KeyError, TypeError, ValueError):
+        return 1
+    return default if isinstance(default, int) and not isinstance(default, bool) and default > 1 else 1
 
 
 def warmup_kwargs(recipe: Recipe, shape: Shape, pipeline: Any, seed: int = 0,

@@ -68,12 +68,11 @@ def _check_bounds(recipe: Recipe) -> None:
     with its environment variable, a pull request cannot. Every list and size that multiplies the work
     is measured: steps (a count or a custom schedule), prompts, the batch and pixels of each warmup
     call, shapes, and the jobs (processes) of the whole recipe (issue 32)."""
-    from aotbuild.constants import LIMITS, PROMPT_ARGUMENTS, limit
+    from aotbuild.constants import PROMPT_ARGUMENTS
     from aotbuild.recipe import MAX_FRAMES, prompt_count
 
     def over(name: str, key: str, value: int, what: str) -> None:
-        if value > limit(name):
-            raise recipe.error(key, f"{value} {what}: at most {limit(name)} (raise it with {LIMITS[name][0]})")
+        _over(recipe, name, key, value, what)
 
     warmup = recipe.warmup
     for name in ("num_inference_steps", "max_sequence_length", "num_frames"):  # counts: whole numbers
@@ -86,9 +85,7 @@ def _check_bounds(recipe: Recipe) -> None:
     for name in ("timesteps", "sigmas"):  # a custom schedule: one step per item
         if isinstance(warmup.get(name), (list, tuple)):
             over("steps", f"warmup.{name}", len(warmup[name]), f"warmup steps (items of {name})")
-    texts = 1
     for name in sorted(PROMPT_ARGUMENTS & set(warmup)):
-        texts = max(texts, prompt_count(warmup[name]))
         over("prompts", f"warmup.{name}", prompt_count(warmup[name]), "prompts")
     sequence = warmup.get("max_sequence_length")
     if isinstance(sequence, int) and not isinstance(sequence, bool):
@@ -103,15 +100,37 @@ def _check_bounds(recipe: Recipe) -> None:
         if isinstance(threads, int) and not isinstance(threads, bool):
             over("compile_threads", f"compile.options.{key}", threads, what)
     over("shapes", "shapes", len(recipe.shapes), "shapes")
-    for i, shape in enumerate(recipe.shapes):  # what one warmup call makes: images of all its prompts
-        batch = shape.batch_size * texts
-        over("batch", f"shapes[{i}].batch_size", batch, f"images per warmup call (batch_size {shape.batch_size} x "
-                                                        f"{texts} prompts)")
-        count = shape.num_frames or (frames if isinstance(frames, int) and not isinstance(frames, bool) else 1)
-        over("pixels", f"shapes[{i}]", shape.height * shape.width * count * batch,
-             f"pixels per warmup call ({shape.height}x{shape.width}, {count} frames, {batch} images)")
+    check_pixels(recipe)
     over("jobs", "compile.components", len(recipe.compile.components) * len(recipe.shapes) * recipe.tensor_parallel,
          "jobs (components x shapes x tensor-parallel ranks)")
+
+
+def _over(recipe: Recipe, name: str, key: str, value: int, what: str) -> None:
+    from aotbuild.constants import LIMITS, limit
+
+    if value > limit(name):
+        raise recipe.error(key, f"{value} {what}: at most {limit(name)} (raise it with {LIMITS[name][0]})")
+
+
+def check_pixels(recipe: Recipe, default_frames: int = 1) -> None:
+    """The images and pixels of each shape's warmup call (docs/recipes.md, "Limits"): images of all its
+    prompts. ``default_frames``: what a video pipeline makes where neither the shape nor the warmup
+    sets ``num_frames`` (its ``__call__``'s default, 81 for Wan), known once the pipeline is
+    (aotbuild/pipecall.py); counting 1 there let a 16384x8192 shape make 81 times the bound."""
+    from aotbuild.constants import PROMPT_ARGUMENTS
+    from aotbuild.recipe import prompt_count
+
+    warmup = recipe.warmup
+    texts = max([1, *(prompt_count(warmup[name]) for name in PROMPT_ARGUMENTS & set(warmup))])
+    frames = warmup.get("num_frames")  # a whole number or absent (_check_bounds)
+    for i, shape in enumerate(recipe.shapes):
+        batch = shape.batch_size * texts
+        _over(recipe, "batch", f"shapes[{i}].batch_size", batch, f"images per warmup call (batch_size "
+                                                                 f"{shape.batch_size} x {texts} prompts)")
+        count = shape.num_frames or frames or default_frames
+        unset = " (num_frames unset: the pipeline's default)" if not (shape.num_frames or frames) and count > 1 else ""
+        _over(recipe, "pixels", f"shapes[{i}]", shape.height * shape.width * count * batch,
+              f"pixels per warmup call ({shape.height}x{shape.width}, {count} frames{unset}, {batch} images)")
 
 
 def load_recipe(path: str | Path) -> Recipe:

@@ -206,3 +206,23 @@ def test_a_size_setting_past_2_62_bytes_is_one_line_not_a_traceback(tmp_path, va
     assert proc.returncode == 2 and "Traceback" not in proc.stdout + proc.stderr, proc.stderr[-2000:]
     assert proc.stderr.count("\n") == 1 and "is not a size of 0 to 2^62 bytes" in proc.stderr, proc.stderr
     assert parse_size("20GB") == 20 * 10 ** 9 and parse_size(2 ** 62) == 2 ** 62
+
+
+def test_a_video_shape_without_num_frames_counts_the_pipelines_default_frames(tmp_path):
+    """Found in review: where neither the shape nor the warmup sets num_frames, a video pipeline makes
+    its own default (Wan: 81 frames), but the pixel bound counted 1, so a 16384x8192 shape on a Wan
+    model (2^27 pixels, at the bound) asked for 81 times the bound. plan knows the pipeline and
+    counts its default; the same shape with num_frames: 1 stays allowed."""
+    from aotbuild.planner import plan
+
+    recipe = tmp_path / "r.yaml"
+    text = "model: {id: builtin:tiny-wan, dtype: float32}\ncompile: {components: [transformer]}\nshapes: [%s]\n"
+    recipe.write_text(text % "{height: 16384, width: 8192}")
+    with pytest.raises(RecipeError) as info:
+        plan([str(recipe)], tmp_path / "cache")
+    assert info.value.key == "shapes[0]", str(info.value)
+    assert ("10871635968 pixels per warmup call (16384x8192, 81 frames (num_frames unset: the pipeline's default), "
+            "1 images): at most 134217728 (raise it with AOTBUILD_MAX_PIXELS)") in info.value.message, info.value
+    recipe.write_text(text % "{height: 16384, width: 8192, num_frames: 1}")
+    job, = plan([str(recipe)], tmp_path / "cache")
+    assert job.status == "miss", job.reason
