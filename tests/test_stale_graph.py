@@ -389,6 +389,24 @@ def _dtype(pipe):
     pipe.to(torch.bfloat16)
 
 
+def _train(pipe):
+    pipe.unet.train()  # the UNet has no dropout with p > 0 and no batch norm: the graph does not read it
+
+
+def _scheduler(pipe):
+    from diffusers import EulerAncestralDiscreteScheduler
+
+    pipe.scheduler = EulerAncestralDiscreteScheduler.from_config(pipe.scheduler.config)
+
+
+def _steps(pipe):
+    pipe.matrix_call = {"num_inference_steps": 3}  # read by _image: the pipeline's call, not the module
+
+
+def _fused(pipe):
+    pipe.fuse_qkv_projections(unet=True, vae=False)
+
+
 #: change -> (what it does, its effect on eager's image is measurable, benign: served compiled)
 CHANGES = {
     "freeu": (_freeu, True, False),
@@ -398,6 +416,10 @@ CHANGES = {
     "attribute": (_attribute, True, False),
     "new-weights": (_new_weights, True, True),
     "dtype": (_dtype, True, False),
+    "train": (_train, False, True),
+    "scheduler-swap": (_scheduler, True, True),
+    "step-count": (_steps, True, True),
+    "fused-projections": (_fused, False, False),  # eager: the same numbers; the module's structure changed
 }
 _EAGER: dict[str, torch.Tensor] = {}
 
@@ -411,7 +433,8 @@ def _pipe(recipe, models_dir):
 def _image(pipe, recipe):
     from aotbuild.pipecall import warmup_kwargs
 
-    return pipe(**warmup_kwargs(recipe, recipe.shapes[0], pipe), output_type="pt").images.float()
+    call = {**warmup_kwargs(recipe, recipe.shapes[0], pipe), **getattr(pipe, "matrix_call", {})}
+    return pipe(**call, output_type="pt").images.float()
 
 
 def _eager(name, recipe, models_dir):
