@@ -14,7 +14,8 @@ under the prefix. The same rules hold:
   fsspec's ``mode="create"``); where it does not, the protocol is still safe by ordering and content
   addressing (two pushers of one key write the same blob bytes). No remote locks.
 - A manifest a trusted key signed is never overwritten; one no trusted key signed may be replaced by
-  one a trusted key did, on S3 conditional on the version that was read (``If-Match``).
+  one a trusted key did, conditional on the version that was read: S3 ``If-Match`` on its ETag, Azure
+  ``If-Match`` on its etag. gcsfs passes no precondition on a replace: on GCS it is unconditional.
 - Pulls read the manifest (at most manifest.MAX_BYTES), then only the blobs the local cache lacks, in
   bounded ranges, each hashed as it is written and refused unless it matches its name and size
   (remote_base.ingest). Nothing is deserialised but the JSON manifest.
@@ -24,8 +25,13 @@ under the prefix. The same rules hold:
   (``AWS_ENDPOINT_URL``, ``AOTBUILD_REMOTE_OPTIONS``), never from a repository's pyproject.toml.
 - A store's failures (unreachable, throttled, a cut connection) are retried
   ``AOTBUILD_REMOTE_RETRIES`` times with doubling backoff, then raise one RemoteError naming the
-  remote and why: a pull makes it a miss that says so, a push fails the build. Denied access and
-  missing objects are not retried.
+  remote and why: a pull makes it a miss that says so, a push fails the build. Denied access (a 401
+  or 403 from any store) and missing objects are not retried. The stores' own retry loops are
+  turned off, so that ours is the only one (gcsfs: 6 tries and 31 s of sleeps per request; the Azure
+  SDK: 4 tries and about a minute): nested, a dead endpoint took minutes to become a miss.
+- A GCS endpoint (``STORAGE_EMULATOR_HOST``, or ``endpoint_url`` in the options) is spoken to over
+  HTTP only: gcsfs's default class first asks the endpoint over gRPC what kind of bucket it is, which
+  an HTTP-only endpoint never answers (60 s per bucket, then each request again).
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ import errno
 import importlib.util
 import re
 import time
+import types
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -103,6 +110,45 @@ def storage_options(protocol: str) -> dict[str, Any]:
     return options
 
 
+def _filesystem(protocol: str) -> Any:
+    """The fsspec filesystem for ``protocol``, with the store's own retries off (see the module docstring)."""
+    import fsspec
+
+    options = storage_options(protocol)
+    if protocol == "gcs" and (constants.env_gcs_emulator() or options.get("endpoint_url")):
+        from gcsfs.core import GCSFileSystem  # HTTP only: no gRPC probe of the bucket's type
+
+        fs = GCSFileSystem(**options)
+    else:
+        fs = fsspec.filesystem(protocol, **options)
+    if protocol == "gcs":
+        # gcsfs wraps each request in a fixed 6-try loop (retry.retry_request) with no setting to
+        # change it: the request itself, unwrapped, is called once per try of ours.
+        inner = getattr(type(fs)._request, "__wrapped__", None)
+        if inner is not None:
+            fs._request = types.MethodType(inner, fs)
+    elif protocol in ("az", "abfs"):
+        # adlfs takes no retry settings: the Azure SDK's retry policy on the client's pipeline.
+        policy = getattr(getattr(getattr(fs, "service_client", None), "_config", None), "retry_policy", None)
+        if policy is not None and hasattr(policy, "total_retries"):
+            policy.total_retries = 0
+    return fs
+
+
+def _status(exc: BaseException) -> int | None:
+    """The HTTP status a store's exception carries (azure-core: status_code; gcsfs: code), if any."""
+    for name in ("status_code", "code", "status"):
+        value = getattr(exc, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and 100 <= value < 600:
+            return value
+    return None
+
+
+def _denied(exc: BaseException) -> bool:
+    # gcsfs raises a bare OSError("Forbidden: <path>...") for a 403.
+    return isinstance(exc, PermissionError) or _status(exc) in (401, 403) or str(exc).startswith("Forbidden")
+
+
 def _secrets() -> list[str]:
     out = constants.env_secrets()
 
@@ -127,6 +173,7 @@ def _scrub(text: str) -> str:
     for secret in _secrets():
         text = text.replace(secret, "***")
     text = re.sub(r"(://)[^/@\s]+@", r"\1***@", text)
+    text = re.sub(r"((?:AccountKey|SharedAccessSignature|SharedAccessKey)=)[^;\s]+", r"\1***", text, flags=re.I)
     text = re.sub(r"([?&][\w-]*(?:sig|signature|credential|token|key|security)[\w-]*=)[^&\s]+", r"\1***", text,
                   flags=re.I)
     return text
@@ -166,14 +213,12 @@ class FsspecRemote(Remote):
         self.protocol = protocol
         self.root = root
         self._fs: Any = None
+        self._bucket_seen = False
 
     @property
     def fs(self) -> Any:
         if self._fs is None:
-            import fsspec
-
-            self._fs = self._call("connecting", lambda: fsspec.filesystem(self.protocol,
-                                                                          **storage_options(self.protocol)))
+            self._fs = self._call("connecting", lambda: _filesystem(self.protocol))
         return self._fs
 
     def manifest_path(self, key: str) -> str:
@@ -193,21 +238,29 @@ class FsspecRemote(Remote):
                 return fn()
             except (FileNotFoundError, FileExistsError, UsageError, NotImplementedError):
                 raise  # NotImplementedError: the store lacks a feature (_put_new falls back), not transient
-            except PermissionError as exc:
-                raise RemoteError(f"{self.url}: {what} was denied ({_why(exc)}): check the credentials the "
-                                  "store's own chain provides (environment, profile, instance role)") from None
             except ImportError as exc:
                 raise UsageError(f"{self.url}: {_why(exc)}") from None
             except Exception as exc:  # the network, the store's throttling, a cut connection
+                if _denied(exc):
+                    raise RemoteError(f"{self.url}: {what} was denied ({_why(exc)}): check the credentials the "
+                                      "store's own chain provides (environment, profile, instance role)") from None
+                if _status(exc) == 404:  # azure-core's ResourceNotFoundError where adlfs does not translate it
+                    raise FileNotFoundError(what) from None
+                if _status(exc) == 412:  # a precondition (If-Match) failed: someone else wrote it since
+                    raise FileExistsError(what) from None
                 if attempt == tries:
                     raise RemoteError(f"{self.url}: {what} failed after {tries} tries: {_why(exc)}") from None
                 time.sleep(delay * 2 ** (attempt - 1))
         raise AssertionError("unreachable")
 
     def _check_bucket(self) -> None:
+        """RemoteError unless the bucket (container) is there; once per remote once it is."""
         bucket = self.root.split("/", 1)[0]
-        if self.protocol != "memory" and not self._call("checking the bucket", lambda: self.fs.exists(bucket)):
+        if self._bucket_seen or self.protocol == "memory":
+            return
+        if not self._call("checking the bucket", lambda: self.fs.exists(bucket)):
             raise RemoteError(f"{self.url}: no bucket {bucket!r} there (or these credentials cannot see it)")
+        self._bucket_seen = True
 
     def keys(self) -> set[str]:
         folder = f"{self.root}/manifests"
@@ -226,8 +279,9 @@ class FsspecRemote(Remote):
         path = self.manifest_path(key)
         try:
             version = None
-            if self.protocol == "s3":  # read before the content: a replace conditional on it is conservative
-                version = self._call(f"reading {path}", lambda: self.fs.info(path)).get("ETag")
+            if self.protocol in ("s3", "az", "abfs"):  # read before the content: a replace conditional on it
+                info = self._call(f"reading {path}", lambda: self.fs.info(path))  # is conservative
+                version = info.get("ETag") or info.get("etag")
             raw = self._call(f"reading {path}", lambda: self.fs.cat_file(path, start=0, end=codec.MAX_BYTES + 1))
         except FileNotFoundError:
             return None, None
@@ -247,6 +301,9 @@ class FsspecRemote(Remote):
         except ValueError as exc:
             return f"refused: the remote's manifest is malformed ({exc})"
         if manifest is None:
+            # As the folder remote's missing root: a bucket that is not there is a typo or a missing
+            # grant, never a silent miss (every cold start would compile and nothing would say why).
+            self._check_bucket()
             return "not on the remote"
 
         def blobs(wanted: list[tuple[str, int]]) -> Iterator[tuple[str, BinaryIO]]:
@@ -289,9 +346,16 @@ class FsspecRemote(Remote):
         return True
 
     def _replace(self, key: str, data: bytes, version: str | None) -> bool:
-        """Replace the manifest of ``key``, on S3 only if it is still ``version``; False when it changed."""
+        """Replace the manifest of ``key``, on S3 and Azure only if it is still ``version``; False when it
+        changed."""
         path = self.manifest_path(key)
-        extra = {"IfMatch": version} if self.protocol == "s3" and version else {}
+        extra: dict[str, Any] = {}
+        if self.protocol == "s3" and version:
+            extra = {"IfMatch": version}
+        elif self.protocol in ("az", "abfs") and version:
+            from azure.core import MatchConditions
+
+            extra = {"etag": version, "match_condition": MatchConditions.IfNotModified}
 
         def put() -> None:
             try:
