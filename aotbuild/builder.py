@@ -90,14 +90,14 @@ class BuildReport:
 
     def text(self, pushed: str = "") -> str:
         """The job table, the cache, then what was pushed (``pushed``: a PushReport's text), a note and gc."""
-        from aotbuild.text import table
+        from aotbuild.text import printable, table
 
         rows = [[r.job.label, r.job.key[:12] if r.job.key else "-", r.status, f"{r.seconds:.1f}",
                  format_size(r.size) if r.size else "-", r.reason] for r in self.results]
         lines = [table(rows, ["job", "key", "status", "seconds", "size", "note"]), f"cache: {self.cache}"]
         lines += [pushed] if pushed else []
         if self.skipped:
-            why = "; ".join(sorted({r.reason for r in self.skipped}))
+            why = "; ".join(sorted({printable(r.reason) for r in self.skipped}))  # a target's or device's word
             lines.append(f"skipped: {len(self.skipped)} job(s) this host cannot build (another host builds them): "
                          f"{why}")
         jobs = self.loads["jobs"]
@@ -105,7 +105,7 @@ class BuildReport:
             lines.append(f"loads: the pipeline was loaded {_times(self.loads['build'])} to compile {jobs} job"
                          f"{'s' if jobs != 1 else ''}, and {_times(self.loads['proof'])} by the proofs "
                          f"(a fresh process per entry)")
-        lines += [f"note: {self.note}"] if self.note else []
+        lines += [f"note: {printable(self.note)}"] if self.note else []  # quotes an exception's text
         if self.gc is not None:
             lines.append(f"gc: removed {len(self.gc.removed)} least recently used entries to keep the cache under its "
                          f"size limit ({format_size(self.gc.size_after)} now)")

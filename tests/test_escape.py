@@ -178,3 +178,17 @@ def test_load_compileds_miss_warning_names_a_reason_holding_a_newline_on_one_lin
         _announce(report, recipe, "compile", "")
     text = str(caught[0].message)
     assert f"no entry{SHOWN}" in text and "\n" not in text and "\x1b" not in text, text
+
+
+def test_builds_skipped_reasons_and_note_are_printed_escaped():
+    """Found in review: a skipped job's reason (a target's or a device's word) and the report's note (an
+    exception's text from gc) reached the multi-line printer raw, so a newline in either put ``::error::``
+    on a line of its own in CI's log."""
+    from aotbuild.builder import SKIPPED, BuildReport, JobResult
+    from aotbuild.planner import plan
+
+    job = plan({"model": "builtin:tiny-sd", "shapes": [{"height": 64, "width": 64}]})[0]
+    report = BuildReport("/c", [JobResult(job, SKIPPED, 0.0, reason=f"no device{HOSTILE}")], note=f"gc: {HOSTILE}")
+    text = report.text()
+    assert_escaped(text)
+    assert f"no device{SHOWN}" in text and f"note: gc: {SHOWN}" in text, text
