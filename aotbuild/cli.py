@@ -205,7 +205,39 @@ def _remote(url: str | None, required: bool = False) -> Any:
     return parse_remote(url)
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class _OneLineUsageError(click.ClickException):
+    """Click's own error (an unknown option, a missing argument, a bad value) printed like every other:
+    one line through :func:`_error`, exit 2, instead of click's three lines (Usage / Try / Error) that
+    echo the offending value raw (an option or a path holding ``\\n::error::``)."""
+
+    def __init__(self, exc: click.ClickException):
+        super().__init__(exc.format_message())
+        self.exit_code = exc.exit_code
+        ctx = getattr(exc, "ctx", None)
+        self.hint = f" (see `{ctx.command_path} --help`)" if isinstance(exc, click.UsageError) and ctx else ""
+
+    def show(self, file: Any = None) -> None:
+        _error(f"{self.message}{self.hint}")
+
+
+class _Group(click.Group):
+    """The CLI's group: click's errors, raised while parsing the group's or a command's arguments, are
+    one escaped line (:class:`_OneLineUsageError`)."""
+
+    def make_context(self, *args: Any, **kwargs: Any) -> click.Context:
+        try:
+            return super().make_context(*args, **kwargs)
+        except click.ClickException as exc:
+            raise exc if isinstance(exc, _OneLineUsageError) else _OneLineUsageError(exc) from None
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except click.ClickException as exc:
+            raise exc if isinstance(exc, _OneLineUsageError) else _OneLineUsageError(exc) from None
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="aotbuild")
 def main() -> None:
     """Ahead-of-time compile-and-cache for PyTorch and diffusers pipelines.

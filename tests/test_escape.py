@@ -192,3 +192,19 @@ def test_builds_skipped_reasons_and_note_are_printed_escaped():
     text = report.text()
     assert_escaped(text)
     assert f"no device{SHOWN}" in text and f"note: gc: {SHOWN}" in text, text
+
+
+@pytest.mark.parametrize(("args", "shown"), [
+    (["plan", f"--x{HOSTILE}"], f"error: No such option '--x{SHOWN}'. (see `aotbuild plan --help`)"),
+    (["plan"], "error: Missing argument 'RECIPES...'. (see `aotbuild plan --help`)"),
+    ([f"pla{HOSTILE}"], f"error: No such command 'pla{SHOWN}'. (see `aotbuild --help`)"),
+])
+def test_clicks_own_usage_errors_are_one_escaped_line(args, shown):
+    """Found in review: docs/cli.md says every error is one line, but click printed its own (an unknown
+    option, a missing argument, an unknown command) in three (Usage / Try / Error), the offending value
+    raw: an option holding ``\\n::error::`` became a workflow command in CI's log."""
+    proc = invoke_cli(*args, env=ENV)
+    assert proc.returncode == 2
+    assert_escaped(proc.stdout + proc.stderr)
+    lines = [line.replace("`main", "`aotbuild") for line in proc.stderr.splitlines()]  # CliRunner's prog name
+    assert lines == [shown], proc.stderr
