@@ -61,6 +61,9 @@ _URL = re.compile(r"^(?P<scheme>[a-z0-9]+)://(?P<bucket>[\w.-]+)(?P<prefix>(?:/[
 RANGE = 8 << 20
 #: Option names whose values are secrets: scrubbed from every message.
 _SECRET_NAME = re.compile(r"secret|token|password|key|credential|sas|connection|sig", re.I)
+#: gcsfs's ``token`` modes: names of a credential chain, not secrets (scrubbed, "anon" garbled every
+#: "anonymous" in a store's message to "***ymous").
+_NOT_SECRETS = frozenset({"anon", "google_default", "cloud", "cache", "browser"})
 
 
 def parse(url: str) -> FsspecRemote | None:
@@ -156,7 +159,7 @@ def _secrets() -> list[str]:
         if isinstance(value, dict):
             for k, v in value.items():
                 walk(v, str(k))
-        elif isinstance(value, str) and _SECRET_NAME.search(name):
+        elif isinstance(value, str) and _SECRET_NAME.search(name) and value not in _NOT_SECRETS:
             out.append(value)
 
     try:

@@ -273,6 +273,7 @@ def test_a_failing_endpoint_is_tried_as_often_as_we_say_and_no_more(refusing_ser
     with pytest.raises(RemoteError) as info:
         pull_entry(parse_remote("gs://bkt/ci"), key_of("a"), Store(tmp_path / "other"))
     assert "failed after 2 tries" in str(info.value) and len(seen) == 2, (str(info.value), seen)
+    assert "anonymous caller" in str(info.value)  # the token mode "anon" is no secret: words keep it
 
 
 def test_a_pusher_in_a_fresh_process_through_the_cli(gcs, tmp_path):
