@@ -228,3 +228,16 @@ def test_a_pusher_in_a_fresh_process_through_the_cli(az, tmp_path):
     pushed = run_cli("push", "--json", "--cache", str(local.root), "--remote", f"az://{az}/ci", env=dict(os.environ))
     assert pushed.returncode == 0, pushed.stderr[-2000:]
     assert json.loads(pushed.stdout)["sent"] == [a] and parse_remote(f"az://{az}/ci").keys() == {a}
+
+
+def test_azure_secrets_never_reach_a_message(monkeypatch):
+    """adlfs's own variables (AZURE_STORAGE_ACCOUNT_KEY, AZURE_STORAGE_CLIENT_SECRET) and the key or
+    signature inside any connection string a store echoes are scrubbed."""
+    from aotbuild.remote_fsspec import _scrub
+
+    monkeypatch.setenv("AZURE_STORAGE_ACCOUNT_KEY", "acct-key-7890")
+    monkeypatch.setenv("AZURE_STORAGE_CLIENT_SECRET", "client-secret-4567")
+    text = _scrub(f"boom acct-key-7890 client-secret-4567 {_connection('http://h:1', 'echoed-key-1234')} "
+                  "SharedAccessSignature=sv=2020&sig=abc;")
+    assert not any(s in text for s in ("acct-key-7890", "client-secret-4567", "echoed-key-1234", "sig=abc")), text
+    assert f"AccountName={ACCOUNT}" in text  # the account's name is no secret
