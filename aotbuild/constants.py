@@ -60,6 +60,8 @@ DEFAULT_WARMUP_PROMPT = "a photo of a cat"
 #: ranks) per recipe, and seconds per build job and per proof.
 LIMITS = {"steps": ("AOTBUILD_MAX_STEPS", 200), "prompts": ("AOTBUILD_MAX_PROMPTS", 64),
           "shapes": ("AOTBUILD_MAX_SHAPES", 64), "jobs": ("AOTBUILD_MAX_JOBS", 256),
+          # jobs of one command (plan or build of many recipe files, each within "jobs")
+          "total_jobs": ("AOTBUILD_MAX_TOTAL_JOBS", 1024),
           # One warmup call's images (batch_size x prompts) and pixels (height x width x frames x images),
           # and its text encoders' max_sequence_length.
           "batch": ("AOTBUILD_MAX_BATCH", 1024), "pixels": ("AOTBUILD_MAX_PIXELS", 2 ** 27),

@@ -101,8 +101,28 @@ def _check_bounds(recipe: Recipe) -> None:
             over("compile_threads", f"compile.options.{key}", threads, what)
     over("shapes", "shapes", len(recipe.shapes), "shapes")
     check_pixels(recipe)
-    over("jobs", "compile.components", len(recipe.compile.components) * len(recipe.shapes) * recipe.tensor_parallel,
-         "jobs (components x shapes x tensor-parallel ranks)")
+    over("jobs", "compile.components", job_count(recipe), "jobs (components x shapes x tensor-parallel ranks)")
+
+
+def job_count(recipe: Recipe) -> int:
+    """The jobs (processes) a recipe makes: components x shapes x tensor-parallel ranks."""
+    return len(recipe.compile.components) * len(recipe.shapes) * recipe.tensor_parallel
+
+
+def check_total_jobs(recipes: Sequence[Recipe], files: int = 0) -> None:
+    """The jobs of one command (``plan``/``build`` of many files, each within its own bound) are bounded
+    too (AOTBUILD_MAX_TOTAL_JOBS). ``files``: recipe files about to be read, refused before any is read
+    when there are more than the bound (each makes at least one job)."""
+    from aotbuild.constants import LIMITS, limit
+
+    bound, variable = limit("total_jobs"), LIMITS["total_jobs"][0]
+    if files > bound:
+        raise UsageError(f"{files} recipe files in one command: at most {bound} jobs per command, so at most "
+                         f"{bound} files (raise it with {variable}, or name fewer recipes)")
+    total = sum(job_count(r) for r in recipes)
+    if total > bound:
+        raise UsageError(f"{total} jobs across {len(recipes)} recipes in one command: at most {bound} (raise it "
+                         f"with {variable}, or name fewer recipes)")
 
 
 def _over(recipe: Recipe, name: str, key: str, value: int, what: str) -> None:
@@ -167,6 +187,7 @@ def load_recipes(paths: list[str] | tuple[str, ...], errors: list[RecipeError] |
     files = find_recipes(paths)
     if not files:
         raise UsageError(f"no recipes (*.yaml) found in {', '.join(map(str, paths))}")
+    check_total_jobs([], len(files))
     loaded = []
     for path in files:
         try:
@@ -179,6 +200,8 @@ def load_recipes(paths: list[str] | tuple[str, ...], errors: list[RecipeError] |
 
 
 def _unique_names(recipes: list[Recipe]) -> list[Recipe]:
+    """``recipes`` (every recipe of one command): names differ, and their jobs are within the bound."""
+    check_total_jobs(recipes)
     names: dict[str, str] = {}
     for r in recipes:
         if r.name in names:

@@ -226,3 +226,25 @@ def test_a_video_shape_without_num_frames_counts_the_pipelines_default_frames(tm
     recipe.write_text(text % "{height: 16384, width: 8192, num_frames: 1}")
     job, = plan([str(recipe)], tmp_path / "cache")
     assert job.status == "miss", job.reason
+
+
+@pytest.mark.parametrize("command", ["plan", "build"])
+def test_the_jobs_of_one_command_across_recipe_files_are_bounded(tmp_path, command):
+    """Found in review: each recipe file was bounded on its own (AOTBUILD_MAX_JOBS), so ``plan DIR`` or
+    ``build DIR`` of many files, each within its bound, asked for any number of jobs."""
+    from tests.conftest import invoke_cli
+
+    folder = tmp_path / "recipes"
+    folder.mkdir()
+    for i in range(3):
+        shapes = ", ".join(f"{{height: {8 * (j + 1)}, width: 64}}" for j in range(2))
+        (folder / f"r{i}.yaml").write_text(f"model: builtin:tiny-sd\nshapes: [{shapes}]\n")
+    env = {"HF_HUB_OFFLINE": "1", "AOTBUILD_MAX_TOTAL_JOBS": "5"}
+    proc = invoke_cli(command, "--cache", str(tmp_path / "c"), str(folder), env=env)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.splitlines() == ["error: 6 jobs across 3 recipes in one command: at most 5 (raise it with "
+                                        "AOTBUILD_MAX_TOTAL_JOBS, or name fewer recipes)"], proc.stderr
+    env["AOTBUILD_MAX_TOTAL_JOBS"] = "2"  # more files than jobs allowed: refused before any file is read
+    proc = invoke_cli(command, "--cache", str(tmp_path / "c"), str(folder), env=env)
+    assert proc.returncode == 2 and "3 recipe files in one command: at most 2 jobs per command" in proc.stderr, \
+        proc.stderr
