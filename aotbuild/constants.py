@@ -66,6 +66,11 @@ LIMITS = {"steps": ("AOTBUILD_MAX_STEPS", 200), "prompts": ("AOTBUILD_MAX_PROMPT
           # and its text encoders' max_sequence_length.
           "batch": ("AOTBUILD_MAX_BATCH", 1024), "pixels": ("AOTBUILD_MAX_PIXELS", 2 ** 27),
           "sequence": ("AOTBUILD_MAX_SEQUENCE", 4096),
+          # Every other warmup value (aotbuild/recipes.py WARMUP_CLASSES): the values in all (list items and
+          # mapping values, nested or not), seconds of output (audio_length_in_s), and any count or number
+          # whose name says nothing else (it may be a size).
+          "warmup_items": ("AOTBUILD_MAX_WARMUP_ITEMS", 10_000), "warmup_seconds": ("AOTBUILD_MAX_WARMUP_SECONDS", 600),
+          "warmup_number": ("AOTBUILD_MAX_WARMUP_NUMBER", 65536),
           # compile.options.compile_threads: Inductor starts (and warms) that many compile processes at once.
           "compile_threads": ("AOTBUILD_MAX_COMPILE_THREADS", 64),
           # A component built on the meta device at plan time (aotbuild/models.py): its config's layer

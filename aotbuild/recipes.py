@@ -11,6 +11,8 @@ file and the key. :func:`load_recipe` reads a file (aotbuild/recipe_file.py, bou
 
 from __future__ import annotations
 
+import math
+import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -69,7 +71,7 @@ def _check_bounds(recipe: Recipe) -> None:
     is measured: steps (a count or a custom schedule), prompts, the batch and pixels of each warmup
     call, shapes, and the jobs (processes) of the whole recipe (issue 32)."""
     from aotbuild.constants import PROMPT_ARGUMENTS
-    from aotbuild.recipe import MAX_FRAMES, prompt_count
+    from aotbuild.recipe import prompt_count
 
     def over(name: str, key: str, value: int, what: str) -> None:
         _over(recipe, name, key, value, what)
@@ -79,20 +81,9 @@ def _check_bounds(recipe: Recipe) -> None:
         value = warmup.get(name)  # (a float slipped past the bounds: PNDM runs 100000.0 steps)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise recipe.error(f"warmup.{name}", f"expected a whole number from 1, got {describe_value(value)}")
-    steps = warmup.get("num_inference_steps")
-    if steps is not None:
-        over("steps", "warmup.num_inference_steps", steps, "warmup steps")
-    for name in ("timesteps", "sigmas"):  # a custom schedule: one step per item
-        if isinstance(warmup.get(name), (list, tuple)):
-            over("steps", f"warmup.{name}", len(warmup[name]), f"warmup steps (items of {name})")
     for name in sorted(PROMPT_ARGUMENTS & set(warmup)):
         over("prompts", f"warmup.{name}", prompt_count(warmup[name]), "prompts")
-    sequence = warmup.get("max_sequence_length")
-    if isinstance(sequence, int) and not isinstance(sequence, bool):
-        over("sequence", "warmup.max_sequence_length", sequence, "tokens per prompt")
-    frames = warmup.get("num_frames")  # where no shape sets them (aotbuild/pipecall.py refuses both)
-    if isinstance(frames, int) and not isinstance(frames, bool) and not 1 <= frames <= MAX_FRAMES:
-        raise recipe.error("warmup.num_frames", f"{frames} is not allowed: 1 to {MAX_FRAMES}")
+    _check_warmup_values(recipe)
     options = recipe.compile.options
     for key, what in (("compile_threads", "compile processes"), ("compile-threads", "compile processes"),
                       ("cpp.threads", "threads per CPU kernel")):  # a pool of processes; OpenMP's num_threads
@@ -102,6 +93,95 @@ def _check_bounds(recipe: Recipe) -> None:
     over("shapes", "shapes", len(recipe.shapes), "shapes")
     check_pixels(recipe)
     over("jobs", "compile.components", job_count(recipe), "jobs (components x shapes x tensor-parallel ranks)")
+
+
+#: What a warmup argument's numbers measure, by its name (the warmup key, or for a nested value the
+#: nearest mapping key), the first pattern that matches: ``pipeline-specific arguments`` are bounded by
+#: what they are, not by a list of names (docs/recipes.md, "Limits"). A list under a count's name holds
+#: counts run one after another (``pyramid_num_inference_steps_list``): their sum is the count.
+WARMUP_CLASSES = (
+    (re.compile(r"seed"), "seed"),  # picks noise, no work: any whole number a generator takes
+    (re.compile(r"(^|_)(timesteps|sigmas)$"), "schedule"),  # a custom schedule: one step per item
+    (re.compile(r"steps"), "steps"),  # prior_num_inference_steps, num_warmup_steps, ..._steps_list
+    (re.compile(r"frames$|video_length$"), "frames"),  # num_frames, video_length (Latte)
+    (re.compile(r"per_prompt$|batch"), "batch"),  # num_waveforms_per_prompt: images (outputs) per call
+    (re.compile(r"_in_s$|seconds|duration"), "seconds"),  # audio_length_in_s, audio_end_in_s
+    (re.compile(r"length|sequence|tokens"), "sequence"),  # max_sequence_length, ..._length
+    (re.compile(r"scale|strength|guidance|weight|eta$"), "weight"),  # a factor on a tensor
+    (re.compile(r"^num_|count|size|chunk|_len$|window|stride|overlap"), "count"),
+)
+#: The bound (a LIMITS name) and the words of each class whose numbers are counts of work.
+_COUNTS = {"steps": ("steps", "warmup steps"), "batch": ("batch", "outputs per prompt"),
+           "seconds": ("warmup_seconds", "seconds of output"), "sequence": ("sequence", "tokens per prompt"),
+           "count": ("warmup_number", "(a count)")}
+
+
+def warmup_class(name: str) -> str:
+    """What the numbers of warmup argument ``name`` measure (:data:`WARMUP_CLASSES`); ``number`` when
+    nothing matches: any other number is held to AOTBUILD_MAX_WARMUP_NUMBER, in case it is a size."""
+    return next((kind for pattern, kind in WARMUP_CLASSES if pattern.search(name.lower())), "number")
+
+
+def _check_warmup_values(recipe: Recipe) -> None:
+    """Every value of the warmup, nested or not, by its name's class: the values in all (list items
+    and mapping values, however nested, counted as the walk goes, so an alias is never expanded past
+    the bound), each list's length, and each number (int or float; bool is not a number here)."""
+    import math
+
+    from aotbuild.constants import LIMITS, limit
+
+    items, seen = limit("warmup_items"), 0
+    stack: list[tuple[str, str, Any]] = [(f"warmup.{k}", k, v) for k, v in recipe.warmup.items()]
+    while stack:
+        key, name, value = stack.pop()
+        seen += 1
+        if seen > items:
+            raise recipe.error(key, f"more than {items} values in the warmup, nested lists and mappings counted "
+                                    f"item by item: at most {items} (raise it with {LIMITS['warmup_items'][0]})")
+        kind = warmup_class(name)
+        if isinstance(value, Mapping):
+            stack += [(f"{key}.{k}", str(k), v) for k, v in value.items()]
+        elif isinstance(value, (list, tuple)):
+            if kind == "schedule":
+                _over(recipe, "steps", key, len(value), f"warmup steps (items of {name})")
+            elif kind in _COUNTS or kind == "frames":  # counts run one after another: their sum
+                numbers = [v for v in value if isinstance(v, (int, float)) and not isinstance(v, bool)]
+                total = sum(v for v in numbers if math.isfinite(v))
+                _check_number(recipe, key, name, kind, total if len(numbers) == len(value) else 0, what="sum of ")
+            stack += [(f"{key}[{i}]", name, v) for i, v in enumerate(value)]
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            _check_number(recipe, key, name, kind, value)
+
+
+def _check_number(recipe: Recipe, key: str, name: str, kind: str, value: float, what: str = "") -> None:
+    import math
+
+    from aotbuild.constants import LIMITS, limit
+    from aotbuild.recipe import MAX_FRAMES
+
+    if not math.isfinite(value):
+        raise recipe.error(key, f"expected a finite number, got {describe_value(value)}")
+    whole = isinstance(value, int) or bool(what)
+    if kind == "seed":
+        if not whole or not 0 <= value < 2 ** 64:
+            raise recipe.error(key, f"a seed is a whole number from 0 to 2^64-1, got {describe_value(value)}")
+    elif kind in ("weight", "schedule"):  # a factor on a tensor (guidance_scale: 1e6 costs nothing more), a
+        return  # noise level or timestep of a custom schedule (its length is the steps): finite is enough
+    elif kind == "frames":
+        if not whole or not 1 <= value <= MAX_FRAMES:
+            raise recipe.error(key, f"{what}{value} is not allowed: 1 to {MAX_FRAMES} (whole frames)")
+    elif kind in _COUNTS:
+        bound, words = _COUNTS[kind]
+        if kind != "seconds" and not whole:
+            raise recipe.error(key, f"expected a whole number ({name} is a count), got {describe_value(value)}")
+        if value < 0:
+            raise recipe.error(key, f"expected a number from 0, got {describe_value(value)}")
+        if value > limit(bound):
+            raise recipe.error(key, f"{what}{value} {words}: at most {limit(bound)} (raise it with "
+                                    f"{LIMITS[bound][0]})")
+    elif abs(value) > limit("warmup_number"):  # an argument no pattern knows: it may be a size
+        raise recipe.error(key, f"{value}: at most {limit('warmup_number')} in size for an argument aotbuild "
+                                f"cannot tell from a size (raise it with {LIMITS['warmup_number'][0]})")
 
 
 def job_count(recipe: Recipe) -> int:
@@ -142,11 +222,16 @@ def check_pixels(recipe: Recipe, default_frames: int = 1) -> None:
 
     warmup = recipe.warmup
     texts = max([1, *(prompt_count(warmup[name]) for name in PROMPT_ARGUMENTS & set(warmup))])
-    frames = warmup.get("num_frames")  # a whole number or absent (_check_bounds)
+    counts = {k: v for k, v in warmup.items() if isinstance(v, int) and not isinstance(v, bool) and v > 0}
+    # the warmup's frames: num_frames, or what a pipeline calls them (Latte's video_length); whole numbers
+    frames = max([0, *(v for k, v in counts.items() if warmup_class(k) == "frames")]) or None
+    per_prompt = sorted((k, v) for k, v in counts.items() if warmup_class(k) == "batch")  # num_waveforms_per_prompt
+    outputs = math.prod(v for _, v in per_prompt)
+    more = "".join(f" x {v} {k}" for k, v in per_prompt)
     for i, shape in enumerate(recipe.shapes):
-        batch = shape.batch_size * texts
+        batch = shape.batch_size * texts * outputs
         _over(recipe, "batch", f"shapes[{i}].batch_size", batch, f"images per warmup call (batch_size "
-                                                                 f"{shape.batch_size} x {texts} prompts)")
+                                                                 f"{shape.batch_size} x {texts} prompts{more})")
         count = shape.num_frames or frames or default_frames
         unset = " (num_frames unset: the pipeline's default)" if not (shape.num_frames or frames) and count > 1 else ""
         _over(recipe, "pixels", f"shapes[{i}]", shape.height * shape.width * count * batch,

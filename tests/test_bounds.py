@@ -248,3 +248,59 @@ def test_the_jobs_of_one_command_across_recipe_files_are_bounded(tmp_path, comma
     proc = invoke_cli(command, "--cache", str(tmp_path / "c"), str(folder), env=env)
     assert proc.returncode == 2 and "3 recipe files in one command: at most 2 jobs per command" in proc.stderr, \
         proc.stderr
+
+
+# -- every warmup value, by what its name says it measures (found in review) ----------------------
+
+@pytest.mark.parametrize("warmup,key,says,variable", [
+    ({"prior_num_inference_steps": 100_000}, "warmup.prior_num_inference_steps", "100000 warmup steps: at most 200",
+     "AOTBUILD_MAX_STEPS"),  # Kandinsky's prior
+    ({"pyramid_num_inference_steps_list": [150, 150]}, "warmup.pyramid_num_inference_steps_list",
+     "sum of 300 warmup steps: at most 200", "AOTBUILD_MAX_STEPS"),  # stages run one after another
+    ({"num_waveforms_per_prompt": 2000}, "warmup.num_waveforms_per_prompt", "2000 outputs per prompt: at most 1024",
+     "AOTBUILD_MAX_BATCH"),
+    ({"num_waveforms_per_prompt": 17, "prompt": ["a"] * 64}, "shapes[0].batch_size",
+     "1088 images per warmup call (batch_size 1 x 64 prompts x 17 num_waveforms_per_prompt): at most 1024",
+     "AOTBUILD_MAX_BATCH"),  # each within its bound, multiplied
+    ({"audio_length_in_s": 1e6}, "warmup.audio_length_in_s", "1000000.0 seconds of output: at most 600",
+     "AOTBUILD_MAX_WARMUP_SECONDS"),
+    ({"decode_chunk_size": 10 ** 9}, "warmup.decode_chunk_size", "1000000000 (a count): at most 65536",
+     "AOTBUILD_MAX_WARMUP_NUMBER"),
+    ({"max_area": 10 ** 12}, "warmup.max_area", "1000000000000: at most 65536 in size",
+     "AOTBUILD_MAX_WARMUP_NUMBER"),  # a name no pattern knows: it may be a size
+    ({"attention_kwargs": {"num_tokens": 10 ** 7}}, "warmup.attention_kwargs.num_tokens",
+     "10000000 tokens per prompt: at most 4096", "AOTBUILD_MAX_SEQUENCE"),  # nested
+    ({"original_size": [[1, 2]] * 6000}, "warmup.original_size",
+     "more than 10000 values in the warmup", "AOTBUILD_MAX_WARMUP_ITEMS"),  # nested lists counted item by item
+])
+def test_every_warmup_number_and_list_is_bounded_by_what_its_name_measures(monkeypatch, warmup, key, says, variable):
+    error = refused({**BASE, "warmup": warmup})
+    assert error.key.startswith(key), str(error)
+    assert says in error.message and f"(raise it with {variable})" in error.message, error.message
+    monkeypatch.setenv(variable, str(10 ** 12))
+    parse_recipe({**BASE, "warmup": warmup})  # the operator's choice: nothing else refuses it
+
+
+@pytest.mark.parametrize("warmup,key,says", [
+    ({"video_length": 10 ** 6}, "warmup.video_length", "1000000 is not allowed: 1 to 4096"),  # Latte's frames
+    ({"frames": 0}, "warmup.frames", "0 is not allowed: 1 to 4096"),
+    ({"prior_num_inference_steps": 25.5}, "warmup.prior_num_inference_steps", "expected a whole number"),
+    ({"guidance_scale": float("inf")}, "warmup.guidance_scale", "finite number"),
+    ({"eta": float("nan")}, "warmup.eta", "finite number"),
+    ({"seed": -1}, "warmup.seed", "a seed is a whole number from 0 to 2^64-1"),
+    ({"num_images": -3}, "warmup.num_images", "expected a number from 0"),
+])
+def test_a_warmup_value_of_the_wrong_kind_is_refused(warmup, key, says):
+    error = refused({**BASE, "warmup": warmup})
+    assert error.key == key and says in error.message, error
+
+
+def test_factors_and_seeds_are_not_sizes():
+    """A huge guidance_scale multiplies a tensor and costs nothing more; a seed picks noise."""
+    parse_recipe({**BASE, "warmup": {"guidance_scale": 1e9, "strength": 0.5, "seed": 2 ** 63,
+                                     "sigmas": [1e308, 1e308], "cross_attention_kwargs": {"scale": 1e7}}})
+
+
+def test_a_latte_video_length_counts_as_frames_in_the_pixel_bound():
+    error = refused({**BASE, "warmup": {"video_length": 4096}, "shapes": [{"height": 2048, "width": 2048}]})
+    assert error.key == "shapes[0]" and "(2048x2048, 4096 frames, 1 images)" in error.message, error
