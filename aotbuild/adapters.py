@@ -114,7 +114,22 @@ def read(path: Path) -> AdapterFile:
             rank = max(rank, int(shape[0]))
     if not modules:
         raise UsageError(f"{path}: holds no LoRA weights (no '<component>.<module>.lora_A.weight' tensors)")
-    return AdapterFile(Path(path), modules, rank)
+    found = AdapterFile(Path(path), modules, rank)
+    for component in sorted(modules):
+        check_targets(f"{printable(path)}: component {describe(component)}'s module paths", found.targets(component))
+    return found
+
+
+def check_targets(where: str, targets: set[str] | tuple[str, ...]) -> None:
+    """A LoRA's target modules (peft's names: a key factor) are bounded in count (AOTBUILD_MAX_LORA_TARGETS),
+    whether a pull request's recipe lists them or its adapter file's header names them (issue 32): only
+    the header's size bounded them before. ``where``: the file and component, or the recipe key."""
+    from aotbuild.constants import LIMITS, limit
+
+    bound, count = limit("lora_targets"), len(targets)
+    if count > bound:
+        raise UsageError(f"{where}: {count} target modules: at most {bound} (raise it with "
+                         f"{LIMITS['lora_targets'][0]})")
 
 
 def describe(value: Any) -> str:

@@ -71,6 +71,9 @@ LIMITS = {"steps": ("AOTBUILD_MAX_STEPS", 200), "prompts": ("AOTBUILD_MAX_PROMPT
           # whose name says nothing else (it may be a size).
           "warmup_items": ("AOTBUILD_MAX_WARMUP_ITEMS", 10_000), "warmup_seconds": ("AOTBUILD_MAX_WARMUP_SECONDS", 600),
           "warmup_number": ("AOTBUILD_MAX_WARMUP_NUMBER", 65536),
+          # A LoRA's target modules (a key factor): lora.target_modules, or the distinct names its file's header
+          # gives a component (an "all linear" adapter of a large model has tens).
+          "lora_targets": ("AOTBUILD_MAX_LORA_TARGETS", 256),
           # compile.options.compile_threads: Inductor starts (and warms) that many compile processes at once.
           "compile_threads": ("AOTBUILD_MAX_COMPILE_THREADS", 64),
           # A component built on the meta device at plan time (aotbuild/models.py): its config's layer

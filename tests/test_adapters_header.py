@@ -107,3 +107,29 @@ def test_plan_refuses_a_hostile_header_in_one_line(cache, tmp_path):
     assert proc.returncode == 2 and "Traceback" not in proc.stdout + proc.stderr, proc.stderr
     assert proc.stderr.count("\n") == 1 and "safetensors header field __metadata__.'alpha': expected text, got [1]" \
         in proc.stderr, proc.stderr
+
+
+def test_a_header_naming_more_target_modules_than_the_bound_is_refused_naming_the_file(tmp_path, monkeypatch):
+    """Found in review: a header's module paths become target_modules, a key factor, bounded only by the
+    header's 64 MiB: 300 distinct names (an 'all linear' adapter of a large model has tens)."""
+    tensor = {"dtype": "F32", "shape": [1, 1]}
+    header = {f"unet.m{i}.lora_A.weight": {**tensor, "data_offsets": [4 * i, 4 * i + 4]} for i in range(300)}
+    path = write(tmp_path / "l.safetensors", header, b"\0" * 1200)
+    with pytest.raises(UsageError) as info:
+        adapters.read(path)
+    assert str(info.value) == (f"{path}: component 'unet''s module paths: 300 target modules: at most 256 (raise it "
+                               f"with AOTBUILD_MAX_LORA_TARGETS)"), str(info.value)
+    monkeypatch.setenv("AOTBUILD_MAX_LORA_TARGETS", "300")
+    assert len(adapters.read(path).targets("unet")) == 300  # the operator's choice
+
+
+def test_a_recipes_lora_target_modules_are_bounded(repo, monkeypatch):
+    from aotbuild.recipes import parse_recipe
+
+    data = {"model": "builtin:tiny-sd", "shapes": [{"height": 64, "width": 64}],
+            "lora": {"rank": 4, "target_modules": [f"m{i}" for i in range(257)],
+                     "adapters": [{"path": "org/lora", "adapter_name": "a"}]}}
+    with pytest.raises(RecipeError) as info:
+        parse_recipe(data, str(repo / "r.yaml"))
+    assert info.value.key == "lora.target_modules" and info.value.message == \
+        "257 target modules: at most 256 (raise it with AOTBUILD_MAX_LORA_TARGETS)", info.value
