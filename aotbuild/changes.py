@@ -99,6 +99,11 @@ class Change:
         """Whether ``module`` holds what a fresh load (``fresh``, on the meta device) holds: no change."""
         return False
 
+    def shows(self, module: Any) -> bool:
+        """Whether the change, applied, can be read off ``module`` (channels_last on a model without a 4-D
+        weight cannot: a text encoder)."""
+        return True
+
 
 class _FreeU(Change):
     def changes(self, component: str) -> bool:
@@ -110,7 +115,7 @@ class _FreeU(Change):
                                          f"changes a UNet's up blocks")
 
     def apply(self, module: Any, value: Any, recipe: Recipe | None) -> None:
-        module.enable_freeu(**{k: float(value[k]) for k in FREEU_FACTORS})
+        module.enable_freeu(**{k: value[k] for k in FREEU_FACTORS})  # an int stays one: as a user's call
 
     def read(self, module: Any, component: str) -> tuple[Any, str]:
         if component != FREEU_COMPONENT:
@@ -125,7 +130,8 @@ class _FreeU(Change):
         first = seen[0]
         if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in first):
             return None, f"{component}.up_blocks: FreeU factors {first} are not finite numbers"
-        return freeze(dict(zip(FREEU_FACTORS, map(float, first), strict=True))), ""
+        kept = (int(v) if isinstance(v, int) else float(v) for v in first)  # an int as the user's call stored it
+        return freeze(dict(zip(FREEU_FACTORS, kept, strict=True))), ""
 
 
 class _Processor(Change):
@@ -230,14 +236,26 @@ class _MemoryFormat(Change):
     def read(self, module: Any, component: str) -> tuple[Any, str]:
         import torch
 
-        for p in module.parameters():
+        for p in _eligible(module):
             try:
-                if p.dim() == 4 and p.shape[1] > 1 and p.shape[2] * p.shape[3] > 1 \
-                        and p.is_contiguous(memory_format=torch.channels_last) and not p.is_contiguous():
+                if p.is_contiguous(memory_format=torch.channels_last) and not p.is_contiguous():
                     return "channels_last", ""
             except (RuntimeError, NotImplementedError, TypeError):  # a tensor subclass without strides
                 continue  # (a quantized or sharded weight): the snapshot comparison still sees it
         return None, ""
+
+    def shows(self, module: Any) -> bool:
+        return next(_eligible(module), None) is not None
+
+
+def _eligible(module: Any) -> Any:
+    """The weights channels_last changes the strides of: 4-D, more than one channel and one pixel."""
+    for p in module.parameters():
+        try:
+            if p.dim() == 4 and p.shape[1] > 1 and p.shape[2] * p.shape[3] > 1:
+                yield p
+        except (RuntimeError, NotImplementedError, TypeError):
+            continue
 
 
 #: In the order :func:`apply` applies them (a processor before the cache hooks that wrap the blocks,
@@ -410,8 +428,10 @@ def detect(pipe: Any, recipe: Recipe) -> Detected:
     for name, value in found.items():
         change = next(c for c in CHANGES if c.name == name)
         for component in components:
-            if change.changes(component) and getattr(pipe, component, None) is not None \
-                    and change.read(getattr(pipe, component), component)[0] is None:
+            # != value, not "is None": a processor class that is the component's own default reads as its name
+            module = getattr(pipe, component, None)
+            if change.changes(component) and module is not None and change.shows(module) \
+                    and change.read(module, component)[0] != value:
                 return Detected(None, f"{change.key} ({_show(value)}) is on some compiled components but not on "
                                       f"{component}: the recipe declares one for all")
     if not found:
@@ -431,6 +451,11 @@ def _meta_twin(module: Any) -> Any:
     return meta_module(library, type(module).__name__, data)
 
 
+#: What transformers' from_pretrained sets on a model and a construction from its config does not, with
+#: the value it sets: that value in the live module is no change (every build job's load has it too).
+_LOAD_MARKS = {"_is_hf_initialized": "True", "_use_kernels": "False", "_weight_conversions": "[]"}
+
+
 def _remaining(live: Mapping[str, str], fresh: Mapping[str, str], component: str, outside: frozenset[str]) -> str:
     """The first difference left between the live module and its re-created twin, in words, or "".
     ``outside``: what wraps the component from outside its graph (an offload hook's forward, a
@@ -444,6 +469,8 @@ def _remaining(live: Mapping[str, str], fresh: Mapping[str, str], component: str
 
     for path in sorted((set(live) | set(fresh)) - outside):
         a, b = live.get(path), fresh.get(path)
+        if b is None and a is not None and _LOAD_MARKS.get(path.rsplit(".", 1)[-1]) == a:
+            continue
         if a is None or b is None or comparable(a) != comparable(b):
             full = f"{component}.{path}" if path != "." else component
             return (f"{printable(full)} is {printable(a or 'absent')} here, {printable(b or 'absent')} in a fresh "

@@ -178,7 +178,7 @@ class ChangesSpec:
     """``changes``: what users change on a pipeline after from_pretrained, re-created by every load of the
     recipe (aotbuild/changes.py). None: not declared (never a key factor)."""
 
-    freeu: Mapping[str, float] | None = None
+    freeu: Mapping[str, float | int] | None = None
     attention_processor: str | None = None
     cache: Mapping[str, Any] | None = None
     memory_format: str | None = None
@@ -496,7 +496,8 @@ def _changes(check: _Checker, data: Any) -> ChangesSpec | None:
             v = spec.freeu[k]
             if isinstance(v, bool) or not isinstance(v, (int, float)):
                 raise check.fail(f"changes.freeu.{k}", f"expected a number, got {describe_value(v)}")
-        spec = ChangesSpec(**{**spec.__dict__, "freeu": freeze({k: float(spec.freeu[k]) for k in FREEU_FACTORS})})
+        # each number as written: enable_freeu(b1=1) stores the int 1, which the dependency record tells from 1.0
+        spec = ChangesSpec(**{**spec.__dict__, "freeu": freeze({k: spec.freeu[k] for k in FREEU_FACTORS})})
     if spec.cache is not None:
         name = spec.cache.get("config")
         if not isinstance(name, str) or not name.isidentifier():

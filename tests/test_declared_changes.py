@@ -155,6 +155,55 @@ def test_the_changes_of_a_live_pipe_are_read_as_the_recipe_declares_them(models_
     assert found.changes == _recipe(freeu=FREEU, memory_format="channels_last").changes and not found.refused
 
 
+
+def test_a_text_encoder_as_from_pretrained_loads_it_is_no_change(models_dir):
+    """transformers' from_pretrained marks the model (_is_hf_initialized, _use_kernels, _weight_conversions)
+    where a construction from its config does not: build(recipe, pipe=pipe) refused every unchanged pipe
+    that compiles a text encoder (found in review). channels_last cannot show on it (no 4-D weight), so a
+    UNet in channels_last is still the recipe's one memory format."""
+    recipe = parse_recipe({**TINY, "compile": {"components": ["unet", "vae", "text_encoder"]}})
+    pipe = _pipe(recipe, models_dir)
+    assert changes.detect(pipe, recipe) == changes.Detected(None)
+    pipe.unet.to(memory_format=torch.channels_last)
+    pipe.vae.to(memory_format=torch.channels_last)
+    assert changes.detect(pipe, recipe) == changes.Detected(ChangesSpec(memory_format="channels_last"))
+
+
+def test_a_processor_on_one_component_is_not_declared_for_all(models_dir):
+    """The VAE keeps its own default processor (AttnProcessor2_0, which reads as its name, not None): the
+    recipe would have set AttnProcessor on it too, built a VAE entry the user's VAE never matches
+    (found in review)."""
+    from diffusers.models.attention_processor import AttnProcessor
+
+    recipe = parse_recipe({**TINY, "compile": {"components": ["unet", "vae"]}})
+    pipe = _pipe(recipe, models_dir)
+    assert pipe.vae.attn_processors  # the tiny VAE has attention: the case is real
+    pipe.unet.set_attn_processor(AttnProcessor())
+    found = changes.detect(pipe, recipe)
+    assert found.changes is None and "is on some compiled components but not on vae" in found.refused
+
+
+def test_freeu_factors_keep_their_type_so_a_declared_int_meets_a_users_int(models_dir):
+    """enable_freeu(b1=1) stores the int 1; the dependency record tells it from 1.0. The recipe made every
+    factor a float, so a user's int factor was refused by build(recipe, pipe=pipe) and never met an entry
+    built from `b1: 1` (found in review)."""
+    from aotbuild import dependencies
+
+    ints = {**FREEU, "b1": 1, "b2": 2}
+    recipe = _recipe()
+    pipe = _pipe(recipe, models_dir)
+    pipe.enable_freeu(**ints)
+    found = changes.detect(pipe, recipe)
+    assert found == changes.Detected(_recipe(freeu=ints).changes) and found.changes.freeu["b1"] == 1
+    built = _pipe(_recipe(freeu=ints), models_dir)  # what a build job of the declared recipe loads
+    assert dependencies.snapshot(built.unet)["items"] == dependencies.snapshot(pipe.unet)["items"]
+    from aotbuild.keys import canonical_json
+
+    as_float = _recipe(freeu={**ints, "b1": 1.0})  # another setting: keyed apart, as the record tells it apart
+    assert canonical_json(changes.factors(_recipe(freeu=ints), "unet")) \
+        != canonical_json(changes.factors(as_float, "unet"))
+
+
 @pytest.mark.parametrize(("change", "words"), [
     (lambda pipe: pipe.unet.set_attn_processor(ScaledProcessor()),
      "test_declared_changes.ScaledProcessor, not one of diffusers' attention processors"),
