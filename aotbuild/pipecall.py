@@ -150,13 +150,16 @@ def check_recipe(recipe: Recipe, call: CallSignature) -> None:
         check_pixels(recipe, _default_frames(call.pipeline))
 
 
-def _default_frames(name: str) -> int:
-    """The ``num_frames`` diffusers' pipeline ``name`` makes when the call sets none (Wan: 81), else 1."""
+def _default_frames(name: str) -> int | None:
+    """The ``num_frames`` diffusers' pipeline ``name`` makes when the call sets none (Wan: 81), else 1;
+    None where its default is None: it computes them from the model (CogVideoX, SVD; check_pixels)."""
     cls = pipeline_class(name)
     try:
         default = inspect.signature(cls.__call__).parameters["num_frames"].default if cls is not None else None
     except (KeyError, TypeError, ValueError):
         return 1
+    if default is None and cls is not None:
+        return None
     return default if isinstance(default, int) and not isinstance(default, bool) and default > 1 else 1
 
 

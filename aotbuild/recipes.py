@@ -214,7 +214,14 @@ def _over(recipe: Recipe, name: str, key: str, value: int, what: str) -> None:
         raise recipe.error(key, f"{value} {what}: at most {limit(name)} (raise it with {LIMITS[name][0]})")
 
 
-def check_pixels(recipe: Recipe, default_frames: int = 1) -> None:
+#: The frames the pixel bound counts for a video pipeline whose ``num_frames`` default is None: it
+#: computes its own from the model's config (CogVideoX 49, SVD 14 or 25, Allegro 88, LTX-2 121), which
+#: plan does not load, so the largest whole default among diffusers' video pipelines (LTX's) stands in;
+#: a recipe that sets ``num_frames`` is counted exactly.
+UNKNOWN_DEFAULT_FRAMES = 161
+
+
+def check_pixels(recipe: Recipe, default_frames: int | None = 1) -> None:
     """The images and pixels of each shape's warmup call (docs/recipes.md, "Limits"): images of all its
     prompts. ``default_frames``: what a video pipeline makes where neither the shape nor the warmup
     sets ``num_frames`` (its ``__call__``'s default, 81 for Wan), known once the pipeline is
@@ -234,8 +241,10 @@ def check_pixels(recipe: Recipe, default_frames: int = 1) -> None:
         batch = shape.batch_size * texts * outputs
         _over(recipe, "batch", f"shapes[{i}].batch_size", batch, f"images per warmup call (batch_size "
                                                                  f"{shape.batch_size} x {texts} prompts{more})")
-        count = shape.num_frames or frames or default_frames
-        unset = " (num_frames unset: the pipeline's default)" if not (shape.num_frames or frames) and count > 1 else ""
+        count = shape.num_frames or frames or default_frames or UNKNOWN_DEFAULT_FRAMES
+        unset = "" if shape.num_frames or frames or count == 1 else \
+            " (num_frames unset: the pipeline's default)" if default_frames else \
+            " (num_frames unset: the pipeline computes its own, counted as the largest default; set num_frames)"
         _over(recipe, "pixels", f"shapes[{i}]", shape.height * shape.width * count * batch,
               f"pixels per warmup call ({shape.height}x{shape.width}, {count} frames{unset}, {batch} images)")
 

@@ -304,3 +304,27 @@ def test_factors_and_seeds_are_not_sizes():
 def test_a_latte_video_length_counts_as_frames_in_the_pixel_bound():
     error = refused({**BASE, "warmup": {"video_length": 4096}, "shapes": [{"height": 2048, "width": 2048}]})
     assert error.key == "shapes[0]" and "(2048x2048, 4096 frames, 1 images)" in error.message, error
+
+
+def test_a_video_pipeline_that_computes_its_own_frames_is_counted_at_the_largest_default():
+    """Found in review: CogVideoX's (and SVD's) num_frames default is None: it computes its own from the
+    model's config, which plan does not load, and the pixel bound counted 1 frame. It counts the largest
+    whole default of diffusers' video pipelines (161) and says to set num_frames; set, it counts that."""
+    import diffusers
+
+    from aotbuild.pipecall import CallSignature, check_recipe
+    from aotbuild.recipes import UNKNOWN_DEFAULT_FRAMES
+
+    call = CallSignature.of(diffusers.CogVideoXPipeline)
+    error = refused_by(check_recipe, {**BASE, "shapes": [{"height": 1024, "width": 1024}]}, call)
+    assert error.key == "shapes[0]" and (
+        f"({1024 * 1024 * UNKNOWN_DEFAULT_FRAMES} pixels per warmup call (1024x1024, 161 frames (num_frames unset: "
+        f"the pipeline computes its own, counted as the largest default; set num_frames), 1 images)") \
+        .lstrip("(") in error.message, error
+    check_recipe(parse_recipe({**BASE, "shapes": [{"height": 1024, "width": 1024, "num_frames": 49}]}), call)
+
+
+def refused_by(check, data: dict, *args) -> RecipeError:
+    with pytest.raises(RecipeError) as info:
+        check(parse_recipe(data), *args)
+    return info.value
