@@ -386,7 +386,7 @@ def detect(pipe: Any, recipe: Recipe) -> Detected:
     are applied to it, and the two dependency snapshots must then agree (a tensor by shape and
     strides: dtype and device are the recipe's). ``refused`` is the first thing that cannot be
     re-created in another process, in words."""
-    from aotbuild import dependencies
+    from aotbuild import dependencies, quantize
 
     found: dict[str, Any] = {}
     components = list(dict.fromkeys([*recipe.compile.components]))
@@ -419,8 +419,12 @@ def detect(pipe: Any, recipe: Recipe) -> Detected:
                     change.apply(fresh, mine[change.name], None)
         except Exception as exc:  # noqa: BLE001 - diffusers refused the change on a fresh module
             return Detected(None, f"{component}: its changes cannot be re-created: {printable(str(exc))[:160]}")
-        why = _remaining(dependencies.snapshot(module)["items"], dependencies.snapshot(fresh)["items"], component,
-                         dependencies.ROOT_OUTSIDE)
+        # A component the recipe quantizes or puts LoRA layers in is not its meta twin (torchao's, peft's
+        # modules): only the changes read are kept; the load's check against the entry still sees the rest.
+        prepared = recipe.lora is not None or component in quantize.components(recipe)
+        why = "" if prepared else _remaining(dependencies.snapshot(module)["items"],
+                                             dependencies.snapshot(fresh)["items"], component,
+                                             dependencies.ROOT_OUTSIDE)
         if why:
             return Detected(None, why)
         found.update(mine)

@@ -204,6 +204,22 @@ def test_freeu_factors_keep_their_type_so_a_declared_int_meets_a_users_int(model
         != canonical_json(changes.factors(as_float, "unet"))
 
 
+
+def test_a_quantized_pipe_is_read_for_its_changes_not_refused(models_dir):
+    """A recipe's own quantization (torchao's modules) is not on the meta twin: every quantized pipe was
+    refused, so load_compiled(recipe, pipe=pipe) keyed a FreeU pipe without FreeU and its miss said the
+    pipeline "cannot be built for", naming a torchao attribute (found in review)."""
+    pytest.importorskip("torchao")
+    from aotbuild import quantize
+
+    recipe = parse_recipe({**TINY, "model": {**TINY["model"], "quantization": {"backend": "torchao",
+                                                                               "quant_type": "int8wo"}}})
+    pipe = _pipe(recipe, models_dir)
+    quantize.apply(pipe, recipe)
+    assert changes.detect(pipe, recipe) == changes.Detected(None)
+    pipe.enable_freeu(**FREEU)
+    assert changes.detect(pipe, recipe) == changes.Detected(ChangesSpec(freeu=_recipe(freeu=FREEU).changes.freeu))
+
 @pytest.mark.parametrize(("change", "words"), [
     (lambda pipe: pipe.unet.set_attn_processor(ScaledProcessor()),
      "test_declared_changes.ScaledProcessor, not one of diffusers' attention processors"),
