@@ -341,7 +341,17 @@ def _next_step(recipe: Recipe, blocker: str, remote: Remote | None, passed: Any 
     if passed is not None:
         from aotbuild import changes
 
-        found = changes.detect(passed, recipe) if recipe.changes is None else changes.Detected(None)
+        found = changes.detect(passed, recipe)
+        declared = recipe.changes is not None
+        if declared and (found.refused or any(changes.factors(recipe, c) != changes.factors(
+                replace(recipe, changes=found.changes), c) for c in recipe.compile.components)):
+            # build(recipe, pipe=pipe) builds the recipe's changes: entries this pipe misses again
+            held = changes.as_recipe_text(found.changes) if found.changes else "none of them"
+            return (f"\n  next: {printable(recipe.source)} declares {changes.as_recipe_text(recipe.changes)} and this "
+                    f"pipeline holds {held}{': ' + found.refused if found.refused else ''}; make the pipeline's "
+                    f"changes the recipe's, or load without pipe= (the recipe's load applies them)")
+        if declared:
+            found = changes.Detected(None)
         if found.refused:
             return (f"\n  next: this pipeline cannot be built for: {found.refused}; undo that change, or load with "
                     f"on_miss=\"eager\"")

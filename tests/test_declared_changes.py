@@ -281,6 +281,19 @@ def test_build_for_a_pipe_re_applies_its_changes_and_a_load_of_that_pipe_keys_th
         aotbuild.build({**TINY, "changes": {"freeu": {**FREEU, "b1": 1.1}}}, cache=cache, pipe=pipe)
 
 
+def test_a_miss_of_a_pipe_without_the_recipes_declared_changes_says_so(cache):
+    """The recipe declares FreeU, the pipe passed has none: build(recipe, pipe=pipe) builds the recipe's
+    FreeU entries (a hit once CI built them) and this pipe misses them again, so the miss's next line
+    offered a build that never helps (found in review). It names the difference instead."""
+    pipe = _pipe(_recipe(), cache)
+    with pytest.raises(CacheMiss) as info:
+        aotbuild.load_compiled({**TINY, "changes": {"freeu": FREEU}}, pipe, cache=cache, on_miss="error")
+    assert "declares changes: {freeu: " in str(info.value) and "this pipeline holds none of them" in str(info.value)
+    assert "build(recipe, pipe=pipe)` builds" not in str(info.value)
+    pipe.enable_freeu(**FREEU)  # the same FreeU: the build for this pipe is the way
+    with pytest.raises(CacheMiss, match=r"next: `aotbuild.build\(recipe, pipe=pipe\)` builds them"):
+        aotbuild.load_compiled({**TINY, "changes": {"freeu": FREEU}}, pipe, cache=cache, on_miss="error")
+
 def test_a_miss_of_a_pipe_with_a_change_no_recipe_declares_says_so(cache):
     pipe = _pipe(_recipe(), cache)
     pipe.unet.set_attn_processor(ScaledProcessor())
