@@ -30,6 +30,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import operator
+import re
 import types
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -175,8 +176,14 @@ def recipe_key(reason: str) -> str:
     factors, an attention processor, a cache hook, a memory format), or "" for one no recipe declares."""
     for hint, key in _DECLARED_BY:
         if reason.endswith(hint):
+            if key == "changes.cache" and not _CACHE_HOOK.search(reason):  # a torch forward hook, an offload hook
+                return ""
             return key
     return ""
+
+
+#: A diffusers cache hook's name in a ``_diffusers_hook`` difference (first_block_cache's ``fbc_...``).
+_CACHE_HOOK = re.compile(r"_diffusers_hook: .*(cache|fbc_|broadcast)")
 
 
 #: A difference's hint (:func:`_hint`) -> the recipe key that declares such a change.

@@ -327,6 +327,17 @@ def test_a_stale_graph_names_the_recipe_key_that_declares_the_change():
     d.watch = Changed("unet.up_blocks.0.resnets.0.output_scale_factor: 2.0 here, 1.0 in the entry")
     with pytest.raises(StaleGraph, match="refuses others with the reason"):
         d(1.0)
+    # a torch forward hook (or an offload hook) is no cache hook a recipe declares (found in review)
+    d.watch = Changed("unet.conv_in.<hooks>: forward 1, pre 0 here, absent in the entry: a hook (a diffusers cache, "
+                      "a forward hook)?")
+    with pytest.raises(StaleGraph) as info:
+        d(1.0)
+    assert "declare it in the recipe" not in str(info.value) and "refuses others" in str(info.value)
+    d.watch = Changed("transformer.transformer_blocks.0._diffusers_hook: hooks "
+                      "fbc_leader_block_hook=FBCLeaderBlockHook here, absent in the entry: a hook (a diffusers cache, "
+                      "a forward hook)?")
+    with pytest.raises(StaleGraph, match=r"declare it in the recipe \(changes\.cache"):
+        d(1.0)
 
 
 # -- built and served ---------------------------------------------------------------------------------
