@@ -384,8 +384,7 @@ def _with_pipe_changes(recipe: Recipe, pipe: Any) -> Recipe:
     if found.changes is None:
         return recipe
     if recipe.changes is not None:
-        if any(changes.factors(recipe, c) != changes.factors(replace(recipe, changes=found.changes), c)
-               for c in recipe.compile.components):
+        if not changes.same_keys(recipe, found.changes):
             raise UsageError(f"the pipeline's changes ({changes.as_recipe_text(found.changes)}) are not the ones "
                              f"{recipe.source} declares ({changes.as_recipe_text(recipe.changes)}): make them agree")
         return recipe

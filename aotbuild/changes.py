@@ -37,8 +37,8 @@ from aotbuild.recipe import FREEU_FACTORS, ChangesSpec, Recipe
 from aotbuild.suggest import suggest
 from aotbuild.text import printable
 
-__all__ = ["FREEU_FACTORS", "FREEU_COMPONENT", "Change", "CHANGES", "factors", "check_recipe", "apply", "detect",
-           "Detected", "processor_classes", "cache_config_classes", "as_recipe_text"]
+__all__ = ["FREEU_FACTORS", "FREEU_COMPONENT", "Change", "CHANGES", "factors", "same_keys", "check_recipe", "apply",
+           "detect", "Detected", "processor_classes", "cache_config_classes", "as_recipe_text"]
 
 #: The component FreeU changes (``DiffusionPipeline.enable_freeu`` calls ``self.unet.enable_freeu``).
 FREEU_COMPONENT = "unet"
@@ -319,6 +319,16 @@ def factors(recipe: Recipe, component: str) -> dict[str, Any] | None:
         return None
     out = {c.name: c.factor(c.value(spec)) for c in CHANGES if c.value(spec) is not None and c.changes(component)}
     return out or None
+
+
+def same_keys(recipe: Recipe, other: ChangesSpec | None) -> bool:
+    """Whether ``other`` keys every compiled component of ``recipe`` as its own ``changes`` do (as the
+    key compares: 1 is not 1.0, which the dependency record tells apart too)."""
+    from aotbuild.keys import canonical_json
+
+    mine, theirs = recipe, dataclasses.replace(recipe, changes=other)
+    return all(canonical_json(factors(mine, c)) == canonical_json(factors(theirs, c))
+               for c in recipe.compile.components)
 
 
 def check_recipe(recipe: Recipe, components: Mapping[str, tuple[str, str]], pipeline_class: str) -> None:

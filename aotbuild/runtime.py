@@ -343,8 +343,7 @@ def _next_step(recipe: Recipe, blocker: str, remote: Remote | None, passed: Any 
 
         found = changes.detect(passed, recipe)
         declared = recipe.changes is not None
-        if declared and (found.refused or any(changes.factors(recipe, c) != changes.factors(
-                replace(recipe, changes=found.changes), c) for c in recipe.compile.components)):
+        if declared and (found.refused or not changes.same_keys(recipe, found.changes)):
             # build(recipe, pipe=pipe) builds the recipe's changes: entries this pipe misses again
             held = changes.as_recipe_text(found.changes) if found.changes else "none of them"
             return (f"\n  next: {printable(recipe.source)} declares {changes.as_recipe_text(recipe.changes)} and this "

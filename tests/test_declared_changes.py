@@ -293,6 +293,11 @@ def test_a_miss_of_a_pipe_without_the_recipes_declared_changes_says_so(cache):
     pipe.enable_freeu(**FREEU)  # the same FreeU: the build for this pipe is the way
     with pytest.raises(CacheMiss, match=r"next: `aotbuild.build\(recipe, pipe=pipe\)` builds them"):
         aotbuild.load_compiled({**TINY, "changes": {"freeu": FREEU}}, pipe, cache=cache, on_miss="error")
+    # b1 1.0 declared, the int 1 in the pipe: another setting and key (a dict's == calls them equal)
+    pipe.enable_freeu(**{**FREEU, "b1": 1})
+    with pytest.raises(CacheMiss, match="this pipeline holds changes: {freeu: "):
+        aotbuild.load_compiled({**TINY, "changes": {"freeu": {**FREEU, "b1": 1.0}}}, pipe, cache=cache, on_miss="error")
+    assert not changes.same_keys(_recipe(freeu={**FREEU, "b1": 1.0}), _recipe(freeu={**FREEU, "b1": 1}).changes)
 
 def test_a_miss_of_a_pipe_with_a_change_no_recipe_declares_says_so(cache):
     pipe = _pipe(_recipe(), cache)
