@@ -132,7 +132,8 @@ def two_concurrent_pushers_of_the_same_keys_both_succeed(url: str, tmp_path: Pat
     remote = parse_remote(url)
     assert remote.keys() == set(keys)
     other = Store(tmp_path / "other")
-    assert all(remote.fetch(k, other) == "" for k in keys)
+    fetched = {k: remote.fetch(k, other) for k in keys}
+    assert all(v == "" for v in fetched.values()), fetched
 
 
 def a_trusted_signed_manifest_is_never_overwritten_and_an_unsigned_one_gives_way(url: str, tmp_path: Path) -> None:
