@@ -119,8 +119,8 @@ def test_a_pull_racing_a_push_sees_no_entry_until_its_blobs_are_there(gcs, tmp_p
 @pytest.mark.skip(reason="gcp-storage-emulator ignores ifGenerationMatch=0, the create-only write that makes two "
                          "pushers of one key safe on GCS, and its threaded server is not safe for two writers of one "
                          "object: a fast-tier run under load once read an entry back as damaged. The flow runs against "
-                         "moto (S3) and Azurite, which enforce create-only writes; on GCS the request is checked instead "
-                         "(test_writes_ask_for_create_only_which_the_emulator_does_not_enforce)")
+                         "moto (S3) and Azurite, which enforce create-only writes; on GCS the request "
+                         "is checked instead (test_writes_ask_for_create_only_which_the_emulator_does_not_enforce)")
 def test_two_concurrent_pushers_of_the_same_keys_both_succeed(gcs, tmp_path):
     flows.two_concurrent_pushers_of_the_same_keys_both_succeed(f"gs://{gcs}/ci", tmp_path)
 
