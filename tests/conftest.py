@@ -46,7 +46,13 @@ def restore_process_state():
     env = dict(os.environ)
     log = logging.getLogger("aotbuild")
     handlers, level, propagate = list(log.handlers), log.level, log.propagate
+    # Inductor's settings too: torchao's quantize_ sets some for the whole process, so a test that
+    # quantized made a later one on the same worker see them as the defaults.
+    inductor = sys.modules.get("torch._inductor.config")
+    settings = inductor.save_config() if inductor is not None else None
     yield
+    if inductor is not None:
+        inductor.load_config(settings)
     os.environ.clear()
     os.environ.update(env)
     log.handlers[:] = handlers
