@@ -132,6 +132,16 @@ def group_node_id(item: pytest.Item, group: str) -> None:
         item._nodeid = f"{item.nodeid}@{group}"
 
 
+def pytest_xdist_auto_num_workers(config) -> int | None:
+    """``-n auto``: one worker per CPU for a run with the compiling tests, one more for the fast tier
+    (``-m "not slow"``), whose tests mostly wait on subprocesses, servers and polls rather than
+    compute: on 2 cores, 120 s with 3 workers against 133 s with 2 (measured side by side). None:
+    xdist's own count."""
+    if "not slow" in (config.getoption("markexpr") or ""):
+        return (os.cpu_count() or 1) + 1
+    return None
+
+
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the marks added here
 def pytest_collection_modifyitems(config, items):
     """For ``--dist=loadgroup``: the tests reading one shared entry form one group (one worker builds

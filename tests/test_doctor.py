@@ -27,13 +27,13 @@ def test_a_missing_compiler_fails_the_toolchain_check_and_skips_the_roundtrip(tm
 
 def test_every_check_is_named_and_a_missing_remote_fails(tmp_path):
     (tmp_path / "c").mkdir()
-    proc = run_cli("doctor", "--json", "--no-roundtrip", "--cache", str(tmp_path / "c"))
+    proc = invoke_cli("doctor", "--json", "--no-roundtrip", "--cache", str(tmp_path / "c"))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     found = checks(proc)
     assert list(found) == ["toolchain", "caches", "disk", "store", "remote", "roundtrip"]
     assert found["toolchain"]["ok"] and found["remote"]["skipped"] and found["roundtrip"]["skipped"]
     assert found["disk"]["free"] > 0 and found["store"]["entries"] == 0
-    bad = run_cli("doctor", "--json", "--no-roundtrip", "--cache", str(tmp_path / "c"),
+    bad = invoke_cli("doctor", "--json", "--no-roundtrip", "--cache", str(tmp_path / "c"),
                   "--remote", f"file://{tmp_path}/nowhere/cache")
     assert bad.returncode == 1 and not checks(bad)["remote"]["ok"]
     off = run_cli("doctor", "--json", "--no-roundtrip", "--cache", str(tmp_path / "c"),

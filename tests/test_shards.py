@@ -79,7 +79,9 @@ def _jobs(proc) -> list[tuple[str, str, str]]:
 def test_n_auto_workers_partition_the_plan_exactly(scheduler, cache, recipes):
     everything = _jobs(_plan(cache, recipes))
     assert len(everything) == 7
-    for n in (1, 3, 7, 9):
+    # The partition does not depend on the scheduler, only its variables do: every count of workers
+    # (one, some, as many as jobs, more) under one scheduler, three workers under each of the others.
+    for n in ((1, 3, 7, 9) if scheduler == SCHEDULERS[0] else (3,)):
         outs = [_plan(cache, recipes, "--shard", "auto", env=env) for env in workers(scheduler, n)]
         shards = [_jobs(p) for p in outs]
         assert sorted(sum(shards, [])) == sorted(everything)  # every job once: none twice, none missing
