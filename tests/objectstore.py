@@ -150,3 +150,17 @@ def a_trusted_signed_manifest_is_never_overwritten_and_an_unsigned_one_gives_way
     assert result.superseded == [a] and signing.check(remote.read_manifest(a), trusted) == ""
     again = remote.push(entries(plain, a), trusted=trusted)  # an unsigned one never replaces it
     assert again.present == [a] and signing.check(remote.read_manifest(a), trusted) == ""
+
+
+def a_manifest_is_written_create_only(url: str, tmp_path: Path, etag: str) -> None:
+    """Two pushers that both saw no manifest: the server refuses the second's create-only write and
+    it reports the key present instead of overwriting (``etag``: the store's name for the version)."""
+    local = Store(tmp_path / "local")
+    a = add_entry(local, tmp_path, "a", {"x.so": b"kernel-a"})
+    first, second = parse_remote(url), parse_remote(url)
+    second.keys = lambda: set()  # it listed before the first one's manifest landed
+    assert first.push(entries(local, a)).sent == [a]
+    before = first.fs.info(first.manifest_path(a))[etag]
+    result = second.push(entries(local, a))
+    assert result.sent == [] and result.present == [a]
+    assert first.fs.info(first.manifest_path(a))[etag] == before

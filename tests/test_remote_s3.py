@@ -4,11 +4,7 @@ credentials). Entries are small stand-ins (tests/standins.py): no compiles."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
-import threading
 import uuid
 
 import pytest
@@ -16,12 +12,12 @@ import pytest
 pytest.importorskip("s3fs")
 moto_server = pytest.importorskip("moto.server")
 
-from aotbuild import signing  # noqa: E402
 from aotbuild.errors import RemoteError, UsageError  # noqa: E402
 from aotbuild.remote import parse_remote, pull_entry  # noqa: E402
 from aotbuild.remote_fsspec import FsspecRemote, storage_options  # noqa: E402
 from aotbuild.store import Store  # noqa: E402
-from tests.conftest import REPO, run_cli  # noqa: E402
+from tests import objectstore as flows  # noqa: E402
+from tests.conftest import run_cli  # noqa: E402
 from tests.standins import add_entry, entries, key_of  # noqa: E402
 
 SECRET = "wJalrXUtnFEMI-sekrit-K7MDENG"
@@ -89,60 +85,18 @@ def test_memory_remote_round_trip(tmp_path):
 
 
 def test_push_is_incremental_and_pull_fetches_only_what_is_missing(s3, tmp_path):
-    local = Store(tmp_path / "local")
-    a = add_entry(local, tmp_path, "a", {"k/x.so": b"kernel-a", "shared.py": b"same in both"})
-    b = add_entry(local, tmp_path, "b", {"k/y.so": b"kernel-b", "shared.py": b"same in both"})
-    remote = parse_remote(f"s3://{s3}/ci")
-    assert remote.keys() == set()
-    first = remote.push(entries(local, a))
-    assert first.sent == [a] and first.bytes_sent == len(b"kernel-a") + len(b"same in both")
-    second = remote.push(entries(local, a, b))
-    assert second.present == [a] and second.sent == [b] and second.bytes_sent == len(b"kernel-b")
-    assert remote.keys() == {a, b} and len(_objects(remote, "blobs")) == 3
-
-    other = Store(tmp_path / "other")
-    assert remote.fetch(a, other) == ""
-    read: list[str] = []
-    real = remote.fs.cat_file
-    remote.fs.cat_file = lambda path, **kw: read.append(path) or real(path, **kw)
-    assert remote.fetch(b, other) == ""  # the shared blob is already local: only kernel-b's blob is read
-    assert sum("/blobs/" in p for p in read) == 1 and sum("/manifests/" in p for p in read) == 1
-    entry, _ = other.open_entry(b)
-    assert entry is not None and {rel for rel, _ in entry.files} == {"k/y.so", "shared.py"}
-    assert remote.fetch(key_of("nope"), other) == "not on the remote"
+    flows.push_is_incremental_and_pull_fetches_only_what_is_missing(f"s3://{s3}/ci", tmp_path)
 
 
 @pytest.mark.parametrize("damage", ["truncated", "replaced", "longer"])
 def test_a_damaged_blob_on_the_server_is_refused_and_nothing_is_stored(s3, tmp_path, damage):
-    local = Store(tmp_path / "local")
-    a = add_entry(local, tmp_path, "a", {"x.so": b"kernel-a", "y.so": b"kernel-b"})
-    remote = parse_remote(f"s3://{s3}/ci")
-    remote.push(entries(local, a))
-    victim = max(_objects(remote, "blobs"))  # fetched last: blobs are fetched in digest order
-    remote.fs.pipe_file(victim, {"truncated": b"kern", "replaced": b"kernel-X", "longer": b"kernel-XY"}[damage])
-    other = Store(tmp_path / "other")
-    why = remote.fetch(a, other)
-    assert why.startswith("refused") and victim.rsplit("/", 1)[1][:12] in why
-    assert not other.has(a)
-    assert [p for p in other.root.rglob("*") if p.is_file() and p.suffix != ".lock"] == []
+    flows.a_damaged_blob_is_refused_and_nothing_is_stored(f"s3://{s3}/ci", tmp_path, damage)
 
 
 def test_an_empty_blob_and_one_of_an_exact_multiple_of_the_range_are_pulled(s3, tmp_path, monkeypatch):
     """A range that would start at the object's end is never asked for: S3 answers it 416 InvalidRange
     (``Range: bytes=8-8`` of an 8-byte object, ``bytes=0-0`` of an empty one)."""
-    from aotbuild import remote_fsspec, store
-
-    monkeypatch.setattr(remote_fsspec, "RANGE", 4)  # the 8 MiB range and 1 MiB read, made small
-    monkeypatch.setattr(store, "_CHUNK", 4)
-    local = Store(tmp_path / "local")
-    a = add_entry(local, tmp_path, "a", {"empty.py": b"", "x.so": b"kernel-a", "y.so": b"kernel-b-12"})
-    remote = parse_remote(f"s3://{s3}/ci")
-    assert remote.push(entries(local, a)).sent == [a] and len(_objects(remote, "blobs")) == 3
-    other = Store(tmp_path / "other")
-    assert remote.fetch(a, other) == ""
-    entry, _ = other.open_entry(a)
-    assert entry is not None and {rel: blob.read_bytes() for rel, blob in entry.files} == {
-        "empty.py": b"", "x.so": b"kernel-a", "y.so": b"kernel-b-12"}
+    flows.an_empty_blob_and_one_of_an_exact_multiple_of_the_range_are_pulled(f"s3://{s3}/ci", tmp_path, monkeypatch)
 
 
 @pytest.mark.parametrize("blob", [b"", b"kernel-a"])
@@ -163,72 +117,16 @@ def test_a_blob_made_longer_on_the_server_is_refused_at_any_size(s3, tmp_path, m
 
 
 def test_a_pull_racing_a_push_sees_no_entry_until_its_blobs_are_there(s3, tmp_path):
-    local = Store(tmp_path / "local")
-    a = add_entry(local, tmp_path, "a", {"x.so": b"kernel-a", "y.so": b"kernel-b"})
-    pusher, reader = parse_remote(f"s3://{s3}/ci"), parse_remote(f"s3://{s3}/ci")
-    blobs_up, go_on = threading.Event(), threading.Event()
-    real = pusher.fs.pipe_file
-
-    def pipe_file(path, data, **kw):  # the manifest write: hold it until the reader has looked
-        blobs_up.set()
-        assert go_on.wait(60)
-        return real(path, data, **kw)
-
-    pusher.fs.pipe_file = pipe_file
-    thread = threading.Thread(target=pusher.push, args=(entries(local, a),))
-    thread.start()
-    assert blobs_up.wait(60)
-    other = Store(tmp_path / "other")
-    assert len(_objects(reader, "blobs")) == 2 and reader.keys() == set()
-    assert reader.fetch(a, other) == "not on the remote"
-    go_on.set()
-    thread.join(60)
-    assert reader.fetch(a, other) == "" and other.open_entry(a)[0] is not None
-
-
-PUSHER = textwrap.dedent("""
-    import sys
-    from pathlib import Path
-    from aotbuild.remote import parse_remote
-    from aotbuild.store import Store
-    local = Store(Path(sys.argv[1]))
-    found = [local.open_entry(m.key)[0] for m in local.iter_manifests()]
-    result = parse_remote(sys.argv[2]).push(found)
-    print("RESULT", len(result.sent), len(result.present), flush=True)
-""")
+    flows.a_pull_racing_a_push_sees_no_entry_until_its_blobs_are_there(f"s3://{s3}/ci", tmp_path)
 
 
 def test_two_concurrent_pushers_of_the_same_keys_both_succeed(s3, tmp_path):
-    local = Store(tmp_path / "local")
-    keys = [add_entry(local, tmp_path, f"e{i}", {f"f{j}.so": os.urandom(5000) for j in range(3)}) for i in range(6)]
-    script = tmp_path / "pusher.py"
-    script.write_text(PUSHER)
-    url = f"s3://{s3}/ci"
-    procs = [subprocess.Popen([sys.executable, str(script), str(local.root), url], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
-             for _ in range(2)]
-    outs = [p.communicate(timeout=300) for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], [o[1][-2000:] for o in outs]
-    sent = [int(o[0].split()[1]) for o in outs]
-    assert sum(sent) >= len(keys)  # each key sent by one of them at least (a manifest is written create-only)
-    remote = parse_remote(url)
-    assert remote.keys() == set(keys)
-    other = Store(tmp_path / "other")
-    assert all(remote.fetch(k, other) == "" for k in keys)
+    flows.two_concurrent_pushers_of_the_same_keys_both_succeed(f"s3://{s3}/ci", tmp_path)
 
 
 def test_a_manifest_is_written_create_only(s3, tmp_path):
-    """Two pushers that both saw no manifest: the second's create-only write is refused by the server
-    (If-None-Match), and it reports the key as present instead of overwriting."""
-    local = Store(tmp_path / "local")
-    a = add_entry(local, tmp_path, "a", {"x.so": b"kernel-a"})
-    first, second = parse_remote(f"s3://{s3}/ci"), parse_remote(f"s3://{s3}/ci")
-    second.keys = lambda: set()  # it listed before the first one's manifest landed
-    assert first.push(entries(local, a)).sent == [a]
-    before = first.fs.info(first.manifest_path(a))["ETag"]
-    result = second.push(entries(local, a))
-    assert result.sent == [] and result.present == [a]
-    assert first.fs.info(first.manifest_path(a))["ETag"] == before
+    """Two pushers that both saw no manifest: the S3 server refuses it (If-None-Match)."""
+    flows.a_manifest_is_written_create_only(f"s3://{s3}/ci", tmp_path, "ETag")
 
 
 def test_a_store_without_conditional_writes_gets_ordinary_writes(s3, tmp_path):
@@ -262,19 +160,7 @@ def test_a_store_without_conditional_writes_gets_ordinary_writes(s3, tmp_path):
 
 
 def test_a_trusted_signed_manifest_is_never_overwritten_and_an_unsigned_one_gives_way(s3, tmp_path):
-    ci_key, ci_pub = signing.keygen(tmp_path / "keys" / "ci")
-    trusted = signing.load_trusted([ci_pub])
-    plain = Store(tmp_path / "plain")
-    a = add_entry(plain, tmp_path, "a", {"x.so": b"kernel-a"})
-    signed = Store(tmp_path / "signed")
-    add_entry(signed, tmp_path, "a", {"x.so": b"kernel-a"})
-    signed.put_manifest(signing.sign(signed.read_manifest(a), ci_key))
-    remote = parse_remote(f"s3://{s3}/ci")
-    assert remote.push(entries(plain, a), trusted=trusted).sent == [a]  # unsigned first
-    result = remote.push(entries(signed, a), trusted=trusted)
-    assert result.superseded == [a] and signing.check(remote.read_manifest(a), trusted) == ""
-    again = remote.push(entries(plain, a), trusted=trusted)  # an unsigned one never replaces it
-    assert again.present == [a] and signing.check(remote.read_manifest(a), trusted) == ""
+    flows.a_trusted_signed_manifest_is_never_overwritten_and_an_unsigned_one_gives_way(f"s3://{s3}/ci", tmp_path)
 
 
 def test_a_replace_is_conditional_on_the_version_read(s3, tmp_path):
@@ -405,7 +291,6 @@ def test_a_secret_in_the_options_never_reaches_a_message(monkeypatch):
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET)
     text = _scrub(f"boom opt-secret-123 opt-key-456 {SECRET} https://u:p@h/x?X-Amz-Signature=abc&b=1")
     assert not any(s in text for s in ("opt-secret-123", "opt-key-456", SECRET, "u:p@", "abc"))
-
 
 
 def test_a_store_throttling_is_retried_then_served(s3, tmp_path, monkeypatch):
