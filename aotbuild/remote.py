@@ -186,6 +186,25 @@ class FolderRemote(Remote):
             if progress:
                 progress(entry.key)
 
+    def failure_keys(self) -> set[str]:
+        self._check_root()
+        return self.store.failure_keys()
+
+    def read_failure(self, key: str) -> dict | None:
+        self._check_root()
+        return self.store.failure(key)
+
+    def put_failure(self, key: str, record: dict) -> bool:
+        if not self.store.root.parent.is_dir():  # as a push: never create a whole tree from a typo
+            raise RemoteError(f"{self.url}: {self.store.root.parent} does not exist (not mounted?)")
+        try:
+            self.store.put_failure(key, record, strict=True)
+        except OSError as exc:
+            raise RemoteError(f"cannot write to {self.url}: {exc}") from None
+        return True
+
+    def remove_failure(self, key: str) -> None:
+        self.store.remove_failure(key)
 
     def _add_signatures(self, manifest: Manifest) -> bool:
         """An entry the remote has gets the signatures pushed with it (key rotation: sign with the new

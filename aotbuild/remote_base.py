@@ -55,6 +55,26 @@ class Remote:
         of them did (signing.supersedes); one they signed is never overwritten."""
         raise NotImplementedError
 
+    # -- failure records: the store's one rule for failures, shared by every shard and rerun ------
+    # A job that failed is recorded where every builder looks (issue 35): its key, its toolchain and
+    # the first line of why. A remote that keeps none (the Hub's) answers none and keeps nothing.
+
+    def failure_keys(self) -> set[str]:
+        """The keys with a failure record on the remote (one listing)."""
+        return set()
+
+    def read_failure(self, key: str) -> dict | None:
+        """The remote's failure record of ``key`` (one bounded read, store.failure_record's checks),
+        or None: not there, or not a record."""
+        return None
+
+    def put_failure(self, key: str, record: dict) -> bool:
+        """Record (or replace) the failure of ``key``; False where this remote keeps no records."""
+        return False
+
+    def remove_failure(self, key: str) -> None:
+        """Forget the failure of ``key`` (its entry was pushed since); nothing if there is none."""
+
 
 def ingest(store: Store, key: str, manifest: Manifest,
             blobs: Callable[[list[tuple[str, int]]], Iterator[tuple[str, BinaryIO]]]) -> str:

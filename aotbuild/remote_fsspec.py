@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import errno
 import importlib.util
+import json
 import re
 import time
 import types
@@ -51,7 +52,7 @@ from aotbuild.errors import RemoteError, StoreError, UsageError
 from aotbuild.layout import HEX64
 from aotbuild.manifest import Manifest, StaleManifest
 from aotbuild.remote_base import PushResult, Remote, ingest
-from aotbuild.store import Entry, Store
+from aotbuild.store import MAX_FAILURE_BYTES, Entry, Store, failure_record
 
 #: scheme -> (fsspec protocol, the package it needs, the extra that installs it)
 SCHEMES = {"s3": ("s3", "s3fs", "s3"), "gs": ("gcs", "gcsfs", "gcs"), "gcs": ("gcs", "gcsfs", "gcs"),
@@ -230,6 +231,9 @@ class FsspecRemote(Remote):
     def blob_path(self, digest: str) -> str:
         return f"{self.root}/blobs/{digest[:2]}/{digest}"
 
+    def failure_path(self, key: str) -> str:
+        return f"{self.root}/failures/{key}.json"
+
     def _call(self, what: str, fn: Callable[[], Any]) -> Any:
         """``fn()``, retried with backoff on a store's transient failures; FileNotFoundError and
         FileExistsError are the caller's; denied access and everything after the last try are one
@@ -326,6 +330,38 @@ class FsspecRemote(Remote):
                 yield digest, _Ranges(self, path, min(size + 1, info["size"]))  # type: ignore[misc]
 
         return ingest(store, key, manifest, blobs)
+
+    def failure_keys(self) -> set[str]:
+        folder = f"{self.root}/failures"
+        try:
+            paths = self._call(f"listing {folder}", lambda: self.fs.find(folder))
+        except FileNotFoundError:
+            return set()
+        names = (p.rsplit("/", 1)[-1] for p in paths)
+        return {n[:-5] for n in names if n.endswith(".json") and HEX64.match(n[:-5])}
+
+    def read_failure(self, key: str) -> dict | None:
+        path = self.failure_path(key)
+        try:  # one byte more than a record may have: a bigger object is refused, not read whole
+            raw = self._call(f"reading {path}", lambda: self.fs.cat_file(path, start=0, end=MAX_FAILURE_BYTES + 1))
+        except FileNotFoundError:
+            return None
+        return failure_record(raw)
+
+    def put_failure(self, key: str, record: dict) -> bool:
+        """An ordinary write (the newest failure of a key replaces an older one): a record says only
+        that a job failed, and what may write it is what may write the bucket (docs/security.md)."""
+        path = self.failure_path(key)
+        data = json.dumps(record, sort_keys=True).encode("utf-8")
+        self._call(f"writing {path}", lambda: self.fs.pipe_file(path, data))
+        return True
+
+    def remove_failure(self, key: str) -> None:
+        path = self.failure_path(key)
+        try:
+            self._call(f"removing {path}", lambda: self.fs.rm_file(path))
+        except FileNotFoundError:
+            pass
 
     def _put_new(self, what: str, put: Callable[[str], Any]) -> bool:
         """``put(mode)`` create-only where the store offers it; False when the object was already there.

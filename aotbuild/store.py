@@ -38,6 +38,16 @@ MAX_FAILURE_BYTES = 64 * 1024
 MAX_FAILURE_DEPTH = 8
 
 
+def failure_record(data: bytes) -> dict | None:
+    """A failure record's bytes (a local file's, or a remote's object) as the record, or None unless
+    they are a small, shallow JSON object with a ``reason`` string: a hostile record is ignored."""
+    try:
+        record = safeio.loads_json(data, max_bytes=MAX_FAILURE_BYTES, max_depth=MAX_FAILURE_DEPTH)
+    except ValueError:
+        return None
+    return record if isinstance(record, dict) and isinstance(record.get("reason"), str) else None
+
+
 def sha256_file(path: Path) -> str:
     """The file's sha256. Opened without blocking and refused unless a regular file (OSError):
     a FIFO planted where a blob belongs must not hang a reader."""
@@ -322,25 +332,32 @@ class Store:
 
     # -- failure records: a job that failed, remembered so plan says so --------------------------
 
-    def put_failure(self, key: str, record: dict) -> None:
-        """Remember why job ``key`` failed (best effort: a read-only store keeps nothing)."""
+    def put_failure(self, key: str, record: dict, *, strict: bool = False) -> None:
+        """Remember why job ``key`` failed (best effort: a read-only store keeps nothing; ``strict``: a
+        write that fails raises OSError, for a folder remote, where a lost record must fail the push)."""
         import json
 
         path = self.layout.failure(key)
-        with contextlib.suppress(OSError):
+        try:
             shared_dirs(path.parent)
             with atomic_write(path, mode=0o644, make_temp=self._tempfile) as w:
                 w.file.write(json.dumps(record, sort_keys=True).encode("utf-8"))
+        except OSError:
+            if strict:
+                raise
 
     def failure(self, key: str) -> dict | None:
         """The failure record of job ``key``, or None (none, unreadable, a link, or not a small, shallow
         JSON object: a hostile store's record is ignored, never a traceback)."""
         try:
-            data = safeio.read_json(self.layout.failure(key), max_bytes=MAX_FAILURE_BYTES,
-                                    max_depth=MAX_FAILURE_DEPTH, follow_symlinks=False)
-        except (OSError, ValueError):
+            data = safeio.read_bytes(self.layout.failure(key), MAX_FAILURE_BYTES, follow_symlinks=False)
+        except OSError:
             return None
-        return data if isinstance(data, dict) and isinstance(data.get("reason"), str) else None
+        return failure_record(data)
+
+    def failure_keys(self) -> set[str]:
+        """The keys with a failure record (by name: each record is read, and checked, when used)."""
+        return {p.stem for p in self.failure_files() if p.suffix == ".json" and HEX64.match(p.stem)}
 
     def remove_failure(self, key: str) -> None:
         with contextlib.suppress(OSError):

@@ -32,6 +32,7 @@ class PushReport:
     result: PushResult
     skipped: list[tuple[str, str]] = field(default_factory=list)  # (what, why not pushed)
     damaged: list[str] = field(default_factory=list)  # what was skipped because its entry is damaged
+    failures: list[str] = field(default_factory=list)  # keys whose failure record was written there
 
     def text(self) -> str:
         from aotbuild.layout import format_size
@@ -44,23 +45,34 @@ class PushReport:
         lines = [f"pushed {len(r.sent)} entries ({format_size(r.bytes_sent)}) to {self.remote}; "
                  f"{len(r.present)} already there{signed}{superseded}"]
         lines += [f"not pushed: {printable(what)}: {printable(why)}" for what, why in self.skipped]
+        if self.failures:
+            lines.append(f"recorded {len(self.failures)} failed job(s) on {self.remote}: other shards and reruns "
+                         f"skip them until --retry-failed")
         return "\n".join(lines)
 
     def as_json(self) -> dict[str, Any]:
         return {"remote": self.remote, "sent": self.result.sent, "present": self.result.present,
                 "signed": self.result.signed, "superseded": self.result.superseded,
-                "bytes_sent": self.result.bytes_sent, "skipped": [{"what": w, "reason": r} for w, r in self.skipped]}
+                "bytes_sent": self.result.bytes_sent, "skipped": [{"what": w, "reason": r} for w, r in self.skipped],
+                "failures": self.failures}
 
 
 def push(items: list[str] | tuple[str, ...], remote: Remote, cache: str | Path | None = None,
-         progress: Callable[[str], None] | None = None, trusted: dict[str, bytes] | None = None) -> PushReport:
-    """Push KEYS or RECIPES (files or folders); none means every entry of the local store.
+         progress: Callable[[str], None] | None = None, trusted: dict[str, bytes] | None = None,
+         failed: list[Job] | None = None) -> PushReport:
+    """Push KEYS or RECIPES (files or folders); none means every entry of the local store, unless
+    ``failed`` is given (a build's push: then ``items`` are exactly what is pushed).
 
     Every entry is hash-verified locally before it is sent: a corrupt entry is skipped, named, and
     never pushed. A push never signs: each entry travels with the signatures it has (:func:`sign`
     adds one, knowingly). With ``trusted`` keys (name -> public key, signing.trusted_from_env), a
-    remote manifest none of them signed is replaced by a pushed one that one of them did."""
+    remote manifest none of them signed is replaced by a pushed one that one of them did.
+
+    ``failed``: the jobs a build found failed; their failure records go to the remote
+    (:func:`push_failures`). A pushed entry clears the remote's record of its key."""
     store = checked_store(resolve_cache_root(cache))
+    if failed is not None and not items:
+        return PushReport(remote.url, PushResult(), failures=push_failures(remote, store, failed))
     keys: list[str] = []
     skipped: list[tuple[str, str]] = []
     damaged: list[str] = []
@@ -86,8 +98,75 @@ def push(items: list[str] | tuple[str, ...], remote: Remote, cache: str | Path |
                 damaged.append(key[:12])
         else:
             entries.append(entry)
-    return PushReport(remote.url, remote.push(entries, progress, workdir=store.layout.tmp, trusted=trusted),
-                      skipped, damaged)
+    result = remote.push(entries, progress, workdir=store.layout.tmp, trusted=trusted)
+    for key in remote.failure_keys() & set(result.sent) if result.sent else ():  # built since it failed
+        remote.remove_failure(key)
+    return PushReport(remote.url, result, skipped, damaged, push_failures(remote, store, failed or []))
+
+
+#: Failure records one build reads from a remote at most (each one small request): the newest
+#: failures are of jobs that still fail; a remote past this is one that gc should prune.
+MAX_PULLED_FAILURES = 1000
+
+
+def push_failures(remote: Remote, store: Store, jobs: list[Job]) -> list[str]:
+    """Record on ``remote`` the failure of each of ``jobs`` that the local store has a record of (the
+    store's one rule for failures, issue 35): its key, its toolchain and the first line of why. A
+    record pulled from a remote, or one the remote has already (the same failure) is not written again;
+    a newer failure of a key (a --retry-failed that failed again) replaces it. Returns the keys."""
+    from aotbuild.frozen import thaw
+
+    there: set[str] | None = None
+    recorded = []
+    for job in jobs:
+        local = store.failure(job.key) if job.key else None
+        if local is None or "remote" in local:  # none, or pulled from a remote: not this build's to record
+            continue
+        if there is None:
+            there = remote.failure_keys()
+        if job.key in there:
+            theirs = remote.read_failure(job.key)
+            if theirs is not None and theirs.get("time") == local.get("time"):
+                continue
+        factors = thaw(job.factors) if job.factors is not None else {}
+        toolchain = {name: factors.get(name) for name in ("env", "target", "device")}
+        record = {**{k: v for k, v in local.items() if k != "remote"}, "key": job.key,
+                  "reason": _first_line(local["reason"]), "toolchain": toolchain}
+        if remote.put_failure(job.key, record):
+            recorded.append(job.key)
+    return recorded
+
+
+def pull_failures(remote: Remote, cache: str | Path | Store | None = None) -> list[str]:
+    """Copy into the local store the remote's failure records, so that plan and build see them as
+    the store's own (planner.FAILED_BEFORE): a job another shard or an earlier run found failing is
+    not built again until --retry-failed, and keeps this shard red. Skipped: a key the remote has an
+    entry of (it was built since), one the local store already records a failure of for this
+    aotbuild, and a record that is not one (store.failure_record). Returns the keys pulled."""
+    from aotbuild import constants
+
+    store = cache if isinstance(cache, Store) else checked_store(resolve_cache_root(cache))
+    there = remote.failure_keys()
+    if not there:
+        return []
+    todo = sorted(there - remote.keys())
+    pulled = []
+    for key in todo[:MAX_PULLED_FAILURES]:
+        mine = store.failure(key)
+        if (mine is not None and mine.get("aotbuild") == constants.VERSION) or store.check_entry(key)[0]:
+            continue
+        record = remote.read_failure(key)
+        if record is None or record.get("key", key) != key:
+            continue
+        why = f"{_first_line(record['reason'])} (recorded on {remote.url})"
+        store.put_failure(key, {**record, "key": key, "reason": why, "remote": remote.url})
+        pulled.append(key)
+    return pulled
+
+
+def _first_line(reason: str) -> str:
+    lines = reason.strip().splitlines()
+    return lines[0][:500] if lines else ""
 
 
 def sign(items: list[str] | tuple[str, ...], sign_key: str | Path, cache: str | Path | None = None) -> list[str]:

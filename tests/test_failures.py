@@ -100,3 +100,101 @@ def test_ls_shows_each_entry_s_model_strategy_and_scope(tmp_path):
     assert "builtin:tiny-sd" in out and "jit-cache" in out and "full" in out
     entry = json.loads(invoke_cli("ls", "--json", "--cache", str(store.root)).stdout)["entries"][0]
     assert (entry["model"], entry["strategy"], entry["scope"]) == ("builtin:tiny-sd", "jit-cache", "full")
+
+
+def _runner(models_dir, path):
+    import shutil
+
+    shutil.copytree(models_dir / "models", path / "models")
+    return path
+
+
+@pytest.mark.parametrize("scheme", ["file", "memory"])
+def test_a_failure_recorded_on_the_remote_is_skipped_by_every_fresh_runner_until_retried(
+        scheme, models_dir, fake_compiles, monkeypatch, tmp_path):
+    """The store's one rule for failures across runners (issue 35): a build's push records its failed
+    job on the remote (key, toolchain, first line of why); a runner with a fresh cache pulls the
+    record before it plans, does not build the job, and stays red; --retry-failed builds it again,
+    and the pushed entry clears the record. What `aotbuild build --push` does, step by step."""
+    import uuid
+
+    from aotbuild.remote import parse_remote
+    from aotbuild.sync import pull_failures, push
+    from tests.conftest import TINY_DICT
+
+    recipe = {**TINY_DICT, "strategy": "jit-cache", "shapes": [{"height": 64, "width": 64},
+                                                               {"height": 64, "width": 96}]}
+    stand_in = builder._build_one
+    tried: list[str] = []
+    fails = [True]
+
+    def failing_one(store, job, tick=None, limit=None, sign_key=None, *, loads=None):
+        if job.shape.width == 96 and fails[0]:
+            tried.append(job.key)
+            return JobResult(job, FAILED, 1.0, reason="the component cannot be captured whole: Unsupported: x\n"
+                                                      "  File model.py, line 3\nmore of the log")
+        return stand_in(store, job, tick, limit, sign_key, loads=loads)
+
+    monkeypatch.setattr(builder, "_build_one", failing_one)
+    if scheme == "file":
+        (tmp_path / "remote").mkdir()
+        url = (tmp_path / "remote").as_uri()
+    else:
+        url = f"memory://f-{uuid.uuid4().hex[:8]}/ci"
+    remote = parse_remote(url)
+
+    def run(name: str, retry: bool = False):
+        cache = _runner(models_dir, tmp_path / name)
+        pull_failures(remote, cache)
+        report = builder.build(recipe, cache, remote=remote, retry_failed=retry)
+        keys = [r.job.key for r in report.results if r.status in ("built", "cached")]
+        failed = [r.job for r in report.results if r.status == FAILED]
+        return report, push(keys, remote, cache, failed=failed)
+
+    report, pushed = run("first")
+    assert [r.status for r in report.results] == ["built", "failed"] and len(tried) == 1
+    [key] = tried
+    assert pushed.failures == [key] and remote.failure_keys() == {key}
+    record = remote.read_failure(key)
+    assert record["reason"] == "the component cannot be captured whole: Unsupported: x"  # the first line
+    assert record["key"] == key and record["toolchain"]["env"]["torch"] and record["toolchain"]["target"]
+    assert "recorded 1 failed job(s) on" in pushed.text()
+
+    for name in ("second", "third"):  # fresh runners (another shard's, a rerun after preemption)
+        report, pushed = run(name)
+        assert [r.status for r in report.results] == ["remote", "failed"] and report.failed
+        assert report.results[1].not_retried and f"(recorded on {url})" in report.results[1].reason
+        assert pushed.failures == []  # the same failure is not written back
+    assert len(tried) == 1  # built once across all runners
+
+    fails[0] = False  # fixed (a new toolchain would be a new key; here, the same key built again)
+    report, pushed = run("retry", retry=True)
+    assert [r.status for r in report.results] == ["remote", "built"] and pushed.result.sent == [key]
+    assert remote.failure_keys() == set()  # the entry there clears the record
+    report, _ = run("after")
+    assert [r.status for r in report.results] == ["remote", "remote"] and not report.failed
+
+
+def test_a_hostile_failure_record_on_a_remote_is_ignored(models_dir, tmp_path):
+    """A record is read bounded and checked before use: too big, not JSON, too deep, without a reason,
+    or naming another key, it is not pulled (a bucket's writer can only ever make a job look failed)."""
+    from aotbuild.remote import parse_remote
+    from aotbuild.store import MAX_FAILURE_BYTES, Store
+    from aotbuild.sync import pull_failures
+    from tests.standins import key_of
+
+    (tmp_path / "remote").mkdir()
+    remote = parse_remote((tmp_path / "remote").as_uri())
+    bad = {"big": json.dumps({"reason": "x" * MAX_FAILURE_BYTES}), "text": "not json", "deep": '{"reason": "x", '
+           '"a": ' + "[" * 50 + "]" * 50 + "}", "noreason": '{"time": "now"}',
+           "other": json.dumps({"key": key_of("someone else"), "reason": "x"})}
+    folder = tmp_path / "remote" / "failures"
+    folder.mkdir()
+    for name, text in bad.items():
+        (folder / f"{key_of(name)}.json").write_text(text)
+    good = key_of("good")
+    (folder / f"{good}.json").write_text(json.dumps({"key": good, "reason": "boom\nsecond line", "aotbuild": "1"}))
+    cache = Store(tmp_path / "cache")
+    assert pull_failures(remote, cache) == [good]
+    assert sorted(p.stem for p in (cache.root / "failures").iterdir()) == [good]
+    assert cache.failure(good)["reason"] == f"boom (recorded on {remote.url})"
