@@ -104,6 +104,10 @@ class Change:
         weight cannot: a text encoder)."""
         return True
 
+    def unbuildable(self, value: Any) -> str:
+        """Why no strategy builds ``value`` (refused at plan time and by ``build(recipe, pipe=pipe)``), or ""."""
+        return ""
+
 
 class _FreeU(Change):
     def changes(self, component: str) -> bool:
@@ -134,12 +138,21 @@ class _FreeU(Change):
         return freeze(dict(zip(FREEU_FACTORS, kept, strict=True))), ""
 
 
+#: A fused processor computes from ``to_qkv`` (``fuse_qkv_projections`` makes it), which a processor
+#: set alone does not: the build's warmup failed on it (issue 31 item 3).
+_FUSED = "Fused"
+
+
 class _Processor(Change):
     def check(self, recipe: Recipe, value: Any, component: str, module_class: type | None) -> None:
         known = processor_classes()
         if value not in known:
+            allowed = sorted(k for k in known if not k.startswith(_FUSED))
             raise recipe.error(self.key, f"{printable(value)!r} is not an attention processor of diffusers"
-                                         f"{suggest(value, list(known))} (allowed: {', '.join(sorted(known))})")
+                                         f"{suggest(value, allowed)} (allowed: {', '.join(allowed)})")
+        why = self.unbuildable(value)
+        if why:
+            raise recipe.error(self.key, why)
         if module_class is not None and not hasattr(module_class, "set_attn_processor"):
             raise recipe.error(self.key, f"{component} ({module_class.__name__}) has no set_attn_processor: it "
                                          f"takes no attention processor")
@@ -151,6 +164,14 @@ class _Processor(Change):
 
     def apply(self, module: Any, value: Any, recipe: Recipe | None) -> None:
         module.set_attn_processor(processor_classes()[value]())
+
+    def unbuildable(self, value: Any) -> str:
+        if not str(value).startswith(_FUSED):
+            return ""
+        return (f"{value} reads the fused projections fuse_qkv_projections() makes (to_qkv), which change the "
+                f"module's structure: no build re-creates them (a pipe with them misses, named). Declare the "
+                f"unfused processor ({str(value)[len(_FUSED):]}), or serve fused projections eagerly "
+                f"(on_miss=\"eager\")")
 
     def as_fresh(self, module: Any, fresh: Any) -> bool:
         def classes(m: Any) -> dict[str, type]:
@@ -200,6 +221,20 @@ class _Cache(Change):
         if module_class is not None and not hasattr(module_class, "enable_cache"):
             raise recipe.error(self.key, f"{component} ({module_class.__name__}) has no enable_cache: diffusers' "
                                          f"cache hooks are for its transformer models")
+        raise recipe.error(self.key, self.unbuildable(value))
+
+    def unbuildable(self, value: Any) -> str:
+        # Tried on tiny-flux with FirstBlockCacheConfig (issue 31 item 6): jit-cache cannot capture the
+        # hooked transformer whole (Dynamo skips the hook's torch.compiler.disable()d code), aot-package's
+        # export calls it outside the pipeline's cache_context ("No cache context is set"). Under regional
+        # scope the hooks sit on the compiled blocks themselves, where the dispatcher would replace the
+        # hook's forward: not served either.
+        config = value.get("config", "a cache config") if isinstance(value, Mapping) else "a cache config"
+        return (f"{printable(str(config))}: no strategy builds a diffusers cache hook (jit-cache cannot capture the "
+                f"hooked transformer whole; aot-package and aot-compile trace it outside the pipeline's "
+                f"cache_context; regional blocks carry the hooks themselves). What works: the cache hook with "
+                f"this component eager (load_compiled(..., on_miss=\"eager\")), or the component compiled "
+                f"without the hook")
 
     def apply(self, module: Any, value: Any, recipe: Recipe | None) -> None:
         config = cache_config_classes()[value["config"]]
@@ -414,6 +449,9 @@ def detect(pipe: Any, recipe: Recipe) -> Detected:
                 return Detected(None, why)
             if value is None:
                 continue
+            why = change.unbuildable(value)
+            if why:
+                return Detected(None, f"{component}'s {change.key}: {why}")
             if change.name in found and found[change.name] != value:
                 return Detected(None, f"{component}'s {change.key} ({_show(value)}) differs from another "
                                       f"component's ({_show(found[change.name])}): the recipe declares one for all")

@@ -4,19 +4,22 @@ A compiled component bakes in what the module's Python did when it was traced: p
 (FreeU's ``b1``/``s1`` on the UNet's up blocks, a chunk size, a flag), the objects it called (an
 attention processor, a diffusers hook, a forward wrapper), each weight's dtype, shape, strides,
 device and ``requires_grad``, and the global state of the call (grad mode, default dtype,
-autocast). Neither the key (the recipe) nor the structure check (aotbuild/structure.py: classes and
-tensor shapes) sees those, and the AOT strategies' artifacts do not re-check them: aot-package
-served the image without FreeU, the old processor's output, and garbage for channels_last weights,
-with 0 compiles (issue 31). So the build records a conservative *snapshot* of the component
-(:func:`snapshot`: for every submodule its class, its plain attributes, the classes of the callable
-objects it holds and its tensor attributes' metadata, its forward hook counts, and per parameter and
-buffer its metadata, never a value), the global state its calls ran under and what each compiled
-module held at its first call (:func:`observe`, from the build's recorders; :func:`call_time`: a
-pipeline may set a processor for its calls, diffusers' PAG does). The load compares the live module
-with it (:func:`diff`: the first difference in words) and, once per call of each compiled module, a
-:class:`Watch` re-checks it (with the first call's differences applied: :func:`at_call`) cheaply:
-precomputed (dict, keys) pairs compared by value, parameters by metadata only, so new
-weights of the same structure (``load_state_dict``) and a processor of the same class keep serving.
+autocast, deterministic algorithms and matmul precision). Neither the key (the recipe) nor the
+structure check (aotbuild/structure.py: classes and tensor shapes) sees those, and the AOT
+strategies' artifacts do not re-check them: aot-package served the image without FreeU, the old
+processor's output, and garbage for channels_last weights, with 0 compiles (issue 31). So the
+build records a conservative *snapshot* of the component (:func:`snapshot`: for every submodule its
+class, its plain attributes, the classes and plain settings of the objects it holds (a processor's
+``_attention_backend``, a hook's ``threshold``, a cache hook's config), its tensor attributes'
+metadata, its forward hook counts, and per parameter and buffer its metadata, never a value), the
+global state its calls ran under and what each compiled module held at its first call
+(:func:`observe`, from the build's recorders; :func:`call_time`: a pipeline may set a processor for
+its calls, diffusers' PAG does). The load compares the live module with it (:func:`diff`: the first
+difference in words) and, once per call of each compiled module, a :class:`Watch` re-checks it (with
+the first call's differences applied: :func:`at_call`) cheaply: precomputed (dict, keys) pairs
+compared by value, parameters by metadata only, so new weights of the same structure
+(``load_state_dict``), a processor of the same class and settings, and a hook enabled then removed
+(``disable_cache`` leaves the module's own ``forward`` bound on it: the same code) keep serving.
 
 What is left out on purpose: ``training`` (read only by dropout with p > 0 and batch norm, whose
 ``training`` is kept), dict-valued attributes (peft's per-adapter ``scaling``: a hot-swapped
@@ -28,17 +31,19 @@ dispatcher, outside the compiled code).
 from __future__ import annotations
 
 import copy
+import dataclasses
+import enum
 import hashlib
 import operator
-import re
+import sys
 import types
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 from aotbuild.text import printable
 
-__all__ = ["VERSION", "ROOT_OUTSIDE", "only_devices", "snapshot", "digest", "diff", "recipe_key", "observe", "observed",
-           "reset_observed", "record_calls", "at_call", "call_time", "call_state", "Watch"]
+__all__ = ["VERSION", "ROOT_OUTSIDE", "only_devices", "snapshot", "numeric_flags", "digest", "diff", "recipe_key",
+           "observe", "observed", "reset_observed", "record_calls", "at_call", "call_time", "call_state", "Watch"]
 
 #: The snapshot's format: another version is compared as "built by another aotbuild".
 VERSION = 1
@@ -77,7 +82,30 @@ def _callable_name(value: Any) -> str:
     if isinstance(value, (types.FunctionType, types.BuiltinFunctionType)):
         return f"function {getattr(value, '__module__', '')}.{getattr(value, '__qualname__', '?')}"
     cls = type(value)
-    return f"{cls.__module__}.{cls.__qualname__} object"
+    return f"{cls.__module__}.{cls.__qualname__} object{_settings(value)}"
+
+
+def _plain_text(value: Any) -> str:
+    return repr(value.value if isinstance(value, enum.Enum) else value)
+
+
+def _settings(value: Any) -> str:
+    """An object's plain settings, `` (k=v, ...)`` or "": a processor's ``_attention_backend``
+    (``set_attention_backend`` writes it on each processor in place), a hook's ``threshold``, a
+    dataclass config's fields. Recorded by class only, a change of value was served (issue 31 item 4)."""
+    pairs = _plain_vars(value)
+    return " (" + ", ".join(f"{k}={_plain_text(v)}" for k, v in pairs) + ")" if pairs else ""
+
+
+def _plain_vars(value: Any) -> tuple[tuple[str, Any], ...]:
+    """(name, value) of ``value``'s plain instance attributes, None left out (absent: class defaults)."""
+    try:
+        d = vars(value)
+    except TypeError:  # no __dict__ (a builtin, __slots__)
+        return ()
+    if not d:
+        return ()
+    return tuple((k, v) for k, v in d.items() if v is not None and _is_plain(v) and k != "fn_ref")
 
 
 def _attribute(name: str, value: Any) -> str | None:
@@ -92,16 +120,33 @@ def _attribute(name: str, value: Any) -> str | None:
         return _tensor_meta(value, "tensor")
     if isinstance(value, torch.nn.Module):
         return None  # a submodule (or a reference to one): walked as a module
-    if name == "_diffusers_hook":  # a HookRegistry: which hooks it runs, by name and class
+    if name == "_diffusers_hook":  # a HookRegistry: which hooks it runs, by name, class and settings
         hooks = getattr(value, "hooks", {})
         if not hooks:  # an empty registry runs nothing: pipelines make one per call (Flux's cache_context)
             return None
-        return "hooks " + ", ".join(f"{k}={type(h).__qualname__}" for k, h in sorted(hooks.items()))
+        return "hooks " + ", ".join(f"{k}={type(h).__qualname__}{_settings(h)}" for k, h in sorted(hooks.items()))
     if callable(value) and not isinstance(value, type):
         if getattr(type(value), "aotbuild_wrapper", False):  # aotbuild's dispatcher: around the graph
             return None
         return _callable_name(value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):  # a cache hook's config (_cache_config)
+        cls = type(value)
+        return f"{cls.__module__}.{cls.__qualname__}{_settings(value)}"
     return None
+
+
+def _own_forward(sub: Any, name: str, value: Any) -> bool:
+    """Whether ``value`` is ``sub``'s own class ``forward``, bound to it: what a diffusers hook leaves as
+    ``sub.forward`` once removed (``disable_cache``), the same code as no attribute at all."""
+    return (name == "forward" and getattr(value, "__self__", None) is sub
+            and getattr(value, "__func__", None) is getattr(type(sub), "forward", None))
+
+
+def _kept(sub: Any, name: str, value: Any) -> str | None:
+    """What the snapshot keeps of ``sub``'s attribute ``name``, or None."""
+    if name in _MODULE_INTERNALS or value is None or _own_forward(sub, name, value):
+        return None
+    return _attribute(name, value)
 
 
 def _keeps_training(sub: Any) -> bool:
@@ -124,10 +169,8 @@ def _items(module: Any) -> Iterator[tuple[str, str]]:
         cls = type(sub)
         yield path or ".", f"{cls.__module__}.{cls.__qualname__}"
         for name, value in vars(sub).items():
-            if name in _MODULE_INTERNALS:
-                continue
-            what = _attribute(name, value)
-            if what is not None and value is not None:  # None is absent: getattr(self, "b1", None)
+            what = _kept(sub, name, value)  # None is absent: getattr(self, "b1", None)
+            if what is not None:
                 yield prefix + name, what
         if _keeps_training(sub):
             yield prefix + "training", repr(sub.training)
@@ -159,6 +202,8 @@ def _hint(path: str, here: str | None, there: str | None) -> str:
         return ": FreeU?"
     if leaf == "processor":
         return ": another attention processor?"
+    if leaf == "_cache_config":
+        return ": a diffusers cache hook (enable_cache)?"
     if leaf == "_diffusers_hook" or leaf == _HOOKS:
         return ": a hook (a diffusers cache, a forward hook)?"
     if " stride " in (here or "") and " stride " in (there or ""):
@@ -173,22 +218,16 @@ def _hint(path: str, here: str | None, there: str | None) -> str:
 
 def recipe_key(reason: str) -> str:
     """The recipe key that declares the change a :func:`diff` reason names (aotbuild/changes.py: FreeU's
-    factors, an attention processor, a cache hook, a memory format), or "" for one no recipe declares."""
+    factors, an attention processor, a memory format), or "" for one no recipe declares. A diffusers
+    cache hook is declarable but no strategy builds one (``changes.cache`` is refused at plan time)."""
     for hint, key in _DECLARED_BY:
         if reason.endswith(hint):
-            if key == "changes.cache" and not _CACHE_HOOK.search(reason):  # a torch forward hook, an offload hook
-                return ""
             return key
     return ""
 
 
-#: A diffusers cache hook's name in a ``_diffusers_hook`` difference (first_block_cache's ``fbc_...``).
-_CACHE_HOOK = re.compile(r"_diffusers_hook: .*(cache|fbc_|broadcast)")
-
-
 #: A difference's hint (:func:`_hint`) -> the recipe key that declares such a change.
 _DECLARED_BY = ((": FreeU?", "changes.freeu"), (": another attention processor?", "changes.attention_processor"),
-                (": a hook (a diffusers cache, a forward hook)?", "changes.cache"),
                 (": another memory format (channels_last?)", "changes.memory_format"))
 
 
@@ -241,12 +280,49 @@ _AT_CALL: dict[str, dict[str, str]] = {}
 
 
 def call_state() -> list[Any]:
-    """Grad mode, default dtype and the autocast state of CPU and CUDA: what a trace assumes of the process."""
+    """Grad mode, default dtype, and the autocast state of CPU and CUDA followed by the numeric settings
+    off their defaults (:func:`numeric_flags`): what a trace assumes of the process."""
     import torch
 
     autocast = [d for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)]
     return [torch.is_grad_enabled(), str(torch.get_default_dtype()).replace("torch.", ""),
-            [f"{d}:{str(torch.get_autocast_dtype(d)).replace('torch.', '')}" for d in autocast]]
+            [f"{d}:{str(torch.get_autocast_dtype(d)).replace('torch.', '')}" for d in autocast] + numeric_flags()]
+
+
+def numeric_flags() -> list[str]:
+    """The process-wide settings that change what compiled code computes, those off their defaults only
+    (an entry built before they were recorded ran under the defaults, so its states still compare):
+    deterministic algorithms (Inductor generates other kernels, eager picks other ones), TF32 and
+    reduced-precision reductions of CUDA matmuls and the float32 matmul precision (Inductor bakes them
+    into its kernels), and diffusers' active attention backend (a trace calls the one it found).
+    Dynamo's GLOBAL_STATE guard checks most of these, and aot-compile's loads drop it
+    (aotbuild/strategies/aot_compile.py): this check holds for every strategy. The thread count it
+    also checks changes no result and is left out."""
+    import torch
+
+    flags = []
+    if torch.are_deterministic_algorithms_enabled():
+        flags.append("deterministic warn-only" if torch.is_deterministic_algorithms_warn_only_enabled()
+                     else "deterministic")
+    matmul = torch.backends.cuda.matmul
+    if matmul.allow_tf32:
+        flags.append("cuda matmul tf32")
+    if not matmul.allow_fp16_reduced_precision_reduction:
+        flags.append("no fp16 reduced-precision reduction")
+    if not matmul.allow_bf16_reduced_precision_reduction:
+        flags.append("no bf16 reduced-precision reduction")
+    precision = torch.get_float32_matmul_precision()
+    if precision != "highest":
+        flags.append(f"float32 matmul precision {precision}")
+    # diffusers' process-wide attention backend: what a processor without its own _attention_backend
+    # dispatches to (set_attention_backend sets it and each processor's; reset_attention_backend only
+    # the processors'). Read only where diffusers loaded it: the check never imports diffusers.
+    dispatch = sys.modules.get("diffusers.models.attention_dispatch")
+    registry = getattr(dispatch, "_AttentionBackendRegistry", None)
+    backend = getattr(registry, "_active_backend", None)
+    if backend is not None and getattr(backend, "value", backend) != "native":
+        flags.append(f"diffusers attention backend {getattr(backend, 'value', backend)}")
+    return flags
 
 
 def record_calls(module: Any) -> None:
@@ -327,8 +403,11 @@ def reset_observed() -> None:
 
 
 def _describe_state(state: list[Any]) -> str:
-    grad, dtype, autocast = state
-    return f"grad {'on' if grad else 'off'}, default dtype {dtype}, autocast {', '.join(autocast) or 'off'}"
+    grad, dtype, settings = state
+    autocast = [s for s in settings if ":" in s]
+    flags = [s for s in settings if ":" not in s]
+    return (f"grad {'on' if grad else 'off'}, default dtype {dtype}, autocast {', '.join(autocast) or 'off'}, "
+            f"{', '.join(flags) or 'default numerics'}")
 
 
 # -- the per-call check ----------------------------------------------------------------------------
@@ -365,8 +444,7 @@ class Watch:
             d = vars(sub)
             root = path == ""
             dicts.append(d)
-            keys = [k for k, v in d.items() if k not in _MODULE_INTERNALS and not (root and k in ROOT_OUTSIDE)
-                    and _attribute(k, v) is not None]
+            keys = [k for k, v in d.items() if not (root and k in ROOT_OUTSIDE) and _kept(sub, k, v) is not None]
             held = [k for k in keys if not _is_plain(d[k])]
             if len(keys) > len(held):
                 plain.append((d, operator.itemgetter(*[k for k in keys if k not in held])))
@@ -415,7 +493,8 @@ class Watch:
             if state not in self.states:
                 return (f"{self.component}{'.' + self.under if self.under else ''} is called with "
                         f"{_describe_state([state[0], state[1], list(state[2])])}; the entry was traced with "
-                        f"{_describe_state(list(self.states[0]))}: another grad mode, default dtype or autocast")
+                        f"{_describe_state(list(self.states[0]))}: another grad mode, default dtype, autocast or "
+                        f"numeric setting (deterministic algorithms, TF32, matmul precision)")
         if not self.moved():
             return self.reason
         live = snapshot(self.module)
@@ -447,13 +526,16 @@ def only_devices(recorded: Mapping[str, Any], live: Mapping[str, Any], under: st
 
 
 def _fingerprint(value: Any) -> Any:
-    """A held object's class (a function itself; a tensor's metadata), and for a diffusers HookRegistry
-    its hooks' names (hooks come and go in place)."""
+    """A held object's class and plain settings (a function itself; a tensor's metadata), and for a
+    diffusers HookRegistry its hooks' names and settings (hooks come and go in place; a processor's
+    ``_attention_backend`` is written in place)."""
     if isinstance(value, (types.FunctionType, types.BuiltinFunctionType)):
         return id(value)
     if hasattr(value, "stride") and hasattr(value, "dtype") and hasattr(value, "shape"):
         return (id(value), value.dtype, value.shape, value.stride(), value.device.type)
     hooks = getattr(value, "hooks", None) if type(value).__name__ == "HookRegistry" else None
-    return (type(value), tuple(hooks)) if isinstance(hooks, dict) else type(value)
+    if isinstance(hooks, dict):
+        return type(value), tuple((k, type(h), _plain_vars(h)) for k, h in hooks.items())
+    return type(value), _plain_vars(value)
 
 

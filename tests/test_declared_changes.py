@@ -244,7 +244,9 @@ def test_a_change_no_other_process_can_re_create_is_refused_with_the_reason(mode
     assert words in str(info.value)
 
 
-def test_a_diffusers_cache_hook_is_read_off_a_transformer(tmp_path):
+def test_a_diffusers_cache_hook_is_read_off_a_transformer_and_refused_as_no_build_makes_one(tmp_path):
+    """The cache hook is read as the recipe would declare it, and refused with the reason: no strategy
+    builds one (issue 31 item 6), so build(recipe, pipe=pipe) would only fail its jobs."""
     from diffusers.hooks import FirstBlockCacheConfig
 
     flux = parse_recipe({**TINY, "model": {"id": "builtin:tiny-flux", "dtype": "float32"},
@@ -252,9 +254,33 @@ def test_a_diffusers_cache_hook_is_read_off_a_transformer(tmp_path):
     pipe = _pipe(flux, tmp_path)
     assert changes.detect(pipe, flux) == changes.Detected(None)  # FluxAttnProcessor is the model's own default
     pipe.transformer.enable_cache(FirstBlockCacheConfig(threshold=0.2))
+    value, why = changes.CHANGES[2].read(pipe.transformer, "transformer")
+    assert dict(value) == {"config": "FirstBlockCacheConfig", "threshold": 0.2} and not why
     found = changes.detect(pipe, flux)
-    assert found.changes == ChangesSpec(cache=found.changes.cache) and not found.refused
-    assert dict(found.changes.cache) == {"config": "FirstBlockCacheConfig", "threshold": 0.2}
+    assert found.changes is None and found.refused.startswith(
+        "transformer's changes.cache: FirstBlockCacheConfig: no strategy builds a diffusers cache hook")
+    pipe.transformer.disable_cache()
+    assert changes.detect(pipe, flux) == changes.Detected(None)
+
+
+def test_what_no_strategy_builds_is_refused_at_plan_time_with_what_works(tmp_path, cache):
+    """A declared fused processor needs fuse_qkv_projections' to_qkv (the build's warmup failed on it)
+    and a declared cache hook failed every build (issue 31 items 3 and 6): both were accepted by plan."""
+    with pytest.raises(RecipeError) as info:
+        aotbuild.plan(_recipe(attention_processor="FusedAttnProcessor2_0"), cache=cache)
+    assert info.value.key == "changes.attention_processor"
+    assert "FusedAttnProcessor2_0 reads the fused projections fuse_qkv_projections() makes" in str(info.value)
+    assert "Declare the unfused processor (AttnProcessor2_0)" in str(info.value)
+    with pytest.raises(RecipeError) as info:  # a typo is not offered a fused one
+        aotbuild.plan(_recipe(attention_processor="FusedAttnProcesor2_0"), cache=cache)
+    assert "Fused" not in str(info.value).split("(allowed: ")[1]
+    flux = {**TINY, "model": {"id": "builtin:tiny-flux", "dtype": "float32"},
+            "compile": {"components": ["transformer"]}}
+    with pytest.raises(RecipeError) as info:
+        aotbuild.plan(parse_recipe({**flux, "changes": {"cache": {"config": "FirstBlockCacheConfig"}}}),
+                      cache=tmp_path)
+    assert info.value.key == "changes.cache"
+    assert "no strategy builds a diffusers cache hook" in str(info.value) and 'on_miss="eager"' in str(info.value)
 
 
 # -- build(recipe, pipe=pipe) and load_compiled(recipe, pipe=pipe) key the pipe's changes ------------
@@ -338,11 +364,12 @@ def test_a_stale_graph_names_the_recipe_key_that_declares_the_change():
     with pytest.raises(StaleGraph) as info:
         d(1.0)
     assert "declare it in the recipe" not in str(info.value) and "refuses others" in str(info.value)
-    d.watch = Changed("transformer.transformer_blocks.0._diffusers_hook: hooks "
-                      "fbc_leader_block_hook=FBCLeaderBlockHook here, absent in the entry: a hook (a diffusers cache, "
-                      "a forward hook)?")
-    with pytest.raises(StaleGraph, match=r"declare it in the recipe \(changes\.cache"):
+    # a diffusers cache hook: declarable, but no strategy builds one (refused at plan time), so not offered
+    d.watch = Changed("transformer._cache_config: diffusers.hooks.first_block_cache.FirstBlockCacheConfig "
+                      "(threshold=0.2) here, absent in the entry: a diffusers cache hook (enable_cache)?")
+    with pytest.raises(StaleGraph) as info:
         d(1.0)
+    assert "declare it in the recipe" not in str(info.value) and "refuses others" in str(info.value)
 
 
 # -- built and served ---------------------------------------------------------------------------------

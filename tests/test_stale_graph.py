@@ -541,3 +541,87 @@ def test_jit_cache_refuses_a_compile_the_dependency_check_did_not_foresee(strate
     _freeu(pipe)
     with pytest.raises(StaleGraph, match="a call needs a graph the installed cache does not have"):
         _image(pipe, recipe)
+
+
+# -- hooks' and processors' settings, global numerics (issue 31 items 2, 4, 5) -----------------------
+
+
+def _tiny_flux_transformer():
+    from diffusers import FluxTransformer2DModel
+
+    torch.manual_seed(0)
+    return FluxTransformer2DModel(patch_size=1, in_channels=4, num_layers=1, num_single_layers=2, attention_head_dim=8,
+                                  num_attention_heads=2, joint_attention_dim=8, pooled_projection_dim=8,
+                                  axes_dims_rope=(2, 2, 4))
+
+
+def test_a_cache_hook_is_named_with_its_settings_and_once_disabled_serves_again():
+    """enable_cache is refused by its config and hooks (their settings too: a threshold changed in place
+    moves nothing else); disable_cache leaves each block's own forward bound on it, the same code as
+    none: it was refused after the hook was gone (issue 31 item 2)."""
+    from diffusers.hooks import FirstBlockCacheConfig
+
+    m = _tiny_flux_transformer()
+    recorded = {**dependencies.snapshot(m), "globals": []}
+    watch = dependencies.Watch(m, recorded, "transformer")
+    m.enable_cache(FirstBlockCacheConfig(threshold=0.2))
+    assert watch.check() == ("transformer._cache_config: diffusers.hooks.first_block_cache.FirstBlockCacheConfig "
+                             "(threshold=0.2) here, absent in the entry: a diffusers cache hook (enable_cache)?")
+    m.disable_cache()
+    assert "forward" in vars(m.transformer_blocks[0])  # what diffusers leaves behind
+    assert watch.check() == "" and _diff(recorded, m) == ""
+    m.enable_cache(FirstBlockCacheConfig(threshold=0.2))
+    armed = {**dependencies.snapshot(m), "globals": []}
+    watch = dependencies.Watch(m, armed, "transformer")
+    assert watch.check() == ""
+    leader = m.transformer_blocks[0]._diffusers_hook.hooks["fbc_leader_block_hook"]
+    leader.threshold = 0.5  # in place: the same objects, another setting
+    assert watch.check().startswith("transformer.transformer_blocks.0._diffusers_hook: hooks "
+                                    "fbc_leader_block_hook=FBCHeadBlockHook (threshold=0.5) here")
+    m.disable_cache()
+
+
+def test_a_processors_attention_backend_is_recorded_per_processor_and_process_wide():
+    """set_attention_backend writes ``_attention_backend`` on each processor object in place and sets
+    diffusers' process-wide active backend; the record kept the processor's class only (issue 31 item 4)."""
+    from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+
+    m = _tiny_flux_transformer()
+    recorded = dependencies.snapshot(m)
+    watch = dependencies.Watch(m, {**recorded, "globals": []}, "transformer")  # the module only
+    state = dependencies.Watch(m, {**recorded, "globals": [dependencies.call_state()]}, "transformer")
+    active = _AttentionBackendRegistry._active_backend
+    try:
+        m.set_attention_backend("_native_math")
+        assert "processor: diffusers.models.transformers.transformer_flux.FluxAttnProcessor object " \
+               "(_attention_backend='_native_math') here, " in watch.check()
+        m.reset_attention_backend()  # the processors' only: the active backend stays _native_math
+        assert watch.check() == ""
+        assert "autocast off, diffusers attention backend _native_math; the entry was traced with " in state.check()
+    finally:
+        _AttentionBackendRegistry._active_backend = active
+    assert state.check() == ""
+
+
+@pytest.mark.parametrize("setting", ["deterministic", "matmul precision"])
+def test_a_call_under_other_numeric_settings_is_refused(setting):
+    """torch.use_deterministic_algorithms and the float32 matmul precision change the kernels a compiled
+    graph runs; aot-compile's loads drop Dynamo's GLOBAL_STATE guard, which checked them (issue 31 item 5)."""
+    m = Outer()
+    with torch.no_grad():
+        recorded = {**dependencies.snapshot(m), "globals": [dependencies.call_state()]}
+        watch = dependencies.Watch(m, recorded, "m")
+        assert watch.check() == ""
+        before = (torch.are_deterministic_algorithms_enabled(), torch.get_float32_matmul_precision())
+        try:
+            if setting == "deterministic":
+                torch.use_deterministic_algorithms(True)
+                words = "default dtype float32, autocast off, deterministic; the entry"
+            else:
+                torch.set_float32_matmul_precision("high")
+                words = "autocast off, cuda matmul tf32, float32 matmul precision high; the entry"
+            assert words in watch.check()
+        finally:
+            torch.use_deterministic_algorithms(before[0])
+            torch.set_float32_matmul_precision(before[1])
+        assert watch.check() == ""
