@@ -129,7 +129,9 @@ def _attribute(name: str, value: Any) -> str | None:
         if getattr(type(value), "aotbuild_wrapper", False):  # aotbuild's dispatcher: around the graph
             return None
         return _callable_name(value)
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):  # a cache hook's config (_cache_config)
+    # A diffusers cache hook's config, by its fields. Only that attribute: transformers' configs are
+    # dataclasses too, whose fields (_name_or_path: the folder loaded from) are no graph's constants.
+    if name == "_cache_config" and dataclasses.is_dataclass(value) and not isinstance(value, type):
         cls = type(value)
         return f"{cls.__module__}.{cls.__qualname__}{_settings(value)}"
     return None

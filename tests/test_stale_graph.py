@@ -407,6 +407,14 @@ def _fused(pipe):
     pipe.fuse_qkv_projections(unet=True, vae=False)
 
 
+#: The LoRA file _lora loads (made once per module by the ``adapter`` fixture, with peft: tests/test_lora.py).
+_ADAPTER: list[str] = []
+
+
+def _lora(pipe):
+    pipe.load_lora_weights(_ADAPTER[0])  # no `lora:` in the recipe: peft's layers replace the UNet's Linears
+
+
 #: change -> (what it does, its effect on eager's image is measurable, benign: served compiled)
 CHANGES = {
     "freeu": (_freeu, True, False),
@@ -420,8 +428,9 @@ CHANGES = {
     "scheduler-swap": (_scheduler, True, True),
     "step-count": (_steps, True, True),
     "fused-projections": (_fused, False, False),  # eager: the same numbers; the module's structure changed
+    "lora-without-recipe": (_lora, True, False),
 }
-_EAGER: dict[str, torch.Tensor] = {}
+_EAGER: dict[tuple[str, str], torch.Tensor] = {}
 
 
 def _pipe(recipe, models_dir):
@@ -437,13 +446,15 @@ def _image(pipe, recipe):
     return pipe(**call, output_type="pt").images.float()
 
 
-def _eager(name, recipe, models_dir):
-    if name not in _EAGER:
+def _eager(name, recipe, models_dir, changes=None):
+    """Eager's image with the change ``name`` (of ``changes``, default CHANGES), once per model."""
+    key = (recipe.model.id, name)
+    if key not in _EAGER:
         pipe = _pipe(recipe, models_dir)
         if name != "none":
-            CHANGES[name][0](pipe)
-        _EAGER[name] = _image(pipe, recipe)
-    return _EAGER[name]
+            (changes or CHANGES)[name][0](pipe)
+        _EAGER[key] = _image(pipe, recipe)
+    return _EAGER[key]
 
 
 @pytest.fixture
@@ -457,22 +468,30 @@ def no_codegen(monkeypatch):
     monkeypatch.setattr(compile_fx._InProcessFxCompile, "codegen_and_compile", refuse)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("strategy", STRATEGIES)
-def test_no_change_is_served_stale(strategy, strategy_build, models_dir, no_codegen):
-    """Each change x before/after load: served compiled and within 1e-4 of eager with the change, or
-    refused naming it; never a compile (on_miss="error"), never a stale image."""
+@pytest.fixture(scope="module")
+def adapter(models_dir, tmp_path_factory):
+    """A tiny LoRA of the UNet's attention projections, random (init_lora_weights=False: it moves the image)."""
+    from tests.test_lora import ATTENTION, make_adapter
+
+    model = next((models_dir / "models").glob("tiny-sd-v*"))
+    folder = make_adapter(model, tmp_path_factory.mktemp("stale-lora"), 4, 4, ATTENTION, 1)
+    _ADAPTER[:] = [str(folder)]
+    return folder
+
+
+def run_matrix(label, recipe, cache, models_dir, changes, component="unet", traces=False):
+    """Each change x before/after load on the entry ``cache`` holds for ``recipe``: served compiled and
+    within 1e-4 of eager with the change, or refused naming it; never a compile (the caller aborts
+    Inductor's code generation), never a stale image. ``traces``: Dynamo may trace at the first call
+    (jit-cache: that is not compiling). Returns the printed cells."""
     from torch._dynamo.utils import counters
 
-    from aotbuild import load_compiled
-    from aotbuild.recipes import load_recipe
+    from aotbuild import dependencies, load_compiled
 
-    recipe_path, cache, _ = strategy_build(strategy)
-    recipe = load_recipe(recipe_path)
     plain = _eager("none", recipe, models_dir)
     results = {}
-    for name, (change, effect, benign) in CHANGES.items():
-        expected = _eager(name, recipe, models_dir)
+    for name, (change, effect, benign) in changes.items():
+        expected = _eager(name, recipe, models_dir, changes)
         moved = (expected - plain).abs().max().item()
         if effect:  # an ignored change cannot pass
             assert moved > 1e-3, f"{name}: no measurable effect in eager ({moved})"
@@ -484,21 +503,37 @@ def test_no_change_is_served_stale(strategy, strategy_build, models_dir, no_code
                 if when == "before":
                     change(pipe)
                 load_compiled(recipe, pipe, cache=cache, on_miss="error")
+                # the per-call check is the same object for every strategy (aotbuild/runtime.py _watch)
+                assert isinstance(getattr(pipe, component).forward.watch, dependencies.Watch)
                 if when == "after":
                     change(pipe)
                 got = _image(pipe, recipe)
             except (CacheMiss, UsageError) as exc:
                 lines = str(exc).strip().splitlines()
                 results[(name, when)] = "refused: " + next((x.strip() for x in lines if "MISS" in x), lines[0])
-                assert not benign, f"{strategy} {name} {when}: a benign change was refused: {exc}"
+                assert not benign, f"{label} {name} {when}: a benign change was refused: {exc}"
                 continue
-            served = pipe.unet.forward.calls["built"]
+            served = getattr(pipe, component).forward.calls["built"]
             error = (got - expected).abs().max().item()
             results[(name, when)] = f"served compiled ({served} calls), {error:.1e} from eager"
-            assert served >= 1 and error <= 1e-4, f"{strategy} {name} {when}: stale ({error} from eager)"
-            if strategy != "jit-cache":  # jit-cache traces at its first call (that is not compiling)
-                assert counters["stats"]["unique_graphs"] == graphs, f"{strategy} {name} {when}: Dynamo traced"
-    print(f"\n{strategy}:\n" + "\n".join(f"  {n} {w}: {r}" for (n, w), r in results.items()))
+            assert served >= 1 and error <= 1e-4, f"{label} {name} {when}: stale ({error} from eager)"
+            if not traces:
+                assert counters["stats"]["unique_graphs"] == graphs, f"{label} {name} {when}: Dynamo traced"
+    print(f"\n{label}:\n" + "\n".join(f"  {n} {w}: {r}" for (n, w), r in results.items()))
+    return results
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_no_change_is_served_stale(strategy, strategy_build, models_dir, no_codegen, adapter):
+    """Each change x before/after load: served compiled and within 1e-4 of eager with the change, or
+    refused naming it; never a compile (on_miss="error"), never a stale image."""
+    from aotbuild.recipes import load_recipe
+
+    recipe_path, cache, _ = strategy_build(strategy)
+    results = run_matrix(strategy, load_recipe(recipe_path), cache, models_dir, CHANGES,
+                         traces=strategy == "jit-cache")
+    assert all(results[("lora-without-recipe", w)].startswith("refused") for w in ("before", "after"))
 
 
 @pytest.mark.slow
@@ -581,6 +616,22 @@ def test_a_cache_hook_is_named_with_its_settings_and_once_disabled_serves_again(
     m.disable_cache()
 
 
+def test_a_dataclass_other_than_a_cache_config_is_not_recorded():
+    """transformers 5's configs are dataclasses whose fields include the folder loaded from
+    (_name_or_path): recorded, a cache copied elsewhere would miss (found in review)."""
+    import dataclasses
+
+    @dataclasses.dataclass
+    class Config:
+        _name_or_path: str = "/somewhere"
+
+    m = Outer()
+    m.config = Config()
+    assert "config" not in dependencies.snapshot(m)["items"]
+    m._cache_config = Config()
+    assert dependencies.snapshot(m)["items"]["_cache_config"].endswith("Config (_name_or_path='/somewhere')")
+
+
 def test_a_processors_attention_backend_is_recorded_per_processor_and_process_wide():
     """set_attention_backend writes ``_attention_backend`` on each processor object in place and sets
     diffusers' process-wide active backend; the record kept the processor's class only (issue 31 item 4)."""
@@ -625,3 +676,75 @@ def test_a_call_under_other_numeric_settings_is_refused(setting):
             torch.use_deterministic_algorithms(before[0])
             torch.set_float32_matmul_precision(before[1])
         assert watch.check() == ""
+
+
+# -- diffusers cache hooks on a transformer model (one tiny-flux build) ------------------------------
+
+#: Full scope, aot-package: the strategy that ignored a cache hook (0.11 off, issue 31). The checks are
+#: strategy-independent (aotbuild/runtime.py: _dependency_problem at load, _watch's Watch per call, the
+#: same for every strategy: run_matrix asserts the Watch on every tiny-sd strategy), so one build of one
+#: strategy covers what a hook does to them.
+FLUX_RECIPE = """\
+model: {id: builtin:tiny-flux, dtype: float32}
+target: inductor
+device: cpu
+strategy: aot-package
+compile: {components: [transformer]}
+shapes: [{height: 64, width: 64}]
+warmup: {num_inference_steps: 2, max_sequence_length: 8, guidance_scale: 3.5}
+"""
+
+
+@pytest.fixture(scope="module")
+def flux_build(tmp_path_factory):
+    """FLUX_RECIPE built by the CLI once per run: (recipe file, cache root, which holds the model too)."""
+    import json
+
+    from tests.conftest import once_per_run, run_cli
+
+    def build(folder):
+        folder.mkdir(parents=True, exist_ok=True)
+        recipe = folder / "tiny_flux_aot-package.yaml"
+        recipe.write_text(FLUX_RECIPE)
+        proc = run_cli("build", "--json", "--cache", str(folder / "cache"), str(recipe),
+                       env={"TORCHINDUCTOR_CACHE_DIR": str(folder / "build-inductor"), "AOTBUILD_CACHE": ""})
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+        assert json.loads(proc.stdout)["jobs"][0]["status"] == "built"
+        return [str(recipe), str(folder / "cache")]
+
+    recipe, cache = once_per_run(tmp_path_factory, "stale-flux-aot-package", build)
+    return recipe, cache
+
+
+def _first_block_cache(pipe):
+    from diffusers.hooks import FirstBlockCacheConfig
+
+    pipe.transformer.enable_cache(FirstBlockCacheConfig(threshold=10.0))  # the 2nd step reuses the 1st's residual
+
+
+def _cache_enabled_then_disabled(pipe):
+    _first_block_cache(pipe)
+    pipe.transformer.disable_cache()  # leaves each block's own forward bound on it: the same code
+
+
+CACHE_HOOKS = {
+    "first-block-cache": (_first_block_cache, True, False),
+    "cache-hook-disabled": (_cache_enabled_then_disabled, False, True),
+}
+
+
+@pytest.mark.slow
+def test_a_cache_hook_on_a_transformer_is_never_ignored(flux_build, no_codegen):
+    """A diffusers cache hook (enable_cache) before or after load: refused naming it, never served
+    without the hook (aot-package served the image without it, 0.11 off) nor a Dynamo error at the
+    call; the hook enabled then disabled serves compiled, equal to eager."""
+    from pathlib import Path
+
+    from aotbuild.recipes import load_recipe
+
+    recipe_path, cache = flux_build
+    recipe = load_recipe(recipe_path)
+    results = run_matrix("aot-package (tiny-flux)", recipe, Path(cache), Path(cache), CACHE_HOOKS, "transformer")
+    for when in ("before", "after"):
+        assert "cache hook" in results[("first-block-cache", when)] or "_cache_config" in \
+            results[("first-block-cache", when)], results
