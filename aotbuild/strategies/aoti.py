@@ -151,6 +151,10 @@ def _package(module: Any, sig: str, args: tuple[Any, ...], kwargs: dict[str, Any
     with torch._inductor.config.patch({"aot_inductor.metadata": dict(torch._inductor.config.aot_inductor.metadata)}):
         torch._inductor.aoti_compile_and_package(exported, package_path=str(path), inductor_configs=configs)
     fqns = _probe(path, workdir / PROBE_CACHE)
+    # Only the lifted constants the package asks for: Inductor folds one it can compute at compile
+    # time (Chroma's guidance_proj(torch.tensor([0] * batch)) in time_text_embed), and supplying a
+    # name the package lacks fails every load ("Constant not found", issue 36 item 4).
+    lifted = {name: value for name, value in lifted.items() if name in fqns}
     weights = [f for f in fqns if f not in lifted]
     record = {"signature": sig, "path": f"{PACKAGE_DIR}/{path.name}", "strides": strides,
               "constants": constant_meta(module, weights), "baked": baked_digests(module, weights),
