@@ -59,7 +59,7 @@ class PushReport:
 
 def push(items: list[str] | tuple[str, ...], remote: Remote, cache: str | Path | None = None,
          progress: Callable[[str], None] | None = None, trusted: dict[str, bytes] | None = None,
-         failed: list[Job] | None = None) -> PushReport:
+         failed: list[Job | str] | None = None) -> PushReport:
     """Push KEYS or RECIPES (files or folders); none means every entry of the local store, unless
     ``failed`` is given (a build's push: then ``items`` are exactly what is pushed).
 
@@ -68,7 +68,7 @@ def push(items: list[str] | tuple[str, ...], remote: Remote, cache: str | Path |
     adds one, knowingly). With ``trusted`` keys (name -> public key, signing.trusted_from_env), a
     remote manifest none of them signed is replaced by a pushed one that one of them did.
 
-    ``failed``: the jobs a build found failed; their failure records go to the remote
+    ``failed``: the jobs (or record keys) a build found failed; their failure records go to the remote
     (:func:`push_failures`). A pushed entry clears the remote's record of its key."""
     store = checked_store(resolve_cache_root(cache))
     if failed is not None and not items:
@@ -109,31 +109,35 @@ def push(items: list[str] | tuple[str, ...], remote: Remote, cache: str | Path |
 MAX_PULLED_FAILURES = 1000
 
 
-def push_failures(remote: Remote, store: Store, jobs: list[Job]) -> list[str]:
-    """Record on ``remote`` the failure of each of ``jobs`` that the local store has a record of (the
-    store's one rule for failures, issue 35): its key, its toolchain and the first line of why. A
-    record pulled from a remote, or one the remote has already (the same failure) is not written again;
-    a newer failure of a key (a --retry-failed that failed again) replaces it. Returns the keys."""
+def push_failures(remote: Remote, store: Store, failed: list[Job | str]) -> list[str]:
+    """Record on ``remote`` the failure of each of ``failed`` (jobs, or keys of failure records) that
+    the local store has a record of (the store's one rule for failures, issue 35): its key, its
+    toolchain and the first line of why. A record pulled from a remote, or one the remote has already
+    (the same failure) is not written again; a newer failure of a key (a --retry-failed that failed
+    again) replaces it. Returns the keys recorded."""
+    from aotbuild.context import environment_factors
     from aotbuild.frozen import thaw
 
     there: set[str] | None = None
     recorded = []
-    for job in jobs:
-        local = store.failure(job.key) if job.key else None
+    for item in failed:
+        key = item if isinstance(item, str) else item.key
+        local = store.failure(key) if key else None
         if local is None or "remote" in local:  # none, or pulled from a remote: not this build's to record
             continue
         if there is None:
             there = remote.failure_keys()
-        if job.key in there:
-            theirs = remote.read_failure(job.key)
+        if key in there:
+            theirs = remote.read_failure(key)
             if theirs is not None and theirs.get("time") == local.get("time"):
                 continue
-        factors = thaw(job.factors) if job.factors is not None else {}
-        toolchain = {name: factors.get(name) for name in ("env", "target", "device")}
-        record = {**{k: v for k, v in local.items() if k != "remote"}, "key": job.key,
-                  "reason": _first_line(local["reason"]), "toolchain": toolchain}
-        if remote.put_failure(job.key, record):
-            recorded.append(job.key)
+        # The toolchain: the job's own factors, else this process's (the build's, which pushes).
+        factors = thaw(item.factors) if not isinstance(item, str) and item.factors is not None else {}
+        toolchain = local.get("toolchain") or {name: factors[name] for name in ("env", "target", "device")
+                                               if name in factors} or {"env": environment_factors()}
+        record = {**local, "key": key, "reason": _first_line(local["reason"]), "toolchain": toolchain}
+        if remote.put_failure(key, record):
+            recorded.append(key)
     return recorded
 
 

@@ -198,3 +198,26 @@ def test_a_hostile_failure_record_on_a_remote_is_ignored(models_dir, tmp_path):
     assert pull_failures(remote, cache) == [good]
     assert sorted(p.stem for p in (cache.root / "failures").iterdir()) == [good]
     assert cache.failure(good)["reason"] == f"boom (recorded on {remote.url})"
+
+
+def test_a_failure_record_pushed_by_key_names_the_building_toolchain(tmp_path):
+    """A record named by its key (a build whose failed attempts are recorded under keys of their own)
+    goes with this process's toolchain, and is not written again once the remote has it."""
+    import torch
+
+    from aotbuild.remote import parse_remote
+    from aotbuild.store import Store
+    from aotbuild.sync import push_failures
+    from tests.standins import key_of
+
+    (tmp_path / "remote").mkdir()
+    remote = parse_remote((tmp_path / "remote").as_uri())
+    store = Store(tmp_path / "cache")
+    key = key_of("a")
+    store.put_failure(key, {"key": key, "reason": "boom\nthe rest", "time": "t1", "aotbuild": "x"})
+    assert push_failures(remote, store, [key, key_of("no record")]) == [key]
+    record = remote.read_failure(key)
+    assert record["reason"] == "boom" and record["toolchain"]["env"]["torch"] == torch.__version__
+    assert push_failures(remote, store, [key]) == []  # the same failure: not written again
+    store.put_failure(key, {"key": key, "reason": "boom again", "time": "t2", "aotbuild": "x"})
+    assert push_failures(remote, store, [key]) == [key] and remote.read_failure(key)["reason"] == "boom again"
