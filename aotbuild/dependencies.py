@@ -204,6 +204,8 @@ def _hint(path: str, here: str | None, there: str | None) -> str:
         return ": FreeU?"
     if leaf == "processor":
         return ": another attention processor?"
+    if leaf == "_hf_peft_config_loaded" or "peft.tuners." in (here or ""):
+        return ": a LoRA loaded (load_lora_weights)? A recipe's lora section builds for hot-swapped adapters"
     if leaf == "_cache_config":
         return ": a diffusers cache hook (enable_cache)?"
     if leaf == "_diffusers_hook" or leaf == _HOOKS:

@@ -533,7 +533,8 @@ def test_no_change_is_served_stale(strategy, strategy_build, models_dir, no_code
     recipe_path, cache, _ = strategy_build(strategy)
     results = run_matrix(strategy, load_recipe(recipe_path), cache, models_dir, CHANGES,
                          traces=strategy == "jit-cache")
-    assert all(results[("lora-without-recipe", w)].startswith("refused") for w in ("before", "after"))
+    assert "peft.tuners.lora.layer.Linear here" in results[("lora-without-recipe", "before")]
+    assert "a LoRA loaded (load_lora_weights)?" in results[("lora-without-recipe", "after")]
 
 
 @pytest.mark.slow
