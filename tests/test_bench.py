@@ -205,6 +205,7 @@ def test_standin_target_builds_what_is_missing_then_measures_all_three(tmp_path)
         model: {id: builtin:tiny-sd, dtype: float32}
         target: neuron
         device: cpu
+        strategy: jit-cache
         compile: {components: [unet]}
         shapes: [{height: 64, width: 64}, {height: 32, width: 32}]
         warmup: {guidance_scale: 0.0}

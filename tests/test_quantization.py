@@ -12,7 +12,7 @@ from tests.conftest import invoke_cli, run_cli
 
 QUANTIZED = {"model": {"id": "builtin:tiny-sd", "dtype": "float32",
                        "quantization": {"backend": "torchao", "quant_type": "int8wo"}},
-             "target": "inductor", "device": "cpu", "compile": {"components": ["unet"]},
+             "target": "inductor", "device": "cpu", "strategy": "jit-cache", "compile": {"components": ["unet"]},
              "shapes": [{"height": 64, "width": 64}], "warmup": {"num_inference_steps": 2, "guidance_scale": 0.0}}
 
 
