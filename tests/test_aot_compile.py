@@ -90,13 +90,31 @@ def test_a_block_is_compiled_on_the_device_its_call_ran_on_and_put_back():
     assert half.moves == ["meta", "cpu"]  # put back all the same
 
 
-def test_the_thread_count_is_a_key_factor_for_aot_compile_only():
-    """The artifact's global-state guard holds the thread count (cpp.dynamic_threads or not, any device)."""
-    strategy = get_strategy("aot-compile")
+def test_the_artifacts_keep_the_portable_guards_but_the_global_state_one():
+    """``portable_guards`` is torch's keep_portable_guards_unsafe less GLOBAL_STATE (it holds the thread
+    count), on the guards Dynamo makes for a module call (the eager backend: no code generated)."""
+    entries: list = []
+
+    def record(guards):
+        entries.extend(guards)
+        return [True] * len(guards)
+
+    compiled = torch.compile(aot_compile.call, backend="eager", fullgraph=True, options={"guard_filter_fn": record})
+    compiled(torch.nn.Linear(3, 3), torch.randn(2, 3))
+    portable = torch.compiler.keep_portable_guards_unsafe(entries)
+    kept = aot_compile.portable_guards(entries)
+    pairs = list(zip(entries, portable, kept, strict=True))
+    assert {e.guard_type for e, was, now in pairs if was and not now} == {"GLOBAL_STATE"}
+    assert not any(now and not was for _, was, now in pairs)
+    assert [e.guard_type for e, _, now in pairs if now].count("TENSOR_MATCH") == 3  # input, weight, bias
+
+
+def test_the_thread_count_is_no_key_factor_of_aot_compile_any_more():
+    """Its artifacts serve any thread count (tests/test_threads.py); the target keys the count where the
+    kernels bake it in (cpp.dynamic_threads: false), for every strategy alike."""
     target = __import__("aotbuild.targets", fromlist=["get_target"]).get_target("inductor")
-    assert strategy.compile_factors(target, "cpu") == {"cpu_threads": torch.get_num_threads()}
-    assert strategy.compile_factors(target, "cuda") == {"cpu_threads": torch.get_num_threads()}
-    assert get_strategy("jit-cache").compile_factors(target, "cpu") == {}
+    assert get_strategy("aot-compile").compile_factors(target, "cpu") == {}
+    assert get_strategy("aot-compile").compile_factors(target, "cuda") == {}
 
 
 def test_canonical_strides_are_made_without_copying_when_they_can_be():

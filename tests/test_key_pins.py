@@ -13,6 +13,8 @@ fails instead, so a CI run never passes without checking keys. A change that mea
 new factor, FORMAT_VERSION) regenerates them on purpose: ``python tests/test_key_pins.py`` prints the
 new table. Regenerated for FORMAT_VERSION 4 (manifests record what each graph depends on: issue 31,
 aotbuild/dependencies.py); every built-in recipe's keys computed by that command (issue 30).
+aot-compile's regenerated when it dropped its ``compile.cpu_threads`` factor: its artifacts serve any
+thread count (issue 36).
 """
 
 from __future__ import annotations
@@ -89,12 +91,12 @@ PINS = {
         '4b63368da3a7a31c3cb5e774637919a8c43e6d99d5a6f70c62abcc817a53104b',
     ],
     'tiny_sd_cpu/aot-compile/full': [
-        '071138536fd281b7fed45bc098119b64da7a01117d608e71d71a40c89b55235a',
-        '1463586fe629014cb0194f04d8fc9988ae3a4019f27a1accaff1769a94a9c2fe',
+        'a5318eed180467211556a732769271750f93e6356ccbf2d73b199803aeb099bf',
+        '8932358720d106c2672b37fbd71c03ff52efa065edc2e492134481762c995b05',
     ],
     'tiny_sd_cpu/aot-compile/regional': [
-        '5013a9f16f058901c3da945ce8b3574fa5601c178817ea6887bfcb5654c9bee5',
-        'e3567d4e9b81e4a4f517d01e6a5c581deda1054b9fe6d5e38d0e44ccc4bd15e8',
+        '42e685120122d8375c40d040749010fdc43148d30811fe735d2efc6c805dbfb3',
+        'ba18b78b6556cf0cf8d895cfe2dd2638961ffa750941aeb1d37c3a3b696179f9',
     ],
     'tiny_sdxl_cpu/jit-cache/full': [
         '71cca74925625414a4b746d4f17c679ec2e84cfcaf8c89278a76069d624c6674',
@@ -109,10 +111,10 @@ PINS = {
         '01ac484ab83159a856b93fe448a2c812c5e0ec1fac2305c06a0966ca9b2d9a1c',
     ],
     'tiny_sdxl_cpu/aot-compile/full': [
-        'df6b4bdeb1f99701e1406079b227b06f22bc00b9f7178abd08a61987bc5ce2ba',
+        '661a6244d619b0a1b5a73bf31edaf8617bd59d50e5bd94c0646140a4051c2a2a',
     ],
     'tiny_sdxl_cpu/aot-compile/regional': [
-        'f7df89409f19615fa79de556c3a00dfa3569feef790627c06150348cfa64332d',
+        '02704cd4d7f26f88b08c742c84fedd62d837e5b88447c2ef795b5376fdec383e',
     ],
     'tiny_sd3_cpu/jit-cache/full': [
         'e0406de54910348333f9db776f56c495ae782cc5b8bd5225ad7a987f45f91385',
@@ -127,10 +129,10 @@ PINS = {
         '5162b06fffaa9db203d536b0440c07981299014cc9135235e8ea98ff294503da',
     ],
     'tiny_sd3_cpu/aot-compile/full': [
-        '7c2928a367e0c5dd55cac59a27c02261d8f51bd000b2e06b0de7c1719c73ec5a',
+        '4394a2c9ff01524339c555fa10d39b70cdb11c1b718d6aaa724a9351311612e3',
     ],
     'tiny_sd3_cpu/aot-compile/regional': [
-        '9bafdc724d6cf12d38b6d65d76514f8087a60e16a0592603e51fa259bad1606f',
+        '77856d54ca7d2dfc0ec024d271ad35b06f4695edd1e8cd5233623c5543574e3f',
     ],
     'tiny_flux_cpu/jit-cache/full': [
         'c4886d73b5222e6b57c3e245c82d06bf8a4132f6dfd4cd2d5a66100c964879e6',
@@ -145,10 +147,10 @@ PINS = {
         'a67741d4264f7bb9e3b6386bec04f445deab2a7e7ed44b9643c08f92fc03aa71',
     ],
     'tiny_flux_cpu/aot-compile/full': [
-        'f44791936f5f00133e3ee8e9119d0401a2a6644fec15290200dd6776c4ff1f0b',
+        '205b228be015c97bf704287748db29f000fee174ea69500d1b00a28d8aeaf13c',
     ],
     'tiny_flux_cpu/aot-compile/regional': [
-        'e8afa6f82f5e61b163c3b12665276f6324cbe63f1b135ae1e8b2295a9331924d',
+        '6e68a85fc22a6b155da8739255fc54802886e570a52f235835d423ed77351850',
     ],
     'tiny_pixart_cpu/jit-cache/full': [
         '6a2142a671c133be2493a3c0fd52fe72731744829bfe8d9fdb803e62d7bf024e',
@@ -163,10 +165,10 @@ PINS = {
         '0a7e0e9d12762c2b26baf28cee037ebafbe1578b8d23fd32550a46204fecfa43',
     ],
     'tiny_pixart_cpu/aot-compile/full': [
-        '9c1433f15292fc51ca0c818720be620258cd221f4b4709b841f2cc2b2b339c98',
+        '052cf6ffd4887efd9cb1c3106ea6229dfca006244bd2d705858b33063ce3f8b2',
     ],
     'tiny_pixart_cpu/aot-compile/regional': [
-        '5757a2c43b642f7d031fcb3fd05a63dd4e4b47b4527e49fb8e7998642afd9f5c',
+        '7eb558eb0b85cc04b7758a765c95dc0ffc9fbcfc44373b2e9371b585a82b1ce3',
     ],
     'tiny_wan_cpu/jit-cache/full': [
         '9dcbc72b666e51f177696b2c1ea7ae015c162930b9fd982ae5ed7e351e486387',
@@ -181,10 +183,10 @@ PINS = {
         '1eb61da30c713da92aa91efaebf7a6d5e18ea7d51d086a90b80314f1ce0c67ac',
     ],
     'tiny_wan_cpu/aot-compile/full': [
-        '77326c559924cea5334645523c1a73415bf70522ccff81e9074c1ad6979863c6',
+        '1835a2d038bf99d0a5670ac100920c010f07cd0413bd34e89baeca26af8d43dc',
     ],
     'tiny_wan_cpu/aot-compile/regional': [
-        'efd99876b6e6c45757dcbfbddaead38b85dd1dace140cbcd3044c7688f389fd8',
+        'f0927ded7483a149f8843589b200fe2891b5a051a0dd34229bcc43a5b2277de3',
     ],
     'tiny_wan22_cpu/jit-cache/full': [
         '13ce94bffdf16e2de207cfd515e5d8e19d7281f93ce1c76edca358aba8108905',
@@ -203,12 +205,12 @@ PINS = {
         '618e517670858dcf55f75fd44735428de6d9079a0aac390ebc179a47e05999b5',
     ],
     'tiny_wan22_cpu/aot-compile/full': [
-        'a6f51760a421e3648f079346a7fd2a9346a41319f34fa1054dd27ff7c582031f',
-        'd4510e5c0ac833ea3cf3bf5a988eea2d0fe91519c06e56896dc5f3695ccd0a92',
+        'e51d1c5fd135437dd3a1f58050ccf3c389d594aeae52da44dc6ee0a0e8e9d4c6',
+        '7554cbdccf17fce3eb00b5bc35466da68b95c9f0f02f78fc46bac883f13796c7',
     ],
     'tiny_wan22_cpu/aot-compile/regional': [
-        '39ff90cf19f6c88a5346d556153c7701608fb9890f163562db13a9210bf8e148',
-        '70bd95ace73d17d074ef7bdda4cafe5b66e943114c151a2f7912d94987da0af5',
+        '5d53cb45898dce2e0186e660ec32cfa7a8d5938736d28e7307ba929373305cae',
+        '494dd952775a99aa09ec79d94165d378e232116e7ad809c7c434b081f304a70e',
     ],
 }
 

@@ -18,10 +18,17 @@ folder (``inductor/``): an artifact carries its kernels' sources, not the compil
 and without them a load rebuilds every kernel (measured: 130 s for the tiny UNet).
 
 Guards (a trust decision, docs/aot-compile.md): torch's default guard filter cannot serialize the
-``ID_MATCH`` guards on the module, so artifacts are saved with ``keep_portable_guards_unsafe``:
-what is re-checked at call time is every tensor's shape, dtype, device, strides and requires_grad
-(the module's parameters included) and the global state (grad mode, thread count, default dtype,
-autocast, deterministic and TF32 flags). What is not re-checked by torch is checked by aotbuild:
+``ID_MATCH`` guards on the module, so artifacts are saved with ``keep_portable_guards_unsafe``
+without its ``GLOBAL_STATE`` guard (:func:`portable_guards`): what torch re-checks at call time is
+every tensor's shape, dtype, device, strides and requires_grad (the module's parameters included).
+The global-state guard held torch's intra-op thread count, so an entry CI built on 2 cores missed on
+a 16-core server (issue 36); the code does not depend on that count where the kernels ask OpenMP at
+each call (CPU with ``cpp.dynamic_threads``, aotbuild's default) or run on CUDA. The rest of what it
+held and that changes results is checked per call by aotbuild: grad mode (``AotRunner`` picks the
+variant compiled for it), default dtype, autocast, deterministic algorithms, TF32 and matmul precision
+(the dispatcher's ``dependencies.Watch``, against the state the warmup's calls ran under). Where kernels bake the count
+in (``cpp.dynamic_threads: false``) the guard is kept and the target keys the count
+(``compile.cpu_threads``). What is not re-checked by torch is checked by aotbuild:
 the call's signature and float values (the dispatcher and ``AotRunner``), the module's class and
 structure (``check`` at load), and the library versions that produced the code (key factors). Input
 strides are made canonical before every call and at build (``canonical``), since the guards compare
@@ -50,6 +57,17 @@ ARTIFACT_DIR = "aot-compile"
 CACHE_DIR = "inductor"
 #: The torch release this strategy was verified with (tests/test_strategies.py, benchmarks/).
 VERIFIED_TORCH = (2, 13)
+
+
+def portable_guards(guard_entries: list[Any]) -> list[bool]:
+    """The guard filter of an artifact that serves any thread count: ``keep_portable_guards_unsafe``
+    (tensor metadata, the shape environment, the global state) without ``GLOBAL_STATE``, which holds
+    ``torch.get_num_threads()`` among grad mode, default dtype, autocast and the deterministic and TF32
+    flags (torch 2.13: none of ``torch.compiler``'s filters drops only it)."""
+    import torch
+
+    kept = torch.compiler.keep_portable_guards_unsafe(guard_entries)
+    return [keep and entry.guard_type != "GLOBAL_STATE" for entry, keep in zip(guard_entries, kept, strict=True)]
 
 
 def call(module: Any, *args: Any, **kwargs: Any) -> Any:
@@ -148,16 +166,11 @@ class AotCompile(Strategy):
             raise recipe.error("model.quantization", "strategy aot-compile cannot save torchao's tensor subclasses "
                                                      "(torch 2.13): use strategy jit-cache")
 
-    def compile_factors(self, target: Target, device: str) -> dict[str, Any]:
-        import torch
-
-        # The artifact's global-state guard holds torch's intra-op thread count, whatever the device:
-        # another count refuses every call, so it is a miss at load instead.
-        return {"cpu_threads": torch.get_num_threads()}
-
     # -- build ---------------------------------------------------------------------------------
 
     def build(self, job: BuildJob) -> Built:
+        from aotbuild.targets.inductor import bakes_thread_count
+
         ctx = job.ctx
         owners = self._owners(job.module, ctx.recipe)
         recorder = CallRecorder(owners)
@@ -167,7 +180,9 @@ class AotCompile(Strategy):
             recorder.remove()
         job.phase("compiling ahead of time")
         kwargs = ctx.target.compile_kwargs(ctx.recipe, ctx.device)
-        records = [self._compile(group, dict(owners)[group["instances"][0]], kwargs, job.workdir)
+        # Kernels that hold the thread count keep the guard on it (the target keys the count too).
+        pinned = bakes_thread_count(kwargs.get("options") or {}, ctx.device)
+        records = [self._compile(group, dict(owners)[group["instances"][0]], kwargs, job.workdir, pinned)
                    for group in recorder.groups.values()]
         return Built(sorted({r["signature"] for r in records}), records)
 
@@ -179,13 +194,14 @@ class AotCompile(Strategy):
         return [("", module)]
 
     @staticmethod
-    def _compile(group: dict[str, Any], owner: Any, compile_kwargs: dict[str, Any], workdir: Path) -> dict[str, Any]:
+    def _compile(group: dict[str, Any], owner: Any, compile_kwargs: dict[str, Any], workdir: Path,
+                 threads_pinned: bool) -> dict[str, Any]:
         import torch
         import torch._dynamo.config as dynamo_config
 
         args, kwargs = canonical(group["call"])
         options = {**(compile_kwargs.get("options") or {}),
-                   "guard_filter_fn": torch.compiler.keep_portable_guards_unsafe}
+                   "guard_filter_fn": torch.compiler.keep_portable_guards_unsafe if threads_pinned else portable_guards}
         compiled = torch.compile(call, backend=compile_kwargs["backend"], fullgraph=True,
                                  dynamic=compile_kwargs["dynamic"], options=options)
         name = hashlib.sha256(json.dumps([group["structure"], group["signature"], group["floats"], group["grad"]])
@@ -296,9 +312,10 @@ class AotRunner:
             if record.get("floats", []) == floats and record.get("grad", False) == grad:
                 if function.guard_check(self.module, *args, **kwargs):
                     return function(self.module, *args, **kwargs)
-                raise RouteDeclined("its aot-compile guards refused the call (a tensor's dtype, device or "
-                                    "requires_grad, or the global state: thread count, default dtype, autocast "
-                                    "or TF32 flags differ from the build's)")
+                raise RouteDeclined("its aot-compile guards refused the call (a tensor's dtype, device, strides "
+                                    "or requires_grad differ from the build's, or, for kernels built with "
+                                    "cpp.dynamic_threads: false, the global state: thread count, default dtype, "
+                                    "autocast, deterministic or TF32 flags)")
         why = "float arguments" if all(r.get("grad", False) == grad for r, _ in self.variants) else "grad mode"
         raise RouteDeclined(f"its {why} differ from every call the entry was compiled for")
 

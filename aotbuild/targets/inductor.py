@@ -48,6 +48,14 @@ def _parse_device(device: str) -> tuple[str, int | None]:
     return kind, (int(index) if index.isdigit() else None)
 
 
+def bakes_thread_count(options: Mapping[str, Any], device: str) -> bool:
+    """Whether code compiled with these Inductor ``options`` for ``device`` holds the build's
+    ``torch.get_num_threads()``: CPU kernels without ``cpp.dynamic_threads`` (``#pragma omp parallel
+    num_threads(N)``). With it they ask OpenMP at each call, and CUDA kernels never depend on it, so an
+    artifact serves any thread count (aot-compile then drops the guard that held it)."""
+    return _parse_device(device)[0] == "cpu" and not options.get("cpp.dynamic_threads")
+
+
 class InductorTarget(Target):
     name = "inductor"
     default_dtype = "float32"
@@ -130,7 +138,7 @@ class InductorTarget(Target):
             "backend": "inductor", "scope": spec.scope, **blocks_setting(recipe), "mode": spec.mode,
             "fullgraph": spec.fullgraph, "dynamic": spec.dynamic, "options": dict(sorted(options.items())),
         }
-        if _parse_device(device)[0] == "cpu" and not options.get("cpp.dynamic_threads"):
+        if bakes_thread_count(options, device):
             # Kernels then bake in the thread count: it must be a key factor.
             import torch
 
