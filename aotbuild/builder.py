@@ -20,7 +20,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from aotbuild import child, constants
+from aotbuild import auto, child, constants, planner
 from aotbuild.child import Tick
 from aotbuild.context import Unavailable
 from aotbuild.errors import ProofFailed, StoreError
@@ -53,10 +53,12 @@ class JobResult:
     details: dict[str, Any] = field(default_factory=dict)
     #: failed before (its failure record says why) and not built this time: nothing new to remember
     not_retried: bool = False
+    #: ``strategy: auto``: every strategy tried, in order (aotbuild/auto.py ``Attempt``)
+    attempts: list[auto.Attempt] = field(default_factory=list)
 
     def as_json(self) -> dict[str, Any]:
         return {**self.job.as_json(), "status": self.status, "seconds": round(self.seconds, 3), "size": self.size,
-                "reason": self.reason}
+                "reason": self.reason, **({"attempts": [a.as_json() for a in self.attempts]} if self.attempts else {})}
 
 
 @dataclass
@@ -144,7 +146,16 @@ class SharedLoads:
 
     @staticmethod
     def _identity(job: Job) -> str:
-        return json.dumps(recipe_spec(job.recipe), sort_keys=True, default=str)
+        """The pipeline the loader holds: the recipe's, whatever its strategy (an auto job's attempts
+        each name one, and load the same pipeline)."""
+        spec = recipe_spec(job.recipe)
+        spec["data"].pop("strategy", None)
+        return json.dumps(spec, sort_keys=True, default=str)
+
+    def again(self, job: Job) -> None:
+        """``job`` runs another worker (an auto job's next attempt): its loader is kept for it."""
+        if self._shares(job):
+            self.remaining[self._identity(job)] += 1
 
     def worker(self, job: Job) -> Callable[..., tuple[int, dict[str, Any]]]:
         """What runs ``job``'s worker, with :func:`aotbuild.child.spawn`'s signature: a child forked
@@ -322,6 +333,13 @@ def _run_jobs(store: Store, jobs: list[Job], todo: list[Job], results: dict[int,
             prior = done_keys[job.key]
             result = JobResult(job, prior.status if prior.status != BUILT else CACHED, size=prior.size,
                                reason=prior.reason)
+        elif job.choice is not None:  # strategy: auto, every rank of it at once
+            tick = _ticker(progress, n + 1, len(todo), job) if progress else None
+            group = sorted((j for j in todo if j.group == job.group), key=lambda j: j.rank or 0)
+            built = _build_auto(store, group, tick, limit, sign_key, loads, retry_failed)
+            for sibling, sibling_result in zip(group, built, strict=True):
+                done_keys[sibling.key] = ranked[sibling.key] = sibling_result  # type: ignore[index]
+            result = ranked.pop(job.key)
         elif job.siblings:
             tick = _ticker(progress, n + 1, len(todo), job) if progress else None
             group = sorted((j for j in todo if j.group == job.group), key=lambda j: j.rank or 0)
@@ -472,6 +490,124 @@ def _build_ranks_once(store: Store, jobs: list[Job], tick: Tick | None, limit: i
         return [JobResult(j, FAILED, 0.0, reason=f"cannot build into {store.root}: {exc}") for j in jobs]
 
 
+def _build_auto(store: Store, jobs: list[Job], tick: Tick | None, limit: int | None, sign_key: str | Path | None,
+                loads: SharedLoads, retry_failed: bool = False) -> list[JobResult]:
+    """An auto job (every rank of it), under its own build lock (as :func:`_build_once`): a second
+    builder of it waits, then finds the entry cached or tries the strategies itself (those the first
+    found failing are then known failures, skipped)."""
+    first = jobs[0]
+    assert first.group is not None
+    started = time.perf_counter()
+    try:
+        with contextlib.ExitStack() as held:
+            try:
+                held.enter_context(flocked(store.layout.build_lock(first.group), exclusive=True, timeout=0))
+            except StoreError:
+                if tick:
+                    tick(0.0, "waiting: another aotbuild process is building this job")
+                held.enter_context(flocked(store.layout.build_lock(first.group), exclusive=True,
+                                           timeout=float("inf")))
+                entries = [store.open_entry(j.key)[0] for j in jobs if j.key]
+                if all(e is not None for e in entries):
+                    return [JobResult(j, CACHED, time.perf_counter() - started, size=e.manifest.size,
+                                      reason="built meanwhile by another aotbuild process")
+                            for j, e in zip(jobs, entries, strict=True) if e is not None]
+            return _attempts(store, jobs, tick, limit, sign_key, loads, retry_failed)
+    except StoreError as exc:
+        return [JobResult(j, FAILED, 0.0, reason=f"cannot build into {store.root}: {exc}") for j in jobs]
+
+
+def _attempts(store: Store, jobs: list[Job], tick: Tick | None, limit: int | None, sign_key: str | Path | None,
+              loads: SharedLoads, retry_failed: bool) -> list[JobResult]:
+    """The strategies auto tries for ``jobs`` (one job's ranks), in order, until one builds and passes
+    the proof; that entry is stored under the auto key. A strategy that failed before for this job
+    (its concrete key's failure record, this aotbuild version's) is skipped until ``retry_failed``; a
+    failing attempt is recorded under its concrete key. Never a change of scope or fullgraph."""
+    first = jobs[0]
+    assert first.choice is not None
+    started = time.perf_counter()
+    attempts: list[auto.Attempt] = []
+    if not first.choice.tries:
+        return [JobResult(j, FAILED, reason=f"auto: no strategy can serve this recipe here; {first.choice.text()}")
+                for j in jobs]
+    ran = False
+    for strategy in first.choice.tries:
+        group = planner.concrete_group(jobs, strategy)
+        lead = group[0]
+        assert lead.group is not None
+        record = None if retry_failed else store.failure(lead.group)
+        if record is not None and record.get("aotbuild") == constants.VERSION:
+            attempts.append(auto.Attempt(strategy, auto.FAILED_BEFORE, _first_line(str(record.get("reason", ""))),
+                                         key=lead.group))
+            continue
+        adopted = _adopt(store, jobs, group, attempts, sign_key)
+        if adopted:
+            return adopted
+        if ran:
+            loads.again(first)
+        ran = True
+        if tick:
+            tick(time.perf_counter() - started, f"auto: trying {strategy}")
+        chosen = [Chosen(j, list(attempts)) for j in jobs]
+        if len(group) > 1:
+            loads.counts["jobs"] += 1
+            loads.counts["build"] += len(group)
+            results = _build_ranks(store, group, tick, limit, sign_key, loads, chosen)
+        else:
+            results = [_build_one(store, lead, tick, limit, sign_key, loads=loads, chosen=chosen[0])]
+        seconds = max(r.seconds for r in results)  # the attempt's own (its ranks ran side by side)
+        if all(r.status in (BUILT, UNCACHED) for r in results):  # built and proven (stored, or not storable)
+            store.remove_failure(lead.group)
+            attempts.append(auto.Attempt(strategy, auto.BUILT, seconds=seconds, key=lead.group))
+            note = f"auto: {auto.attempts_text(attempts)}"
+            return [replace(r, job=j, seconds=time.perf_counter() - started, attempts=list(attempts),
+                            reason=r.reason or note) for j, r in zip(jobs, results, strict=True)]
+        reason = next(r.reason for r in results if r.status != BUILT)
+        for job, result in zip(group, results, strict=True):
+            if result.status == FAILED:
+                _remember(store, job, result)
+        attempts.append(auto.Attempt(strategy, auto.FAILED, _first_line(reason), seconds, key=lead.group))
+    known = all(a.outcome == auto.FAILED_BEFORE for a in attempts)
+    reason = f"auto: no strategy built and passed the proof: {auto.attempts_text(attempts)}"
+    return [JobResult(j, FAILED, time.perf_counter() - started, reason=f"{reason}; {RETRY_HINT}" if known else reason,
+                      not_retried=known, attempts=list(attempts)) for j in jobs]
+
+
+def _adopt(store: Store, jobs: list[Job], group: list[Job], attempts: list[auto.Attempt],
+           sign_key: str | Path | None) -> list[JobResult]:
+    """When the store holds, intact, the entry of this attempt's concrete jobs (the recipe naming the
+    strategy: built and proven by an explicit recipe with the same key), the auto jobs take it: their
+    manifests name its blobs and proof (nothing compiled, no blob written); else []."""
+    entries = [store.open_entry(j.key)[0] for j in group if j.key]
+    if len(entries) != len(group) or any(e is None for e in entries):
+        return []
+    started = time.perf_counter()
+    results = []
+    for job, attempt_job, entry in zip(jobs, group, entries, strict=True):
+        assert entry is not None and job.key is not None and job.factors is not None
+        built = entry.manifest
+        tried = [*attempts, auto.Attempt(attempt_job.recipe.strategy, auto.BUILT, "its entry was in the cache "
+                                         f"(key {attempt_job.key[:12] if attempt_job.key else '-'}): taken as it is",
+                                         key=attempt_job.key or "")]
+        own = {k: (attempt_job.factors or {})["compile"].get(k) for k in auto.strategy_factors(attempt_job.ctx)}
+        manifest = replace(built, key=job.key, recipe=job.recipe.name, factors=job.factors, signed_by=(), pack=None,
+                           recipe_data=recipe_to_dict(job.recipe),
+                           auto={"attempts": [a.as_json() for a in tried], "factors": own})
+        try:
+            with entry_writer(store) as writer, store_lock(store.root, exclusive=False):
+                if sign_key is not None:
+                    from aotbuild.signing import sign
+
+                    manifest = sign(manifest, sign_key)
+                writer.put_manifest(manifest)
+        except (OSError, StoreError) as exc:
+            results.append(JobResult(job, UNCACHED, time.perf_counter() - started, reason=f"not stored: {exc}"))
+            continue
+        results.append(JobResult(job, BUILT, time.perf_counter() - started, size=manifest.size, attempts=tried,
+                                 reason=f"auto: {auto.attempts_text(tried)}"))
+    return results
+
+
 def _failed_meanwhile(store: Store, key: str) -> str:
     """After waiting for another builder of job ``key``: its failure, as a reason, if it recorded one
     (this aotbuild version's), else ""."""
@@ -482,7 +618,8 @@ def _failed_meanwhile(store: Store, key: str) -> str:
 
 
 def _build_ranks(store: Store, jobs: list[Job], tick: Tick | None, limit: int | None,
-                 sign_key: str | Path | None, loads: SharedLoads) -> list[JobResult]:
+                 sign_key: str | Path | None, loads: SharedLoads,
+                 chosen: list[Chosen] | None = None) -> list[JobResult]:
     """One tensor-parallel job: its N ranks compiled in one launch of N worker processes sharing one
     compiler cache folder, each rank's entry laid out in its own folder, all N proven by a fresh
     N-rank launch, then stored (nothing of any rank unless every rank passed)."""
@@ -539,7 +676,8 @@ def _build_ranks(store: Store, jobs: list[Job], tick: Tick | None, limit: int | 
             for result in results:
                 result.setdefault("seconds", {})["proof"] = round(time.perf_counter() - t_proof, 3)
             seconds = time.perf_counter() - started
-            return [store_job(store, job, files, result, seconds, limit, proof, sign_key)
+            return [store_job(store, job, files, result, seconds, limit, proof, sign_key,
+                              chosen[job.rank or 0] if chosen else None)
                     for job, files, result, proof in zip(jobs, per_rank, results, proofs, strict=True)]
     except (OSError, StoreError) as exc:
         return failed(f"cannot run the job: {exc}", time.perf_counter() - started)
@@ -592,7 +730,8 @@ def _entry_size(store: Store, key: str | None) -> int:
 
 
 def _build_one(store: Store, job: Job, tick: Tick | None = None, limit: int | None = None,
-               sign_key: str | Path | None = None, *, loads: SharedLoads | None = None) -> JobResult:
+               sign_key: str | Path | None = None, *, loads: SharedLoads | None = None,
+               chosen: Chosen | None = None) -> JobResult:
     assert job.key is not None and job.factors is not None and job.ctx is not None
     target = job.ctx.target
     started = time.perf_counter()
@@ -638,7 +777,7 @@ def _build_one(store: Store, job: Job, tick: Tick | None = None, limit: int | No
                 return JobResult(job, FAILED, time.perf_counter() - started,
                                  reason=f"{_one_line(str(exc))} (log: {log_path})")
             seconds = time.perf_counter() - started
-            return store_job(store, job, files, result, seconds, limit, proof, sign_key)
+            return store_job(store, job, files, result, seconds, limit, proof, sign_key, chosen)
     except OSError as exc:
         return JobResult(job, FAILED, time.perf_counter() - started, reason=f"cannot run the job: {exc}")
     finally:
@@ -679,14 +818,33 @@ def _prove(job: Job, files: list[tuple[str, Path]], result: dict[str, Any], seco
     return verdict(outcome, job.label)
 
 
+@dataclass
+class Chosen:
+    """An auto job's entry, built by one attempt (``job``: the concrete job, its recipe naming the
+    strategy): stored under the auto job's key and factors, with the attempts before it."""
+
+    job: Job
+    attempts: list[auto.Attempt]
+
+
 def make_manifest(job: Job, records: list[FileRecord], result: dict[str, Any], seconds: float,
-                  proof: Proof | None = None) -> Manifest:
+                  proof: Proof | None = None, chosen: Chosen | None = None) -> Manifest:
+    """``job``'s manifest; with ``chosen`` (``job`` is an attempt of that auto job), stored as the auto
+    job: its key and factors, ``strategy`` the one that built, ``auto`` the attempts and what this
+    strategy adds to the key (checked at load)."""
     assert job.key is not None and job.factors is not None and job.ctx is not None
     packages = tuple(result.get("packages", ()))
+    stored, extra = job, {}
+    if chosen is not None:
+        stored = chosen.job
+        built = auto.Attempt(job.recipe.strategy, auto.BUILT, seconds=seconds, key=job.key)
+        own = {k: job.factors["compile"].get(k) for k in auto.strategy_factors(job.ctx)}
+        extra = {"auto": {"attempts": [a.as_json() for a in (*chosen.attempts, built)], "factors": own}}
+    assert stored.key is not None and stored.factors is not None
     return Manifest(
-        format=job.factors["format"], key=job.key, recipe=job.recipe.name, component=job.component,
-        shape=job.shape.as_dict(), target=job.recipe.target, strategy=job.recipe.strategy,
-        factors=job.factors, files=tuple(records), signatures=tuple(result["signatures"]),
+        format=stored.factors["format"], key=stored.key, recipe=stored.recipe.name, component=job.component,
+        shape=job.shape.as_dict(), target=job.recipe.target, strategy=job.recipe.strategy, **extra,
+        factors=stored.factors, files=tuple(records), signatures=tuple(result["signatures"]),
         embeds_weights=job.ctx.strategy.embeds_weights(packages),
         packages=packages,
         build={"created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -694,14 +852,15 @@ def make_manifest(job: Job, records: list[FileRecord], result: dict[str, Any], s
                "phases": result.get("seconds"), "counters": result.get("counters"),
                **({"loaded_by": result["loaded_by"]} if result.get("loaded_by") else {}),
                **(result.get("facts") or {})},  # the target's build_facts: e.g. the vector ISA Inductor picked
-        recipe_data=recipe_to_dict(job.recipe),
+        recipe_data=recipe_to_dict(stored.recipe),
         structure=result.get("structure"),
         proof=proof,
     )
 
 
 def store_job(store: Store, job: Job, files: list[tuple[str, Path]], result: dict[str, Any], seconds: float,
-              limit: int | None = None, proof: Proof | None = None, sign_key: str | Path | None = None) -> JobResult:
+              limit: int | None = None, proof: Proof | None = None, sign_key: str | Path | None = None,
+              chosen: Chosen | None = None) -> JobResult:
     """Blobs, then the manifest, under the shared store lock. A failure to write (no space left, a
     read-only store, a lock timeout) loses the cache entry, not the build: status "uncached"."""
     assert job.key is not None and job.factors is not None
@@ -717,7 +876,7 @@ def store_job(store: Store, job: Job, files: list[tuple[str, Path]], result: dic
             for rel, path in files:
                 digest, blob_size = writer.put_blob(path)
                 records.append(FileRecord(rel, digest, blob_size))
-            manifest = make_manifest(job, records, result, seconds, proof)
+            manifest = make_manifest(job, records, result, seconds, proof, chosen)
             if sign_key is not None:
                 from aotbuild.signing import sign
 

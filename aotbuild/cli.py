@@ -437,15 +437,19 @@ def _progress() -> Callable[..., None]:
 @remote_option("Also look for each job on this remote (status \"remote\"); nothing is downloaded.")
 @shard_option
 @trusted_option
+@click.option("--explain-auto", "explain_auto", is_flag=True,
+              help="For each job of a recipe without a strategy (strategy: auto): what auto would try, in order, "
+                   "and why each other strategy is excluded.")
 @command
 def plan(recipes: tuple[str, ...], cache: str | None, as_json: bool, fail_on_miss: bool, remote: str | None,
-         shard: str | None, trusted_keys: str | None) -> int:
+         shard: str | None, trusted_keys: str | None, explain_auto: bool = False) -> int:
     """List every job of RECIPES: key, component, shape, hit or miss.
 
     \b
     Examples:
       aotbuild plan recipes/ --fail-on-miss
       aotbuild plan recipes/ --remote hf://datasets/my-org/aot-cache --fail-on-miss
+      aotbuild plan recipes/ --explain-auto
     """
 
     from dataclasses import replace
@@ -490,10 +494,13 @@ def plan(recipes: tuple[str, ...], cache: str | None, as_json: bool, fail_on_mis
         _emit_json({"cache": str(resolve_cache_root(cache)), "remote": target.url if target else None,
                     **({"shard": sharded} if sharded else {}), "jobs": [j.as_json() for j in jobs]})
     else:
-        rows = [[j.recipe.name, j.component + _rank_text(j.factors), str(j.shape), j.recipe.strategy,
+        rows = [[j.recipe.name, j.component + _rank_text(j.factors), str(j.shape),
+                 f"{j.recipe.strategy}: {j.chosen}" if j.chosen else j.recipe.strategy,
                  j.key[:12] if j.key else "-", j.status,
-                 "" if j.status == HIT else j.reason] for j in jobs]
+                 "" if j.status == HIT and not j.chosen else j.reason] for j in jobs]
         _echo(_table(rows, ["recipe", "component", "shape", "strategy", "key", "status", "reason"]))
+        if explain_auto:
+            _echo(_explain_auto(jobs))
         hits = sum(j.status == HIT for j in jobs)
         there_text = f", {sum(j.status == REMOTE for j in jobs)} on {target.url}" if target else ""
         _echo(f"{hits}/{len(jobs)} jobs cached in {resolve_cache_root(cache)}{there_text}")
@@ -506,6 +513,25 @@ def plan(recipes: tuple[str, ...], cache: str | None, as_json: bool, fail_on_mis
         return EXIT_BAD_INPUT
     missing = any(j.status not in (HIT, REMOTE) for j in jobs)
     return EXIT_MISS if (fail_on_miss and missing) else EXIT_OK
+
+
+def _explain_auto(jobs: list) -> str:
+    """Per auto job: the strategies tried in order (each with its concrete key, and whether it failed
+    before) and the ones excluded, with why (aotbuild/auto.py)."""
+    lines = []
+    for j in jobs:
+        if j.choice is None:
+            continue
+        lines.append(f"{_line(j.label)} ({j.key[:12] if j.key else '-'}): auto tries, in this order:")
+        for n, name in enumerate(j.choice.tries, 1):
+            known = f"; failed before, skipped until --retry-failed: {_line(j.failed_before[name])}" \
+                if name in j.failed_before else ""
+            lines.append(f"  {n}. {name} (key {j.attempt_keys.get(name, '-')[:12]}){known}"[:400])
+        for name, why in j.choice.excluded:
+            lines.append(f"  excluded: {name}: {_line(why)}"[:400])
+        if j.chosen:
+            lines.append(f"  built: {j.chosen} ({_line(j.reason)})"[:400])
+    return "\n".join(lines) if lines else "no job of these recipes has strategy: auto"
 
 
 def _estimate_text(misses: list) -> str:
@@ -632,6 +658,14 @@ def show(key: str, cache: str | None, as_json: bool) -> int:
     _echo(f"key:        {full}")
     for field in ("recipe", "component", "target", "strategy"):
         _echo(f"{field + ':':<12}{_line(getattr(manifest, field))}")
+    if manifest.auto is not None:  # strategy: auto: what the build tried before storing this strategy's entry
+        from aotbuild.auto import Attempt
+
+        own = ", ".join(f"{k} {v}" for k, v in (manifest.auto.get("factors") or {}).items())
+        _echo(f"{'auto:':<12}chose {_line(manifest.strategy)}" + (f" (its own factors, checked at load: "
+                                                                  f"{_line(own)})" if own else ""))
+        for attempt in manifest.auto.get("attempts") or []:
+            _echo(f"{'':<12}{_line(Attempt.from_json(attempt).text())}"[:500])
     _echo(f"{'shape:':<12}{_shape_text(manifest.shape)}")
     if _rank_text(manifest.factors):
         _echo(f"{'parallel:':<12}tensor-parallel degree {_line(manifest.factors['parallel'].get('tensor'))}, "

@@ -14,6 +14,11 @@ from typing import Any
 
 from aotbuild.text import printable
 
+#: The ``strategy`` a key holds for a job whose strategy the build chooses (``strategy: auto``, the
+#: default, aotbuild/auto.py): the strategy-independent factors plus this name; the chosen
+#: strategy's own factors are in the entry (``Manifest.auto``), not the key.
+AUTO = "auto"
+
 
 def canonical_json(factors: dict[str, Any]) -> str:
     return json.dumps(factors, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)

@@ -32,7 +32,7 @@ from typing import Any
 
 from aotbuild import constants, safeio
 from aotbuild.errors import ManifestError, StaleManifest
-from aotbuild.keys import key_of
+from aotbuild.keys import AUTO, key_of
 from aotbuild.layout import HEX64
 
 #: A manifest file larger than this is refused before it is read.
@@ -96,6 +96,10 @@ class Manifest:
     #: Ed25519 signatures over the rest (aotbuild/signing.py): [{"key": name, "sig": base64}]
     signed_by: tuple[Mapping[str, str], ...] = ()
     pack: Mapping[str, Any] | None = None  # a Hub remote's copy only: the tar that holds the blobs
+    #: an auto job's entry only (its factors' strategy is ``auto``, ``strategy`` names the one chosen):
+    #: {"attempts": [{strategy, outcome, reason, seconds, key}], "factors": what the chosen strategy adds
+    #: to the key's compile settings, checked at load}
+    auto: Mapping[str, Any] | None = None
     format: int = constants.FORMAT_VERSION
 
     # -- encoding -----------------------------------------------------------------------------
@@ -118,6 +122,8 @@ class Manifest:
             data["signed_by"] = [dict(s) for s in self.signed_by]
         if self.pack is not None:
             data["pack"] = _plain(self.pack)
+        if self.auto is not None:
+            data["auto"] = _plain(self.auto)
         return data
 
     def to_json(self) -> str:
@@ -231,9 +237,14 @@ def from_dict(data: Any, key: str) -> Manifest:
         structure=c.structure(data["structure"]) if data.get("structure") is not None else None,
         signed_by=c.signed_by(data.get("signed_by", [])),
         pack=c.pack(data["pack"]) if data.get("pack") is not None else None,
+        auto=c.auto(data["auto"]) if data.get("auto") is not None else None,
     )
+    keyed = factors["target"]["strategy"]
+    # An auto job's entry names the strategy chosen (never auto itself) and says what it tried.
+    chosen = manifest.strategy != AUTO and manifest.auto is not None if keyed == AUTO else \
+        manifest.strategy == keyed and manifest.auto is None
     if (manifest.component != factors["component"]["name"] or dict(manifest.shape) != factors["shape"]
-            or manifest.target != factors["target"]["name"] or manifest.strategy != factors["target"]["strategy"]):
+            or manifest.target != factors["target"]["name"] or not chosen):
         raise ManifestError("its component, shape, target or strategy differ from its factors")
     return manifest
 
@@ -393,6 +404,18 @@ class _Checker:
                      counter=str(value.get("counter", ""))[:200],
                      swaps=self.integer(value.get("swaps", 0), "proof.swaps"),
                      served=self.obj(value.get("served", {}), "proof.served"))
+
+    def auto(self, value: Any) -> dict[str, Any]:
+        value = self.obj(value, "auto")
+        for item in self.list_of(value.get("attempts", []), "auto.attempts"):
+            item = self.obj(item, "auto.attempts[]")
+            self.name(item.get("strategy"), "auto.attempts[].strategy")
+            self.name(item.get("outcome"), "auto.attempts[].outcome")
+            if not isinstance(item.get("reason", ""), str):
+                raise self.fail("auto.attempts[].reason", "not a string")
+            self.number(item.get("seconds", 0), "auto.attempts[].seconds")
+        self.obj(value.get("factors", {}), "auto.factors")
+        return value
 
     def pack(self, value: Any) -> dict[str, Any]:
         value = self.obj(value, "pack")

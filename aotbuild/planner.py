@@ -6,11 +6,11 @@ behind ``aotbuild plan`` and the first half of ``aotbuild build``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from aotbuild import constants, keys, models, pipecall, shards
+from aotbuild import auto, constants, keys, models, pipecall, shards
 from aotbuild.context import Context, Unavailable
 from aotbuild.explain import Entries, estimate, explain_miss
 from aotbuild.layout import resolve_cache_root
@@ -49,6 +49,15 @@ class Job:
     siblings: tuple[str, ...] = ()
     #: why an unavailable job cannot be keyed here (a kind, for callers: build skips only TARGET)
     cause: Unavailable | None = None
+    #: ``strategy: auto``: what it tries here and excludes (aotbuild/auto.py); None for a named strategy
+    choice: auto.Choice | None = field(default=None, compare=False)
+    #: ``strategy: auto``: each strategy tried, in order -> its concrete job's key (the recipe naming
+    #: it), and the ones that failed before (this aotbuild version's failure record) -> that reason
+    attempt_keys: dict[str, str] = field(default_factory=dict, compare=False)
+    failed_before: dict[str, str] = field(default_factory=dict, compare=False)
+    #: an auto job's hit: the strategy its entry holds and the attempts its build made
+    chosen: str = ""
+    attempts: tuple[dict[str, Any], ...] = ()
 
     @property
     def label(self) -> str:
@@ -70,6 +79,10 @@ class Job:
             data.update(estimated_build_s=self.estimated_build_s, estimated_size=self.estimated_size)
         if self.cause is not None:
             data["unavailable"] = self.cause.value
+        if self.choice is not None:
+            data["auto"] = {**self.choice.as_json(), "keys": dict(self.attempt_keys),
+                            "failed_before": dict(self.failed_before),
+                            **({"chosen": self.chosen, "attempts": list(self.attempts)} if self.chosen else {})}
         return data
 
 
@@ -95,9 +108,65 @@ def jobs_for(ctx: Context, store: Store) -> list[Job]:
             ranked = [(rank, ctx.factors(component, config[0], config[1], shape, ctx.pipeline_class, rank))
                       for rank in ctx.ranks]
             siblings = tuple(keys.key_of(f) for _, f in ranked) if len(ranked) > 1 else ()
-            jobs.extend(_job(ctx, store, component, shape, rank, factors, siblings, manifests)
-                        for rank, factors in ranked)
+            planned = [_job(ctx, store, component, shape, rank, factors, siblings, manifests)
+                       for rank, factors in ranked]
+            if auto.is_auto(recipe):
+                planned = _auto_jobs(ctx, store, planned)
+            jobs.extend(planned)
     return jobs
+
+
+def concrete_job(job: Job, strategy: str) -> Job:
+    """``job`` (an auto job) as the recipe naming ``strategy`` plans it: that recipe, context, factors
+    and key (an explicit recipe's key exactly); one attempt of the auto job builds it."""
+    assert job.ctx is not None and job.factors is not None
+    ctx = auto.concrete(job.ctx, strategy)
+    component = job.factors["component"]
+    factors = ctx.factors(job.component, component["class"], component["config"], job.shape,
+                          job.factors["model"]["pipeline"], job.rank)
+    return replace(job, recipe=ctx.recipe, ctx=ctx, factors=factors, key=keys.key_of(factors), status=MISS,
+                   choice=None, attempt_keys={}, failed_before={}, siblings=())
+
+
+def concrete_group(jobs: list[Job], strategy: str) -> list[Job]:
+    """Every rank of an auto job (in rank order) as :func:`concrete_job`, siblings of one another."""
+    group = [concrete_job(j, strategy) for j in jobs]
+    if len(group) > 1:
+        siblings = tuple(j.key for j in group if j.key)
+        group = [replace(j, siblings=siblings) for j in group]
+    return group
+
+
+def _auto_jobs(ctx: Context, store: Store, jobs: list[Job]) -> list[Job]:
+    """An auto job's ranks with what auto tries (aotbuild/auto.py): each strategy's concrete key (its
+    rank 0's, where failures are recorded) and which failed before; a miss whose every try failed
+    before is FAILED_BEFORE (not retried until ``--retry-failed``, the one rule for failures); a hit
+    says what its entry holds and the attempts its build made."""
+    choice = auto.choice(ctx.recipe, ctx.target, ctx.device)
+    first = jobs[0]
+    attempt_keys = {s: str(concrete_job(first, s).key) for s in choice.tries}
+    failed: dict[str, str] = {}
+    for strategy, key in attempt_keys.items():
+        record = store.failure(key)
+        if record is not None and record.get("aotbuild") == constants.VERSION:
+            failed[strategy] = str(record.get("reason", "")).partition("\n")[0]
+    out = []
+    for job in jobs:
+        job = replace(job, choice=choice, attempt_keys=attempt_keys, failed_before=failed)
+        if job.status == HIT and job.key:
+            manifest = store.read_manifest(job.key)
+            if manifest is not None and manifest.auto is not None:
+                attempts = tuple(manifest.auto.get("attempts", ()))
+                job = replace(job, chosen=manifest.strategy, attempts=attempts,
+                              reason=f"auto chose {manifest.strategy}: {auto.attempts_text(list(attempts))}")
+        elif job.status == MISS and choice.tries and set(choice.tries) <= set(failed):
+            why = "; ".join(f"{s} failed before: {failed[s]}" for s in choice.tries)
+            job = replace(job, status=FAILED_BEFORE, reason=f"every strategy auto tries failed before: {why}")
+        elif job.status == MISS:
+            job = replace(job, reason=f"{job.reason}; auto {choice.text()}"
+                                      + "".join(f"; skips {s} (failed before)" for s in failed))
+        out.append(job)
+    return out
 
 
 def _job(ctx: Context, store: Store, component: str, shape: Shape, rank: int | None, factors: dict[str, Any],
@@ -214,5 +283,6 @@ def shard_summary(shard: tuple[int, ...] | shards.Shard, picked: int, everything
                           shards.list_digest(identity(j) for j in everything))
 
 
-__all__ = ["Job", "plan", "jobs_for", "parse_shard", "shard_jobs", "shard_summary", "identity", "HIT", "MISS",
+__all__ = ["Job", "plan", "jobs_for", "concrete_job", "concrete_group",
+           "parse_shard", "shard_jobs", "shard_summary", "identity", "HIT", "MISS",
            "UNAVAILABLE", "FAILED_BEFORE", "RETRY_HINT"]

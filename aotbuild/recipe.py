@@ -65,9 +65,10 @@ SCHEMA: dict[str, dict[str, Field] | Field] = {
     },
     "target": Field("str", "inductor", doc="where the compiled code runs", registry="target"),
     "device": Field("str?", doc="default: the target's (inductor: cuda if available, else cpu)"),
-    "strategy": Field("str", "jit-cache", registry="strategy",
+    "strategy": Field("str", "auto", registry="strategy",
                       doc="what an entry is and how it is served: a registered strategy (`aotbuild targets` lists "
-                          "them, each with what it stores)"),
+                          "them, each with what it stores); auto: per job, the first that builds and passes the "
+                          "proof"),
     "offload": Field("str", "none", OFFLOADS, "model: enable_model_cpu_offload(); needs scope: regional"),
     "compile": {
         "components": Field("list[str]", ("unet",), doc="pipeline components to compile"),

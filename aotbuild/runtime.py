@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from aotbuild import keys, models, pipecall
+from aotbuild import auto, keys, models, pipecall
 from aotbuild.context import Context, prepare_pipeline, shard_pipeline
 from aotbuild.errors import CacheMiss, RemoteError, UsageError
 from aotbuild.explain import Entries, explain_miss
@@ -41,6 +41,7 @@ class ReportEntry:
     hit: bool
     reason: str = ""  # why it missed: the factors that differ from the nearest entry, or the store's word
     pulled: bool = False  # fetched from the remote during this load
+    strategy: str = ""  # a hit's: the strategy its entry holds (what an auto recipe's build chose)
 
 
 @dataclass
@@ -81,7 +82,8 @@ class LoadReport:
                 "timings": dict(self.timings), "first_calls": dict(self.first_calls),
                 "entries": [
                     {"component": e.component, "shape": e.shape.as_dict(), "key": e.key, "hit": e.hit,
-                     "pulled": e.pulled, "reason": e.reason} for e in self.entries]}
+                     "pulled": e.pulled, "reason": e.reason, **({"strategy": e.strategy} if e.strategy else {})}
+                    for e in self.entries]}
 
     def __str__(self) -> str:
         pulled = sum(e.pulled for e in self.entries)
@@ -93,6 +95,7 @@ class LoadReport:
         for e in self.entries:
             status = "hit " if e.hit else "MISS"
             line = f"  {status} {e.component:<14} {str(e.shape):<12} {e.key[:12]}" + ("  pulled" if e.pulled else "")
+            line += f"  {printable(e.strategy)}" if e.strategy else ""
             if not e.hit:
                 line += f"  {printable(e.reason)}"
                 if self.on_miss != "error":
@@ -167,10 +170,12 @@ def load_compiled(recipe: str | Path | Recipe | Mapping[str, Any], pipe: Any = N
         for p in planned:  # loaded before into this pipe: install on the module, not around that install
             uninstall_dispatchers(p.module)
         ctx.target.before_install([e.manifest.build for p in planned for e in p.entries], ctx.device)
-        installed = ctx.strategy.install(ctx, planned, _call_policy(on_miss, strict_shapes))
-        if installed is not None:
-            report.installed_files, report.present_files = installed.installed, installed.present
-            report.install_folder = installed.folder
+        for serving, serves in _by_strategy(ctx, planned):
+            installed = serving.strategy.install(serving, serves, _call_policy(on_miss, strict_shapes))
+            if installed is not None:
+                report.installed_files += installed.installed
+                report.present_files += installed.present
+                report.install_folder = report.install_folder or installed.folder
         timings["install"] = time.perf_counter() - started
         _watch(planned, on_miss, ctx.recipe.offload == "none")
         for p in planned:
@@ -190,6 +195,41 @@ class _Wanted:
     shape: Shape
     factors: dict[str, Any]
     key: str
+    rank: int | None = None
+
+
+def _by_strategy(ctx: Context, planned: list[Planned]) -> list[tuple[Context, list[Planned]]]:
+    """What installs each component: the recipe's strategy; for ``strategy: auto``, the strategy its
+    entries hold (one per component, :func:`_one_strategy`), and for a component without entries the
+    last auto tries here (it compiles on first use, as every strategy's fallback does)."""
+    if not auto.is_auto(ctx.recipe):
+        return [(ctx, planned)]
+    fallback = auto.choice(ctx.recipe, ctx.target, ctx.device).tries[-1:] or ("jit-cache",)
+    groups: dict[str, list[Planned]] = {}
+    for p in planned:
+        name = p.entries[0].manifest.strategy if p.entries else fallback[0]
+        groups.setdefault(name, []).append(p)
+    return [(auto.concrete(ctx, name), group) for name, group in groups.items()]
+
+
+def _auto_problem(ctx: Context, entry: Entry, w: _Wanted) -> str:
+    """Why an auto recipe's entry cannot serve here (then a miss), or "": its strategy must be one this
+    aotbuild serves and what that strategy adds to the key (``Manifest.auto``'s ``factors``: e.g.
+    aot-compile's thread count) must be this process's."""
+    manifest = entry.manifest
+    if manifest.auto is None:
+        return "not an auto entry"
+    try:
+        serving = auto.concrete(ctx, manifest.strategy)
+    except UsageError:
+        return f"its strategy {printable(manifest.strategy)} is not one this aotbuild serves"
+    component = w.factors["component"]
+    here = serving.factors(w.component, component["class"], component["config"], w.shape,
+                           w.factors["model"]["pipeline"], w.rank)["compile"]
+    recorded = dict(manifest.auto.get("factors") or {})
+    wanted = {k: here.get(k) for k in auto.strategy_factors(serving)}
+    return "; ".join(f"compile.{line} (what {manifest.strategy}, chosen by auto, keys)"
+                     for line in keys.differences(recorded, wanted))
 
 
 def _check_arguments(on_miss: str, remote: str | Remote | None) -> Remote | None:
@@ -234,7 +274,7 @@ def _wanted(ctx: Context, pipe: Any, rank: int | None = None) -> list[_Wanted]:
         cls_name, config = models.module_config(module)
         for shape in ctx.recipe.shapes:
             factors = ctx.factors(component, cls_name, config, shape, type(pipe).__name__, rank)
-            wanted.append(_Wanted(component, shape, factors, keys.key_of(factors)))
+            wanted.append(_Wanted(component, shape, factors, keys.key_of(factors), rank))
     return wanted
 
 
@@ -251,16 +291,23 @@ def _open_entries(ctx: Context, store: Store, pipe: Any, wanted: list[_Wanted], 
         for w in (w for w in wanted if w.component == component):
             entry, reason = store.open_entry(w.key) if not blocker else (None, None)
             why = blocker or str(reason)
+            if entry is not None and auto.is_auto(ctx.recipe):
+                why = _auto_problem(ctx, entry, w) or _one_strategy(entries, entry)
+                serving = ctx if why else auto.concrete(ctx, entry.manifest.strategy)
+                entry = None if why else entry
+            else:
+                serving = ctx
             if entry is not None:
                 why = (_structure_problem(module, component, entry)
                        or _dependency_problem(module, component, entry, live, ctx.recipe.offload == "none",
                                               _compiled_paths(module, ctx.recipe))
-                       or ctx.strategy.check(ctx, module, component, entry))
+                       or serving.strategy.check(serving, module, component, entry))
                 entry = None if why else entry
             if entry is not None:
                 store.touch(w.key)  # recency for gc; skipped where the store is read-only
                 entries.append(entry)
-                report.entries.append(ReportEntry(component, w.shape, w.key, True, pulled=w.key in pulled))
+                report.entries.append(ReportEntry(component, w.shape, w.key, True, pulled=w.key in pulled,
+                                                  strategy=entry.manifest.strategy))
                 continue
             if reason is not None and reason.kind is Unusable.NOT_BUILT:
                 manifests = manifests if manifests is not None else Entries(store.iter_manifests())
@@ -268,6 +315,16 @@ def _open_entries(ctx: Context, store: Store, pipe: Any, wanted: list[_Wanted], 
             report.entries.append(ReportEntry(component, w.shape, w.key, False, why + remote_notes.get(w.key, "")))
         planned.append(Planned(component, module, entries))
     return planned
+
+
+def _one_strategy(entries: list[Entry], entry: Entry) -> str:
+    """One strategy serves a component (its dispatcher is that strategy's): an auto entry of another
+    shape of it, built with another strategy than the entries already taken, misses, saying so."""
+    taken = entries[0].manifest.strategy if entries else entry.manifest.strategy
+    if taken == entry.manifest.strategy:
+        return ""
+    return (f"auto chose {printable(entry.manifest.strategy)} for this shape and {printable(taken)} for another "
+            f"of this component, and one strategy serves a component: build with strategy: {printable(taken)}")
 
 
 def _structure_problem(module: Any, component: str, entry: Entry) -> str:

@@ -21,6 +21,7 @@ TINY_DICT = {
     "model": {"id": "builtin:tiny-sd", "dtype": "float32"},
     "target": "inductor",
     "device": "cpu",
+    "strategy": "jit-cache",
     "shapes": [{"height": 64, "width": 64}],
     "warmup": {"num_inference_steps": 2, "guidance_scale": 0.0},
 }
@@ -317,10 +318,10 @@ def fake_compiles(monkeypatch, tmp_path):
 
     compiled: list[str] = []
 
-    def fake_build_one(store, job, tick=None, limit=None, sign_key=None, *, loads=None):
+    def fake_build_one(store, job, tick=None, limit=None, sign_key=None, *, loads=None, chosen=None):
         compiled.append(job.key)
         return store_job(store, job, artifacts(tmp_path / "out", job.key), {"signatures": []}, 0.1, limit,
-                         sign_key=sign_key)
+                         sign_key=sign_key, chosen=chosen)
 
     monkeypatch.setattr(builder, "_build_one", fake_build_one)
     return compiled

@@ -16,6 +16,7 @@ _REGISTRY: Registry[Strategy] = Registry("strategy", {
     "jit-cache": ("aotbuild.strategies.jit_cache", "JitCache"),
     "aot-package": ("aotbuild.strategies.aot_package", "AotPackage"),
     "aot-compile": ("aotbuild.strategies.aot_compile", "AotCompile"),
+    "auto": ("aotbuild.strategies.auto", "Auto"),
 })
 strategy_names = _REGISTRY.names
 get_strategy = _REGISTRY.get

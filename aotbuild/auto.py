@@ -1,0 +1,137 @@
+"""``strategy: auto``, the default: which strategies a job tries, in which order, and what each did.
+
+For each job the builder (aotbuild/builder.py) tries, in a fixed order per device kind
+(:data:`ORDER`), the strategies that can serve the recipe here (:func:`choice`: those whose
+``validate`` accepts it and whose ``availability`` is met; the others are excluded with their
+words), builds with each until one builds *and passes the proof*, and stores that entry under the
+job's auto key. Auto never changes the recipe's scope or ``fullgraph``: a model no strategy can
+capture as written fails with every attempt's reason.
+
+Why this order (docs/recipes.md, "Which strategy"): a fresh process's first image on the tiny UNet
+(2 CPU cores, benchmarks/README.md) is 0.97x eager's with aot-package, 1.23x with aot-compile and
+1.96x with jit-cache, and 1.17x / 1.37x / 2.41x on the SD 1.5-size UNet. No GPU was measured here;
+what those figures measure (a Dynamo trace at every load, which the ahead-of-time strategies skip)
+is host-side Python work, the same whatever the device, so CUDA keeps the order. A target no
+ahead-of-time strategy accepts (neuron, tpu: both are inductor-only) has jit-cache alone.
+
+Keys: the key of an auto job holds the strategy-independent factors and ``strategy: auto``
+(aotbuild/strategies/auto.py adds no compile factor); each attempt is also one *concrete* job, the
+recipe with that strategy named, whose key is exactly an explicit recipe's. A failed attempt is
+remembered under that concrete key (the store's one rule for failures: skipped until
+``--retry-failed``), so a rebuild goes straight to the strategy that worked. What the chosen
+strategy adds to the key (its ``compile_factors``, e.g. aot-compile's thread count) is recorded in
+the entry (``Manifest.auto``) and checked at load (aotbuild/runtime.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+from aotbuild.errors import AotbuildError
+from aotbuild.keys import AUTO
+from aotbuild.strategies import get_strategy
+
+if TYPE_CHECKING:
+    from aotbuild.context import Context
+    from aotbuild.recipe import Recipe
+    from aotbuild.targets.base import Target
+
+#: The strategies auto tries, first to last, per device kind (the device's type); any other kind
+#: (a neuron or tpu device) takes :data:`DEFAULT_ORDER`, where validate leaves jit-cache alone.
+ORDER = {
+    "cpu": ("aot-package", "aot-compile", "jit-cache"),
+    "cuda": ("aot-package", "aot-compile", "jit-cache"),
+}
+DEFAULT_ORDER = ("aot-package", "aot-compile", "jit-cache")
+#: An attempt's outcomes.
+BUILT, FAILED, FAILED_BEFORE = "built", "failed", "failed before"
+
+
+def is_auto(recipe: Recipe) -> bool:
+    """Whether the build chooses ``recipe``'s strategy per job."""
+    return recipe.strategy == AUTO
+
+
+def order(device: str) -> tuple[str, ...]:
+    return ORDER.get(device.split(":")[0], DEFAULT_ORDER)
+
+
+@dataclass(frozen=True)
+class Choice:
+    """What auto would try for one recipe here, in order, and what it excludes and why."""
+
+    tries: tuple[str, ...]
+    #: (strategy, why it cannot serve this recipe here: its validate's or availability's words)
+    excluded: tuple[tuple[str, str], ...]
+
+    def text(self) -> str:
+        out = f"tries {', '.join(self.tries) or 'nothing'}"
+        if self.excluded:
+            out += "; excluded: " + "; ".join(f"{name} ({why})" for name, why in self.excluded)
+        return out
+
+    def as_json(self) -> dict[str, Any]:
+        return {"tries": list(self.tries), "excluded": [{"strategy": n, "reason": w} for n, w in self.excluded]}
+
+
+def choice(recipe: Recipe, target: Target, device: str) -> Choice:
+    """The strategies that can serve ``recipe`` on ``target`` and ``device``, in the order tried, and
+    the ones excluded, each with why (its ``validate``, which includes ``availability``)."""
+    tries, excluded = [], []
+    for name in order(device):
+        try:
+            get_strategy(name).validate(replace(recipe, strategy=name), target)
+        except AotbuildError as exc:
+            excluded.append((name, getattr(exc, "message", str(exc))))
+        else:
+            tries.append(name)
+    return Choice(tuple(tries), tuple(excluded))
+
+
+def concrete(ctx: Context, strategy: str) -> Context:
+    """``ctx`` (an auto recipe's) as the same recipe naming ``strategy``: what one attempt builds with,
+    and what serves an entry whose manifest names ``strategy``."""
+    return replace(ctx, recipe=replace(ctx.recipe, strategy=strategy), strategy=get_strategy(strategy))
+
+
+def strategy_factors(ctx: Context) -> dict[str, Any]:
+    """What ``ctx``'s strategy adds to the key's compile settings here (``Strategy.compile_factors``):
+    recorded in an auto entry, compared at load."""
+    return dict(ctx.strategy.compile_factors(ctx.target, ctx.device))
+
+
+@dataclass
+class Attempt:
+    """One strategy tried for an auto job: its outcome, the first line of its reason (the model's
+    file:line where export or Dynamo said it), and its seconds."""
+
+    strategy: str
+    outcome: str  # built | failed | failed before
+    reason: str = ""
+    seconds: float = 0.0
+    #: the concrete job's key (the recipe with this strategy named): where its failure is recorded
+    key: str = ""
+
+    def as_json(self) -> dict[str, Any]:
+        return {"strategy": self.strategy, "outcome": self.outcome, "reason": self.reason,
+                "seconds": round(self.seconds, 3), "key": self.key}
+
+    @classmethod
+    def from_json(cls, data: Any) -> Attempt:
+        return cls(str(data.get("strategy", "?")), str(data.get("outcome", "?")), str(data.get("reason", "")),
+                   float(data.get("seconds", 0.0)), str(data.get("key", "")))
+
+    def text(self) -> str:
+        seconds = f", {self.seconds:.1f} s" if self.seconds else ""
+        reason = f": {self.reason}" if self.reason else ""
+        return f"{self.strategy} {self.outcome}{seconds}{reason}"
+
+
+def attempts_text(attempts: list[Attempt] | list[dict[str, Any]]) -> str:
+    """``aot-package failed, 12.0 s: ...; aot-compile built, 30.1 s``: one line for a table's note."""
+    return "; ".join((a if isinstance(a, Attempt) else Attempt.from_json(a)).text() for a in attempts)
+
+
+__all__ = ["ORDER", "DEFAULT_ORDER", "Choice", "Attempt", "choice", "concrete", "is_auto", "order",
+           "strategy_factors", "attempts_text"]

@@ -1,0 +1,273 @@
+"""``strategy: auto``, the default (issue 36 items 1 and 2): per job, the strategies that can serve
+the recipe, in a fixed order, until one builds and passes the proof; every attempt recorded; a
+failed one follows the one rule for failures; the key holds ``strategy: auto`` and no strategy's own
+factor. The builder's logic runs for real with ``fake_compiles`` (the promise is the choice, not the
+compile); two slow tests run real attempts on the session's tiny-sd builds (tests/conftest.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+
+from aotbuild import auto, builder
+from aotbuild.builder import FAILED, JobResult
+from aotbuild.errors import ManifestError
+from aotbuild.planner import plan
+from aotbuild.recipes import parse_recipe
+from aotbuild.store import Store
+from aotbuild.targets import get_target
+from tests.conftest import REPO, STRATEGY_RECIPE, TINY_DICT, invoke_cli, run_cli
+
+#: TINY_DICT naming no strategy: auto.
+AUTO = {k: v for k, v in TINY_DICT.items() if k != "strategy"}
+#: What an export that cannot trace the model says (a stand-in failure; the slow test has a real one).
+EXPORT_FAILS = "the component cannot be captured whole: RuntimeError: numpy() on a FakeTensor at /m/model.py:12; x"
+
+
+def _job(cache, recipe=None):
+    job, = plan(recipe or AUTO, cache)
+    return job
+
+
+def test_no_strategy_is_auto_keyed_with_strategy_auto_and_each_attempt_is_an_explicit_recipe_s_key(cache):
+    job = _job(cache)
+    assert job.recipe.strategy == "auto" and job.factors["target"]["strategy"] == "auto"
+    assert job.choice.tries == ("aot-package", "aot-compile", "jit-cache") and job.choice.excluded == ()
+    for strategy in job.choice.tries:  # one attempt's key is the recipe naming that strategy, exactly
+        explicit = _job(cache, {**AUTO, "strategy": strategy})
+        assert job.attempt_keys[strategy] == explicit.key != job.key
+        # what a strategy adds to the key (aot-compile's thread count, say) is not in the auto key
+        added = auto.strategy_factors(explicit.ctx)
+        assert not set(added) & set(job.factors["compile"]), added
+
+
+def test_plan_excludes_the_strategies_that_cannot_serve_the_recipe_each_with_why(cache, tmp_path):
+    inductor = get_target("inductor")
+    quantized = parse_recipe({**AUTO, "model": {**AUTO["model"], "quantization": {
+        "backend": "torchao", "quant_type": "int8wo"}}})
+    choice = auto.choice(quantized, inductor, "cpu")
+    assert choice.tries == ("jit-cache",)
+    assert [name for name, _ in choice.excluded] == ["aot-package", "aot-compile"]
+    assert all("torchao" in why for _, why in choice.excluded), choice.excluded
+    sharded = auto.choice(parse_recipe({**AUTO, "parallel": {"tensor": 2}}), inductor, "cpu")
+    assert sharded.tries == ("aot-compile", "jit-cache") and sharded.excluded[0][0] == "aot-package"
+    assert "cannot shard" in sharded.excluded[0][1]
+    lora = {**AUTO, "lora": {"rank": 4, "adapters": [{"path": "a.safetensors", "adapter_name": "a"}]}}
+    hot_swapped = auto.choice(parse_recipe(lora), inductor, "cpu")
+    assert hot_swapped.tries == ("aot-compile", "jit-cache") and "hot-swap" in hot_swapped.excluded[0][1]
+    regional_unfused = auto.choice(parse_recipe({**AUTO, "compile": {"fullgraph": False}}), inductor, "cpu")
+    assert regional_unfused.tries == ("jit-cache",)  # auto never changes fullgraph: only jit-cache serves it
+
+    recipe = tmp_path / "quantized.yaml"
+    recipe.write_text(json.dumps({**AUTO, "model": {**AUTO["model"], "quantization": {
+        "backend": "torchao", "quant_type": "int8wo"}}}))
+    shown = invoke_cli("plan", "--explain-auto", "--cache", str(cache), str(recipe))
+    assert shown.returncode == 0, shown.stderr
+    assert "auto tries, in this order:\n  1. jit-cache (key " in shown.stdout
+    assert "excluded: aot-package: strategy aot-package is not verified with torchao" in shown.stdout
+
+
+@pytest.fixture
+def export_fails(monkeypatch, fake_compiles) -> list[str]:
+    """aot-package's attempts fail as an export that cannot trace the model does; the others build
+    (fake_compiles' stand-ins). Returns the keys of every attempt, in order."""
+    stand_in = builder._build_one
+    tried: list[str] = []
+
+    def build_one(store, job, *args, **kwargs):
+        tried.append(job.key)
+        if job.recipe.strategy == "aot-package":
+            return JobResult(job, FAILED, 1.0, reason=f"{EXPORT_FAILS}\nsecond line")
+        return stand_in(store, job, *args, **kwargs)
+
+    monkeypatch.setattr(builder, "_build_one", build_one)
+    return tried
+
+
+def test_a_failed_attempt_falls_back_is_recorded_and_not_retried_until_retry_failed(cache, export_fails):
+    from aotbuild import build
+
+    job = _job(cache)
+    package, compiled = job.attempt_keys["aot-package"], job.attempt_keys["aot-compile"]
+    report = build(AUTO, cache)
+    result, = report.results
+    assert result.status == "built" and not report.failed  # a later strategy built: the build is green
+    assert export_fails == [package, compiled]
+    manifest = Store(cache).read_manifest(job.key)
+    assert manifest.strategy == "aot-compile" and manifest.factors["target"]["strategy"] == "auto"
+    attempts = manifest.auto["attempts"]
+    assert [(a["strategy"], a["outcome"]) for a in attempts] == [("aot-package", "failed"), ("aot-compile", "built")]
+    assert attempts[0]["reason"].startswith(EXPORT_FAILS) and "second line" not in attempts[0]["reason"]
+    assert "/m/model.py:12" in result.reason and Store(cache).failure(package) is not None  # per (key, strategy)
+
+    assert build(AUTO, cache).results[0].status == "cached" and len(export_fails) == 2  # a hit: nothing tried
+    shown = invoke_cli("show", "--cache", str(cache), job.key[:12])
+    assert "auto:       chose aot-compile" in shown.stdout and "aot-package failed, 1.0 s: " in shown.stdout
+    listed = invoke_cli("plan", "--cache", str(cache), "--json", str(_recipe_file(cache)))
+    assert json.loads(listed.stdout)["jobs"][0]["auto"]["chosen"] == "aot-compile"
+
+    Store(cache).remove_manifest(job.key)  # the entry gone: straight to the strategy that worked
+    assert _job(cache).failed_before == {"aot-package": EXPORT_FAILS}
+    again, = build(AUTO, cache).results
+    assert again.status == "built" and export_fails[2:] == [compiled]
+    assert [(a.strategy, a.outcome) for a in again.attempts] == [("aot-package", "failed before"),
+                                                                  ("aot-compile", "built")]
+    Store(cache).remove_manifest(job.key)
+    build(AUTO, cache, retry_failed=True)
+    assert export_fails[3:] == [package, compiled]  # --retry-failed tries it again
+
+
+def _recipe_file(cache):
+    path = cache.parent / "auto.yaml"
+    path.write_text(json.dumps(AUTO))
+    return path
+
+
+def test_when_every_strategy_fails_the_job_fails_with_each_reason_and_stays_red(cache, fake_compiles, monkeypatch):
+    from aotbuild import build
+
+    monkeypatch.setattr(builder, "_build_one", lambda store, job, *a, **k: JobResult(
+        job, FAILED, 1.0, reason=f"{job.recipe.strategy} could not"))
+    result, = build(AUTO, cache).results
+    assert result.status == "failed" and not result.not_retried
+    assert result.reason == ("auto: no strategy built and passed the proof: aot-package failed, 1.0 s: aot-package "
+                             "could not; aot-compile failed, 1.0 s: aot-compile could not; jit-cache failed, 1.0 s: "
+                             "jit-cache could not")
+    assert _job(cache).status == "failed"  # every try failed before: not built again, and red
+    again, = build(AUTO, cache).results
+    assert again.status == "failed" and again.not_retried and "--retry-failed" in again.reason
+    assert invoke_cli("build", "--cache", str(cache), str(_recipe_file(cache))).returncode == 1
+
+
+def test_an_explicit_recipe_s_entry_is_taken_by_auto_without_a_compile(cache, fake_compiles):
+    from aotbuild import build
+
+    build({**AUTO, "strategy": "aot-package"}, cache)
+    assert len(fake_compiles) == 1
+    result, = build(AUTO, cache).results
+    assert result.status == "built" and len(fake_compiles) == 1  # nothing compiled again
+    manifest = Store(cache).read_manifest(result.job.key)
+    assert manifest.strategy == "aot-package" and "its entry was in the cache" in manifest.auto["attempts"][0]["reason"]
+    explicit = Store(cache).read_manifest(fake_compiles[0])
+    assert manifest.files == explicit.files and manifest.proof == explicit.proof
+
+
+def test_the_codec_binds_an_auto_entry_to_the_strategy_it_names(cache, fake_compiles):
+    from dataclasses import replace
+
+    from aotbuild import build
+    from aotbuild.manifest import from_json
+
+    result, = build(AUTO, cache).results
+    manifest = Store(cache).read_manifest(result.job.key)
+    assert manifest.strategy == "aot-package" and manifest.auto["factors"] == {}
+    assert from_json(manifest.to_json(), manifest.key) == manifest
+    for wrong in (replace(manifest, auto=None), replace(manifest, strategy="auto")):
+        with pytest.raises(ManifestError, match="strategy differ from its factors"):
+            from_json(json.dumps(wrong.as_json()), manifest.key)
+
+
+# -- real attempts, on the session's builds -----------------------------------------------------------------
+
+def _auto_recipe(folder):
+    recipe = folder / "tiny_sd_auto.yaml"
+    recipe.write_text("\n".join(line for line in STRATEGY_RECIPE.format(strategy="x").splitlines()
+                                if not line.startswith("strategy:")) + "\n")
+    return recipe
+
+
+@pytest.mark.slow  # shares the session's aot-package build; one fresh process serves the auto entry
+def test_no_strategy_on_tiny_sd_serves_an_aot_package_entry_with_0_compiles(aot_cache, tmp_path):
+    _, built, _ = aot_cache
+    cache = tmp_path / "cache"
+    shutil.copytree(built, cache)
+    recipe = _auto_recipe(tmp_path)
+    proc = run_cli("build", "--json", "--cache", str(cache), str(recipe), env={"AOTBUILD_CACHE": ""})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    job, = json.loads(proc.stdout)["jobs"]
+    assert job["strategy"] == "auto" and job["attempts"][0]["strategy"] == "aot-package"
+    served = run_cli("show", "--json", "--cache", str(cache), job["key"][:12])
+    manifest = json.loads(served.stdout)
+    assert manifest["strategy"] == "aot-package" and manifest["proof"]["compiles"] == 0
+    code = f"""
+import json, torch
+from aotbuild import load_compiled
+from torch._dynamo.utils import counters
+pipe = load_compiled({str(recipe)!r}, cache={str(cache)!r}, on_miss="error", strict_shapes=True)
+args = dict(prompt="a cat", height=64, width=64, num_inference_steps=2, guidance_scale=0.0, output_type="pt")
+image = pipe(generator=torch.Generator().manual_seed(0), **args).images
+from aotbuild.dispatch import uninstall_dispatchers
+uninstall_dispatchers(pipe.unet)
+eager = pipe(generator=torch.Generator().manual_seed(0), **args).images
+print(json.dumps({{"graphs": counters["stats"]["unique_graphs"], "diff": float((image - eager).abs().max()),
+                   "report": pipe.aotbuild_report.as_dict()}}))
+"""
+    proc = subprocess_python(code, tmp_path)
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["graphs"] == 0 and out["diff"] < 1e-4, out
+    entry, = out["report"]["entries"]
+    assert entry["hit"] and entry["strategy"] == "aot-package"
+
+
+def subprocess_python(code, tmp_path):
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": str(REPO), "AOTBUILD_CACHE": "",
+                               "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "empty-inductor")})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+#: A UNet whose forward reads its input's values through numpy: Dynamo traces that whole (numpy
+#: becomes torch ops), torch.export cannot (a FakeTensor has no data). Values unchanged (+ 0 x ...).
+NUMPY_UNET = """
+import numpy as np
+import torch
+from diffusers import UNet2DConditionModel
+
+_forward = UNet2DConditionModel.forward
+
+
+def forward(self, sample, *args, **kwargs):
+    sample = sample + 0.0 * torch.from_numpy(np.cos(sample.detach().numpy()))
+    return _forward(self, sample, *args, **kwargs)
+
+
+UNet2DConditionModel.forward = forward
+"""
+
+
+@pytest.mark.slow  # a real aot-package attempt (export fails); aot-compile's entry is the session's
+@pytest.mark.parametrize("strategy", ["aot-compile"])  # groups it with that build (tests/conftest.py)
+def test_a_model_export_cannot_trace_falls_back_to_aot_compile_and_is_not_retried(strategy, strategy_build,
+                                                                                  tmp_path):
+    _, built, _ = strategy_build(strategy)
+    cache = tmp_path / "cache"
+    shutil.copytree(built, cache)
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    (hooks / "sitecustomize.py").write_text(NUMPY_UNET)
+    env = {"PYTHONPATH": f"{hooks}{os.pathsep}{REPO}", "AOTBUILD_CACHE": "",
+           "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    recipe = _auto_recipe(tmp_path)
+    first = run_cli("build", "--cache", str(cache), str(recipe), env=env)
+    assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
+    assert "aot-package failed" in first.stdout and "aot-compile built" in first.stdout, first.stdout
+    job = _job(cache, str(recipe))
+    manifest = Store(cache).read_manifest(job.key)
+    failed, chosen = manifest.auto["attempts"]
+    assert (failed["strategy"], failed["outcome"], chosen["strategy"]) == ("aot-package", "failed", "aot-compile")
+    assert "numpy() is not supported for tensor subclasses" in failed["reason"], failed  # what export said
+    assert manifest.strategy == "aot-compile"
+
+    Store(cache).remove_manifest(job.key)
+    second = run_cli("build", "--json", "--cache", str(cache), str(recipe), env=env)
+    assert second.returncode == 0, second.stderr[-2000:]
+    attempts = json.loads(second.stdout)["jobs"][0]["attempts"]
+    assert [(a["strategy"], a["outcome"]) for a in attempts] == [("aot-package", "failed before"),
+                                                                  ("aot-compile", "built")]
