@@ -14,7 +14,9 @@ new factor, FORMAT_VERSION) regenerates them on purpose: ``python tests/test_key
 new table. Regenerated for FORMAT_VERSION 4 (manifests record what each graph depends on: issue 31,
 aotbuild/dependencies.py); every built-in recipe's keys computed by that command (issue 30).
 aot-compile's regenerated when it dropped its ``compile.cpu_threads`` factor: its artifacts serve any
-thread count (issue 36).
+thread count (issue 36). ``auto``'s added when it became the default (issue 36): its factor
+``target.strategy`` is ``auto`` and its compile settings hold no strategy's own factor; every other pin
+unchanged.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ CONSTRAINTS = REPO / ".ci" / "constraints.txt"
 pytestmark = pytest.mark.xdist_group("key-pins")  # one worker makes the built-in models this module shares
 
 VARIANTS = [("jit-cache", "full"), ("jit-cache", "regional"), ("aot-package", "full"), ("aot-package", "regional"),
-            ("aot-compile", "full"), ("aot-compile", "regional")]
+            ("aot-compile", "full"), ("aot-compile", "regional"), ("auto", "full"), ("auto", "regional")]
 #: Every built-in recipe (test_every_built_in_recipe_is_pinned holds this list to recipes/tiny_*_cpu.yaml).
 RECIPES = ["tiny_sd_cpu", "tiny_sdxl_cpu", "tiny_sd3_cpu", "tiny_flux_cpu", "tiny_pixart_cpu", "tiny_wan_cpu",
            "tiny_wan22_cpu"]
@@ -98,6 +100,14 @@ PINS = {
         '42e685120122d8375c40d040749010fdc43148d30811fe735d2efc6c805dbfb3',
         'ba18b78b6556cf0cf8d895cfe2dd2638961ffa750941aeb1d37c3a3b696179f9',
     ],
+    'tiny_sd_cpu/auto/full': [
+        'de21d540a022d90a06df67f6fa5630726099657e4b2bc69c6d1a8f2b99ead588',
+        'a67d42bc3a07b7356c76a56cad584b0724bef6c51b7d32e66f5487b1cdc7c37c',
+    ],
+    'tiny_sd_cpu/auto/regional': [
+        '3204952dadceb08ca51a54a9d493f1d41bc0b02a9d82c4e41d0729e827423c5f',
+        'b50a001e825acfac30fb4a84fcb1d61d7c8c7ab50ba6ae7ef139eaeca5d1871f',
+    ],
     'tiny_sdxl_cpu/jit-cache/full': [
         '71cca74925625414a4b746d4f17c679ec2e84cfcaf8c89278a76069d624c6674',
     ],
@@ -115,6 +125,12 @@ PINS = {
     ],
     'tiny_sdxl_cpu/aot-compile/regional': [
         '02704cd4d7f26f88b08c742c84fedd62d837e5b88447c2ef795b5376fdec383e',
+    ],
+    'tiny_sdxl_cpu/auto/full': [
+        '290e55bea04ebe0cf3559fc05ae818cd5978535027507db98a25523d1f0f7884',
+    ],
+    'tiny_sdxl_cpu/auto/regional': [
+        '5fab206bea1f073d56fa2584d43c7634544b7c362a7ec8208a5fe56542da3c54',
     ],
     'tiny_sd3_cpu/jit-cache/full': [
         'e0406de54910348333f9db776f56c495ae782cc5b8bd5225ad7a987f45f91385',
@@ -134,6 +150,12 @@ PINS = {
     'tiny_sd3_cpu/aot-compile/regional': [
         '77856d54ca7d2dfc0ec024d271ad35b06f4695edd1e8cd5233623c5543574e3f',
     ],
+    'tiny_sd3_cpu/auto/full': [
+        '927d3fb869a6727786d649d76825ea4f5e6d7647d1e24f321ffcbf7ae0602c0e',
+    ],
+    'tiny_sd3_cpu/auto/regional': [
+        '6be190d310d298bd64486dddfb3fc1b51dd7765d0aa1778ad558eb616c8836ea',
+    ],
     'tiny_flux_cpu/jit-cache/full': [
         'c4886d73b5222e6b57c3e245c82d06bf8a4132f6dfd4cd2d5a66100c964879e6',
     ],
@@ -151,6 +173,12 @@ PINS = {
     ],
     'tiny_flux_cpu/aot-compile/regional': [
         '6e68a85fc22a6b155da8739255fc54802886e570a52f235835d423ed77351850',
+    ],
+    'tiny_flux_cpu/auto/full': [
+        '37826bab79480afd2b12abea4f7cc32536d5d47acffa5c787589dc8aa8dfe483',
+    ],
+    'tiny_flux_cpu/auto/regional': [
+        '083ccc3fdc0c417eb726682329a25cfdd352aa27ae5210e937a307dcfe53c506',
     ],
     'tiny_pixart_cpu/jit-cache/full': [
         '6a2142a671c133be2493a3c0fd52fe72731744829bfe8d9fdb803e62d7bf024e',
@@ -170,6 +198,12 @@ PINS = {
     'tiny_pixart_cpu/aot-compile/regional': [
         '7eb558eb0b85cc04b7758a765c95dc0ffc9fbcfc44373b2e9371b585a82b1ce3',
     ],
+    'tiny_pixart_cpu/auto/full': [
+        '80e30205388caee13ec2a539c58edfee5cf14fc322b825abcfdde6b03f637a63',
+    ],
+    'tiny_pixart_cpu/auto/regional': [
+        'e4d8d6a40287328546417dbfddd43caa7b5ceaf4cd33c76eec4dd62e60198b0d',
+    ],
     'tiny_wan_cpu/jit-cache/full': [
         '9dcbc72b666e51f177696b2c1ea7ae015c162930b9fd982ae5ed7e351e486387',
     ],
@@ -187,6 +221,12 @@ PINS = {
     ],
     'tiny_wan_cpu/aot-compile/regional': [
         'f0927ded7483a149f8843589b200fe2891b5a051a0dd34229bcc43a5b2277de3',
+    ],
+    'tiny_wan_cpu/auto/full': [
+        '84a3b836cb43fbc663f4452e12103225df5064fd911c6e3c0143a429cc48394a',
+    ],
+    'tiny_wan_cpu/auto/regional': [
+        '98c6ca99c9e0f09ddd2e9b8fe98e364529362b6597416e32dc693ae4da49c75a',
     ],
     'tiny_wan22_cpu/jit-cache/full': [
         '13ce94bffdf16e2de207cfd515e5d8e19d7281f93ce1c76edca358aba8108905',
@@ -211,6 +251,14 @@ PINS = {
     'tiny_wan22_cpu/aot-compile/regional': [
         '5d53cb45898dce2e0186e660ec32cfa7a8d5938736d28e7307ba929373305cae',
         '494dd952775a99aa09ec79d94165d378e232116e7ad809c7c434b081f304a70e',
+    ],
+    'tiny_wan22_cpu/auto/full': [
+        '291b75a322f4fdd64da25fa3baf57f44c40c7f953c3a0d5077f2002ab46e0673',
+        'a5304bc734f0fdf83825f6d76617ae67c08b6cff6efe801b9f2ae592ae430bd9',
+    ],
+    'tiny_wan22_cpu/auto/regional': [
+        '7830403ac727e1bf2d63d767e1b24ee04896a34366f78ebf69b4cb7f38c53c26',
+        'cc0533df727df9fa4a230ca0beb546405fff54aeebbddf5c6fa675ec0c3147f9',
     ],
 }
 
