@@ -22,6 +22,10 @@ none): it builds each compiled component again from its config on the meta devic
 changes it found there, and compares the two dependency snapshots; whatever still differs (a
 processor class of the user's, a processor set on some layers only, an attribute written by hand)
 cannot be re-created in another process and is refused with that difference.
+
+What no strategy builds is refused at plan time and by :func:`detect` (:meth:`Change.unbuildable`):
+a fused attention processor (it needs ``fuse_qkv_projections``' ``to_qkv``) and, for now, every
+cache hook (issue 31 items 3 and 6).
 """
 
 from __future__ import annotations
