@@ -1,6 +1,7 @@
 """The push/pull/verify/race flows every object-store remote runs against its real API server on the
-loopback (tests/test_remote_gcs.py, tests/test_remote_azure.py; tests/test_remote_s3.py has its own).
-Each takes the remote's URL in a fresh bucket; entries are small stand-ins (tests/standins.py)."""
+loopback (tests/test_remote_s3.py, tests/test_remote_gcs.py, tests/test_remote_azure.py). Each takes
+the remote's URL in a fresh bucket; entries are small stand-ins (tests/standins.py), but for one real
+build per store (``built_cache``, the session's), served by a fresh process."""
 
 from __future__ import annotations
 
@@ -9,10 +10,14 @@ import subprocess
 import sys
 import textwrap
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
+import pytest
+
 from aotbuild import signing
-from aotbuild.remote import parse_remote
+from aotbuild.errors import RemoteError
+from aotbuild.remote import parse_remote, pull_entry
 from aotbuild.remote_fsspec import FsspecRemote
 from aotbuild.store import Store
 from tests.conftest import REPO
@@ -164,3 +169,87 @@ def a_manifest_is_written_create_only(url: str, tmp_path: Path, etag: str) -> No
     result = second.push(entries(local, a))
     assert result.sent == [] and result.present == [a]
     assert first.fs.info(first.manifest_path(a))[etag] == before
+
+
+def a_real_build_is_pulled_by_a_fresh_process_and_served_with_0_compiles(built_cache, url: str, tmp_path: Path,
+                                                                         one_shape: bool = False) -> None:
+    """The session's real build, pushed with the CLI, pulled by a fresh process on another cache (only
+    the built-in model, which any machine can create), served with 0 compiles and output equal to
+    eager (tests/serving.py). ``one_shape``: the tiny recipe at its first shape only, one entry of the
+    same build (the same key): a store's serve at half the cost, where another store serves both."""
+    import json
+    import shutil
+
+    import yaml
+
+    from tests.conftest import TINY_RECIPE, run_cli
+    from tests.serving import assert_served, assert_warm, serve_fresh
+
+    cache, _ = built_cache
+    recipe = TINY_RECIPE
+    if one_shape:
+        data = yaml.safe_load(TINY_RECIPE.read_text())
+        data["shapes"] = data["shapes"][:1]
+        recipe = tmp_path / "tiny_sd_one_shape.yaml"
+        recipe.write_text(json.dumps(data))  # JSON is YAML
+    pushed = run_cli("push", "--json", "--cache", str(cache), str(recipe), "--remote", url, env=dict(os.environ))
+    assert pushed.returncode == 0, pushed.stderr[-3000:]
+    entries = 1 if one_shape else 2
+    assert len(json.loads(pushed.stdout)["sent"]) == entries  # a hit of the build: its key, not another
+    serving = tmp_path / "serving"
+    shutil.copytree(cache / "models", serving / "models")
+    result = serve_fresh(recipe, serving, tmp_path, remote=url)  # a fresh process: pulls, then loads
+    if one_shape:
+        assert_served(result)
+        assert result["shapes"] == 1 and result["counters"].get("fxgraph_cache_hit", 0) >= 1
+    else:
+        assert_warm(result)
+    assert result["pulled"] == entries
+
+
+def a_server_that_stops_mid_pull_is_a_remote_error_naming_it(url: str, tmp_path: Path, stop: Callable[[], None],
+                                                              secrets: tuple[str, ...] = ()) -> None:
+    """The server goes away after the manifest was read, as the first blob is asked for: the pull is
+    one RemoteError naming the remote (after AOTBUILD_REMOTE_RETRIES tries, 2 in these tests), never
+    a partial entry, and no secret in the message."""
+    local = Store(tmp_path / "local")
+    a = add_entry(local, tmp_path, "a", {"x.so": b"kernel-a", "y.so": b"kernel-b"})
+    remote = parse_remote(url)
+    remote.push(entries(local, a))
+    real, stopped = remote.fs.cat_file, []
+
+    def cat_file(path, **kw):
+        if "/blobs/" in path and not stopped:
+            stopped.append(path)
+            stop()
+        return real(path, **kw)
+
+    remote.fs.cat_file = cat_file
+    other = Store(tmp_path / "other")
+    with pytest.raises(RemoteError) as info:
+        pull_entry(remote, a, other)
+    message = str(info.value)
+    assert stopped and message.startswith(f"{url}: reading ") and "failed after 2 tries" in message, message
+    assert "\n" not in message and not any(s in message for s in secrets)
+    assert not other.has(a)
+    assert [p for p in other.root.rglob("*") if p.is_file() and p.suffix != ".lock"] == []
+
+
+def failure_records_are_listed_read_replaced_and_removed(url: str) -> None:
+    """The failure records a build pushes (sync.push_failures) on the store itself: listed, read
+    bounded (an object bigger than a record may be is not one), replaced by a newer failure, removed."""
+    from aotbuild.store import MAX_FAILURE_BYTES
+    from tests.standins import key_of
+
+    remote = parse_remote(url)
+    a, b = key_of("a"), key_of("b")
+    assert remote.failure_keys() == set() and remote.read_failure(a) is None
+    assert remote.put_failure(a, {"key": a, "reason": "first", "time": "1"})
+    assert remote.put_failure(a, {"key": a, "reason": "again", "time": "2"})  # a newer failure replaces it
+    remote.fs.pipe_file(remote.failure_path(b), b'{"reason": "' + b"x" * MAX_FAILURE_BYTES + b'"}')
+    assert remote.failure_keys() == {a, b}
+    assert remote.read_failure(a) == {"key": a, "reason": "again", "time": "2"}
+    assert remote.read_failure(b) is None  # too big: not a record, and not read whole
+    remote.remove_failure(a)
+    remote.remove_failure(key_of("never there"))
+    assert remote.failure_keys() == {b}

@@ -10,6 +10,7 @@ takes about 30 s and needs the npm registry."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -48,14 +49,14 @@ def _connection(endpoint: str, key: str = KEY) -> str:
             f"BlobEndpoint={endpoint}/{ACCOUNT};")
 
 
-@pytest.fixture(scope="module")
-def azurite(tmp_path_factory):
+@contextlib.contextmanager
+def _server(folder: Path):
+    """Azurite's blob service in memory on a free port: (its endpoint, the process); stopped after."""
     if shutil.which("node") is None:
         pytest.skip("node is not installed: Azurite (the Azure Blob API server these tests use) needs it")
     binary = _azurite()
     if binary is None:
         pytest.skip("Azurite is not installed: npm install --prefix .cache/azurite azurite (or set AZURITE_BLOB)")
-    folder = tmp_path_factory.mktemp("azurite")
     log = folder / "azurite.out"
     with open(log, "w") as out:
         proc = subprocess.Popen([binary, "--blobHost", "127.0.0.1", "--blobPort", "0", "--inMemoryPersistence",
@@ -66,7 +67,7 @@ def azurite(tmp_path_factory):
         while not (found := re.search(r"listens on (http://127\.0\.0\.1:\d+)", log.read_text())):
             assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-2000:]
             time.sleep(0.1)
-        yield found[1]
+        yield found[1], proc
     finally:
         proc.terminate()
         try:
@@ -74,6 +75,12 @@ def azurite(tmp_path_factory):
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+@pytest.fixture(scope="module")
+def azurite(tmp_path_factory):
+    with _server(tmp_path_factory.mktemp("azurite")) as (endpoint, _):
+        yield endpoint
 
 
 def _azure_env(monkeypatch, connection: str) -> None:
@@ -88,11 +95,15 @@ def _azure_env(monkeypatch, connection: str) -> None:
 @pytest.fixture
 def az(azurite, monkeypatch):
     """A fresh container on the module's Azurite, with the variables pointing there; its name."""
+    _azure_env(monkeypatch, _connection(azurite))
+    return _new_container(azurite)
+
+
+def _new_container(endpoint: str) -> str:
     from azure.storage.blob import BlobServiceClient
 
-    _azure_env(monkeypatch, _connection(azurite))
     container = f"c-{uuid.uuid4().hex[:12]}"
-    with BlobServiceClient.from_connection_string(_connection(azurite)) as client:
+    with BlobServiceClient.from_connection_string(_connection(endpoint)) as client:
         client.create_container(container)
     return container
 
@@ -232,3 +243,27 @@ def test_azure_secrets_never_reach_a_message(monkeypatch):
                   "SharedAccessSignature=sv=2020&sig=abc;")
     assert not any(s in text for s in ("acct-key-7890", "client-secret-4567", "echoed-key-1234", "sig=abc")), text
     assert f"AccountName={ACCOUNT}" in text  # the account's name is no secret
+
+
+def test_a_server_that_stops_mid_pull_is_a_remote_error_naming_it(tmp_path, monkeypatch):
+    """An Azurite of its own, stopped as the first blob is asked for."""
+    with _server(tmp_path) as (endpoint, proc):
+        _azure_env(monkeypatch, _connection(endpoint))
+        container = _new_container(endpoint)
+
+        def stop():
+            proc.kill()
+            proc.wait()
+
+        flows.a_server_that_stops_mid_pull_is_a_remote_error_naming_it(f"az://{container}/ci", tmp_path, stop, (KEY,))
+
+
+def test_failure_records_are_listed_read_replaced_and_removed(az):
+    flows.failure_records_are_listed_read_replaced_and_removed(f"az://{az}/ci")
+
+
+@pytest.mark.slow
+def test_a_real_build_pushed_to_azure_is_pulled_and_served_fresh_with_0_compiles(built_cache, az, tmp_path):
+    """One shape of the build (the S3 test serves both): one real serve per store, at half the cost."""
+    flows.a_real_build_is_pulled_by_a_fresh_process_and_served_with_0_compiles(built_cache, f"az://{az}/ci",
+                                                                               tmp_path, one_shape=True)

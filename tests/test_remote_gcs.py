@@ -9,6 +9,7 @@ injected by a one-route HTTP server, below)."""
 
 from __future__ import annotations
 
+import contextlib
 import http.server
 import json
 import os
@@ -56,9 +57,10 @@ SERVER = textwrap.dedent("""
 """)
 
 
-@pytest.fixture(scope="module")
-def gcs_server(tmp_path_factory):
-    script = tmp_path_factory.mktemp("gcs") / "server.py"
+@contextlib.contextmanager
+def _emulator(folder):
+    """The emulator in a process of its own: (its endpoint, the process); stopped after."""
+    script = folder / "server.py"
     script.write_text(SERVER)
     proc = subprocess.Popen([sys.executable, str(script)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.DEVNULL, text=True)
@@ -66,12 +68,19 @@ def gcs_server(tmp_path_factory):
         port = int(proc.stdout.readline())
         yield f"http://127.0.0.1:{port}", proc
     finally:
-        proc.stdin.close()
+        if proc.poll() is None:
+            proc.stdin.close()
         try:
             proc.wait(10)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+@pytest.fixture(scope="module")
+def gcs_server(tmp_path_factory):
+    with _emulator(tmp_path_factory.mktemp("gcs")) as server:
+        yield server
 
 
 def _gcs_env(monkeypatch, endpoint: str) -> None:
@@ -84,11 +93,7 @@ def _gcs_env(monkeypatch, endpoint: str) -> None:
         monkeypatch.delenv(name, raising=False)
 
 
-@pytest.fixture
-def gcs(gcs_server, monkeypatch):
-    """A fresh bucket on the module's server, with the variables pointing there; its name."""
-    endpoint, _ = gcs_server
-    _gcs_env(monkeypatch, endpoint)
+def _new_bucket(endpoint: str) -> str:
     bucket = f"b-{uuid.uuid4().hex[:12]}"
     request = urllib.request.Request(f"{endpoint}/storage/v1/b?project=aotbuild-test", method="POST",
                                      data=json.dumps({"name": bucket}).encode(),
@@ -96,6 +101,14 @@ def gcs(gcs_server, monkeypatch):
     with urllib.request.urlopen(request, timeout=30) as response:
         assert response.status == 200
     return bucket
+
+
+@pytest.fixture
+def gcs(gcs_server, monkeypatch):
+    """A fresh bucket on the module's server, with the variables pointing there; its name."""
+    endpoint, _ = gcs_server
+    _gcs_env(monkeypatch, endpoint)
+    return _new_bucket(endpoint)
 
 
 def test_push_is_incremental_and_pull_fetches_only_what_is_missing(gcs, tmp_path):
@@ -290,3 +303,66 @@ def test_a_pusher_in_a_fresh_process_through_the_cli(gcs, tmp_path):
     pushed = run_cli("push", "--cache", str(local.root), "--remote", f"gs://{gcs}/ci", env=dict(os.environ))
     assert pushed.returncode == 0, pushed.stderr[-2000:]
     assert parse_remote(f"gs://{gcs}/ci").keys() == {a}
+
+
+def test_a_server_that_stops_mid_pull_is_a_remote_error_naming_it(tmp_path, monkeypatch):
+    """An emulator of its own, killed as the first blob is asked for."""
+    with _emulator(tmp_path) as (endpoint, proc):
+        _gcs_env(monkeypatch, endpoint)
+        bucket = _new_bucket(endpoint)
+
+        def stop():
+            proc.kill()
+            proc.wait()
+
+        flows.a_server_that_stops_mid_pull_is_a_remote_error_naming_it(f"gs://{bucket}/ci", tmp_path, stop)
+
+
+def test_failure_records_are_listed_read_replaced_and_removed(gcs):
+    flows.failure_records_are_listed_read_replaced_and_removed(f"gs://{gcs}/ci")
+
+
+@pytest.mark.slow
+def test_a_real_build_pushed_to_gcs_is_pulled_and_served_fresh_with_0_compiles(built_cache, gcs, tmp_path):
+    """One shape of the build (the S3 test serves both): one real serve per store, at half the cost."""
+    flows.a_real_build_is_pulled_by_a_fresh_process_and_served_with_0_compiles(built_cache, f"gs://{gcs}/ci",
+                                                                               tmp_path, one_shape=True)
+
+
+def test_a_replace_is_conditional_on_the_generation_read(gcs, tmp_path):
+    """A manifest replace (a trusted signature superseding an unsigned entry) carries
+    ``ifGenerationMatch`` = the generation that was read. The emulator ignores it, so here the
+    request is checked and the entry stays consistent; real GCS's 412 is the next test's."""
+    local = Store(tmp_path / "local")
+    a = add_entry(local, tmp_path, "a", {"x.so": b"kernel-a"})
+    remote = parse_remote(f"gs://{gcs}/ci")
+    remote.push(entries(local, a))
+    path = remote.manifest_path(a)
+    manifest, version = remote._manifest(a)
+    assert version == str(remote.fs.info(path)["generation"])
+    remote.fs.pipe_file(path, manifest.to_json().encode() + b" ")  # another writer, since it was read
+    assert str(remote.fs.info(path)["generation"]) != version
+    sent: list[str | None] = []
+    real = remote.fs._call
+
+    async def spy(method, url, *args, **kwargs):
+        if "/upload/" in url:
+            sent.append(kwargs.get("ifGenerationMatch"))
+        return await real(method, url, *args, **kwargs)
+
+    remote.fs._call = spy
+    assert remote._replace(a, manifest.to_json().encode(), version) is True  # real GCS: 412, False
+    assert sent == [version]
+    assert remote.fs.cat_file(path) == manifest.to_json().encode()  # the upload's body, byte for byte
+    other = Store(tmp_path / "other")
+    assert remote.fetch(a, other) == "" and other.open_entry(a)[0] is not None
+
+
+def test_a_changed_generation_is_a_refused_replace(refusing_server, monkeypatch):
+    """GCS's answer to a replace whose generation changed since it was read (412, injected: the
+    emulator never sends it): the replace reports the change, once, and is not retried."""
+    endpoint, seen = refusing_server(412)
+    _gcs_env(monkeypatch, endpoint)
+    remote = parse_remote("gs://bkt/ci")
+    assert remote._replace(key_of("a"), b"{}", "1712") is False
+    assert len(seen) == 1 and "ifGenerationMatch=1712" in seen[0], seen

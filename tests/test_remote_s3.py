@@ -13,7 +13,7 @@ pytest.importorskip("s3fs")
 moto_server = pytest.importorskip("moto.server")
 
 from aotbuild.errors import RemoteError, UsageError  # noqa: E402
-from aotbuild.remote import parse_remote, pull_entry  # noqa: E402
+from aotbuild.remote import parse_remote  # noqa: E402
 from aotbuild.remote_fsspec import FsspecRemote, storage_options  # noqa: E402
 from aotbuild.store import Store  # noqa: E402
 from tests import objectstore as flows  # noqa: E402
@@ -195,7 +195,7 @@ def test_a_listing_of_10000_keys_is_paged(s3, tmp_path):
     assert calls.count("list_objects_v2") <= 11 and len(calls) <= 12, calls[:20]
 
 
-def test_a_server_that_stops_mid_pull_is_a_remote_error_naming_it(tmp_path, monkeypatch, s3_server):
+def test_a_server_that_stops_mid_pull_is_a_remote_error_naming_it(tmp_path, monkeypatch):
     import boto3
 
     server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
@@ -207,27 +207,14 @@ def test_a_server_that_stops_mid_pull_is_a_remote_error_naming_it(tmp_path, monk
         monkeypatch.setenv(name, value)
     try:
         boto3.client("s3", endpoint_url=f"http://{host}:{port}").create_bucket(Bucket="stops")
-        local = Store(tmp_path / "local")
-        a = add_entry(local, tmp_path, "a", {"x.so": b"kernel-a"})
-        remote = parse_remote("s3://stops/ci")
-        remote.push(entries(local, a))
-        real = remote.fs.cat_file
-
-        def cat_file(path, **kw):
-            if "/blobs/" in path:
-                server.stop()
-            return real(path, **kw)
-
-        remote.fs.cat_file = cat_file
-        other = Store(tmp_path / "other")
-        with pytest.raises(RemoteError) as info:
-            pull_entry(remote, a, other)
+        flows.a_server_that_stops_mid_pull_is_a_remote_error_naming_it("s3://stops/ci", tmp_path, server.stop,
+                                                                       (SECRET, ACCESS))
     finally:
         server.stop()
-    message = str(info.value)
-    assert message.startswith("s3://stops/ci: reading ") and "failed after 2 tries" in message
-    assert "\n" not in message and SECRET not in message
-    assert not other.has(a)
+
+
+def test_failure_records_are_listed_read_replaced_and_removed(s3):
+    flows.failure_records_are_listed_read_replaced_and_removed(f"s3://{s3}/ci")
 
 
 def test_a_wrong_endpoint_and_denied_credentials_are_one_line_without_secrets(s3, tmp_path, monkeypatch):
@@ -318,19 +305,4 @@ def test_a_store_throttling_is_retried_then_served(s3, tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_a_real_build_pushed_to_s3_is_pulled_and_served_fresh_with_0_compiles(built_cache, s3, tmp_path):
-    import json
-    import shutil
-
-    from tests.conftest import TINY_RECIPE
-    from tests.serving import assert_warm, serve_fresh
-
-    cache, _ = built_cache
-    url = f"s3://{s3}/ci"
-    pushed = run_cli("push", "--json", "--cache", str(cache), str(TINY_RECIPE), "--remote", url)
-    assert pushed.returncode == 0, pushed.stderr[-3000:]
-    assert len(json.loads(pushed.stdout)["sent"]) == 2
-    serving = tmp_path / "serving"
-    shutil.copytree(cache / "models", serving / "models")  # only the built-in model, which any machine can create
-    result = serve_fresh(TINY_RECIPE, serving, tmp_path, remote=url)  # a fresh process: pulls from S3, then loads
-    assert_warm(result)
-    assert result["pulled"] == 2
+    flows.a_real_build_is_pulled_by_a_fresh_process_and_served_with_0_compiles(built_cache, f"s3://{s3}/ci", tmp_path)
