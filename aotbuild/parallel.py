@@ -17,10 +17,10 @@ the proof and ``push``/``pull`` handle the N of them together.
   torch.distributed.run --standalone --nproc-per-node N``); a server starts them with ``torchrun``
   and ``load_compiled`` joins the default process group (or uses the caller's). Backend: gloo on
   CPU, nccl on CUDA, torch's default for the device elsewhere.
-* **Threads.** torchrun gives every rank ``OMP_NUM_THREADS=1``; aot-compile's artifacts (and CPU
-  kernels without ``cpp.dynamic_threads``) bake in the intra-op thread count. So every rank runs
-  :func:`rank_threads` threads (the CPUs this process may use, divided by N), set by :func:`setup`
-  in build, proof and serving ranks alike, and the plan keys that count.
+* **Threads.** torchrun gives every rank ``OMP_NUM_THREADS=1``, which would leave a rank one core. So
+  every rank runs :func:`rank_threads` threads (the CPUs this process may use, divided by N), set by
+  :func:`setup` in build, proof and serving ranks alike. Entries serve any count (issue 36); only CPU
+  kernels without ``cpp.dynamic_threads`` bake it in, and for those the plan keys a rank's count.
 * **Keys.** ``parallel: {tensor, mesh, backend, plan, rank}``: the degree, the mesh shape, the
   collective backend, the sha256 of the ``_tp_plan``, the rank. Never a host, a port or a process
   group's name. Present only for N > 1: unsharded recipes keep their keys.
