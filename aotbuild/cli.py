@@ -293,7 +293,8 @@ def build(recipes: tuple[str, ...], cache: str | None, as_json: bool, shard: str
       aotbuild build recipes/ --shard 2/4 --push hf://datasets/my-org/aot-cache
     """
 
-    from aotbuild.builder import BUILT, CACHED
+    from aotbuild.auto import FAILED as ATTEMPT_FAILED
+    from aotbuild.builder import BUILT, CACHED, FAILED
     from aotbuild.builder import build as run_build
     from aotbuild.shards import resolve
 
@@ -306,10 +307,14 @@ def build(recipes: tuple[str, ...], cache: str | None, as_json: bool, shard: str
         from aotbuild.sync import push
 
         keys = [r.job.key for r in report.results if r.status in (BUILT, CACHED) and r.job.key]
+        # The failures this build recorded go to the remote too (the one rule for failures): failed jobs,
+        # and the failed attempts of strategy: auto, recorded under each attempt's own key.
+        failed = [r.job for r in report.results if r.status == FAILED and not r.not_retried] + \
+            [a.key for r in report.results for a in r.attempts if a.outcome == ATTEMPT_FAILED and a.key]
         # Nothing is signed on the way out; with --sign-key, a remote entry that key did not sign gives
         # way to this build's own (signed) one.
         pushed = push(keys, target, cache, progress=None if as_json else _push_progress(),
-                      trusted=public_of(sign_key) if sign_key else None) if keys else None
+                      trusted=public_of(sign_key) if sign_key else None, failed=failed) if keys or failed else None
     if as_json:
         _emit_json({**report.as_json(), **({"push": pushed.as_json()} if pushed else {})})
     else:
