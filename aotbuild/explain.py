@@ -106,4 +106,11 @@ def explain_miss(manifests: Iterable[Manifest] | Entries, recipe_name: str, comp
     if not diff:  # same factors, another key: an entry written by another aotbuild key format
         return "not built: an entry with these factors has another key (written by another aotbuild version?)"
     shown = "; ".join(diff[:3]) + (f"; and {len(diff) - 3} more" if len(diff) > 3 else "")
+    built_with = _factor(dict(nearest.factors), ("target", "strategy"))
+    if _factor(factors, ("target", "strategy")) == keys.AUTO and built_with != keys.AUTO:
+        # most often an entry built before auto became the default (it was jit-cache)
+        from aotbuild.text import printable
+
+        shown += (f" (a recipe naming no strategy is strategy: auto, the default; the nearest entry was built "
+                  f"with {printable(built_with)}: name it in the recipe to serve that entry)")
     return f"not built: {shown}"

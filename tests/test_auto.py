@@ -185,13 +185,13 @@ def test_no_strategy_on_tiny_sd_serves_an_aot_package_entry_with_0_compiles(aot_
     cache = tmp_path / "cache"
     shutil.copytree(built, cache)
     recipe = _auto_recipe(tmp_path)
-    proc = run_cli("build", "--json", "--cache", str(cache), str(recipe), env={"AOTBUILD_CACHE": ""})
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    job, = json.loads(proc.stdout)["jobs"]
-    assert job["strategy"] == "auto" and job["attempts"][0]["strategy"] == "aot-package"
-    served = run_cli("show", "--json", "--cache", str(cache), job["key"][:12])
-    manifest = json.loads(served.stdout)
-    assert manifest["strategy"] == "aot-package" and manifest["proof"]["compiles"] == 0
+    from aotbuild import build
+
+    result, = build(str(recipe), cache).results  # the session's aot-package entry, taken: nothing compiles
+    assert result.status == "built" and result.job.recipe.strategy == "auto"
+    assert [(a.strategy, a.outcome) for a in result.attempts] == [("aot-package", "built")]
+    manifest = Store(cache).read_manifest(result.job.key)
+    assert manifest.strategy == "aot-package" and manifest.proof.compiles == 0
     code = f"""
 import json, torch
 from aotbuild import load_compiled
@@ -265,9 +265,20 @@ def test_a_model_export_cannot_trace_falls_back_to_aot_compile_and_is_not_retrie
     assert "numpy() is not supported for tensor subclasses" in failed["reason"], failed  # what export said
     assert manifest.strategy == "aot-compile"
 
-    Store(cache).remove_manifest(job.key)
-    second = run_cli("build", "--json", "--cache", str(cache), str(recipe), env=env)
-    assert second.returncode == 0, second.stderr[-2000:]
-    attempts = json.loads(second.stdout)["jobs"][0]["attempts"]
-    assert [(a["strategy"], a["outcome"]) for a in attempts] == [("aot-package", "failed before"),
-                                                                  ("aot-compile", "built")]
+    from aotbuild import build
+
+    assert build(str(recipe), cache).results[0].status == "cached"  # a hit: nothing tried
+    Store(cache).remove_manifest(job.key)  # gone: straight to the strategy that worked (no worker runs)
+    again, = build(str(recipe), cache).results
+    assert [(a.strategy, a.outcome) for a in again.attempts] == [("aot-package", "failed before"),
+                                                                ("aot-compile", "built")]
+
+
+def test_an_entry_of_the_old_default_is_a_miss_that_says_the_default_changed(cache, fake_compiles):
+    from aotbuild import build
+
+    build(TINY_DICT, cache)  # strategy: jit-cache, the default before auto
+    job = _job(cache)
+    assert job.status == "miss"
+    assert "target.strategy: jit-cache in the cache, auto here" in job.reason
+    assert "the nearest entry was built with jit-cache: name it in the recipe to serve that entry" in job.reason
