@@ -13,7 +13,7 @@ from aotbuild import parallel
 from aotbuild.errors import RecipeError, UsageError
 from aotbuild.planner import plan, shard_jobs
 from aotbuild.recipes import parse_recipe
-from tests.conftest import REPO, invoke_cli, run_cli
+from tests.conftest import REPO, invoke_cli
 
 FLUX = {"model": {"id": "builtin:tiny-flux", "dtype": "float32"}, "target": "inductor", "device": "cpu",
         "strategy": "jit-cache", "compile": {"components": ["transformer"]}, "shapes": [{"height": 64, "width": 64}],
@@ -216,8 +216,9 @@ def test_a_tensor_parallel_flux_builds_then_two_fresh_ranks_serve_it_with_0_comp
     shutil.copytree(flux_cache / "models", build / "models")
     recipe = tmp_path / "tp_flux.yaml"
     recipe.write_text(yaml.safe_dump(flux(2, strategy=strategy)))
-    proc = run_cli("build", "--json", "--cache", str(build), str(recipe),
-                   env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "build-inductor"), "AOTBUILD_CACHE": ""})
+    # in this process: the ranks that build and the pair that proves are launched by torch's launcher
+    proc = invoke_cli("build", "--json", "--cache", str(build), str(recipe),
+                      env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "build-inductor"), "AOTBUILD_CACHE": ""})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     jobs = json.loads(proc.stdout)["jobs"]
     assert [j["status"] for j in jobs] == ["built", "built"], jobs

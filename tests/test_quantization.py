@@ -8,7 +8,7 @@ import shutil
 import pytest
 
 from aotbuild.errors import RecipeError
-from tests.conftest import invoke_cli, run_cli
+from tests.conftest import invoke_cli
 
 QUANTIZED = {"model": {"id": "builtin:tiny-sd", "dtype": "float32",
                        "quantization": {"backend": "torchao", "quant_type": "int8wo"}},
@@ -85,8 +85,9 @@ def test_an_int8_weight_only_build_serves_with_0_compiles_equal_to_eager_quantiz
     recipe.write_text(json.dumps(QUANTIZED))
     cache = tmp_path / "cache"
     shutil.copytree(models_dir / "models", cache / "models")
-    build = run_cli("build", "--json", "--cache", str(cache), str(recipe),
-                    env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "build-inductor"), "AOTBUILD_CACHE": ""})
+    # in this process: the build's loader, worker and proof are fresh processes already
+    build = invoke_cli("build", "--json", "--cache", str(cache), str(recipe),
+                       env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "build-inductor"), "AOTBUILD_CACHE": ""})
     assert build.returncode == 0, build.stdout[-3000:]
     job = json.loads(build.stdout)["jobs"][0]
     assert job["status"] == "built"

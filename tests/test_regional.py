@@ -351,14 +351,15 @@ def _build(folder: Path, strategy: str, offload: str) -> tuple[Path, Path, dict]
     (issue 30, item 4)."""
     import json
 
-    from tests.conftest import invoke_cli, run_cli
+    from tests.conftest import invoke_cli
 
     recipe = folder / "recipes" / f"regional-{strategy}-{offload}.yaml"
     recipe.parent.mkdir(parents=True)
     recipe.write_text(FLUX_REGIONAL.format(strategy=strategy, offload=offload))
     cache = folder / "cache"
-    proc = run_cli("build", "--json", "--cache", str(cache), str(recipe),
-                   env={"TORCHINDUCTOR_CACHE_DIR": str(folder / "build-inductor")})
+    # in this process: the build's loader, worker and proof are fresh processes already
+    proc = invoke_cli("build", "--json", "--cache", str(cache), str(recipe),
+                      env={"TORCHINDUCTOR_CACHE_DIR": str(folder / "build-inductor")})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     key = json.loads(proc.stdout)["jobs"][0]["key"]
     return recipe, cache, json.loads(invoke_cli("show", "--json", "--cache", str(cache), key[:12]).stdout)
