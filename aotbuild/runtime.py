@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from aotbuild import auto, keys, models, pipecall
+from aotbuild import keys, models, pipecall
 from aotbuild.context import Context, prepare_pipeline, shard_pipeline
 from aotbuild.errors import CacheMiss, RemoteError, UsageError
 from aotbuild.explain import Entries, explain_miss
@@ -202,9 +202,11 @@ def _by_strategy(ctx: Context, planned: list[Planned]) -> list[tuple[Context, li
     """What installs each component: the recipe's strategy; for ``strategy: auto``, the strategy its
     entries hold (one per component, :func:`_one_strategy`), and for a component without entries the
     last auto tries here (it compiles on first use, as every strategy's fallback does)."""
+    from aotbuild import auto
+
     if not auto.is_auto(ctx.recipe):
         return [(ctx, planned)]
-    fallback = auto.choice(ctx.recipe, ctx.target, ctx.device).tries[-1:] or ("jit-cache",)
+    fallback = auto.choice(ctx.recipe, ctx.target, ctx.device).tries[-1:] or auto.order(ctx.device)[-1:]
     groups: dict[str, list[Planned]] = {}
     for p in planned:
         name = p.entries[0].manifest.strategy if p.entries else fallback[0]
@@ -216,6 +218,8 @@ def _auto_problem(ctx: Context, entry: Entry, w: _Wanted) -> str:
     """Why an auto recipe's entry cannot serve here (then a miss), or "": its strategy must be one this
     aotbuild serves and what that strategy adds to the key (``Manifest.auto``'s ``factors``: e.g.
     aot-compile's thread count) must be this process's."""
+    from aotbuild import auto
+
     manifest = entry.manifest
     if manifest.auto is None:
         return "not an auto entry"
@@ -282,6 +286,8 @@ def _open_entries(ctx: Context, store: Store, pipe: Any, wanted: list[_Wanted], 
                   pulled: set[str], remote_notes: dict[str, str]) -> list[Planned]:
     """Each wanted entry, hash-verified and checked against the live module by the strategy: a hit,
     or a miss with its reason (the factors that differ from the nearest entry, when not built)."""
+    from aotbuild import auto  # what an auto recipe's entries are served with (not imported with the runtime)
+
     planned = []
     manifests: Entries | None = None  # read once, on the first miss to explain
     for component in ctx.recipe.compile.components:
