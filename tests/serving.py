@@ -67,7 +67,9 @@ SERVE = textwrap.dedent("""
                              if p.suffix in (".so", ".cpp"))
     pipe = load_compiled(recipe_path, cache=cache, on_miss="error", strict_shapes=True, remote=remote)
     kernels_after_install = kernels()
-    counter, count = get_strategy(r.strategy).compile_counter(get_target(r.target))
+    # what serves is each entry's strategy (a recipe without one is auto: its report names the chosen one)
+    served_by = sorted({e.strategy for e in pipe.aotbuild_report.hits if e.strategy} or {r.strategy})
+    counter, count = get_strategy(served_by[0]).compile_counter(get_target(r.target))
     before = count()
     outs, outputs = run_all(pipe)
     compiles = count() - before

@@ -9,11 +9,23 @@ adds no key factor of its own (the key of an auto job holds the strategy-indepen
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
 from aotbuild.keys import AUTO
 from aotbuild.strategies.base import Strategy
+
+if TYPE_CHECKING:
+    from aotbuild.targets.base import Target
 
 
 class Auto(Strategy):
     name = AUTO
     summary = ("the default: per job, the first of aot-package, aot-compile, jit-cache (CPU order) that builds "
                "and passes the proof")
+
+    def compile_counter(self, target: Target) -> tuple[str, Callable[[], int]]:
+        """No count of its own: what counts as a compile is the chosen strategy's (the entry's manifest
+        names it; ``load_compiled``'s report too). Asking auto would count the wrong thing, silently."""
+        raise TypeError("strategy auto serves each entry with the strategy its manifest names: ask that "
+                        "strategy for its compile counter (pipe.aotbuild_report's hits name it)")
