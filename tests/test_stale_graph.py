@@ -701,14 +701,15 @@ def flux_build(tmp_path_factory):
     """FLUX_RECIPE built by the CLI once per run: (recipe file, cache root, which holds the model too)."""
     import json
 
-    from tests.conftest import once_per_run, run_cli
+    from tests.conftest import invoke_cli, once_per_run
 
     def build(folder):
         folder.mkdir(parents=True, exist_ok=True)
         recipe = folder / "tiny_flux_aot-package.yaml"
         recipe.write_text(FLUX_RECIPE)
-        proc = run_cli("build", "--json", "--cache", str(folder / "cache"), str(recipe),
-                       env={"TORCHINDUCTOR_CACHE_DIR": str(folder / "build-inductor"), "AOTBUILD_CACHE": ""})
+        # in this process: the build's loader, worker and proof are fresh processes already (bd8368f)
+        proc = invoke_cli("build", "--json", "--cache", str(folder / "cache"), str(recipe),
+                          env={"TORCHINDUCTOR_CACHE_DIR": str(folder / "build-inductor"), "AOTBUILD_CACHE": ""})
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
         assert json.loads(proc.stdout)["jobs"][0]["status"] == "built"
         return [str(recipe), str(folder / "cache")]
