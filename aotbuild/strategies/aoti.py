@@ -68,8 +68,17 @@ PROBE_DIR = "inductor"  # in the entry: the files a fresh load of the packages l
 PROBE_CACHE = "probe-cache"
 
 
+def named_tensors(module: Any) -> dict[str, Any]:
+    """Every parameter and buffer of ``module`` under every name it has: torch.export names a tied
+    weight or a buffer registered twice by each of its names, and a package asks for the one its
+    graph read (``named_parameters()`` keeps only the first: the build refused 'the package needs
+    constant c.alias', issue 36 item 4)."""
+    return {**dict(module.named_parameters(remove_duplicate=False)),
+            **dict(module.named_buffers(remove_duplicate=False))}
+
+
 def constant_meta(module: Any, fqns: list[str]) -> dict[str, list[Any]]:
-    state = {**dict(module.named_parameters()), **dict(module.named_buffers())}
+    state = named_tensors(module)
     meta = {}
     for fqn in fqns:
         if fqn not in state:
@@ -82,7 +91,7 @@ def constant_meta(module: Any, fqns: list[str]) -> dict[str, list[Any]]:
 def constant_strides(module: Any, fqns: list[str]) -> dict[str, list[int]]:
     """Each weight's strides at export: a package's kernels read its constants with them, and binding a
     tensor of another layout gave garbage with 0 compiles (channels_last: 0.57 off, issue 31)."""
-    state = {**dict(module.named_parameters()), **dict(module.named_buffers())}
+    state = named_tensors(module)
     return {fqn: list(state[fqn].stride()) for fqn in fqns if fqn in state}
 
 
@@ -100,21 +109,23 @@ def baked_digests(module: Any, supplied: list[str] | dict[str, Any]) -> dict[str
 
     Measured on the tiny UNet: ``get_constant_fqns()`` lists 143 of its 208 parameters and buffers;
     the other 65 (biases, norm weights) are compiled into the package itself. So a package embeds
-    those values, and may only run with a module whose same tensors are equal."""
-    state = {**dict(module.named_parameters()), **dict(module.named_buffers())}
-    return {fqn: _tensor_digest(t) for fqn, t in sorted(state.items()) if fqn not in supplied}
+    those values, and may only run with a module whose same tensors are equal. A tensor the package
+    takes under another of its names (a tied weight) is supplied, not compiled in."""
+    state = named_tensors(module)
+    taken = {id(state[fqn]) for fqn in supplied if fqn in state}
+    return {fqn: _tensor_digest(t) for fqn, t in sorted(state.items()) if fqn not in supplied and id(t) not in taken}
 
 
 def check_baked(module: Any, component: str, packages: list[dict[str, Any]]) -> str:
     """Why the module's weights do not fit the values compiled into these packages, or ""."""
     import torch
 
-    state = {**dict(module.named_parameters()), **dict(module.named_buffers())}
+    state = named_tensors(module)
     named = dict(module.named_modules())
     for package in packages:
         for instance in package.get("instances", [""]):
             owner = named.get(instance) if instance else module
-            local = {**dict(owner.named_parameters()), **dict(owner.named_buffers())} if owner is not None else {}
+            local = named_tensors(owner) if owner is not None else {}
             for fqn, digest in package.get("baked", {}).items():
                 t = local.get(fqn, state.get(fqn) if not instance else None)
                 if not isinstance(t, torch.Tensor) or _tensor_digest(t) != digest:
