@@ -179,48 +179,19 @@ def _auto_recipe(folder):
     return recipe
 
 
-@pytest.mark.slow  # shares the session's aot-package build; one fresh process serves the auto entry
-def test_no_strategy_on_tiny_sd_serves_an_aot_package_entry_with_0_compiles(aot_cache, tmp_path):
-    _, built, _ = aot_cache
-    cache = tmp_path / "cache"
-    shutil.copytree(built, cache)
-    recipe = _auto_recipe(tmp_path)
-    from aotbuild import build
-
-    result, = build(str(recipe), cache).results  # the session's aot-package entry, taken: nothing compiles
-    assert result.status == "built" and result.job.recipe.strategy == "auto"
-    assert [(a.strategy, a.outcome) for a in result.attempts] == [("aot-package", "built")]
-    manifest = Store(cache).read_manifest(result.job.key)
-    assert manifest.strategy == "aot-package" and manifest.proof.compiles == 0
-    code = f"""
-import json, torch
-from aotbuild import load_compiled
-from torch._dynamo.utils import counters
-pipe = load_compiled({str(recipe)!r}, cache={str(cache)!r}, on_miss="error", strict_shapes=True)
-args = dict(prompt="a cat", height=64, width=64, num_inference_steps=2, guidance_scale=0.0, output_type="pt")
-image = pipe(generator=torch.Generator().manual_seed(0), **args).images
-from aotbuild.dispatch import uninstall_dispatchers
-uninstall_dispatchers(pipe.unet)
-eager = pipe(generator=torch.Generator().manual_seed(0), **args).images
-print(json.dumps({{"graphs": counters["stats"]["unique_graphs"], "diff": float((image - eager).abs().max()),
-                   "report": pipe.aotbuild_report.as_dict()}}))
-"""
-    proc = subprocess_python(code, tmp_path)
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert out["graphs"] == 0 and out["diff"] < 1e-4, out
-    entry, = out["report"]["entries"]
-    assert entry["hit"] and entry["strategy"] == "aot-package"
-
-
-def subprocess_python(code, tmp_path):
-    import subprocess
-    import sys
-
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path,
-                          env={**os.environ, "PYTHONPATH": str(REPO), "AOTBUILD_CACHE": "",
-                               "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "empty-inductor")})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc
+@pytest.mark.slow  # the session's auto build (tests/conftest.py: it takes aot-package's entry, no compile)
+@pytest.mark.parametrize("strategy", ["auto"])  # groups it with that build
+def test_no_strategy_on_tiny_sd_stores_an_aot_package_entry(strategy, strategy_build, tmp_path):
+    """tests/test_strategies.py serves this entry from a moved cache in a fresh process (0 compiles by
+    aot-package's counter, equal to eager, a strict shape refused), as every registered strategy's."""
+    recipe, cache, report = strategy_build(strategy)
+    job, = report["jobs"]
+    assert job["status"] == "built" and job["strategy"] == "auto"
+    assert _job(cache, str(_auto_recipe(tmp_path))).key == job["key"]  # naming no strategy is naming auto
+    assert [(a["strategy"], a["outcome"]) for a in job["attempts"]] == [("aot-package", "built")]
+    manifest = Store(cache).read_manifest(job["key"])
+    assert manifest.strategy == "aot-package" and manifest.factors["target"]["strategy"] == "auto"
+    assert manifest.proof.compiles == 0 and manifest.auto["attempts"][0]["key"] == job["auto"]["keys"]["aot-package"]
 
 
 #: A UNet whose forward reads its input's values through numpy: Dynamo traces that whole (numpy
