@@ -13,26 +13,7 @@ import pytest
 
 from aotbuild.errors import RecipeError, UsageError
 from tests.conftest import invoke_cli, run_cli, run_python
-
-ATTENTION = ["to_q", "to_k", "to_v", "to_out.0"]
-ADAPTERS = {"style": (4, 4, ATTENTION, 1), "other": (2, 4, ATTENTION, 2), "big": (16, 16, ATTENTION, 3),
-            "wide": (4, 4, ATTENTION + ["proj_in"], 4)}
-
-
-def make_adapter(model: Path, folder: Path, rank: int, alpha: int, targets: list[str], seed: int) -> Path:
-    """A LoRA file made locally with peft and diffusers' save_lora_weights, from the tiny UNet."""
-    import torch
-    from diffusers import StableDiffusionPipeline, UNet2DConditionModel
-    from peft import LoraConfig
-    from peft.utils import get_peft_model_state_dict
-
-    unet = UNet2DConditionModel.from_pretrained(str(model), subfolder="unet")
-    torch.manual_seed(seed)
-    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, init_lora_weights=False)
-    unet.add_adapter(config)
-    StableDiffusionPipeline.save_lora_weights(str(folder), unet_lora_layers=get_peft_model_state_dict(unet),
-                                              safe_serialization=True, unet_lora_adapter_metadata=config.to_dict())
-    return folder
+from tests.loras import ADAPTERS, ATTENTION, make_adapter
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +29,7 @@ def loras(models_dir, tmp_path_factory) -> Path:
 
 def recipe_data(**over) -> dict:
     data = {"model": {"id": "builtin:tiny-sd", "dtype": "float32"}, "target": "inductor", "device": "cpu",
-            "compile": {"components": ["unet"]}, "shapes": [{"height": 64, "width": 64}],
+            "strategy": "jit-cache", "compile": {"components": ["unet"]}, "shapes": [{"height": 64, "width": 64}],
             "warmup": {"num_inference_steps": 2, "guidance_scale": 0.0},
             "lora": {"rank": 8, "adapters": [{"path": "loras/style", "adapter_name": "style"}]}}
     data.update(over)

@@ -471,7 +471,7 @@ def no_codegen(monkeypatch):
 @pytest.fixture(scope="module")
 def adapter(models_dir, tmp_path_factory):
     """A tiny LoRA of the UNet's attention projections, random (init_lora_weights=False: it moves the image)."""
-    from tests.test_lora import ATTENTION, make_adapter
+    from tests.loras import ATTENTION, make_adapter
 
     model = next((models_dir / "models").glob("tiny-sd-v*"))
     folder = make_adapter(model, tmp_path_factory.mktemp("stale-lora"), 4, 4, ATTENTION, 1)
