@@ -87,13 +87,15 @@ def test_keys_per_rank_differ_from_the_unsharded_and_tensor_1_is_unsharded(flux_
     assert "MASTER" not in text and "localhost" not in text and "29500" not in text  # no host, no port
 
 
-def test_aot_compile_keys_a_rank_s_thread_count_not_this_process_s(flux_cache, monkeypatch):
+def test_a_rank_s_thread_count_is_keyed_where_kernels_bake_it_not_this_process_s(flux_cache, monkeypatch):
     import torch
 
-    job = plan([flux(2, strategy="aot-compile")], flux_cache)[0]
+    pinned = {"compile.options": {"cpp.dynamic_threads": False}}  # the one setting that keys the count
+    job = plan([flux(2, strategy="aot-compile", **pinned)], flux_cache)[0]
     assert job.factors["compile"]["cpu_threads"] == parallel.rank_threads(2)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 97)  # the parent's count is not a rank's
-    assert plan([flux(2, strategy="aot-compile")], flux_cache)[0].key == job.key
+    assert plan([flux(2, strategy="aot-compile", **pinned)], flux_cache)[0].key == job.key
+    assert "cpu_threads" not in plan([flux(2, strategy="aot-compile")], flux_cache)[0].factors["compile"]
 
 
 def test_a_component_without_a_tp_plan_or_with_heads_the_degree_does_not_divide_is_a_recipe_error(

@@ -180,3 +180,4 @@ def test_only_kernels_that_bake_the_thread_count_miss_at_another_and_the_miss_na
     assert served.status == "hit", served.reason
     assert missed.status == "miss"
     assert missed.reason.startswith("not built: compile.cpu_threads: 2 in the cache, 4 here"), missed.reason
+    assert "torch.set_num_threads()" in missed.reason
