@@ -248,6 +248,10 @@ def build(recipes: Recipes, cache: str | Path | None = None, *,
     from aotbuild.journal import reclaim_dead
 
     reclaim_dead(store)  # what a build killed with -9 left in tmp/: verify is clean after this one
+    if remote is not None:  # the remote's failure records join this cache's: one rule for every shard (issue 35)
+        from aotbuild.sync import pull_failures
+
+        pull_failures(remote, store)
     own: dict[str, bytes] = {}
     if sign_key is not None:  # a bad key fails now, not after an hour of compiling
         from aotbuild.signing import public_of

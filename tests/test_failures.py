@@ -221,3 +221,42 @@ def test_a_failure_record_pushed_by_key_names_the_building_toolchain(tmp_path):
     assert push_failures(remote, store, [key]) == []  # the same failure: not written again
     store.put_failure(key, {"key": key, "reason": "boom again", "time": "t2", "aotbuild": "x"})
     assert push_failures(remote, store, [key]) == [key] and remote.read_failure(key)["reason"] == "boom again"
+
+
+def test_an_auto_attempt_that_failed_is_not_tried_again_by_a_fresh_runner(models_dir, fake_compiles, monkeypatch,
+                                                                            tmp_path):
+    """`build --push` records auto's failed attempt (under its strategy's key) on the remote; a fresh
+    runner that must build the job again (its entry is not on the remote) goes straight to the
+    strategy that worked, as a rerun on the same cache does (tests/test_auto.py)."""
+    from aotbuild.planner import plan
+    from aotbuild.remote import parse_remote
+    from tests.conftest import TINY_DICT, invoke_cli
+
+    stand_in = builder._build_one
+    tried: list[str] = []
+
+    def build_one(store, job, *args, **kwargs):
+        tried.append(job.recipe.strategy)
+        if job.recipe.strategy == "aot-package":
+            return JobResult(job, FAILED, 1.0, reason="the component cannot be captured whole: x\nsecond line")
+        return stand_in(store, job, *args, **kwargs)
+
+    monkeypatch.setattr(builder, "_build_one", build_one)
+    recipe = tmp_path / "auto.yaml"
+    recipe.write_text(json.dumps({k: v for k, v in TINY_DICT.items() if k != "strategy"}))
+    (tmp_path / "remote").mkdir()
+    url = (tmp_path / "remote").as_uri()
+
+    def build(name: str):
+        cache = _runner(models_dir, tmp_path / name)
+        return invoke_cli("build", "--json", "--cache", str(cache), str(recipe), "--push", url), cache
+
+    first, cache = build("first")
+    assert first.returncode == 0 and tried == ["aot-package", "aot-compile"], first.stderr
+    job, = plan(str(recipe), cache)
+    package = job.attempt_keys["aot-package"]
+    assert json.loads(first.stdout)["push"]["failures"] == [package]
+    assert parse_remote(url).failure_keys() == {package}
+    parse_remote(url).store.remove_manifest(job.key)  # the entry gone from the remote: built again
+    again, _ = build("second")
+    assert again.returncode == 0 and tried[2:] == ["aot-compile"], again.stderr  # not aot-package again

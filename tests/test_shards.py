@@ -214,12 +214,21 @@ def test_a_failing_job_is_built_once_across_shards_and_reruns(models_dir, recipe
     remote.mkdir()
     envs = workers("slurm", 3)
     caches = [_fresh_cache(models_dir, tmp_path / f"runner{i}") for i in range(3)]
-    codes = [_build(c, recipes, remote, env).returncode for c, env in zip(caches, envs, strict=True)]
-    assert sorted(codes) == [0, 0, 1]  # the shard holding the failure is red, the others green
-    codes = [_build(c, recipes, remote, env).returncode for c, env in zip(caches, envs, strict=True)]
+    outs = [_build(c, recipes, remote, env) for c, env in zip(caches, envs, strict=True)]
+    assert sorted(p.returncode for p in outs) == [0, 0, 1]  # the shard holding the failure is red, the others green
+    [red] = [i for i, p in enumerate(outs) if p.returncode == 1]
+    assert json.loads(outs[red].stdout)["push"]["failures"] == tried  # recorded on the remote with the push
+    # Every shard rerun, each on a fresh runner (the failure record is the remote's, not a cache's):
+    codes = [_build(_fresh_cache(models_dir, tmp_path / f"rerun{i}"), recipes, remote, env).returncode
+             for i, env in enumerate(envs)]
     assert sorted(codes) == [0, 0, 1]  # a known failure keeps its shard red on a rerun...
     assert len(tried) == 1  # ...and is tried once, by one shard, until --retry-failed
     assert len(fake_compiles) == 6
+    clean = {name: None for name in ALL_VARIABLES}
+    retried = invoke_cli("build", "--json", "--cache", str(_fresh_cache(models_dir, tmp_path / "retry")),
+                         str(recipes), "--shard", "auto", "--push", remote.as_uri(), "--retry-failed",
+                         env={**clean, **envs[red]})
+    assert retried.returncode == 1 and len(tried) == 2  # tried again, only when asked
 
 
 def test_shard_spec_api_accepts_a_shard_with_its_source():
