@@ -172,6 +172,7 @@ ROUNDTRIP = textwrap.dedent("""\
     model: {{id: builtin:tiny-sd, dtype: float32}}
     target: {target}
     device: {device}
+    strategy: jit-cache  # the quickest build to prove; strategy auto is its own check (tests/test_auto.py)
     compile: {{components: [unet], scope: full}}
     shapes: [{{height: 64, width: 64}}]
     warmup: {{num_inference_steps: 1, guidance_scale: 0.0}}

@@ -208,7 +208,8 @@ def test_a_tensor_parallel_job_one_of_whose_ranks_failed_is_not_built_until_retr
     from aotbuild.constants import VERSION
 
     recipe = {"model": {"id": "builtin:tiny-flux", "dtype": "float32"}, "target": "inductor", "device": "cpu",
-              "compile": {"components": ["transformer"]}, "shapes": [{"height": 64, "width": 64}],
+              "strategy": "jit-cache", "compile": {"components": ["transformer"]},
+              "shapes": [{"height": 64, "width": 64}],
               "warmup": {"num_inference_steps": 2, "guidance_scale": 3.5}, "parallel": {"tensor": 2}}
     root = tmp_path / "c"
     builtin.ensure("builtin:tiny-flux", root / "models")

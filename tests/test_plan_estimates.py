@@ -11,7 +11,7 @@ from tests import manifests as m
 from tests.conftest import invoke_cli
 
 TINY = {
-    "model": {"id": "builtin:tiny-sd", "dtype": "float32"}, "device": "cpu",
+    "model": {"id": "builtin:tiny-sd", "dtype": "float32"}, "device": "cpu", "strategy": "jit-cache",
     "shapes": [{"height": 64, "width": 64}, {"height": 64, "width": 96}],
     "warmup": {"num_inference_steps": 2, "guidance_scale": 0.0},
 }
