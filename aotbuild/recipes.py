@@ -63,6 +63,10 @@ def _check_combinations(recipe: Recipe) -> None:
     target = get_target(recipe.target)
     target.validate(recipe)
     get_strategy(recipe.strategy).validate(recipe, target)
+    if recipe.text_length is not None and not get_strategy(recipe.strategy).text_lengths:
+        able = [n for n in strategy_names() if get_strategy(n).text_lengths]
+        raise recipe.error("text_length", f"strategy {recipe.strategy} cannot serve a range of text lengths yet: "
+                                          f"use strategy {' or '.join(able)}, or remove text_length")
 
 
 def _check_bounds(recipe: Recipe) -> None:

@@ -59,6 +59,9 @@ class BuildJob:
     workdir: Path
     #: tells the parent what the job is doing
     phase: Callable[[str], None] = lambda text: None
+    #: with ``text_length``: the component's text pattern (aotbuild/textlen.py ``Pattern``): calls that fit
+    #: it are one signature, their text dimensions marked dynamic in the range
+    text: Any = None
 
     def run_warmup(self) -> None:
         """Call the pipeline as a user does (its own no_grad, no inference_mode: grad mode is part of
@@ -92,6 +95,8 @@ class Strategy:
     targets: tuple[str, ...] | None = None
     #: whether it serves a component captured as several graphs (``compile.fullgraph: false``)
     graph_breaks: bool = False
+    #: whether it serves ``text_length``: a range of text lengths from one build (aotbuild/textlen.py)
+    text_lengths: bool = False
 
     # -- when the recipe is read --------------------------------------------------------------
 
