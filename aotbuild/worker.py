@@ -113,9 +113,14 @@ def measure_text(recipe: Any, component: str, module: Any, pipe: Any, rank: int 
         return {}, None
     from aotbuild.dispatch import signature
 
-    measured = textlen.detect(pipe, module, call(), signature)
-    found = measured.as_json()
     limits = recipe.text_length
+    try:
+        measured = textlen.detect(pipe, module, call(), signature)
+    except Exception as exc:  # noqa: BLE001 - only what plan reports is lost, unless the recipe needs it
+        if limits is not None:
+            raise
+        return {"why": f"not measured: {type(exc).__name__}: {str(exc)[:200]}"}, None
+    found = measured.as_json()
     if limits is None:
         found["served"] = "static: the warmup's length only" if measured.dims else "any prompt (a fixed length)"
         return found, None
