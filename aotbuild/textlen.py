@@ -135,8 +135,11 @@ class Pattern:
     """A built signature with text dimensions: which calls it serves, and marking them dynamic."""
 
     def __init__(self, sig: str) -> None:
+        from aotbuild.safeio import loads_json
+
         self.sig = sig
-        self.data = json.loads(sig)
+        # a built signature is read back from a manifest: parsed with bounded size and depth
+        self.data = loads_json(sig, max_bytes=1 << 16, max_depth=64)
         ranges: set[tuple[int, int]] = set()
 
         def walk(x: Any) -> None:
@@ -150,11 +153,19 @@ class Pattern:
                     walk(v)
 
         walk(self.data)
+        if not ranges or not isinstance(self.data, dict) or {"args", "kwargs"} - set(self.data):
+            raise ValueError("not a text pattern")
         self.lo, self.hi = min(r[0] for r in ranges), max(r[1] for r in ranges)
 
     @classmethod
     def of(cls, sig: str) -> Pattern | None:
-        return cls(sig) if '"text:' in sig else None
+        """The pattern a built signature holds, or None (no text range in it, or not a signature)."""
+        if '"text:' not in sig:
+            return None
+        try:
+            return cls(sig)
+        except ValueError:
+            return None
 
     def sizes(self, call_sig: str) -> list[int] | None:
         """The call's text sizes where it is this pattern but for them (in range or not), else None."""

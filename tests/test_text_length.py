@@ -277,3 +277,12 @@ def test_a_fixed_length_text_encoder_is_measured_as_such(built_cache):
         manifest = json.loads(invoke_cli("show", "--json", "--cache", str(root), job["key"]).stdout)
         text = manifest.get("manifest", manifest)["build"]["text"]
         assert text == {"prompt_dependent": [], "served": "any prompt (a fixed length)"}
+
+
+def test_a_signature_that_only_mentions_text_is_no_pattern():
+    """A built signature is read back from a manifest: text that looks like a range outside a tensor's
+    shape, or a signature that is not one, is a plain route, never a crash at load."""
+    odd = json.dumps({"args": [], "kwargs": {"mode": "text:2-512"}}, sort_keys=True)
+    d = Dispatcher("transformer", lambda *a, **k: None, {odd: lambda *a, **k: "ran", '"text:1-2"': print}, None,
+                   "error")
+    assert d.patterns == [] and d(mode="text:2-512") == "ran"
