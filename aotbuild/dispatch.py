@@ -106,6 +106,8 @@ class Dispatcher:
         #: lengths, read off the routes' signatures (a build's recorder is given its pattern)
         self.patterns = textlen.patterns(self.routes)
         self._fits: dict[str, textlen.Pattern | None] = {}  # a call's signature -> the pattern it fits
+        #: a static build's text lengths (textlen.static_patterns): only to name a refused prompt's length
+        self.static_text: list[textlen.Pattern] = []
 
     def _pattern(self, sig: str) -> textlen.Pattern | None:
         """The text pattern serving a call of signature ``sig`` (remembered: a server sees few)."""
@@ -160,7 +162,8 @@ class Dispatcher:
         if self.on_unbuilt == "error" and why:
             raise ShapeNotBuilt(f"{self.component} was called with {describe(sig)}, which this cache built, but "
                                 f"{why} (strict_shapes=True)")
-        outside = textlen.outside(self.patterns, raw) if self.on_unbuilt == "error" and self.patterns else None
+        known = self.patterns + self.static_text
+        outside = textlen.outside(known, raw) if self.on_unbuilt == "error" and known else None
         if outside is not None:
             raise ShapeNotBuilt(textlen.refusal(self.component, *outside))
         if self.on_unbuilt == "error":

@@ -156,6 +156,8 @@ class Pattern:
         if not ranges or not isinstance(self.data, dict) or {"args", "kwargs"} - set(self.data):
             raise ValueError("not a text pattern")
         self.lo, self.hi = min(r[0] for r in ranges), max(r[1] for r in ranges)
+        #: a static build's length, known to follow the prompt: never serves, only names a refused length
+        self.static = False
 
     @classmethod
     def of(cls, sig: str) -> Pattern | None:
@@ -199,6 +201,31 @@ def patterns(sigs: Any) -> list[Pattern]:
     return [p for p in map(Pattern.of, sigs) if p is not None]
 
 
+_DIM = re.compile(r"^(.{1,200})\[dim ([0-9]{1,2})\]\Z")
+
+
+def static_patterns(sigs: Any, measured: list[Any]) -> list[Pattern]:
+    """For a static build of a component whose text follows the prompt (a manifest's ``build.text``:
+    ``prompt_dependent`` dimensions and the warmup's length, without a range): each built signature
+    with those dimensions at that length, as a pattern that only names a refused call's prompt length."""
+    out: list[Pattern] = []
+    for text in measured:
+        if not isinstance(text, dict) or not isinstance(text.get("warmup_length"), int):
+            continue
+        dims = [TextDim(m.group(1), int(m.group(2)), (text["warmup_length"],) * 2)
+                for d in text.get("prompt_dependent") or [] if isinstance(d, str) and (m := _DIM.match(d))]
+        for sig in sigs:
+            if not dims or '"text:' in sig:
+                continue
+            n = text["warmup_length"]
+            pattern = Pattern.of(generalize(sig, dims, n, n))
+            found = pattern.sizes(sig) if pattern is not None else None
+            if pattern is not None and found and set(found) == {n}:  # this signature is the warmup's length
+                pattern.static = True
+                out.append(pattern)
+    return out
+
+
 def outside(pats: list[Pattern], call_sig: str) -> tuple[int, Pattern] | None:
     """The text length of a call that fits a pattern but for a length outside its range."""
     for p in pats:
@@ -210,6 +237,12 @@ def outside(pats: list[Pattern], call_sig: str) -> tuple[int, Pattern] | None:
 
 def refusal(component: str, n: int, p: Pattern) -> str:
     """What a strict dispatcher says of a prompt whose length the entry does not serve."""
+    if p.static:
+        return (f"{component} was called with a prompt of {n} tokens (the text length the pipeline passes it), "
+                f"and this cache serves only the warmup's prompt length ({p.lo} tokens, strict_shapes=True): "
+                f"this pipeline's text length follows the prompt; add text_length: {{min: 2, max: 512}} to the "
+                f"recipe and rebuild to serve every length in that range (docs/recipes.md, \"Prompts and text "
+                f"length\")")
     return (f"{component} was called with a prompt of {n} tokens (the text length the pipeline passes it), "
             f"outside the text_length this cache built ({p.lo} to {p.hi}, strict_shapes=True): shorten the "
             f"prompt, or raise text_length in the recipe and rebuild")

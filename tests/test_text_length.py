@@ -286,3 +286,26 @@ def test_a_signature_that_only_mentions_text_is_no_pattern():
     d = Dispatcher("transformer", lambda *a, **k: None, {odd: lambda *a, **k: "ran", '"text:1-2"': print}, None,
                    "error")
     assert d.patterns == [] and d(mode="text:2-512") == "ran"
+
+
+def test_a_static_build_that_measured_the_text_names_a_refused_prompt_s_length():
+    """Without text_length, an entry whose build measured a prompt-dependent dimension (its manifest's
+    build.text) still serves the warmup's length only; a strict call at another length is refused
+    naming the prompt's length and the fix, not an internal tensor, and is never served by it."""
+    built = signature(*_call(30))
+    measured = [{"prompt_dependent": ["encoder_hidden_states[dim 1]"], "warmup_length": 30}]
+    ran: list[int] = []
+    d = Dispatcher("transformer", lambda *a, **k: ran.append(-1), {built: lambda *a, **k: ran.append(1)}, None,
+                   "error")
+    d.static_text = textlen.static_patterns(d.routes, measured)
+    assert len(d.static_text) == 1 and d.patterns == []
+    args, kwargs = _call(30)
+    d(*args, **kwargs)
+    args, kwargs = _call(44)
+    with pytest.raises(ShapeNotBuilt) as caught:
+        d(*args, **kwargs)
+    message = str(caught.value)
+    assert "prompt of 44 tokens" in message and "warmup's prompt length (30 tokens" in message
+    assert "text_length" in message and "encoder_hidden_states" not in message and ran == [1]
+    # what a build without the measurement (or of a fixed-length text) recorded names nothing new
+    assert textlen.static_patterns(d.routes, [{"prompt_dependent": []}, None, {"warmup_length": "x"}]) == []
