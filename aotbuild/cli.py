@@ -512,6 +512,9 @@ def plan(recipes: tuple[str, ...], cache: str | None, as_json: bool, fail_on_mis
         cost = _estimate_text([j for j in jobs if j.status == MISS])
         if cost:
             _echo(cost)
+        for j in jobs:  # the text length: how each job serves prompts of other lengths (issue 34)
+            if j.text.get("warning"):
+                _echo(f"warning: {j.label}: {j.text['warning']}")
     for exc in bad:
         _error(exc)
     if bad:

@@ -29,6 +29,7 @@ job, proof and ``load_compiled`` all call it, so they agree by construction:
 ``parallel``        only with ``parallel.tensor`` > 1: degree, mesh shape, collective backend, the
                     ``_tp_plan``'s sha256, and the rank (aotbuild/parallel.py); the thread count
                     keyed (``compile.cpu_threads``) is then a rank's, :func:`parallel.rank_threads`
+``text_length``     only with ``text_length:``: the range of text lengths served (aotbuild/textlen.py)
 ==================  ===================================================================================
 
 Never an absolute path, hostname, user, cwd, device index or process group name, and a rank only
@@ -172,7 +173,8 @@ def job_factors(ctx: Context, component: str, component_class: str, config: dict
     changed = {name: value for name, value in (("lora", adapters.factors(recipe, component)),
                                                ("quantization", quantize.factors(recipe, component)),
                                                ("parallel", sharded),
-                                               ("changes", changes.factors(recipe, component)))
+                                               ("changes", changes.factors(recipe, component)),
+                                               ("text_length", _text_length(recipe)))
                if value is not None}
     compile_settings = {**ctx.target.compile_settings(recipe, ctx.device),
                         **ctx.strategy.compile_factors(ctx.target, ctx.device)}
@@ -192,6 +194,11 @@ def job_factors(ctx: Context, component: str, component_class: str, config: dict
         "env": ctx.environment,
         "device": ctx.fingerprint,
     }
+
+
+def _text_length(recipe: Recipe) -> dict[str, int] | None:
+    text = recipe.text_length
+    return None if text is None else {"min": text.min, "max": text.max}
 
 
 def builtin_version(recipe: Recipe) -> int | None:

@@ -4,7 +4,9 @@ A *signature* is what a static-shape compile specializes on: every tensor's shap
 kind, and the value of every non-float Python argument (floats are not specialized by Dynamo). The
 builder records the signatures each warmup produced; at runtime the dispatcher sends a call whose
 signature was built to the compiled forward, and any other call to the policy the user chose:
-compile it (plain ``torch.compile`` behaviour), run it eagerly, or raise ``ShapeNotBuilt``.
+compile it (plain ``torch.compile`` behaviour), run it eagerly, or raise ``ShapeNotBuilt``. A
+signature may hold a text range (``text_length``, aotbuild/textlen.py): it then serves every call
+that differs from it only by a text length inside the range.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from aotbuild import textlen
 from aotbuild.errors import ShapeNotBuilt
 from aotbuild.safeio import loads_json
 
@@ -99,14 +102,33 @@ class Dispatcher:
         self.watch: Any = None
         self.on_stale = "error"
         self.stale = ""  # the last reason warned about
+        #: text patterns (aotbuild/textlen.py): built signatures whose text dimensions serve a range of
+        #: lengths, read off the routes' signatures (a build's recorder is given its pattern)
+        self.patterns = textlen.patterns(self.routes)
+        self._fits: dict[str, textlen.Pattern | None] = {}  # a call's signature -> the pattern it fits
+        #: a static build's text lengths (textlen.static_patterns): only to name a refused prompt's length
+        self.static_text: list[textlen.Pattern] = []
+
+    def _pattern(self, sig: str) -> textlen.Pattern | None:
+        """The text pattern serving a call of signature ``sig`` (remembered: a server sees few)."""
+        if sig not in self._fits:
+            if len(self._fits) > 4096:
+                self._fits.clear()
+            self._fits[sig] = next((p for p in self.patterns if p.serves(sig)), None)
+        return self._fits[sig]
 
     @property
     def built(self) -> set[str]:
         return set(self.routes)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        sig = signature(args, kwargs)
+        sig = raw = signature(args, kwargs)
         route = self.routes.get(sig)
+        pattern = self._pattern(sig) if route is None and self.patterns else None
+        if pattern is not None:  # a text length inside a built range: that range's graph, dimensions marked
+            sig = pattern.sig
+            route = self.routes.get(sig)
+            pattern.mark_dynamic(args, kwargs)
         why = ""
         if route is not None and self.watch is not None:
             stale = self.watch.check()
@@ -140,6 +162,10 @@ class Dispatcher:
         if self.on_unbuilt == "error" and why:
             raise ShapeNotBuilt(f"{self.component} was called with {describe(sig)}, which this cache built, but "
                                 f"{why} (strict_shapes=True)")
+        known = self.patterns + self.static_text
+        outside = textlen.outside(known, raw) if self.on_unbuilt == "error" and known else None
+        if outside is not None:
+            raise ShapeNotBuilt(textlen.refusal(self.component, *outside))
         if self.on_unbuilt == "error":
             built = sorted(self.routes)
             shown = "; ".join(describe(b) for b in built[:3]) + (f"; +{len(built) - 3} more" if len(built) > 3 else "")

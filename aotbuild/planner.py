@@ -58,6 +58,9 @@ class Job:
     #: an auto job's hit: the strategy its entry holds and the attempts its build made
     chosen: str = ""
     attempts: tuple[dict[str, Any], ...] = ()
+    #: the component's text length: whether it follows the prompt (measured by a build of it), how
+    #: the recipe serves it, and a warning with the fix (aotbuild/textlen.py ``plan_note``)
+    text: dict[str, Any] = field(default_factory=dict)
 
     @property
     def label(self) -> str:
@@ -83,6 +86,8 @@ class Job:
             data["auto"] = {**self.choice.as_json(), "keys": dict(self.attempt_keys),
                             "failed_before": dict(self.failed_before),
                             **({"chosen": self.chosen, "attempts": list(self.attempts)} if self.chosen else {})}
+        if self.text:
+            data["text_length"] = self.text
         return data
 
 
@@ -196,7 +201,23 @@ def _job(ctx: Context, store: Store, component: str, shape: Shape, rank: int | N
         if failed is not None:
             reason += f" (it failed with aotbuild {failed.get('aotbuild', '?')}: this version tries again)"
     return Job(recipe, component, shape, key, factors, HIT if ok else MISS, reason, *(cost or (None, None)),
-               unusable=why.kind, ctx=ctx, rank=rank, siblings=siblings)
+               unusable=why.kind, ctx=ctx, rank=rank, siblings=siblings,
+               text=_text_note(store, recipe, component, key if ok else None, factors, manifests))
+
+
+def _text_note(store: Store, recipe: Recipe, component: str, key: str | None, factors: dict[str, Any],
+               manifests: list[Entries]) -> dict[str, Any]:
+    """What the job's entry (a hit), or the nearest entry of the same pipeline and component class,
+    measured of the component's text length when it was built (issue 34)."""
+    from aotbuild import textlen
+
+    source = store.read_manifest(key) if key else None
+    if source is None and manifests:
+        near = manifests[0].nearest(recipe.name, component, factors)
+        same = near is not None and near.factors.get("model", {}).get("pipeline") == factors["model"]["pipeline"]
+        source = near if same else None
+    measured = source.build.get("text") if source is not None else None
+    return textlen.plan_note(recipe.text_length, component, measured)
 
 
 def plan(recipes: Recipes, cache: str | Path | None = None, *,

@@ -157,9 +157,13 @@ def serve(spec: dict[str, Any]) -> dict[str, Any]:
     t0 = time.perf_counter()
     load_compiled(recipe, pipe, cache=spec["store"], on_miss="error", strict_shapes=True)
 
-    # 3. Every recorded call through the loaded entry, compared with eager.
+    # 3. Every recorded call through the loaded entry, compared with eager; with text_length, also each
+    #    call made at the range's ends and middle (its text dimensions resized; eager computed now).
     t_first: list[float] = []
     worst = _replay(module, component, calls, lambda: t_first.append(time.perf_counter() - t0))
+    lengths, refused = _text_calls(module, calls)
+    if lengths:
+        worst = max(worst, _replay(module, component, lengths, lambda: None))
     # 4. With lora: another adapter (other weights, a lower rank) hot-swapped in must serve too.
     swaps = 0
     if swap is not None:
@@ -172,9 +176,49 @@ def serve(spec: dict[str, Any]) -> dict[str, Any]:
     record = served(pipe, module, seen)
     # 5. A call at a shape this entry was not built for is refused (strict_shapes), never compiled.
     record["strict"] = _strict_refusal(pipe, recipe, shape, ctx)
+    if lengths:  # what the text range served, and the refusal of a length past its end
+        record["text"] = {"calls": len(lengths), "lengths": sorted({n for n, _ in refused[1:]}),
+                          "refused": refused[0]}
     return {"compiles": compiles, "counter": counter_name, "max_abs_diff": worst,
             "tolerance": tolerance(ctx.dtype), "instances": len(expected), "calls": len(calls),
             "load_s": round(t_first[0] if t_first else 0.0, 3), "swaps": swaps, "served": record}
+
+
+def _text_calls(module: Any, calls: list[tuple[Any, Any, list[Any]]]) -> tuple[list[Any], list[Any]]:
+    """With a text pattern served (``text_length``): each recorded call that fits it, made at the range's
+    ends and middle, with its eager output; and [the refusal of a call one past the range's end, then
+    (length, call index) of each made call]. ([], []) without a pattern."""
+    import torch
+
+    from aotbuild import textlen
+    from aotbuild.dispatch import dispatchers, signature
+    from aotbuild.errors import ShapeNotBuilt
+
+    served = next((d for d in dispatchers(module) if d.patterns), None)
+    if served is None:
+        return [], []
+    made: list[tuple[Any, Any, list[Any]]] = []
+    which: list[Any] = []
+    refused = "not tried"
+    for i, (args, kwargs, _) in enumerate(calls):
+        pattern = next((p for p in served.patterns if p.sizes(signature(args, kwargs))), None)
+        if pattern is None:
+            continue
+        for n in textlen.proof_lengths(pattern.lo, pattern.hi):
+            a, k = textlen.call_at(pattern, args, kwargs, n)
+            with torch.no_grad():
+                eager = [t.detach().clone() for t in tensors(served.eager(*a, **k))]
+            made.append((_clone(a), _clone(k), eager))
+            which.append((n, i))
+        if refused == "not tried":
+            a, k = textlen.call_at(pattern, args, kwargs, pattern.hi + 1)
+            try:
+                with torch.no_grad():
+                    module(*a, **k)
+                refused = "not refused: the call ran"
+            except ShapeNotBuilt as exc:
+                refused = str(exc)[:2000]
+    return made, [refused, *which]
 
 
 def _compiler_counts() -> dict[str, int]:

@@ -56,7 +56,7 @@ class Field:
 SCHEMA: dict[str, dict[str, Field] | Field] = {
     "model": {
         "id": Field("str", required=True, doc="Hub id, local folder, or builtin:NAME (tiny-sd, tiny-sdxl, tiny-sd3, "
-                                              "tiny-flux, tiny-pixart-sigma, tiny-wan, tiny-wan22)"),
+                                              "tiny-flux, tiny-pixart-sigma, tiny-wan, tiny-wan22, tiny-qwenimage)"),
         "revision": Field("str?", doc="Hub revision; pin a commit sha for production"),
         "pipeline": Field("str?", doc="diffusers pipeline class; default: model_index.json's"),
         "dtype": Field("str?", choices=DTYPES, doc="default: the target's (float32 inductor, bfloat16 neuron/tpu)"),
@@ -92,6 +92,11 @@ SCHEMA: dict[str, dict[str, Field] | Field] = {
         "tensor": Field("int", 1, doc="tensor-parallel degree: ranks the compiled components are sharded over "
                                       "(the model's _tp_plan); 1: unsharded"),
     },
+    "text_length": {
+        "min": Field("int", required=True, doc="the shortest text the compiled components serve, in tokens as the "
+                                               "pipeline passes them (at least 2)"),
+        "max": Field("int", required=True, doc="the longest text served (at most 65536)"),
+    },
     "changes": {
         "freeu": Field("mapping", None, doc="FreeU's factors {s1, s2, b1, b2}: pipe.enable_freeu(...) on the unet"),
         "attention_processor": Field("str?", doc="a diffusers attention processor class: set_attn_processor(Class()) "
@@ -103,7 +108,7 @@ SCHEMA: dict[str, dict[str, Field] | Field] = {
     },
 }
 #: Optional sections: parsed only when the recipe has them (their absence keeps every key as it was).
-OPTIONAL_SECTIONS = ("lora", "parallel", "changes")
+OPTIONAL_SECTIONS = ("lora", "parallel", "changes", "text_length")
 #: The largest tensor-parallel degree a recipe may ask for.
 MAX_TENSOR_PARALLEL = 64
 QUANT_SCHEMA = {
@@ -172,6 +177,19 @@ class ParallelSpec:
     """``parallel``: how the compiled components are sharded across ranks (aotbuild/parallel.py)."""
 
     tensor: int = 1
+
+
+@dataclass(frozen=True)
+class TextLength:
+    """``text_length``: the range of text lengths served by one build where the component's text
+    dimension follows the prompt (aotbuild/textlen.py; issue 34)."""
+
+    min: int
+    max: int
+
+
+#: The longest ``text_length.max``: Qwen-Image reads at most 1,024 prompt tokens.
+MAX_TEXT_LENGTH = 65536
 
 
 @dataclass(frozen=True)
@@ -252,6 +270,8 @@ class Recipe:
     parallel: ParallelSpec | None = None
     #: ``changes``; None: the pipeline as from_pretrained gives it
     changes: ChangesSpec | None = None
+    #: ``text_length``; None: every length is static (the warmup's)
+    text_length: TextLength | None = None
     #: The folder a relative ``model.id`` is resolved against; None: the recipe file's folder. A job
     #: or proof process gets it from its parent (it runs elsewhere) instead of re-reading the file.
     folder: str | None = field(default=None, compare=False)
@@ -467,6 +487,8 @@ def parse_structure(data: Any, source: str = DATA_SOURCE, name: str | None = Non
     parallel = ParallelSpec(**check.section(data["parallel"], "parallel")) if data.get("parallel") is not None \
         else None
     changes = _changes(check, data["changes"]) if data.get("changes") is not None else None
+    text_length = TextLength(**check.section(data["text_length"], "text_length")) \
+        if data.get("text_length") is not None else None
     shapes = check.shapes(data.get("shapes"))
     warmup = top["warmup"]
     for arg in warmup:
@@ -478,7 +500,7 @@ def parse_structure(data: Any, source: str = DATA_SOURCE, name: str | None = Non
     return Recipe(
         name=name, source=source, folder=folder, model=model, target=top["target"],
         device=top["device"], strategy=top["strategy"], offload=top["offload"], compile=compile_spec,
-        shapes=shapes, warmup=warmup, lora=lora, parallel=parallel, changes=changes,
+        shapes=shapes, warmup=warmup, lora=lora, parallel=parallel, changes=changes, text_length=text_length,
     )
 
 
@@ -540,6 +562,7 @@ def check_structure_rules(recipe: Recipe) -> None:
     for name, setting in (("lora", lora), ("model.quantization", quant)):
         if setting is not None and recipe.offload != "none":
             raise recipe.error(name, "cannot be combined with offload: model")
+    _check_text_length(recipe)
     tensor = recipe.tensor_parallel
     if not 1 <= tensor <= MAX_TENSOR_PARALLEL:
         raise recipe.error("parallel.tensor", f"{tensor} is not allowed: 1 to {MAX_TENSOR_PARALLEL}")
@@ -562,6 +585,18 @@ def check_structure_rules(recipe: Recipe) -> None:
                 raise recipe.error("model.quantization.components", f"{component!r} is not compiled "
                                                                     f"(compile.components: "
                                                                     f"{', '.join(recipe.compile.components)})")
+
+
+def _check_text_length(recipe: Recipe) -> None:
+    text = recipe.text_length
+    if text is None:
+        return
+    if not 2 <= text.min <= text.max <= MAX_TEXT_LENGTH:
+        raise recipe.error("text_length", f"{text.min} to {text.max} is not allowed: 2 <= min <= max <= "
+                                          f"{MAX_TEXT_LENGTH} (a length of 1 is one the compiler specializes on)")
+    if recipe.compile.scope != "full":
+        raise recipe.error("text_length", "needs compile.scope: full (a regional build compiles each block on its "
+                                          "own inputs, which the range does not reach)")
 
 
 def build_hint(recipe: Recipe) -> str:
@@ -604,6 +639,8 @@ def recipe_to_dict(recipe: Recipe) -> dict[str, Any]:
                                       for a in recipe.lora.adapters]}
     if recipe.parallel is not None:
         extra["parallel"] = {"tensor": recipe.parallel.tensor}
+    if recipe.text_length is not None:
+        extra["text_length"] = {"min": recipe.text_length.min, "max": recipe.text_length.max}
     if recipe.changes is not None:
         extra["changes"] = {k: thaw(v) for k, v in recipe.changes.__dict__.items() if v is not None}
     return json.loads(json.dumps({

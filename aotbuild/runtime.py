@@ -178,9 +178,13 @@ def load_compiled(recipe: str | Path | Recipe | Mapping[str, Any], pipe: Any = N
                 report.install_folder = report.install_folder or installed.folder
         timings["install"] = time.perf_counter() - started
         _watch(planned, on_miss, ctx.recipe.offload == "none")
+        from aotbuild.textlen import static_patterns
+
         for p in planned:
+            measured = [e.manifest.build.get("text") for e in p.entries]
             for d in dispatchers(p.module):
                 d.on_first_call = lambda s, c=p.component: report.first_calls.setdefault(c, round(s, 4))
+                d.static_text = static_patterns(d.routes, measured)  # a refusal names the prompt's length
     from aotbuild import adapters
 
     adapters.guard(pipe, recipe)  # a hot-swap is checked before it changes a weight

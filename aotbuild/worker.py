@@ -49,6 +49,12 @@ def run(job: dict, loaded: tuple[Any, float] | None = None) -> dict:
     # What the component is called with is the pipeline's business (guidance may double the batch, or
     # call twice, or be an input): the strategy records every call's signature, and loads dispatch on them.
     warmup = pipecall.warmup_kwargs(recipe, shape, pipe, defaults=ctx.target.warmup_defaults)
+    # Which input dimensions follow the prompt: measured, never listed (issue 34; aotbuild/textlen.py).
+    child.phase(job, "measuring the text length")
+    text, pattern = measure_text(recipe, component, module, pipe, rank,
+                                 lambda: pipecall.warmup_kwargs(recipe, shape, pipe,
+                                                                defaults=ctx.target.warmup_defaults))
+    child.phase(job, "compiling and warming up")
     from aotbuild import dependencies
     from aotbuild.structure import record
 
@@ -59,7 +65,7 @@ def run(job: dict, loaded: tuple[Any, float] | None = None) -> dict:
     dependencies.record_calls(module)
     workdir.mkdir(parents=True, exist_ok=True)
     job_spec = BuildJob(ctx, pipe, component, module, warmup, workdir,
-                        phase=lambda text: child.phase(job, text))
+                        phase=lambda text: child.phase(job, text), text=pattern)
     try:
         built = ctx.strategy.build(job_spec)
     except Exception as exc:
@@ -88,8 +94,47 @@ def run(job: dict, loaded: tuple[Any, float] | None = None) -> dict:
         "counters": {k: int(v) for k, v in counters["inductor"].items() if "cache" in k},
         "pipeline_class": type(pipe).__name__,
         "facts": ctx.target.build_facts(ctx.device),
+        **({"text": text} if text else {}),
         **({"rank": rank} if rank is not None else {}),
     }
+
+
+def measure_text(recipe: Any, component: str, module: Any, pipe: Any, rank: int | None,
+                 call: Any) -> tuple[dict[str, Any], Any]:
+    """What the build records of the component's text length (``prompt_dependent``: the dimensions that
+    follow the prompt, and how the recipe serves them) and, with ``text_length``, the text pattern the
+    strategy builds. Not measured under model offload or tensor parallelism (a stopped pipeline call
+    would leave an offload hook's device or a collective half-way): those record nothing."""
+    from aotbuild import textlen
+
+    if recipe.offload != "none" or rank is not None:
+        if recipe.text_length is not None:
+            raise RuntimeError("text_length cannot be measured under offload or tensor parallelism yet")
+        return {}, None
+    from aotbuild.dispatch import signature
+
+    limits = recipe.text_length
+    try:
+        measured = textlen.detect(pipe, module, call(), signature)
+    except Exception as exc:  # noqa: BLE001 - only what plan reports is lost, unless the recipe needs it
+        if limits is not None:
+            raise
+        return {"why": f"not measured: {type(exc).__name__}: {str(exc)[:200]}"}, None
+    found = measured.as_json()
+    if limits is None:
+        found["served"] = "static: the warmup's length only" if measured.dims else "any prompt (a fixed length)"
+        return found, None
+    if not measured.dims:
+        why = f" ({measured.why})" if measured.why else ""
+        raise RuntimeError(f"text_length is set, but no input of {component} follows the prompt's length (measured "
+                           f"with two prompt lengths{why}): every prompt is already served; remove text_length")
+    length = measured.length
+    if not limits.min <= length <= limits.max:
+        raise RuntimeError(f"the warmup's prompt is {length} tokens long as {component} sees it, outside text_length "
+                           f"({limits.min} to {limits.max}): widen the range or change warmup.prompt")
+    pattern = textlen.Pattern(textlen.generalize(measured.warmup_sig, list(measured.dims), limits.min, limits.max))
+    found["served"] = f"text_length {limits.min} to {limits.max}"
+    return found, pattern
 
 
 #: What Dynamo and torch.export raise when they cannot take a module whole (data-dependent Python,

@@ -60,6 +60,9 @@ def test_plan_excludes_the_strategies_that_cannot_serve_the_recipe_each_with_why
     assert hot_swapped.tries == ("aot-compile", "jit-cache") and "hot-swap" in hot_swapped.excluded[0][1]
     regional_unfused = auto.choice(parse_recipe({**AUTO, "compile": {"fullgraph": False}}), inductor, "cpu")
     assert regional_unfused.tries == ("jit-cache",)  # auto never changes fullgraph: only jit-cache serves it
+    ranged = auto.choice(parse_recipe({**AUTO, "text_length": {"min": 2, "max": 64}}), inductor, "cpu")
+    assert ranged.tries == ("jit-cache",)  # a range of prompt lengths: only jit-cache serves one (issue 34)
+    assert all("text lengths" in why for _, why in ranged.excluded), ranged.excluded
 
     recipe = tmp_path / "quantized.yaml"
     recipe.write_text(json.dumps({**AUTO, "model": {**AUTO["model"], "quantization": {

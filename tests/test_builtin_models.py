@@ -1,4 +1,4 @@
-"""The built-in tiny SDXL, SD3 and Flux pipelines: deterministic, loadable, callable, plannable.
+"""The built-in tiny SDXL, SD3, Flux and QwenImage pipelines: deterministic, loadable, callable, plannable.
 
 Each model is created once per session (about a second each); nothing here compiles. The real
 builds of their recipes are slow and live with the other builds (a few minutes each on 2 cores).
@@ -23,6 +23,7 @@ NEW_BUILTINS = {
     "tiny-flux": ("tiny_flux_cpu.yaml", "transformer", "FluxPipeline", "tokenizer_2"),
     "tiny-sdxl": ("tiny_sdxl_cpu.yaml", "unet", "StableDiffusionXLPipeline", None),
     "tiny-sd3": ("tiny_sd3_cpu.yaml", "transformer", "StableDiffusion3Pipeline", "tokenizer_3"),
+    "tiny-qwenimage": ("tiny_qwenimage_cpu.yaml", "transformer", "QwenImagePipeline", None),
 }
 
 
@@ -101,6 +102,22 @@ def test_t5_tokenizer_round_trips_text_and_saves_as_created(name, builtin_root):
         assert loaded.decode(ids, skip_special_tokens=True) == text
     padded = loaded("a cat", padding="max_length", max_length=8, truncation=True).input_ids
     assert padded == created("a cat").input_ids + [loaded.pad_token_id] * 5
+
+
+def test_the_qwen2_tokenizer_round_trips_text_and_saves_as_created(builtin_root):
+    """tiny-qwenimage's byte-level BPE: any text tokenizes (no unknown token), its words are one token
+    each, the chat template's markers are special tokens, and the saved tokenizer is the created one."""
+    from transformers import AutoTokenizer
+
+    folder = builtin_root / "models" / builtin.lookup("builtin:tiny-qwenimage").folder_name / "tokenizer"
+    loaded, created = AutoTokenizer.from_pretrained(str(folder)), builtin.qwen2_tokenizer()
+    for text in ("a photo of a cat", "An astronaut riding a horse at sunset, 4K (oil painting)! \u00e9"):
+        ids = loaded(text).input_ids
+        assert ids == created(text).input_ids and loaded.decode(ids) == text
+    assert len(loaded(" cat").input_ids) == 1 and len(loaded("<|im_start|>user").input_ids) == 2
+    # padded to the batch's longest prompt, not to a fixed length: the text length follows the prompt
+    batch = loaded(["a cat", "a small red cat with a big blue dog"], padding=True).input_ids
+    assert len(batch[0]) == len(batch[1]) == len(loaded("a small red cat with a big blue dog").input_ids)
 
 
 def test_plan_lists_each_recipe_s_component(builtin_root):

@@ -14,7 +14,10 @@ denoiser in a minute or two on two CPU cores:
 * ``builtin:tiny-wan``: ``WanPipeline`` as Wan 2.1 (WanTransformer3DModel, AutoencoderKLWan, UMT5):
   video (``num_frames``, ``num_videos_per_prompt``), guidance as two calls of the batch per step;
 * ``builtin:tiny-wan22``: ``WanPipeline`` as Wan 2.2 A14B: two denoisers, ``transformer`` for the
-  high-noise steps and ``transformer_2`` for the rest (``boundary_ratio``).
+  high-noise steps and ``transformer_2`` for the rest (``boundary_ratio``);
+* ``builtin:tiny-qwenimage``: ``QwenImagePipeline`` (QwenImageTransformer2DModel, AutoencoderKLQwenImage,
+  a Qwen2.5-VL text encoder): an LLM text encoder whose text is padded to the batch's longest prompt,
+  so the denoiser's text length follows the prompt (issue 34).
 
 A model is created deterministically (fixed seeds, fixed configs, tokenizers built from files shipped
 here or from code) on first use, saved with ``save_pretrained`` under ``models/`` in the cache root,
@@ -364,8 +367,88 @@ class TinyWan22(TinyWan):
     boundary_ratio = 0.875
 
 
+#: The tiny Qwen2 tokenizer's words: byte-level BPE (GPT-2's byte alphabet), every byte a token, and
+#: these words (space-prefixed, "Ġ") merged into one token each, so QwenImage's prompt template is
+#: about as many tokens as with the real tokenizer (its first 34 are the system part the pipeline
+#: drops). Token ids are positions: any change bumps tiny-qwenimage's version.
+QWEN_WORDS = ("Describe", "the", "image", "by", "detailing", "color", "shape", "size", "texture", "quantity",
+              "text", "spatial", "relationships", "of", "objects", "and", "background", "system", "user",
+              "assistant", "a", "an", "photo", "cat", "dog", "in", "on", "with", "red", "blue", "small", "big")
+QWEN_SPECIAL = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+
+
+def qwen2_tokenizer():
+    """A tiny Qwen2Tokenizer built in code (nothing to download): byte-level BPE over GPT-2's byte
+    alphabet plus :data:`QWEN_WORDS`, and the chat template's special tokens."""
+    from transformers import Qwen2Tokenizer
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    alphabet = list(bytes_to_unicode().values())
+    vocab = {t: i for i, t in enumerate(QWEN_SPECIAL)}
+    for c in alphabet:
+        vocab.setdefault(c, len(vocab))
+    merges: list[tuple[str, str]] = []
+    space = bytes_to_unicode()[ord(" ")]
+    for word in QWEN_WORDS:
+        for text in (word, space + word):
+            for i in range(1, len(text)):
+                piece = (text[:i], text[i])
+                if text[:i + 1] not in vocab:
+                    vocab[text[:i + 1]] = len(vocab)
+                    merges.append(piece)
+    return Qwen2Tokenizer(vocab=vocab, merges=merges, additional_special_tokens=list(QWEN_SPECIAL[1:]),
+                          model_max_length=32768)
+
+
+class TinyQwenImage(BuiltinModel):
+    """Qwen-Image's layout: an MMDiT of QwenImageTransformerBlocks over 2x2-packed latents of a causal
+    3D VAE (used for single frames), text from a Qwen2.5-VL language model's last hidden states, padded
+    to the batch's longest prompt (no fixed length: the denoiser's text dimension follows the prompt).
+    True classifier-free guidance (``true_cfg_scale`` with a ``negative_prompt``) runs two calls."""
+
+    name = "tiny-qwenimage"
+    version = 1
+
+    def create(self, folder: Path) -> None:
+        import torch
+        from diffusers import (
+            AutoencoderKLQwenImage,
+            FlowMatchEulerDiscreteScheduler,
+            QwenImagePipeline,
+            QwenImageTransformer2DModel,
+        )
+        from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+        tokenizer = qwen2_tokenizer()
+        torch.manual_seed(0)
+        text_encoder = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(
+            text_config={"hidden_size": 16, "intermediate_size": 16, "num_hidden_layers": 2,
+                         "num_attention_heads": 2, "num_key_value_heads": 2, "vocab_size": len(tokenizer),
+                         "rope_scaling": {"mrope_section": [1, 1, 2], "rope_type": "default", "type": "default"},
+                         "rope_theta": 1000000.0},
+            vision_config={"depth": 2, "hidden_size": 16, "intermediate_size": 16, "num_heads": 2,
+                           "out_hidden_size": 16},
+            hidden_size=16, vocab_size=len(tokenizer), vision_start_token_id=len(tokenizer) - 3,
+            vision_end_token_id=len(tokenizer) - 2, vision_token_id=len(tokenizer) - 1,
+            image_token_id=len(tokenizer) - 1, video_token_id=len(tokenizer) - 1,
+        ))
+        torch.manual_seed(0)
+        transformer = QwenImageTransformer2DModel(
+            patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=16,
+            num_attention_heads=2, joint_attention_dim=16, guidance_embeds=False, axes_dims_rope=(8, 4, 4),
+        )
+        torch.manual_seed(0)
+        vae = AutoencoderKLQwenImage(base_dim=24, z_dim=4, dim_mult=[1, 2, 4], num_res_blocks=1,
+                                     temperal_downsample=[False, True], latents_mean=[0.0] * 4,
+                                     latents_std=[1.0] * 4)
+        pipe = QwenImagePipeline(scheduler=FlowMatchEulerDiscreteScheduler(), vae=vae, text_encoder=text_encoder,
+                                 tokenizer=tokenizer, transformer=transformer)
+        pipe.save_pretrained(str(folder), safe_serialization=True)
+
+
 BUILTINS: dict[str, BuiltinModel] = {m.name: m for m in (TinySD(), TinySDXL(), TinySD3(), TinyFlux(),
-                                                         TinyPixArtSigma(), TinyWan(), TinyWan22())}
+                                                         TinyPixArtSigma(), TinyWan(), TinyWan22(),
+                                                         TinyQwenImage())}
 
 
 def is_builtin(model_id: str) -> bool:

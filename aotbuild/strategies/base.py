@@ -59,6 +59,9 @@ class BuildJob:
     workdir: Path
     #: tells the parent what the job is doing
     phase: Callable[[str], None] = lambda text: None
+    #: with ``text_length``: the component's text pattern (aotbuild/textlen.py ``Pattern``): calls that fit
+    #: it are one signature, their text dimensions marked dynamic in the range
+    text: Any = None
 
     def run_warmup(self) -> None:
         """Call the pipeline as a user does (its own no_grad, no inference_mode: grad mode is part of
@@ -92,6 +95,8 @@ class Strategy:
     targets: tuple[str, ...] | None = None
     #: whether it serves a component captured as several graphs (``compile.fullgraph: false``)
     graph_breaks: bool = False
+    #: whether it serves ``text_length``: a range of text lengths from one build (aotbuild/textlen.py)
+    text_lengths: bool = False
 
     # -- when the recipe is read --------------------------------------------------------------
 
@@ -107,6 +112,12 @@ class Strategy:
         why = self.availability()
         if why:
             raise recipe.error("strategy", f"strategy {self.name} {why}")
+        if recipe.text_length is not None and not self.text_lengths and self.name != "auto":
+            # auto validates as itself, then excludes each strategy by that strategy's validate: with a
+            # text_length it tries only those that serve a range (issue 34, 36)
+            raise recipe.error("text_length", f"strategy {self.name} cannot serve a range of text lengths yet: "
+                                              "use strategy jit-cache (or auto, which then takes it), or remove "
+                                              "text_length")
 
     def _refuse_freezing(self, recipe: Recipe) -> None:
         """Inductor's ``freezing`` folds the build's weights into what it compiles. An ahead-of-time

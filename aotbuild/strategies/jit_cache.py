@@ -26,11 +26,14 @@ class JitCache(Strategy):
     name = "jit-cache"
     summary = "torch.compile with its caches captured (any target); Dynamo traces again at load"
     graph_breaks = True  # several graphs, each in the FX cache, each traced and hit again at load
+    text_lengths = True  # mark_dynamic before each call: the same symbolic graph at build and at load
 
     def build(self, job: BuildJob) -> Built:
         ctx = job.ctx
         compiled = ctx.target.compile(job.module, ctx.recipe, ctx.device)
         dispatcher = install_dispatcher(job.module, job.component, {}, compiled, "record")
+        if job.text is not None:
+            dispatcher.patterns.append(job.text)
         job.run_warmup()
         return Built(sorted(dispatcher.built))
 

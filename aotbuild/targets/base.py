@@ -57,6 +57,9 @@ class Target:
     #: process (aotbuild/loader.py): the compiler reads the cache folders of ``capture_env`` when it
     #: compiles, not when it is imported, and keeps nothing in memory between processes.
     shares_loads: bool = False
+    #: True when the compiler serves a dimension dynamic within a range (``text_length``: Dynamo's
+    #: mark_dynamic); a target that compiles static shapes only (Neuron, TPU) refuses the setting.
+    text_ranges: bool = False
 
     #: warmup arguments a recipe gets unless it sets them (part of the key, like the recipe's own)
     warmup_defaults: dict[str, Any] = {}
@@ -92,6 +95,9 @@ class Target:
                                          "not key weights yet: it cannot serve this target safely")
         if self.static_shapes and recipe.compile.dynamic:
             raise recipe.error("compile.dynamic", f"target {self.name} needs static shapes: set dynamic: false")
+        if recipe.text_length is not None and not self.text_ranges:
+            raise recipe.error("text_length", f"target {self.name} compiles static shapes only: a text range cannot "
+                                              f"be served (target inductor can); remove text_length")
         if recipe.device is not None:
             self.check_device(recipe.device, recipe)
 

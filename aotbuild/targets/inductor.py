@@ -62,6 +62,7 @@ class InductorTarget(Target):
     static_shapes = True
     embeds_weights = False  # weights are graph inputs, never frozen into kernels (freezing stays off)
     shares_loads = True  # TORCHINDUCTOR_CACHE_DIR is read at each compile (torch._inductor cache_dir())
+    text_ranges = True  # Dynamo's mark_dynamic(min, max): one graph for a range of text lengths
 
     def availability(self, device: str | None = None) -> Availability:
         import torch
