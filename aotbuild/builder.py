@@ -585,6 +585,12 @@ def _adopt(store: Store, jobs: list[Job], group: list[Job], attempts: list[auto.
     entries = [store.open_entry(j.key)[0] for j in group if j.key]
     if len(entries) != len(group) or any(e is None for e in entries):
         return []
+    if sign_key is not None:  # a signed build signs only what it built or what its key signed already
+        from aotbuild.signing import public_of
+
+        mine = public_of(sign_key)
+        if any(_not_signed_by(e.manifest, mine) for e in entries if e is not None):
+            return []
     started = time.perf_counter()
     results = []
     for job, attempt_job, entry in zip(jobs, group, entries, strict=True):

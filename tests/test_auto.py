@@ -158,6 +158,21 @@ def test_an_explicit_recipe_s_entry_is_taken_by_auto_without_a_compile(cache, fa
     assert manifest.files == explicit.files and manifest.proof == explicit.proof
 
 
+def test_a_signed_build_never_adopts_an_entry_its_key_did_not_sign(cache, fake_compiles, tmp_path):
+    """An explicit entry in the cache that the build's key did not sign (pulled, restored) is not taken
+    and signed as it is: the auto job builds its own (signing rule: never sign what another built)."""
+    from aotbuild import build, signing
+
+    key, _ = signing.keygen(tmp_path / "keys" / "ci")
+    build({**AUTO, "strategy": "aot-package"}, cache)  # unsigned: not this key's
+    assert len(fake_compiles) == 1
+    result, = build(AUTO, cache, sign_key=key).results
+    assert result.status == "built" and len(fake_compiles) == 2  # built again, not adopted
+    manifest = Store(cache).read_manifest(result.job.key)
+    assert "its entry was in the cache" not in json.dumps(manifest.auto)
+    assert manifest.signed_by
+
+
 def test_the_codec_binds_an_auto_entry_to_the_strategy_it_names(cache, fake_compiles):
     from dataclasses import replace
 
