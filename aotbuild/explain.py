@@ -113,7 +113,7 @@ def explain_miss(manifests: Iterable[Manifest] | Entries, recipe_name: str, comp
 
         shown += (f" (a recipe naming no strategy is strategy: auto, the default; the nearest entry was built "
                   f"with {printable(built_with)}: name it in the recipe to serve that entry)")
-    if any(line.startswith("compile.cpu_threads: ") for line in diff):
+    if any(line.startswith("compile.cpu_threads: ") and "absent" not in line for line in diff):
         shown += (" (the recipe's kernels hold the build's thread count, compile.options.cpp.dynamic_threads: "
                   "false: serve with torch.set_num_threads() at the cache's count, or drop that setting and build "
                   "again)")

@@ -160,7 +160,7 @@ def pull_failures(remote: Remote, cache: str | Path | Store | None = None) -> li
         if (mine is not None and mine.get("aotbuild") == constants.VERSION) or store.check_entry(key)[0]:
             continue
         record = remote.read_failure(key)
-        if record is None or record.get("key", key) != key:
+        if record is None or record.get("key") != key:  # a record names its own key (docs/security.md)
             continue
         why = f"{_first_line(record['reason'])} (recorded on {remote.url})"
         store.put_failure(key, {**record, "key": key, "reason": why, "remote": remote.url})

@@ -187,7 +187,8 @@ def test_a_hostile_failure_record_on_a_remote_is_ignored(models_dir, tmp_path):
     remote = parse_remote((tmp_path / "remote").as_uri())
     bad = {"big": json.dumps({"reason": "x" * MAX_FAILURE_BYTES}), "text": "not json", "deep": '{"reason": "x", '
            '"a": ' + "[" * 50 + "]" * 50 + "}", "noreason": '{"time": "now"}',
-           "other": json.dumps({"key": key_of("someone else"), "reason": "x"})}
+           "other": json.dumps({"key": key_of("someone else"), "reason": "x"}),
+           "nokey": json.dumps({"reason": "x", "aotbuild": "1"})}
     folder = tmp_path / "remote" / "failures"
     folder.mkdir()
     for name, text in bad.items():
