@@ -187,7 +187,8 @@ class FolderRemote(Remote):
                 progress(entry.key)
 
     def failure_keys(self) -> set[str]:
-        self._check_root()
+        if not self.store.root.is_dir():  # a build's push target before its first push: no records yet
+            return set()
         return self.store.failure_keys()
 
     def read_failure(self, key: str) -> dict | None:
