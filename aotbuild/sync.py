@@ -104,8 +104,9 @@ def push(items: list[str] | tuple[str, ...], remote: Remote, cache: str | Path |
     return PushReport(remote.url, result, skipped, damaged, push_failures(remote, store, failed or []))
 
 
-#: Failure records one build reads from a remote at most (each one small request): the newest
-#: failures are of jobs that still fail; a remote past this is one that gc should prune.
+#: Failure records one build reads from a remote at most (each one small request). The newest are
+#: read (by the store's modification time of each record, from the one listing): the failures of
+#: jobs that still fail; a remote past this is one whose failures/ gc should prune.
 MAX_PULLED_FAILURES = 1000
 
 
@@ -146,14 +147,22 @@ def pull_failures(remote: Remote, cache: str | Path | Store | None = None) -> li
     the store's own (planner.FAILED_BEFORE): a job another shard or an earlier run found failing is
     not built again until --retry-failed, and keeps this shard red. Skipped: a key the remote has an
     entry of (it was built since), one the local store already records a failure of for this
-    aotbuild, and a record that is not one (store.failure_record). Returns the keys pulled."""
+    aotbuild, and a record that is not one (store.failure_record). At most MAX_PULLED_FAILURES are
+    read, the newest first (by the store's modification time); a warning says when some were not.
+    Returns the keys pulled."""
+    import logging
+
     from aotbuild import constants
 
     store = cache if isinstance(cache, Store) else checked_store(resolve_cache_root(cache))
-    there = remote.failure_keys()
-    if not there:
+    times = remote.failure_times()
+    if not times:
         return []
-    todo = sorted(there - remote.keys())
+    todo = sorted(set(times) - remote.keys(), key=lambda k: (-times[k], k))
+    if len(todo) > MAX_PULLED_FAILURES:
+        logging.getLogger("aotbuild").warning(
+            "%s holds %d failure records of jobs it has no entry of: only the newest %d were read (prune its "
+            "failures/ folder of old ones)", remote.url, len(todo), MAX_PULLED_FAILURES)
     pulled = []
     for key in todo[:MAX_PULLED_FAILURES]:
         mine = store.failure(key)

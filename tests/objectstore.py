@@ -248,8 +248,11 @@ def failure_records_are_listed_read_replaced_and_removed(url: str) -> None:
     assert remote.put_failure(a, {"key": a, "reason": "again", "time": "2"})  # a newer failure replaces it
     remote.fs.pipe_file(remote.failure_path(b), b'{"reason": "' + b"x" * MAX_FAILURE_BYTES + b'"}')
     assert remote.failure_keys() == {a, b}
+    times = remote.failure_times()  # the store's own modification times, from the listing (2020 on)
+    assert set(times) == {a, b} and all(t > 1.6e9 for t in times.values()), times
     assert remote.read_failure(a) == {"key": a, "reason": "again", "time": "2"}
     assert remote.read_failure(b) is None  # too big: not a record, and not read whole
     remote.remove_failure(a)
     remote.remove_failure(key_of("never there"))
     assert remote.failure_keys() == {b}
+

@@ -261,3 +261,40 @@ def test_an_auto_attempt_that_failed_is_not_tried_again_by_a_fresh_runner(models
     parse_remote(url).store.remove_manifest(job.key)  # the entry gone from the remote: built again
     again, _ = build("second")
     assert again.returncode == 0 and tried[2:] == ["aot-compile"], again.stderr  # not aot-package again
+
+
+def _record(key: str, reason: str = "boom") -> dict:
+    from aotbuild import constants
+
+    return {"key": key, "reason": reason, "time": "2026-12-01T00:00:00+00:00", "aotbuild": constants.VERSION}
+
+
+def test_a_remote_past_the_pull_limit_gives_its_newest_failure_records(tmp_path, monkeypatch, caplog):
+    """Past MAX_PULLED_FAILURES, the newest records are pulled (by the store's modification time of
+    each, from the listing: no record is read to sort them), not the first by name, and a warning
+    names the remote and how many it holds."""
+    import logging
+    import os
+    import time
+
+    from aotbuild import sync
+    from aotbuild.remote import parse_remote
+    from aotbuild.store import Store
+    from tests.standins import key_of
+
+    monkeypatch.setattr(sync, "MAX_PULLED_FAILURES", 2)
+    (tmp_path / "remote").mkdir()
+    remote = parse_remote((tmp_path / "remote").as_uri())
+    keys = sorted(key_of(f"k{i}") for i in range(5))  # by name; the last is the newest
+    now = time.time()
+    for i, key in enumerate(keys):
+        remote.put_failure(key, _record(key))
+        os.utime(remote.store.layout.failure(key), (now - 3600 * (5 - i),) * 2)
+    read: list[str] = []
+    real = remote.read_failure
+    monkeypatch.setattr(remote, "read_failure", lambda key: read.append(key) or real(key))
+    with caplog.at_level(logging.WARNING, logger="aotbuild"):
+        pulled = sync.pull_failures(remote, Store(tmp_path / "cache"))
+    assert pulled == [keys[4], keys[3]] and read == pulled
+    assert f"{remote.url} holds 5 failure records of jobs it has no entry of: only the newest 2 were read" \
+        in caplog.text
