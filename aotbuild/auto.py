@@ -44,8 +44,10 @@ ORDER = {
     "cuda": ("aot-package", "aot-compile", "jit-cache"),
 }
 DEFAULT_ORDER = ("aot-package", "aot-compile", "jit-cache")
-#: An attempt's outcomes.
-BUILT, FAILED, FAILED_BEFORE = "built", "failed", "failed before"
+#: An attempt's outcomes. ``dropped``: not kept, or not tried, because another shape of the same
+#: component failed with that strategy (one strategy serves every shape of a component: the builder
+#: falls back for the whole component).
+BUILT, FAILED, FAILED_BEFORE, DROPPED = "built", "failed", "failed before", "dropped"
 
 
 def is_auto(recipe: Recipe) -> bool:
@@ -133,5 +135,5 @@ def attempts_text(attempts: list[Attempt] | list[dict[str, Any]]) -> str:
     return "; ".join((a if isinstance(a, Attempt) else Attempt.from_json(a)).text() for a in attempts)
 
 
-__all__ = ["ORDER", "DEFAULT_ORDER", "Choice", "Attempt", "choice", "concrete", "is_auto", "order",
-           "strategy_factors", "attempts_text"]
+__all__ = ["ORDER", "DEFAULT_ORDER", "BUILT", "FAILED", "FAILED_BEFORE", "DROPPED", "Choice", "Attempt", "choice",
+           "concrete", "is_auto", "order", "strategy_factors", "attempts_text"]

@@ -123,6 +123,73 @@ def test_a_failed_attempt_falls_back_is_recorded_and_not_retried_until_retry_fai
     assert export_fails[3:] == [package, compiled]  # --retry-failed tries it again
 
 
+#: AUTO at two shapes: one component, two jobs.
+TWO_SHAPES = {**AUTO, "shapes": [{"height": 64, "width": 64}, {"height": 32, "width": 32}]}
+
+
+def test_one_strategy_serves_every_shape_of_a_component_a_failing_shape_takes_it_back(cache, fake_compiles,
+                                                                                     monkeypatch):
+    """aot-package builds the component's first shape and fails its second: one strategy serves a
+    component (aotbuild/runtime.py misses a shape built with another), so the whole component falls
+    back to aot-compile, the first shape built again; a rebuild of one shape starts from the strategy its
+    component's stored shapes hold."""
+    from aotbuild import build
+
+    stand_in = builder._build_one
+    shapes: list[str] = []
+
+    def build_one(store, job, *args, **kwargs):
+        shape = str(job.shape)
+        shapes.append(shape)
+        if job.recipe.strategy == "aot-package" and shape != shapes[0]:  # the second shape tried fails
+            return JobResult(job, FAILED, 1.0, reason=EXPORT_FAILS)
+        return stand_in(store, job, *args, **kwargs)
+
+    monkeypatch.setattr(builder, "_build_one", build_one)
+    report = build(TWO_SHAPES, cache)
+    assert [r.status for r in report.results] == ["built", "built"] and not report.failed
+    first, second = shapes[0], next(s for s in shapes if s != shapes[0])
+    by_shape = {str(r.job.shape): r for r in report.results}
+    store = Store(cache)
+    manifests = {shape: store.read_manifest(r.job.key) for shape, r in by_shape.items()}
+    assert {m.strategy for m in manifests.values()} == {"aot-compile"}  # both shapes: one strategy
+    assert shapes == [first, second, second, first]  # the shape that failed goes first with the next strategy
+    outcomes = {shape: [(a["strategy"], a["outcome"]) for a in m.auto["attempts"]] for shape, m in manifests.items()}
+    assert outcomes == {first: [("aot-package", "dropped"), ("aot-compile", "built")],
+                        second: [("aot-package", "failed"), ("aot-compile", "built")]}
+    assert f"{second} failed with it: one strategy serves every shape" in manifests[first].auto["attempts"][0]["reason"]
+    assert "aot-package dropped" in by_shape[first].reason
+
+    assert [r.status for r in build(TWO_SHAPES, cache).results] == ["cached", "cached"] and len(shapes) == 4
+    store.remove_manifest(by_shape[first].job.key)  # one shape gone: built with its component's strategy
+    again = {str(r.job.shape): r for r in build(TWO_SHAPES, cache).results}
+    assert again[first].status == "built" and again[second].status == "cached" and shapes[4:] == [first]
+    assert store.read_manifest(again[first].job.key).strategy == "aot-compile"
+
+
+def test_a_stored_shape_is_built_again_when_a_new_shape_fails_its_strategy(cache, fake_compiles, monkeypatch):
+    """A shape added to a recipe whose stored shape holds aot-package, and aot-package fails the new
+    shape: the stored shape is built again with aot-compile (the component's next strategy)."""
+    from aotbuild import build
+
+    one, = build(AUTO, cache).results  # 64x64, aot-package
+    assert Store(cache).read_manifest(one.job.key).strategy == "aot-package"
+    stand_in = builder._build_one
+
+    def build_one(store, job, *args, **kwargs):
+        if job.recipe.strategy == "aot-package" and job.shape.height == 32:
+            return JobResult(job, FAILED, 1.0, reason=EXPORT_FAILS)
+        return stand_in(store, job, *args, **kwargs)
+
+    monkeypatch.setattr(builder, "_build_one", build_one)
+    report = build(TWO_SHAPES, cache)
+    statuses = {str(r.job.shape): r.status for r in report.results}
+    assert set(statuses.values()) == {"built"}, report.text()  # the stored shape too: built again
+    assert {Store(cache).read_manifest(r.job.key).strategy for r in report.results} == {"aot-compile"}
+    stored = next(r for r in report.results if r.job.key == one.job.key)
+    assert [(a.strategy, a.outcome) for a in stored.attempts] == [("aot-package", "dropped"), ("aot-compile", "built")]
+
+
 def _recipe_file(cache):
     path = cache.parent / "auto.yaml"
     path.write_text(json.dumps(AUTO))
