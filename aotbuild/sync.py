@@ -99,9 +99,20 @@ def push(items: list[str] | tuple[str, ...], remote: Remote, cache: str | Path |
         else:
             entries.append(entry)
     result = remote.push(entries, progress, workdir=store.layout.tmp, trusted=trusted)
-    for key in remote.failure_keys() & set(result.sent) if result.sent else ():  # built since it failed
-        remote.remove_failure(key)
+    clear_failures(remote, store, result.sent + result.present)
     return PushReport(remote.url, result, skipped, damaged, push_failures(remote, store, failed or []))
+
+
+def clear_failures(remote: Remote, store: Store, keys: list[str]) -> None:
+    """Forget the failure of each of ``keys``, whose entry is now on ``remote``: the job builds (a
+    --retry-failed that worked, or a new build of it), so no shard or rerun may skip it as failed.
+    Removed on the remote (one listing, then one request per record there) and in ``store``."""
+    if not keys:
+        return
+    for key in remote.failure_keys() & set(keys):
+        remote.remove_failure(key)
+    for key in keys:
+        store.remove_failure(key)
 
 
 #: Failure records one build reads from a remote at most (each one small request). The newest are
@@ -149,16 +160,21 @@ def pull_failures(remote: Remote, cache: str | Path | Store | None = None) -> li
     entry of (it was built since), one the local store already records a failure of for this
     aotbuild, and a record that is not one (store.failure_record). At most MAX_PULLED_FAILURES are
     read, the newest first (by the store's modification time); a warning says when some were not.
-    Returns the keys pulled."""
+
+    Reconciled first: a record pulled from this remote before whose key the remote no longer records
+    as failed, or now holds an entry of (a --retry-failed that worked, on any runner), is removed
+    from the local store. Returns the keys pulled."""
     import logging
 
     from aotbuild import constants
 
     store = cache if isinstance(cache, Store) else checked_store(resolve_cache_root(cache))
     times = remote.failure_times()
-    if not times:
-        return []
-    todo = sorted(set(times) - remote.keys(), key=lambda k: (-times[k], k))
+    built = remote.keys() if times else set()
+    for key in _pulled_from(store, remote.url):
+        if key not in times or key in built:
+            store.remove_failure(key)
+    todo = sorted(set(times) - built, key=lambda k: (-times[k], k))
     if len(todo) > MAX_PULLED_FAILURES:
         logging.getLogger("aotbuild").warning(
             "%s holds %d failure records of jobs it has no entry of: only the newest %d were read (prune its "
@@ -168,13 +184,31 @@ def pull_failures(remote: Remote, cache: str | Path | Store | None = None) -> li
         mine = store.failure(key)
         if (mine is not None and mine.get("aotbuild") == constants.VERSION) or store.check_entry(key)[0]:
             continue
-        record = remote.read_failure(key)
-        if record is None or record.get("key") != key:  # a record names its own key (docs/security.md)
-            continue
-        why = f"{_first_line(record['reason'])} (recorded on {remote.url})"
-        store.put_failure(key, {**record, "key": key, "reason": why, "remote": remote.url})
-        pulled.append(key)
+        record = _remote_record(remote, key)
+        if record is not None:
+            store.put_failure(key, record)
+            pulled.append(key)
     return pulled
+
+
+def _remote_record(remote: Remote, key: str) -> dict | None:
+    """The remote's failure record of ``key`` as the local store keeps a pulled one: the first line
+    of why, saying where it was recorded, and the remote's URL (:func:`pull_failures` reconciles by it)."""
+    record = remote.read_failure(key)
+    if record is None or record.get("key") != key:  # a record names its own key (docs/security.md)
+        return None
+    why = f"{_first_line(record['reason'])} (recorded on {remote.url})"
+    return {**record, "key": key, "reason": why, "remote": remote.url}
+
+
+def _pulled_from(store: Store, url: str) -> list[str]:
+    """The keys of the local failure records pulled from the remote ``url``."""
+    keys = []
+    for key in store.failure_keys():
+        record = store.failure(key)
+        if record is not None and record.get("remote") == url:
+            keys.append(key)
+    return keys
 
 
 def _first_line(reason: str) -> str:

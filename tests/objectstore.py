@@ -256,3 +256,20 @@ def failure_records_are_listed_read_replaced_and_removed(url: str) -> None:
     remote.remove_failure(key_of("never there"))
     assert remote.failure_keys() == {b}
 
+
+def a_pushed_entry_clears_its_failure_record_and_a_pull_forgets_its_copy(url: str, tmp_path: Path) -> None:
+    """The failure records' reconciliation on the store: a record pulled into a runner's cache, the
+    key's entry pushed since (a --retry-failed that worked elsewhere): the push removes the record
+    there, and the runner's next pull removes its own copy."""
+    from aotbuild import constants
+    from aotbuild.sync import pull_failures, push
+
+    remote = parse_remote(url)
+    builder = Store(tmp_path / "builder")
+    a = add_entry(builder, tmp_path, "a", {"x.so": b"kernel-a"})
+    remote.put_failure(a, {"key": a, "reason": "boom", "time": "1", "aotbuild": constants.VERSION})
+    runner = Store(tmp_path / "runner")
+    assert pull_failures(remote, runner) == [a] and runner.failure(a)["remote"] == url
+    assert push([a], remote, builder.root).result.sent == [a]
+    assert remote.failure_keys() == set()
+    assert pull_failures(remote, runner) == [] and runner.failure(a) is None

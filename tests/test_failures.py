@@ -118,6 +118,7 @@ def test_a_failure_recorded_on_the_remote_is_skipped_by_every_fresh_runner_until
     and the pushed entry clears the record. What `aotbuild build --push` does, step by step."""
     import uuid
 
+    from aotbuild.planner import plan
     from aotbuild.remote import parse_remote
     from aotbuild.sync import pull_failures, push
     from tests.conftest import TINY_DICT
@@ -143,8 +144,8 @@ def test_a_failure_recorded_on_the_remote_is_skipped_by_every_fresh_runner_until
         url = f"memory://f-{uuid.uuid4().hex[:8]}/ci"
     remote = parse_remote(url)
 
-    def run(name: str, retry: bool = False):
-        cache = _runner(models_dir, tmp_path / name)
+    def run(name: str, retry: bool = False):  # a runner's cache: fresh, or the one it kept (self-hosted)
+        cache = tmp_path / name if (tmp_path / name).is_dir() else _runner(models_dir, tmp_path / name)
         pull_failures(remote, cache)
         report = builder.build(recipe, cache, remote=remote, retry_failed=retry)
         keys = [r.job.key for r in report.results if r.status in ("built", "cached")]
@@ -167,12 +168,22 @@ def test_a_failure_recorded_on_the_remote_is_skipped_by_every_fresh_runner_until
         assert pushed.failures == []  # the same failure is not written back
     assert len(tried) == 1  # built once across all runners
 
+    from aotbuild.store import Store
+
+    assert Store(tmp_path / "second").failure(key)["remote"] == url  # pulled into a cache that is kept
     fails[0] = False  # fixed (a new toolchain would be a new key; here, the same key built again)
     report, pushed = run("retry", retry=True)
     assert [r.status for r in report.results] == ["remote", "built"] and pushed.result.sent == [key]
     assert remote.failure_keys() == set()  # the entry there clears the record
+    assert Store(tmp_path / "retry").failure(key) is None  # and the retrying runner's own
     report, _ = run("after")
     assert [r.status for r in report.results] == ["remote", "remote"] and not report.failed
+    # A runner that kept its cache forgets the record it pulled once the remote no longer has it: its
+    # plan, with or without the remote, no longer says the job failed.
+    report, _ = run("second")
+    assert [r.status for r in report.results] == ["remote", "remote"] and not report.failed
+    assert Store(tmp_path / "second").failure(key) is None
+    assert "failed" not in [j.status for j in plan(recipe, tmp_path / "second")]
 
 
 def test_a_hostile_failure_record_on_a_remote_is_ignored(models_dir, tmp_path):
@@ -267,6 +278,26 @@ def _record(key: str, reason: str = "boom") -> dict:
     from aotbuild import constants
 
     return {"key": key, "reason": reason, "time": "2026-12-01T00:00:00+00:00", "aotbuild": constants.VERSION}
+
+
+def test_an_entry_pushed_again_clears_its_failure_record_there_and_here(tmp_path):
+    """A key with a failure record on the remote (a runner whose retry failed again after another's
+    worked) and an entry there: pushing the entry, though the remote has it, removes the record
+    there and in the pushing cache, so no shard skips a job that builds."""
+    from aotbuild.remote import parse_remote
+    from aotbuild.store import Store
+    from aotbuild.sync import push
+    from tests.standins import add_entry
+
+    (tmp_path / "remote").mkdir()
+    remote = parse_remote((tmp_path / "remote").as_uri())
+    local = Store(tmp_path / "cache")
+    a = add_entry(local, tmp_path, "a", {"x.so": b"kernel-a"})
+    assert push([a], remote, local.root).result.sent == [a]
+    remote.put_failure(a, _record(a))
+    local.put_failure(a, {**_record(a), "remote": remote.url})
+    assert push([a], remote, local.root).result.present == [a]
+    assert remote.failure_keys() == set() and local.failure(a) is None
 
 
 def test_a_remote_past_the_pull_limit_gives_its_newest_failure_records(tmp_path, monkeypatch, caplog):

@@ -217,6 +217,10 @@ def test_failure_records_are_listed_read_replaced_and_removed(s3):
     flows.failure_records_are_listed_read_replaced_and_removed(f"s3://{s3}/ci")
 
 
+def test_a_pushed_entry_clears_its_failure_record_and_a_pull_forgets_its_copy(s3, tmp_path):
+    flows.a_pushed_entry_clears_its_failure_record_and_a_pull_forgets_its_copy(f"s3://{s3}/ci", tmp_path)
+
+
 def test_a_wrong_endpoint_and_denied_credentials_are_one_line_without_secrets(s3, tmp_path, monkeypatch):
     import moto.settings
 
