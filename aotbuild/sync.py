@@ -191,6 +191,20 @@ def pull_failures(remote: Remote, cache: str | Path | Store | None = None) -> li
     return pulled
 
 
+def remote_failures(remote: Remote) -> Callable[[str], dict | None]:
+    """A lookup of the remote's failure record of a key, as :func:`pull_failures` would store it
+    (None: none there, or not a record of that key), for ``plan --remote``, which writes nothing
+    locally: the remote's records are listed once, on the first lookup, and only a listed one is read."""
+    listed: list[set[str]] = []
+
+    def lookup(key: str) -> dict | None:
+        if not listed:
+            listed.append(remote.failure_keys())
+        return _remote_record(remote, key) if key in listed[0] else None
+
+    return lookup
+
+
 def _remote_record(remote: Remote, key: str) -> dict | None:
     """The remote's failure record of ``key`` as the local store keeps a pulled one: the first line
     of why, saying where it was recorded, and the remote's URL (:func:`pull_failures` reconciles by it)."""

@@ -274,6 +274,45 @@ def test_an_auto_attempt_that_failed_is_not_tried_again_by_a_fresh_runner(models
     assert again.returncode == 0 and tried[2:] == ["aot-compile"], again.stderr  # not aot-package again
 
 
+def test_plan_with_a_remote_shows_the_remote_s_failure_records(cache, tmp_path):
+    """`plan --remote` says of a job whose key has a failure record on the remote what a build with
+    --push would say after pulling it: "failed", the record's first line and where it was recorded
+    (text and --json; the --fail-on-miss gate counts it as missing), writing nothing locally. A record
+    of another aotbuild version is a miss (as a local one is), and a job whose entry is on the
+    remote is "remote" whatever record is there."""
+    from aotbuild import constants, plan
+    from aotbuild.remote import parse_remote
+    from aotbuild.store import Store
+
+    keys = [j.key for j in plan(str(TINY_RECIPE), cache)]
+    (tmp_path / "remote").mkdir()
+    url = (tmp_path / "remote").as_uri()
+    remote = parse_remote(url)
+    first, second = keys
+    for key, version in ((first, constants.VERSION), (second, "0.0.1-older")):
+        remote.put_failure(key, {"key": key, "reason": "the component cannot be captured whole: x\nmore",
+                                 "time": "2026-12-01T00:00:00+00:00", "aotbuild": version})
+    proc = invoke_cli("plan", "--json", "--cache", str(cache), str(TINY_RECIPE), "--remote", url)
+    jobs = {j["key"]: j for j in json.loads(proc.stdout)["jobs"]}
+    assert jobs[first]["status"] == "failed" and jobs[second]["status"] == "miss"
+    assert jobs[first]["reason"] == (f"failed before (2026-12-01T00:00:00+00:00, aotbuild {constants.VERSION}): "
+                                     f"the component cannot be captured whole: x (recorded on {url})")
+    text = invoke_cli("plan", "--cache", str(cache), str(TINY_RECIPE), "--remote", url)
+    assert text.returncode == 0 and "failed before (2026" in text.stdout and f"(recorded on {url})" in text.stdout
+    row = next(line for line in text.stdout.splitlines() if first[:12] in line)
+    assert " failed " in row, text.stdout
+    gate = invoke_cli("plan", "--cache", str(cache), str(TINY_RECIPE), "--remote", url, "--fail-on-miss")
+    assert gate.returncode == 3
+    assert Store(cache).failure_keys() == set()  # plan wrote nothing
+    assert [j.status for j in plan(str(TINY_RECIPE), cache)] == ["miss", "miss"]  # without the remote: misses
+
+    listed = tmp_path / "remote" / "manifests" / first[:2] / f"{first}.json"  # its entry, as a listing sees it
+    listed.parent.mkdir(parents=True)
+    listed.write_text("{}")
+    proc = invoke_cli("plan", "--json", "--cache", str(cache), str(TINY_RECIPE), "--remote", url)
+    assert {j["key"]: j["status"] for j in json.loads(proc.stdout)["jobs"]}[first] == "remote"
+
+
 def _record(key: str, reason: str = "boom") -> dict:
     from aotbuild import constants
 
