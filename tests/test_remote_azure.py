@@ -246,16 +246,14 @@ def test_azure_secrets_never_reach_a_message(monkeypatch):
 
 
 def test_a_server_that_stops_mid_pull_is_a_remote_error_naming_it(tmp_path, monkeypatch):
-    """An Azurite of its own, stopped as the first blob is asked for."""
-    with _server(tmp_path) as (endpoint, proc):
+    """An Azurite of its own, killed as the first blob is asked for."""
+
+    def connect(endpoint: str) -> str:
         _azure_env(monkeypatch, _connection(endpoint))
-        container = _new_container(endpoint)
+        return f"az://{_new_container(endpoint)}/ci"
 
-        def stop():
-            proc.kill()
-            proc.wait()
-
-        flows.a_server_that_stops_mid_pull_is_a_remote_error_naming_it(f"az://{container}/ci", tmp_path, stop, (KEY,))
+    flows.a_server_that_stops_mid_pull_is_a_remote_error_naming_it(flows.killed_on_stop(_server(tmp_path)), connect,
+                                                                   tmp_path, (KEY,))
 
 
 def test_failure_records_are_listed_read_replaced_and_removed(az):

@@ -307,15 +307,13 @@ def test_a_pusher_in_a_fresh_process_through_the_cli(gcs, tmp_path):
 
 def test_a_server_that_stops_mid_pull_is_a_remote_error_naming_it(tmp_path, monkeypatch):
     """An emulator of its own, killed as the first blob is asked for."""
-    with _emulator(tmp_path) as (endpoint, proc):
+
+    def connect(endpoint: str) -> str:
         _gcs_env(monkeypatch, endpoint)
-        bucket = _new_bucket(endpoint)
+        return f"gs://{_new_bucket(endpoint)}/ci"
 
-        def stop():
-            proc.kill()
-            proc.wait()
-
-        flows.a_server_that_stops_mid_pull_is_a_remote_error_naming_it(f"gs://{bucket}/ci", tmp_path, stop)
+    flows.a_server_that_stops_mid_pull_is_a_remote_error_naming_it(flows.killed_on_stop(_emulator(tmp_path)), connect,
+                                                                   tmp_path)
 
 
 def test_failure_records_are_listed_read_replaced_and_removed(gcs):

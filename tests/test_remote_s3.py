@@ -4,6 +4,7 @@ credentials). Entries are small stand-ins (tests/standins.py): no compiles."""
 
 from __future__ import annotations
 
+import contextlib
 import textwrap
 import uuid
 
@@ -24,29 +25,43 @@ SECRET = "wJalrXUtnFEMI-sekrit-K7MDENG"
 ACCESS = "AKIAH9TESTACCESS"
 
 
-@pytest.fixture(scope="module")
-def s3_server():
+@contextlib.contextmanager
+def _moto():
+    """moto's S3 server on a free port of the loopback: (its endpoint, how to stop it); stopped after."""
     server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     host, port = server.get_host_and_port()
-    yield f"http://{host}:{port}"
-    server.stop()
+    try:
+        yield f"http://{host}:{port}", server.stop
+    finally:
+        server.stop()
 
 
-@pytest.fixture
-def s3(s3_server, monkeypatch):
-    """A fresh bucket on the module's server, with the S3 variables pointing there; its name."""
+@pytest.fixture(scope="module")
+def s3_server():
+    with _moto() as (endpoint, _):
+        yield endpoint
+
+
+def _new_bucket(monkeypatch, endpoint: str) -> str:
+    """A fresh bucket at ``endpoint``, with the S3 variables pointing there; its name."""
     import boto3
 
-    for name, value in {"AWS_ENDPOINT_URL": s3_server, "AWS_ACCESS_KEY_ID": ACCESS, "AWS_SECRET_ACCESS_KEY": SECRET,
+    for name, value in {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": ACCESS, "AWS_SECRET_ACCESS_KEY": SECRET,
                         "AWS_DEFAULT_REGION": "us-east-1", "AOTBUILD_REMOTE_RETRIES": "2",
                         "AOTBUILD_REMOTE_BACKOFF": "0"}.items():
         monkeypatch.setenv(name, value)
     for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AOTBUILD_REMOTE_OPTIONS"):
         monkeypatch.delenv(name, raising=False)
     bucket = f"b-{uuid.uuid4().hex[:12]}"
-    boto3.client("s3", endpoint_url=s3_server).create_bucket(Bucket=bucket)
+    boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket=bucket)
     return bucket
+
+
+@pytest.fixture
+def s3(s3_server, monkeypatch):
+    """A fresh bucket on the module's server, with the S3 variables pointing there; its name."""
+    return _new_bucket(monkeypatch, s3_server)
 
 
 def _objects(remote: FsspecRemote, folder: str) -> list[str]:
@@ -196,21 +211,9 @@ def test_a_listing_of_10000_keys_is_paged(s3, tmp_path):
 
 
 def test_a_server_that_stops_mid_pull_is_a_remote_error_naming_it(tmp_path, monkeypatch):
-    import boto3
-
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    for name, value in {"AWS_ENDPOINT_URL": f"http://{host}:{port}", "AWS_ACCESS_KEY_ID": ACCESS,
-                        "AWS_SECRET_ACCESS_KEY": SECRET, "AWS_DEFAULT_REGION": "us-east-1",
-                        "AOTBUILD_REMOTE_RETRIES": "2", "AOTBUILD_REMOTE_BACKOFF": "0"}.items():
-        monkeypatch.setenv(name, value)
-    try:
-        boto3.client("s3", endpoint_url=f"http://{host}:{port}").create_bucket(Bucket="stops")
-        flows.a_server_that_stops_mid_pull_is_a_remote_error_naming_it("s3://stops/ci", tmp_path, server.stop,
-                                                                       (SECRET, ACCESS))
-    finally:
-        server.stop()
+    """A moto server of its own, stopped as the first blob is asked for."""
+    flows.a_server_that_stops_mid_pull_is_a_remote_error_naming_it(
+        _moto(), lambda endpoint: f"s3://{_new_bucket(monkeypatch, endpoint)}/ci", tmp_path, (SECRET, ACCESS))
 
 
 def test_failure_records_are_listed_read_replaced_and_removed(s3):
