@@ -17,7 +17,8 @@ under the prefix. The same rules hold:
   one a trusted key did, conditional on the version that was read: S3 ``If-Match`` on its ETag, Azure
   ``If-Match`` on its etag, GCS ``ifGenerationMatch`` on its generation (gcsfs offers no way to
   pass it: the replace is gcsfs's own one-request upload with it added). gcp-storage-emulator, the
-  GCS server the tests use, ignores preconditions: there the race tests assert consistency.
+  GCS server most tests use, ignores preconditions: there they assert consistency; the refusals are
+  tested against fake-gcs-server, which enforces them (docs/ci.md).
 - Pulls read the manifest (at most manifest.MAX_BYTES), then only the blobs the local cache lacks, in
   bounded ranges, each hashed as it is written and refused unless it matches its name and size
   (remote_base.ingest). Nothing is deserialised but the JSON manifest.
