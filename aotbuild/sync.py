@@ -99,13 +99,15 @@ def push(items: list[str] | tuple[str, ...], remote: Remote, cache: str | Path |
         else:
             entries.append(entry)
     result = remote.push(entries, progress, workdir=store.layout.tmp, trusted=trusted)
-    clear_failures(remote, store, result.sent + result.present)
+    there = set(result.sent + result.present)
+    clear_failures(remote, store, [k for e in entries if e.key in there for k in (e.key, *_built_attempt(e))])
     return PushReport(remote.url, result, skipped, damaged, push_failures(remote, store, failed or []))
 
 
 def clear_failures(remote: Remote, store: Store, keys: list[str]) -> None:
-    """Forget the failure of each of ``keys``, whose entry is now on ``remote``: the job builds (a
-    --retry-failed that worked, or a new build of it), so no shard or rerun may skip it as failed.
+    """Forget the failure of each of ``keys``, whose entry is now on ``remote`` (or, for an auto job's
+    attempt, the entry that attempt built): the job builds (a --retry-failed that worked, or a new
+    build of it), so no shard or rerun may skip it as failed.
     Removed on the remote (one listing, then one request per record there) and in ``store``."""
     if not keys:
         return
@@ -113,6 +115,17 @@ def clear_failures(remote: Remote, store: Store, keys: list[str]) -> None:
         remote.remove_failure(key)
     for key in keys:
         store.remove_failure(key)
+
+
+def _built_attempt(entry: Entry) -> list[str]:
+    """An auto job's entry: the key of the attempt that built it (its strategy's concrete key, where
+    that strategy's failure was recorded: aotbuild/auto.py), a record of which it makes stale."""
+    from aotbuild import auto
+    from aotbuild.layout import HEX64
+
+    attempts = (entry.manifest.auto or {}).get("attempts", ())
+    return [a["key"] for a in attempts if isinstance(a, dict) and a.get("outcome") == auto.BUILT
+            and isinstance(a.get("key"), str) and HEX64.match(a["key"])]
 
 
 #: Failure records one build reads from a remote at most (each one small request). The newest are

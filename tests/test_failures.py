@@ -273,6 +273,19 @@ def test_an_auto_attempt_that_failed_is_not_tried_again_by_a_fresh_runner(models
     again, _ = build("second")
     assert again.returncode == 0 and tried[2:] == ["aot-compile"], again.stderr  # not aot-package again
 
+    # aot-package works now: a --retry-failed build's entry holds that attempt, and its push clears the
+    # attempt's record there, so no runner skips aot-package for this job again.
+    def works(store, job, *args, **kwargs):
+        tried.append(job.recipe.strategy)
+        return stand_in(store, job, *args, **kwargs)
+
+    monkeypatch.setattr(builder, "_build_one", works)
+    parse_remote(url).store.remove_manifest(job.key)
+    cache = _runner(models_dir, tmp_path / "retry")
+    retried = invoke_cli("build", "--json", "--cache", str(cache), str(recipe), "--push", url, "--retry-failed")
+    assert retried.returncode == 0 and tried[3:] == ["aot-package"], retried.stderr
+    assert parse_remote(url).failure_keys() == set()
+
 
 def test_plan_with_a_remote_shows_the_remote_s_failure_records(cache, tmp_path):
     """`plan --remote` says of a job whose key has a failure record on the remote what a build with
