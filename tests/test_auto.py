@@ -319,6 +319,7 @@ def test_a_model_export_cannot_trace_falls_back_to_aot_compile_and_is_not_retrie
     failed, chosen = manifest.auto["attempts"]
     assert (failed["strategy"], failed["outcome"], chosen["strategy"]) == ("aot-package", "failed", "aot-compile")
     assert "numpy() is not supported for tensor subclasses" in failed["reason"], failed  # what export said
+    assert f"{hooks / 'sitecustomize.py'}:10" in failed["reason"], failed  # where: the model's file:line
     assert manifest.strategy == "aot-compile"
 
     from aotbuild import build
@@ -328,6 +329,59 @@ def test_a_model_export_cannot_trace_falls_back_to_aot_compile_and_is_not_retrie
     again, = build(str(recipe), cache).results
     assert [(a.strategy, a.outcome) for a in again.attempts] == [("aot-package", "failed before"),
                                                                 ("aot-compile", "built")]
+
+
+#: A model export rejects (its fake tensors have no values for numpy) and one Dynamo refuses whole
+#: (data-dependent control flow); the line numbers are asserted below.
+CAPTURED = """import numpy as np
+import torch
+
+
+class ReadsValues(torch.nn.Module):
+    def forward(self, x):
+        return x + torch.from_numpy(np.cos(x.detach().numpy()))
+
+
+class Branches(torch.nn.Module):
+    def forward(self, x):
+        if x.sum() > 0:
+            return x + 1
+        return x - 1
+"""
+
+
+def test_a_failed_capture_names_the_line_of_the_model_where_export_or_dynamo_stopped(tmp_path):
+    """The issue's reason: the first line with the model's file:line. Export's refusal of numpy is a
+    plain RuntimeError raised in the model's code under export (it read as no capture failure at all);
+    Dynamo's traceback holds only Dynamo's frames and the call site: the line is the one it traced."""
+    import importlib.util
+
+    import torch
+
+    from aotbuild.strategies import get_strategy
+    from aotbuild.worker import capture_failure
+
+    path = tmp_path / "model.py"
+    path.write_text(CAPTURED)
+    spec = importlib.util.spec_from_file_location("aotbuild_test_captured_model", path)
+    model = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(model)
+    recipe = parse_recipe(AUTO)
+
+    def failure(capture) -> BaseException:
+        try:
+            capture()
+        except Exception as exc:  # noqa: BLE001 - whatever the tracer raises is what the worker sees
+            return exc
+        raise AssertionError("captured whole")
+
+    exported = failure(lambda: torch.export.export(model.ReadsValues(), (torch.ones(2),)))
+    why = capture_failure(exported, get_strategy("aot-package"), recipe)
+    assert why.startswith("the component cannot be captured whole: RuntimeError: .numpy() is not supported")
+    assert f" at {path}:7; " in why and "\n" not in why
+    traced = failure(lambda: torch.compile(model.Branches(), fullgraph=True, backend="eager")(torch.ones(2)))
+    assert f" at {path}:12; " in capture_failure(traced, get_strategy("aot-compile"), recipe)  # the `if`, not the call
+    assert capture_failure(RuntimeError("out of memory"), get_strategy("aot-package"), recipe) == ""
 
 
 def test_an_entry_of_the_old_default_is_a_miss_that_says_the_default_changed(cache, fake_compiles):
