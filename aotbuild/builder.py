@@ -531,7 +531,8 @@ def _component_shapes(jobs: list[Job], results: dict[int, JobResult], todo: list
         if mine(other):
             shapes.setdefault(other.group, _Shape([])).jobs.append(other)
     for i, other in enumerate(jobs):
-        if mine(other) and other.status == HIT and results.get(i) is not None and results[i].status == CACHED:
+        if mine(other) and other.status == HIT and other.chosen and results.get(i) is not None \
+                and results[i].status == CACHED:
             shape = shapes.setdefault(other.group, _Shape([], held=other.chosen, counted=False))
             shape.jobs.append(other)
             shape.indices.append(i)
@@ -547,11 +548,12 @@ def _build_component(store: Store, shapes: list[_Shape], tick: Tick | None, limi
     """Auto for one component: one strategy for all its shapes, since one strategy serves a component
     (its dispatcher is that strategy's: aotbuild/runtime.py misses a shape built with another). The
     strategies are tried in auto's order, starting from the one its stored shapes hold (the fastest
-    among them), each on every shape (the one that failed the last strategy first); when a shape fails
-    with a strategy, the component falls back as a whole to the next one, its shapes built with the
-    dropped strategy included. A strategy that failed before for one shape (its failure record) is
-    skipped for the whole component until ``retry_failed``. Fills each shape's ``results``; a shape no
-    strategy left to try builds keeps the entry it has (its attempts say so) and the build is red."""
+    among them; with ``retry_failed``, the first), each on every shape (the one that failed the last
+    strategy first); when a shape fails with a strategy, the component falls back as a whole to the
+    next one, its shapes built with the dropped strategy included. A strategy that failed before for
+    one shape (its failure record) is skipped for the whole component until ``retry_failed``. Fills
+    each shape's ``results``; a shape no strategy left to try builds keeps the entry it has (its
+    attempts say so) and the build is red."""
     first = shapes[0].jobs[0]
     assert first.choice is not None
     tries = first.choice.tries
@@ -559,7 +561,8 @@ def _build_component(store: Store, shapes: list[_Shape], tick: Tick | None, limi
         for shape in shapes:
             shape.results = _attempts(store, shape.jobs, tick, limit, sign_key, loads, retry_failed)
         return
-    held = [tries.index(s.held) for s in shapes if s.held in tries]
+    # --retry-failed tries every strategy again (a stored shape is built again if a faster one serves all)
+    held = [tries.index(s.held) for s in shapes if s.held in tries and not retry_failed]
     last_failed: _Shape | None = None
     for strategy in tries[min(held, default=0):]:
         blocked = None if retry_failed else _failed_with(store, shapes, strategy)

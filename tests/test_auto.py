@@ -165,6 +165,10 @@ def test_one_strategy_serves_every_shape_of_a_component_a_failing_shape_takes_it
     again = {str(r.job.shape): r for r in build(TWO_SHAPES, cache).results}
     assert again[first].status == "built" and again[second].status == "cached" and shapes[4:] == [first]
     assert store.read_manifest(again[first].job.key).strategy == "aot-compile"
+    store.remove_manifest(by_shape[first].job.key)  # --retry-failed: every strategy again, the stored shape too
+    build(TWO_SHAPES, cache, retry_failed=True)
+    assert shapes[5:] == [first, second, first]  # aot-package: first built, second failed; back to aot-compile
+    assert {store.read_manifest(r.job.key).strategy for r in report.results} == {"aot-compile"}
 
 
 def test_a_stored_shape_is_built_again_when_a_new_shape_fails_its_strategy(cache, fake_compiles, monkeypatch):
