@@ -386,13 +386,14 @@ def test_a_failing_endpoint_is_tried_as_often_as_we_say_and_no_more(refusing_ser
     assert "anonymous caller" in str(info.value)  # the token mode "anon" is no secret: words keep it
 
 
-def test_a_pusher_in_a_fresh_process_through_the_cli(gcs, tmp_path):
-    """The command line, as CI runs it: the endpoint and options from the environment only."""
-    from tests.conftest import run_cli
+def test_a_push_through_the_cli(gcs, tmp_path):
+    """The command line: the endpoint and options from the environment only (in this process; the
+    real build's test pushes with a fresh one)."""
+    from tests.conftest import invoke_cli
 
     local = Store(tmp_path / "cache")
     a = add_entry(local, tmp_path, "a", {"x.so": b"kernel-a"})
-    pushed = run_cli("push", "--cache", str(local.root), "--remote", f"gs://{gcs}/ci", env=dict(os.environ))
+    pushed = invoke_cli("push", "--cache", str(local.root), "--remote", f"gs://{gcs}/ci")
     assert pushed.returncode == 0, pushed.stderr[-2000:]
     assert parse_remote(f"gs://{gcs}/ci").keys() == {a}
 

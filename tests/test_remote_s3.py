@@ -18,7 +18,7 @@ from aotbuild.remote import parse_remote  # noqa: E402
 from aotbuild.remote_fsspec import FsspecRemote, storage_options  # noqa: E402
 from aotbuild.store import Store  # noqa: E402
 from tests import objectstore as flows  # noqa: E402
-from tests.conftest import run_cli  # noqa: E402
+from tests.conftest import invoke_cli  # noqa: E402
 from tests.standins import add_entry, entries, key_of  # noqa: E402
 
 SECRET = "wJalrXUtnFEMI-sekrit-K7MDENG"
@@ -242,8 +242,9 @@ def test_a_wrong_endpoint_and_denied_credentials_are_one_line_without_secrets(s3
 
 
 def test_a_failed_push_fails_the_command_naming_the_remote_and_no_secret_is_printed(s3, tmp_path, monkeypatch):
-    """Through the CLI, in a project whose pyproject.toml tries to name another endpoint and bucket:
-    it cannot (only the environment and the command line do), and a push to a dead endpoint is exit 1."""
+    """Through the CLI (in this process: a fresh one pushes in the real-build test), in a project whose
+    pyproject.toml tries to name another endpoint and bucket: it cannot (only the environment and the
+    command line do), and a push to a dead endpoint is exit 1."""
     local = Store(tmp_path / "cache")
     a = add_entry(local, tmp_path, "a", {"x.so": b"kernel-a"})
     project = tmp_path / "project"
@@ -254,12 +255,12 @@ def test_a_failed_push_fails_the_command_naming_the_remote_and_no_secret_is_prin
         endpoint_url = "http://127.0.0.1:9"
         remote_options = {client_kwargs = {endpoint_url = "http://127.0.0.1:9"}}
     """))
-    env = {"AOTBUILD_REMOTE": f"s3://{s3}/ci"}
-    ok = run_cli("push", "--cache", str(local.root), env=env, cwd=project)
+    monkeypatch.chdir(project)
+    ok = invoke_cli("push", "--cache", str(local.root), env={"AOTBUILD_REMOTE": f"s3://{s3}/ci"})
     assert ok.returncode == 0, ok.stderr[-2000:]
     assert parse_remote(f"s3://{s3}/ci").keys() == {a}  # the environment's endpoint and bucket, not the file's
-    dead = run_cli("push", "--cache", str(local.root), "--remote", f"s3://{s3}/other",
-                   env={"AWS_ENDPOINT_URL": "http://127.0.0.1:9"}, cwd=project)
+    dead = invoke_cli("push", "--cache", str(local.root), "--remote", f"s3://{s3}/other",
+                      env={"AWS_ENDPOINT_URL": "http://127.0.0.1:9"})
     assert dead.returncode == 1, (dead.stdout, dead.stderr)
     assert f"s3://{s3}/other" in dead.stderr and "failed after 2 tries" in dead.stderr
     for proc in (ok, dead):
