@@ -388,6 +388,33 @@ def test_a_failed_capture_names_the_line_of_the_model_where_export_or_dynamo_sto
     assert capture_failure(RuntimeError("out of memory"), get_strategy("aot-package"), recipe) == ""
 
 
+@pytest.mark.slow  # an aot-compile entry served in this process; the build is the session's
+@pytest.mark.parametrize("strategy", ["aot-compile"])  # groups it with that build (tests/conftest.py)
+def test_autocast_entered_around_a_pipeline_call_is_refused_by_name(strategy, strategy_build, models_dir):
+    """aot-compile's entries dropped Dynamo's GLOBAL_STATE guard (entries serve any thread count, issue
+    36 item 3), which also held the autocast state: the per-call check (aotbuild/dependencies.py
+    call_state, the same Watch for every strategy auto may choose) must see ``torch.autocast`` entered
+    around the whole pipeline call and refuse by name, not serve the float32 graph silently."""
+    import torch
+
+    from aotbuild import load_compiled
+    from aotbuild.errors import StaleGraph
+    from aotbuild.models import load_pipeline, resolve_model
+    from aotbuild.pipecall import warmup_kwargs
+    from aotbuild.recipes import load_recipe
+
+    recipe_path, cache, _ = strategy_build(strategy)
+    recipe = load_recipe(str(recipe_path))
+    pipe = load_pipeline(recipe, resolve_model(recipe, models_dir), "float32")
+    pipe = load_compiled(recipe, pipe, cache=cache, on_miss="error")
+    call = {**warmup_kwargs(recipe, recipe.shapes[0], pipe), "output_type": "pt"}
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(StaleGraph, match="autocast cpu:bfloat16"):
+        pipe(**call)
+    served = pipe.unet.forward.calls["built"]
+    pipe(**call)  # and served again as built once autocast is left
+    assert pipe.unet.forward.calls["built"] > served
+
+
 def test_an_entry_of_the_old_default_is_a_miss_that_says_the_default_changed(cache, fake_compiles):
     from aotbuild import build
 
