@@ -210,18 +210,28 @@ def _by_strategy(ctx: Context, planned: list[Planned]) -> list[tuple[Context, li
 
     if not auto.is_auto(ctx.recipe):
         return [(ctx, planned)]
-    fallback = auto.choice(ctx.recipe, ctx.target, ctx.device).tries[-1:] or auto.order(ctx.device)[-1:]
     groups: dict[str, list[Planned]] = {}
     for p in planned:
-        name = p.entries[0].manifest.strategy if p.entries else fallback[0]
+        # The fallback only for a component without entries: asking what auto would try imports and
+        # validates every strategy (aot-compile's API check imports Dynamo), which a hit never needs.
+        name = p.entries[0].manifest.strategy if p.entries else _fallback(ctx)
         groups.setdefault(name, []).append(p)
     return [(auto.concrete(ctx, name), group) for name, group in groups.items()]
 
 
+def _fallback(ctx: Context) -> str:
+    """What compiles an auto recipe's component that has no entry: the last strategy auto tries here."""
+    from aotbuild import auto
+
+    return (auto.choice(ctx.recipe, ctx.target, ctx.device).tries[-1:] or auto.order(ctx.device)[-1:])[0]
+
+
 def _auto_problem(ctx: Context, entry: Entry, w: _Wanted) -> str:
     """Why an auto recipe's entry cannot serve here (then a miss), or "": its strategy must be one this
-    aotbuild serves and what that strategy adds to the key (``Manifest.auto``'s ``factors``: e.g.
-    aot-compile's thread count) must be this process's."""
+    aotbuild serves and what that strategy adds to the key (its ``compile_factors``, recorded in
+    ``Manifest.auto``'s ``factors``) must be this process's. No built-in strategy adds one today (the
+    thread count is keyed only where kernels bake it, ``cpp.dynamic_threads: false``, and then by the
+    target's settings, which the auto key holds); the check keeps a strategy that does honest."""
     from aotbuild import auto
 
     manifest = entry.manifest

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from tests.conftest import run_python
 
 #: What ``from aotbuild import load_compiled`` may load of aotbuild (docs/architecture.md, "The runtime
@@ -31,3 +33,46 @@ def test_runtime_import_is_light():
     assert loaded["other"] == []  # no torch, click, yaml, rich, huggingface_hub, diffusers ... at import
     assert "aotbuild.runtime" in loaded["aotbuild"]
     assert sorted(set(loaded["aotbuild"]) - RUNTIME_MODULES) == []
+
+
+#: What serving an aot-package entry must not import (each module with what it is): AOTInductor's
+#: C++ loader opens a package without them (aotbuild/strategies/aoti.py, ``open_package``). Dynamo
+#: itself is not in the list: diffusers imports it (``diffusers.utils.torch_utils``), eager included.
+NOT_SERVING = {
+    "torch._inductor.codecache": "Inductor's compile cache, redis and opentelemetry behind it",
+    "torch._inductor.package": "torch's package loader (it picks the vector ISA: probes)",
+    "torch.export.pt2_archive._package": "the .pt2 archive reader and export's serializer",
+    "torch._inductor.compile_fx": "Inductor's compiler",
+    "aotbuild.strategies.aot_compile": "another strategy (and its Dynamo API check)",
+    "aotbuild.strategies.jit_cache": "another strategy",
+}
+
+SERVE = """
+import json, sys
+from aotbuild import load_compiled
+from aotbuild.pipecall import warmup_kwargs
+from aotbuild.recipes import load_recipe
+
+recipe = load_recipe({recipe!r})
+pipe = load_compiled(recipe, cache={cache!r}, on_miss="error")
+pipe(**warmup_kwargs(recipe, recipe.shapes[0], pipe))
+from torch._dynamo.utils import counters
+
+hits = [e.strategy for e in pipe.aotbuild_report.hits]
+print(json.dumps({{"hits": hits, "graphs": counters["stats"]["unique_graphs"],
+                  "loaded": sorted(m for m in {heavy!r} if m in sys.modules)}}))
+"""
+
+
+@pytest.mark.slow  # the session's aot-package build (and auto's, which takes its entry: no compile)
+@pytest.mark.parametrize("strategy", ["aot-package", "auto"])
+def test_serving_an_aot_package_entry_imports_no_compiler(strategy, strategy_build):
+    """A fresh process serves the entry (load and first image) without importing Inductor's compile
+    path or the package reader torch's ``aoti_load_package`` uses (with it: codecache, the ISA pick,
+    redis; 1061 modules in a process with only torch)."""
+    recipe, cache, _ = strategy_build(strategy)
+    proc = run_python(SERVE.format(recipe=str(recipe), cache=str(cache), heavy=sorted(NOT_SERVING)))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    served = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert served["hits"] == ["aot-package"] and served["graphs"] == 0  # served by its package, nothing traced
+    assert {m: NOT_SERVING[m] for m in served["loaded"]} == {}

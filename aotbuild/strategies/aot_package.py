@@ -4,8 +4,9 @@ Build: the warmup runs eagerly while every call of the component (or, for ``scop
 each repeated block) is recorded; each distinct call is exported and packaged without weights, and
 a fresh process loads each package once (its constants' names, and the probe files it leaves in an
 empty Inductor folder). The entry is the packages (``aoti/``) and those probe files (``inductor/``).
-Load: the probe files go to Inductor's cache, each package is loaded and bound to the live
-module's weights, and a dispatcher routes each built signature to its package. A serving process
+Load: the probe files go to Inductor's cache (read only by a compile in that process), each package
+is opened by AOTInductor's C++ loader alone (no Inductor compile path imported: aoti.open_package)
+and bound to the live module's weights, and a dispatcher routes each built signature to its package. A serving process
 that traced any Dynamo graph compiled something: that is the proof's counter.
 """
 

@@ -5,9 +5,12 @@ args/kwargs of the component's first call per signature (ZeroGPU's ``aoti_captur
 with a forward pre-hook); each is exported with ``torch.export.export`` and compiled with
 ``aoti_compile_and_package`` **without weights** (``aot_inductor.package_constants_in_so=False``),
 so a multi-GB model is neither stored once per shape nor held twice in memory. A fresh subprocess
-then loads each package once: that proves it loads, lists the constants it wants, and leaves in an
-empty Inductor cache folder the CPU-ISA probe files that ``aoti_load_package`` would otherwise
-rebuild with g++ on every fresh machine (measured: 7.7 s instead of 1.9 s); they are stored too.
+then loads each package once with torch's ``aoti_load_package``: that proves it loads, lists the
+constants it wants, and leaves in an empty Inductor cache folder the CPU-ISA probe files that
+``aoti_load_package`` would otherwise rebuild with g++ on every fresh machine (measured: 7.7 s
+instead of 1.9 s); they are stored too, and installed at load, where only a compile in the serving
+process (an unbuilt shape under ``on_miss="compile"``) reads them: the load itself opens packages
+with AOTInductor's C++ loader (:func:`open_package`), which probes nothing.
 
 Every weight is a constant supplied at load: ``always_keep_tensor_constants`` stops Inductor from
 inlining small 1-D tensors as literals (it otherwise compiled the tiny UNet's 65 biases and norm
@@ -19,7 +22,8 @@ call signature; the package is shared by every instance called with that signatu
 instance's own weights swapped in before its call. The build records every instance's input
 strides (``BlockRecorder.calls``), so it knows which instances' inputs the load will copy.
 
-Load: packages are hard-linked into a per-process folder and loaded; each is handed the live
+Load: packages are hard-linked into a per-process folder and opened by AOTInductor's C++ loader
+(:func:`open_package`: no Inductor compile path imported, no ISA probe); each is handed the live
 weights of the component with ``load_constants(..., user_managed=True)`` (shared, not copied)
 after aotbuild itself checked every constant's shape, dtype and device, because AOTInductor
 accepts a wrong one silently, and calling a package before its constants are loaded segfaults.
@@ -501,14 +505,61 @@ class PackageRunner:
         return tree_unflatten(leaves, spec) if changed else (args, kwargs)
 
 
+def open_package(path: Path) -> Any:
+    """One package, loaded by AOTInductor's C++ loader alone (``torch._C._aoti.AOTIModelPackageLoader``,
+    what ``torch._inductor.aoti_load_package`` ends with): no compiler imported, no CPU-ISA probe.
+
+    ``aoti_load_package`` first imports ``torch._inductor.package`` (the export serializer) and
+    ``torch._inductor.codecache`` (Inductor's compile cache, with redis and opentelemetry behind it)
+    and picks Inductor's vector ISA, only to compare the package's recorded device information with
+    this host's and log a warning if they differ; measured on tiny-sd's package in a fresh process
+    with only torch imported: 1061 modules and 42-54 s (the ISA probes compiled with g++, 2 busy
+    cores) against 0 modules and 0.01-0.03 s. That comparison is the key's ``device`` factor here
+    (``cpu_isa``, ``machine``: a package built for another ISA is a miss, never loaded). The call
+    spec is read once, not at every call as torch's wrapper does. A torch without that loader, or
+    older than the one this was verified with (2.13: ``load_constants``' arguments), gets
+    ``aoti_load_package``."""
+    import torch
+
+    loader = getattr(getattr(torch._C, "_aoti", None), "AOTIModelPackageLoader", None)
+    if loader is None or tuple(int(x) for x in torch.__version__.split(".")[:2]) < (2, 13):
+        return torch._inductor.aoti_load_package(str(path))
+    return LoadedPackage(loader(str(path), "model", False, 1, -1))  # torch's defaults: one runner, the current device
+
+
+class LoadedPackage:
+    """What ``aoti_load_package`` returns (torch's ``AOTICompiledModel``) as far as aotbuild uses it,
+    over the C++ loader, without importing the module that defines it (see :func:`open_package`)."""
+
+    def __init__(self, loader: Any) -> None:
+        import torch
+        from torch.export._tree_utils import reorder_kwargs
+        from torch.utils import _pytree
+
+        self.loader = loader
+        in_spec, out_spec = loader.get_call_spec()
+        self.in_spec, self.out_spec = _pytree.treespec_loads(in_spec), _pytree.treespec_loads(out_spec)
+        self._tensor, self._reorder = torch.Tensor, reorder_kwargs
+        self._flatten, self._unflatten = _pytree.tree_flatten, _pytree.tree_unflatten
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        flat = self._flatten((args, self._reorder(kwargs, self.in_spec)))[0]
+        return self._unflatten(self.loader.boxed_run([x for x in flat if isinstance(x, self._tensor)]), self.out_spec)
+
+    def load_constants(self, constants: dict[str, Any], *, check_full_update: bool, user_managed: bool = False) -> None:
+        self.loader.load_constants(constants, False, check_full_update, user_managed, False)  # not the inactive
+        # buffer; no host-to-device copy (torch 2.13's AOTICompiledModel.load_constants)
+
+    def get_constant_fqns(self) -> list[str]:
+        return list(self.loader.get_constant_fqns())
+
+
 def load_packages(module: Any, component: str, packages: list[tuple[dict[str, Any], dict[str, Path]]],
                   device: str, bind_at_first_call: bool = False) -> dict[str, dict[str, Callable[..., Any]]]:
     """instance -> signature -> runner, for every package ("" is the component itself; regional
     packages name their block instances). ``packages``: each record with its entry's files (relative
     path -> blob). Each package is loaded once, from a hard link (or copy) named *.pt2.
     ``bind_at_first_call``: under ``offload: model``, each runner takes its weights at its first call."""
-    import torch
-
     from aotbuild.trees import lay_tree
 
     # Every package checks each call's inputs (sizes, strides, dtype, device) against what it was built
@@ -523,7 +574,7 @@ def load_packages(module: Any, component: str, packages: list[tuple[dict[str, An
     try:  # the loader extracts what it needs: the links are only its way in
         lay_tree([(Path(p["path"]).name, files[p["path"]]) for p, files in packages], folder)
         for package, _ in packages:
-            models[package["path"]] = torch._inductor.aoti_load_package(str(folder / Path(package["path"]).name))
+            models[package["path"]] = open_package(folder / Path(package["path"]).name)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     for package, files in packages:
