@@ -11,6 +11,10 @@ timed from the top of the process):
              recipe's components, empty Inductor cache
   pt-warm    the same, on the Inductor cache folder a cold run left (PyTorch's own warm cache)
   aotbuild   load_compiled() from a copy of an aotbuild cache in a new folder, empty Inductor cache
+             (strategy jit-cache; ``jit-cache`` is accepted as its name in --modes)
+  auto       the same with the recipe naming no strategy (strategy auto, the default: each job
+             stores the first strategy that builds and passes the proof), built into a cache of
+             its own (in the shared one it would take aot-package's entry and compile nothing)
   aot-package  the same with strategy: aot-package (AOTInductor packages, no Dynamo at load)
   aot-regional aot-package with compile.scope: regional (one package per repeated block and
                signature, shared by the block's instances; the rest of the denoiser runs eagerly)
@@ -20,7 +24,10 @@ Steady state is the median of 10 calls after the first (aotbuild builds CPU kern
 cpp.dynamic_threads; plain torch.compile does not). Peak RSS is each process's ru_maxrss.
 Prints medians, each mode against eager and the cold compile, where each mode's first output goes
 (start-up, pipeline load, and load_compiled's own phases from pipe.aotbuild_report.timings), the
-ratios the issues set as goals, and each aotbuild build's phases with the proof's share of it.
+ratios the issues set as goals (issue 36's for auto: first output within 1.05x eager's, steady call
+within 5% of torch.compile's, build no slower than jit-cache's), and each aotbuild build's phases
+with the proof's share of it. torch.compile's steady call is pt-warm's where it ran, else jit-cache's
+(the same kernels, aotbuild's settings: cpp.dynamic_threads on).
 Never used by tests.
 """
 
@@ -99,7 +106,7 @@ def run_child(mode: str, recipe: Path, cache: Path, workdir: Path) -> dict:
 
 
 #: mode -> (strategy, scope) of the aotbuild recipe it loads; the other modes load the base recipe.
-BUILDS = {"aotbuild": ("jit-cache", "full"), "aot-package": ("aot-package", "full"),
+BUILDS = {"aotbuild": ("jit-cache", "full"), "auto": ("auto", "full"), "aot-package": ("aot-package", "full"),
           "aot-regional": ("aot-package", "regional"), "aot-compile": ("aot-compile", "full"),
           "aotc-regional": ("aot-compile", "regional")}
 
@@ -109,7 +116,7 @@ def main() -> None:
     ap.add_argument("--recipe", default="tiny-sd", help=f"a recipe file or one of {', '.join(ARCHS)} "
                                                         "(recipes/tiny_<arch>_cpu.yaml); its first shape is measured")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--modes", default="eager,cold,pt-warm,aotbuild,aot-package,aot-regional,aot-compile,"
+    ap.add_argument("--modes", default="eager,cold,pt-warm,aotbuild,auto,aot-package,aot-regional,aot-compile,"
                                        "aotc-regional",
                     help="comma-separated subset, for a quick look (ratios need their modes)")
     ap.add_argument("--plot", metavar="FILE.png", help="also draw the medians (needs matplotlib)")
@@ -126,7 +133,7 @@ def main() -> None:
     base = ARCHS.get(args.recipe) or Path(args.recipe).absolute()
     work = Path(tempfile.mkdtemp(prefix="aotbench."))
     try:
-        modes = args.modes.split(",")
+        modes = ["aotbuild" if m == "jit-cache" else m for m in args.modes.split(",")]
         stem = base.stem.removesuffix("_cpu")
         blocks = REGIONAL_BLOCKS.get(args.recipe)
         recipes = {mode: derive_recipe(base, work / f"{stem}_{strategy}_{scope}.yaml".replace("-", "_"),
@@ -135,10 +142,11 @@ def main() -> None:
         recipe = recipes["aotbuild"]  # the base recipe at one shape: eager, cold and pt-warm load it
         model = load_recipe(recipe).model.id
         cache = work / "cache"
+        caches = {mode: work / "cache-auto" if mode == "auto" else cache for mode in BUILDS}
         builds = {}
         for mode in (m for m in modes if m in BUILDS):
             print(f"building the {mode} cache (strategy {BUILDS[mode][0]}, scope {BUILDS[mode][1]}) ...", flush=True)
-            builds[mode] = build(recipes[mode], cache, work / f"build-{mode}")
+            builds[mode] = build(recipes[mode], caches[mode], work / f"build-{mode}")
             if not builds[mode].ok:  # the other modes are still measured
                 print(f"  not measured: building {recipes[mode].name} failed: {builds[mode].reason}\n"
                       f"  the log's tail:\n{builds[mode].log_tail}", flush=True)
@@ -147,8 +155,13 @@ def main() -> None:
             print(f"round {i + 1}/{args.repeats} ...", flush=True)
             shared = work / f"pt-{i}"
             copy = work / f"copy-{i}" / "cache"
+            cache.mkdir(parents=True, exist_ok=True)  # where only auto was built
             shutil.copytree(cache, copy)
-            runs = {"eager": (recipe, cache, work / f"eager-{i}"), "cold": (recipe, cache, shared),
+            copy_auto = work / f"copy-{i}" / "cache-auto"
+            if "auto" in builds:
+                shutil.copytree(caches["auto"], copy_auto)
+            runs = {"auto": (recipes["auto"], copy_auto, work / f"auto-ind-{i}"),
+                    "eager": (recipe, cache, work / f"eager-{i}"), "cold": (recipe, cache, shared),
                     "pt-warm": (recipe, cache, shared), "aotbuild": (recipe, copy, work / f"aot-ind-{i}"),
                     "aot-package": (recipes["aot-package"], copy, work / f"pkg-ind-{i}"),
                     "aot-regional": (recipes["aot-regional"], copy, work / f"reg-ind-{i}"),
@@ -191,6 +204,10 @@ def main() -> None:
             ("aotbuild warm / cold compile", "aotbuild", "cold", med, "<= 0.20"),
             ("aotbuild warm / PyTorch warm cache", "aotbuild", "pt-warm", med, "<= 1.05"),
             ("aotbuild steady / torch.compile", "aotbuild", "pt-warm", steady, "within 5%; dynamic_threads on vs off"),
+            ("auto load / eager load", "auto", "eager", med, "<= 1.05 (issue 36)"),
+            ("auto steady / torch.compile (pt-warm)", "auto", "pt-warm", steady, "within 5%"),
+            ("auto steady / jit-cache (same kernels)", "auto", "aotbuild", steady, "within 5%"),
+            ("auto peak RSS / eager", "auto", "eager", rss, ""),
             ("aot-package load / eager load", "aot-package", "eager", med, "<= 1.1"),
             ("aot-package load / cold compile", "aot-package", "cold", med, "<= 0.06"),
             ("aot-package steady / torch.compile", "aot-package", "pt-warm", steady, "within 5%"),
@@ -206,9 +223,11 @@ def main() -> None:
             ("aotc-regional load / eager load", "aotc-regional", "eager", med, ""),
             ("aotc-regional steady / eager", "aotc-regional", "eager", steady, "< 1: pays"),
         ]
+        built_s = {m: b.seconds for m, b in builds.items() if b.status == "built"}
+        ratios.append(("auto build / jit-cache build", "auto", "aotbuild", built_s, "<= 1 (issue 36)"))
         for label, a, b, figures, goal in ratios:
             if a in figures and b in figures:
-                print(f"{label:<36} = {figures[a] / figures[b]:.3f}" + (f"  (goal {goal})" if goal else ""))
+                print(f"{label:<38} = {figures[a] / figures[b]:.3f}" + (f"  (goal {goal})" if goal else ""))
         if args.save:
             Path(args.save).write_text(json.dumps({"machine": machine, "model": model, "shape": str(shape),
                                                    "repeats": args.repeats, "runs": results,
@@ -217,11 +236,11 @@ def main() -> None:
             from aotbuild.bench import draw
 
             names = {"eager": "eager", "cold": "cold torch.compile", "pt-warm": "PyTorch warm cache",
-                     "aotbuild": "aotbuild jit-cache", "aot-package": "aotbuild aot-package",
+                     "aotbuild": "aotbuild jit-cache", "auto": "aotbuild auto", "aot-package": "aotbuild aot-package",
                      "aot-regional": "aot-package regional", "aot-compile": "aotbuild aot-compile",
                      "aotc-regional": "aot-compile regional"}
             colors = {"eager": "#8c8c8c", "cold": "#d62728", "pt-warm": "#ff7f0e", "aotbuild": "#2ca02c",
-                      "aot-package": "#1f77b4", "aot-regional": "#17becf", "aot-compile": "#9467bd",
+                      "auto": "#bcbd22", "aot-package": "#1f77b4", "aot-regional": "#17becf", "aot-compile": "#9467bd",
                       "aotc-regional": "#e377c2"}
             draw(args.plot, f"{model}, {shape}, fresh processes; {machine}",
                  [(names[m], [r["first"] for r in rs], [r["steady"] for r in rs], colors[m])
@@ -229,7 +248,7 @@ def main() -> None:
             print(f"plot: {args.plot}")
         if "aotbuild" in results:
             print(f"fxgraph counters, aotbuild runs: {[r['counters'] for r in results['aotbuild']]}")
-        for m in ("aot-package", "aot-regional", "aot-compile", "aotc-regional"):
+        for m in ("auto", "aot-package", "aot-regional", "aot-compile", "aotc-regional"):
             if m in results:
                 print(f"Dynamo graphs, {m} runs: {[r['unique_graphs'] for r in results[m]]}; "
                       f"frames traced: {[r['frames'] for r in results[m]]}")

@@ -42,12 +42,15 @@ GUIDED = {"tiny-sd": {"guidance_scale": 7.5}, "tiny-sdxl": {"guidance_scale": 5.
 def derive_recipe(base: Path, dest: Path, *, strategy: str, scope: str = "full",
                   blocks: list[str] | None = None, warmup: dict[str, Any] | None = None) -> Path:
     """Write ``base`` with its first shape only (each cold compile costs minutes on a small CPU),
-    ``strategy`` and ``compile.scope``, ``compile.blocks`` and warmup arguments when given, to ``dest``."""
+    ``strategy`` and ``compile.scope``, ``compile.blocks`` and warmup arguments when given, to ``dest``.
+    ``strategy="auto"``: no ``strategy`` line at all, the recipe a user writes without one."""
     import yaml
 
     data = yaml.safe_load(base.read_text())
     data["shapes"] = data["shapes"][:1]
-    data["strategy"] = strategy
+    data.pop("strategy", None)
+    if strategy != "auto":
+        data["strategy"] = strategy
     data["compile"]["scope"] = scope
     if blocks:
         data["compile"]["blocks"] = list(blocks)

@@ -1,14 +1,17 @@
 """aotbuild at real size: a Stable Diffusion 1.5-size UNet, and a depth sweep of a tiny-width Flux.
 
-    python benchmarks/scale.py [--parts sd15,flux] [--depths 2,8,16] [--save scale.json]
+    python benchmarks/scale.py [--parts sd15,flux] [--strategies ...] [--depths 2,8,16] [--save scale.json]
 
 Nothing is downloaded: every model is made here with random weights from diffusers' own classes.
 
 sd15   The SD 1.5 UNet config (860M parameters, fp32; cross-attention width 768) in the built-in
        tiny-sd pipeline, whose text encoder is widened to 768 (1 layer) and whose VAE stays tiny.
-       256x256 images (32x32 latents), 2 steps, no guidance. Built once per strategy (jit-cache with
-       two shapes, to show one pipeline load shared by a recipe's jobs; aot-compile and aot-package
-       with the first shape), each served by a fresh process from a moved copy of the cache.
+       256x256 images (32x32 latents), 2 steps, no guidance. Built once per strategy of --strategies
+       (jit-cache with two shapes, to show one pipeline load shared by a recipe's jobs; aot-compile,
+       aot-package and auto, the recipe naming no strategy, with the first shape), each served by a
+       fresh process from a moved copy of the cache; ``torch.compile`` in --strategies adds plain
+       torch.compile's row (a cold compile in the serving process: its steady call is the reference
+       for issue 36's "within 5% of torch.compile's").
 flux   FluxTransformer2DModel at the built-in tiny-flux's width with D double and D single blocks
        for each --depths D, full vs regional scope (jit-cache), each served likewise.
 dtype  The SD 1.5-size pipeline's fp32 checkpoint loaded by the build's own load (the loader's
@@ -54,7 +57,7 @@ SD15_UNET = dict(sample_size=64, in_channels=4, out_channels=4, layers_per_block
                  norm_num_groups=32)
 
 #: cold_vs_warm.py's child mode for each strategy
-MODES = {"jit-cache": "aotbuild", "aot-compile": "aot-compile", "aot-package": "aot-package"}
+MODES = {"jit-cache": "aotbuild", "aot-compile": "aot-compile", "aot-package": "aot-package", "auto": "auto"}
 
 
 # -- models -------------------------------------------------------------------------------------------
@@ -170,8 +173,8 @@ def recipe(path: Path, model: Path, component: str, strategy: str, scope: str, s
     import yaml
 
     data = {"model": {"id": str(model), "dtype": dtype}, "target": "inductor", "device": "cpu",
-            "strategy": strategy, "compile": {"components": [component], "scope": scope},
-            "shapes": shapes, "warmup": warmup}
+            **({} if strategy == "auto" else {"strategy": strategy}),  # auto: the recipe naming none
+            "compile": {"components": [component], "scope": scope}, "shapes": shapes, "warmup": warmup}
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     return path
 
@@ -280,6 +283,13 @@ def report_part(title: str, weights: int, eager: dict, cells: list[tuple[str, di
              f"{fmt(eager.get('first'), '.1f')} s, steady call {fmt(eager.get('steady'), '.2f')} s"]
     rows = []
     for name, b, s in cells:
+        if b is None:  # plain torch.compile: nothing built, compiled in the serving process
+            rows.append([name, "-", *[""] * 7,
+                         fmt(s["first"] / eager["first"] if "first" in s and "first" in eager else None, ".2f"),
+                         fmt(s["steady"] / eager["steady"] if "steady" in s and "steady" in eager else None, ".2f"),
+                         str(s["counters"].get("fxgraph_cache_miss", 0)) + "/" + str(s["unique_graphs"])
+                         if "counters" in s else s.get("error", "-")[:40], fmt(s.get("rss_mb"), ".0f")])
+            continue
         if not b["ok"]:
             rows.append([name, "failed", b.get("reason", "")[:80]] + [""] * 10)
             continue
@@ -299,7 +309,7 @@ def report_part(title: str, weights: int, eager: dict, cells: list[tuple[str, di
                         "% weights", "first/eager", "steady/eager", "misses/graphs", "serve RSS MB"], rows,
                        text_columns=2))
     for name, b, _ in cells:
-        if b["ok"]:
+        if b is not None and b["ok"]:
             loads = b.get("loads") or {}
             rss = ", ".join(f"{role} {mb:.0f}" for role, mb in sorted(b["rss"].items(), key=lambda x: -x[1]))
             lines.append(f"{name}: build {b['wall']:.0f} s wall; loads: {loads.get('build')} to compile "
@@ -311,6 +321,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--parts", default="sd15,flux,dtype")
     ap.add_argument("--depths", default="2,8,16")
+    ap.add_argument("--strategies", default="jit-cache,aot-compile,aot-package,auto,torch.compile",
+                    help="the sd15 part's rows, in order (torch.compile: a cold compile in the serving process)")
     ap.add_argument("--save", metavar="FILE.json")
     ap.add_argument("--keep", action="store_true", help="keep the work folder (models, caches)")
     ap.add_argument("--make", nargs=4, help=argparse.SUPPRESS)
@@ -341,7 +353,12 @@ def main() -> None:
             eager = serve("eager", recipe(work / "sd15_eager.yaml", model, "unet", "jit-cache", "full",
                                           shapes[:1], warm), work / "cache-sd15", work / "eager-sd15")
             print(f"  eager: {eager}", flush=True)
-            for strategy in ("jit-cache", "aot-compile", "aot-package"):
+            for strategy in args.strategies.split(","):
+                if strategy == "torch.compile":
+                    s = serve("cold", work / "sd15_eager.yaml", work / "cache-sd15", work / "s-torch-compile")
+                    print(f"  torch.compile: {s}", flush=True)
+                    cells.append((strategy, None, s))
+                    continue
                 r = recipe(work / f"sd15_{strategy}.yaml".replace("-", "_"), model, "unet", strategy, "full",
                            shapes if strategy == "jit-cache" else shapes[:1], warm)
                 print(f"building sd15 {strategy} ...", flush=True)
