@@ -185,10 +185,8 @@ def _ours(filename: str) -> bool:
 
     import torch
 
-    import aotbuild
-
-    roots = [str(Path(m.__file__).resolve().parent) for m in (torch, aotbuild) if m.__file__]
-    roots.append(str(Path(sysconfig.get_paths()["stdlib"]).resolve()))
+    roots = [str(Path(torch.__file__).resolve().parent), str(Path(__file__).resolve().parent),  # torch, aotbuild
+             str(Path(sysconfig.get_paths()["stdlib"]).resolve())]
     path = str(Path(filename).resolve()) if not filename.startswith("<") else filename
     return filename.startswith("<") or any(path == r or path.startswith(r + "/") for r in roots)
 
