@@ -12,6 +12,7 @@ eager with the same change, or refused naming the change, and never compiling.
 
 from __future__ import annotations
 
+import re
 import warnings
 
 import pytest
@@ -426,20 +427,30 @@ def _lora(pipe):
     pipe.load_lora_weights(_ADAPTER[0])  # no `lora:` in the recipe: peft's layers replace the UNet's Linears
 
 
-#: change -> (what it does, its effect on eager's image is measurable, benign: served compiled)
+#: change -> (what it does, its effect on eager's image is measurable, benign: served compiled, and for a
+#: change that is refused what the refusal must name (a regular expression searched in the miss's or the
+#: call's reason: a refusal for another reason, a corrupt blob or another torch, fails the cell)
 CHANGES = {
-    "freeu": (_freeu, True, False),
-    "processor": (_processor, True, False),
-    "same-class-processor": (_same_processor, False, True),
-    "channels-last": (_channels_last, False, False),  # eager: no change; a stale package: garbage
-    "attribute": (_attribute, True, False),
-    "new-weights": (_new_weights, True, True),
-    "dtype": (_dtype, True, False),
-    "train": (_train, False, True),
-    "scheduler-swap": (_scheduler, True, True),
-    "step-count": (_steps, True, True),
-    "fused-projections": (_fused, False, False),  # eager: the same numbers; the module's structure changed
-    "lora-without-recipe": (_lora, True, False),
+    "freeu": (_freeu, True, False, r"\bb1: 1\.2 here.*FreeU\?|changes\.freeu\.b1: absent in the cache, 1\.2 here"),
+    "processor": (_processor, True, False, rf"processor: {re.escape(ScaledProcessor.__module__)}\.ScaledProcessor "
+                                           r"object here"),
+    "same-class-processor": (_same_processor, False, True, None),
+    # eager: no change; a stale package: garbage
+    "channels-last": (_channels_last, False, False, r"stride \[36, 1, 12, 4\].*\(channels_last\?\)"
+                                                    r"|changes\.memory_format: absent in the cache, channels_last "
+                                                    r"here"),
+    "attribute": (_attribute, True, False, r"up_blocks\.0\.resnets\.0\.output_scale_factor: 2\.0 here, 1\.0 in the "
+                                           r"entry"),
+    "new-weights": (_new_weights, True, True, None),
+    "dtype": (_dtype, True, False, r"unet is bfloat16 but|:bfloat16"),
+    "train": (_train, False, True, None),
+    "scheduler-swap": (_scheduler, True, True, None),
+    "step-count": (_steps, True, True, None),
+    # eager: the same numbers; the module's structure changed
+    "fused-projections": (_fused, False, False, r"attn1\.to_qkv: torch\.nn\.modules\.linear\.Linear here, absent"
+                                               r"|attn1\.fused_projections: True here, False in the entry"),
+    "lora-without-recipe": (_lora, True, False, r"to_q: peft\.tuners\.lora\.layer\.Linear here"
+                                                r"|_hf_peft_config_loaded: True here, absent in the entry: a LoRA"),
 }
 _EAGER: dict[tuple[str, str], torch.Tensor] = {}
 
@@ -490,6 +501,18 @@ def adapter(models_dir, tmp_path_factory):
     return folder
 
 
+def refusal(exc: Exception) -> str:
+    """The reason of a refusal: the load report's MISS line, else the error's first line (a StaleGraph,
+    a ShapeNotBuilt or a UsageError at the call or the load)."""
+    lines = str(exc).strip().splitlines()
+    return next((x.strip() for x in lines if "MISS" in x), lines[0])
+
+
+def names_the_change(reason: str, names: str | None) -> bool:
+    """Whether a refusal's ``reason`` names the change: its cell's regular expression matches it."""
+    return names is not None and re.search(names, reason) is not None
+
+
 def run_matrix(label, recipe, cache, models_dir, changes, component="unet", traces=False):
     """Each change x before/after load on the entry ``cache`` holds for ``recipe``: served compiled and
     within 1e-4 of eager with the change, or refused naming it; never a compile (the caller aborts
@@ -501,7 +524,7 @@ def run_matrix(label, recipe, cache, models_dir, changes, component="unet", trac
 
     plain = _eager("none", recipe, models_dir)
     results = {}
-    for name, (change, effect, benign) in changes.items():
+    for name, (change, effect, benign, names) in changes.items():
         expected = _eager(name, recipe, models_dir, changes)
         moved = (expected - plain).abs().max().item()
         if effect:  # an ignored change cannot pass
@@ -520,9 +543,10 @@ def run_matrix(label, recipe, cache, models_dir, changes, component="unet", trac
                     change(pipe)
                 got = _image(pipe, recipe)
             except (CacheMiss, UsageError) as exc:
-                lines = str(exc).strip().splitlines()
-                results[(name, when)] = "refused: " + next((x.strip() for x in lines if "MISS" in x), lines[0])
+                reason = refusal(exc)
+                results[(name, when)] = "refused: " + reason
                 assert not benign, f"{label} {name} {when}: a benign change was refused: {exc}"
+                assert names_the_change(reason, names), f"{label} {name} {when}: refused for another reason: {exc}"
                 continue
             served = getattr(pipe, component).forward.calls["built"]
             error = (got - expected).abs().max().item()
@@ -542,10 +566,7 @@ def test_no_change_is_served_stale(strategy, strategy_build, models_dir, no_code
     from aotbuild.recipes import load_recipe
 
     recipe_path, cache, _ = strategy_build(strategy)
-    results = run_matrix(strategy, load_recipe(recipe_path), cache, models_dir, CHANGES,
-                         traces=strategy == "jit-cache")
-    assert "peft.tuners.lora.layer.Linear here" in results[("lora-without-recipe", "before")]
-    assert "a LoRA loaded (load_lora_weights)?" in results[("lora-without-recipe", "after")]
+    run_matrix(strategy, load_recipe(recipe_path), cache, models_dir, CHANGES, traces=strategy == "jit-cache")
 
 
 @pytest.mark.slow
@@ -745,9 +766,63 @@ def _cache_enabled_then_disabled(pipe):
 
 
 CACHE_HOOKS = {
-    "first-block-cache": (_first_block_cache, True, False),
-    "cache-hook-disabled": (_cache_enabled_then_disabled, False, True),
+    "first-block-cache": (_first_block_cache, True, False,
+                          r"transformer\._cache_config: diffusers\.hooks\.first_block_cache\.FirstBlockCacheConfig "
+                          r"\(threshold=10\.0\) here, absent in the entry: a diffusers cache hook"),
+    "cache-hook-disabled": (_cache_enabled_then_disabled, False, True, None),
 }
+
+
+#: Refusals as the matrix printed them (one per cell kind: before load, the load's MISS line or error; after,
+#: the call's error), and refusals for other reasons: each cell's expression must match its own change's
+#: reasons only, so a cell refused for another reason fails (issue 31 review: any refusal passed).
+REFUSED = {
+    "freeu": ["MISS unet 64x64 0123456789ab  not built: changes.freeu.b1: absent in the cache, 1.2 here; "
+              "changes.freeu.b2: absent in the cache, 1.4 here; changes.freeu.s1: absent in the cache, 0.9 here; "
+              "and 1 more",
+              "unet changed since its entry was built, and load_compiled(on_miss=\"error\") never compiles: "
+              "unet.up_blocks.0.b1: 1.2 here, absent in the entry: FreeU?. Undo the change"],
+    "processor": [f"unet.down_blocks.0.attentions.0.transformer_blocks.0.attn1.processor: {__name__}.ScaledProcessor "
+                  f"object here, diffusers.models.attention_processor.AttnProcessor2_0 object in the entry: another "
+                  f"attention processor?"],
+    "channels-last": ["MISS unet 64x64 0123456789ab  not built: changes.memory_format: absent in the cache, "
+                      "channels_last here",
+                      "unet.conv_in.weight: param float32 [8, 4, 3, 3] stride [36, 1, 12, 4] cpu grad here, param "
+                      "float32 [8, 4, 3, 3] stride [36, 9, 3, 1] cpu grad in the entry: another memory format "
+                      "(channels_last?)"],
+    "attribute": ["unet.up_blocks.0.resnets.0.output_scale_factor: 2.0 here, 1.0 in the entry"],
+    "dtype": ["the pipeline's unet is bfloat16 but tiny_sd.yaml says float32: convert it, or fix model.dtype",
+              "unet was called with arg[0]=1x4x8x8:bfloat16, arg[1]=scalar:bfloat16, which this cache did not build"],
+    "fused-projections": ["MISS unet 64x64 0123456789ab  unet.down_blocks.0.attentions.0.transformer_blocks.0.attn1."
+                          "to_qkv: torch.nn.modules.linear.Linear here, absent in the entry: the module differs",
+                          "unet.down_blocks.0.attentions.0.transformer_blocks.0.attn1.fused_projections: True here, "
+                          "False in the entry"],
+    "lora-without-recipe": ["MISS unet 64x64 0123456789ab  unet.down_blocks.0.attentions.0.transformer_blocks.0.attn1."
+                            "to_q: peft.tuners.lora.layer.Linear here, torch.nn.modules.linear.Linear in the entry",
+                            "unet._hf_peft_config_loaded: True here, absent in the entry: a LoRA loaded "
+                            "(load_lora_weights)?"],
+    "first-block-cache": ["transformer._cache_config: diffusers.hooks.first_block_cache.FirstBlockCacheConfig "
+                          "(threshold=10.0) here, absent in the entry: a diffusers cache hook (enable_cache)?"],
+}
+UNRELATED = [
+    "MISS unet 64x64 0123456789ab  not built: env.torch: 2.13.0+cpu in the cache, 2.14.1+cpu here",
+    "MISS unet 64x64 0123456789ab  blob 3f1c9a0b is corrupt (hash mismatch)",
+    "MISS unet 64x64 0123456789ab  unet: the entry was built by an older aotbuild (no dependency record): rebuild",
+    "unet is called with grad on, default dtype float32, autocast off, default numerics; the entry was traced with "
+    "grad off, default dtype float32, autocast off, default numerics: another grad mode",
+]
+
+
+def test_a_matrix_cell_accepts_only_a_refusal_that_names_its_change():
+    cells = {**CHANGES, **CACHE_HOOKS}
+    assert set(REFUSED) == {name for name, cell in cells.items() if not cell[2]}  # every refused change
+    for name, reasons in REFUSED.items():
+        for reason in reasons:
+            named = [other for other, cell in cells.items() if names_the_change(reason, cell[3])]
+            assert named == [name], (reason, named)
+    for reason in UNRELATED:
+        assert not any(names_the_change(reason, cell[3]) for cell in cells.values()), reason
+    assert not names_the_change("MISS ...", None)  # a benign cell has nothing to name: a refusal fails it
 
 
 @pytest.mark.slow
@@ -761,10 +836,7 @@ def test_a_cache_hook_on_a_transformer_is_never_ignored(flux_build, no_codegen):
 
     recipe_path, cache = flux_build
     recipe = load_recipe(recipe_path)
-    results = run_matrix("aot-package (tiny-flux)", recipe, Path(cache), Path(cache), CACHE_HOOKS, "transformer")
-    for when in ("before", "after"):
-        assert "cache hook" in results[("first-block-cache", when)] or "_cache_config" in \
-            results[("first-block-cache", when)], results
+    run_matrix("aot-package (tiny-flux)", recipe, Path(cache), Path(cache), CACHE_HOOKS, "transformer")
 
 
 @pytest.mark.slow
