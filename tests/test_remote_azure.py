@@ -281,6 +281,6 @@ def test_failure_records_are_listed_read_replaced_and_removed(az):
 
 @pytest.mark.slow
 def test_a_real_build_pushed_to_azure_is_pulled_and_served_fresh_with_0_compiles(built_cache, az, tmp_path):
-    """One shape of the build (the S3 test serves both): one real serve per store, at half the cost."""
+    """One shape of the build (the folder remote's test serves both): one real serve per store, at half the cost."""
     flows.a_real_build_is_pulled_by_a_fresh_process_and_served_with_0_compiles(built_cache, f"az://{az}/ci",
                                                                                tmp_path, one_shape=True)

