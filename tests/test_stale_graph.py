@@ -565,8 +565,13 @@ def test_no_change_is_served_stale(strategy, strategy_build, models_dir, no_code
     refused naming it; never a compile (on_miss="error"), never a stale image."""
     from aotbuild.recipes import load_recipe
 
-    recipe_path, cache, _ = strategy_build(strategy)
+    recipe_path, cache, report = strategy_build(strategy)
     run_matrix(strategy, load_recipe(recipe_path), cache, models_dir, CHANGES, traces=strategy == "jit-cache")
+    if strategy == "aot-compile":  # what its saved guards no longer check is in the manifest (GuardFilter)
+        from aotbuild.store import Store
+
+        manifest = Store(cache).load_manifest(report["jobs"][0]["key"])
+        assert manifest.packages and all("GLOBAL_STATE" in r["dropped_guards"] for r in manifest.packages)
 
 
 @pytest.mark.slow
@@ -609,6 +614,35 @@ def test_jit_cache_refuses_a_compile_the_dependency_check_did_not_foresee(strate
     _freeu(pipe)
     with pytest.raises(StaleGraph, match="a call needs a graph the installed cache does not have"):
         _image(pipe, recipe)
+
+
+def test_aot_compiles_guard_filter_notes_the_kinds_it_drops():
+    """aot-compile saves its artifacts without the guards torch cannot serialize and without GLOBAL_STATE
+    (grad mode, numerics and the thread count, which aotbuild checks per call instead): each record names
+    those kinds (dropped_guards), so an entry says what torch no longer re-checks (issue 31 item 1)."""
+    from aotbuild.strategies import aot_compile
+
+    entries: list = []
+
+    def record(guards):
+        entries.extend(guards)
+        return [True] * len(guards)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(aot_compile.call, backend="eager", fullgraph=True, options={"guard_filter_fn": record})
+    compiled(torch.nn.Linear(3, 3), torch.randn(2, 3))
+    torch._dynamo.reset()
+    portable, pinned = aot_compile.GuardFilter(keep_global_state=False), aot_compile.GuardFilter(keep_global_state=True)
+    kept = portable(entries)
+    assert kept == aot_compile.portable_guards(entries)
+    assert portable.dropped == {str(e.guard_type) for e, keep in zip(entries, kept, strict=True) if not keep}
+    assert {"GLOBAL_STATE", "GRAD_MODE"} <= portable.dropped and "TENSOR_MATCH" not in portable.dropped
+    pinned(entries)
+    assert pinned.dropped == portable.dropped - {"GLOBAL_STATE"}  # kernels that bake the thread count keep it
+    strategy = aot_compile.AotCompile()
+    assert strategy.check_records(({"dropped_guards": ["GLOBAL_STATE"]},)) == ""
+    assert strategy.check_records(({},)) == ""  # an entry built before the kinds were recorded
+    assert "dropped_guards" in strategy.check_records(({"dropped_guards": ["a b"]},))
 
 
 # -- hooks' and processors' settings, global numerics (issue 31 items 2, 4, 5) -----------------------

@@ -19,7 +19,8 @@ and without them a load rebuilds every kernel (measured: 130 s for the tiny UNet
 
 Guards (a trust decision, docs/aot-compile.md): torch's default guard filter cannot serialize the
 ``ID_MATCH`` guards on the module, so artifacts are saved with ``keep_portable_guards_unsafe``
-without its ``GLOBAL_STATE`` guard (:func:`portable_guards`): what torch re-checks at call time is
+without its ``GLOBAL_STATE`` guard (:func:`portable_guards`; each record's ``dropped_guards`` lists the
+kinds of guard the filter dropped, :class:`GuardFilter`): what torch re-checks at call time is
 every tensor's shape, dtype, device, strides and requires_grad (the module's parameters included).
 The global-state guard held torch's intra-op thread count, so an entry CI built on 2 cores missed on
 a 16-core server (issue 36); the code does not depend on that count where the kernels ask OpenMP at
@@ -64,10 +65,30 @@ def portable_guards(guard_entries: list[Any]) -> list[bool]:
     (tensor metadata, the shape environment, the global state) without ``GLOBAL_STATE``, which holds
     ``torch.get_num_threads()`` among grad mode, default dtype, autocast and the deterministic and TF32
     flags (torch 2.13: none of ``torch.compiler``'s filters drops only it)."""
-    import torch
+    return GuardFilter(keep_global_state=False)(guard_entries)
 
-    kept = torch.compiler.keep_portable_guards_unsafe(guard_entries)
-    return [keep and entry.guard_type != "GLOBAL_STATE" for entry, keep in zip(guard_entries, kept, strict=True)]
+
+class GuardFilter:
+    """The guard filter an artifact is saved with (:func:`portable_guards`, or with ``keep_global_state``
+    torch's ``keep_portable_guards_unsafe`` as it is), noting the kinds of guard it drops: the record's
+    ``dropped_guards`` (issue 31: what torch no longer re-checks when the artifact is called is in the
+    entry's manifest, beside what aotbuild checks instead; ``aotbuild show --json`` lists it)."""
+
+    def __init__(self, keep_global_state: bool):
+        self.keep_global_state = keep_global_state
+        self.dropped: set[str] = set()
+
+    def __call__(self, guard_entries: list[Any]) -> list[bool]:
+        import torch
+
+        kept = torch.compiler.keep_portable_guards_unsafe(guard_entries)
+        out = []
+        for entry, keep in zip(guard_entries, kept, strict=True):
+            keep = bool(keep) and (self.keep_global_state or entry.guard_type != "GLOBAL_STATE")
+            if not keep:
+                self.dropped.add(str(entry.guard_type))
+            out.append(keep)
+        return out
 
 
 def call(module: Any, *args: Any, **kwargs: Any) -> Any:
@@ -200,8 +221,8 @@ class AotCompile(Strategy):
         import torch._dynamo.config as dynamo_config
 
         args, kwargs = canonical(group["call"])
-        options = {**(compile_kwargs.get("options") or {}),
-                   "guard_filter_fn": torch.compiler.keep_portable_guards_unsafe if threads_pinned else portable_guards}
+        guards = GuardFilter(keep_global_state=threads_pinned)
+        options = {**(compile_kwargs.get("options") or {}), "guard_filter_fn": guards}
         compiled = torch.compile(call, backend=compile_kwargs["backend"], fullgraph=True,
                                  dynamic=compile_kwargs["dynamic"], options=options)
         name = hashlib.sha256(json.dumps([group["structure"], group["signature"], group["floats"], group["grad"]])
@@ -216,7 +237,8 @@ class AotCompile(Strategy):
         function.save_compiled_function(str(path))
         return {"signature": group["signature"], "path": f"{ARTIFACT_DIR}/{path.name}",
                 "instances": group["instances"], "block_class": type(owner).__name__,
-                "structure": group["structure"], "floats": group["floats"], "grad": group["grad"]}
+                "structure": group["structure"], "floats": group["floats"], "grad": group["grad"],
+                "dropped_guards": sorted(guards.dropped)}
 
     def collect(self, target: Target, workdir: Path) -> list[tuple[str, Path]]:
         from aotbuild.trees import collect_tree
@@ -235,6 +257,9 @@ class AotCompile(Strategy):
                 return "packages[].floats: not a list of numbers"
             if not isinstance(record.get("grad", False), bool):
                 return "packages[].grad: not true or false"
+            dropped = record.get("dropped_guards", [])  # absent: built before it was recorded
+            if not isinstance(dropped, list) or not all(isinstance(k, str) and k.isidentifier() for k in dropped):
+                return "packages[].dropped_guards: not a list of guard kinds"
         return ""
 
     def compile_counter(self, target: Target) -> tuple[str, Callable[[], int]]:
