@@ -296,8 +296,11 @@ def parse_shard(text: str) -> tuple[int, int]:
 
 
 def identity(job: Job) -> str:
-    """The job's host-independent identity (shards.job_identity): recipe, component, shape."""
-    return shards.job_identity(job.recipe.name, job.component, str(job.shape))
+    """The job's host-independent identity (shards.job_identity): recipe, component, shape. Under
+    ``strategy: auto`` the shape is left out: auto chooses one strategy for every shape of a component
+    (builder._build_component), which only a runner building all of them can do."""
+    shape = "*" if job.choice is not None else str(job.shape)
+    return shards.job_identity(job.recipe.name, job.component, shape)
 
 
 def shard_jobs(jobs: list[Job], index: int, count: int, source: str = "") -> list[Job]:

@@ -246,3 +246,24 @@ def test_docs_show_the_scheduler_examples():
                    "#SBATCH --array", "CI_NODE_INDEX", "BUILDKITE_PARALLEL_JOB", "AWS_BATCH_JOB_ARRAY_INDEX",
                    "BATCH_TASK_INDEX"):
         assert needle in text, needle
+
+
+def test_an_auto_component_s_shapes_are_built_by_one_shard(cache, tmp_path):
+    """Under strategy auto one strategy serves every shape of a component (builder._build_component):
+    a shard that held one shape of it could choose another strategy than the shard holding the rest,
+    and the load would miss one of them. Its shapes share one identity; a named strategy's do not."""
+    from aotbuild.planner import plan, shard_jobs
+
+    folder = tmp_path / "auto"
+    folder.mkdir()
+    shapes = [{"height": h, "width": w} for h, w in ((64, 64), (64, 96), (96, 64), (32, 32))]
+    (folder / "a.yaml").write_text(json.dumps({**{k: v for k, v in TINY_DICT.items() if k != "strategy"},
+                                                "shapes": shapes}))
+    (folder / "j.yaml").write_text(json.dumps({**TINY_DICT, "shapes": shapes}))
+    jobs = plan(str(folder), cache)
+    for n in (2, 3, 4):
+        split = [shard_jobs(jobs, i, n) for i in range(1, n + 1)]
+        auto_holders = [i for i, s in enumerate(split) if any(j.recipe.name == "a" for j in s)]
+        assert len(auto_holders) == 1, [[(j.recipe.name, str(j.shape)) for j in s] for s in split]
+        assert sum(j.recipe.name == "a" for j in split[auto_holders[0]]) == 4
+        assert len([i for i, s in enumerate(split) if any(j.recipe.name == "j" for j in s)]) > 1  # jit-cache spreads
