@@ -913,7 +913,7 @@ def test_a_declared_attention_backend_serves_a_pipe_with_it_set_by_hand(flux_bui
         assert counters["stats"]["unique_graphs"] == graphs
         assert (got - expected).abs().max().item() <= 1e-4
     pipe.transformer.reset_attention_backend()  # the processors' only (the active backend stays)
-    with pytest.raises(StaleGraph, match=r"_attention_backend='_native_math' in the entry: another attention "
+    with pytest.raises(StaleGraph, match=r"\(_attention_backend='_native_math'\) in the entry: another attention "
                                          r"backend \(set_attention_backend\)\?.*changes\.attention_backend"):
         _image(pipe, plain)
     _AttentionBackendRegistry._active_backend = AttentionBackendName.NATIVE  # a process that never set one
