@@ -281,3 +281,6 @@ def test_every_builtin_model_is_documented_with_its_version():
     assert table == {name: str(model.version) for name, model in BUILTINS.items()}
     model_id = re.search(r"^\| `model\.id` \|.*$", text, flags=re.M).group(0)
     assert set(re.findall(r"`builtin:([\w-]+)`", model_id)) == set(BUILTINS)
+    architecture = (REPO / "docs" / "architecture.md").read_text().split("**`builtin/__init__.py`**", 1)[1]
+    named = set(re.findall(r"`(Tiny\w+)`", architecture.split("\n\n", 1)[0]))
+    assert named == {type(model).__name__ for model in BUILTINS.values()}
