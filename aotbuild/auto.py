@@ -3,9 +3,10 @@
 For each job the builder (aotbuild/builder.py) tries, in a fixed order per device kind
 (:data:`ORDER`), the strategies that can serve the recipe here (:func:`choice`: those whose
 ``validate`` accepts it and whose ``availability`` is met; the others are excluded with their
-words), builds with each until one builds *and passes the proof*, and stores that entry under the
-job's auto key. Auto never changes the recipe's scope or ``fullgraph``: a model no strategy can
-capture as written fails with every attempt's reason.
+words), builds with each until one builds *and passes the proof* (for every shape of the job's
+component: see below), and stores that entry under the job's auto key. Auto never changes the
+recipe's scope or ``fullgraph``: a model no strategy can capture as written fails with every
+attempt's reason.
 
 Why this order (docs/recipes.md, "Which strategy"): a fresh process's first image on the tiny UNet
 (2 CPU cores, benchmarks/README.md) is 0.97x eager's with aot-package, 1.23x with aot-compile and
@@ -19,8 +20,14 @@ Keys: the key of an auto job holds the strategy-independent factors and ``strate
 recipe with that strategy named, whose key is exactly an explicit recipe's. A failed attempt is
 remembered under that concrete key (the store's one rule for failures: skipped until
 ``--retry-failed``), so a rebuild goes straight to the strategy that worked. What the chosen
-strategy adds to the key (its ``compile_factors``, e.g. aot-compile's thread count) is recorded in
-the entry (``Manifest.auto``) and checked at load (aotbuild/runtime.py).
+strategy adds to the key (its ``compile_factors``) is recorded in the entry (``Manifest.auto``) and
+checked at load (aotbuild/runtime.py). No strategy adds one today: aot-compile keyed the CPU thread
+count until its entries served any count (413934f, issue 36 item 3), and the count the inductor
+target keys under ``cpp.dynamic_threads: false`` is strategy-independent, so it is in the auto key.
+
+One strategy serves a component (its dispatcher is that strategy's), so the builder chooses per
+component, for all its shapes (``builder._build_component``): a shape that fails a strategy takes the
+whole component to the next one (:data:`DROPPED` on the shapes it had built).
 """
 
 from __future__ import annotations
@@ -44,8 +51,10 @@ ORDER = {
     "cuda": ("aot-package", "aot-compile", "jit-cache"),
 }
 DEFAULT_ORDER = ("aot-package", "aot-compile", "jit-cache")
-#: An attempt's outcomes.
-BUILT, FAILED, FAILED_BEFORE = "built", "failed", "failed before"
+#: An attempt's outcomes. ``dropped``: not kept, or not tried, because another shape of the same
+#: component failed with that strategy (one strategy serves every shape of a component: the builder
+#: falls back for the whole component).
+BUILT, FAILED, FAILED_BEFORE, DROPPED = "built", "failed", "failed before", "dropped"
 
 
 def is_auto(recipe: Recipe) -> bool:
@@ -133,5 +142,5 @@ def attempts_text(attempts: list[Attempt] | list[dict[str, Any]]) -> str:
     return "; ".join((a if isinstance(a, Attempt) else Attempt.from_json(a)).text() for a in attempts)
 
 
-__all__ = ["ORDER", "DEFAULT_ORDER", "Choice", "Attempt", "choice", "concrete", "is_auto", "order",
-           "strategy_factors", "attempts_text"]
+__all__ = ["ORDER", "DEFAULT_ORDER", "BUILT", "FAILED", "FAILED_BEFORE", "DROPPED", "Choice", "Attempt", "choice",
+           "concrete", "is_auto", "order", "strategy_factors", "attempts_text"]

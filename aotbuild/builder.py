@@ -344,12 +344,16 @@ def _run_jobs(store: Store, jobs: list[Job], todo: list[Job], results: dict[int,
             prior = done_keys[job.key]
             result = JobResult(job, prior.status if prior.status != BUILT else CACHED, size=prior.size,
                                reason=prior.reason)
-        elif job.choice is not None:  # strategy: auto, every rank of it at once
+        elif job.choice is not None:  # strategy: auto, every shape (and rank) of its component at once
             tick = _ticker(progress, n + 1, len(todo), job) if progress else None
-            group = sorted((j for j in todo if j.group == job.group), key=lambda j: j.rank or 0)
-            built = _build_auto(store, group, tick, limit, sign_key, loads, retry_failed)
-            for sibling, sibling_result in zip(group, built, strict=True):
-                done_keys[sibling.key] = ranked[sibling.key] = sibling_result  # type: ignore[index]
+            shapes = _component_shapes(jobs, results, todo, job)
+            _build_component(store, shapes, tick, limit, sign_key, loads, retry_failed)
+            for shape in (s for s in shapes if s.results):  # a hit not rebuilt has none: it stays cached
+                for k, (sibling, sibling_result) in enumerate(zip(shape.jobs, shape.results, strict=True)):
+                    if shape.indices:  # a hit rebuilt with the strategy its component fell back to
+                        results[shape.indices[k]] = sibling_result
+                    else:
+                        done_keys[sibling.key] = ranked[sibling.key] = sibling_result  # type: ignore[index]
             result = ranked.pop(job.key)
         elif job.siblings:
             tick = _ticker(progress, n + 1, len(todo), job) if progress else None
@@ -501,8 +505,152 @@ def _build_ranks_once(store: Store, jobs: list[Job], tick: Tick | None, limit: i
         return [JobResult(j, FAILED, 0.0, reason=f"cannot build into {store.root}: {exc}") for j in jobs]
 
 
+@dataclass
+class _Shape:
+    """One shape of an auto component (every rank of it) while :func:`_build_component` runs."""
+
+    jobs: list[Job]
+    #: a hit's indices in the build's results (rebuilt only if its component falls back); [] for a miss
+    indices: list[int] = field(default_factory=list)
+    #: the strategy its stored entry holds ("" while none)
+    held: str = ""
+    attempts: list[auto.Attempt] = field(default_factory=list)
+    #: its latest results (one per rank); [] while nothing ran
+    results: list[JobResult] = field(default_factory=list)
+    seconds: float = 0.0
+    #: whether the build's loader still counts a worker for it (a miss's first; SharedLoads.again)
+    counted: bool = True
+
+    @property
+    def label(self) -> str:
+        return str(self.jobs[0].shape)
+
+
+def _component_shapes(jobs: list[Job], results: dict[int, JobResult], todo: list[Job], job: Job) -> list[_Shape]:
+    """Every shape of ``job``'s component (same recipe, same component) that auto builds now: the
+    misses of ``todo``, and the hits, which are rebuilt only if the component falls back from their
+    strategy. A shape that failed before with every strategy, or is on the remote, is not one of them."""
+    def mine(other: Job) -> bool:
+        return other.choice is not None and other.ctx is job.ctx and other.component == job.component
+
+    shapes: dict[str | None, _Shape] = {}
+    for other in todo:
+        if mine(other):
+            shapes.setdefault(other.group, _Shape([])).jobs.append(other)
+    for i, other in enumerate(jobs):
+        if mine(other) and other.status == HIT and other.chosen and results.get(i) is not None \
+                and results[i].status == CACHED:
+            shape = shapes.setdefault(other.group, _Shape([], held=other.chosen, counted=False))
+            shape.jobs.append(other)
+            shape.indices.append(i)
+    for shape in shapes.values():  # a rank's result goes back to its own index
+        order = sorted(range(len(shape.jobs)), key=lambda k: shape.jobs[k].rank or 0)
+        shape.jobs = [shape.jobs[k] for k in order]
+        shape.indices = [shape.indices[k] for k in order] if shape.indices else []
+    return list(shapes.values())
+
+
+def _build_component(store: Store, shapes: list[_Shape], tick: Tick | None, limit: int | None,
+                     sign_key: str | Path | None, loads: SharedLoads, retry_failed: bool) -> None:
+    """Auto for one component: one strategy for all its shapes, since one strategy serves a component
+    (its dispatcher is that strategy's: aotbuild/runtime.py misses a shape built with another). The
+    strategies are tried in auto's order, starting from the one its stored shapes hold (the fastest
+    among them; with ``retry_failed``, the first), each on every shape (the one that failed the last
+    strategy first); when a shape fails with a strategy, the component falls back as a whole to the
+    next one, its shapes built with the dropped strategy included. A strategy that failed before for
+    one shape (its failure record) is skipped for the whole component until ``retry_failed``. Fills
+    each shape's ``results``; a shape no strategy left to try builds keeps the entry it has (its
+    attempts say so) and the build is red."""
+    first = shapes[0].jobs[0]
+    assert first.choice is not None
+    tries = first.choice.tries
+    if not tries:
+        for shape in shapes:
+            shape.results = _attempts(store, shape.jobs, tick, limit, sign_key, loads, retry_failed)
+        return
+    # --retry-failed tries every strategy again (a stored shape is built again if a faster one serves all)
+    held = [tries.index(s.held) for s in shapes if s.held in tries and not retry_failed]
+    last_failed: _Shape | None = None
+    for strategy in tries[min(held, default=0):]:
+        blocked = None if retry_failed else _failed_with(store, shapes, strategy)
+        if blocked is not None:
+            culprit, why, key = blocked
+            for shape in shapes:
+                shape.attempts.append(auto.Attempt(strategy, auto.FAILED_BEFORE, why, key=key) if shape is culprit
+                                      else auto.Attempt(strategy, auto.DROPPED, f"it failed before at {culprit.label}: "
+                                                                                f"{ONE_STRATEGY}"))
+            last_failed = culprit
+            continue
+        failed = None
+        for shape in sorted(shapes, key=lambda s: s is not last_failed):
+            if shape.held == strategy:
+                continue
+            if not shape.counted:
+                loads.again(shape.jobs[0])
+            shape.counted = False
+            built = _build_auto(store, shape.jobs, tick, limit, sign_key, loads, retry_failed, tries=(strategy,),
+                                before=shape.attempts)
+            shape.results = built
+            shape.seconds += max(r.seconds for r in built)
+            shape.attempts = list(built[0].attempts) or shape.attempts
+            if all(r.status in (BUILT, UNCACHED) for r in built):
+                shape.held = strategy
+            elif all(r.status == CACHED for r in built):  # built meanwhile by another aotbuild process
+                manifest = store.read_manifest(str(shape.jobs[0].key))
+                shape.held = manifest.strategy if manifest is not None else strategy
+            else:
+                failed = shape
+                break
+        if failed is None:
+            break
+        last_failed = failed
+        dropped = f"{failed.label} failed with it: {ONE_STRATEGY}"
+        for shape in shapes:  # built with the strategy another shape failed with: built again with the next
+            if shape is failed or shape.held != strategy:
+                continue
+            if shape.attempts and shape.attempts[-1].strategy == strategy:
+                shape.attempts[-1] = replace(shape.attempts[-1], outcome=auto.DROPPED, reason=dropped)
+            else:  # a hit of an earlier build
+                shape.attempts.append(auto.Attempt(strategy, auto.DROPPED, dropped))
+    _component_results(shapes)
+
+
+#: Why auto drops a strategy one shape of a component failed with (aotbuild/runtime.py serves a
+#: component with the strategy of its entries: a shape built with another misses).
+ONE_STRATEGY = "one strategy serves every shape of a component"
+
+
+def _failed_with(store: Store, shapes: list[_Shape], strategy: str) -> tuple[_Shape, str, str] | None:
+    """The first shape whose concrete job with ``strategy`` failed before (this aotbuild version's
+    record), the first line of why and that job's key; None if none did."""
+    for shape in shapes:
+        lead = planner.concrete_group(shape.jobs, strategy)[0]
+        record = store.failure(lead.group) if lead.group else None
+        if record is not None and record.get("aotbuild") == constants.VERSION:
+            return shape, _first_line(str(record.get("reason", ""))), str(lead.group)
+    return None
+
+
+def _component_results(shapes: list[_Shape]) -> None:
+    """Each shape's final results: its latest build's, with every attempt of the component's loop; a
+    hit untouched stays as it was (no results); a shape no strategy was tried on fails with why."""
+    for shape in shapes:
+        if not shape.results:
+            if shape.indices:  # a hit its component never had to rebuild
+                continue
+            known = all(a.outcome in (auto.FAILED_BEFORE, auto.DROPPED) for a in shape.attempts)
+            reason = f"auto: no strategy built and passed the proof: {auto.attempts_text(shape.attempts)}"
+            shape.results = [JobResult(j, FAILED, reason=f"{reason}; {RETRY_HINT}" if known else reason,
+                                       not_retried=known, attempts=list(shape.attempts)) for j in shape.jobs]
+            continue
+        note = f"auto: {auto.attempts_text(shape.attempts)}"
+        shape.results = [replace(r, seconds=shape.seconds, attempts=list(shape.attempts),
+                                 reason=note if r.status == BUILT else r.reason) for r in shape.results]
+
+
 def _build_auto(store: Store, jobs: list[Job], tick: Tick | None, limit: int | None, sign_key: str | Path | None,
-                loads: SharedLoads, retry_failed: bool = False) -> list[JobResult]:
+                loads: SharedLoads, retry_failed: bool = False, *, tries: tuple[str, ...] | None = None,
+                before: list[auto.Attempt] | None = None) -> list[JobResult]:
     """An auto job (every rank of it), under its own build lock (as :func:`_build_once`): a second
     builder of it waits, then finds the entry cached or tries the strategies itself (those the first
     found failing are then known failures, skipped)."""
@@ -523,26 +671,29 @@ def _build_auto(store: Store, jobs: list[Job], tick: Tick | None, limit: int | N
                     return [JobResult(j, CACHED, time.perf_counter() - started, size=e.manifest.size,
                                       reason="built meanwhile by another aotbuild process")
                             for j, e in zip(jobs, entries, strict=True) if e is not None]
-            return _attempts(store, jobs, tick, limit, sign_key, loads, retry_failed)
+            return _attempts(store, jobs, tick, limit, sign_key, loads, retry_failed, tries=tries, before=before)
     except StoreError as exc:
         return [JobResult(j, FAILED, 0.0, reason=f"cannot build into {store.root}: {exc}") for j in jobs]
 
 
 def _attempts(store: Store, jobs: list[Job], tick: Tick | None, limit: int | None, sign_key: str | Path | None,
-              loads: SharedLoads, retry_failed: bool) -> list[JobResult]:
+              loads: SharedLoads, retry_failed: bool, *, tries: tuple[str, ...] | None = None,
+              before: list[auto.Attempt] | None = None) -> list[JobResult]:
     """The strategies auto tries for ``jobs`` (one job's ranks), in order, until one builds and passes
     the proof; that entry is stored under the auto key. A strategy that failed before for this job
     (its concrete key's failure record, this aotbuild version's) is skipped until ``retry_failed``; a
-    failing attempt is recorded under its concrete key. Never a change of scope or fullgraph."""
+    failing attempt is recorded under its concrete key. Never a change of scope or fullgraph.
+    ``tries``: only these (:func:`_build_component` tries one strategy at a time on each shape of a
+    component), after the attempts ``before``."""
     first = jobs[0]
     assert first.choice is not None
     started = time.perf_counter()
-    attempts: list[auto.Attempt] = []
+    attempts: list[auto.Attempt] = list(before or ())
     if not first.choice.tries:
         return [JobResult(j, FAILED, reason=f"auto: no strategy can serve this recipe here; {first.choice.text()}")
                 for j in jobs]
     ran = False
-    for strategy in first.choice.tries:
+    for strategy in first.choice.tries if tries is None else tries:
         group = planner.concrete_group(jobs, strategy)
         lead = group[0]
         assert lead.group is not None

@@ -9,6 +9,7 @@ pipeline. A recipe's ``changes`` section declares them; each is one :class:`Chan
 =========================  =====================================================  ==================
 ``changes.freeu``          ``pipe.enable_freeu(s1=, s2=, b1=, b2=)``               the ``unet`` only
 ``changes.attention_processor``  ``component.set_attn_processor(<class>())``       compiled components
+``changes.attention_backend``    ``component.set_attention_backend(<name>)``         compiled components
 ``changes.cache``          ``component.enable_cache(<config class>(**fields))``    compiled components
 ``changes.memory_format``  ``component.to(memory_format=torch.channels_last)``     compiled components
 =========================  =====================================================  ==================
@@ -24,15 +25,18 @@ processor class of the user's, a processor set on some layers only, an attribute
 cannot be re-created in another process and is refused with that difference.
 
 What no strategy builds is refused at plan time and by :func:`detect` (:meth:`Change.unbuildable`):
-a fused attention processor (it needs ``fuse_qkv_projections``' ``to_qkv``) and, for now, every
-cache hook (issue 31 items 3 and 6).
+a fused attention processor (it needs ``fuse_qkv_projections``' ``to_qkv``), an attention backend whose
+kernel diffusers downloads from the Hub at each load, and, for now, every cache hook (issue 31 items 3
+and 6).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
-from collections.abc import Mapping
+import sys
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,7 +46,8 @@ from aotbuild.suggest import suggest
 from aotbuild.text import printable
 
 __all__ = ["FREEU_FACTORS", "FREEU_COMPONENT", "Change", "CHANGES", "factors", "same_keys", "check_recipe", "apply",
-           "detect", "Detected", "processor_classes", "cache_config_classes", "as_recipe_text"]
+           "detect", "Detected", "processor_classes", "attention_backends", "active_backend", "cache_config_classes",
+           "as_recipe_text"]
 
 #: The component FreeU changes (``DiffusionPipeline.enable_freeu`` calls ``self.unet.enable_freeu``).
 FREEU_COMPONENT = "unet"
@@ -55,6 +60,23 @@ def processor_classes() -> dict[str, type]:
     return {name: cls for name, cls in vars(attention_processor).items()
             if isinstance(cls, type) and "Processor" in name and cls.__module__.startswith("diffusers.")
             and any("__call__" in vars(base) for base in cls.__mro__[:-1]) and not name.startswith("_")}
+
+
+def attention_backends() -> tuple[str, ...]:
+    """diffusers' attention backends (``attention_dispatch.AttentionBackendName``), by value: what
+    ``changes.attention_backend`` may name."""
+    from diffusers.models.attention_dispatch import AttentionBackendName
+
+    return tuple(b.value for b in AttentionBackendName)
+
+
+def active_backend() -> str:
+    """diffusers' process-wide attention backend (``set_attention_backend`` sets it with each processor's),
+    by value: what a processor without its own ``_attention_backend`` dispatches to."""
+    from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+
+    backend = _AttentionBackendRegistry._active_backend
+    return str(getattr(backend, "value", backend))
 
 
 def cache_config_classes() -> dict[str, type]:
@@ -200,6 +222,74 @@ class _Processor(Change):
                       f"diffusers.models.attention_processor's classes)")
 
 
+#: diffusers' default backend: a processor whose ``_attention_backend`` is None dispatches to the active
+#: one, which is this unless ``set_attention_backend`` set another.
+_DEFAULT_BACKEND = "native"
+
+
+class _Backend(Change):
+    """``set_attention_backend(name)``: writes ``_attention_backend`` on each processor object that has one
+    (diffusers' dispatching processors: Flux's, Wan's, QwenImage's; a UNet's AttnProcessor2_0 has none)
+    and sets diffusers' process-wide active backend, which the per-call state holds
+    (dependencies.numeric_flags): a declared backend is in the build's record both ways."""
+
+    def check(self, recipe: Recipe, value: Any, component: str, module_class: type | None) -> None:
+        known = attention_backends()
+        if value not in known:
+            allowed = sorted(k for k in known if not self.unbuildable(k))
+            raise recipe.error(self.key, f"{printable(value)!r} is not an attention backend of diffusers"
+                                         f"{suggest(value, allowed)} (allowed: {', '.join(allowed)})")
+        why = self.unbuildable(value)
+        if why:
+            raise recipe.error(self.key, why)
+        if module_class is not None and not hasattr(module_class, "set_attention_backend"):
+            raise recipe.error(self.key, f"{component} ({module_class.__name__}) has no set_attention_backend: it is "
+                                         f"not a diffusers model")
+        from diffusers.models.attention_dispatch import AttentionBackendName, _check_attention_backend_requirements
+
+        try:  # a backend whose library is not installed here (flash-attn, sageattention, xformers)
+            _check_attention_backend_requirements(AttentionBackendName(value))
+        except (RuntimeError, ImportError) as exc:
+            raise recipe.error(self.key, f"{value} cannot run here: {printable(str(exc))[:160]}") from None
+
+    def apply(self, module: Any, value: Any, recipe: Recipe | None) -> None:
+        module.set_attention_backend(value)
+
+    def unbuildable(self, value: Any) -> str:
+        if not str(value).endswith("_hub"):
+            return ""
+        return (f"{value} has diffusers download its kernel from the Hugging Face Hub (the kernels package) at each "
+                f"load: a load of an entry never reaches the network (docs/runtime.md, \"cache and remote\"). "
+                f"Declare a backend of an installed library (native, _native_math, flash, sage, xformers, ...)")
+
+    def read(self, module: Any, component: str) -> tuple[Any, str]:
+        if not hasattr(module, "set_attention_backend"):
+            return None, ""
+        own = {str(getattr(b, "value", b)) for b in _processor_backends(module)}
+        if len(own) > 1:  # some processors only: the caller's snapshot comparison names the difference
+            return None, ""
+        if own:
+            return own.pop(), ""
+        # no processor holds its own: what they dispatch to is the active backend (a UNet's processors read
+        # none, but the per-call state refuses a call under another one: declared, the build records it)
+        active = active_backend()
+        return (None if active == _DEFAULT_BACKEND else active), ""
+
+    def shows(self, module: Any) -> bool:
+        return hasattr(module, "set_attention_backend")
+
+
+def _processor_backends(module: Any) -> list[Any]:
+    """The ``_attention_backend`` each processor of ``module`` holds (None left out)."""
+    out = []
+    for sub in module.modules():
+        processor = getattr(sub, "processor", None)
+        backend = getattr(processor, "_attention_backend", None) if processor is not None else None
+        if backend is not None:
+            out.append(backend)
+    return out
+
+
 class _Cache(Change):
     def factor(self, value: Any) -> Any:
         return {"config": value["config"], **_cache_fields(value)}
@@ -297,10 +387,11 @@ def _eligible(module: Any) -> Any:
             continue
 
 
-#: In the order :func:`apply` applies them (a processor before the cache hooks that wrap the blocks,
-#: the memory format last: it moves the weights).
-CHANGES: tuple[Change, ...] = (_FreeU("freeu"), _Processor("attention_processor"), _Cache("cache"),
-                               _MemoryFormat("memory_format"))
+#: In the order :func:`apply` applies them (a processor before its backend, which set_attn_processor's new
+#: objects would not hold, and before the cache hooks that wrap the blocks; the memory format last: it moves
+#: the weights).
+CHANGES: tuple[Change, ...] = (_FreeU("freeu"), _Processor("attention_processor"), _Backend("attention_backend"),
+                               _Cache("cache"), _MemoryFormat("memory_format"))
 
 _NO_DEFAULT = object()
 _NOT_PLAIN = object()
@@ -466,9 +557,10 @@ def detect(pipe: Any, recipe: Recipe) -> Detected:
                                       f"here, so its changes cannot be checked")
             continue
         try:
-            for change in CHANGES:
-                if change.name in mine:
-                    change.apply(fresh, mine[change.name], None)
+            with _active_backend_kept():  # the twin's set_attention_backend must not change the process's
+                for change in CHANGES:
+                    if change.name in mine:
+                        change.apply(fresh, mine[change.name], None)
         except Exception as exc:  # noqa: BLE001 - diffusers refused the change on a fresh module
             return Detected(None, f"{component}: its changes cannot be re-created: {printable(str(exc))[:160]}")
         # A component the recipe quantizes or puts LoRA layers in is not its meta twin (torchao's, peft's
@@ -493,6 +585,19 @@ def detect(pipe: Any, recipe: Recipe) -> Detected:
     if not found:
         return Detected(None)
     return Detected(ChangesSpec(**found))
+
+
+@contextlib.contextmanager
+def _active_backend_kept() -> Iterator[None]:
+    """diffusers' process-wide attention backend as it was, whatever the body sets."""
+    dispatch = sys.modules.get("diffusers.models.attention_dispatch")
+    registry = getattr(dispatch, "_AttentionBackendRegistry", None)
+    before = getattr(registry, "_active_backend", None)
+    try:
+        yield
+    finally:
+        if registry is not None:
+            registry._active_backend = before
 
 
 def _meta_twin(module: Any) -> Any:
@@ -530,8 +635,8 @@ def _remaining(live: Mapping[str, str], fresh: Mapping[str, str], component: str
         if a is None or b is None or comparable(a) != comparable(b):
             full = f"{component}.{path}" if path != "." else component
             return (f"{printable(full)} is {printable(a or 'absent')} here, {printable(b or 'absent')} in a fresh "
-                    f"load with the declarable changes found (FreeU, attention_processor, cache, memory_format): a "
-                    f"change the build's processes cannot re-create")
+                    f"load with the declarable changes found (FreeU, attention_processor, attention_backend, cache, "
+                    f"memory_format): a change the build's processes cannot re-create")
     return ""
 
 

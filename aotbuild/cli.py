@@ -461,6 +461,14 @@ def plan(recipes: tuple[str, ...], cache: str | None, as_json: bool, fail_on_mis
     from aotbuild.shards import resolve
 
     picked = resolve(shard) if shard else None  # a bad --shard (auto with no scheduler) fails before planning
+    target = _remote(remote)
+    # A job whose key has a failure record on the remote reads "failed", as a local record does (and as
+    # a build with --push would pull it); the remote's records are listed only if a job misses.
+    failures = None
+    if target is not None:
+        from aotbuild.sync import remote_failures
+
+        failures = remote_failures(target)
 
     # Every bad recipe of a folder is reported, and the good ones planned: three bad recipes, one run.
     bad: list[RecipeError] = []
@@ -468,7 +476,7 @@ def plan(recipes: tuple[str, ...], cache: str | None, as_json: bool, fail_on_mis
     jobs = []
     for recipe in good:
         try:
-            jobs += run_plan([recipe], cache=cache, trusted_keys=_keys(trusted_keys))
+            jobs += run_plan([recipe], cache=cache, trusted_keys=_keys(trusted_keys), failures=failures)
         except RecipeError as exc:  # what plan checks against the model (warmup keys, adapters)
             bad.append(exc)
     jobs.sort(key=lambda j: (j.key is None, j.key or "", j.label))
@@ -476,7 +484,6 @@ def plan(recipes: tuple[str, ...], cache: str | None, as_json: bool, fail_on_mis
     if picked is not None:
         everything, jobs = jobs, shard_jobs(jobs, *picked)
         sharded = shard_summary(picked, len(jobs), everything)
-    target = _remote(remote)
     if target is not None:  # after sharding: the remote's keys listed once, manifests read for this shard only
         jobs = mark_remote(jobs, target, _keys(trusted_keys))
     if as_json:

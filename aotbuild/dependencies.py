@@ -35,6 +35,7 @@ import dataclasses
 import enum
 import hashlib
 import operator
+import re
 import sys
 import types
 from collections.abc import Iterator, Mapping
@@ -58,6 +59,8 @@ _MODULE_INTERNALS = frozenset({
 #: forward) is not in the graph.
 ROOT_OUTSIDE = frozenset({"forward", "_old_forward", "<hooks>"})
 _PLAIN = (bool, int, float, str, type(None))
+#: The per-call state's flag of diffusers' active attention backend (:func:`numeric_flags`).
+_BACKEND_FLAG = "diffusers attention backend "
 _HOOKS = "<hooks>"
 
 
@@ -203,7 +206,7 @@ def _hint(path: str, here: str | None, there: str | None) -> str:
     if leaf in ("b1", "b2", "s1", "s2"):
         return ": FreeU?"
     if leaf == "processor":
-        return ": another attention processor?"
+        return _BACKEND_HINT if _backend_only(here, there) else ": another attention processor?"
     if leaf == "_hf_peft_config_loaded" or "peft.tuners." in (here or ""):
         return ": a LoRA loaded (load_lora_weights)? A recipe's lora section builds for hot-swapped adapters"
     if leaf == "_cache_config":
@@ -220,9 +223,22 @@ def _hint(path: str, here: str | None, there: str | None) -> str:
     return ""
 
 
+#: A processor's backend (``_attention_backend``, written in place by ``set_attention_backend``) or the
+#: process-wide one differs, nothing else: declared by ``changes.attention_backend``.
+_BACKEND_HINT = ": another attention backend (set_attention_backend)?"
+
+
+def _backend_only(here: str | None, there: str | None) -> bool:
+    """Whether two held objects' records differ only in ``_attention_backend`` (one class, other settings equal)."""
+    def without(what: str) -> str:
+        return re.sub(r"(, )?_attention_backend='[^']*'", "", what).replace("(, ", "(").replace(" ()", "")
+    return bool(here and there) and here != there and without(here) == without(there)
+
+
 def recipe_key(reason: str) -> str:
-    """The recipe key that declares the change a :func:`diff` reason names (aotbuild/changes.py: FreeU's
-    factors, an attention processor, a memory format), or "" for one no recipe declares. A diffusers
+    """The recipe key that declares the change a :func:`diff` or :class:`Watch` reason names
+    (aotbuild/changes.py: FreeU's factors, an attention processor or backend, a memory format), or "" for
+    one no recipe declares. A diffusers
     cache hook is declarable but no strategy builds one (``changes.cache`` is refused at plan time)."""
     for hint, key in _DECLARED_BY:
         if reason.endswith(hint):
@@ -232,6 +248,7 @@ def recipe_key(reason: str) -> str:
 
 #: A difference's hint (:func:`_hint`) -> the recipe key that declares such a change.
 _DECLARED_BY = ((": FreeU?", "changes.freeu"), (": another attention processor?", "changes.attention_processor"),
+                (_BACKEND_HINT, "changes.attention_backend"),
                 (": another memory format (channels_last?)", "changes.memory_format"))
 
 
@@ -325,7 +342,7 @@ def numeric_flags() -> list[str]:
     registry = getattr(dispatch, "_AttentionBackendRegistry", None)
     backend = getattr(registry, "_active_backend", None)
     if backend is not None and getattr(backend, "value", backend) != "native":
-        flags.append(f"diffusers attention backend {getattr(backend, 'value', backend)}")
+        flags.append(f"{_BACKEND_FLAG}{getattr(backend, 'value', backend)}")
     return flags
 
 
@@ -495,10 +512,12 @@ class Watch:
         if self.states:
             state = _state_now()
             if state not in self.states:
+                backend_only = _without_backend(state) in map(_without_backend, self.states)
                 return (f"{self.component}{'.' + self.under if self.under else ''} is called with "
                         f"{_describe_state([state[0], state[1], list(state[2])])}; the entry was traced with "
-                        f"{_describe_state(list(self.states[0]))}: another grad mode, default dtype, autocast or "
-                        f"numeric setting (deterministic algorithms, TF32, matmul precision)")
+                        f"{_describe_state(list(self.states[0]))}" + (_BACKEND_HINT if backend_only else
+                        ": another grad mode, default dtype, autocast or numeric setting (deterministic "
+                        "algorithms, TF32, matmul precision, diffusers' attention backend)"))
         if not self.moved():
             return self.reason
         live = snapshot(self.module)
@@ -511,6 +530,10 @@ class Watch:
         self._arm()
         self.reason = reason
         return reason
+
+
+def _without_backend(state: tuple[Any, ...]) -> tuple[Any, ...]:
+    return (state[0], state[1], tuple(s for s in state[2] if not s.startswith(_BACKEND_FLAG)))
 
 
 def _state_now() -> tuple[Any, ...]:

@@ -6,6 +6,7 @@ behind ``aotbuild plan`` and the first half of ``aotbuild build``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -24,6 +25,8 @@ if TYPE_CHECKING:
     from aotbuild.remote_base import Remote
 
 HIT, MISS, UNAVAILABLE = "hit", "miss", "unavailable"
+#: key -> its failure record, or None (Store.failure, or a remote's: sync.remote_failures)
+Failures = Callable[[str], "dict | None"]
 #: A miss whose last build, by this aotbuild version, failed (its failure record says why): kept out of
 #: estimates, and not built again until ``build --retry-failed`` (the one rule for failures).
 FAILED_BEFORE = "failed"
@@ -97,8 +100,12 @@ class Job:
         return data
 
 
-def jobs_for(ctx: Context, store: Store) -> list[Job]:
+def jobs_for(ctx: Context, store: Store, failures: Failures | None = None) -> list[Job]:
+    """The jobs of ``ctx``'s recipe, each a hit, a miss or failed before. ``failures``: where else a
+    failure record of a key may be (``plan --remote``: the remote's, sync.remote_failures), read
+    where the store has none of this aotbuild version."""
     recipe = ctx.recipe
+    failed = _failure_lookup(store, failures)
     jobs = []
     manifests: list[Entries] = []  # read once, on the first miss to explain
     for component in recipe.compile.components:
@@ -119,10 +126,10 @@ def jobs_for(ctx: Context, store: Store) -> list[Job]:
             ranked = [(rank, ctx.factors(component, config[0], config[1], shape, ctx.pipeline_class, rank))
                       for rank in ctx.ranks]
             siblings = tuple(keys.key_of(f) for _, f in ranked) if len(ranked) > 1 else ()
-            planned = [_job(ctx, store, component, shape, rank, factors, siblings, manifests)
+            planned = [_job(ctx, store, component, shape, rank, factors, siblings, manifests, failed)
                        for rank, factors in ranked]
             if auto.is_auto(recipe):
-                planned = _auto_jobs(ctx, store, planned)
+                planned = _auto_jobs(ctx, store, planned, failed)
             jobs.extend(planned)
     return jobs
 
@@ -148,7 +155,22 @@ def concrete_group(jobs: list[Job], strategy: str) -> list[Job]:
     return group
 
 
-def _auto_jobs(ctx: Context, store: Store, jobs: list[Job]) -> list[Job]:
+def _failure_lookup(store: Store, failures: Failures | None) -> Failures:
+    """The failure record of a key: the store's, else (where the store has none of this aotbuild
+    version) the one ``failures`` gives."""
+    if failures is None:
+        return store.failure
+
+    def lookup(key: str) -> dict | None:
+        own = store.failure(key)
+        if own is not None and own.get("aotbuild") == constants.VERSION:
+            return own
+        return failures(key) or own
+
+    return lookup
+
+
+def _auto_jobs(ctx: Context, store: Store, jobs: list[Job], failure: Failures) -> list[Job]:
     """An auto job's ranks with what auto tries (aotbuild/auto.py): each strategy's concrete key (its
     rank 0's, where failures are recorded) and which failed before; a miss whose every try failed
     before is FAILED_BEFORE (not retried until ``--retry-failed``, the one rule for failures); a hit
@@ -158,7 +180,7 @@ def _auto_jobs(ctx: Context, store: Store, jobs: list[Job]) -> list[Job]:
     attempt_keys = {s: str(concrete_job(first, s).key) for s in choice.tries}
     failed: dict[str, str] = {}
     for strategy, key in attempt_keys.items():
-        record = store.failure(key)
+        record = failure(key)
         if record is not None and record.get("aotbuild") == constants.VERSION:
             failed[strategy] = str(record.get("reason", "")).partition("\n")[0]
     out = []
@@ -181,7 +203,7 @@ def _auto_jobs(ctx: Context, store: Store, jobs: list[Job]) -> list[Job]:
 
 
 def _job(ctx: Context, store: Store, component: str, shape: Shape, rank: int | None, factors: dict[str, Any],
-         siblings: tuple[str, ...], manifests: list[Entries]) -> Job:
+         siblings: tuple[str, ...], manifests: list[Entries], failure: Failures) -> Job:
     """One job (one rank's, for a tensor-parallel recipe): a hit, failed before, or a miss and why.
     ``manifests`` holds the store's manifests once a miss needed them (read once per plan).
 
@@ -190,7 +212,7 @@ def _job(ctx: Context, store: Store, component: str, shape: Shape, rank: int | N
     recipe = ctx.recipe
     key = keys.key_of(factors)
     ok, why = store.check_entry(key)
-    failed = store.failure(key) if not ok and why.kind is Unusable.NOT_BUILT else None
+    failed = failure(key) if not ok and why.kind is Unusable.NOT_BUILT else None
     if failed is not None and failed.get("aotbuild") == constants.VERSION:
         reason = (f"failed before ({failed.get('time', '?')}, aotbuild {failed.get('aotbuild', '?')}): "
                   f"{failed['reason']}")
@@ -228,14 +250,17 @@ def _text_note(store: Store, recipe: Recipe, component: str, key: str | None, fa
 
 @positional_shim("cache")
 def plan(recipes: Recipes, *, cache: str | Path | None = None, remote: str | Remote | None = None,
-         trusted_keys: list[str | Path] | None = None, signatures: bool = True) -> list[Job]:
+         trusted_keys: list[str | Path] | None = None, signatures: bool = True,
+         failures: Failures | None = None) -> list[Job]:
     """Every job of every recipe, sorted by key (jobs without a key last), with hit/miss status.
 
     ``recipes``: recipe files or folders, recipe data as dicts (validated like a file), Recipe
     objects, or a list mixing them. ``remote`` (a URL or a Remote, as ``plan --remote``): a job the
     local cache lacks and the remote has is ``remote`` (:func:`mark_remote`). ``trusted_keys``
     (default ``AOTBUILD_TRUSTED_KEYS``): an entry no trusted key signed is a miss; ``signatures=False``
-    (a build) ignores them."""
+    (a build) ignores them. ``failures``: a lookup of failure records kept elsewhere (a remote's:
+    sync.remote_failures, which ``plan --remote`` passes), read as the store's own, so a job that
+    failed there is "failed" here too, nothing written locally."""
     from aotbuild.signing import trusted_from_env
 
     root = resolve_cache_root(cache)
@@ -260,7 +285,7 @@ def plan(recipes: Recipes, *, cache: str | Path | None = None, remote: str | Rem
                 from aotbuild import changes
 
                 changes.check_recipe(recipe, ctx.model.components(), ctx.pipeline_class)
-        jobs.extend(jobs_for(ctx, store))
+        jobs.extend(jobs_for(ctx, store, failures))
     jobs.sort(key=lambda j: (j.key is None, j.key or "", j.label))
     return mark_remote(jobs, remote, trusted_keys) if remote is not None else jobs
 

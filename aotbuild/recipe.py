@@ -101,6 +101,9 @@ SCHEMA: dict[str, dict[str, Field] | Field] = {
         "freeu": Field("mapping", None, doc="FreeU's factors {s1, s2, b1, b2}: pipe.enable_freeu(...) on the unet"),
         "attention_processor": Field("str?", doc="a diffusers attention processor class: set_attn_processor(Class()) "
                                                  "on each compiled component"),
+        "attention_backend": Field("str?", doc="a diffusers attention backend (attention_dispatch's "
+                                               "AttentionBackendName): set_attention_backend(name) on each compiled "
+                                               "component"),
         "cache": Field("mapping", None, doc="a diffusers cache hook {config: a diffusers.hooks config class, its "
                                             "fields}: enable_cache(...) on each compiled component"),
         "memory_format": Field("str?", choices=MEMORY_FORMATS, doc="the compiled components' weights' memory format: "
@@ -199,6 +202,7 @@ class ChangesSpec:
 
     freeu: Mapping[str, float | int] | None = None
     attention_processor: str | None = None
+    attention_backend: str | None = None
     cache: Mapping[str, Any] | None = None
     memory_format: str | None = None
 
@@ -529,6 +533,9 @@ def _changes(check: _Checker, data: Any) -> ChangesSpec | None:
     if spec.attention_processor is not None and not spec.attention_processor.isidentifier():
         raise check.fail("changes.attention_processor", f"{printable(spec.attention_processor)[:80]!r} is not a class "
                                                         f"name (e.g. AttnProcessor2_0)")
+    if spec.attention_backend is not None and not spec.attention_backend.isidentifier():
+        raise check.fail("changes.attention_backend", f"{printable(spec.attention_backend)[:80]!r} is not a backend "
+                                                      f"name (e.g. _native_math)")
     return None if spec == ChangesSpec() else spec
 
 

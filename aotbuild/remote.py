@@ -191,10 +191,16 @@ class FolderRemote(Remote):
             if progress:
                 progress(entry.key)
 
-    def failure_keys(self) -> set[str]:
+    def failure_times(self) -> dict[str, float]:
         if not self.store.root.is_dir():  # a build's push target before its first push: no records yet
-            return set()
-        return self.store.failure_keys()
+            return {}
+        times = {}
+        for key in self.store.failure_keys():
+            try:  # the record itself, never a link's target
+                times[key] = self.store.layout.failure(key).lstat().st_mtime
+            except OSError:  # removed since the listing: not there
+                continue
+        return times
 
     def read_failure(self, key: str) -> dict | None:
         self._check_root()

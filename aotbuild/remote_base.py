@@ -61,7 +61,13 @@ class Remote:
 
     def failure_keys(self) -> set[str]:
         """The keys with a failure record on the remote (one listing)."""
-        return set()
+        return set(self.failure_times())
+
+    def failure_times(self) -> dict[str, float]:
+        """key -> when its failure record was last written (the store's own modification time, in
+        seconds since the epoch; 0.0 where the store gives none), from the same one listing: which
+        records are the newest, without reading any."""
+        return {}
 
     def read_failure(self, key: str) -> dict | None:
         """The remote's failure record of ``key`` (one bounded read, store.failure_record's checks),

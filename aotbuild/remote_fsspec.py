@@ -17,7 +17,8 @@ under the prefix. The same rules hold:
   one a trusted key did, conditional on the version that was read: S3 ``If-Match`` on its ETag, Azure
   ``If-Match`` on its etag, GCS ``ifGenerationMatch`` on its generation (gcsfs offers no way to
   pass it: the replace is gcsfs's own one-request upload with it added). gcp-storage-emulator, the
-  GCS server the tests use, ignores preconditions: there the race tests assert consistency.
+  GCS server most tests use, ignores preconditions: there they assert consistency; the refusals are
+  tested against fake-gcs-server, which enforces them (docs/ci.md).
 - Pulls read the manifest (at most manifest.MAX_BYTES), then only the blobs the local cache lacks, in
   bounded ranges, each hashed as it is written and refused unless it matches its name and size
   (remote_base.ingest). Nothing is deserialised but the JSON manifest.
@@ -185,6 +186,26 @@ def _scrub(text: str) -> str:
     return text
 
 
+def _modified(info: dict[str, Any]) -> float:
+    """When a listing says an object was last written, in seconds since the epoch (0.0: it does not
+    say). Each filesystem names it its own way: gcsfs ``mtime`` (a datetime), s3fs ``LastModified``,
+    adlfs ``last_modified``, fsspec's memory store ``created`` (a timestamp)."""
+    from datetime import datetime, timezone
+
+    for name in ("mtime", "LastModified", "last_modified", "updated", "created"):
+        value = info.get(name)
+        if isinstance(value, str) and value:
+            try:
+                value = datetime.fromisoformat(value.replace("Z", "+00:00"))
+            except ValueError:
+                continue
+        if isinstance(value, datetime):
+            return (value if value.tzinfo else value.replace(tzinfo=timezone.utc)).timestamp()
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    return 0.0
+
+
 def _why(exc: BaseException) -> str:
     """One scrubbed line for ``exc``."""
     lines = str(exc).strip().splitlines()
@@ -335,14 +356,18 @@ class FsspecRemote(Remote):
 
         return ingest(store, key, manifest, blobs)
 
-    def failure_keys(self) -> set[str]:
+    def failure_times(self) -> dict[str, float]:
         folder = f"{self.root}/failures"
         try:
-            paths = self._call(f"listing {folder}", lambda: self.fs.find(folder))
+            found = self._call(f"listing {folder}", lambda: self.fs.find(folder, detail=True))
         except FileNotFoundError:
-            return set()
-        names = (p.rsplit("/", 1)[-1] for p in paths)
-        return {n[:-5] for n in names if n.endswith(".json") and HEX64.match(n[:-5])}
+            return {}
+        times = {}
+        for path, info in found.items():
+            name = path.rsplit("/", 1)[-1]
+            if name.endswith(".json") and HEX64.match(name[:-5]):
+                times[name[:-5]] = _modified(info)
+        return times
 
     def read_failure(self, key: str) -> dict | None:
         path = self.failure_path(key)

@@ -103,13 +103,38 @@ def push(items: list[str] | tuple[str, ...], remote: str | Remote, *, cache: str
         else:
             entries.append(entry)
     result = remote.push(entries, progress, workdir=store.layout.tmp, trusted=trusted)
-    for key in remote.failure_keys() & set(result.sent) if result.sent else ():  # built since it failed
-        remote.remove_failure(key)
+    there = set(result.sent + result.present)
+    clear_failures(remote, store, [k for e in entries if e.key in there for k in (e.key, *_built_attempt(e))])
     return PushReport(remote.url, result, skipped, damaged, push_failures(remote, store, failed or []))
 
 
-#: Failure records one build reads from a remote at most (each one small request): the newest
-#: failures are of jobs that still fail; a remote past this is one that gc should prune.
+def clear_failures(remote: Remote, store: Store, keys: list[str]) -> None:
+    """Forget the failure of each of ``keys``, whose entry is now on ``remote`` (or, for an auto job's
+    attempt, the entry that attempt built): the job builds (a --retry-failed that worked, or a new
+    build of it), so no shard or rerun may skip it as failed.
+    Removed on the remote (one listing, then one request per record there) and in ``store``."""
+    if not keys:
+        return
+    for key in remote.failure_keys() & set(keys):
+        remote.remove_failure(key)
+    for key in keys:
+        store.remove_failure(key)
+
+
+def _built_attempt(entry: Entry) -> list[str]:
+    """An auto job's entry: the key of the attempt that built it (its strategy's concrete key, where
+    that strategy's failure was recorded: aotbuild/auto.py), a record of which it makes stale."""
+    from aotbuild import auto
+    from aotbuild.layout import HEX64
+
+    attempts = (entry.manifest.auto or {}).get("attempts", ())
+    return [a["key"] for a in attempts if isinstance(a, dict) and a.get("outcome") == auto.BUILT
+            and isinstance(a.get("key"), str) and HEX64.match(a["key"])]
+
+
+#: Failure records one build reads from a remote at most (each one small request). The newest are
+#: read (by the store's modification time of each record, from the one listing): the failures of
+#: jobs that still fail; a remote past this is one whose failures/ gc should prune.
 MAX_PULLED_FAILURES = 1000
 
 
@@ -150,26 +175,71 @@ def pull_failures(remote: Remote, cache: str | Path | Store | None = None) -> li
     the store's own (planner.FAILED_BEFORE): a job another shard or an earlier run found failing is
     not built again until --retry-failed, and keeps this shard red. Skipped: a key the remote has an
     entry of (it was built since), one the local store already records a failure of for this
-    aotbuild, and a record that is not one (store.failure_record). Returns the keys pulled."""
+    aotbuild, and a record that is not one (store.failure_record). At most MAX_PULLED_FAILURES are
+    read, the newest first (by the store's modification time); a warning says when some were not.
+
+    Reconciled first: a record pulled from this remote before whose key the remote no longer records
+    as failed, or now holds an entry of (a --retry-failed that worked, on any runner), is removed
+    from the local store. Returns the keys pulled."""
+    import logging
+
     from aotbuild import constants
 
     store = cache if isinstance(cache, Store) else checked_store(resolve_cache_root(cache))
-    there = remote.failure_keys()
-    if not there:
-        return []
-    todo = sorted(there - remote.keys())
+    times = remote.failure_times()
+    built = remote.keys() if times else set()
+    for key in _pulled_from(store, remote.url):
+        if key not in times or key in built:
+            store.remove_failure(key)
+    todo = sorted(set(times) - built, key=lambda k: (-times[k], k))
+    if len(todo) > MAX_PULLED_FAILURES:
+        logging.getLogger("aotbuild").warning(
+            "%s holds %d failure records of jobs it has no entry of: only the newest %d were read (prune its "
+            "failures/ folder of old ones)", remote.url, len(todo), MAX_PULLED_FAILURES)
     pulled = []
     for key in todo[:MAX_PULLED_FAILURES]:
         mine = store.failure(key)
         if (mine is not None and mine.get("aotbuild") == constants.VERSION) or store.check_entry(key)[0]:
             continue
-        record = remote.read_failure(key)
-        if record is None or record.get("key") != key:  # a record names its own key (docs/security.md)
-            continue
-        why = f"{_first_line(record['reason'])} (recorded on {remote.url})"
-        store.put_failure(key, {**record, "key": key, "reason": why, "remote": remote.url})
-        pulled.append(key)
+        record = _remote_record(remote, key)
+        if record is not None:
+            store.put_failure(key, record)
+            pulled.append(key)
     return pulled
+
+
+def remote_failures(remote: Remote) -> Callable[[str], dict | None]:
+    """A lookup of the remote's failure record of a key, as :func:`pull_failures` would store it
+    (None: none there, or not a record of that key), for ``plan --remote``, which writes nothing
+    locally: the remote's records are listed once, on the first lookup, and only a listed one is read."""
+    listed: list[set[str]] = []
+
+    def lookup(key: str) -> dict | None:
+        if not listed:
+            listed.append(remote.failure_keys())
+        return _remote_record(remote, key) if key in listed[0] else None
+
+    return lookup
+
+
+def _remote_record(remote: Remote, key: str) -> dict | None:
+    """The remote's failure record of ``key`` as the local store keeps a pulled one: the first line
+    of why, saying where it was recorded, and the remote's URL (:func:`pull_failures` reconciles by it)."""
+    record = remote.read_failure(key)
+    if record is None or record.get("key") != key:  # a record names its own key (docs/security.md)
+        return None
+    why = f"{_first_line(record['reason'])} (recorded on {remote.url})"
+    return {**record, "key": key, "reason": why, "remote": remote.url}
+
+
+def _pulled_from(store: Store, url: str) -> list[str]:
+    """The keys of the local failure records pulled from the remote ``url``."""
+    keys = []
+    for key in store.failure_keys():
+        record = store.failure(key)
+        if record is not None and record.get("remote") == url:
+            keys.append(key)
+    return keys
 
 
 def _first_line(reason: str) -> str:

@@ -141,23 +141,25 @@ def measure_text(recipe: Any, component: str, module: Any, pipe: Any, rank: int 
 #: an unsupported call), by class name: their module paths moved between torch releases.
 CAPTURE_ERRORS = ("Unsupported", "UserError", "UncapturedHigherOrderOpError", "GuardOnDataDependentSymNode",
                   "DataDependentOutputException", "TorchRuntimeError")
+#: Where torch.export and Dynamo trace a model: an error raised in the model's own code under one of
+#: them (a plain RuntimeError, say: ``.numpy() is not supported for tensor subclasses`` when export's
+#: fake tensors meet numpy) is the tracer refusing the model, a capture failure too (issue 36).
+TRACERS = ("torch/export/", "torch/_export/", "torch/_dynamo/")
 
 
 def capture_failure(exc: BaseException, strategy: object, recipe: object) -> str:
     """One line for a component the compiler could not capture whole: the cause (the error's first
     line and the model's file:line) and the fix; "" for any other failure. (A 60-line Dynamo error
     was cut before its useful part; export said only "unhashable type: non-nested SymInt".)"""
-    import traceback
-
-    chain = [exc, *([exc.__cause__] if exc.__cause__ else []), *([exc.__context__] if exc.__context__ else [])]
+    chain = _chain(exc)
     capture = next((e for e in chain if type(e).__name__ in CAPTURE_ERRORS
                     or "SymInt" in str(e) or "data-dependent" in str(e).lower()), None)
+    capture = capture or next((e for e in chain if _raised_in_model_under_tracer(e)), None)
     if capture is None:
         return ""
     first = next((line.strip() for line in str(capture).splitlines() if line.strip()), type(capture).__name__)
-    frames = [f for f in traceback.extract_tb(capture.__traceback__)
-              if "/torch/" not in f.filename and "/aotbuild/" not in f.filename]
-    where = f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
+    where = next((w for w in map(model_frame, chain) if w), "")
+    where = f" at {where}" if where else ""
     if getattr(strategy, "graph_breaks", False) and getattr(recipe.compile, "fullgraph", True):
         fix = "set compile.fullgraph: false (several graphs, each proven) or compile.scope: regional"
     elif getattr(strategy, "graph_breaks", False):
@@ -165,6 +167,52 @@ def capture_failure(exc: BaseException, strategy: object, recipe: object) -> str
     else:
         fix = "use compile.scope: regional, or strategy jit-cache with compile.fullgraph: false"
     return f"the component cannot be captured whole: {type(capture).__name__}: {first[:200]}{where}; {fix}"
+
+
+def _chain(exc: BaseException) -> list[BaseException]:
+    """``exc`` and the errors it was raised from or during, innermost last (at most 8, no cycles)."""
+    chain: list[BaseException] = []
+    current: BaseException | None = exc
+    while current is not None and current not in chain and len(chain) < 8:
+        chain.append(current)
+        current = current.__cause__ or current.__context__
+    return chain
+
+
+def _ours(filename: str) -> bool:
+    """Whether a frame is torch's, aotbuild's or the standard library's: not the model's code."""
+    import sysconfig
+
+    import torch
+
+    import aotbuild
+
+    roots = [str(Path(m.__file__).resolve().parent) for m in (torch, aotbuild) if m.__file__]
+    roots.append(str(Path(sysconfig.get_paths()["stdlib"]).resolve()))
+    path = str(Path(filename).resolve()) if not filename.startswith("<") else filename
+    return filename.startswith("<") or any(path == r or path.startswith(r + "/") for r in roots)
+
+
+def _raised_in_model_under_tracer(exc: BaseException) -> bool:
+    """Whether ``exc`` went up through torch.export's or Dynamo's tracing from the model's own code:
+    its traceback holds a tracer's frame and, inside it, a frame of the model's code."""
+    import traceback
+
+    frames = traceback.extract_tb(exc.__traceback__)
+    tracing = next((i for i, f in enumerate(frames) if any(t in f.filename for t in TRACERS)), None)
+    return tracing is not None and any(not _ours(f.filename) for f in frames[tracing + 1:])
+
+
+def model_frame(exc: BaseException) -> str:
+    """``file:line`` of the innermost frame of the model's code where ``exc`` was raised, or "":
+    Dynamo's stack of the code it traced (``real_stack``: Python's own traceback shows only Dynamo),
+    else the innermost frame of the traceback that is not torch's, aotbuild's or the stdlib's."""
+    import traceback
+
+    real = getattr(exc, "real_stack", None) or ()
+    frames = [*[f for f in real if not _ours(f.filename)][-1:]] or \
+        [f for f in traceback.extract_tb(exc.__traceback__) if not _ours(f.filename)][-1:]
+    return f"{frames[0].filename}:{frames[0].lineno}" if frames else ""
 
 
 def main(argv: list[str]) -> int:

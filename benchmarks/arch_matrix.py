@@ -4,7 +4,7 @@
                                      [--scope full] [--json FILE] [--keep DIR]
 
 For each cell (every built-in: tiny-sd, tiny-sdxl, tiny-sd3, tiny-flux, tiny-pixart-sigma, tiny-wan,
-tiny-wan22 x every registered strategy (jit-cache, aot-package, aot-compile) x full, regional):
+tiny-wan22 x every registered strategy (jit-cache, aot-package, aot-compile, auto) x full, regional):
 
 1. a recipe derived from the built-in's recipe in recipes/ (its first shape; SD3's and PixArt's
    transformers declare no ``_repeated_blocks``, so their regional cells name ``compile.blocks``),
@@ -17,10 +17,15 @@ tiny-wan22 x every registered strategy (jit-cache, aot-package, aot-compile) x f
    another working directory with empty compiler caches: ``load_compiled(recipe, on_miss="error",
    strict_shapes=True)``, the pipeline run once (``output_type="pt"``), and an eager pipeline run in
    the same process on the same inputs (a fixed generator). It counts what the load compiled
-   (Dynamo graphs, FX graph cache hits and misses, and the target's own compile counter, the one the
-   proof uses) and compares the denoiser's outputs (captured by forward hooks on both components:
+   (Dynamo graphs, FX graph cache hits and misses, and the strategy's own compile counter, the one the
+   proof uses: for ``auto``, the counter of the strategy the load report's hits name) and compares
+   the denoiser's outputs (captured by forward hooks on both components:
    a hook runs in ``Module.__call__``, outside the compiled or dispatched ``forward``, so it adds no
    graph) and the final images.
+
+An ``auto`` cell (the default: no strategy named) also shows what auto chose, and why the faster
+strategies were not taken: the ones excluded before any build (each with its reason) and the
+attempts its entry's manifest records (a failed attempt's first line names the model's file:line).
 
 A cell is ok when it built, the replica compiled nothing and both differences are within the
 proof's tolerance for the dtype. A cell that cannot work prints the build's reason (and the log's
@@ -56,6 +61,8 @@ class Cell:
     scope: str
     build: harness.Build | None = None
     serve: dict[str, Any] = field(default_factory=dict)  # what the replica measured (serve() below)
+    #: an auto cell's choice: "chosen", "attempts" (the manifest's), "excluded" ([strategy, why])
+    auto: dict[str, Any] = field(default_factory=dict)
 
     @property
     def name(self) -> str:
@@ -79,10 +86,26 @@ class Cell:
             return f"fresh replica differs from eager by {worst:.3g} (tolerance {s['tolerance']:.0e})"
         return ""
 
+    @property
+    def strategy_text(self) -> str:
+        """The strategy, and for auto the one it chose: ``auto: aot-compile``."""
+        return f"auto: {self.auto['chosen']}" if self.auto.get("chosen") else self.strategy
+
+    def why_text(self) -> str:
+        """An auto cell's choice in one line: chosen, every attempt, every strategy excluded and why."""
+        from aotbuild.auto import attempts_text
+
+        out = [f"{self.name}: chose {self.auto.get('chosen') or 'nothing'}"]
+        if self.auto.get("attempts"):
+            out.append(f"attempts: {attempts_text(self.auto['attempts'])}")
+        out += [f"{name} excluded: {why}" for name, why in self.auto.get("excluded", ())]
+        return "; ".join(out)
+
     def row(self) -> list[str]:
         b, s, f = self.build, self.serve, harness.fmt
         proof = (b.proof or {}) if b else {}
-        return [self.arch, self.strategy, self.scope, "ok" if not self.reason else "FAILED", b.status if b else "-",
+        return [self.arch, self.strategy_text, self.scope, "ok" if not self.reason else "FAILED",
+                b.status if b else "-",
                 f(b.seconds if b and b.ok else None, ".1f"), f(b.proof_s if b else None, ".1f"),
                 f(b.proof_share * 100 if b and b.proof_share is not None else None, ".0f"),
                 f(proof.get("compiles"), "d"), f(proof.get("max_abs_diff"), ".1e"),
@@ -92,7 +115,8 @@ class Cell:
 
     def as_json(self) -> dict[str, Any]:
         return {"arch": self.arch, "strategy": self.strategy, "scope": self.scope, "ok": not self.reason,
-                "reason": self.reason, "build": self.build.as_json() if self.build else None, "serve": self.serve}
+                "reason": self.reason, "build": self.build.as_json() if self.build else None, "serve": self.serve,
+                **({"auto": self.auto} if self.auto else {})}
 
 
 HEADER = ["arch", "strategy", "scope", "cell", "build", "build s", "proof s", "proof %", "proof compiles", "proof diff",
@@ -109,6 +133,9 @@ def run_cell(cell: Cell, work: Path, say: Any) -> None:
                                    warmup=harness.GUIDED.get(cell.arch))
     say(f"{cell.name}: building into a fresh cache ...")
     cell.build = harness.build(recipe, folder / "build" / "cache", folder / "build")
+    if cell.strategy == "auto":
+        cell.auto = auto_choice(recipe, folder / "build" / "cache", cell.build.key if cell.build.ok else None)
+        say(f"  {cell.why_text()}")
     if not cell.build.ok:
         say(f"  build {cell.build.status} after {cell.build.wall_s:.0f} s: {cell.build.reason}")
         return
@@ -120,6 +147,25 @@ def run_cell(cell: Cell, work: Path, say: Any) -> None:
     cell.serve = harness.run_child(__file__, [str(recipe), str(replica / "cache")],
                                    harness.child_env(replica / "caches"), cwd=replica / "cwd", marker=RESULT)
     say(f"  {'ok' if not cell.reason else cell.reason}")
+
+
+def auto_choice(recipe_path: Path, cache: Path, key: str | None) -> dict[str, Any]:
+    """What auto excluded before building (aotbuild/auto.py ``choice``: each strategy that cannot
+    serve the recipe here, with why) and, once built, the strategy its entry holds and the attempts
+    its manifest records (a failed build's reason lists them too)."""
+    from aotbuild import auto
+    from aotbuild.recipes import load_recipe
+    from aotbuild.store import Store
+    from aotbuild.targets import get_target
+
+    recipe = load_recipe(str(recipe_path))
+    target = get_target(recipe.target)
+    choice = auto.choice(recipe, target, recipe.device or target.default_device())
+    out: dict[str, Any] = {"tries": list(choice.tries), "excluded": [list(x) for x in choice.excluded]}
+    manifest = Store(cache).read_manifest(key) if key else None
+    if manifest is not None and manifest.auto is not None:
+        out.update(chosen=manifest.strategy, attempts=list(manifest.auto.get("attempts") or []))
+    return out
 
 
 def serve(recipe_path: str, cache: str) -> dict[str, Any]:
@@ -139,7 +185,7 @@ def serve(recipe_path: str, cache: str) -> dict[str, Any]:
     assert ctx.model is not None
     eager = models.load_pipeline(recipe, ctx.model, ctx.dtype)
     models.place_pipeline(eager, recipe, ctx.device)
-    counter, compiles = ctx.strategy.compile_counter(ctx.target)
+    counting = _counters(ctx)
 
     def graphs() -> int:
         return int(counters["stats"]["unique_graphs"])
@@ -169,22 +215,40 @@ def serve(recipe_path: str, cache: str) -> dict[str, Any]:
                    default=0.0)
 
     eager_image, eager_calls = run(eager)
-    before = compiles(), graphs(), fx("hit"), fx("miss")
+    counted = {name: fn() for name, (_, fn) in counting.items()}
+    before = graphs(), fx("hit"), fx("miss")
     t0 = time.perf_counter()
     served = load_compiled(recipe, cache=cache, on_miss="error", strict_shapes=True)
     load_s = time.perf_counter() - t0
     image, calls = run(served)
     first_s = time.perf_counter() - t0
-    after = compiles(), graphs(), fx("hit"), fx("miss")
+    after = graphs(), fx("hit"), fx("miss")
     if len(calls) != len(eager_calls):
         raise RuntimeError(f"the denoiser ran {len(calls)} times served, {len(eager_calls)} eager")
     report = served.aotbuild_report
-    return {"compiles": after[0] - before[0], "counter": counter, "graphs": after[1] - before[1],
-            "fx_hits": after[2] - before[2], "fx_misses": after[3] - before[3],
+    # What serves: the recipe's strategy; for auto, the one each hit names (its entry's manifest).
+    serving = sorted({e.strategy for e in report.entries if e.strategy} or set(counting))
+    compiles = sum(counting[name][1]() - counted[name] for name in serving)
+    counter = ", ".join(counting[name][0] for name in serving)
+    return {"compiles": compiles, "counter": counter, "served_by": serving, "graphs": after[0] - before[0],
+            "fx_hits": after[1] - before[1], "fx_misses": after[2] - before[2],
             "denoiser_diff": max((max_diff(a, b) for a, b in zip(calls, eager_calls, strict=True)), default=0.0),
             "image_diff": max_diff([image], [eager_image]), "tolerance": tolerance(ctx.dtype),
             "denoiser_calls": len(calls), "hits": len(report.entries) - len(report.misses),
             "load_s": round(load_s, 3), "load_to_first_image_s": round(first_s, 3)}
+
+
+def _counters(ctx: Any) -> dict[str, tuple[str, Any]]:
+    """Each strategy that may serve ``ctx``'s recipe -> (its compile counter's name, the counter).
+    Auto has no counter of its own (it raises): what counts is the chosen strategy's, known only
+    once the load reports its hits, so every strategy auto could choose is read before the load."""
+    from aotbuild import auto
+    from aotbuild.strategies import get_strategy
+
+    if not auto.is_auto(ctx.recipe):
+        return {ctx.strategy.name: ctx.strategy.compile_counter(ctx.target)}
+    names = auto.choice(ctx.recipe, ctx.target, ctx.device).tries
+    return {name: get_strategy(name).compile_counter(ctx.target) for name in names}
 
 
 def machine() -> str:
@@ -209,7 +273,7 @@ def choose(text: str | None, allowed: tuple[str, ...], option: str) -> list[str]
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--arch", help=f"comma list of {', '.join(harness.ARCHS)} (default: all)")
-    ap.add_argument("--strategy", help=f"comma list of {', '.join(STRATEGIES)} (default: both)")
+    ap.add_argument("--strategy", help=f"comma list of {', '.join(STRATEGIES)} (default: all)")
     ap.add_argument("--scope", help=f"comma list of {', '.join(SCOPES)} (default: both)")
     ap.add_argument("--json", metavar="FILE", help="also write every cell's figures (and failed logs' tails)")
     ap.add_argument("--keep", metavar="DIR", help="keep the recipes, caches and logs in DIR (default: a temp "
@@ -244,6 +308,8 @@ def main() -> int:
     failed = [c for c in cells if c.reason]
     print(f"\n{machine()}; {len(cells)} cell(s) in {(time.perf_counter() - started) / 60:.1f} min")
     print(harness.table(HEADER, [c.row() for c in cells], text_columns=5))
+    for cell in (c for c in cells if c.auto):
+        print(cell.why_text())
     for cell in failed:
         print(f"{cell.name}: {cell.reason}")
     print(f"{len(cells)} cells: {len(cells) - len(failed)} ok, {len(failed)} failed")

@@ -5,12 +5,13 @@ build per store (``built_cache``, the session's), served by a fresh process."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
 import textwrap
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -207,32 +208,53 @@ def a_real_build_is_pulled_by_a_fresh_process_and_served_with_0_compiles(built_c
     assert result["pulled"] == entries
 
 
-def a_server_that_stops_mid_pull_is_a_remote_error_naming_it(url: str, tmp_path: Path, stop: Callable[[], None],
-                                                              secrets: tuple[str, ...] = ()) -> None:
-    """The server goes away after the manifest was read, as the first blob is asked for: the pull is
-    one RemoteError naming the remote (after AOTBUILD_REMOTE_RETRIES tries, 2 in these tests), never
-    a partial entry, and no secret in the message."""
-    local = Store(tmp_path / "local")
-    a = add_entry(local, tmp_path, "a", {"x.so": b"kernel-a", "y.so": b"kernel-b"})
-    remote = parse_remote(url)
-    remote.push(entries(local, a))
-    real, stopped = remote.fs.cat_file, []
+#: A server of a store's own: entered, it starts and yields (its endpoint, how to stop it); left, it stops.
+OwnServer = contextlib.AbstractContextManager[tuple[str, Callable[[], None]]]
 
-    def cat_file(path, **kw):
-        if "/blobs/" in path and not stopped:
-            stopped.append(path)
-            stop()
-        return real(path, **kw)
 
-    remote.fs.cat_file = cat_file
-    other = Store(tmp_path / "other")
-    with pytest.raises(RemoteError) as info:
-        pull_entry(remote, a, other)
+def a_server_that_stops_mid_pull_is_a_remote_error_naming_it(server: OwnServer, connect: Callable[[str], str],
+                                                              tmp_path: Path, secrets: tuple[str, ...] = ()) -> None:
+    """A server of the store's own (``server``: started on entry, it yields its endpoint and how to
+    stop it; stopped on exit), ``connect(endpoint)`` pointing the environment there and making a
+    bucket (its URL returned). The server goes away after the manifest was read, as the first blob is
+    asked for: the pull is one RemoteError naming the remote (after AOTBUILD_REMOTE_RETRIES tries, 2
+    in these tests), never a partial entry, and no secret in the message."""
+    with server as (endpoint, stop):
+        url = connect(endpoint)
+        local = Store(tmp_path / "local")
+        a = add_entry(local, tmp_path, "a", {"x.so": b"kernel-a", "y.so": b"kernel-b"})
+        remote = parse_remote(url)
+        remote.push(entries(local, a))
+        real, stopped = remote.fs.cat_file, []
+
+        def cat_file(path, **kw):
+            if "/blobs/" in path and not stopped:
+                stopped.append(path)
+                stop()
+            return real(path, **kw)
+
+        remote.fs.cat_file = cat_file
+        other = Store(tmp_path / "other")
+        with pytest.raises(RemoteError) as info:
+            pull_entry(remote, a, other)
     message = str(info.value)
     assert stopped and message.startswith(f"{url}: reading ") and "failed after 2 tries" in message, message
     assert "\n" not in message and not any(s in message for s in secrets)
     assert not other.has(a)
     assert [p for p in other.root.rglob("*") if p.is_file() and p.suffix != ".lock"] == []
+
+
+@contextlib.contextmanager
+def killed_on_stop(server: contextlib.AbstractContextManager[tuple[str, subprocess.Popen]]
+                   ) -> Iterator[tuple[str, Callable[[], None]]]:
+    """A server that runs as a process of its own (``server`` yields its endpoint and the process), as
+    :func:`a_server_that_stops_mid_pull_is_a_remote_error_naming_it` takes one: stopping it kills it."""
+    with server as (endpoint, proc):
+        def stop() -> None:
+            proc.kill()
+            proc.wait()
+
+        yield endpoint, stop
 
 
 def failure_records_are_listed_read_replaced_and_removed(url: str) -> None:
@@ -248,8 +270,28 @@ def failure_records_are_listed_read_replaced_and_removed(url: str) -> None:
     assert remote.put_failure(a, {"key": a, "reason": "again", "time": "2"})  # a newer failure replaces it
     remote.fs.pipe_file(remote.failure_path(b), b'{"reason": "' + b"x" * MAX_FAILURE_BYTES + b'"}')
     assert remote.failure_keys() == {a, b}
+    times = remote.failure_times()  # the store's own modification times, from the listing (2020 on)
+    assert set(times) == {a, b} and all(t > 1.6e9 for t in times.values()), times
     assert remote.read_failure(a) == {"key": a, "reason": "again", "time": "2"}
     assert remote.read_failure(b) is None  # too big: not a record, and not read whole
     remote.remove_failure(a)
     remote.remove_failure(key_of("never there"))
     assert remote.failure_keys() == {b}
+
+
+def a_pushed_entry_clears_its_failure_record_and_a_pull_forgets_its_copy(url: str, tmp_path: Path) -> None:
+    """The failure records' reconciliation on the store: a record pulled into a runner's cache, the
+    key's entry pushed since (a --retry-failed that worked elsewhere): the push removes the record
+    there, and the runner's next pull removes its own copy."""
+    from aotbuild import constants
+    from aotbuild.sync import pull_failures, push
+
+    remote = parse_remote(url)
+    builder = Store(tmp_path / "builder")
+    a = add_entry(builder, tmp_path, "a", {"x.so": b"kernel-a"})
+    remote.put_failure(a, {"key": a, "reason": "boom", "time": "1", "aotbuild": constants.VERSION})
+    runner = Store(tmp_path / "runner")
+    assert pull_failures(remote, runner) == [a] and runner.failure(a)["remote"] == url
+    assert push([a], remote, builder.root).result.sent == [a]
+    assert remote.failure_keys() == set()
+    assert pull_failures(remote, runner) == [] and runner.failure(a) is None

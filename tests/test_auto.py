@@ -123,6 +123,77 @@ def test_a_failed_attempt_falls_back_is_recorded_and_not_retried_until_retry_fai
     assert export_fails[3:] == [package, compiled]  # --retry-failed tries it again
 
 
+#: AUTO at two shapes: one component, two jobs.
+TWO_SHAPES = {**AUTO, "shapes": [{"height": 64, "width": 64}, {"height": 32, "width": 32}]}
+
+
+def test_one_strategy_serves_every_shape_of_a_component_a_failing_shape_takes_it_back(cache, fake_compiles,
+                                                                                     monkeypatch):
+    """aot-package builds the component's first shape and fails its second: one strategy serves a
+    component (aotbuild/runtime.py misses a shape built with another), so the whole component falls
+    back to aot-compile, the first shape built again; a rebuild of one shape starts from the strategy its
+    component's stored shapes hold."""
+    from aotbuild import build
+
+    stand_in = builder._build_one
+    shapes: list[str] = []
+
+    def build_one(store, job, *args, **kwargs):
+        shape = str(job.shape)
+        shapes.append(shape)
+        if job.recipe.strategy == "aot-package" and shape != shapes[0]:  # the second shape tried fails
+            return JobResult(job, FAILED, 1.0, reason=EXPORT_FAILS)
+        return stand_in(store, job, *args, **kwargs)
+
+    monkeypatch.setattr(builder, "_build_one", build_one)
+    report = build(TWO_SHAPES, cache)
+    assert [r.status for r in report.results] == ["built", "built"] and not report.failed
+    first, second = shapes[0], next(s for s in shapes if s != shapes[0])
+    by_shape = {str(r.job.shape): r for r in report.results}
+    store = Store(cache)
+    manifests = {shape: store.read_manifest(r.job.key) for shape, r in by_shape.items()}
+    assert {m.strategy for m in manifests.values()} == {"aot-compile"}  # both shapes: one strategy
+    assert shapes == [first, second, second, first]  # the shape that failed goes first with the next strategy
+    outcomes = {shape: [(a["strategy"], a["outcome"]) for a in m.auto["attempts"]] for shape, m in manifests.items()}
+    assert outcomes == {first: [("aot-package", "dropped"), ("aot-compile", "built")],
+                        second: [("aot-package", "failed"), ("aot-compile", "built")]}
+    assert f"{second} failed with it: one strategy serves every shape" in manifests[first].auto["attempts"][0]["reason"]
+    assert "aot-package dropped" in by_shape[first].reason
+
+    assert [r.status for r in build(TWO_SHAPES, cache).results] == ["cached", "cached"] and len(shapes) == 4
+    store.remove_manifest(by_shape[first].job.key)  # one shape gone: built with its component's strategy
+    again = {str(r.job.shape): r for r in build(TWO_SHAPES, cache).results}
+    assert again[first].status == "built" and again[second].status == "cached" and shapes[4:] == [first]
+    assert store.read_manifest(again[first].job.key).strategy == "aot-compile"
+    store.remove_manifest(by_shape[first].job.key)  # --retry-failed: every strategy again, the stored shape too
+    build(TWO_SHAPES, cache, retry_failed=True)
+    assert shapes[5:] == [first, second, first]  # aot-package: first built, second failed; back to aot-compile
+    assert {store.read_manifest(r.job.key).strategy for r in report.results} == {"aot-compile"}
+
+
+def test_a_stored_shape_is_built_again_when_a_new_shape_fails_its_strategy(cache, fake_compiles, monkeypatch):
+    """A shape added to a recipe whose stored shape holds aot-package, and aot-package fails the new
+    shape: the stored shape is built again with aot-compile (the component's next strategy)."""
+    from aotbuild import build
+
+    one, = build(AUTO, cache).results  # 64x64, aot-package
+    assert Store(cache).read_manifest(one.job.key).strategy == "aot-package"
+    stand_in = builder._build_one
+
+    def build_one(store, job, *args, **kwargs):
+        if job.recipe.strategy == "aot-package" and job.shape.height == 32:
+            return JobResult(job, FAILED, 1.0, reason=EXPORT_FAILS)
+        return stand_in(store, job, *args, **kwargs)
+
+    monkeypatch.setattr(builder, "_build_one", build_one)
+    report = build(TWO_SHAPES, cache)
+    statuses = {str(r.job.shape): r.status for r in report.results}
+    assert set(statuses.values()) == {"built"}, report.text()  # the stored shape too: built again
+    assert {Store(cache).read_manifest(r.job.key).strategy for r in report.results} == {"aot-compile"}
+    stored = next(r for r in report.results if r.job.key == one.job.key)
+    assert [(a.strategy, a.outcome) for a in stored.attempts] == [("aot-package", "dropped"), ("aot-compile", "built")]
+
+
 def _recipe_file(cache):
     path = cache.parent / "auto.yaml"
     path.write_text(json.dumps(AUTO))
@@ -252,6 +323,7 @@ def test_a_model_export_cannot_trace_falls_back_to_aot_compile_and_is_not_retrie
     failed, chosen = manifest.auto["attempts"]
     assert (failed["strategy"], failed["outcome"], chosen["strategy"]) == ("aot-package", "failed", "aot-compile")
     assert "numpy() is not supported for tensor subclasses" in failed["reason"], failed  # what export said
+    assert f"{hooks / 'sitecustomize.py'}:10" in failed["reason"], failed  # where: the model's file:line
     assert manifest.strategy == "aot-compile"
 
     from aotbuild import build
@@ -261,6 +333,59 @@ def test_a_model_export_cannot_trace_falls_back_to_aot_compile_and_is_not_retrie
     again, = build(str(recipe), cache).results
     assert [(a.strategy, a.outcome) for a in again.attempts] == [("aot-package", "failed before"),
                                                                 ("aot-compile", "built")]
+
+
+#: A model export rejects (its fake tensors have no values for numpy) and one Dynamo refuses whole
+#: (data-dependent control flow); the line numbers are asserted below.
+CAPTURED = """import numpy as np
+import torch
+
+
+class ReadsValues(torch.nn.Module):
+    def forward(self, x):
+        return x + torch.from_numpy(np.cos(x.detach().numpy()))
+
+
+class Branches(torch.nn.Module):
+    def forward(self, x):
+        if x.sum() > 0:
+            return x + 1
+        return x - 1
+"""
+
+
+def test_a_failed_capture_names_the_line_of_the_model_where_export_or_dynamo_stopped(tmp_path):
+    """The issue's reason: the first line with the model's file:line. Export's refusal of numpy is a
+    plain RuntimeError raised in the model's code under export (it read as no capture failure at all);
+    Dynamo's traceback holds only Dynamo's frames and the call site: the line is the one it traced."""
+    import importlib.util
+
+    import torch
+
+    from aotbuild.strategies import get_strategy
+    from aotbuild.worker import capture_failure
+
+    path = tmp_path / "model.py"
+    path.write_text(CAPTURED)
+    spec = importlib.util.spec_from_file_location("aotbuild_test_captured_model", path)
+    model = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(model)
+    recipe = parse_recipe(AUTO)
+
+    def failure(capture) -> BaseException:
+        try:
+            capture()
+        except Exception as exc:  # noqa: BLE001 - whatever the tracer raises is what the worker sees
+            return exc
+        raise AssertionError("captured whole")
+
+    exported = failure(lambda: torch.export.export(model.ReadsValues(), (torch.ones(2),)))
+    why = capture_failure(exported, get_strategy("aot-package"), recipe)
+    assert why.startswith("the component cannot be captured whole: RuntimeError: .numpy() is not supported")
+    assert f" at {path}:7; " in why and "\n" not in why
+    traced = failure(lambda: torch.compile(model.Branches(), fullgraph=True, backend="eager")(torch.ones(2)))
+    assert f" at {path}:12; " in capture_failure(traced, get_strategy("aot-compile"), recipe)  # the `if`, not the call
+    assert capture_failure(RuntimeError("out of memory"), get_strategy("aot-package"), recipe) == ""
 
 
 def test_an_entry_of_the_old_default_is_a_miss_that_says_the_default_changed(cache, fake_compiles):

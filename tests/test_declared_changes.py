@@ -35,6 +35,10 @@ def _pipe(recipe, root):
     return load_pipeline(recipe, resolve_model(recipe, root), "float32")
 
 
+def _change(name):
+    return next(c for c in changes.CHANGES if c.name == name)
+
+
 def _keys(recipe, root):
     return {j.component: j.key for j in aotbuild.plan(recipe, cache=root)}
 
@@ -53,11 +57,12 @@ class ScaledProcessor:
 
 def test_the_section_parses_and_round_trips():
     recipe = _recipe(freeu=FREEU, attention_processor="AttnProcessor", memory_format="channels_last",
-                     cache={"config": "FirstBlockCacheConfig", "threshold": 0.2})
+                     cache={"config": "FirstBlockCacheConfig", "threshold": 0.2}, attention_backend="_native_math")
     assert dict(recipe.changes.freeu) == FREEU and recipe.changes.memory_format == "channels_last"
     data = recipe_to_dict(recipe)["changes"]
     assert data == {"freeu": FREEU, "attention_processor": "AttnProcessor", "memory_format": "channels_last",
-                    "cache": {"config": "FirstBlockCacheConfig", "threshold": 0.2}}
+                    "cache": {"config": "FirstBlockCacheConfig", "threshold": 0.2},
+                    "attention_backend": "_native_math"}
     assert parse_recipe({**TINY, "changes": data}).changes == recipe.changes
     assert _recipe().changes is None and parse_recipe({**TINY, "changes": {}}).changes is None
     assert "changes" not in recipe_to_dict(_recipe())
@@ -70,6 +75,8 @@ def test_the_section_parses_and_round_trips():
     ({"memory_format": "channels_first"}, "changes.memory_format", "channels_last"),
     ({"cache": {"threshold": 0.2}}, "changes.cache", "config:"),
     ({"attention_processor": "../evil"}, "changes.attention_processor", "not a class name"),
+    ({"attention_backend": "../evil"}, "changes.attention_backend", "not a backend name"),
+    ({"attention_backend": ["native"]}, "changes.attention_backend", "expected"),
     ({"freu": FREEU}, "changes.freu", "did you mean 'freeu'"),
 ])
 def test_a_malformed_section_names_its_key(declared, key, words):
@@ -94,6 +101,111 @@ def test_only_declared_changes_are_key_factors_of_the_components_they_change():
     # a cache field at its default is the same setting: declared or read off a pipe, one key
     at_default = _recipe(cache={"config": "FirstBlockCacheConfig", "threshold": 0.05})
     assert changes.factors(at_default, "unet") == {"cache": {"config": "FirstBlockCacheConfig"}}
+
+
+@pytest.fixture
+def active_attention_backend():
+    """diffusers' process-wide attention backend, put back after the test: set_attention_backend (a
+    declared changes.attention_backend's load) sets it for the whole process."""
+    from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+
+    before = _AttentionBackendRegistry._active_backend
+    yield
+    _AttentionBackendRegistry._active_backend = before
+
+
+def _flux(**declared):
+    data = {**TINY, "model": {"id": "builtin:tiny-flux", "dtype": "float32"},
+            "compile": {"components": ["transformer"]}}
+    return parse_recipe({**data, "changes": declared} if declared else data)
+
+
+def test_an_attention_backend_is_keyed_only_when_declared_and_checked_against_diffusers(tmp_path):
+    """set_attention_backend was recorded (a miss named it) but no recipe could declare it (issue 31
+    item 4): now changes.attention_backend, a key factor of every compiled component when declared."""
+    assert changes.factors(_flux(attention_backend="_native_math"), "transformer") == \
+        {"attention_backend": "_native_math"}
+    assert changes.factors(_flux(), "transformer") is None  # the key pins' recipes keep their keys
+    keys = _keys(_flux(), tmp_path), _keys(_flux(attention_backend="_native_math"), tmp_path)
+    assert keys[0]["transformer"] != keys[1]["transformer"]
+    with pytest.raises(RecipeError) as info:
+        aotbuild.plan(_flux(attention_backend="_native_mat"), cache=tmp_path)
+    assert info.value.key == "changes.attention_backend" and "did you mean '_native_math'" in str(info.value)
+    assert "flash_hub" not in str(info.value).split("(allowed: ")[1]  # what it refuses is not offered
+    with pytest.raises(RecipeError) as info:  # a kernel from the Hub at each load: no load reaches the network
+        aotbuild.plan(_flux(attention_backend="flash_hub"), cache=tmp_path)
+    assert info.value.key == "changes.attention_backend" and "from the Hugging Face Hub" in str(info.value)
+    text = parse_recipe({**TINY, "compile": {"components": ["unet", "text_encoder"]},
+                         "changes": {"attention_backend": "_native_math"}})
+    with pytest.raises(RecipeError) as info:  # transformers' text encoder is no diffusers model
+        aotbuild.plan(text, cache=tmp_path)
+    assert info.value.key == "changes.attention_backend" and "text_encoder (CLIPTextModel) has no " \
+        "set_attention_backend" in str(info.value)
+
+
+def test_a_declared_backend_is_applied_and_read_back_off_a_users_pipe(tmp_path, active_attention_backend):
+    """The recipe's load sets the backend on each processor and process-wide; a user's pipe with the same
+    set_attention_backend reads as that declaration (so build(recipe, pipe=pipe) and
+    load_compiled(recipe, pipe=pipe) key it as the declared recipe), and the snapshot of the two is one."""
+    from aotbuild import dependencies
+
+    built = _pipe(_flux(attention_backend="_native_math"), tmp_path)  # what a build job of the recipe loads
+    assert changes.active_backend() == "_native_math"
+    processors = {p._attention_backend.value for p in built.transformer.attn_processors.values()}
+    assert processors == {"_native_math"}
+    _change("attention_backend").apply(built.transformer, "native", None)  # back to diffusers' default, process-wide
+    plain = _flux()
+    pipe = _pipe(plain, tmp_path)
+    assert changes.detect(pipe, plain) == changes.Detected(None)
+    pipe.transformer.set_attention_backend("_native_math")
+    active = changes.active_backend()
+    assert changes.detect(pipe, plain) == changes.Detected(ChangesSpec(attention_backend="_native_math"))
+    assert changes.active_backend() == active  # the meta twin's set_attention_backend left the process alone
+    built = _pipe(_flux(attention_backend="_native_math"), tmp_path)
+    assert dependencies.snapshot(built.transformer)["items"] == dependencies.snapshot(pipe.transformer)["items"]
+    assert changes.same_keys(_flux(attention_backend="_native_math"), changes.detect(pipe, plain).changes)
+
+
+def test_a_unets_backend_is_the_process_wide_one(models_dir, active_attention_backend):
+    """A UNet's processors (AttnProcessor2_0) hold no backend: set_attention_backend on it sets only the
+    active backend, which a compiled call's state is checked against; it reads as that declaration."""
+    recipe = _recipe()
+    pipe = _pipe(recipe, models_dir)
+    pipe.unet.set_attention_backend("_native_math")
+    assert changes.detect(pipe, recipe) == changes.Detected(ChangesSpec(attention_backend="_native_math"))
+    _change("attention_backend").apply(pipe.unet, "native", None)
+    assert changes.detect(pipe, recipe) == changes.Detected(None)
+
+
+def test_a_backend_changed_after_load_names_the_recipe_key_that_declares_it(active_attention_backend):
+    """A processor whose backend differs, or a call under another active backend, is refused with the hint
+    that maps to changes.attention_backend (the StaleGraph's advice names it)."""
+    from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
+
+    from aotbuild import dependencies
+    from aotbuild.dispatch import Dispatcher
+
+    def record(processor: str) -> dict:
+        items = {"a.processor": processor}
+        return {"version": dependencies.VERSION, "items": items, "digest": dependencies.digest(items)}
+
+    here = "diffusers.models.transformers.transformer_flux.FluxAttnProcessor object"
+    why = dependencies.diff(record(f"{here} (_attention_backend='_native_math')"), record(here), "transformer")
+    assert why.endswith("another attention backend (set_attention_backend)?")
+    assert dependencies.recipe_key(why) == "changes.attention_backend"
+    other = dependencies.diff(record(f"{here} (scale=1.0)"), record(f"{here} (scale=2.0)"), "transformer")
+    assert dependencies.recipe_key(other) == "changes.attention_processor"  # not the backend: another setting
+    m = torch.nn.Linear(2, 2)
+    with torch.no_grad():
+        watch = dependencies.Watch(m, {**dependencies.snapshot(m), "globals": [dependencies.call_state()]}, "m")
+        _AttentionBackendRegistry.set_active_backend(AttentionBackendName("_native_math"))  # as set_attention_backend
+        reason = watch.check()
+    assert "diffusers attention backend _native_math" in reason
+    assert dependencies.recipe_key(reason) == "changes.attention_backend"
+    d = Dispatcher("m", lambda x: x, {'{"args": [["float"]], "kwargs": {}}': lambda x: x}, lambda x: x, "error")
+    d.on_stale, d.watch = "error", watch
+    with pytest.raises(StaleGraph, match=r"declare it in the recipe \(changes\.attention_backend"), torch.no_grad():
+        d(1.0)
 
 
 # -- plan-time checks against the model ---------------------------------------------------------------
@@ -254,7 +366,7 @@ def test_a_diffusers_cache_hook_is_read_off_a_transformer_and_refused_as_no_buil
     pipe = _pipe(flux, tmp_path)
     assert changes.detect(pipe, flux) == changes.Detected(None)  # FluxAttnProcessor is the model's own default
     pipe.transformer.enable_cache(FirstBlockCacheConfig(threshold=0.2))
-    value, why = changes.CHANGES[2].read(pipe.transformer, "transformer")
+    value, why = _change("cache").read(pipe.transformer, "transformer")
     assert dict(value) == {"config": "FirstBlockCacheConfig", "threshold": 0.2} and not why
     found = changes.detect(pipe, flux)
     assert found.changes is None and found.refused.startswith(

@@ -118,6 +118,7 @@ def test_a_failure_recorded_on_the_remote_is_skipped_by_every_fresh_runner_until
     and the pushed entry clears the record. What `aotbuild build --push` does, step by step."""
     import uuid
 
+    from aotbuild.planner import plan
     from aotbuild.remote import parse_remote
     from aotbuild.sync import pull_failures, push
     from tests.conftest import TINY_DICT
@@ -143,8 +144,8 @@ def test_a_failure_recorded_on_the_remote_is_skipped_by_every_fresh_runner_until
         url = f"memory://f-{uuid.uuid4().hex[:8]}/ci"
     remote = parse_remote(url)
 
-    def run(name: str, retry: bool = False):
-        cache = _runner(models_dir, tmp_path / name)
+    def run(name: str, retry: bool = False):  # a runner's cache: fresh, or the one it kept (self-hosted)
+        cache = tmp_path / name if (tmp_path / name).is_dir() else _runner(models_dir, tmp_path / name)
         pull_failures(remote, cache)
         report = builder.build(recipe, cache, remote=remote, retry_failed=retry)
         keys = [r.job.key for r in report.results if r.status in ("built", "cached")]
@@ -167,12 +168,22 @@ def test_a_failure_recorded_on_the_remote_is_skipped_by_every_fresh_runner_until
         assert pushed.failures == []  # the same failure is not written back
     assert len(tried) == 1  # built once across all runners
 
+    from aotbuild.store import Store
+
+    assert Store(tmp_path / "second").failure(key)["remote"] == url  # pulled into a cache that is kept
     fails[0] = False  # fixed (a new toolchain would be a new key; here, the same key built again)
     report, pushed = run("retry", retry=True)
     assert [r.status for r in report.results] == ["remote", "built"] and pushed.result.sent == [key]
     assert remote.failure_keys() == set()  # the entry there clears the record
+    assert Store(tmp_path / "retry").failure(key) is None  # and the retrying runner's own
     report, _ = run("after")
     assert [r.status for r in report.results] == ["remote", "remote"] and not report.failed
+    # A runner that kept its cache forgets the record it pulled once the remote no longer has it: its
+    # plan, with or without the remote, no longer says the job failed.
+    report, _ = run("second")
+    assert [r.status for r in report.results] == ["remote", "remote"] and not report.failed
+    assert Store(tmp_path / "second").failure(key) is None
+    assert "failed" not in [j.status for j in plan(recipe, tmp_path / "second")]
 
 
 def test_a_hostile_failure_record_on_a_remote_is_ignored(models_dir, tmp_path):
@@ -261,3 +272,112 @@ def test_an_auto_attempt_that_failed_is_not_tried_again_by_a_fresh_runner(models
     parse_remote(url).store.remove_manifest(job.key)  # the entry gone from the remote: built again
     again, _ = build("second")
     assert again.returncode == 0 and tried[2:] == ["aot-compile"], again.stderr  # not aot-package again
+
+    # aot-package works now: a --retry-failed build's entry holds that attempt, and its push clears the
+    # attempt's record there, so no runner skips aot-package for this job again.
+    def works(store, job, *args, **kwargs):
+        tried.append(job.recipe.strategy)
+        return stand_in(store, job, *args, **kwargs)
+
+    monkeypatch.setattr(builder, "_build_one", works)
+    parse_remote(url).store.remove_manifest(job.key)
+    cache = _runner(models_dir, tmp_path / "retry")
+    retried = invoke_cli("build", "--json", "--cache", str(cache), str(recipe), "--push", url, "--retry-failed")
+    assert retried.returncode == 0 and tried[3:] == ["aot-package"], retried.stderr
+    assert parse_remote(url).failure_keys() == set()
+
+
+def test_plan_with_a_remote_shows_the_remote_s_failure_records(cache, tmp_path):
+    """`plan --remote` says of a job whose key has a failure record on the remote what a build with
+    --push would say after pulling it: "failed", the record's first line and where it was recorded
+    (text and --json; the --fail-on-miss gate counts it as missing), writing nothing locally. A record
+    of another aotbuild version is a miss (as a local one is), and a job whose entry is on the
+    remote is "remote" whatever record is there."""
+    from aotbuild import constants, plan
+    from aotbuild.remote import parse_remote
+    from aotbuild.store import Store
+
+    keys = [j.key for j in plan(str(TINY_RECIPE), cache)]
+    (tmp_path / "remote").mkdir()
+    url = (tmp_path / "remote").as_uri()
+    remote = parse_remote(url)
+    first, second = keys
+    for key, version in ((first, constants.VERSION), (second, "0.0.1-older")):
+        remote.put_failure(key, {"key": key, "reason": "the component cannot be captured whole: x\nmore",
+                                 "time": "2026-12-01T00:00:00+00:00", "aotbuild": version})
+    proc = invoke_cli("plan", "--json", "--cache", str(cache), str(TINY_RECIPE), "--remote", url)
+    jobs = {j["key"]: j for j in json.loads(proc.stdout)["jobs"]}
+    assert jobs[first]["status"] == "failed" and jobs[second]["status"] == "miss"
+    assert jobs[first]["reason"] == (f"failed before (2026-12-01T00:00:00+00:00, aotbuild {constants.VERSION}): "
+                                     f"the component cannot be captured whole: x (recorded on {url})")
+    text = invoke_cli("plan", "--cache", str(cache), str(TINY_RECIPE), "--remote", url)
+    assert text.returncode == 0 and "failed before (2026" in text.stdout and f"(recorded on {url})" in text.stdout
+    row = next(line for line in text.stdout.splitlines() if first[:12] in line)
+    assert " failed " in row, text.stdout
+    gate = invoke_cli("plan", "--cache", str(cache), str(TINY_RECIPE), "--remote", url, "--fail-on-miss")
+    assert gate.returncode == 3
+    assert Store(cache).failure_keys() == set()  # plan wrote nothing
+    assert [j.status for j in plan(str(TINY_RECIPE), cache)] == ["miss", "miss"]  # without the remote: misses
+
+    listed = tmp_path / "remote" / "manifests" / first[:2] / f"{first}.json"  # its entry, as a listing sees it
+    listed.parent.mkdir(parents=True)
+    listed.write_text("{}")
+    proc = invoke_cli("plan", "--json", "--cache", str(cache), str(TINY_RECIPE), "--remote", url)
+    assert {j["key"]: j["status"] for j in json.loads(proc.stdout)["jobs"]}[first] == "remote"
+
+
+def _record(key: str, reason: str = "boom") -> dict:
+    from aotbuild import constants
+
+    return {"key": key, "reason": reason, "time": "2026-12-01T00:00:00+00:00", "aotbuild": constants.VERSION}
+
+
+def test_an_entry_pushed_again_clears_its_failure_record_there_and_here(tmp_path):
+    """A key with a failure record on the remote (a runner whose retry failed again after another's
+    worked) and an entry there: pushing the entry, though the remote has it, removes the record
+    there and in the pushing cache, so no shard skips a job that builds."""
+    from aotbuild.remote import parse_remote
+    from aotbuild.store import Store
+    from aotbuild.sync import push
+    from tests.standins import add_entry
+
+    (tmp_path / "remote").mkdir()
+    remote = parse_remote((tmp_path / "remote").as_uri())
+    local = Store(tmp_path / "cache")
+    a = add_entry(local, tmp_path, "a", {"x.so": b"kernel-a"})
+    assert push([a], remote, local.root).result.sent == [a]
+    remote.put_failure(a, _record(a))
+    local.put_failure(a, {**_record(a), "remote": remote.url})
+    assert push([a], remote, local.root).result.present == [a]
+    assert remote.failure_keys() == set() and local.failure(a) is None
+
+
+def test_a_remote_past_the_pull_limit_gives_its_newest_failure_records(tmp_path, monkeypatch, caplog):
+    """Past MAX_PULLED_FAILURES, the newest records are pulled (by the store's modification time of
+    each, from the listing: no record is read to sort them), not the first by name, and a warning
+    names the remote and how many it holds."""
+    import logging
+    import os
+    import time
+
+    from aotbuild import sync
+    from aotbuild.remote import parse_remote
+    from aotbuild.store import Store
+    from tests.standins import key_of
+
+    monkeypatch.setattr(sync, "MAX_PULLED_FAILURES", 2)
+    (tmp_path / "remote").mkdir()
+    remote = parse_remote((tmp_path / "remote").as_uri())
+    keys = sorted(key_of(f"k{i}") for i in range(5))  # by name; the last is the newest
+    now = time.time()
+    for i, key in enumerate(keys):
+        remote.put_failure(key, _record(key))
+        os.utime(remote.store.layout.failure(key), (now - 3600 * (5 - i),) * 2)
+    read: list[str] = []
+    real = remote.read_failure
+    monkeypatch.setattr(remote, "read_failure", lambda key: read.append(key) or real(key))
+    with caplog.at_level(logging.WARNING, logger="aotbuild"):
+        pulled = sync.pull_failures(remote, Store(tmp_path / "cache"))
+    assert pulled == [keys[4], keys[3]] and read == pulled
+    assert f"{remote.url} holds 5 failure records of jobs it has no entry of: only the newest 2 were read" \
+        in caplog.text

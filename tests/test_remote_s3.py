@@ -4,6 +4,7 @@ credentials). Entries are small stand-ins (tests/standins.py): no compiles."""
 
 from __future__ import annotations
 
+import contextlib
 import textwrap
 import uuid
 
@@ -17,36 +18,50 @@ from aotbuild.remote import parse_remote  # noqa: E402
 from aotbuild.remote_fsspec import FsspecRemote, storage_options  # noqa: E402
 from aotbuild.store import Store  # noqa: E402
 from tests import objectstore as flows  # noqa: E402
-from tests.conftest import run_cli  # noqa: E402
+from tests.conftest import invoke_cli  # noqa: E402
 from tests.standins import add_entry, entries, key_of  # noqa: E402
 
 SECRET = "wJalrXUtnFEMI-sekrit-K7MDENG"
 ACCESS = "AKIAH9TESTACCESS"
 
 
-@pytest.fixture(scope="module")
-def s3_server():
+@contextlib.contextmanager
+def _moto():
+    """moto's S3 server on a free port of the loopback: (its endpoint, how to stop it); stopped after."""
     server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     host, port = server.get_host_and_port()
-    yield f"http://{host}:{port}"
-    server.stop()
+    try:
+        yield f"http://{host}:{port}", server.stop
+    finally:
+        server.stop()
 
 
-@pytest.fixture
-def s3(s3_server, monkeypatch):
-    """A fresh bucket on the module's server, with the S3 variables pointing there; its name."""
+@pytest.fixture(scope="module")
+def s3_server():
+    with _moto() as (endpoint, _):
+        yield endpoint
+
+
+def _new_bucket(monkeypatch, endpoint: str) -> str:
+    """A fresh bucket at ``endpoint``, with the S3 variables pointing there; its name."""
     import boto3
 
-    for name, value in {"AWS_ENDPOINT_URL": s3_server, "AWS_ACCESS_KEY_ID": ACCESS, "AWS_SECRET_ACCESS_KEY": SECRET,
+    for name, value in {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": ACCESS, "AWS_SECRET_ACCESS_KEY": SECRET,
                         "AWS_DEFAULT_REGION": "us-east-1", "AOTBUILD_REMOTE_RETRIES": "2",
                         "AOTBUILD_REMOTE_BACKOFF": "0"}.items():
         monkeypatch.setenv(name, value)
     for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AOTBUILD_REMOTE_OPTIONS"):
         monkeypatch.delenv(name, raising=False)
     bucket = f"b-{uuid.uuid4().hex[:12]}"
-    boto3.client("s3", endpoint_url=s3_server).create_bucket(Bucket=bucket)
+    boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket=bucket)
     return bucket
+
+
+@pytest.fixture
+def s3(s3_server, monkeypatch):
+    """A fresh bucket on the module's server, with the S3 variables pointing there; its name."""
+    return _new_bucket(monkeypatch, s3_server)
 
 
 def _objects(remote: FsspecRemote, folder: str) -> list[str]:
@@ -196,25 +211,17 @@ def test_a_listing_of_10000_keys_is_paged(s3, tmp_path):
 
 
 def test_a_server_that_stops_mid_pull_is_a_remote_error_naming_it(tmp_path, monkeypatch):
-    import boto3
-
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    for name, value in {"AWS_ENDPOINT_URL": f"http://{host}:{port}", "AWS_ACCESS_KEY_ID": ACCESS,
-                        "AWS_SECRET_ACCESS_KEY": SECRET, "AWS_DEFAULT_REGION": "us-east-1",
-                        "AOTBUILD_REMOTE_RETRIES": "2", "AOTBUILD_REMOTE_BACKOFF": "0"}.items():
-        monkeypatch.setenv(name, value)
-    try:
-        boto3.client("s3", endpoint_url=f"http://{host}:{port}").create_bucket(Bucket="stops")
-        flows.a_server_that_stops_mid_pull_is_a_remote_error_naming_it("s3://stops/ci", tmp_path, server.stop,
-                                                                       (SECRET, ACCESS))
-    finally:
-        server.stop()
+    """A moto server of its own, stopped as the first blob is asked for."""
+    flows.a_server_that_stops_mid_pull_is_a_remote_error_naming_it(
+        _moto(), lambda endpoint: f"s3://{_new_bucket(monkeypatch, endpoint)}/ci", tmp_path, (SECRET, ACCESS))
 
 
 def test_failure_records_are_listed_read_replaced_and_removed(s3):
     flows.failure_records_are_listed_read_replaced_and_removed(f"s3://{s3}/ci")
+
+
+def test_a_pushed_entry_clears_its_failure_record_and_a_pull_forgets_its_copy(s3, tmp_path):
+    flows.a_pushed_entry_clears_its_failure_record_and_a_pull_forgets_its_copy(f"s3://{s3}/ci", tmp_path)
 
 
 def test_a_wrong_endpoint_and_denied_credentials_are_one_line_without_secrets(s3, tmp_path, monkeypatch):
@@ -235,8 +242,9 @@ def test_a_wrong_endpoint_and_denied_credentials_are_one_line_without_secrets(s3
 
 
 def test_a_failed_push_fails_the_command_naming_the_remote_and_no_secret_is_printed(s3, tmp_path, monkeypatch):
-    """Through the CLI, in a project whose pyproject.toml tries to name another endpoint and bucket:
-    it cannot (only the environment and the command line do), and a push to a dead endpoint is exit 1."""
+    """Through the CLI (in this process: a fresh one pushes in the real-build test), in a project whose
+    pyproject.toml tries to name another endpoint and bucket: it cannot (only the environment and the
+    command line do), and a push to a dead endpoint is exit 1."""
     local = Store(tmp_path / "cache")
     a = add_entry(local, tmp_path, "a", {"x.so": b"kernel-a"})
     project = tmp_path / "project"
@@ -247,12 +255,12 @@ def test_a_failed_push_fails_the_command_naming_the_remote_and_no_secret_is_prin
         endpoint_url = "http://127.0.0.1:9"
         remote_options = {client_kwargs = {endpoint_url = "http://127.0.0.1:9"}}
     """))
-    env = {"AOTBUILD_REMOTE": f"s3://{s3}/ci"}
-    ok = run_cli("push", "--cache", str(local.root), env=env, cwd=project)
+    monkeypatch.chdir(project)
+    ok = invoke_cli("push", "--cache", str(local.root), env={"AOTBUILD_REMOTE": f"s3://{s3}/ci"})
     assert ok.returncode == 0, ok.stderr[-2000:]
     assert parse_remote(f"s3://{s3}/ci").keys() == {a}  # the environment's endpoint and bucket, not the file's
-    dead = run_cli("push", "--cache", str(local.root), "--remote", f"s3://{s3}/other",
-                   env={"AWS_ENDPOINT_URL": "http://127.0.0.1:9"}, cwd=project)
+    dead = invoke_cli("push", "--cache", str(local.root), "--remote", f"s3://{s3}/other",
+                      env={"AWS_ENDPOINT_URL": "http://127.0.0.1:9"})
     assert dead.returncode == 1, (dead.stdout, dead.stderr)
     assert f"s3://{s3}/other" in dead.stderr and "failed after 2 tries" in dead.stderr
     for proc in (ok, dead):

@@ -22,6 +22,17 @@ from aotbuild.dispatch import Dispatcher
 from aotbuild.errors import CacheMiss, StaleGraph, UsageError
 
 
+@pytest.fixture(autouse=True)
+def active_attention_backend():
+    """diffusers' process-wide attention backend as it was: a load of a recipe that declares one
+    (changes.attention_backend) sets it, and a later test's compiled calls would be refused under it."""
+    from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+
+    before = _AttentionBackendRegistry._active_backend
+    yield
+    _AttentionBackendRegistry._active_backend = before
+
+
 class Block(torch.nn.Module):
     def __init__(self):
         super().__init__()
@@ -684,15 +695,19 @@ def test_a_call_under_other_numeric_settings_is_refused(setting):
 #: Full scope, aot-package: the strategy that ignored a cache hook (0.11 off, issue 31). The checks are
 #: strategy-independent (aotbuild/runtime.py: _dependency_problem at load, _watch's Watch per call, the
 #: same for every strategy: run_matrix asserts the Watch on every tiny-sd strategy), so one build of one
-#: strategy covers what a hook does to them.
-FLUX_RECIPE = """\
-model: {id: builtin:tiny-flux, dtype: float32}
+#: strategy covers what a hook does to them. It declares an attention backend (changes.attention_backend,
+#: one that runs on the CPU): the same build serves a pipe with that backend set by hand (every load of the
+#: recipe sets it, so the cache-hook matrix's pipes and eager images have it too).
+FLUX_BACKEND = "_native_math"
+FLUX_RECIPE = f"""\
+model: {{id: builtin:tiny-flux, dtype: float32}}
 target: inductor
 device: cpu
 strategy: aot-package
-compile: {components: [transformer]}
-shapes: [{height: 64, width: 64}]
-warmup: {num_inference_steps: 2, max_sequence_length: 8, guidance_scale: 3.5}
+compile: {{components: [transformer]}}
+shapes: [{{height: 64, width: 64}}]
+warmup: {{num_inference_steps: 2, max_sequence_length: 8, guidance_scale: 3.5}}
+changes: {{attention_backend: {FLUX_BACKEND}}}
 """
 
 
@@ -750,3 +765,52 @@ def test_a_cache_hook_on_a_transformer_is_never_ignored(flux_build, no_codegen):
     for when in ("before", "after"):
         assert "cache hook" in results[("first-block-cache", when)] or "_cache_config" in \
             results[("first-block-cache", when)], results
+
+
+@pytest.mark.slow
+def test_a_declared_attention_backend_serves_a_pipe_with_it_set_by_hand(flux_build, no_codegen):
+    """changes.attention_backend (issue 31 item 4): the recipe's build sets the backend, and a user's pipe
+    that calls set_attention_backend itself hits, 0 compiles, equal to eager with the backend, whether its
+    recipe declares the backend or keys the pipe's (load_compiled(recipe, pipe=pipe), as
+    build(recipe, pipe=pipe) builds it). A pipe without it misses; its processors reset after load are
+    refused at the call, naming the backend."""
+    import dataclasses
+    from pathlib import Path
+
+    from torch._dynamo.utils import counters
+
+    from aotbuild import load_compiled
+    from aotbuild.changes import active_backend
+    from aotbuild.recipes import load_recipe
+
+    recipe_path, cache = flux_build
+    declared = load_recipe(recipe_path)
+    plain = dataclasses.replace(declared, changes=None)
+    root = Path(cache)
+
+    from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
+
+    def users_pipe():
+        _AttentionBackendRegistry._active_backend = AttentionBackendName.NATIVE  # as in a fresh process
+        pipe = _pipe(plain, root)
+        assert active_backend() == "native"  # the plain recipe's load sets none
+        pipe.transformer.set_attention_backend(FLUX_BACKEND)
+        return pipe
+
+    expected = _image(users_pipe(), plain)
+    for recipe in (declared, plain):
+        pipe = users_pipe()
+        graphs = counters["stats"]["unique_graphs"]
+        load_compiled(recipe, pipe, cache=root, on_miss="error")
+        got = _image(pipe, recipe)
+        assert pipe.aotbuild_report.misses == [] and pipe.transformer.forward.calls["built"] >= 1
+        assert counters["stats"]["unique_graphs"] == graphs
+        assert (got - expected).abs().max().item() <= 1e-4
+    pipe.transformer.reset_attention_backend()  # the processors' only (the active backend stays)
+    with pytest.raises(StaleGraph, match=r"_attention_backend='_native_math' in the entry: another attention "
+                                         r"backend \(set_attention_backend\)\?.*changes\.attention_backend"):
+        _image(pipe, plain)
+    _AttentionBackendRegistry._active_backend = AttentionBackendName.NATIVE  # a process that never set one
+    with pytest.raises(CacheMiss, match=r"declares changes: \{attention_backend: \"_native_math\"\} and this "
+                                        r"pipeline holds none of them"):
+        load_compiled(declared, _pipe(plain, root), cache=root, on_miss="error")
