@@ -26,33 +26,45 @@ from aotbuild.errors import (
 
 __version__ = VERSION
 
+#: name -> the module it is imported from on first use. tests/test_facade.py keeps this table, ``__all__``,
+#: the ``TYPE_CHECKING`` block below and ``dir(aotbuild)`` in step (huggingface_hub's ``check_static_imports``).
 _LAZY = {
     "load_compiled": "aotbuild.runtime",
     "LoadReport": "aotbuild.runtime",
     "build": "aotbuild.builder",
+    "BuildReport": "aotbuild.builder",
+    "JobResult": "aotbuild.builder",
     "plan": "aotbuild.planner",
+    "Job": "aotbuild.planner",
     "load_recipe": "aotbuild.recipes",
     "Recipe": "aotbuild.recipe",
+    "Shape": "aotbuild.recipe",
     "parse_recipe": "aotbuild.recipes",
     "push": "aotbuild.sync",
+    "PushReport": "aotbuild.sync",
     "pull": "aotbuild.sync",
+    "PullReport": "aotbuild.sync",
+    "PullItem": "aotbuild.sync",
     "sign": "aotbuild.sync",
     "parse_remote": "aotbuild.remote",
+    "Remote": "aotbuild.remote_base",
 }
 
 __all__ = ["AotbuildError", "CacheMiss", "ModelUnavailable", "PackageMismatch",
            "RecipeError", "RemoteError", "ShapeNotBuilt", "StaleGraph", "StoreError",
-           "TargetUnavailable", "UsageError", "__version__", "load_compiled", "LoadReport", "build", "plan",
-           "load_recipe", "parse_recipe", "Recipe", "push", "pull", "sign", "parse_remote"]
+           "TargetUnavailable", "UsageError", "__version__", "load_compiled", "LoadReport", "build", "BuildReport",
+           "JobResult", "plan", "Job", "load_recipe", "parse_recipe", "Recipe", "Shape", "push", "PushReport", "pull",
+           "PullReport", "PullItem", "sign", "parse_remote", "Remote"]
 
 if TYPE_CHECKING:
-    from aotbuild.builder import build
-    from aotbuild.planner import plan
-    from aotbuild.recipe import Recipe
+    from aotbuild.builder import BuildReport, JobResult, build
+    from aotbuild.planner import Job, plan
+    from aotbuild.recipe import Recipe, Shape
     from aotbuild.recipes import load_recipe, parse_recipe
     from aotbuild.remote import parse_remote
+    from aotbuild.remote_base import Remote
     from aotbuild.runtime import LoadReport, load_compiled
-    from aotbuild.sync import pull, push, sign
+    from aotbuild.sync import PullItem, PullReport, PushReport, pull, push, sign
 
 
 def __getattr__(name: str) -> Any:
@@ -61,3 +73,8 @@ def __getattr__(name: str) -> Any:
 
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'aotbuild' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    """What tab completion and ``dir(aotbuild)`` offer: the lazy names too, before their first use."""
+    return sorted(set(globals()) | set(_LAZY))

@@ -267,7 +267,7 @@ def bench(recipe_path: str | Path | Any, cache: str | Path | None = None, *, sha
     chosen = pick_shape(recipe, shape)
     one = replace(recipe, shapes=(chosen,))
     root = resolve_cache_root(cache)
-    jobs = plan([one], root)
+    jobs = plan([one], cache=root)
     blocked = [j for j in jobs if j.status == UNAVAILABLE]
     if blocked:
         assert blocked[0].cause is not None  # TargetUnavailable, or ModelUnavailable for a model (exit 2)
@@ -281,7 +281,7 @@ def bench(recipe_path: str | Path | Any, cache: str | Path | None = None, *, sha
         missing = sum(j.status != HIT for j in jobs)
         if missing:
             say(f"building {missing} job(s) the cache lacks for {chosen} first (as `aotbuild build` would) ...")
-        built = build([one], root, progress=build_progress)
+        built = build([one], cache=root, progress=build_progress)
         report.built = [{"job": r.job.label, "status": r.status, "seconds": round(r.seconds, 1), "reason": r.reason}
                         for r in built.results if r.status != CACHED]
         if built.failed:

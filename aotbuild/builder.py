@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from aotbuild import auto, child, constants, planner
 from aotbuild.child import Tick
 from aotbuild.context import Unavailable
+from aotbuild.deprecated import positional_shim
 from aotbuild.errors import ProofFailed, StoreError
 from aotbuild.journal import entry_writer
 from aotbuild.layout import FROM_PROJECT, cache_root_origin, format_size, resolve_max_size
@@ -213,9 +214,10 @@ class SharedLoads:
 Progress = Callable[[str, int, int, Job, "JobResult | None"], None]
 
 
-def build(recipes: Recipes, cache: str | Path | None = None, *,
+@positional_shim("cache")
+def build(recipes: Recipes, *, cache: str | Path | None = None,
           progress: Progress | None = None, shard: tuple[int, int] | None = None,
-          remote: Remote | None = None, max_size: int | None = None,
+          remote: str | Remote | None = None, max_size: int | None = None,
           sign_key: str | Path | None = None, pipe: Any = None, retry_failed: bool = False) -> BuildReport:
     """Build every missing job of ``recipes``; jobs already cached (and intact) are left alone.
 
@@ -229,8 +231,9 @@ def build(recipes: Recipes, cache: str | Path | None = None, *,
     ``from_pretrained`` gave it: the recipe's ``lora`` and ``model.quantization`` are applied by the
     jobs, as for any build.
 
-    ``shard=(I, N)`` builds only shard I of N of the full job list (planner.shard). With ``remote``,
-    a job the remote already holds is not built ("on remote"): pushing it again would send nothing.
+    ``shard=(I, N)`` builds only shard I of N of the full job list (planner.shard). With ``remote``
+    (a URL or a Remote), a job the remote already holds is not built ("on remote"): pushing it again
+    would send nothing.
     ``max_size`` (default: ``AOTBUILD_MAX_SIZE``, then ``[tool.aotbuild] max_size`` when that
     pyproject.toml also names the cache) is the cache's
     size limit: an entry bigger than it is not stored, and after the build ``gc`` removes the least
@@ -240,6 +243,10 @@ def build(recipes: Recipes, cache: str | Path | None = None, *,
     again: its result is "failed", with the recorded reason, until ``retry_failed=True``. A job whose
     target or device is not on this host is "skipped"; one whose model cannot be read or fetched is
     "failed" (``BuildReport.bad_input`` holds those whose model folder or files are at fault)."""
+    if isinstance(remote, str):
+        from aotbuild.remote import as_remote
+
+        remote = as_remote(remote)
     if pipe is not None:
         return _build_for_pipe(recipes, pipe, cache, progress=progress, shard=shard, remote=remote,
                                max_size=max_size, sign_key=sign_key, retry_failed=retry_failed)
@@ -259,7 +266,7 @@ def build(recipes: Recipes, cache: str | Path | None = None, *,
         own = public_of(sign_key)
     # pyproject.toml's max_size applies only to the cache it names itself (a pull request writes it).
     limit = max_size if max_size is not None else resolve_max_size(project=origin == FROM_PROJECT)
-    jobs = plan(recipes, root, signatures=False)  # a builder makes entries: whom serving trusts is not its say
+    jobs = plan(recipes, cache=root, signatures=False)  # a builder makes entries: whom serving trusts is not its say
     sharded = None
     if shard is not None:
         everything, jobs = jobs, shard_jobs(jobs, *shard)
@@ -386,7 +393,7 @@ def _build_for_pipe(recipes: Recipes, pipe: Any, cache: str | Path | None, **opt
     try:
         logging.getLogger("aotbuild").info("saving the pipeline for the build's jobs in %s", folder)
         pipe.save_pretrained(str(folder))
-        return build([replace(recipe, pipeline_folder=str(folder))], cache, **options)
+        return build([replace(recipe, pipeline_folder=str(folder))], cache=cache, **options)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 

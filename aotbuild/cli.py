@@ -299,7 +299,7 @@ def build(recipes: tuple[str, ...], cache: str | None, as_json: bool, shard: str
     from aotbuild.shards import resolve
 
     target = _remote(remote)
-    report = run_build(list(recipes), cache, progress=None if as_json else _progress(), sign_key=sign_key,
+    report = run_build(list(recipes), cache=cache, progress=None if as_json else _progress(), sign_key=sign_key,
                        shard=resolve(shard) if shard else None, remote=target, retry_failed=retry_failed)
     pushed = None
     if target is not None:
@@ -313,7 +313,7 @@ def build(recipes: tuple[str, ...], cache: str | None, as_json: bool, shard: str
             [a.key for r in report.results for a in r.attempts if a.outcome == ATTEMPT_FAILED and a.key]
         # Nothing is signed on the way out; with --sign-key, a remote entry that key did not sign gives
         # way to this build's own (signed) one.
-        pushed = push(keys, target, cache, progress=None if as_json else _push_progress(),
+        pushed = push(keys, target, cache=cache, progress=None if as_json else _push_progress(),
                       trusted=public_of(sign_key) if sign_key else None, failed=failed) if keys or failed else None
     if as_json:
         _emit_json({**report.as_json(), **({"push": pushed.as_json()} if pushed else {})})
@@ -362,7 +362,7 @@ def push(items: tuple[str, ...], remote: str | None, cache: str | None, as_json:
     if sign_key is not None:
         raise UsageError("push --sign-key was removed: a push never signs. `aotbuild sign KEYS... --sign-key "
                          "NAME.key` signs local entries you vouch for (docs/security.md), then push them")
-    report = run_push(list(items), _remote(remote, required=True), cache,
+    report = run_push(list(items), _remote(remote, required=True), cache=cache,
                       trusted=trusted_from_env(_keys(trusted_keys)), progress=None if as_json else _push_progress())
     if as_json:
         _emit_json(report.as_json())
@@ -392,20 +392,16 @@ def pull(recipes: tuple[str, ...], remote: str | None, cache: str | None, as_jso
       aotbuild pull recipes/sdxl_neuron.yaml --remote hf://datasets/my-org/aot-cache
     """
 
-    from aotbuild.sync import MISSING, REFUSED, UNAVAILABLE
     from aotbuild.sync import pull as run_pull
 
-    target = _remote(remote, required=True)
-    items = run_pull(list(recipes), target, cache, trusted_keys=_keys(trusted_keys))
+    report = run_pull(list(recipes), _remote(remote, required=True), cache=cache, trusted_keys=_keys(trusted_keys))
     if as_json:
-        _emit_json({"remote": target.url, "jobs": [i.as_json() for i in items]})
+        _emit_json(report.as_json())
     else:
-        rows = [[i.job.label, i.job.key[:12] if i.job.key else "-", i.status, i.reason] for i in items]
-        _echo(_table(rows, ["job", "key", "status", "reason"]))
-    if any(i.status == REFUSED for i in items):
+        _echo(report.text())
+    if report.refused:
         return EXIT_FAILED
-    missing = any(i.status in (MISSING, UNAVAILABLE) for i in items)
-    return EXIT_MISS if (fail_on_miss and missing) else EXIT_OK
+    return EXIT_MISS if (fail_on_miss and report.missing) else EXIT_OK
 
 
 def _progress() -> Callable[..., None]:
@@ -457,11 +453,9 @@ def plan(recipes: tuple[str, ...], cache: str | None, as_json: bool, fail_on_mis
       aotbuild plan recipes/ --explain-auto
     """
 
-    from dataclasses import replace
-
     from aotbuild.errors import RecipeError
     from aotbuild.layout import resolve_cache_root
-    from aotbuild.planner import FAILED_BEFORE, HIT, MISS, shard_jobs, shard_summary
+    from aotbuild.planner import HIT, MISS, mark_remote, shard_jobs, shard_summary
     from aotbuild.planner import plan as run_plan
     from aotbuild.recipes import load_recipes
     from aotbuild.shards import resolve
@@ -482,7 +476,7 @@ def plan(recipes: tuple[str, ...], cache: str | None, as_json: bool, fail_on_mis
     jobs = []
     for recipe in good:
         try:
-            jobs += run_plan([recipe], cache, trusted_keys=_keys(trusted_keys), failures=failures)
+            jobs += run_plan([recipe], cache=cache, trusted_keys=_keys(trusted_keys), failures=failures)
         except RecipeError as exc:  # what plan checks against the model (warmup keys, adapters)
             bad.append(exc)
     jobs.sort(key=lambda j: (j.key is None, j.key or "", j.label))
@@ -490,18 +484,8 @@ def plan(recipes: tuple[str, ...], cache: str | None, as_json: bool, fail_on_mis
     if picked is not None:
         everything, jobs = jobs, shard_jobs(jobs, *picked)
         sharded = shard_summary(picked, len(jobs), everything)
-    if target is not None and any(j.status in (MISS, FAILED_BEFORE) for j in jobs):
-        from aotbuild.remote import untrusted_on_remote
-        from aotbuild.signing import trusted_from_env
-
-        there = target.keys()
-        needed = [j.key for j in jobs if j.status in (MISS, FAILED_BEFORE) and j.key in there]
-        trusted = trusted_from_env(_keys(trusted_keys))
-        # With trusted keys, a remote entry counts only when a trusted key signed it: its manifest is read
-        # (bounded; no blob is fetched), so the --fail-on-miss gate means what a serving machine will load.
-        refused = untrusted_on_remote(target, needed, trusted) if trusted is not None else {}
-        jobs = [replace(j, reason=f"on {target.url} but refused there: {refused[j.key]}") if j.key in refused
-                else replace(j, status=REMOTE, reason=f"on {target.url}") if j.key in needed else j for j in jobs]
+    if target is not None:  # after sharding: the remote's keys listed once, manifests read for this shard only
+        jobs = mark_remote(jobs, target, _keys(trusted_keys))
     if as_json:
         _emit_json({"cache": str(resolve_cache_root(cache)), "remote": target.url if target else None,
                     **({"shard": sharded} if sharded else {}), "jobs": [j.as_json() for j in jobs]})

@@ -188,7 +188,7 @@ def check_roundtrip(target: str, device: str, progress: Any = None) -> Check:
         recipe = folder / "doctor.yaml"
         recipe.write_text(ROUNDTRIP.format(target=target, device=device))
         # The job and its proof each get empty compiler caches of their own (target.capture_env).
-        report = build([str(recipe)], folder / "cache", progress=progress)
+        report = build([str(recipe)], cache=folder / "cache", progress=progress)
         result = report.results[0]
         if result.status != BUILT:
             return _failed("roundtrip", f"the tiny build {result.status}: {result.reason}",

@@ -9,16 +9,20 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aotbuild import auto, constants, keys, models, pipecall, shards
 from aotbuild.context import Context, Unavailable
+from aotbuild.deprecated import positional_shim
 from aotbuild.explain import Entries, estimate, explain_miss
 from aotbuild.layout import resolve_cache_root
 from aotbuild.recipe import Recipe, Shape
 from aotbuild.recipes import Recipes, resolve_recipes
 from aotbuild.store import Store, Unusable
 from aotbuild.strategies import checked_store
+
+if TYPE_CHECKING:
+    from aotbuild.remote_base import Remote
 
 HIT, MISS, UNAVAILABLE = "hit", "miss", "unavailable"
 #: key -> its failure record, or None (Store.failure, or a remote's: sync.remote_failures)
@@ -28,6 +32,8 @@ Failures = Callable[[str], "dict | None"]
 FAILED_BEFORE = "failed"
 #: What a build says of a job it did not retry.
 RETRY_HINT = "not retried: `aotbuild build --retry-failed` builds it again"
+#: ``plan(remote=...)`` (``plan --remote``): not in the local cache, on the remote.
+REMOTE = "remote"
 
 
 @dataclass
@@ -37,7 +43,7 @@ class Job:
     shape: Shape
     key: str | None
     factors: dict[str, Any] | None
-    status: str  # hit | miss | failed | unavailable
+    status: str  # hit | miss | failed | unavailable | remote (plan(remote=...))
     reason: str = ""
     #: A miss's expected build time and entry size, from the nearest cached entry (estimate()).
     estimated_build_s: float | None = None
@@ -242,16 +248,19 @@ def _text_note(store: Store, recipe: Recipe, component: str, key: str | None, fa
     return textlen.plan_note(recipe.text_length, component, measured)
 
 
-def plan(recipes: Recipes, cache: str | Path | None = None, *,
+@positional_shim("cache")
+def plan(recipes: Recipes, *, cache: str | Path | None = None, remote: str | Remote | None = None,
          trusted_keys: list[str | Path] | None = None, signatures: bool = True,
          failures: Failures | None = None) -> list[Job]:
     """Every job of every recipe, sorted by key (jobs without a key last), with hit/miss status.
 
     ``recipes``: recipe files or folders, recipe data as dicts (validated like a file), Recipe
-    objects, or a list mixing them. ``trusted_keys`` (default ``AOTBUILD_TRUSTED_KEYS``): an entry
-    no trusted key signed is a miss; ``signatures=False`` (a build) ignores them. ``failures``: a
-    lookup of failure records kept elsewhere (a remote's: sync.remote_failures), read as the
-    store's own, so a job that failed there is "failed" here too, nothing written locally."""
+    objects, or a list mixing them. ``remote`` (a URL or a Remote, as ``plan --remote``): a job the
+    local cache lacks and the remote has is ``remote`` (:func:`mark_remote`). ``trusted_keys``
+    (default ``AOTBUILD_TRUSTED_KEYS``): an entry no trusted key signed is a miss; ``signatures=False``
+    (a build) ignores them. ``failures``: a lookup of failure records kept elsewhere (a remote's:
+    sync.remote_failures, which ``plan --remote`` passes), read as the store's own, so a job that
+    failed there is "failed" here too, nothing written locally."""
     from aotbuild.signing import trusted_from_env
 
     root = resolve_cache_root(cache)
@@ -277,7 +286,28 @@ def plan(recipes: Recipes, cache: str | Path | None = None, *,
 
                 changes.check_recipe(recipe, ctx.model.components(), ctx.pipeline_class)
         jobs.extend(jobs_for(ctx, store, failures))
-    return sorted(jobs, key=lambda j: (j.key is None, j.key or "", j.label))
+    jobs.sort(key=lambda j: (j.key is None, j.key or "", j.label))
+    return mark_remote(jobs, remote, trusted_keys) if remote is not None else jobs
+
+
+def mark_remote(jobs: list[Job], remote: str | Remote, trusted_keys: list[str | Path] | None = None) -> list[Job]:
+    """``jobs`` with each one the local cache lacks (a miss, or failed before) that ``remote`` has
+    marked :data:`REMOTE` ("on URL"). The remote's keys are listed once; nothing is downloaded. With
+    trusted keys (default ``AOTBUILD_TRUSTED_KEYS``) a remote entry counts only when a trusted key
+    signed it: its manifest is read (bounded; no blob is fetched), so a ``--fail-on-miss`` gate means
+    what a serving machine will load, and an unsigned one stays a miss that says why."""
+    from aotbuild.remote import as_remote, untrusted_on_remote
+    from aotbuild.signing import trusted_from_env
+
+    target = as_remote(remote)
+    if not any(j.status in (MISS, FAILED_BEFORE) for j in jobs):
+        return jobs
+    there = target.keys()
+    needed = [j.key for j in jobs if j.status in (MISS, FAILED_BEFORE) and j.key in there]
+    trusted = trusted_from_env(trusted_keys)
+    refused = untrusted_on_remote(target, needed, trusted) if trusted is not None else {}
+    return [replace(j, reason=f"on {target.url} but refused there: {refused[j.key]}") if j.key in refused
+            else replace(j, status=REMOTE, reason=f"on {target.url}") if j.key in needed else j for j in jobs]
 
 
 def _check_shardable(recipe: Recipe, model: models.ResolvedModel) -> None:

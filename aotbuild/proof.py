@@ -155,7 +155,7 @@ def serve(spec: dict[str, Any]) -> dict[str, Any]:
     before = count()
     seen = _compiler_counts()
     t0 = time.perf_counter()
-    load_compiled(recipe, pipe, cache=spec["store"], on_miss="error", strict_shapes=True)
+    load_compiled(recipe, pipe=pipe, cache=spec["store"], on_miss="error", strict_shapes=True)
 
     # 3. Every recorded call through the loaded entry, compared with eager; with text_length, also each
     #    call made at the range's ends and middle (its text dimensions resized; eager computed now).

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from aotbuild import builtin
+from aotbuild.deprecated import positional_shim
 from aotbuild.errors import RecipeError, UsageError
 from aotbuild.recipe import DATA_SOURCE, Recipe, check_structure_rules, describe_value, parse_structure
 from aotbuild.recipe_file import find_recipes, read_recipe_data
@@ -34,11 +35,13 @@ def registry_choices() -> dict[str, tuple[str, ...]]:
     return {"target": target_names(), "strategy": strategy_names()}
 
 
-def parse_recipe(data: Any, source: str = DATA_SOURCE, name: str | None = None, *,
+@positional_shim("source", "name")
+def parse_recipe(data: Any, *, source: str = DATA_SOURCE, name: str | None = None,
                  folder: str | None = None) -> Recipe:
     """Validate recipe data (a YAML file's structure, e.g. a plain dict) into a :class:`Recipe`.
 
-    Validated exactly like a file: every error is a :class:`RecipeError` naming the key. ``name``
+    Validated exactly like a file: every error is a :class:`RecipeError` naming the key. ``source``:
+    the file it came from, if any (what errors and ``build`` hints name). ``name``
     defaults to the file's stem, or for data without a file to ``recipe-<12 hex>``, derived from
     the content (the same data always gets the same name). ``folder``: where a relative
     ``model.id`` folder is resolved (default: the file's folder; for data, the working directory)."""
@@ -252,7 +255,7 @@ def check_pixels(recipe: Recipe, default_frames: int | None = 1) -> None:
 def load_recipe(path: str | Path) -> Recipe:
     """Read and validate one recipe file. Every problem is a :class:`RecipeError`."""
     source = str(path)
-    return parse_recipe(read_recipe_data(source), source)
+    return parse_recipe(read_recipe_data(source), source=source)
 
 
 def as_recipe(value: Any) -> Recipe:
@@ -269,7 +272,7 @@ def as_recipe(value: Any) -> Recipe:
 
 def recipe_from_spec(spec: Mapping[str, Any]) -> Recipe:
     """The :class:`Recipe` that :func:`aotbuild.recipe.recipe_spec` wrote, validated again."""
-    recipe = parse_recipe(spec["data"], spec["source"], spec["name"], folder=spec["folder"])
+    recipe = parse_recipe(spec["data"], source=spec["source"], name=spec["name"], folder=spec["folder"])
     if spec.get("pipeline_folder"):
         from dataclasses import replace
 

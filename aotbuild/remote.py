@@ -88,6 +88,11 @@ def parse_remote(url: str) -> Remote:
                      f"for a dataset repo), s3://bucket/prefix, gs://bucket/prefix or az://container/prefix")
 
 
+def as_remote(remote: str | Remote) -> Remote:
+    """What every public function that takes a remote accepts: a URL (:func:`parse_remote`) or a Remote."""
+    return parse_remote(remote) if isinstance(remote, str) else remote
+
+
 def pull_entry(remote: Remote, key: str, store: Store) -> str:
     """Fetch one entry into ``store``: "" or why not (the download takes no lock; storing it does).
 

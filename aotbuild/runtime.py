@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from aotbuild import keys, models, pipecall
 from aotbuild.context import Context, prepare_pipeline, shard_pipeline
+from aotbuild.deprecated import positional_shim
 from aotbuild.errors import CacheMiss, RemoteError, UsageError
 from aotbuild.explain import Entries, explain_miss
 from aotbuild.layout import resolve_cache_root
@@ -75,6 +76,14 @@ class LoadReport:
     def misses(self) -> list[ReportEntry]:
         return [e for e in self.entries if not e.hit]
 
+    def as_json(self) -> dict[str, Any]:
+        """The report as JSON data (as ``push``'s, ``pull``'s and ``build``'s reports)."""
+        return self.as_dict()
+
+    def text(self) -> str:
+        """The report for people: what ``print(pipe.aotbuild_report)`` shows."""
+        return str(self)
+
     def as_dict(self) -> dict[str, Any]:
         return {"recipe": self.recipe, "cache": self.cache, "installed_files": self.installed_files,
                 "present_files": self.present_files, "install_folder": self.install_folder,
@@ -107,7 +116,8 @@ class LoadReport:
         return "\n".join(lines)
 
 
-def load_compiled(recipe: str | Path | Recipe | Mapping[str, Any], pipe: Any = None, *, cache: str | Path | None = None,
+@positional_shim("pipe")
+def load_compiled(recipe: str | Path | Recipe | Mapping[str, Any], *, pipe: Any = None, cache: str | Path | None = None,
                   remote: str | Remote | None = None, on_miss: str = "compile", strict_shapes: bool = False,
                   trusted_keys: list[str | Path] | None = None) -> Any:
     """Load ``recipe``'s pipeline (or take ``pipe``), install its cached artifacts, compile it.

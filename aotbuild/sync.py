@@ -7,15 +7,16 @@ environment); a pull takes recipes, because only a recipe says which keys *this*
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from aotbuild.deprecated import positional_shim
 from aotbuild.errors import UsageError
 from aotbuild.layout import resolve_cache_root
 from aotbuild.planner import FAILED_BEFORE, HIT, MISS, Job, plan
-from aotbuild.remote import PushResult, Remote, pull_entry
+from aotbuild.remote import PushResult, Remote, as_remote, pull_entry
 from aotbuild.store import DAMAGED, Entry, Store
 from aotbuild.strategies import checked_store
 
@@ -57,11 +58,13 @@ class PushReport:
                 "failures": self.failures}
 
 
-def push(items: list[str] | tuple[str, ...], remote: Remote, cache: str | Path | None = None,
+@positional_shim("cache", "progress", "trusted", "failed")
+def push(items: list[str] | tuple[str, ...], remote: str | Remote, *, cache: str | Path | None = None,
          progress: Callable[[str], None] | None = None, trusted: dict[str, bytes] | None = None,
          failed: list[Job | str] | None = None) -> PushReport:
-    """Push KEYS or RECIPES (files or folders); none means every entry of the local store, unless
-    ``failed`` is given (a build's push: then ``items`` are exactly what is pushed).
+    """Push KEYS or RECIPES (files or folders) to ``remote`` (a URL or a Remote); none means every
+    entry of the local store, unless ``failed`` is given (a build's push: then ``items`` are exactly
+    what is pushed).
 
     Every entry is hash-verified locally before it is sent: a corrupt entry is skipped, named, and
     never pushed. A push never signs: each entry travels with the signatures it has (:func:`sign`
@@ -70,6 +73,7 @@ def push(items: list[str] | tuple[str, ...], remote: Remote, cache: str | Path |
 
     ``failed``: the jobs (or record keys) a build found failed; their failure records go to the remote
     (:func:`push_failures`). A pushed entry clears the remote's record of its key."""
+    remote = as_remote(remote)
     store = checked_store(resolve_cache_root(cache))
     if failed is not None and not items:
         return PushReport(remote.url, PushResult(), failures=push_failures(remote, store, failed))
@@ -79,7 +83,7 @@ def push(items: list[str] | tuple[str, ...], remote: Remote, cache: str | Path |
     recipes = [i for i in items if not is_key_prefix(i)]
     keys += [store.resolve_prefix(i) for i in items if is_key_prefix(i)]
     if recipes:
-        for job in plan(recipes, store.root):
+        for job in plan(recipes, cache=store.root):
             if job.status == HIT and job.key:
                 keys.append(job.key)
             else:
@@ -243,7 +247,8 @@ def _first_line(reason: str) -> str:
     return lines[0][:500] if lines else ""
 
 
-def sign(items: list[str] | tuple[str, ...], sign_key: str | Path, cache: str | Path | None = None) -> list[str]:
+@positional_shim("cache")
+def sign(items: list[str] | tuple[str, ...], sign_key: str | Path, *, cache: str | Path | None = None) -> list[str]:
     """Sign, with ``sign_key``, the local entries of KEYS (hex prefixes) or RECIPES (their cached jobs):
     the signer VOUCHES for entries it did not build (docs/security.md), so nothing is signed unless
     named: no items is an error, not "all". Each entry is hash-checked first; a damaged or missing one
@@ -261,7 +266,7 @@ def sign(items: list[str] | tuple[str, ...], sign_key: str | Path, cache: str | 
     store = checked_store(resolve_cache_root(cache))
     keys = [store.resolve_prefix(i) for i in items if is_key_prefix(i)]
     recipes = [i for i in items if not is_key_prefix(i)]
-    for job in plan(recipes, store.root, signatures=False) if recipes else []:
+    for job in plan(recipes, cache=store.root, signatures=False) if recipes else []:
         if job.status != HIT or not job.key:
             raise UsageError(f"{job.label}: not in the local cache ({job.reason or job.status}): nothing signed")
         keys.append(job.key)
@@ -322,25 +327,64 @@ class PullItem:
         return {**self.job.as_json(), "status": self.status, "reason": self.reason}
 
 
-def pull(recipes: list[str] | tuple[str, ...], remote: Remote, cache: str | Path | None = None,
-         trusted_keys: list[str | Path] | None = None) -> list[PullItem]:
-    """Fetch, verified, every job of RECIPES that the local store lacks and the remote has. With trusted
-    keys (default ``AOTBUILD_TRUSTED_KEYS``) an entry no trusted key signed is refused before any of
-    its blobs is fetched."""
+@dataclass
+class PullReport:
+    """What :func:`pull` did: one :class:`PullItem` per job, in plan order. It iterates, indexes and
+    counts as that list (``for item in pull(...)``, ``report[0]``, ``len(report)``)."""
+
+    remote: str
+    items: list[PullItem] = field(default_factory=list)
+
+    def __iter__(self) -> Iterator[PullItem]:
+        return iter(self.items)
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, index: int) -> PullItem:
+        return self.items[index]
+
+    @property
+    def refused(self) -> list[PullItem]:
+        """Entries fetched that failed verification (``pull`` exits 1)."""
+        return [i for i in self.items if i.status == REFUSED]
+
+    @property
+    def missing(self) -> list[PullItem]:
+        """Jobs on neither side: not on the remote, or not keyable here (``--fail-on-miss`` exits 3)."""
+        return [i for i in self.items if i.status in (MISSING, UNAVAILABLE)]
+
+    def text(self) -> str:
+        from aotbuild.text import table
+
+        rows = [[i.job.label, i.job.key[:12] if i.job.key else "-", i.status, i.reason] for i in self.items]
+        return table(rows, ["job", "key", "status", "reason"])
+
+    def as_json(self) -> dict[str, Any]:
+        return {"remote": self.remote, "jobs": [i.as_json() for i in self.items]}
+
+
+@positional_shim("cache", "trusted_keys")
+def pull(recipes: list[str] | tuple[str, ...], remote: str | Remote, *, cache: str | Path | None = None,
+         trusted_keys: list[str | Path] | None = None) -> PullReport:
+    """Fetch, verified, every job of RECIPES that the local store lacks and ``remote`` (a URL or a
+    Remote) has. With trusted keys (default ``AOTBUILD_TRUSTED_KEYS``) an entry no trusted key signed
+    is refused before any of its blobs is fetched."""
     from aotbuild.signing import trusted_from_env
 
     if not recipes:
         raise UsageError("name the recipes to pull: only a recipe says which keys this machine needs")
+    remote = as_remote(remote)
     trusted = trusted_from_env(trusted_keys)
     store = checked_store(resolve_cache_root(cache), trusted)
-    jobs = plan(list(recipes), store.root, trusted_keys=trusted_keys)
+    jobs = plan(list(recipes), cache=store.root, trusted_keys=trusted_keys)
     wanted = [j for j in jobs if j.status in (MISS, FAILED_BEFORE)]
     on_remote = remote.keys() if wanted else set()
     # A tensor-parallel job is pulled whole or not at all: each rank needs its own entry.
     partial = {j.key: next(r for r, k in enumerate(j.siblings) if k not in on_remote and not store.check_entry(k)[0])
                for j in wanted if j.siblings
                and any(k not in on_remote and not store.check_entry(k)[0] for k in j.siblings)}
-    out = []
+    out: list[PullItem] = []
     for job in jobs:
         if job.status == HIT:
             out.append(PullItem(job, CACHED))
@@ -354,5 +398,5 @@ def pull(recipes: list[str] | tuple[str, ...], remote: Remote, cache: str | Path
         else:
             why = pull_entry(remote, job.key, store)
             out.append(PullItem(job, REFUSED if why else PULLED, why))
-    return out
+    return PullReport(remote.url, out)
 

@@ -48,7 +48,7 @@ def child(recipe_path: str, cache: str, calls: int) -> None:
     pipe(**warmup_kwargs(recipe, recipe.shapes[0], pipe))  # eager: the call to time, not timed
     handle.remove()
     t0 = time.perf_counter()
-    load_compiled(recipe, pipe, cache=cache, on_miss="error")
+    load_compiled(recipe, pipe=pipe, cache=cache, on_miss="error")
     pipe(**warmup_kwargs(recipe, recipe.shapes[0], pipe))
     first = time.perf_counter() - t0
     args, kwargs = captured["call"]

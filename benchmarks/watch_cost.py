@@ -76,7 +76,7 @@ def tiny(recipe_path: str | None, cache: str | None, repeats: int) -> None:
     if cache:
         from aotbuild import load_compiled
 
-        load_compiled(recipe, pipe, cache=cache, on_miss="error")
+        load_compiled(recipe, pipe=pipe, cache=cache, on_miss="error")
         label = f"tiny-sd UNet served by {recipe.strategy}"
     else:  # the eager forward as the route: the dispatcher and check are the same, the call is slower
         eager = pipe.unet.forward

@@ -148,3 +148,139 @@ def test_architecture_interface_blocks_name_every_public_member():
         named = set(re.findall(r"^\s+(?:def )?(\w+)\b", block, flags=re.M)) - {"class"}
         assert _public_members(cls) - named == set(), f"{cls.__name__}: undocumented"
         assert named - _public_members(cls) == set(), f"{cls.__name__}: documented but gone"
+
+
+# -- docs that cannot drift (issue 33 item 7) ------------------------------------------------------
+
+
+def _synopsis() -> dict[str, str]:
+    """docs/cli.md's synopsis block: command -> its text (continuation lines joined)."""
+    block = re.search(r"^# Command line\n\n```\n(.*?)```", (REPO / "docs" / "cli.md").read_text(), flags=re.S | re.M)
+    assert block, "docs/cli.md has no synopsis block"
+    commands: dict[str, str] = {}
+    name = ""
+    for line in block.group(1).splitlines():
+        match = re.match(r"aotbuild (\S+)(.*)", line)
+        if match:
+            name = match.group(1)
+            assert name not in commands, f"{name} twice in the synopsis"
+            commands[name] = match.group(2)
+        else:
+            assert name and line.startswith(" "), f"not a command or a continuation: {line!r}"
+            commands[name] += " " + line.strip()
+    return commands
+
+
+def test_cli_synopsis_matches_click():
+    """Every command and every option click offers is in docs/cli.md's synopsis, and nothing else:
+    options by name, and whether the command takes arguments."""
+    import click
+
+    from aotbuild.cli import main
+
+    synopsis = _synopsis()
+    assert set(synopsis) == set(main.commands)
+    for name, command in main.commands.items():
+        text = synopsis[name]
+        options = {o for p in command.params if isinstance(p, click.Option) and not p.hidden
+                   for o in p.opts if o.startswith("--")}
+        assert set(re.findall(r"(--[a-z][a-z-]*)", text)) == options, name
+        takes_arguments = any(isinstance(p, click.Argument) for p in command.params)
+        assert bool(re.search(r"[A-Z]{3,}", text.split("--")[0])) == takes_arguments, name
+
+
+def test_exit_codes_table_matches_the_cli():
+    import aotbuild.cli as cli
+
+    codes = {getattr(cli, n) for n in dir(cli) if n.startswith("EXIT_")}
+    text = (REPO / "docs" / "cli.md").read_text()
+    table = text.split("## Exit codes", 1)[1].split("\n## ", 1)[0]
+    assert {int(c) for c in re.findall(r"^\| (\d+) \|", table, flags=re.M)} == codes
+
+
+def _aotbuild_variables() -> dict[str, int | None]:
+    """Every AOTBUILD_* variable constants.py names -> its default where LIMITS holds one."""
+    from aotbuild import constants
+
+    found: dict[str, int | None] = {v: None for n, v in vars(constants).items()
+                                    if n.isupper() and isinstance(v, str) and v.startswith("AOTBUILD_")}
+    found.update({variable: default for variable, default in constants.LIMITS.values()})
+    return found
+
+
+def test_environment_table_holds_every_variable_and_no_other():
+    text = (REPO / "docs" / "environment.md").read_text()
+    row = re.compile(r"^\| `(AOTBUILD_\w+)` \| ([^|]*) \|", flags=re.M)
+    rows = {m.group(1): m.group(2).strip() for m in row.finditer(text)}
+    variables = _aotbuild_variables()
+    assert sorted(set(variables) - set(rows)) == [], "undocumented in docs/environment.md"
+    assert sorted(set(rows) - set(variables)) == [], "documented but gone from constants.py"
+    for variable, default in variables.items():
+        if default is not None:
+            assert rows[variable] == str(default), f"{variable}: default {rows[variable]!r}, constants says {default}"
+    # No page names a variable that does not exist (a renamed one left behind).
+    pages = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+    stale = {f"{p.name}: {v}" for p in pages for v in re.findall(r"\bAOTBUILD_[A-Z_]*[A-Z]\b", p.read_text())
+             if v not in variables}
+    assert stale == set()
+
+
+def _layer_list() -> set[str]:
+    """The modules docs/architecture.md's layer list names (``targets/{a,b}`` expanded; a layer's
+    number and name and the prose in parentheses left out)."""
+    text = (REPO / "docs" / "architecture.md").read_text()
+    block = re.search(r"^## The layers\n.*?```\n(.*?)```", text, flags=re.S | re.M)
+    assert block, "docs/architecture.md has no layer list"
+    body = re.sub(r"\([^()]*\)", " ", block.group(1), flags=re.S)
+    names: set[str] = set()
+    for line in body.splitlines():
+        cells = re.split(r"\s{2,}", line.strip())
+        if cells and cells[0].isdigit():
+            cells = cells[2:]
+        for word in " ".join(cells).split():
+            group = re.fullmatch(r"([a-z_]+)/\{([a-z_,]+)\}", word)
+            if group:
+                names.update(f"{group[1]}/{n}" for n in group[2].split(","))
+            else:
+                names.add(word)
+    return names
+
+
+def _package_modules() -> set[str]:
+    """aotbuild's modules as the layer list names them: ``targets/base``, ``targets`` for a package's
+    ``__init__``, ``aotbuild`` for the facade."""
+    root = REPO / "aotbuild"
+    names = set()
+    for path in root.rglob("*.py"):
+        rel = path.relative_to(root).with_suffix("").as_posix()
+        names.add("aotbuild" if rel == "__init__" else rel.removesuffix("/__init__"))
+    return names
+
+
+def test_architecture_layer_list_names_every_module_and_no_other():
+    documented, modules = _layer_list(), _package_modules()
+    assert sorted(modules - documented) == [], "modules missing from docs/architecture.md's layer list"
+    assert sorted(documented - modules) == [], "docs/architecture.md's layer list names modules that are gone"
+
+
+def test_store_layout_in_cache_md_is_layout_py_s():
+    from aotbuild import layout
+
+    def paths(text: str) -> set[str]:
+        return set(re.findall(r"^\s*(<root>/\S+)", text, flags=re.M))
+
+    section = (REPO / "docs" / "cache.md").read_text().split("## Store layout", 1)[1].split("\n## ", 1)[0]
+    assert paths(section) and paths(section) == paths(layout.__doc__ or "")
+
+
+def test_every_builtin_model_is_documented_with_its_version():
+    from aotbuild.builtin import BUILTINS
+
+    text = (REPO / "docs" / "recipes.md").read_text()
+    table = dict(re.findall(r"^\| `builtin:([\w-]+)` \(v(\d+)\) \|", text, flags=re.M))
+    assert table == {name: str(model.version) for name, model in BUILTINS.items()}
+    model_id = re.search(r"^\| `model\.id` \|.*$", text, flags=re.M).group(0)
+    assert set(re.findall(r"`builtin:([\w-]+)`", model_id)) == set(BUILTINS)
+    architecture = (REPO / "docs" / "architecture.md").read_text().split("**`builtin/__init__.py`**", 1)[1]
+    named = set(re.findall(r"`(Tiny\w+)`", architecture.split("\n\n", 1)[0]))
+    assert named == {type(model).__name__ for model in BUILTINS.values()}

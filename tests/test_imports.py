@@ -17,7 +17,7 @@ RUNTIME_MODULES = {
     "aotbuild.context", "aotbuild.explain", "aotbuild.recipe", "aotbuild.recipe_file", "aotbuild.recipes",
     "aotbuild.registry", "aotbuild.runtime", "aotbuild.safeio", "aotbuild.store",
     "aotbuild.strategies", "aotbuild.strategies.base", "aotbuild.suggest", "aotbuild.targets", "aotbuild.targets.base",
-    "aotbuild.text", "aotbuild.pipecall",
+    "aotbuild.text", "aotbuild.pipecall", "aotbuild.deprecated",
 }
 
 
