@@ -691,6 +691,9 @@ def show(key: str, cache: str | None, as_json: bool) -> int:
     for path, value in flatten(dict(manifest.factors)).items():
         _echo(f"  {_line(path)} = {json.dumps(value)}")
     _echo(f"signatures: {len(manifest.signatures)} call signature(s) built")
+    dropped = sorted({k for r in manifest.packages for k in r.get("dropped_guards") or ()})
+    if dropped:  # aot-compile: guard kinds its saved functions no longer check (docs/runtime.md)
+        _echo(f"guards:     dropped at save: {_line(', '.join(dropped))}")
     _echo(f"signed by:  {_signed_text(manifest)}")
     return EXIT_OK
 

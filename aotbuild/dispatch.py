@@ -222,8 +222,8 @@ def _rebuild_advice(why: str) -> str:
         return (f"; to serve it compiled, declare it in the recipe ({key}: docs/recipes.md, \"Declared changes\") "
                 f"and build, or build for this pipeline with aotbuild.build(recipe, pipe=pipe), then load again")
     return ("; aotbuild.build(recipe, pipe=pipe) builds for a changed pipeline only the changes a recipe can declare "
-            "(changes: freeu, attention_processor, memory_format; plan refuses a cache hook for now) and refuses "
-            "others with the reason")
+            "(changes: freeu, attention_processor, attention_backend, memory_format; plan refuses a cache hook for "
+            "now) and refuses others with the reason")
 
 
 def _first_tensor(sig: str) -> list[int] | None:

@@ -58,9 +58,15 @@ def restore_process_state():
     # quantized made a later one on the same worker see them as the defaults.
     inductor = sys.modules.get("torch._inductor.config")
     settings = inductor.save_config() if inductor is not None else None
+    # diffusers' process-wide attention backend: a recipe's changes.attention_backend sets it at load
+    dispatch = sys.modules.get("diffusers.models.attention_dispatch")
+    registry = getattr(dispatch, "_AttentionBackendRegistry", None)
+    backend = getattr(registry, "_active_backend", None)
     yield
     if inductor is not None:
         inductor.load_config(settings)
+    if registry is not None and backend is not None:
+        registry._active_backend = backend
     os.environ.clear()
     os.environ.update(env)
     log.handlers[:] = handlers
