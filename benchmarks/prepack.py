@@ -110,7 +110,10 @@ def rel(a, b) -> float:
     return float((a - b).abs().max() / b.abs().max())
 
 
-def measure(kind: str, calls: int) -> dict:
+MODES = ("compile_freezing", "aot_package", "aot_package_freezing")
+
+
+def measure(kind: str, calls: int, modes: tuple[str, ...] = MODES) -> dict:
     import torch
 
     unet, args, kwargs = make(kind)
@@ -123,24 +126,29 @@ def measure(kind: str, calls: int) -> dict:
     out["eager_s"] = steady(served, args, kwargs, calls)
     print(kind, "eager", out["eager_s"], flush=True)
 
-    compiled = torch.compile(copy.deepcopy(served), options={"freezing": True, "cpp.dynamic_threads": True})
-    t = time.perf_counter()
-    with torch.no_grad():
-        got = compiled(*args, **kwargs)[0]
-    out["compile_freezing"] = {"compile_s": time.perf_counter() - t, "rel_err": rel(got, expected),
-                               "steady_s": steady(compiled, args, kwargs, calls)}
-    print(kind, "torch.compile freezing", out["compile_freezing"], flush=True)
-    del compiled
-    torch._dynamo.reset()
+    if "compile_freezing" in modes:
+        compiled = torch.compile(copy.deepcopy(served), options={"freezing": True, "cpp.dynamic_threads": True})
+        t = time.perf_counter()
+        with torch.no_grad():
+            got = compiled(*args, **kwargs)[0]
+        out["compile_freezing"] = {"compile_s": time.perf_counter() - t, "rel_err": rel(got, expected),
+                                   "steady_s": steady(compiled, args, kwargs, calls)}
+        print(kind, "torch.compile freezing", out["compile_freezing"], flush=True)
+        del compiled
+        torch._dynamo.reset()
 
     for name, options in (("aot_package", {}), ("aot_package_freezing", {"freezing": True})):
+        if name not in modes:
+            continue
         work = Path(tempfile.mkdtemp(prefix=f"prepack-{kind}-{name}-"))
         run, record, built, bound = package(unet, args, kwargs, work, {**options, "cpp.dynamic_threads": True},
                                             served)
         with torch.no_grad():
             got = run(*args, **kwargs)[0]
+        runner = run.runner  # type: ignore[attr-defined]
+        prepacked = sum(torch.ops.mkldnn._nbytes(t) if t.is_mkldnn else 0 for t in runner.derived_values.values())
         out[name] = {"build_s": built, "bind_s": bound, "rel_err_other_weights": rel(got, expected),
-                     "package_bytes": os.path.getsize(work / record["path"]),
+                     "package_bytes": os.path.getsize(work / record["path"]), "prepacked_bytes": prepacked,
                      "derived": len(record.get("derived", {})), "steady_s": steady(run, args, kwargs, calls)}
         print(kind, name, out[name], flush=True)
     return out
@@ -150,15 +158,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="tiny,mid")
     parser.add_argument("--calls", type=int, default=10)
+    parser.add_argument("--modes", default=",".join(MODES), help="of " + ", ".join(MODES))
     parser.add_argument("--save")
     opts = parser.parse_args()
-    results = [measure(kind, opts.calls) for kind in opts.models.split(",")]
+    results = [measure(kind, opts.calls, tuple(opts.modes.split(","))) for kind in opts.models.split(",")]
     for r in results:
         e = r["eager_s"]
         print(f"\n{r['model']}: {r['parameters'] / 1e6:.1f}M parameters, {r['threads']} threads, steady call (median)")
         print(f"  eager                        {e * 1e3:9.1f} ms  1.00x")
         for key, label in (("compile_freezing", "torch.compile + freezing"), ("aot_package", "aot-package"),
                            ("aot_package_freezing", "aot-package + freezing")):
+            if key not in r:
+                continue
             s = r[key]["steady_s"]
             extra = ""
             if "package_bytes" in r[key]:

@@ -115,7 +115,7 @@ def _decode(value: Any, values: list[Any]) -> Any:
 class FoldRecorder:
     """Records, during one Inductor compile with ``freezing``, how every folded constant is computed.
 
-    Patches (only while active, on this thread's compile) ``constant_folding.replace_node_with_constant``,
+    Patches (process-wide, only while active) ``constant_folding.replace_node_with_constant``,
     through which Inductor's constant folding turns each foldable node into a new constant: before
     the node goes, its computation from the graph's earlier constants is kept (the nodes between the
     ``get_attr`` leaves and it). And ``freezing.freeze``, to read the frozen graph's constants at the
@@ -183,8 +183,8 @@ class FoldRecorder:
 
     def recipes(self) -> dict[str, dict[str, Any]]:
         """get_attr target -> ``{"inputs": [module tensor names], "program": [[op, args, kwargs], ...]}``.
-        Value i of a program is its i-th input, then each op's output in turn; the last is the constant.
-        A constant that is a module tensor as it is has an empty program."""
+        Each step's value is numbered by its position (``{"ref": i}`` reads step i's); ``["input", [j],
+        {}]`` is ``inputs[j]``; the last step's value is the constant. A module tensor as it is: one step."""
         names = _tensor_names(self.tensors)
         out = {}
         for target, tensor in self.final.items():
@@ -193,7 +193,6 @@ class FoldRecorder:
             _inline(tensor, self._folded, names, inputs, program, {})
             out[target] = {"inputs": inputs, "program": program}
         return out
-
 
     def derived(self, fqns: list[str]) -> dict[str, dict[str, Any]]:
         """The recipe of every constant in ``fqns`` (what the package asks for) that is not a module
@@ -211,6 +210,8 @@ class FoldRecorder:
             if not same_value(replay(recipe, state), self.final[fqn]):
                 raise RecipeError(f"replaying how Inductor folded {fqn!r} does not give its value")
             out[fqn] = recipe
+        self._folded.clear()  # the build's folded tensors (a second copy of the weights) are not needed now
+        self.final.clear()
         return out
 
 
