@@ -13,7 +13,7 @@ benchmarks/scale.py's business): eager; ``torch.compile(unet, options={"freezing
 aot-package's package (aotbuild.strategies.aoti, as the strategy builds it) without and with
 freezing. Both packages are built with weights A and served with **weights B** (A perturbed): the
 output is compared with B's eager output. Batch 1, no guidance, fp32; medians of ``--calls`` calls
-after 2 warm calls.
+after 2 warm calls, the modes' calls interleaved.
 """
 
 from __future__ import annotations
@@ -76,18 +76,22 @@ def other_weights(unet):
     return other
 
 
-def steady(fn, args, kwargs, calls: int) -> float:
+def interleaved(fns: dict, args, kwargs, calls: int) -> dict[str, float]:
+    """Median seconds per call of each function, their calls interleaved (one of each per round): a
+    shared, busy machine slows every mode alike instead of whichever ran during a burst."""
     import torch
 
+    times: dict[str, list[float]] = {name: [] for name in fns}
     with torch.no_grad():
-        for _ in range(2):
-            fn(*args, **kwargs)
-        times = []
+        for fn in fns.values():
+            for _ in range(2):
+                fn(*args, **kwargs)
         for _ in range(calls):
-            t = time.perf_counter()
-            fn(*args, **kwargs)
-            times.append(time.perf_counter() - t)
-    return statistics.median(times)
+            for name, fn in fns.items():
+                t = time.perf_counter()
+                fn(*args, **kwargs)
+                times[name].append(time.perf_counter() - t)
+    return {name: statistics.median(ts) for name, ts in times.items()}
 
 
 def package(unet, args, kwargs, work: Path, options: dict, served) -> tuple[object, dict, float, float]:
@@ -123,19 +127,15 @@ def measure(kind: str, calls: int, modes: tuple[str, ...] = MODES) -> dict:
            "threads": torch.get_num_threads()}
     with torch.no_grad():
         expected = served(*args, **kwargs)[0]
-    out["eager_s"] = steady(served, args, kwargs, calls)
-    print(kind, "eager", out["eager_s"], flush=True)
-
+    fns = {"eager": served}
     if "compile_freezing" in modes:
         compiled = torch.compile(copy.deepcopy(served), options={"freezing": True, "cpp.dynamic_threads": True})
         t = time.perf_counter()
         with torch.no_grad():
             got = compiled(*args, **kwargs)[0]
-        out["compile_freezing"] = {"compile_s": time.perf_counter() - t, "rel_err": rel(got, expected),
-                                   "steady_s": steady(compiled, args, kwargs, calls)}
+        out["compile_freezing"] = {"compile_s": time.perf_counter() - t, "rel_err": rel(got, expected)}
+        fns["compile_freezing"] = compiled
         print(kind, "torch.compile freezing", out["compile_freezing"], flush=True)
-        del compiled
-        torch._dynamo.reset()
 
     for name, options in (("aot_package", {}), ("aot_package_freezing", {"freezing": True})):
         if name not in modes:
@@ -143,14 +143,22 @@ def measure(kind: str, calls: int, modes: tuple[str, ...] = MODES) -> dict:
         work = Path(tempfile.mkdtemp(prefix=f"prepack-{kind}-{name}-"))
         run, record, built, bound = package(unet, args, kwargs, work, {**options, "cpp.dynamic_threads": True},
                                             served)
+        (work / "record.json").write_text(json.dumps(record))
         with torch.no_grad():
             got = run(*args, **kwargs)[0]
         runner = run.runner  # type: ignore[attr-defined]
         prepacked = sum(torch.ops.mkldnn._nbytes(t) if t.is_mkldnn else 0 for t in runner.derived_values.values())
         out[name] = {"build_s": built, "bind_s": bound, "rel_err_other_weights": rel(got, expected),
                      "package_bytes": os.path.getsize(work / record["path"]), "prepacked_bytes": prepacked,
-                     "derived": len(record.get("derived", {})), "steady_s": steady(run, args, kwargs, calls)}
+                     "derived": len(record.get("derived", {})), "work": str(work)}
+        fns[name] = run
         print(kind, name, out[name], flush=True)
+    for name, seconds in interleaved(fns, args, kwargs, calls).items():
+        if name == "eager":
+            out["eager_s"] = seconds
+        else:
+            out[name]["steady_s"] = seconds
+    print(kind, {k: v for k, v in out.items()}, flush=True)
     return out
 
 
@@ -174,6 +182,7 @@ def main() -> None:
             extra = ""
             if "package_bytes" in r[key]:
                 extra = (f"  entry {r[key]['package_bytes'] / 1e6:.1f} MB vs weights {r['weight_bytes'] / 1e6:.1f} MB,"
+                         f" prepacked {r[key]['prepacked_bytes'] / 1e6:.1f} MB,"
                          f" other weights rel err {r[key]['rel_err_other_weights']:.1e}")
             print(f"  {label:28s} {s * 1e3:9.1f} ms  {s / e:.2f}x{extra}")
     if opts.save:
