@@ -152,10 +152,11 @@ def test_list_and_mapping_options_reach_torch_compile_and_the_key_as_plain_value
     json.dumps(settings)  # keys are sha256 of canonical JSON
 
 
-@pytest.mark.parametrize("strategy", ["aot-package", "aot-compile"])
+@pytest.mark.parametrize("strategy", ["aot-compile"])
 def test_freezing_is_refused_where_an_artifact_would_keep_the_weights(strategy):
     """Weights are not a key factor: an AOT artifact built with the build's weights folded in would
-    serve another checkpoint of the same model (same key) with the build's weights."""
+    serve another checkpoint of the same model (same key) with the build's weights. (aot-package
+    re-derives every folded constant from the served weights: tests/test_prepack.py.)"""
     frozen = {**TINY_DICT, "compile": {"options": {"freezing": True}}}
     with pytest.raises(RecipeError, match=f"strategy {strategy} would keep the build's weights"):
         parse_recipe({**frozen, "strategy": strategy})

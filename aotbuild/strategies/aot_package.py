@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from aotbuild.dispatch import install_dispatcher
-from aotbuild.strategies import aoti, calls
+from aotbuild.strategies import aoti, calls, prepack
 from aotbuild.strategies.base import BuildJob, Built, Planned, Resolved, Strategy, lazy_compile
 
 if TYPE_CHECKING:
@@ -36,7 +36,10 @@ class AotPackage(Strategy):
         if not recipe.compile.fullgraph:
             raise recipe.error("compile.fullgraph", "strategy aot-package exports whole modules (the "
                                                     "component, or its blocks): fullgraph must be true")
-        self._refuse_freezing(recipe)
+        if prepack.wanted(recipe.compile.options) and recipe.compile.scope == "regional":
+            raise recipe.error("compile.options.freezing", "strategy aot-package serves freezing's prepacked "
+                                                           "weights with compile.scope: full only (regional is not "
+                                                           "verified yet)")
         if recipe.lora is not None:
             raise recipe.error("lora", "strategy aot-package cannot hot-swap adapters (torch.export makes the LoRA "
                                        "scaling a constant of the package): use strategy jit-cache or aot-compile")
@@ -100,6 +103,9 @@ class AotPackage(Strategy):
                 return "packages[].lifted: not {name: [shape, dtype]}"
             if lifted and not isinstance(record.get("lifted_path"), str):
                 return "packages[].lifted_path: not a file name"
+            why = prepack.check_record(record)
+            if why:
+                return why
         return ""
 
     def embeds_weights(self, records: tuple[dict[str, Any], ...]) -> bool:

@@ -38,6 +38,7 @@ those strides.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -49,6 +50,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from aotbuild.errors import PackageMismatch
+from aotbuild.strategies import prepack
 from aotbuild.strategies.calls import (
     call_strides,
     call_tensors,
@@ -160,20 +162,35 @@ def _package(module: Any, sig: str, args: tuple[Any, ...], kwargs: dict[str, Any
     # elements otherwise: the tiny UNet's biases and norms), so every weight can be supplied at load.
     configs = {**inductor_configs, "aot_inductor.package_constants_in_so": False,
                "always_keep_tensor_constants": True}
+    # freezing (issue 39): each folded constant's computation from the weights is recorded, to be
+    # re-derived at load from the served model's own (prepack.py); Inductor freezes only without grad.
+    recorder = prepack.FoldRecorder({**named_tensors(module), **lifted}) if prepack.wanted(inductor_configs) else None
     # AOTI writes its device facts into the process's own aot_inductor.metadata dict (torch 2.13's
     # codecache mutates it in place): a fresh copy for the compile, so the process's settings -- a key
     # factor of every later jit-cache job or load in it -- are as they were.
-    with torch._inductor.config.patch({"aot_inductor.metadata": dict(torch._inductor.config.aot_inductor.metadata)}):
+    with (torch._inductor.config.patch({"aot_inductor.metadata": dict(torch._inductor.config.aot_inductor.metadata)}),
+          recorder.active() if recorder else contextlib.nullcontext(),
+          torch.no_grad() if recorder else contextlib.nullcontext()):
         torch._inductor.aoti_compile_and_package(exported, package_path=str(path), inductor_configs=configs)
     fqns = _probe(path, workdir / PROBE_CACHE)
     # Only the lifted constants the package asks for: Inductor folds one it can compute at compile
     # time (Chroma's guidance_proj(torch.tensor([0] * batch)) in time_text_embed), and supplying a
     # name the package lacks fails every load ("Constant not found", issue 36 item 4).
-    lifted = {name: value for name, value in lifted.items() if name in fqns}
-    weights = [f for f in fqns if f not in lifted]
+    derived = recorder.derived(fqns) if recorder else {}
+    lifted = {name: value for name, value in lifted.items()
+              if name in fqns or any(name in r["inputs"] for r in derived.values())}
+    unsupplied = sorted(name for name in lifted if name not in fqns)  # only a recipe's input
+    weights = [f for f in fqns if f not in lifted and f not in derived]
+    sources = sorted({i for r in derived.values() for i in r["inputs"]} - set(lifted))
     record = {"signature": sig, "path": f"{PACKAGE_DIR}/{path.name}", "strides": strides,
-              "constants": constant_meta(module, weights), "baked": baked_digests(module, weights),
+              "constants": constant_meta(module, weights), "baked": baked_digests(module, [*weights, *sources]),
               "constant_strides": constant_strides(module, weights)}
+    if derived:
+        record["derived"] = derived
+        record["derived_from"] = constant_meta(module, sources)
+        if unsupplied:
+            record["lifted_unsupplied"] = unsupplied
+        prepack.check_other_weights(path, module, named_tensors(module), args, kwargs, record, lifted)
     if lifted:
         from safetensors.torch import save_file
 
@@ -379,6 +396,12 @@ def _lookup(module: Any, fqn: str) -> Any:
     return tensor if tensor is not None else module._buffers.get(leaf)
 
 
+def _version(t: Any) -> int:
+    """A tensor's version counter (bumped by every in-place change); an inference tensor has none,
+    and cannot be changed in place outside inference mode either."""
+    return -1 if t.is_inference() else t._version
+
+
 class PackageRunner:
     """One loaded package bound to one module's live weights.
 
@@ -403,6 +426,12 @@ class PackageRunner:
         self.device_kind = device.partition(":")[0]
         self.shared = shared if shared is not None else {}
         self.bound: tuple[Any, ...] | None = None  # the identity of the tensors last supplied
+        #: freezing (prepack.py): constants replayed from the module's weights at each bind, and the
+        #: weights they come from (whose in-place changes count too: a prepacked copy would not follow)
+        self.derived: dict[str, dict[str, Any]] = package.get("derived", {})
+        self.derived_from: dict[str, list[Any]] = package.get("derived_from", {})
+        self.derived_values: dict[str, Any] = {}
+        self.unsupplied = set(package.get("lifted_unsupplied", []))
         self.rebinds = 0
         self.swaps = 0
         if not bind_at_first_call:
@@ -413,18 +442,26 @@ class PackageRunner:
             self._check(self._tensors(), device=False)
 
     def _tensors(self) -> dict[str, Any]:
-        return {**{fqn: _lookup(self.module, fqn) for fqn in self.meta}, **self.lifted}
+        lifted = {k: v for k, v in self.lifted.items() if k not in self.unsupplied}
+        return {**{fqn: _lookup(self.module, fqn) for fqn in self.meta}, **lifted, **self.derived_values}
 
-    @staticmethod
-    def _identity(tensors: dict[str, Any]) -> tuple[Any, ...]:
-        return tuple((id(t), t.data_ptr(), t.dtype, t.device, tuple(t.shape)) if t is not None else None
-                     for t in tensors.values())
+    def _identity(self, tensors: dict[str, Any]) -> tuple[Any, ...]:
+        versions = bool(self.derived)  # load_state_dict copies in place: only a prepacked copy misses it
+        return tuple((id(t), t.data_ptr(), t.dtype, t.device, tuple(t.shape), _version(t) if versions else 0)
+                     if t is not None else None for t in tensors.values())
 
-    def _check(self, tensors: dict[str, Any], device: bool = True) -> None:
+    def _derive(self) -> None:
+        """Replay every recipe on the module's weights as they are now (prepack.py)."""
+        sources = {fqn: _lookup(self.module, fqn) for fqn in self.derived_from}
+        self._check(sources, meta=self.derived_from)
+        sources.update(self.lifted)
+        self.derived_values = {name: prepack.replay(recipe, sources) for name, recipe in self.derived.items()}
+
+    def _check(self, tensors: dict[str, Any], device: bool = True, meta: dict[str, list[Any]] | None = None) -> None:
         """Every constant the package asked for, with its shape, dtype and (``device``) device."""
         # AOTInductor takes a missing buffer or lifted constant with a warning, and the next call
         # segfaults: every name it asked for must be supplied (a missing parameter it does refuse).
-        for fqn, (shape, dtype, device_kind) in self.meta.items():
+        for fqn, (shape, dtype, device_kind) in (self.meta if meta is None else meta).items():
             t = tensors[fqn]
             if t is None:
                 raise PackageMismatch(f"{self.component}: the module has no {fqn!r}, which its AOT package needs; "
@@ -443,15 +480,17 @@ class PackageRunner:
                     f"(.to(memory_format=torch.contiguous_format)) or rebuild the recipe for this layout")
 
     def _bind(self) -> None:
-        tensors = self._tensors()
-        self._check(tensors)
-        self.model.load_constants(tensors, check_full_update=True, user_managed=True)
+        self._check(self._tensors())
+        if self.derived:
+            self._derive()
+        self.model.load_constants(self._tensors(), check_full_update=True, user_managed=True)
         self.shared["owner"] = self
         self.bound = self._identity(self._watched())
 
     def _watched(self) -> dict[str, Any]:
-        """The supplied constants and any tensors compiled into the package: both must stay right."""
-        return {fqn: _lookup(self.module, fqn) for fqn in (*self.meta, *self.baked)}
+        """The supplied constants, the weights derived ones come from, and any tensors compiled into the
+        package: all must stay right."""
+        return {fqn: _lookup(self.module, fqn) for fqn in (*self.meta, *self.derived_from, *self.baked)}
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.bound is None:

@@ -128,7 +128,9 @@ class Strategy:
             if key.replace("-", "_") == "freezing" and value:
                 raise recipe.error(f"compile.options.{key}", f"strategy {self.name} would keep the build's weights "
                                                              "in its artifact (freezing folds them in) and weights "
-                                                             "are not a key factor: use strategy jit-cache")
+                                                             "are not a key factor: use strategy aot-package (it "
+                                                             "re-derives the prepacked weights at load: "
+                                                             "docs/prepack.md) or jit-cache")
 
     def compile_factors(self, target: Target, device: str) -> dict[str, Any]:
         """Key factors the strategy adds to the target's compile settings (what its artifacts depend on

@@ -1,0 +1,386 @@
+"""Prepacked CPU kernels that still run on the user's weights (issue 39): Inductor's ``freezing`` for
+``strategy: aot-package``, with every folded constant re-derived at load from the live weights.
+
+Freezing folds a module's weights into the graph as constants and prepacks convolution and linear
+weights into oneDNN's blocked layouts (``mkldnn._reorder_convolution_weight``,
+``_reorder_linear_weight``) once, at compile time. An AOTInductor package built that way and
+packaged without weights asks at load for those *folded* constants (``_frozen_paramN``: a reordered
+weight, a reshaped GroupNorm scale, a weight with a following multiplication folded in), which no
+model has: supplied with raw weights it returned NaN (issue 39's first try).
+
+So the build records, while Inductor folds, how each folded constant is computed from the
+module's own tensors (:class:`FoldRecorder`): a small program of torch operators (a *recipe*, JSON in
+the manifest, no pickle), checked on the spot by replaying it on the build's weights. The load
+replays every recipe on the weights of the pipeline it is given and hands the results to the
+package (:func:`derive`). The package holds no weight values, and another checkpoint of the same
+structure is served with its own weights, prepacked.
+
+Only torch operators of the namespaces in :data:`NAMESPACES` and ``operator.getitem`` are replayed:
+a recipe naming anything else is refused when the manifest is read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import operator
+from collections.abc import Iterator
+from typing import Any
+
+#: The operator namespaces a recipe may call (what Inductor's freezing passes fold: layout changes,
+#: arithmetic of binary folding, oneDNN/MKL weight reorders).
+NAMESPACES = ("aten", "prims", "mkldnn", "mkl")
+
+
+class RecipeError(RuntimeError):
+    """A folded constant whose computation cannot be recorded or replayed (the build refuses it)."""
+
+
+def _op_name(target: Any) -> str:
+    if target is operator.getitem:
+        return "operator.getitem"
+    import torch
+
+    if isinstance(target, torch._ops.OpOverload):
+        ns = target.namespace
+        if ns in NAMESPACES:
+            return f"{ns}.{target._schema.name.split('::', 1)[1]}.{target._overloadname}"
+    if isinstance(target, torch._ops.OpOverloadPacket):  # the freezing passes call some ops unresolved
+        ns, _, op = target._qualified_op_name.partition("::")
+        if ns in NAMESPACES:
+            return f"{ns}.{op}"
+    name = getattr(target, "__name__", "")  # torch._C._nn.mkldnn_reorder_conv2d_weight: the aten op's binding
+    if getattr(target, "__module__", None) == "torch._C._nn" and hasattr(torch.ops.aten, name):
+        return f"aten.{name}"
+    raise RecipeError(f"a folded constant is computed by {target!r}, which a recipe cannot replay")
+
+
+def resolve_op(name: str) -> Any:
+    """The operator a recipe names, from the allowed namespaces only (a manifest is untrusted input)."""
+    if name == "operator.getitem":
+        return operator.getitem
+    import torch
+
+    parts = name.split(".")
+    if len(parts) not in (2, 3) or parts[0] not in NAMESPACES or not all(p.isidentifier() for p in parts):
+        raise RecipeError(f"a recipe names the operator {name!r}, which is not a torch operator aotbuild replays")
+    try:
+        op = getattr(getattr(torch.ops, parts[0]), parts[1])
+        return getattr(op, parts[2]) if len(parts) == 3 else op
+    except (AttributeError, RuntimeError) as exc:
+        raise RecipeError(f"a recipe names the operator {name!r}, which this torch does not have") from exc
+
+
+def _encode(value: Any, refs: dict[Any, int]) -> Any:
+    """An FX argument as JSON: ``{"ref": i}`` for the i-th value of the program, tagged dtypes and
+    devices, lists; anything else is refused."""
+    import torch
+
+    if isinstance(value, torch.fx.Node):
+        return {"ref": refs[value]}
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_encode(v, refs) for v in value]
+    if isinstance(value, torch.dtype):
+        return {"dtype": str(value).replace("torch.", "")}
+    if isinstance(value, torch.device):
+        return {"device": str(value)}
+    if isinstance(value, torch.memory_format):
+        return {"memory_format": str(value).replace("torch.", "")}
+    if isinstance(value, torch.layout):
+        return {"layout": str(value).replace("torch.", "")}
+    raise RecipeError(f"a folded constant's computation has an argument of type {type(value).__name__}")
+
+
+def _decode(value: Any, values: list[Any]) -> Any:
+    import torch
+
+    if isinstance(value, list):
+        return [_decode(v, values) for v in value]
+    if isinstance(value, dict):
+        (kind, v), = value.items()
+        if kind == "ref":
+            return values[v]
+        if kind in ("dtype", "memory_format", "layout"):
+            out = getattr(torch, v, None)
+            if not isinstance(out, (torch.dtype, torch.memory_format, torch.layout)):
+                raise RecipeError(f"a recipe names {kind} {v!r}")
+            return out
+        if kind == "device":
+            return torch.device(v)
+        raise RecipeError(f"a recipe holds an argument tagged {kind!r}")
+    return value
+
+
+class FoldRecorder:
+    """Records, during one Inductor compile with ``freezing``, how every folded constant is computed.
+
+    Patches (process-wide, only while active) ``constant_folding.replace_node_with_constant``,
+    through which Inductor's constant folding turns each foldable node into a new constant: before
+    the node goes, its computation from the graph's earlier constants is kept (the nodes between the
+    ``get_attr`` leaves and it). And ``freezing.freeze``, to read the frozen graph's constants at the
+    end. :meth:`recipes` then writes each final constant as a program over the module's tensors."""
+
+    def __init__(self, tensors: dict[str, Any]):
+        #: the module's tensors under each of their names, and what the exported program holds besides
+        #: them (aoti._promote_lifted_constants): the only inputs a recipe may have
+        self.tensors = tensors
+        #: id(folded tensor) -> (the tensor, kept alive so its id stays its own; leaves; program)
+        self._folded: dict[int, tuple[Any, list[Any], list[tuple[Any, list[Any], dict[str, Any]]]]] = {}
+        #: the frozen graph's constants: get_attr target -> tensor
+        self.final: dict[str, Any] = {}
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[FoldRecorder]:
+        import torch._inductor.constant_folding as folding
+        import torch._inductor.freezing as freezing
+
+        replace, freeze = folding.replace_node_with_constant, freezing.freeze
+
+        def recording_replace(gm: Any, node: Any, constant: Any = None, name: str | None = None) -> None:
+            if constant is not None:
+                self._record(gm, node, constant)
+            return replace(gm, node, constant, name)
+
+        def recording_freeze(*args: Any, **kwargs: Any) -> Any:
+            gm, preserved = freeze(*args, **kwargs)
+            for n in gm.graph.find_nodes(op="get_attr"):
+                self.final[n.target] = _attr(gm, n.target)
+            return gm, preserved
+
+        folding.replace_node_with_constant, freezing.freeze = recording_replace, recording_freeze
+        try:
+            yield self
+        finally:
+            folding.replace_node_with_constant, freezing.freeze = replace, freeze
+
+    def _record(self, gm: Any, node: Any, constant: Any) -> None:
+        # The node's ancestors: get_attr leaves (earlier constants) and the operators between.
+        seen, stack = set(), [node]
+        while stack:
+            n = stack.pop()
+            if n in seen:
+                continue
+            seen.add(n)
+            if n.op == "placeholder":
+                raise RecipeError(f"the folded constant {node.name} depends on a graph input")
+            if n.op != "get_attr":
+                stack.extend(n.all_input_nodes)
+        ordered = [n for n in gm.graph.nodes if n in seen]
+        leaves = [n for n in ordered if n.op == "get_attr"]
+        refs = {n: i for i, n in enumerate(leaves)}
+        program = []
+        for n in ordered:
+            if n.op == "get_attr":
+                continue
+            if n.op != "call_function":
+                raise RecipeError(f"the folded constant {node.name} is computed by a {n.op} node")
+            refs[n] = len(refs)
+            program.append((n.target, list(n.args), dict(n.kwargs), refs))
+        self._folded[id(constant)] = (constant, [_attr(gm, n.target) for n in leaves],
+                                      [(_op_name(t), _encode(a, r), {key: _encode(v, r) for key, v in k.items()})
+                                       for t, a, k, r in program])
+
+    def recipes(self) -> dict[str, dict[str, Any]]:
+        """get_attr target -> ``{"inputs": [module tensor names], "program": [[op, args, kwargs], ...]}``.
+        Each step's value is numbered by its position (``{"ref": i}`` reads step i's); ``["input", [j],
+        {}]`` is ``inputs[j]``; the last step's value is the constant. A module tensor as it is: one step."""
+        names = _tensor_names(self.tensors)
+        out = {}
+        for target, tensor in self.final.items():
+            inputs: list[str] = []
+            program: list[list[Any]] = []
+            _inline(tensor, self._folded, names, inputs, program, {})
+            out[target] = {"inputs": inputs, "program": program}
+        return out
+
+    def derived(self, fqns: list[str]) -> dict[str, dict[str, Any]]:
+        """The recipe of every constant in ``fqns`` (what the package asks for) that is not a module
+        tensor under its own name, each checked by replaying it on the build's weights."""
+        state = self.tensors
+        recipes = self.recipes()
+        out = {}
+        for fqn in fqns:
+            recipe = recipes.get(fqn)
+            if recipe is None or recipe["inputs"] == [fqn] and len(recipe["program"]) == 1:
+                if fqn not in state:
+                    raise RecipeError(f"the package asks for {fqn!r}, which freezing made and whose computation "
+                                      f"from the weights was not recorded")
+                continue  # a weight as it is: supplied live, as without freezing
+            if not same_value(replay(recipe, state), self.final[fqn]):
+                raise RecipeError(f"replaying how Inductor folded {fqn!r} does not give its value")
+            out[fqn] = recipe
+        self._folded.clear()  # the build's folded tensors (a second copy of the weights) are not needed now
+        self.final.clear()
+        return out
+
+
+def wanted(inductor_configs: dict[str, Any]) -> bool:
+    """Whether a package is built with Inductor's freezing (its constants then need recipes)."""
+    return any(key.replace("-", "_") == "freezing" and bool(value) for key, value in inductor_configs.items())
+
+
+def check_other_weights(path: Any, module: Any, state: dict[str, Any], args: tuple[Any, ...],
+                        kwargs: dict[str, Any], record: dict[str, Any], lifted: dict[str, Any]) -> None:
+    """Serve the package with *other* weights of the same shapes (the build's, perturbed) and compare
+    with eager on those weights: a value Inductor baked in from the build's weights, which no replay on
+    the build's weights can show, fails the build here instead of serving another checkpoint wrongly."""
+    import torch
+    from torch.utils._pytree import tree_leaves
+
+    generator = torch.Generator().manual_seed(39)
+    other = {}
+    for fqn in (*record["constants"], *record.get("derived_from", {})):
+        t = state[fqn]
+        if t.is_floating_point():
+            noise = torch.randn(t.shape, generator=generator).to(t.device, t.dtype)
+            spread = t.detach().float().std().nan_to_num(0).item() + 0.1  # GroupNorm's all-ones weights too
+            other[fqn] = t.detach() + noise * spread  # elementwise: the weight's own strides
+        else:
+            other[fqn] = t.detach().clone()
+    sources = {**state, **other, **lifted}
+    supplied = {**{fqn: other[fqn] for fqn in record["constants"]},
+                **{k: v for k, v in lifted.items() if k not in record.get("lifted_unsupplied", [])},
+                **{name: replay(recipe, sources) for name, recipe in record["derived"].items()}}
+    loaded = torch._inductor.aoti_load_package(str(path))
+    loaded.load_constants(supplied, check_full_update=True, user_managed=True)
+    with torch.no_grad():
+        served = tree_leaves(loaded(*args, **kwargs))
+        eager = tree_leaves(torch.func.functional_call(module, other, args, kwargs))
+    low = any(t.dtype in (torch.float16, torch.bfloat16) for t in other.values())
+    for a, b in zip(served, eager, strict=True):
+        if not isinstance(b, torch.Tensor):
+            continue
+        scale = max(1.0, b.detach().abs().max().item())
+        worst = (a.float() - b.float()).abs().max().item() / scale
+        if not worst <= (1e-2 if low else 1e-4):
+            raise RecipeError(f"served with other weights, the frozen package differs from eager by {worst:.3g} "
+                              f"(relative): Inductor compiled a value of the build's weights in")
+
+
+def _attr(gm: Any, target: str) -> Any:
+    obj = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _storage_key(t: Any) -> tuple[Any, ...] | None:
+    if getattr(t, "is_mkldnn", False):
+        return None
+    return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+
+
+def _tensor_names(tensors: dict[str, Any]) -> dict[tuple[Any, ...], str]:
+    """Each tensor by its memory (the compile sees the module's weights detached, not as the objects)."""
+    names: dict[tuple[Any, ...], str] = {}
+    for fqn, t in tensors.items():
+        key = _storage_key(t)
+        if key is not None:
+            names.setdefault(key, fqn)
+    return names
+
+
+def _inline(tensor: Any, folded: dict[int, Any], names: dict[tuple[Any, ...], str], inputs: list[str],
+            program: list[list[Any]], done: dict[int, int]) -> int:
+    """Append what computes ``tensor`` to ``program``; the index of its value. A module tensor is the
+    step ``["input", [i], {}]`` (its name is ``inputs[i]``), a folded one the steps that computed it from
+    its leaves, each leaf inlined first (folding runs in rounds: a leaf can itself be folded)."""
+    if id(tensor) in done:
+        return done[id(tensor)]
+    key = _storage_key(tensor)
+    if key is not None and key in names:
+        if names[key] not in inputs:
+            inputs.append(names[key])
+        program.append(["input", [inputs.index(names[key])], {}])
+        done[id(tensor)] = len(program) - 1
+        return done[id(tensor)]
+    if id(tensor) not in folded:
+        raise RecipeError(f"a frozen constant of shape {list(tensor.shape)} is neither a module tensor nor "
+                          f"computed from them (a value Inductor made: it would be the build's)")
+    _, leaves, steps = folded[id(tensor)]
+    local = [_inline(leaf, folded, names, inputs, program, done) for leaf in leaves]
+
+    def remap(v: Any) -> Any:
+        if isinstance(v, list):
+            return [remap(x) for x in v]
+        if isinstance(v, dict) and set(v) == {"ref"}:
+            return {"ref": local[v["ref"]]}
+        if isinstance(v, dict):
+            return {k: remap(x) for k, x in v.items()}
+        return v
+
+    for op, args, kwargs in steps:
+        program.append([op, remap(args), remap(kwargs)])
+        local.append(len(program) - 1)
+    done[id(tensor)] = local[-1]
+    return local[-1]
+
+
+def replay(recipe: dict[str, Any], tensors: dict[str, Any]) -> Any:
+    """Run a recipe on ``tensors`` (module tensor name -> tensor); the constant it computes."""
+    import torch
+
+    inputs = [tensors[name] for name in recipe["inputs"]]
+    values: list[Any] = []
+    with torch.no_grad():
+        for op, args, kwargs in recipe["program"]:
+            if op == "input":
+                values.append(inputs[args[0]].detach())
+                continue
+            values.append(resolve_op(op)(*_decode(args, values), **{k: _decode(v, values)
+                                                                      for k, v in kwargs.items()}))
+    return values[-1]
+
+
+def same_value(a: Any, b: Any) -> bool:
+    """Two constants hold the same values (oneDNN's blocked tensors compared as dense ones)."""
+    import torch
+
+    a = a.to_dense() if a.is_mkldnn else a
+    b = b.to_dense() if b.is_mkldnn else b
+    return a.shape == b.shape and a.dtype == b.dtype and bool(torch.equal(a, b))
+
+
+def _refs_ok(value: Any, below: int) -> bool:
+    if isinstance(value, list):
+        return all(_refs_ok(v, below) for v in value)
+    if isinstance(value, dict):
+        if set(value) == {"ref"}:
+            return isinstance(value["ref"], int) and not isinstance(value["ref"], bool) and 0 <= value["ref"] < below
+        return len(value) == 1 and all(isinstance(v, str) for v in value.values())
+    return value is None or isinstance(value, (bool, int, float, str))
+
+
+def check_record(record: dict[str, Any]) -> str:
+    """What is wrong with a package record's recipes (``derived``, ``derived_from``), or ""."""
+    derived = record.get("derived", {})
+    if not isinstance(derived, dict):
+        return "packages[].derived: not an object"
+    for name, recipe in derived.items():
+        where = f"packages[].derived[{name[:40]!r}]"
+        if (not isinstance(recipe, dict) or not isinstance(recipe.get("inputs"), list)
+                or not all(isinstance(i, str) for i in recipe["inputs"])
+                or not isinstance(recipe.get("program"), list) or not recipe["program"]):
+            return f"{where}: not {{inputs, program}}"
+        for i, step in enumerate(recipe["program"]):
+            if (not isinstance(step, list) or len(step) != 3 or not isinstance(step[0], str)
+                    or not isinstance(step[1], list) or not isinstance(step[2], dict)):
+                return f"{where}: step {i} is not [op, args, kwargs]"
+            if step[0] == "input":
+                if step[1] not in ([n] for n in range(len(recipe["inputs"]))) or step[2]:
+                    return f"{where}: step {i} names no input"
+                continue
+            try:
+                resolve_op(step[0])
+            except RecipeError as exc:
+                return f"{where}: {exc}"
+            if not _refs_ok(step[1], i) or not _refs_ok(list(step[2].values()), i):
+                return f"{where}: step {i} reads a value not computed before it"
+    sources = record.get("derived_from", {})
+    if not isinstance(sources, dict) or not all(isinstance(m, list) and len(m) == 3 for m in sources.values()):
+        return "packages[].derived_from: not {name: [shape, dtype, device]}"
+    unsupplied = record.get("lifted_unsupplied", [])
+    if not isinstance(unsupplied, list) or not all(isinstance(n, str) for n in unsupplied):
+        return "packages[].lifted_unsupplied: not a list of names"
+    return ""

@@ -1,0 +1,114 @@
+"""Freezing's prepacked weights served from a weight-free AOT package (issue 39): every constant Inductor
+folded is re-derived at load from the weights of the model it serves (aotbuild/strategies/prepack.py)."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+
+from aotbuild.dispatch import signature
+from aotbuild.errors import RecipeError as RecipeRefused
+from aotbuild.recipes import parse_recipe
+from aotbuild.strategies import aoti, prepack
+from aotbuild.strategies.aot_package import AotPackage
+from aotbuild.strategies.calls import snapshot
+from tests.conftest import TINY_DICT
+
+
+class ConvNet(torch.nn.Module):
+    """What a UNet's resnet blocks do: convolutions, a GroupNorm, a linear layer."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(4, 16, 3, padding=1)
+        self.norm = torch.nn.GroupNorm(4, 16)
+        self.conv2 = torch.nn.Conv2d(16, 16, 3, padding=1)
+        self.proj = torch.nn.Linear(16, 8)
+
+    def forward(self, x):
+        h = self.conv2(torch.nn.functional.silu(self.norm(self.conv(x))))
+        return self.proj(h.mean((2, 3)))
+
+
+def _other_weights(module: torch.nn.Module) -> torch.nn.Module:
+    other = copy.deepcopy(module)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.normal_()
+    return other
+
+
+@pytest.mark.slow  # one AOTInductor compile with freezing (~1-2 min)
+def test_a_frozen_package_serves_other_weights_prepacked(tmp_path):
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    built_with = ConvNet().eval()
+    x = torch.randn(2, 4, 16, 16)
+    calls = {signature((x,), {}): snapshot((x,), {})}
+    record, = aoti.build_packages(built_with, calls, tmp_path, {"freezing": True})
+    # the convolution and linear weights are asked for prepacked, each with how to make it from the weights
+    ops = {step[0] for recipe in record["derived"].values() for step in recipe["program"]}
+    assert {"mkldnn._reorder_convolution_weight", "mkldnn._reorder_linear_weight"} <= ops, ops
+    assert {"conv.weight", "conv2.weight", "proj.weight"} <= set(record["derived_from"])
+    assert record["baked"] == {}  # no weight value in the package
+    assert AotPackage().check_records((json.loads(json.dumps(record)),)) == ""  # JSON, as the manifest holds it
+
+    served = _other_weights(built_with)
+    graphs = counters["stats"]["unique_graphs"]
+    routes = aoti.load_packages(served, "net", [(record, {record["path"]: tmp_path / record["path"]})], "cpu")
+    run = routes[""][record["signature"]]
+    with torch.no_grad():
+        assert torch.allclose(run(x), served(x), rtol=1e-4, atol=1e-5)  # B's weights, not the build's
+        assert not torch.allclose(served(x), built_with(x), rtol=1e-2)
+        served.load_state_dict(built_with.state_dict())  # in place: the prepacked copies are derived again
+        assert torch.allclose(run(x), built_with(x), rtol=1e-4, atol=1e-5) and run.runner.rebinds == 1
+        served.conv.weight.data = served.conv.weight.data * 2  # replaced: a fused LoRA does this
+        assert torch.allclose(run(x), served(x), rtol=1e-4, atol=1e-5) and run.runner.rebinds == 2
+    assert counters["stats"]["unique_graphs"] == graphs  # nothing traced, nothing compiled
+
+    # A recipe that no longer computes what the package reads (here: the first convolution's weight
+    # doubled before its reorder) is refused by the build's check with other weights ...
+    tampered = copy.deepcopy(record)
+    name, recipe = next((n, r) for n, r in tampered["derived"].items()
+                        if r["program"][-1][0] == "mkldnn._reorder_convolution_weight")
+    last = len(recipe["program"]) - 1
+    reorder = recipe["program"][-1]
+    recipe["program"][-1:] = [["aten.mul.Tensor", [reorder[1][0], 2.0], {}],
+                              [reorder[0], [{"ref": last}, *reorder[1][1:]], reorder[2]]]
+    with pytest.raises(prepack.RecipeError, match="differs from eager"):
+        prepack.check_other_weights(tmp_path / record["path"], built_with, aoti.named_tensors(built_with), (x,),
+                                    {}, tampered, {})
+    # ... and served, it differs from eager: what the proof compares before storing an entry
+    routes = aoti.load_packages(served, "net", [(tampered, {record["path"]: tmp_path / record["path"]})], "cpu")
+    with torch.no_grad():
+        assert not torch.allclose(routes[""][record["signature"]](x), served(x), rtol=1e-3)
+
+
+def test_aot_package_takes_freezing_with_full_scope_only():
+    frozen = {**TINY_DICT, "strategy": "aot-package", "compile": {"options": {"freezing": True}}}
+    assert parse_recipe(frozen).compile.options["freezing"] is True
+    with pytest.raises(RecipeRefused, match="compile.scope: full only"):
+        parse_recipe({**frozen, "compile": {"options": {"freezing": True}, "scope": "regional"}})
+
+
+@pytest.mark.parametrize(("step", "expected"), [
+    (["builtins.eval", ["1"], {}], "not a torch operator aotbuild replays"),
+    (["torch.load", ["x"], {}], "not a torch operator aotbuild replays"),
+    (["aten.no_such_op.default", [], {}], "which this torch does not have"),
+    (["aten.reshape.default", [{"ref": 1}, [4]], {}], "reads a value not computed before it"),
+    (["input", [3], {}], "names no input"),
+])
+def test_a_recipe_outside_what_freezing_folds_is_refused_when_the_manifest_is_read(step, expected):
+    """A manifest is untrusted input: a recipe replays only torch operators of the namespaces freezing
+    folds with (aten, prims, mkldnn, mkl), on values it computed before."""
+    record = {"derived": {"_frozen_param0": {"inputs": ["w"], "program": [["input", [0], {}], step]}}}
+    assert expected in AotPackage().check_records((record,))
+    good = {"derived": {"_frozen_param0": {"inputs": ["w"], "program": [
+        ["input", [0], {}], ["aten.reshape.default", [{"ref": 0}, [1, 4]], {}]]}}}
+    assert AotPackage().check_records((good,)) == ""
+    assert torch.equal(prepack.replay(good["derived"]["_frozen_param0"], {"w": torch.arange(4.0)}),
+                       torch.arange(4.0).reshape(1, 4))
