@@ -329,7 +329,7 @@ def identity(job: Job) -> str:
     """The job's host-independent identity (shards.job_identity): recipe, component, shape. Under
     ``strategy: auto`` the shape is left out: auto chooses one strategy for every shape of a component
     (builder._build_component), which only a runner building all of them can do."""
-    shape = "*" if job.choice is not None else str(job.shape)
+    shape = "*" if auto.is_auto(job.recipe) else str(job.shape)
     return shards.job_identity(job.recipe.name, job.component, shape)
 
 

@@ -267,3 +267,16 @@ def test_an_auto_component_s_shapes_are_built_by_one_shard(cache, tmp_path):
         assert len(auto_holders) == 1, [[(j.recipe.name, str(j.shape)) for j in s] for s in split]
         assert sum(j.recipe.name == "a" for j in split[auto_holders[0]]) == 4
         assert len([i for i, s in enumerate(split) if any(j.recipe.name == "j" for j in s)]) > 1  # jit-cache spreads
+
+
+def test_an_auto_job_this_host_cannot_build_has_the_same_identity_as_on_a_host_that_can(cache, tmp_path):
+    """The split must not depend on what the runner can build: an auto recipe for a device this host
+    lacks (CUDA here) is dealt as one component, as a host with the device deals it."""
+    from aotbuild.planner import identity, plan
+
+    folder = tmp_path / "auto"
+    folder.mkdir()
+    data = {**{k: v for k, v in TINY_DICT.items() if k != "strategy"}, "device": "cuda",
+            "shapes": [{"height": 64, "width": 64}, {"height": 64, "width": 96}]}
+    (folder / "gpu.yaml").write_text(json.dumps(data))
+    assert {identity(j) for j in plan(str(folder), cache)} == {json.dumps(["gpu", "unet", "*"])}
