@@ -188,7 +188,8 @@ def _ours(filename: str) -> bool:
     roots = [str(Path(torch.__file__).resolve().parent), str(Path(__file__).resolve().parent),  # torch, aotbuild
              str(Path(sysconfig.get_paths()["stdlib"]).resolve())]
     path = str(Path(filename).resolve()) if not filename.startswith("<") else filename
-    return filename.startswith("<") or any(path == r or path.startswith(r + "/") for r in roots)
+    generated = "/torchinductor" in path  # Inductor's generated code (its cache folder), not the model's
+    return filename.startswith("<") or generated or any(path == r or path.startswith(r + "/") for r in roots)
 
 
 def _raised_in_model_under_tracer(exc: BaseException) -> bool:
@@ -197,7 +198,10 @@ def _raised_in_model_under_tracer(exc: BaseException) -> bool:
     import traceback
 
     frames = traceback.extract_tb(exc.__traceback__)
-    tracing = next((i for i, f in enumerate(frames) if any(t in f.filename for t in TRACERS)), None)
+    # eval_frame.py only calls what Dynamo already compiled: an error raised running it (an index out
+    # of range, out of memory) is no capture failure, whatever code it went through
+    tracing = next((i for i, f in enumerate(frames) if any(t in f.filename for t in TRACERS)
+                    and not f.filename.endswith("torch/_dynamo/eval_frame.py")), None)
     return tracing is not None and any(not _ours(f.filename) for f in frames[tracing + 1:])
 
 

@@ -351,6 +351,11 @@ class Branches(torch.nn.Module):
         if x.sum() > 0:
             return x + 1
         return x - 1
+
+
+class Indexes(torch.nn.Module):
+    def forward(self, x, idx):
+        return x[idx]
 """
 
 
@@ -385,6 +390,11 @@ def test_a_failed_capture_names_the_line_of_the_model_where_export_or_dynamo_sto
     assert f" at {path}:7; " in why and "\n" not in why
     traced = failure(lambda: torch.compile(model.Branches(), fullgraph=True, backend="eager")(torch.ones(2)))
     assert f" at {path}:12; " in capture_failure(traced, get_strategy("aot-compile"), recipe)  # the `if`, not the call
+    # running what Dynamo captured whole is no capture: an index out of range there is the model's error
+    compiled = torch.compile(model.Indexes(), fullgraph=True, backend="eager")
+    compiled(torch.ones(3), torch.tensor([1]))
+    ran = failure(lambda: compiled(torch.ones(3), torch.tensor([10])))
+    assert capture_failure(ran, get_strategy("aot-compile"), recipe) == ""
     assert capture_failure(RuntimeError("out of memory"), get_strategy("aot-package"), recipe) == ""
 
 
