@@ -592,6 +592,12 @@ class LoadedPackage:
     def get_constant_fqns(self) -> list[str]:
         return list(self.loader.get_constant_fqns())
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> LoadedPackage:
+        """``copy.deepcopy(pipe)`` after a load: the copy shares the C++ loader, as torch's own
+        ``AOTICompiledModel.__deepcopy__`` does (a pybind loader cannot be copied). Each copy's runner
+        binds its own module's weights before its calls (:class:`PackageRunner`)."""
+        return LoadedPackage(self.loader)
+
 
 def load_packages(module: Any, component: str, packages: list[tuple[dict[str, Any], dict[str, Path]]],
                   device: str, bind_at_first_call: bool = False) -> dict[str, dict[str, Callable[..., Any]]]:
