@@ -147,14 +147,13 @@ def group_node_id(item: pytest.Item, group: str) -> None:
         item._nodeid = f"{item.nodeid}@{group}"
 
 
-def pytest_xdist_auto_num_workers(config) -> int | None:
-    """``-n auto``: one worker per CPU for a run with the compiling tests, one more for the fast tier
-    (``-m "not slow"``), whose tests mostly wait on subprocesses, servers and polls rather than
-    compute: on 2 cores, 120 s with 3 workers against 133 s with 2 (measured side by side). None:
-    xdist's own count."""
-    if "not slow" in (config.getoption("markexpr") or ""):
-        return (os.cpu_count() or 1) + 1
-    return None
+def pytest_xdist_auto_num_workers(config) -> int:
+    """``-n auto``: one worker more than the CPUs (``--maxprocesses`` caps it): many tests wait on
+    subprocesses, servers and polls rather than compute, and a build's own processes spend seconds
+    starting up, so a third worker on 2 cores fills the waits (fast tier: 120 s with 3 workers against
+    133 s with 2, side by side). The whole suite too since the compile pool is off
+    (``TORCHINDUCTOR_COMPILE_THREADS=1`` above): a build is one busy core again."""
+    return (os.cpu_count() or 1) + 1
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the marks added here
