@@ -40,18 +40,11 @@ TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]
 
 
 def make_adapter(model: Path, folder: Path, rank: int, seed: int) -> Path:
-    import torch
-    from diffusers import StableDiffusionPipeline, UNet2DConditionModel
-    from peft import LoraConfig
-    from peft.utils import get_peft_model_state_dict
+    """The suite's LoRA maker (tests/loras.py), alpha equal to rank, on the attention projections."""
+    sys.path.insert(0, str(harness.REPO))
+    from tests.loras import make_adapter as make
 
-    unet = UNet2DConditionModel.from_pretrained(str(model), subfolder="unet")
-    torch.manual_seed(seed)
-    config = LoraConfig(r=rank, lora_alpha=rank, target_modules=TARGETS, init_lora_weights=False)
-    unet.add_adapter(config)
-    StableDiffusionPipeline.save_lora_weights(str(folder), unet_lora_layers=get_peft_model_state_dict(unet),
-                                              safe_serialization=True, unet_lora_adapter_metadata=config.to_dict())
-    return folder
+    return make(model, folder, rank, rank, TARGETS, seed)
 
 
 def image(pipe):
