@@ -184,7 +184,7 @@ from aotbuild import load_compiled
 from aotbuild.strategies import get_strategy
 from aotbuild.targets import get_target
 
-recipe, cache, model, strategy = sys.argv[1:5]
+recipe, cache, model, strategy, out = sys.argv[1:6]
 name, count = get_strategy(strategy).compile_counter(get_target("inductor"))
 call = dict(prompt="a cat", height=64, width=64, num_inference_steps=2, guidance_scale=3.5, output_type="pt")
 eager = DiffusionPipeline.from_pretrained(model)  # the unsharded pipeline, eager, in this process
@@ -193,9 +193,11 @@ before = count()
 pipe = load_compiled(recipe, cache=cache, on_miss="error", strict_shapes=True)
 image = pipe(**call, generator=torch.Generator("cpu").manual_seed(0)).images
 report = pipe.aotbuild_report
-print("RESULT " + json.dumps({"rank": report.rank, "tensor": report.tensor, "hits": len(report.hits),
-                              "misses": len(report.misses), "compiles": count() - before,
-                              "diff": float((image - reference).abs().max()), "text": str(report)}))
+result = {"rank": report.rank, "tensor": report.tensor, "hits": len(report.hits), "misses": len(report.misses),
+          "compiles": count() - before, "diff": float((image - reference).abs().max()), "text": str(report)}
+# a file per rank: the two ranks' stdout share one pipe, where their lines can interleave
+with open(f"{out}/rank{report.rank}.json", "w") as f:
+    json.dump(result, f)
 """
 
 
@@ -242,15 +244,16 @@ def serve_moved_cache(build: Path, recipe: Path, tmp_path: Path, strategy: str) 
     cwd.mkdir()
     script = tmp_path / "serve.py"
     script.write_text(SERVE)
+    out = tmp_path / "results"
+    out.mkdir()
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                          str(script), str(recipe), str(served), str(served / "models" / "tiny-flux-v1"), strategy],
+                          str(script), str(recipe), str(served), str(served / "models" / "tiny-flux-v1"), strategy, str(out)],
                          capture_output=True, text=True, cwd=cwd,
                          env={**os.environ, "PYTHONPATH": str(REPO), "AOTBUILD_CACHE": "",
                               "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "serving" / "inductor")})
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
-    results = sorted((json.loads(line[7:]) for line in run.stdout.splitlines() if line.startswith("RESULT ")),
-                     key=lambda r: r["rank"])
-    assert [r["rank"] for r in results] == [0, 1], run.stdout
+    results = [json.loads(path.read_text()) for path in sorted(out.glob("rank*.json"))]
+    assert [r["rank"] for r in results] == [0, 1], (sorted(out.iterdir()), run.stdout[-3000:])
     for r in results:
         assert r["hits"] == 1 and r["misses"] == 0 and r["compiles"] == 0, r
         assert r["diff"] <= 1e-4, r
