@@ -15,7 +15,9 @@ from tests.conftest import TINY_DICT as TINY
 
 
 def _changed_pipe(models_dir):
-    """The recipe's model with a UNet of another architecture (4 attention heads, not 2)."""
+    """The recipe's model with a UNet of another architecture: 4 attention heads, not 2, and one block
+    level, not two (no attention but the mid block's): what is built is a UNet that only this code makes,
+    and one level has fewer distinct layer shapes for Inductor to compile kernels for."""
     from diffusers import UNet2DConditionModel
 
     from aotbuild.models import load_pipeline, resolve_model
@@ -24,7 +26,8 @@ def _changed_pipe(models_dir):
     recipe = parse_recipe(TINY)
     pipe = load_pipeline(recipe, resolve_model(recipe, models_dir), "float32")
     torch.manual_seed(1)
-    pipe.unet = UNet2DConditionModel(**{**pipe.unet.config, "attention_head_dim": 4}).eval()
+    pipe.unet = UNet2DConditionModel(**{**pipe.unet.config, "attention_head_dim": 4, "block_out_channels": (8,),
+                                        "down_block_types": ("DownBlock2D",), "up_block_types": ("UpBlock2D",)}).eval()
     return pipe
 
 
