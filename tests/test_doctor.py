@@ -41,7 +41,7 @@ def test_every_check_is_named_and_a_missing_remote_fails(tmp_path):
     assert off.returncode == 1 and "FX graph cache" in checks(off)["caches"]["detail"]
 
 
-@pytest.mark.slow  # one tiny build and its proof (a minute or two on 2 cores)
+@pytest.mark.slow  # one tiny build (the text encoder: 12 kernels) and its proof, about a minute of CPU
 def test_the_roundtrip_builds_and_a_fresh_process_serves_with_0_compiles(tmp_path):
     # in this process: the build's worker and its proof are fresh processes already (the CLI's own
     # process is tested above, exit codes included)
@@ -49,6 +49,7 @@ def test_the_roundtrip_builds_and_a_fresh_process_serves_with_0_compiles(tmp_pat
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     roundtrip = checks(proc)["roundtrip"]
     assert roundtrip["ok"] and roundtrip["compiled_at_load"] == 0 and roundtrip["max_abs_diff"] <= 1e-4
+    assert roundtrip["component"] == "text_encoder" and "text_encoder in " in roundtrip["detail"]
     assert not (tmp_path / "c").exists()  # never the user's store: a temporary cache
 
 
