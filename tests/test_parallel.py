@@ -43,6 +43,26 @@ def flux_cache(tmp_path_factory) -> Path:
     return root
 
 
+@pytest.fixture(scope="module")
+def flux_1_1(flux_cache, tmp_path_factory) -> Path:
+    """builtin:tiny-flux with one double-stream and one single-stream block instead of two of each: a
+    model folder for the real builds. Every style of Flux's _tp_plan still shards a block (colwise,
+    rowwise, the single block's packed rowwise proj_out), and the second block of each kind only added
+    Dynamo and Inductor work to each rank (a full-scope Flux compile grows with its blocks:
+    benchmarks/README.md, the depth sweep). Random weights from a fixed seed, as the built-in's."""
+    import torch
+    from diffusers import FluxTransformer2DModel
+
+    folder = tmp_path_factory.mktemp("flux-1-1") / "tiny-flux-1-1"
+    shutil.copytree(flux_cache / "models" / "tiny-flux-v1", folder)
+    config = dict(FluxTransformer2DModel.load_config(folder / "transformer"))
+    shutil.rmtree(folder / "transformer")
+    torch.manual_seed(0)
+    transformer = FluxTransformer2DModel.from_config({**config, "num_layers": 1, "num_single_layers": 1})
+    transformer.save_pretrained(folder / "transformer", safe_serialization=True)
+    return folder
+
+
 @pytest.mark.parametrize(("changes", "key", "says"), [
     ({"parallel": {"tensor": 0}}, "parallel.tensor", "1 to 64"),
     ({"parallel": {"tensor": 65}}, "parallel.tensor", "1 to 64"),
@@ -201,9 +221,9 @@ with open(f"{out}/rank{report.rank}.json", "w") as f:
 """
 
 
-@pytest.mark.slow  # two ranks compile the tiny Flux transformer, a fresh pair of ranks proves it
+@pytest.mark.slow  # two ranks compile a tiny Flux transformer, a fresh pair of ranks proves it
 @pytest.mark.parametrize("strategy", ["jit-cache", "aot-compile"])
-def test_a_tensor_parallel_flux_builds_then_two_fresh_ranks_serve_it_with_0_compiles(strategy, flux_cache, tmp_path):
+def test_a_tensor_parallel_flux_builds_then_two_fresh_ranks_serve_it_with_0_compiles(strategy, flux_1_1, tmp_path):
     """The build's proof is the replica (aotbuild/builder.py ``_prove_ranks``): a fresh launch of two
     ranks by torch's launcher, in another working directory with every compiler folder empty, each
     loading its own rank's entry from another store than the build's, after running the unsharded
@@ -213,13 +233,12 @@ def test_a_tensor_parallel_flux_builds_then_two_fresh_ranks_serve_it_with_0_comp
     aot-compile: its ranks' artifacts are compiled functions that name their kernel files, where an
     entry that only worked beside the build's folder would show; jit-cache's moved cache is served
     for real without tensor parallelism (tests/test_strategies.py), through the same collect and
-    install as each rank's."""
+    install as each rank's. The model is tiny-flux at one block of each kind (``flux_1_1``)."""
     import yaml
 
     build = tmp_path / "build"
-    shutil.copytree(flux_cache / "models", build / "models")
     recipe = tmp_path / "tp_flux.yaml"
-    recipe.write_text(yaml.safe_dump(flux(2, strategy=strategy)))
+    recipe.write_text(yaml.safe_dump(flux(2, strategy=strategy, **{"model.id": str(flux_1_1)})))
     # in this process: the ranks that build and the pair that proves are launched by torch's launcher
     proc = invoke_cli("build", "--json", "--cache", str(build), str(recipe),
                       env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "build-inductor"), "AOTBUILD_CACHE": ""})
@@ -229,10 +248,10 @@ def test_a_tensor_parallel_flux_builds_then_two_fresh_ranks_serve_it_with_0_comp
     check_each_rank_served([json.loads(invoke_cli("show", job["key"][:12], "--json", "--cache", str(build)).stdout)
                             for job in jobs], strategy)
     if strategy == "aot-compile":
-        serve_moved_cache(build, recipe, tmp_path, strategy)
+        serve_moved_cache(build, recipe, flux_1_1, tmp_path, strategy)
 
 
-def serve_moved_cache(build: Path, recipe: Path, tmp_path: Path, strategy: str) -> None:
+def serve_moved_cache(build: Path, recipe: Path, model: Path, tmp_path: Path, strategy: str) -> None:
     """A new replica: the cache moved (the build's folders gone), another cwd, an empty Inductor
     folder, two ranks from torchrun, each a hit with 0 compiles and the unsharded eager image."""
     import os
@@ -247,7 +266,7 @@ def serve_moved_cache(build: Path, recipe: Path, tmp_path: Path, strategy: str) 
     out = tmp_path / "results"
     out.mkdir()
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                          str(script), str(recipe), str(served), str(served / "models" / "tiny-flux-v1"), strategy, str(out)],
+                          str(script), str(recipe), str(served), str(model), strategy, str(out)],
                          capture_output=True, text=True, cwd=cwd,
                          env={**os.environ, "PYTHONPATH": str(REPO), "AOTBUILD_CACHE": "",
                               "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "serving" / "inductor")})
