@@ -496,15 +496,17 @@ def test_a_declared_freeu_is_built_and_a_users_pipe_with_it_is_served_compiled(c
     from torch._inductor import compile_fx
 
     from aotbuild.pipecall import warmup_kwargs
-    from tests.conftest import run_cli
+    from tests.conftest import invoke_cli
 
     data = {**TINY, "strategy": "aot-package", "changes": {"freeu": FREEU}}
     path = tmp_path / "tiny_freeu.yaml"
     import yaml
 
     path.write_text(yaml.safe_dump(data))
-    proc = run_cli("build", "--json", "--cache", str(cache), str(path),
-                   env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "build-inductor"), "AOTBUILD_CACHE": ""})
+    # in this process: the build's worker and proof are fresh processes already (a CLI process of its
+    # own only imported torch and diffusers again)
+    proc = invoke_cli("build", "--json", "--cache", str(cache), str(path),
+                      env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "build-inductor"), "AOTBUILD_CACHE": ""})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     recipe = parse_recipe(data)
 
