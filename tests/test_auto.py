@@ -19,7 +19,7 @@ from aotbuild.planner import plan
 from aotbuild.recipes import parse_recipe
 from aotbuild.store import Store
 from aotbuild.targets import get_target
-from tests.conftest import REPO, STRATEGY_RECIPE, TINY_DICT, invoke_cli, run_cli
+from tests.conftest import REPO, STRATEGY_RECIPE, TINY_DICT, invoke_cli
 
 #: TINY_DICT naming no strategy: auto.
 AUTO = {k: v for k, v in TINY_DICT.items() if k != "strategy"}
@@ -306,22 +306,31 @@ UNet2DConditionModel.forward = forward
 @pytest.mark.parametrize("strategy", ["aot-compile"])  # groups it with that build (tests/conftest.py)
 def test_a_model_export_cannot_trace_falls_back_to_aot_compile_and_is_not_retried(strategy, strategy_build,
                                                                                   tmp_path):
+    """The aot-package attempt is real (a worker whose export fails on the hooked UNet); aot-compile's
+    attempt takes the session's aot-compile entry, whose key is the attempt's (the hook changes no key
+    factor), so the fallback compiles nothing again. tests/test_strategies.py serves that entry in a
+    fresh process with 0 compiles; the fallback building the next strategy itself is
+    test_a_failed_attempt_falls_back_is_recorded_and_not_retried_until_retry_failed (stand-in compiles)."""
     _, built, _ = strategy_build(strategy)
     cache = tmp_path / "cache"
     shutil.copytree(built, cache)
     hooks = tmp_path / "hooks"
     hooks.mkdir()
     (hooks / "sitecustomize.py").write_text(NUMPY_UNET)
+    # The CLI in this process (its exit code and output as a subprocess's): the hook is for the build's
+    # worker, a fresh process that inherits this environment; a CLI process of its own added an import of
+    # diffusers and torch and proved nothing the worker does not.
     env = {"PYTHONPATH": f"{hooks}{os.pathsep}{REPO}", "AOTBUILD_CACHE": "",
            "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
     recipe = _auto_recipe(tmp_path)
-    first = run_cli("build", "--cache", str(cache), str(recipe), env=env)
+    first = invoke_cli("build", "--cache", str(cache), str(recipe), env=env)
     assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
     assert "aot-package failed" in first.stdout and "aot-compile built" in first.stdout, first.stdout
     job = _job(cache, str(recipe))
     manifest = Store(cache).read_manifest(job.key)
     failed, chosen = manifest.auto["attempts"]
     assert (failed["strategy"], failed["outcome"], chosen["strategy"]) == ("aot-package", "failed", "aot-compile")
+    assert "its entry was in the cache" in chosen["reason"], chosen  # the session's entry: nothing compiled
     assert "numpy() is not supported for tensor subclasses" in failed["reason"], failed  # what export said
     assert f"{hooks / 'sitecustomize.py'}:10" in failed["reason"], failed  # where: the model's file:line
     assert manifest.strategy == "aot-compile"
