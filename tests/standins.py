@@ -50,3 +50,45 @@ def check_no_dangling(store: Store) -> None:
     for m in store.iter_manifests():
         for item in m.files:
             assert store.layout.blob(item.sha256).is_file(), f"{m.key[:12]} points at a missing blob"
+
+
+# -- one stand-in target build, shared -----------------------------------------------------------
+
+#: A Neuron stand-in recipe at two shapes (tests/fakes: the compile is Dynamo's trace, written where the
+#: real compiler writes): ``aotbuild bench --shape 32x32`` builds the one job it lacks, then measures it.
+NEURON_BENCH_RECIPE = """\
+model: {id: builtin:tiny-sd, dtype: float32}
+target: neuron
+device: cpu
+strategy: jit-cache
+compile: {components: [unet]}
+shapes: [{height: 64, width: 64}, {height: 32, width: 32}]
+warmup: {guidance_scale: 0.0}
+"""
+
+
+def neuron_bench(tmp_path_factory, models_dir: Path) -> dict:
+    """``aotbuild bench`` of NEURON_BENCH_RECIPE on a cache holding only the tiny model, once per run
+    (tests/conftest.py ``once_per_run``): {"recipe", "cache", "returncode", "stdout", "stderr"}. Its build is
+    the one test_bench.py watches bench make and test_targets.py reads the Neuron entry of: a build of the
+    stand-in, then three fresh processes, is a minute of CPU, and each test would pay it (issue 30).
+    The tests reading it share one xdist group (NEURON_BENCH_GROUP): no worker waits on another's build."""
+    import shutil
+
+    from tests.conftest import FAKES, once_per_run, run_cli
+
+    def build(folder: Path) -> dict:
+        folder.mkdir(parents=True, exist_ok=True)
+        recipe = folder / "tiny_neuron.yaml"
+        recipe.write_text(NEURON_BENCH_RECIPE)
+        cache = folder / "cache"
+        shutil.copytree(models_dir / "models", cache / "models")  # the model is not what bench builds
+        proc = run_cli("bench", "--cache", str(cache), str(recipe), "--shape", "32x32", "--calls", "1",
+                       "--repeats", "1", env=FAKES)
+        return {"recipe": str(recipe), "cache": str(cache), "returncode": proc.returncode, "stdout": proc.stdout,
+                "stderr": proc.stderr}
+
+    return once_per_run(tmp_path_factory, "neuron-standin-bench", build)
+
+
+NEURON_BENCH_GROUP = "neuron-standin-bench"

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import sys
-import textwrap
 
 import pytest
 from click.testing import CliRunner
@@ -16,7 +15,8 @@ from aotbuild.cli import main
 from aotbuild.errors import UsageError
 from aotbuild.recipe import Shape
 from aotbuild.recipes import load_recipe
-from tests.conftest import FAKES, REPO, TINY_RECIPE, invoke_cli, run_cli
+from tests.conftest import REPO, TINY_RECIPE, invoke_cli, run_cli
+from tests.standins import NEURON_BENCH_GROUP, neuron_bench
 
 
 def report(repeats: int = 1) -> bench.BenchReport:
@@ -196,31 +196,26 @@ def test_real_eager_and_warm_load_in_fresh_processes(built_cache):
     assert "round 1/1: aotbuild warm load in a fresh process" in proc.stderr
 
 
-@pytest.mark.slow  # compiles for real
-def test_standin_target_builds_what_is_missing_then_measures_all_three(tmp_path):
+@pytest.fixture
+def bench_run(tmp_path_factory, models_dir) -> dict:
+    return neuron_bench(tmp_path_factory, models_dir)
+
+
+@pytest.mark.slow  # builds and proves through the stand-in
+@pytest.mark.xdist_group(NEURON_BENCH_GROUP)
+def test_standin_target_builds_what_is_missing_then_measures_all_three(bench_run):
     """Through the Neuron stand-in (a fast compile): bench builds the missing job first, the cold
-    process compiles, and the table names every mode."""
-    path = tmp_path / "tiny_neuron.yaml"
-    path.write_text(textwrap.dedent("""
-        model: {id: builtin:tiny-sd, dtype: float32}
-        target: neuron
-        device: cpu
-        strategy: jit-cache
-        compile: {components: [unet]}
-        shapes: [{height: 64, width: 64}, {height: 32, width: 32}]
-        warmup: {guidance_scale: 0.0}
-    """))
-    cache = tmp_path / "cache"
-    proc = run_cli("bench", "--cache", str(cache), str(path), "--shape", "32x32", "--calls", "1", "--repeats", "1",
-                   env=FAKES)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "building 1 job(s) the cache lacks for 32x32 first" in proc.stderr
+    process compiles, and the table names every mode. The run is tests/standins.py's ``neuron_bench``:
+    tests/test_targets.py reads the entry it built, instead of building the same one again."""
+    proc = bench_run
+    assert proc["returncode"] == 0, proc["stderr"][-3000:]
+    assert "building 1 job(s) the cache lacks for 32x32 first" in proc["stderr"]
     for label in ("eager (no compile)", "cold compile", "aotbuild warm load", "warm load / cold compile"):
-        assert label in proc.stdout
-    assert "Inductor FX cache" not in proc.stdout  # Inductor's counters say nothing about another backend
+        assert label in proc["stdout"]
+    assert "Inductor FX cache" not in proc["stdout"]  # Inductor's counters say nothing about another backend
     # only the job of the shape asked for was built (the warm load above hit it); read in this process
     # (no stand-in imported: ls reads manifests only), not by a plan in a third fresh interpreter
-    entries = json.loads(invoke_cli("ls", "--json", "--cache", str(cache)).stdout)["entries"]
+    entries = json.loads(invoke_cli("ls", "--json", "--cache", proc["cache"]).stdout)["entries"]
     assert [(e["shape"]["height"], e["shape"]["width"], e["target"]) for e in entries] == [(32, 32, "neuron")]
 
 

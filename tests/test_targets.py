@@ -18,6 +18,7 @@ import torch
 from aotbuild.errors import RecipeError
 from aotbuild.recipes import parse_recipe
 from tests.conftest import FAKES, REPO, invoke_cli, run_cli, run_python
+from tests.standins import NEURON_BENCH_GROUP, neuron_bench
 
 CUDA = torch.cuda.is_available()
 #: Facts of a host without CUDA: where CUDA is, a cuda recipe is available and inductor defaults to cuda.
@@ -133,27 +134,62 @@ def standin_recipe(tmp_path: Path, target: str, scope: str) -> Path:
     return path
 
 
-@pytest.mark.slow  # builds and proves through the stand-ins (a minute each on 2 cores)
-@pytest.mark.parametrize("target,vendor,scope,suffix", [
-    ("neuron", "torch_neuronx", "full", "model.neff"),
-    ("tpu", "torch_tpu", "regional", "model.bin"),
-])
-def test_standin_build_then_fresh_load_compiles_nothing(tmp_path, target, vendor, scope, suffix):
-    path = standin_recipe(tmp_path, target, scope)
-    cache = tmp_path / "cache"
-    build = run_cli("build", "--json", "--cache", str(cache), str(path), env=FAKES)
-    assert build.returncode == 0, build.stderr[-3000:]
-    job = json.loads(build.stdout)["jobs"][0]
-    assert job["status"] == "built"
-    manifest = json.loads(run_cli("show", "--json", "--cache", str(cache), job["key"][:12]).stdout)
+def check_standin_entry(manifest: dict, vendor: str, suffix: str) -> None:
+    """A stand-in target's entry: the compiler's own files, keyed by its version, the target's warmup
+    default, no weights; and what the build's proof saw serving it in a fresh process (another store and
+    working directory, an empty compiler folder): a hit, 0 files written by the compiler, every call of
+    the UNet (each block's, regional) through the entry, equal to eager, an unbuilt shape refused."""
     files = [f["path"] for f in manifest["files"]]
     assert files and all(f.startswith("MODULE_") for f in files) and any(f.endswith(suffix) for f in files)
     assert manifest["factors"]["device"][vendor] == "0.0.0+standin"
     assert manifest["factors"]["warmup"]["num_inference_steps"] == 1  # the target's warmup default
     assert manifest["embeds_weights"] is False
+    proof = manifest["proof"]
+    folder = {"torch_neuronx": "TORCH_NEURONX_NEFF_CACHE_DIR", "torch_tpu": "TORCH_TPU_TIER3"}[vendor]
+    assert proof["compiles"] == 0 and folder in proof["counter"], proof  # a fresh load compiles nothing
+    assert proof["max_abs_diff"] <= 1e-4 and proof["calls"] >= 1, proof
+    served = proof["served"]
+    assert served["hits"] == 1 and served["misses"] == 0, served
+    assert served["fxgraph_cache_hit"] == served["fxgraph_cache_miss"] == 0, served  # Inductor never ran
+    assert served["dispatch"] and all(c == {"built": proof["calls"], "unbuilt": 0}
+                                      for c in served["dispatch"].values()), served
+    assert "which this cache did not build (strict_shapes=True)" in served["strict"], served
+
+
+@pytest.fixture
+def bench_run(tmp_path_factory, models_dir) -> dict:
+    return neuron_bench(tmp_path_factory, models_dir)
+
+
+@pytest.mark.slow  # builds and proves through the stand-in (shared with tests/test_bench.py)
+@pytest.mark.xdist_group(NEURON_BENCH_GROUP)
+def test_standin_build_then_fresh_load_compiles_nothing_neuron(bench_run):
+    """The Neuron stand-in's entry, built by tests/test_bench.py's bench run (its build is ``aotbuild build``'s:
+    builder.build): what its proof's fresh process saw. A fresh load of it was served there, and again by
+    bench's warm process (load_compiled, on_miss="error"); the rest of what a serving process of a folder
+    target does (the stand-in's own load counter, an unbuilt shape compiled under on_miss="compile", the
+    whole pipeline's output) is the TPU case below, in a process of its own: the same FolderCacheTarget."""
+    assert bench_run["returncode"] == 0, bench_run["stderr"][-3000:]
+    cache = bench_run["cache"]
+    entry, = json.loads(invoke_cli("ls", "--json", "--cache", cache).stdout)["entries"]
+    assert (entry["target"], entry["shape"]["height"], entry["shape"]["width"]) == ("neuron", 32, 32)
+    manifest = json.loads(invoke_cli("show", "--json", "--cache", cache, entry["key"][:12]).stdout)
+    check_standin_entry(manifest, "torch_neuronx", "neff")
+
+
+@pytest.mark.slow  # builds and proves through the stand-in (a minute on 2 cores)
+def test_standin_build_then_fresh_load_compiles_nothing_tpu(tmp_path, cache):
+    path = standin_recipe(tmp_path, "tpu", "regional")
+    build = run_cli("build", "--json", "--cache", str(cache), str(path), env=FAKES)
+    assert build.returncode == 0, build.stderr[-3000:]
+    job = json.loads(build.stdout)["jobs"][0]
+    assert job["status"] == "built"
+    # show reads the manifest only: in this process (no stand-in imported here)
+    manifest = json.loads(invoke_cli("show", "--json", "--cache", str(cache), job["key"][:12]).stdout)
+    check_standin_entry(manifest, "torch_tpu", "bin")
     script = tmp_path / "load.py"
     script.write_text(LOAD)
-    proc = run_python(f"import runpy, sys; sys.argv = ['l', {str(path)!r}, {str(cache)!r}, {vendor!r}]; "
+    proc = run_python(f"import runpy, sys; sys.argv = ['l', {str(path)!r}, {str(cache)!r}, 'torch_tpu']; "
                       f"runpy.run_path({str(script)!r}, run_name='__main__')",
                       env={**FAKES, "TORCH_NEURONX_NEFF_CACHE_DIR": "", "TORCH_TPU_TIER3_COMPILATION_CACHE_ROOT": ""})
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -200,17 +236,17 @@ def test_captured_tree_refuses_symlinks_and_special_files(tmp_path):
     ("tpu", "regional", "first-instance", "time(s) (files the compiler wrote to TORCH_TPU_TIER3"),
     ("neuron", "full", "drift", "differs from eager by 0.01"),
 ])
-def test_an_entry_that_fails_its_proof_is_never_stored(tmp_path, target, scope, fault, named):
+def test_an_entry_that_fails_its_proof_is_never_stored(tmp_path, cache, target, scope, fault, named):
     """A compiler whose artifacts serve only the first block instance in a fresh process, and one
     whose compiled graph drifts from eager: the build fails with the reason, and stores nothing."""
     path = standin_recipe(tmp_path, target, scope)
-    cache = tmp_path / "cache"
     build = run_cli("build", "--json", "--cache", str(cache), str(path), env={**FAKES, "AOTBUILD_STANDIN_FAULT": fault})
     assert build.returncode == 1, build.stderr[-3000:]
     job = json.loads(build.stdout)["jobs"][0]
     assert job["status"] == "failed" and named in job["reason"] and "nothing was stored" in job["reason"], job
     assert not list((cache / "manifests").glob("*/*.json")) and not list((cache / "blobs").glob("*/*"))
-    assert run_cli("verify", "--cache", str(cache)).returncode == 0  # and nothing left behind
+    # and nothing left behind; verify reads the store only: in this process (no stand-in imported here)
+    assert invoke_cli("verify", "--cache", str(cache)).returncode == 0
     log = Path(re.search(r"\(log: (\S+)\)$", job["reason"]).group(1))
     assert log.is_file() and log.parent == cache / "logs"
 
