@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 
 from aotbuild.errors import RecipeError
 from tests.conftest import invoke_cli
+from tests.loras import one_level_sd
 
 QUANTIZED = {"model": {"id": "builtin:tiny-sd", "dtype": "float32",
                        "quantization": {"backend": "torchao", "quant_type": "int8wo"}},
@@ -81,10 +81,11 @@ def test_an_int8_weight_only_build_serves_with_0_compiles_equal_to_eager_quantiz
     """The build's proof is the replica (aotbuild/proof.py): a fresh process, every compiler folder
     empty, quantizes the pipeline as the recipe says, loads the entry from another store and replays
     every call; what it saw is the entry's ``proof.served`` (issue 30, item 4: no second serve here)."""
+    # the one-level tiny UNet: every kind of Linear int8 replaces, fewer kernels to compile than tiny-sd's
+    model = one_level_sd(models_dir, tmp_path / "one-level-sd")
     recipe = tmp_path / "tiny_sd_int8wo.yaml"
-    recipe.write_text(json.dumps(QUANTIZED))
+    recipe.write_text(json.dumps({**QUANTIZED, "model": {**QUANTIZED["model"], "id": str(model)}}))
     cache = tmp_path / "cache"
-    shutil.copytree(models_dir / "models", cache / "models")
     # in this process: the build's loader, worker and proof are fresh processes already
     build = invoke_cli("build", "--json", "--cache", str(cache), str(recipe),
                        env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "build-inductor"), "AOTBUILD_CACHE": ""})
