@@ -12,7 +12,7 @@ import pytest
 
 from aotbuild.errors import RecipeError, UsageError
 from tests.conftest import invoke_cli
-from tests.loras import ADAPTERS, ATTENTION, make_adapter
+from tests.loras import ADAPTERS, ATTENTION, make_adapter, one_level_sd
 
 
 @pytest.fixture(scope="module")
@@ -192,17 +192,22 @@ def serve_hot_swaps(recipe_path: Path, cache: Path, loras: Path) -> dict:
 
 
 @pytest.mark.slow  # one real compile (~1 min) and its proof, then the entry served from another store
-def test_a_lora_build_serves_and_hot_swaps_with_0_compiles(loras, models_dir, tmp_path, monkeypatch):
+def test_a_lora_build_serves_and_hot_swaps_with_0_compiles(models_dir, tmp_path, monkeypatch):
     """The build's proof is the fresh replica (aotbuild/proof.py): a fresh process, every compiler folder
     empty, another store and working directory, serves the entry and hot-swaps one other adapter in with 0
     compiles, equal to eager (``proof.swaps``, ``proof.served``: read here, issue 30 item 4). What it does
     not do is served here, in this process, from a moved store and an empty Inductor folder: the
     repository's own adapters swapped in and back (a peft file padded from rank 2 to 8), each step equal
-    to eager with that adapter, and a rank above the recipe's refused."""
-    recipe = loras / "recipes" / "tiny_sd_lora.yaml"
-    recipe.write_text(json.dumps(recipe_data()))
+    to eager with that adapter, and a rank above the recipe's refused. The model is the one-level tiny
+    UNet (tests/loras.py): attention in a down, mid and up block, fewer kernels to compile than tiny-sd's."""
+    model = one_level_sd(models_dir, tmp_path / "one-level-sd")
+    repo = tmp_path / "repo"  # recipes/ with loras/<name>/ beside it, as the module's `loras`, made from this model
+    for name in ("style", "other", "big"):
+        make_adapter(model, repo / "recipes" / "loras" / name, *ADAPTERS[name])
+    (repo / "pyproject.toml").write_text("[project]\nname = 'x'\n")
+    recipe = repo / "recipes" / "tiny_sd_lora.yaml"
+    recipe.write_text(json.dumps(recipe_data(model={"id": str(model), "dtype": "float32"})))
     cache = tmp_path / "cache"
-    shutil.copytree(models_dir / "models", cache / "models")
     # in this process: the build's worker and proof are fresh processes already
     build = invoke_cli("build", "--json", "--cache", str(cache), str(recipe),
                        env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "build-inductor"), "AOTBUILD_CACHE": ""})
@@ -220,7 +225,7 @@ def test_a_lora_build_serves_and_hot_swaps_with_0_compiles(loras, models_dir, tm
     monkeypatch.setenv("AOTBUILD_CACHE", "")
     (tmp_path / "elsewhere").mkdir()
     monkeypatch.chdir(tmp_path / "elsewhere")
-    result = serve_hot_swaps(recipe, replica / "cache", loras / "recipes")
+    result = serve_hot_swaps(recipe, replica / "cache", repo / "recipes")
     assert result["hits"] == 1 and result["compiles"] == 0, result
     assert [s["compiles"] for s in result["steps"]] == [0, 0, 0], result
     assert all(s["diff"] <= 1e-5 for s in result["steps"]), result
