@@ -196,87 +196,66 @@ def test_a_child_runs_as_ranks_through_torch_s_launcher_and_never_inherits_a_ran
     assert code == 0 and result == {"RANK": None, "WORLD_SIZE": None}, result
 
 
-SERVE = """
-import json, sys
-import torch
-from diffusers import DiffusionPipeline
-from aotbuild import load_compiled
-from aotbuild.strategies import get_strategy
-from aotbuild.targets import get_target
-
-recipe, cache, model, strategy, out = sys.argv[1:6]
-name, count = get_strategy(strategy).compile_counter(get_target("inductor"))
-call = dict(prompt="a cat", height=64, width=64, num_inference_steps=2, guidance_scale=3.5, output_type="pt")
-eager = DiffusionPipeline.from_pretrained(model)  # the unsharded pipeline, eager, in this process
-reference = eager(**call, generator=torch.Generator("cpu").manual_seed(0)).images
-before = count()
-pipe = load_compiled(recipe, cache=cache, on_miss="error", strict_shapes=True)
-image = pipe(**call, generator=torch.Generator("cpu").manual_seed(0)).images
-report = pipe.aotbuild_report
-result = {"rank": report.rank, "tensor": report.tensor, "hits": len(report.hits), "misses": len(report.misses),
-          "compiles": count() - before, "diff": float((image - reference).abs().max()), "text": str(report)}
-# a file per rank: the two ranks' stdout share one pipe, where their lines can interleave
-with open(f"{out}/rank{report.rank}.json", "w") as f:
-    json.dump(result, f)
-"""
-
-
 @pytest.mark.slow  # two ranks compile a tiny Flux transformer, a fresh pair of ranks proves it
 @pytest.mark.parametrize("strategy", ["jit-cache", "aot-compile"])
-def test_a_tensor_parallel_flux_builds_then_two_fresh_ranks_serve_it_with_0_compiles(strategy, flux_1_1, tmp_path):
+def test_a_tensor_parallel_flux_builds_then_two_fresh_ranks_serve_it_with_0_compiles(strategy, flux_1_1, tmp_path,
+                                                                                    monkeypatch):
     """The build's proof is the replica (aotbuild/builder.py ``_prove_ranks``): a fresh launch of two
     ranks by torch's launcher, in another working directory with every compiler folder empty, each
     loading its own rank's entry from another store than the build's, after running the unsharded
     pipeline eagerly as the reference. Each rank's entry keeps what its rank saw (``proof.served``),
-    read here instead of a second pair serving the same entries (issue 30, item 4). The proof runs
-    while the build's folders still exist, so a moved cache is served by a real pair once, for
-    aot-compile: its ranks' artifacts are compiled functions that name their kernel files, where an
-    entry that only worked beside the build's folder would show; jit-cache's moved cache is served
-    for real without tensor parallelism (tests/test_strategies.py), through the same collect and
-    install as each rank's. The model is tiny-flux at one block of each kind (``flux_1_1``)."""
+    read here instead of a second pair serving the same entries (issue 30, item 4). Here the proof
+    runs with the build's folders gone (``proof_without_the_build_s_folders``): what a pair serving
+    a moved cache checked (an aot-compile rank's artifacts are compiled functions that name their
+    kernel files, and an entry that only worked beside the build's folder would show), for both
+    strategies, without a third launch. The model is tiny-flux at one block of each kind
+    (``flux_1_1``)."""
     import yaml
 
     build = tmp_path / "build"
     recipe = tmp_path / "tp_flux.yaml"
     recipe.write_text(yaml.safe_dump(flux(2, strategy=strategy, **{"model.id": str(flux_1_1)})))
+    hidden = proof_without_the_build_s_folders(monkeypatch, tmp_path / "aside")
     # in this process: the ranks that build and the pair that proves are launched by torch's launcher
     proc = invoke_cli("build", "--json", "--cache", str(build), str(recipe),
                       env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "build-inductor"), "AOTBUILD_CACHE": ""})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     jobs = json.loads(proc.stdout)["jobs"]
     assert [j["status"] for j in jobs] == ["built", "built"], jobs
+    # one proof, launched without the ranks' shared compiler folder, their laid-out entries, their cwd
+    assert len(hidden) == 1 and {"shared", "rank0", "rank1", "cwd"} <= set(hidden[0]), hidden
     check_each_rank_served([json.loads(invoke_cli("show", job["key"][:12], "--json", "--cache", str(build)).stdout)
                             for job in jobs], strategy)
-    if strategy == "aot-compile":
-        serve_moved_cache(build, recipe, flux_1_1, tmp_path, strategy)
 
 
-def serve_moved_cache(build: Path, recipe: Path, model: Path, tmp_path: Path, strategy: str) -> None:
-    """A new replica: the cache moved (the build's folders gone), another cwd, an empty Inductor
-    folder, two ranks from torchrun, each a hit with 0 compiles and the unsharded eager image."""
-    import os
-    import subprocess
+def proof_without_the_build_s_folders(monkeypatch, aside: Path) -> list[list[str]]:
+    """Launch the build's proof (this process runs the build: ``invoke_cli``) with everything of the
+    job's folder but the proof's own moved to ``aside``, and put back when it ends (the entries are
+    stored from it): a rank's artifact naming a file of the build (its compiler folder, its laid-out
+    entry, its cwd) fails the proof, as it would fail a replica serving a moved cache. Returns the
+    names moved, one list per proof."""
+    from aotbuild import child
 
-    served = tmp_path / "serving" / "cache"
-    shutil.move(str(build), str(served))
-    cwd = tmp_path / "elsewhere"
-    cwd.mkdir()
-    script = tmp_path / "serve.py"
-    script.write_text(SERVE)
-    out = tmp_path / "results"
-    out.mkdir()
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                          str(script), str(recipe), str(served), str(model), strategy, str(out)],
-                         capture_output=True, text=True, cwd=cwd,
-                         env={**os.environ, "PYTHONPATH": str(REPO), "AOTBUILD_CACHE": "",
-                              "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "serving" / "inductor")})
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
-    results = [json.loads(path.read_text()) for path in sorted(out.glob("rank*.json"))]
-    assert [r["rank"] for r in results] == [0, 1], (sorted(out.iterdir()), run.stdout[-3000:])
-    for r in results:
-        assert r["hits"] == 1 and r["misses"] == 0 and r["compiles"] == 0, r
-        assert r["diff"] <= 1e-4, r
-        assert f"(rank {r['rank']} of 2)" in r["text"]
+    spawn, hidden = child.spawn, []
+
+    def spawn_proof(module: str, spec: dict, spec_path: Path, log: Path, **options):
+        if module != "aotbuild.proof":
+            return spawn(module, spec, spec_path, log, **options)
+        staging = spec_path.parent.parent  # <job folder>/proof/proof.json
+        moved = [p for p in staging.iterdir() if p.name not in ("proof", "phase", ".lock")]
+        hidden.append(sorted(p.name for p in moved))
+        aside.mkdir(parents=True)
+        for path in moved:
+            shutil.move(str(path), str(aside / path.name))
+        try:
+            return spawn(module, spec, spec_path, log, **options)
+        finally:
+            for path in moved:
+                shutil.move(str(aside / path.name), str(path))
+            aside.rmdir()
+
+    monkeypatch.setattr(child, "spawn", spawn_proof)
+    return hidden
 
 
 def check_each_rank_served(manifests: list[dict], strategy: str) -> None:
