@@ -64,6 +64,7 @@ def run(job: dict, loaded: tuple[Any, float] | None = None) -> dict:
     depends = dependencies.snapshot(module)
     dependencies.record_calls(module)
     workdir.mkdir(parents=True, exist_ok=True)
+    ctx.target.prepare_build(ctx.device)
     job_spec = BuildJob(ctx, pipe, component, module, warmup, workdir,
                         phase=lambda text: child.phase(job, text), text=pattern)
     try:

@@ -71,6 +71,14 @@ DRIVER = textwrap.dedent("""
             InductorTarget().before_install(builds, load.get("device", "cpu"))
         return {"picked": picked(), "probes": probes, "vec_isa_ok": config.cpp.vec_isa_ok}
 
+    def next_build(case):
+        # Another job built on this host afterwards, on the load's CPU: its probes are answered from the
+        # host's record (the build above kept it) only where that CPU vouches for it.
+        load = case.get("load", {})
+        probes = fake({**case["cpu"], **load.get("cpu", {})}, case.get("compiles", {}), load.get("env", ""))
+        InductorTarget().prepare_build("cpu")
+        return {"picked": picked(), "probes": probes}
+
     def forked(fn, *args):
         read, write = os.pipe()
         pid = os.fork()
@@ -106,7 +114,8 @@ DRIVER = textwrap.dedent("""
                 at[edit[-2]] = edit[-1]
         builds = case.get("builds", [facts, facts])
         builds = [facts if b == "built" else b for b in builds]
-        results[name] = {"build": built, "load": forked(load, case, builds), "plain": forked(load, case, None)}
+        results[name] = {"build": built, "load": forked(load, case, builds), "plain": forked(load, case, None),
+                         "next_build": forked(next_build, case)}
     print("RESULT " + json.dumps(results))
 """)
 
@@ -162,11 +171,12 @@ PROBED = {
 def outcomes(tmp_path_factory):
     cases = {**{name: case for name, (case, _) in REPLAYED.items()}, **PROBED}
     folder = tmp_path_factory.mktemp("isa")
+    (folder / "tmp").mkdir()  # the host's record of each case's build (inductor_isa.HOST_FOLDER) goes here
     (folder / "driver.py").write_text(DRIVER)
     (folder / "cases.json").write_text(json.dumps(cases))
     proc = run_python(f"import runpy, sys; sys.stdin = open({str(folder / 'cases.json')!r}); "
                       f"runpy.run_path({str(folder / 'driver.py')!r}, run_name='__main__')",
-                      env={"TORCHINDUCTOR_CACHE_DIR": str(folder / "inductor")})
+                      env={"TORCHINDUCTOR_CACHE_DIR": str(folder / "inductor"), "TMPDIR": str(folder / "tmp")})
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))[len("RESULT "):])
 
@@ -174,7 +184,7 @@ def outcomes(tmp_path_factory):
 def _outcome(outcomes, name: str) -> dict:
     outcome = outcomes[name]
     assert "error" not in outcome, outcome.get("error")
-    for step in ("build", "load", "plain"):
+    for step in ("build", "load", "plain", "next_build"):
         assert "error" not in outcome[step], outcome[step]["error"]
     return outcome
 
@@ -188,6 +198,8 @@ def test_a_load_on_the_build_s_cpu_runs_no_probe_and_picks_the_build_s_isa_and_f
     assert load["probes"] == []
     assert load["picked"] == build["picked"] == plain["picked"]  # Inductor's own pick, without its probes
     assert load["vec_isa_ok"] is None  # Inductor's setting as it was: the FX graph cache key holds it
+    # and the next job built on this host probes nothing either: the build kept the host's record
+    assert outcome["next_build"] == {"picked": build["picked"], "probes": []}
 
 
 def test_the_sub_probes_change_the_kernel_flags_the_load_replays(outcomes):
@@ -204,3 +216,33 @@ def test_a_load_its_cpu_or_record_cannot_vouch_for_leaves_inductor_to_probe(outc
     load, plain = outcome["load"], outcome["plain"]
     assert load["probes"], "Inductor should have probed its ISAs itself"
     assert load == plain  # the same probes, pick and flags as a process that installed nothing
+
+
+#: The cases whose load CPU (or ATEN_CPU_CAPABILITY) is not the build's: a job built there is on another host.
+ANOTHER_HOST = [name for name, case in PROBED.items() if case.get("load", {}).keys() & {"cpu", "env"}]
+
+
+@pytest.mark.parametrize("name", ANOTHER_HOST)
+def test_a_build_on_a_cpu_the_host_record_cannot_vouch_for_probes_for_itself(outcomes, name):
+    """The host's record (aotbuild/targets/inductor_isa.py, keep_host_record) is replayed by a later
+    build job only through the checks a load makes: another CPU probes, and picks as a plain process."""
+    outcome = _outcome(outcomes, name)
+    assert outcome["next_build"]["probes"], "Inductor should have probed its ISAs itself"
+    assert outcome["next_build"] == {"picked": outcome["plain"]["picked"], "probes": outcome["plain"]["probes"]}
+
+
+def test_the_host_record_lives_beside_inductor_s_headers_named_by_torch_and_compiler(tmp_path, monkeypatch):
+    import tempfile
+
+    from aotbuild.targets import inductor_isa
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    path = inductor_isa.host_record_path()
+    if path is None:
+        pytest.skip("Inductor does not probe x86 ISAs here")
+    assert path.startswith(str(tmp_path / "torchinductor_")) and f"/{inductor_isa.HOST_FOLDER}/" in path
+    from torch._inductor import cpp_builder
+
+    monkeypatch.setattr(cpp_builder, "get_compiler_version_info", lambda compiler: "another g++ 99")
+    assert inductor_isa.host_record_path() != path  # another compiler: another record, probed afresh
+    assert inductor_isa.reuse_host_record() is False  # none there yet: Inductor probes

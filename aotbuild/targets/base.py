@@ -150,6 +150,10 @@ class Target:
         skip work (recorded in the manifest's ``build``), or {}."""
         return {}
 
+    def prepare_build(self, device: str) -> None:
+        """In a build job's process, before its first compile: skip what this host's earlier builds make
+        redundant (Inductor: its CPU probes), never anything that changes what is compiled."""
+
     def before_install(self, builds: list[Mapping[str, Any]], device: str) -> None:
         """Prepare this process for the hit entries, given each one's ``build`` record (its
         ``build_facts``): skip what they make redundant here, never what they cannot vouch for."""

@@ -258,12 +258,20 @@ class InductorTarget(Target):
             return {}
         from torch._inductor.cpu_vec_isa import pick_vec_isa
 
-        from aotbuild.targets.inductor_isa import probe_record
+        from aotbuild.targets.inductor_isa import keep_host_record, probe_record
 
         # After the compile: picked already, nothing probed again. The probes' results let a load
-        # on a CPU that vouches for them skip the probes (aotbuild/targets/inductor_isa.py).
+        # on a CPU that vouches for them skip the probes (aotbuild/targets/inductor_isa.py), and the
+        # next job built on this host too (prepare_build).
         picked, record = str(pick_vec_isa()), probe_record()
+        keep_host_record(picked, record)
         return {"vec_isa": picked, **({"vec_isa_probes": record} if record is not None else {})}
+
+    def prepare_build(self, device: str) -> None:
+        if _parse_device(device)[0] == "cpu":
+            from aotbuild.targets.inductor_isa import reuse_host_record
+
+            reuse_host_record()
 
     def before_install(self, builds: list[Mapping[str, Any]], device: str) -> None:
         from aotbuild.targets.inductor_isa import replay_probes

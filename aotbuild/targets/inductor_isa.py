@@ -179,3 +179,76 @@ def _forget(cpu_vec_isa: Any, named: list[Any]) -> None:
     for isa in named:
         for attr in ("_is_avx512_bf16_supported", "_is_amx_fp16_supported", "_arch_flags"):
             vars(isa).pop(attr, None)
+
+
+# -- the build host's own record: every job of every build on this host probes once -----------------
+# A job compiles in a fresh process with an empty Inductor folder (aotbuild/targets/inductor.py), so
+# without this each job ran all of Inductor's probes again: a g++ compile and a fresh Python process per
+# probe, 15 s of CPU per job on an AVX-512 host, often a fifth of a small job's build. The first job
+# on a host records what its probes found (the record an entry holds); later jobs answer the probes from
+# it through replay_probes, which checks this CPU's facts, the pick and the kernel flags, as a load does.
+
+#: The most a host record may hold (one is about 1 KiB).
+RECORD_BYTES = 64 * 1024
+#: The folder under Inductor's default cache folder (``$TMPDIR/torchinductor_<user>``, beside its
+#: precompiled headers): a fresh container or machine starts without it, and probes once.
+HOST_FOLDER = "aotbuild-isa-probes"
+
+
+def host_record_path() -> str | None:
+    """This host's record file, named by what besides the CPU decides the probes' outcomes (the torch
+    installed, the C++ compiler and its version, this Python); None where Inductor does not probe."""
+    import hashlib
+    import json
+    import shutil
+
+    if _inductor() is None:
+        return None
+    import torch
+    from torch._inductor.cpp_builder import get_compiler_version_info, get_cpp_compiler
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    compiler = get_cpp_compiler()
+    ident = [torch.__version__, os.path.dirname(torch.__file__), shutil.which(compiler) or compiler,
+             get_compiler_version_info(compiler), sys.executable, sys.version]
+    name = hashlib.sha256(json.dumps(ident).encode()).hexdigest()[:32]
+    return os.path.join(default_cache_dir(), HOST_FOLDER, f"{name}.json")
+
+
+def reuse_host_record() -> bool:
+    """Before a build job's first compile: answer Inductor's probes from this host's record where one
+    exists and this CPU vouches for it (replay_probes); True if so. Never raises: a record that cannot
+    be read or does not replay leaves Inductor to probe."""
+    from aotbuild import safeio
+
+    try:
+        path = host_record_path()
+        if path is None or not os.path.isfile(path):
+            return False
+        record = safeio.read_json(path, max_bytes=RECORD_BYTES, max_depth=8)
+        return isinstance(record, Mapping) and replay_probes(record.get("vec_isa"), record.get("vec_isa_probes"))
+    except Exception:  # noqa: BLE001 - an unreadable record only costs the probes it would have saved
+        return False
+
+
+def keep_host_record(vec_isa: str, record: Mapping[str, Any] | None) -> None:
+    """After a build job's compile: keep what its probes found (or replayed) as this host's record,
+    written whole by rename, unless the record there says the same. Never raises."""
+    import json
+
+    from aotbuild import safeio
+
+    if record is None:
+        return
+    try:
+        path = host_record_path()
+        if path is None:
+            return
+        data = json.dumps({"vec_isa": vec_isa, "vec_isa_probes": record}, sort_keys=True).encode()
+        if os.path.isfile(path) and safeio.read_bytes(path, RECORD_BYTES) == data:
+            return
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with safeio.atomic_write(path) as out:
+            out.file.write(data)
+    except Exception:  # noqa: BLE001 - the next job probes for itself
+        return
