@@ -1,6 +1,7 @@
 """LoRA files for tests, made locally with peft from the tiny UNet (tests/test_lora.py and the stale-graph
-matrix both load them; a test module never imports another), and the one-level tiny model that the real
-LoRA and int8 builds compile (tests/test_lora.py, tests/test_quantization.py)."""
+matrix both load them; a test module never imports another), and the smaller tiny models that the real
+LoRA, int8 and declared-FreeU builds compile (tests/test_lora.py, tests/test_quantization.py,
+tests/test_declared_changes.py)."""
 
 from __future__ import annotations
 
@@ -33,13 +34,26 @@ def one_level_sd(models_dir: Path, folder: Path) -> Path:
     every kind of layer a LoRA or int8 build changes (the attention projections, the feed-forwards, the
     resnets' time projections, a down, mid and up block) at fewer distinct shapes than the two-level
     UNet, so a real build compiles fewer kernels: 56 s of Inductor against 76 s single-threaded."""
+    return _tiny_sd_with(models_dir, folder, block_out_channels=(8,), down_block_types=("CrossAttnDownBlock2D",),
+                         up_block_types=("CrossAttnUpBlock2D",))
+
+
+def attention_free_sd(models_dir: Path, folder: Path) -> Path:
+    """``builtin:tiny-sd`` with its two-level UNet made of resnets only (DownBlock2D and UpBlock2D at both
+    levels, UNetMidBlock2D): both up blocks FreeU scales (resolution 0 and 1: b1, s1 and b2, s2), none of
+    the transformer blocks FreeU never touches, so a real build compiles fewer kernels."""
+    return _tiny_sd_with(models_dir, folder, down_block_types=("DownBlock2D", "DownBlock2D"),
+                         up_block_types=("UpBlock2D", "UpBlock2D"), mid_block_type="UNetMidBlock2D")
+
+
+def _tiny_sd_with(models_dir: Path, folder: Path, **unet: object) -> Path:
+    """``builtin:tiny-sd``'s pipeline (from ``models_dir/models``) with a UNet of its config changed by
+    ``unet``, random weights, saved to ``folder``."""
     import torch
     from diffusers import StableDiffusionPipeline, UNet2DConditionModel
 
     pipe = StableDiffusionPipeline.from_pretrained(str(next((models_dir / "models").glob("tiny-sd-v*"))))
     torch.manual_seed(0)
-    pipe.unet = UNet2DConditionModel(**{**pipe.unet.config, "block_out_channels": (8,),
-                                        "down_block_types": ("CrossAttnDownBlock2D",),
-                                        "up_block_types": ("CrossAttnUpBlock2D",)})
+    pipe.unet = UNet2DConditionModel(**{**pipe.unet.config, **unet})
     pipe.save_pretrained(str(folder), safe_serialization=True)
     return folder

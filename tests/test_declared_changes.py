@@ -488,17 +488,22 @@ def test_a_stale_graph_names_the_recipe_key_that_declares_the_change():
 
 
 @pytest.mark.slow
-def test_a_declared_freeu_is_built_and_a_users_pipe_with_it_is_served_compiled(cache, tmp_path, monkeypatch):
+def test_a_declared_freeu_is_built_and_a_users_pipe_with_it_is_served_compiled(models_dir, tmp_path, monkeypatch):
     """aot-package served the image without FreeU for a pipe with FreeU (issue 31); now the recipe
     declares FreeU, the build bakes it in, and a user's own pipe with the same enable_freeu hits, with
-    0 compiles and eager-with-FreeU's image."""
+    0 compiles and eager-with-FreeU's image. The model is tiny-sd with a UNet of resnets only
+    (tests/loras.py): both up blocks FreeU scales, no transformer blocks to compile kernels for."""
     from torch._dynamo.utils import counters
     from torch._inductor import compile_fx
 
     from aotbuild.pipecall import warmup_kwargs
     from tests.conftest import invoke_cli
+    from tests.loras import attention_free_sd
 
-    data = {**TINY, "strategy": "aot-package", "changes": {"freeu": FREEU}}
+    model = attention_free_sd(models_dir, tmp_path / "attention-free-sd")
+    own = {**TINY, "model": {"id": str(model), "dtype": "float32"}}  # the model, no change declared
+    cache = tmp_path / "cache"
+    data = {**own, "strategy": "aot-package", "changes": {"freeu": FREEU}}
     path = tmp_path / "tiny_freeu.yaml"
     import yaml
 
@@ -513,13 +518,13 @@ def test_a_declared_freeu_is_built_and_a_users_pipe_with_it_is_served_compiled(c
     def image(pipe):
         return pipe(**warmup_kwargs(recipe, recipe.shapes[0], pipe), output_type="pt").images.float()
 
-    plain = _pipe(_recipe(), cache)
+    plain = _pipe(parse_recipe(own), cache)
     without = image(plain)
     plain.enable_freeu(**FREEU)
     expected = image(plain)
     assert (expected - without).abs().max().item() > 1e-3  # FreeU moves the image: an ignored FreeU cannot pass
 
-    pipe = _pipe(_recipe(), cache)  # the user's own pipe, FreeU enabled by hand
+    pipe = _pipe(parse_recipe(own), cache)  # the user's own pipe, FreeU enabled by hand
     pipe.enable_freeu(**FREEU)
     graphs = counters["stats"]["unique_graphs"]
     monkeypatch.setattr(compile_fx._InProcessFxCompile, "codegen_and_compile",
