@@ -1,7 +1,8 @@
 """LoRA files for tests, made locally with peft from the tiny UNet (tests/test_lora.py and the stale-graph
 matrix both load them; a test module never imports another), and the smaller tiny models that the real
 LoRA, int8 and declared-FreeU builds compile (tests/test_lora.py, tests/test_quantization.py,
-tests/test_declared_changes.py)."""
+tests/test_declared_changes.py), and the one-block-of-each tiny Flux that the tensor-parallel and
+cache-hook builds compile (tests/test_parallel.py, tests/test_stale_graph.py)."""
 
 from __future__ import annotations
 
@@ -56,4 +57,24 @@ def _tiny_sd_with(models_dir: Path, folder: Path, **unet: object) -> Path:
     torch.manual_seed(0)
     pipe.unet = UNet2DConditionModel(**{**pipe.unet.config, **unet})
     pipe.save_pretrained(str(folder), safe_serialization=True)
+    return folder
+
+
+def flux_1_1(models: Path, folder: Path) -> Path:
+    """``builtin:tiny-flux`` (from ``models``, a cache's ``models`` folder holding it) with one double-stream
+    and one single-stream block instead of two of each, random weights from a fixed seed, saved to
+    ``folder``: a full-scope Flux compile grows with its blocks (benchmarks/README.md, the depth sweep),
+    and one block of each kind still has every layer kind (tensor parallelism's plan shards each; a
+    cache hook's first block and the rest it skips)."""
+    import shutil
+
+    import torch
+    from diffusers import FluxTransformer2DModel
+
+    shutil.copytree(next(models.glob("tiny-flux-v*")), folder)
+    config = dict(FluxTransformer2DModel.load_config(folder / "transformer"))
+    shutil.rmtree(folder / "transformer")
+    torch.manual_seed(0)
+    transformer = FluxTransformer2DModel.from_config({**config, "num_layers": 1, "num_single_layers": 1})
+    transformer.save_pretrained(folder / "transformer", safe_serialization=True)
     return folder

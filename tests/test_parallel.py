@@ -45,22 +45,13 @@ def flux_cache(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def flux_1_1(flux_cache, tmp_path_factory) -> Path:
-    """builtin:tiny-flux with one double-stream and one single-stream block instead of two of each: a
-    model folder for the real builds. Every style of Flux's _tp_plan still shards a block (colwise,
-    rowwise, the single block's packed rowwise proj_out), and the second block of each kind only added
-    Dynamo and Inductor work to each rank (a full-scope Flux compile grows with its blocks:
-    benchmarks/README.md, the depth sweep). Random weights from a fixed seed, as the built-in's."""
-    import torch
-    from diffusers import FluxTransformer2DModel
+    """builtin:tiny-flux with one double-stream and one single-stream block (tests/loras.py): a model
+    folder for the real builds. Every style of Flux's _tp_plan still shards a block (colwise, rowwise,
+    the single block's packed rowwise proj_out); the second block of each kind only added Dynamo and
+    Inductor work to each rank."""
+    from tests.loras import flux_1_1 as make
 
-    folder = tmp_path_factory.mktemp("flux-1-1") / "tiny-flux-1-1"
-    shutil.copytree(flux_cache / "models" / "tiny-flux-v1", folder)
-    config = dict(FluxTransformer2DModel.load_config(folder / "transformer"))
-    shutil.rmtree(folder / "transformer")
-    torch.manual_seed(0)
-    transformer = FluxTransformer2DModel.from_config({**config, "num_layers": 1, "num_single_layers": 1})
-    transformer.save_pretrained(folder / "transformer", safe_serialization=True)
-    return folder
+    return make(flux_cache / "models", tmp_path_factory.mktemp("flux-1-1") / "tiny-flux-1-1")
 
 
 @pytest.mark.parametrize(("changes", "key", "says"), [

@@ -768,8 +768,10 @@ def test_a_call_under_other_numeric_settings_is_refused(setting):
 #: one that runs on the CPU): the same build serves a pipe with that backend set by hand (every load of the
 #: recipe sets it, so the cache-hook matrix's pipes and eager images have it too).
 FLUX_BACKEND = "_native_math"
+#: The model: builtin:tiny-flux at one block of each kind (tests/loras.py flux_1_1, a folder the build
+#: makes): the cache hook's first block, and a block after it that the hook skips.
 FLUX_RECIPE = f"""\
-model: {{id: builtin:tiny-flux, dtype: float32}}
+model: {{id: "{{model}}", dtype: float32}}
 target: inductor
 device: cpu
 strategy: aot-package
@@ -788,9 +790,14 @@ def flux_build(tmp_path_factory):
     from tests.conftest import invoke_cli, once_per_run
 
     def build(folder):
+        from aotbuild import builtin
+        from tests.loras import flux_1_1
+
         folder.mkdir(parents=True, exist_ok=True)
+        builtin.ensure("builtin:tiny-flux", folder / "builtin")
+        model = flux_1_1(folder / "builtin", folder / "cache" / "models" / "tiny-flux-1-1")
         recipe = folder / "tiny_flux_aot-package.yaml"
-        recipe.write_text(FLUX_RECIPE)
+        recipe.write_text(FLUX_RECIPE.replace("{model}", str(model)))
         # in this process: the build's loader, worker and proof are fresh processes already (bd8368f)
         proc = invoke_cli("build", "--json", "--cache", str(folder / "cache"), str(recipe),
                           env={"TORCHINDUCTOR_CACHE_DIR": str(folder / "build-inductor"), "AOTBUILD_CACHE": ""})
