@@ -216,7 +216,7 @@ def built_cache(tmp_path_factory) -> tuple[Path, dict]:
 
     def build(folder: Path) -> list:
         root = folder / "cache"
-        proc = run_cli("build", "--json", "--cache", str(root), str(TINY_RECIPE),
+        proc = invoke_cli("build", "--json", "--cache", str(root), str(TINY_RECIPE),
                        env={"TORCHINDUCTOR_CACHE_DIR": str(folder / "build-inductor"), "AOTBUILD_CACHE": ""})
         assert proc.returncode == 0, proc.stderr[-3000:]
         return [str(root), json.loads(proc.stdout)]
@@ -250,7 +250,7 @@ def build_strategy(strategy: str, root: Path, models_dir: Path, start: Path | No
         shutil.copytree(models_dir / "models", root / "cache" / "models")
     recipe = root / f"tiny_sd_{strategy}.yaml"
     recipe.write_text(STRATEGY_RECIPE.format(strategy=strategy))
-    proc = run_cli("build", "--json", "--cache", str(root / "cache"), str(recipe),
+    proc = invoke_cli("build", "--json", "--cache", str(root / "cache"), str(recipe),
                    env={"TORCHINDUCTOR_CACHE_DIR": str(root / "build-inductor"), "AOTBUILD_CACHE": ""})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     return recipe, root / "cache", json.loads(proc.stdout)

@@ -19,7 +19,7 @@ import pytest
 from aotbuild import textlen
 from aotbuild.dispatch import Dispatcher, signature
 from aotbuild.errors import RecipeError, ShapeNotBuilt
-from tests.conftest import invoke_cli, once_per_run, run_cli, run_python
+from tests.conftest import invoke_cli, once_per_run, run_python
 
 QWEN_RECIPE = """\
 model: {id: builtin:tiny-qwenimage, dtype: float32}
@@ -157,7 +157,7 @@ def qwen_build(tmp_path_factory) -> tuple[Path, Path, dict]:
         folder.mkdir(parents=True, exist_ok=True)
         recipe = folder / "tiny_qwenimage_range.yaml"
         recipe.write_text(QWEN_RECIPE)
-        proc = run_cli("build", "--json", "--cache", str(folder / "cache"), str(recipe),
+        proc = invoke_cli("build", "--json", "--cache", str(folder / "cache"), str(recipe),
                        env={"TORCHINDUCTOR_CACHE_DIR": str(folder / "build-inductor"), "AOTBUILD_CACHE": ""})
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         job, = json.loads(proc.stdout)["jobs"]
