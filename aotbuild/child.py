@@ -195,15 +195,21 @@ def guard(parent: int | None = None) -> None:
 
 
 def _alive(pid: int) -> bool:
-    """Whether process ``pid`` exists (another parent than ``parent`` can also mean that ``python``
-    is a wrapper that started this interpreter: then the parent lives and this process runs on)."""
+    """Whether process ``pid`` runs (another parent than ``parent`` can also mean that ``python``
+    is a wrapper that started this interpreter: then the parent lives and this process runs on).
+    A zombie does not: a parent killed before this process asked for the signal, not yet reaped by
+    its own parent, still answers signal 0 (seen under load in tests/test_kill.py: the child ran on)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except OSError:  # another user's process: it exists
         return True
-    return True
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):  # gone meanwhile, or no /proc (not Linux: signal 0 is all there is)
+        return not Path("/proc/self/stat").is_file()
+    return state not in ("Z", "X")
 
 
 def _parent_death_signal() -> bool:

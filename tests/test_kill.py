@@ -207,6 +207,24 @@ def test_a_forked_child_that_asks_again_dies_with_the_process_that_forked_it(how
     _kill_and_expect_none(proc, mark)
 
 
+@pytest.mark.skipif(not Path("/proc/self/stat").is_file(), reason="a zombie is told apart through /proc")
+def test_a_parent_that_died_but_is_not_reaped_yet_is_not_alive():
+    """The window the forked-child test above once hit under load: the parent killed, not yet reaped
+    by its own parent (a zombie, which still answers signal 0), when the child checks it."""
+    from aotbuild import child
+
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    try:
+        _wait_for(lambda: Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z", "a zombie", 30)
+        os.kill(pid, 0)  # signal 0 still reaches it
+        assert not child._alive(pid)
+        assert child._alive(os.getpid())
+    finally:
+        os.waitpid(pid, 0)
+
+
 def test_a_child_whose_parent_died_before_it_asked_exits_at_once():
     """The race: the parent is gone before the child set its death signal; the child finds another
     parent than the one it was started by, and exits instead of running on."""
