@@ -42,9 +42,10 @@ def test_every_check_is_named_and_a_missing_remote_fails(tmp_path):
 
 
 @pytest.mark.slow  # one tiny build (the text encoder: 12 kernels) and its proof, about a minute of CPU
-def test_the_roundtrip_builds_and_a_fresh_process_serves_with_0_compiles(tmp_path):
+def test_the_roundtrip_builds_and_a_fresh_process_serves_with_0_compiles(tmp_path, vector_isa):
     # in this process: the build's worker and its proof are fresh processes already (the CLI's own
-    # process is tested above, exit codes included)
+    # process is tested above, exit codes included). With Inductor's own vector ISA (the suite's other
+    # builds emit scalar kernels, tests/conftest.py): the doctor checks what a user's build does.
     proc = invoke_cli("doctor", "--json", "--cache", str(tmp_path / "c"))
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     roundtrip = checks(proc)["roundtrip"]

@@ -17,7 +17,9 @@ from torch._inductor import codecache
 
 from aotbuild.targets import get_target
 from aotbuild.targets.inductor import headers_not_precompiled
-from tests.conftest import run_python
+from tests.conftest import VECTOR_ISA, run_python
+
+pytestmark = pytest.mark.usefixtures("vector_isa")  # the header as Inductor includes it by default
 
 HEADER = "torch/csrc/inductor/cpp_prefix.h"
 
@@ -124,6 +126,7 @@ def test_a_kernel_that_must_be_compiled_inside_it_compiles_from_the_plain_header
     """A kernel missing from the cache is compiled after all (on_miss="compile", or a damaged
     entry): correct, without the precompiled header."""
     (tmp_path / "tmp").mkdir()
-    proc = run_python(KERNEL, env={"TMPDIR": str(tmp_path / "tmp"), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "ind")})
+    proc = run_python(KERNEL, env={"TMPDIR": str(tmp_path / "tmp"), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "ind"),
+                                   **VECTOR_ISA})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "RESULT 42 []" in proc.stdout

@@ -16,10 +16,11 @@ import textwrap
 
 import pytest
 
-from tests.conftest import run_python
+from tests.conftest import VECTOR_ISA, run_python
 
 pytestmark = [pytest.mark.skipif(sys.platform != "linux", reason="Inductor probes x86 ISAs on Linux and Windows"),
-              pytest.mark.xdist_group("isa-probes")]  # one worker runs the probe subprocess (outcomes)
+              pytest.mark.xdist_group("isa-probes"),  # one worker runs the probe subprocess (outcomes)
+              pytest.mark.usefixtures("vector_isa")]  # Inductor's own ISA choice (the suite's is scalar)
 
 DRIVER = textwrap.dedent("""
     import json, os, platform, sys, traceback
@@ -176,7 +177,8 @@ def outcomes(tmp_path_factory):
     (folder / "cases.json").write_text(json.dumps(cases))
     proc = run_python(f"import runpy, sys; sys.stdin = open({str(folder / 'cases.json')!r}); "
                       f"runpy.run_path({str(folder / 'driver.py')!r}, run_name='__main__')",
-                      env={"TORCHINDUCTOR_CACHE_DIR": str(folder / "inductor"), "TMPDIR": str(folder / "tmp")})
+                      env={"TORCHINDUCTOR_CACHE_DIR": str(folder / "inductor"), "TMPDIR": str(folder / "tmp"),
+                           **VECTOR_ISA})
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))[len("RESULT "):])
 
