@@ -36,7 +36,8 @@ os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 # the tiny-sd UNet spends about 25 s less CPU in g++ (28.5 s against 53 s, /tmp experiment on 2 cores,
 # AVX-512), and every real build in the suite gains that. It also makes the suite's kernels the same on
 # an AVX2 and an AVX-512 runner. What the vector ISA changes is tested with it on: tests/test_isa_probes.py
-# and tests/test_headers.py unset it (``VECTOR_ISA``), as does the doctor's roundtrip test.
+# and tests/test_headers.py unset it (``VECTOR_ISA``), as do the doctor's roundtrip test and the shared
+# aot-package build (``build_strategy``: the entry auto stores on a CPU).
 os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")
 #: The environment of a test about Inductor's vector ISA: Inductor's own choice (an empty value is unset).
 VECTOR_ISA = {"TORCHINDUCTOR_VEC_ISA_OK": ""}
