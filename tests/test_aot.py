@@ -29,8 +29,8 @@ def test_package_is_weightless_and_has_probe_files(aot_cache):
     # Every tensor is supplied at load, none compiled in (Inductor would inline the tiny biases).
     assert len(manifest["packages"][0]["constants"]) == len(params)
     assert manifest["packages"][0]["baked"] == {} and manifest["embeds_weights"] is False
-    # the loader's probe files: Inductor's ISA checks, written where it picked a vector ISA (the suite's
-    # builds emit scalar kernels, tests/conftest.py; with one, tests/test_isa_probes.py)
+    # the loader's probe files: Inductor's ISA checks, written where it picked a vector ISA (this session
+    # build keeps Inductor's choice, tests/conftest.py build_strategy; the suite's other builds are scalar)
     vector = manifest["build"]["vec_isa"] != "INVALID_VEC_ISA"
     assert any(f["path"].startswith("inductor/") for f in manifest["files"]) == vector, manifest["build"]
     # The package is stored once: the probe files are the ISA checks, not the compile's build folder
