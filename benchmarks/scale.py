@@ -1,6 +1,7 @@
 """aotbuild at real size: a Stable Diffusion 1.5-size UNet, and a depth sweep of a tiny-width Flux.
 
-    python benchmarks/scale.py [--parts sd15,flux] [--strategies ...] [--depths 2,8,16] [--save scale.json]
+    python benchmarks/scale.py [--parts sd15,flux] [--strategies ...] [--repeats 3] [--depths 2,8,16]
+                               [--save scale.json]
 
 Nothing is downloaded: every model is made here with random weights from diffusers' own classes.
 
@@ -37,6 +38,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -187,7 +189,7 @@ def _role(pid: int, cmdline: str, roots: dict[str, int]) -> str:
         first = roots.setdefault("loader", pid)
         return "loader" if pid == first else "forked job"
     for needle, role in (("aotbuild.worker", "worker"), ("aotbuild.proof", "proof"),
-                         ("aotbuild.strategies.aoti", "package probe"), ("compile_worker", "compile workers"),
+                         ("compile_worker", "compile workers"),
                          ("aotbuild.cli", "builder"), ("cc1plus", "C++ compiler"), ("g++", "C++ compiler")):
         if needle in cmdline:
             return role
@@ -270,6 +272,17 @@ def serve(mode: str, recipe_path: Path, cache: Path, workdir: Path) -> dict:
     return run_child(COLD_VS_WARM, [mode, str(recipe_path), str(cache)], child_env(workdir))
 
 
+def median_run(runs: list[dict]) -> dict:
+    """One run's figures with ``first`` and ``steady`` replaced by their medians over ``runs`` (the
+    counters and RSS are the run whose first image is the median's); an error if every run failed."""
+    ok = [r for r in runs if "first" in r]
+    if not ok:
+        return runs[0] if runs else {"error": "not run"}
+    mid = sorted(ok, key=lambda r: r["first"])[(len(ok) - 1) // 2]
+    return {**mid, "first": statistics.median(r["first"] for r in ok),
+            "steady": statistics.median(r["steady"] for r in ok), "runs": len(ok)}
+
+
 def served_copy(cache: Path, work: Path, name: str) -> Path:
     copy = work / f"copy-{name}" / "cache"
     shutil.copytree(cache, copy, ignore=shutil.ignore_patterns("models"))
@@ -323,6 +336,7 @@ def main() -> None:
     ap.add_argument("--depths", default="2,8,16")
     ap.add_argument("--strategies", default="jit-cache,aot-compile,aot-package,auto,torch.compile",
                     help="the sd15 part's rows, in order (torch.compile: a cold compile in the serving process)")
+    ap.add_argument("--repeats", type=int, default=1, help="sd15: fresh served processes per mode (medians)")
     ap.add_argument("--save", metavar="FILE.json")
     ap.add_argument("--keep", action="store_true", help="keep the work folder (models, caches)")
     ap.add_argument("--make", nargs=4, help=argparse.SUPPRESS)
@@ -349,28 +363,41 @@ def main() -> None:
             model = make("sd15", work / "sd15", work)
             warm = {"num_inference_steps": 2, "guidance_scale": 0.0}
             shapes = [{"height": 256, "width": 256}, {"height": 256, "width": 320}]
-            cells = []
-            eager = serve("eager", recipe(work / "sd15_eager.yaml", model, "unet", "jit-cache", "full",
-                                          shapes[:1], warm), work / "cache-sd15", work / "eager-sd15")
-            print(f"  eager: {eager}", flush=True)
+            eager_recipe = recipe(work / "sd15_eager.yaml", model, "unet", "jit-cache", "full", shapes[:1], warm)
+            built: dict[str, tuple[dict | None, Path | None]] = {}  # strategy -> (build, recipe); None: torch.compile
             for strategy in args.strategies.split(","):
                 if strategy == "torch.compile":
-                    s = serve("cold", work / "sd15_eager.yaml", work / "cache-sd15", work / "s-torch-compile")
-                    print(f"  torch.compile: {s}", flush=True)
-                    cells.append((strategy, None, s))
+                    built[strategy] = (None, None)
                     continue
                 r = recipe(work / f"sd15_{strategy}.yaml".replace("-", "_"), model, "unet", strategy, "full",
                            shapes if strategy == "jit-cache" else shapes[:1], warm)
                 print(f"building sd15 {strategy} ...", flush=True)
-                cache = work / f"cache-sd15-{strategy}"
-                b = build(r, cache, work / f"b-{strategy}")
+                b = build(r, work / f"cache-sd15-{strategy}", work / f"b-{strategy}")
                 print(f"  {b}", flush=True)
-                s = serve(MODES[strategy], r, served_copy(cache, work, strategy), work / f"s-{strategy}") \
-                    if b["ok"] else None
-                print(f"  served: {s}", flush=True)
-                cells.append((strategy, b, s))
-            out += report_part("SD 1.5-size UNet (860M), 256x256, 2 steps", weight_bytes(model, "unet"), eager, cells)
-            saved["sd15"] = {"eager": eager, "cells": cells}
+                built[strategy] = (b, r)
+            # Served side by side: each round one fresh process of eager and of every strategy built
+            # (plain torch.compile, a cold compile of minutes, in the first round only).
+            runs: dict[str, list[dict]] = {"eager": [], **{k: [] for k in built}}
+            for i in range(args.repeats):
+                print(f"serving, round {i + 1}/{args.repeats} ...", flush=True)
+                runs["eager"].append(serve("eager", eager_recipe, work / "cache-sd15", work / f"eager-sd15-{i}"))
+                for strategy, (b, r) in built.items():
+                    if strategy == "torch.compile":
+                        if i == 0:
+                            runs[strategy].append(serve("cold", eager_recipe, work / "cache-sd15",
+                                                        work / "s-torch-compile"))
+                    elif b["ok"]:
+                        runs[strategy].append(serve(MODES[strategy], r, served_copy(
+                            work / f"cache-sd15-{strategy}", work, f"{strategy}-{i}"), work / f"s-{strategy}-{i}"))
+                print("  " + ", ".join(f"{k} {fmt(v[-1].get('first'), '.1f')} s" for k, v in runs.items() if v),
+                      flush=True)
+            eager = median_run(runs["eager"])
+            cells = [(k, b, median_run(runs[k]) if runs[k] else None) for k, (b, _) in built.items()]
+            title = f"SD 1.5-size UNet (860M), 256x256, 2 steps; medians of {args.repeats} fresh processes"
+            out += report_part(title, weight_bytes(model, "unet"), eager, cells)
+            out += ["  runs, load -> first image (s): " + "; ".join(
+                f"{k} {', '.join(fmt(r.get('first'), '.1f') for r in v)}" for k, v in runs.items())]
+            saved["sd15"] = {"eager": eager, "cells": cells, "runs": runs}
         if "flux" in args.parts:
             saved["flux"] = {}
             for depth in (int(d) for d in args.depths.split(",")):

@@ -271,7 +271,8 @@ def build_strategy(strategy: str, root: Path, models_dir: Path, start: Path | No
     recipe = root / f"tiny_sd_{strategy}.yaml"
     recipe.write_text(STRATEGY_RECIPE.format(strategy=strategy))
     # aot-package (what auto stores on a CPU) with Inductor's own vector ISA: the default's entry as a
-    # user's build makes it, probe files included (tests/test_aot.py); its package serves any process.
+    # user's build makes it, its ISA probe record included (tests/test_aot.py); its package serves any
+    # process.
     # The others emit scalar kernels (above): a jit-cache entry's FX graph key reads the setting.
     vector = VECTOR_ISA if strategy == "aot-package" else {}
     proc = invoke_cli("build", "--json", "--cache", str(root / "cache"), str(recipe),

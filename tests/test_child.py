@@ -8,7 +8,7 @@ import pytest
 
 from aotbuild import child
 
-CHILDREN = ["aotbuild.worker", "aotbuild.proof", "aotbuild.bench", "aotbuild.strategies.aoti"]
+CHILDREN = ["aotbuild.worker", "aotbuild.proof", "aotbuild.bench"]
 
 def _plant(folder, marker):
     folder.mkdir(parents=True, exist_ok=True)

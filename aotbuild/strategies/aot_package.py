@@ -2,12 +2,11 @@
 
 Build: the warmup runs eagerly while every call of the component (or, for ``scope: regional``, of
 each repeated block) is recorded; each distinct call is exported and packaged without weights, and
-a fresh process loads each package once (its constants' names, and the probe files it leaves in an
-empty Inductor folder). The entry is the packages (``aoti/``) and those probe files (``inductor/``).
-Load: the probe files go to Inductor's cache (read only by a compile in that process), each package
-is opened by AOTInductor's C++ loader alone (no Inductor compile path imported: aoti.open_package)
-and bound to the live module's weights, and a dispatcher routes each built signature to its package. A serving process
-that traced any Dynamo graph compiled something: that is the proof's counter.
+opened once by AOTInductor's C++ loader for its constants' names. The entry is the packages
+(``aoti/``). Load: each package is opened by AOTInductor's C++ loader alone (no Inductor compile path
+imported: aoti.open_package) and bound to the live module's weights, and a dispatcher routes each
+built signature to its package. A serving process that traced any Dynamo graph compiled something:
+that is the proof's counter.
 """
 
 from __future__ import annotations
@@ -67,12 +66,10 @@ class AotPackage(Strategy):
         return Built(sorted(dispatcher.built), aoti.build_packages(job.module, recorded, job.workdir, options))
 
     def collect(self, target: Target, workdir: Path) -> list[tuple[str, Path]]:
-        # The packages, and the probe files a fresh load of them left in an empty cache folder (not the
-        # compile's cache: its build folder repeats each package's contents).
+        # The packages (not the compile's cache: its build folder repeats each package's contents).
         from aotbuild.trees import collect_tree
 
-        return ([(f"{aoti.PACKAGE_DIR}/{rel}", p) for rel, p in collect_tree(workdir / aoti.PACKAGE_DIR)]
-                + [(f"{aoti.PROBE_DIR}/{rel}", p) for rel, p in collect_tree(workdir / aoti.PROBE_CACHE)])
+        return [(f"{aoti.PACKAGE_DIR}/{rel}", p) for rel, p in collect_tree(workdir / aoti.PACKAGE_DIR)]
 
     def check_records(self, records: tuple[Mapping[str, Any], ...]) -> str:
         for record in records:
@@ -131,7 +128,7 @@ class AotPackage(Strategy):
         return aoti.check_baked(module, component, entry.manifest.packages)
 
     def install(self, ctx: Resolved, planned: list[Planned], policy: str) -> InstallResult | None:
-        # Only the loader's probe files go to Inductor's cache; the packages are loaded from the store.
+        # An older entry's probe files go to Inductor's cache (aoti.PROBE_DIR); packages load from the store.
         probe = aoti.PROBE_DIR + "/"
         files = [(rel[len(probe):], p) for pl in planned for e in pl.entries for rel, p in e.files
                  if rel.startswith(probe)]

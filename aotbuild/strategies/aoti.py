@@ -4,13 +4,14 @@ Build (in the job's subprocess): the warmup runs eagerly while the dispatcher re
 args/kwargs of the component's first call per signature (ZeroGPU's ``aoti_capture`` does the same
 with a forward pre-hook); each is exported with ``torch.export.export`` and compiled with
 ``aoti_compile_and_package`` **without weights** (``aot_inductor.package_constants_in_so=False``),
-so a multi-GB model is neither stored once per shape nor held twice in memory. A fresh subprocess
-then loads each package once with torch's ``aoti_load_package``: that proves it loads, lists the
-constants it wants, and leaves in an empty Inductor cache folder the CPU-ISA probe files that
-``aoti_load_package`` would otherwise rebuild with g++ on every fresh machine (measured: 7.7 s
-instead of 1.9 s); they are stored too, and installed at load, where only a compile in the serving
-process (an unbuilt shape under ``on_miss="compile"``) reads them: the load itself opens packages
-with AOTInductor's C++ loader (:func:`open_package`), which probes nothing.
+so a multi-GB model is neither stored once per shape nor held twice in memory. The build process
+then opens each package with AOTInductor's C++ loader (:func:`open_package`, as a load does) to
+list the constants it wants; the job's proof, a fresh process serving the stored entry, is what
+proves it loads and serves. (Until this was changed, a fresh subprocess loaded each package with
+``aoti_load_package`` and its CPU-ISA probe files were stored; a load has opened packages with the
+C++ loader, which probes nothing, and answered a later compile's probes from the manifest's
+``vec_isa_probes`` record since, so those files served nothing: the probe process only cost the
+build a Python start-up and Inductor's ISA probes. A load still installs them from an older entry.)
 
 Every weight is a constant supplied at load: ``always_keep_tensor_constants`` stops Inductor from
 inlining small 1-D tensors as literals (it otherwise compiled the tiny UNet's 65 biases and norm
@@ -43,7 +44,6 @@ import hashlib
 import json
 import os
 import shutil
-import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -68,10 +68,9 @@ if TYPE_CHECKING:
     from aotbuild.recipe import Recipe
 
 PACKAGE_DIR = "aoti"
-PROBE_DIR = "inductor"  # in the entry: the files a fresh load of the packages left in an empty Inductor cache
-# In the job's work folder: the probe's own cache. Not the job's Inductor cache (work/inductor), which
-# holds the compile's build folder -- the package's sources and .so again, 49% of an entry's bytes.
-PROBE_CACHE = "probe-cache"
+#: In an entry built before 2026-12-03: the CPU-ISA probe files a fresh load of its packages left in an
+#: empty Inductor cache (installed at load as they were; an entry built since has none).
+PROBE_DIR = "inductor"
 
 
 def named_tensors(module: Any) -> dict[str, Any]:
@@ -172,7 +171,7 @@ def _package(module: Any, sig: str, args: tuple[Any, ...], kwargs: dict[str, Any
           recorder.active() if recorder else contextlib.nullcontext(),
           torch.no_grad() if recorder else contextlib.nullcontext()):
         torch._inductor.aoti_compile_and_package(exported, package_path=str(path), inductor_configs=configs)
-    fqns = _probe(path, workdir / PROBE_CACHE)
+    fqns = open_package(path).get_constant_fqns()  # what the package asks for, by the loader a load uses
     # Only the lifted constants the package asks for: Inductor folds one it can compute at compile
     # time (Chroma's guidance_proj(torch.tensor([0] * batch)) in time_text_embed), and supplying a
     # name the package lacks fails every load ("Constant not found", issue 36 item 4).
@@ -359,28 +358,6 @@ def _relaid(call: tuple[tuple[Any, ...], dict[str, Any]],
             if list(x.stride()) != list(want):  # exported in exactly the layout its record names
                 leaves[i] = relayout(x, want)
     return tree_unflatten(leaves, spec)
-
-
-def _probe(package: Path, probe_cache: Path) -> list[str]:
-    """Load the package in a fresh process (aotbuild/child.py) with an empty Inductor cache; return its
-    constant names."""
-    from aotbuild import child
-    from aotbuild.constants import ENV_INDUCTOR_CACHE
-
-    folder = package.parent.parent / "probes" / package.stem  # beside aoti/ and inductor/: not collected
-    _, result = child.spawn("aotbuild.strategies.aoti", {"package": str(package)}, folder / "probe.json",
-                            folder / "probe.log", env={ENV_INDUCTOR_CACHE: str(probe_cache)})
-    if "error" in result:
-        raise RuntimeError(f"the package {package.name} does not load in a fresh process: {result['error']}")
-    return list(result["constants"])
-
-
-def probe_load(spec: dict[str, Any]) -> dict[str, Any]:
-    """In the probe process: load the package, list the constants it wants."""
-    import torch
-
-    loaded = torch._inductor.aoti_load_package(spec["package"])
-    return {"constants": list(loaded.get_constant_fqns())}
 
 
 def _lookup(module: Any, fqn: str) -> Any:
@@ -658,9 +635,3 @@ def _stride_guard(runner: PackageRunner) -> Callable[..., Any]:
 
     run.runner = runner  # type: ignore[attr-defined]
     return run
-
-
-if __name__ == "__main__":  # the load probe: python -m aotbuild.strategies.aoti SPEC.json
-    from aotbuild import child
-
-    sys.exit(child.main(sys.argv[1:], probe_load))
