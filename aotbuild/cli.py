@@ -517,11 +517,21 @@ def plan(recipes: tuple[str, ...], cache: str | None, as_json: bool, fail_on_mis
 def _explain_auto(jobs: list) -> str:
     """Per auto job: the strategies tried in order (each with its concrete key, and whether it failed
     before) and the ones excluded, with why (aotbuild/auto.py)."""
+    from aotbuild.planner import HIT
+
     lines = []
+    held: dict[tuple[int, str], set[str]] = {}  # what each component's stored shapes hold (the builder
+    for j in jobs:  # starts a component's missing shapes there: one strategy serves a component)
+        if j.choice is not None and j.status == HIT and j.chosen:
+            held.setdefault((id(j.ctx), j.component), set()).add(j.chosen)
     for j in jobs:
         if j.choice is None:
             continue
         lines.append(f"{_line(j.label)} ({j.key[:12] if j.key else '-'}): auto tries, in this order:")
+        stored = [n for n in j.choice.tries if n in held.get((id(j.ctx), j.component), ())]
+        if j.status != HIT and stored and stored[0] != j.choice.tries[0]:
+            lines.append(f"  starts at {stored[0]}: the component's other shapes hold it (one strategy serves "
+                         f"every shape of a component); --retry-failed starts at {j.choice.tries[0]}")
         for n, name in enumerate(j.choice.tries, 1):
             known = f"; failed before, skipped until --retry-failed: {_line(j.failed_before[name])}" \
                 if name in j.failed_before else ""

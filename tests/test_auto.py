@@ -162,6 +162,11 @@ def test_one_strategy_serves_every_shape_of_a_component_a_failing_shape_takes_it
 
     assert [r.status for r in build(TWO_SHAPES, cache).results] == ["cached", "cached"] and len(shapes) == 4
     store.remove_manifest(by_shape[first].job.key)  # one shape gone: built with its component's strategy
+    recipe = cache.parent / "two_shapes.yaml"
+    recipe.write_text(json.dumps(TWO_SHAPES))
+    explained = invoke_cli("plan", "--explain-auto", "--cache", str(cache), str(recipe))
+    assert explained.stdout.count("  starts at aot-compile: the component's other shapes hold it") == 1, \
+        explained.stdout  # the missing shape's, not the stored one's
     again = {str(r.job.shape): r for r in build(TWO_SHAPES, cache).results}
     assert again[first].status == "built" and again[second].status == "cached" and shapes[4:] == [first]
     assert store.read_manifest(again[first].job.key).strategy == "aot-compile"
