@@ -51,6 +51,14 @@ ORDER = {
     "cuda": ("aot-package", "aot-compile", "jit-cache"),
 }
 DEFAULT_ORDER = ("aot-package", "aot-compile", "jit-cache")
+#: On a CPU, auto's first try for a recipe that leaves ``compile.options.freezing`` unset: aot-package
+#: with Inductor's freezing, its prepacked weights re-derived at load from the served pipeline's own
+#: (docs/prepack.md, issue 39). Its proof must also show the served call faster than eager's
+#: (aotbuild/proof.py), else the component falls back to plain aot-package. Its concrete job is the
+#: recipe naming ``strategy: aot-package`` and ``compile.options.freezing: true``.
+PREPACKED = "aot-package+freezing"
+#: A try's strategy and the compile options it adds to the recipe.
+VARIANTS = {PREPACKED: ("aot-package", {"freezing": True})}
 #: An attempt's outcomes. ``dropped``: not kept, or not tried, because another shape of the same
 #: component failed with that strategy (one strategy serves every shape of a component: the builder
 #: falls back for the whole component).
@@ -64,6 +72,30 @@ def is_auto(recipe: Recipe) -> bool:
 
 def order(device: str) -> tuple[str, ...]:
     return ORDER.get(device.split(":")[0], DEFAULT_ORDER)
+
+
+def strategy_of(name: str) -> str:
+    """The strategy a try builds with (a try is a strategy, or :data:`PREPACKED`)."""
+    return VARIANTS.get(name, (name, {}))[0]
+
+
+def tried_recipe(recipe: Recipe, name: str) -> Recipe:
+    """``recipe`` as the try ``name`` builds it: naming its strategy (and a variant's options)."""
+    strategy, options = VARIANTS.get(name, (name, {}))
+    if options:
+        recipe = replace(recipe, compile=replace(recipe.compile, options={**recipe.compile.options, **options}))
+    return replace(recipe, strategy=strategy)
+
+
+def _tries(recipe: Recipe, device: str) -> tuple[str, ...]:
+    """What auto considers for ``recipe`` on ``device``, in order, before validation: on a CPU, prepacked
+    aot-package first where the recipe leaves freezing unset (``compile.options.freezing: false`` turns it
+    off; ``true`` makes plain aot-package the prepacked one)."""
+    names = order(device)
+    if device.split(":")[0] == "cpu" and strategy_of(PREPACKED) in names and not any(
+            key.replace("-", "_") == "freezing" for key in recipe.compile.options):
+        return (PREPACKED, *names)
+    return names
 
 
 @dataclass(frozen=True)
@@ -88,9 +120,9 @@ def choice(recipe: Recipe, target: Target, device: str) -> Choice:
     """The strategies that can serve ``recipe`` on ``target`` and ``device``, in the order tried, and
     the ones excluded, each with why (its ``validate``, which includes ``availability``)."""
     tries, excluded = [], []
-    for name in order(device):
+    for name in _tries(recipe, device):
         try:
-            get_strategy(name).validate(replace(recipe, strategy=name), target)
+            get_strategy(strategy_of(name)).validate(tried_recipe(recipe, name), target)
         except AotbuildError as exc:
             excluded.append((name, getattr(exc, "message", str(exc))))
         else:
@@ -99,9 +131,20 @@ def choice(recipe: Recipe, target: Target, device: str) -> Choice:
 
 
 def concrete(ctx: Context, strategy: str) -> Context:
-    """``ctx`` (an auto recipe's) as the same recipe naming ``strategy``: what one attempt builds with,
-    and what serves an entry whose manifest names ``strategy``."""
-    return replace(ctx, recipe=replace(ctx.recipe, strategy=strategy), strategy=get_strategy(strategy))
+    """``ctx`` (an auto recipe's) as the same recipe naming ``strategy`` (a try: :data:`PREPACKED` adds
+    its options): what one attempt builds with, and what serves an entry whose manifest names
+    ``strategy`` (an entry's own records say how it serves: a prepacked package carries its recipes)."""
+    return replace(ctx, recipe=tried_recipe(ctx.recipe, strategy), strategy=get_strategy(strategy_of(strategy)))
+
+
+def held_by(manifest: Any) -> str:
+    """The try that built an auto entry (:data:`PREPACKED` or its strategy): the last attempt that
+    built it, where it names a try of this strategy; else the strategy the manifest names."""
+    for attempt in reversed(list((manifest.auto or {}).get("attempts", ()))):
+        if isinstance(attempt, dict) and attempt.get("outcome") == BUILT:
+            name = str(attempt.get("strategy", ""))
+            return name if strategy_of(name) == manifest.strategy else manifest.strategy
+    return manifest.strategy
 
 
 def strategy_factors(ctx: Context) -> dict[str, Any]:
@@ -142,5 +185,6 @@ def attempts_text(attempts: list[Attempt] | list[dict[str, Any]]) -> str:
     return "; ".join((a if isinstance(a, Attempt) else Attempt.from_json(a)).text() for a in attempts)
 
 
-__all__ = ["ORDER", "DEFAULT_ORDER", "BUILT", "FAILED", "FAILED_BEFORE", "DROPPED", "Choice", "Attempt", "choice",
-           "concrete", "is_auto", "order", "strategy_factors", "attempts_text"]
+__all__ = ["ORDER", "DEFAULT_ORDER", "PREPACKED", "VARIANTS", "BUILT", "FAILED", "FAILED_BEFORE", "DROPPED",
+           "Choice", "Attempt", "choice", "concrete", "held_by", "is_auto", "order", "strategy_of",
+           "strategy_factors", "tried_recipe", "attempts_text"]

@@ -597,7 +597,7 @@ def _build_component(store: Store, shapes: list[_Shape], tick: Tick | None, limi
                 shape.held = strategy
             elif all(r.status == CACHED for r in built):  # built meanwhile by another aotbuild process
                 manifest = store.read_manifest(str(shape.jobs[0].key))
-                shape.held = manifest.strategy if manifest is not None else strategy
+                shape.held = auto.held_by(manifest) if manifest is not None else strategy
             else:
                 failed = shape
                 break
@@ -702,7 +702,7 @@ def _attempts(store: Store, jobs: list[Job], tick: Tick | None, limit: int | Non
             attempts.append(auto.Attempt(strategy, auto.FAILED_BEFORE, _first_line(str(record.get("reason", ""))),
                                          key=lead.group))
             continue
-        adopted = _adopt(store, jobs, group, attempts, sign_key)
+        adopted = _adopt(store, jobs, group, attempts, sign_key, strategy)
         if adopted:
             return adopted
         if ran:
@@ -710,7 +710,7 @@ def _attempts(store: Store, jobs: list[Job], tick: Tick | None, limit: int | Non
         ran = True
         if tick:
             tick(time.perf_counter() - started, f"auto: trying {strategy}")
-        chosen = [Chosen(j, list(attempts)) for j in jobs]
+        chosen = [Chosen(j, list(attempts), strategy) for j in jobs]
         if len(group) > 1:
             loads.counts["jobs"] += 1
             loads.counts["build"] += len(group)
@@ -736,7 +736,7 @@ def _attempts(store: Store, jobs: list[Job], tick: Tick | None, limit: int | Non
 
 
 def _adopt(store: Store, jobs: list[Job], group: list[Job], attempts: list[auto.Attempt],
-           sign_key: str | Path | None) -> list[JobResult]:
+           sign_key: str | Path | None, tried: str) -> list[JobResult]:
     """When the store holds, intact, the entry of this attempt's concrete jobs (the recipe naming the
     strategy: built and proven by an explicit recipe with the same key), the auto jobs take it: their
     manifests name its blobs and proof (nothing compiled, no blob written); else []."""
@@ -754,13 +754,13 @@ def _adopt(store: Store, jobs: list[Job], group: list[Job], attempts: list[auto.
     for job, attempt_job, entry in zip(jobs, group, entries, strict=True):
         assert entry is not None and job.key is not None and job.factors is not None
         built = entry.manifest
-        tried = [*attempts, auto.Attempt(attempt_job.recipe.strategy, auto.BUILT, "its entry was in the cache "
+        taken = [*attempts, auto.Attempt(tried, auto.BUILT, "its entry was in the cache "
                                          f"(key {attempt_job.key[:12] if attempt_job.key else '-'}): taken as it is",
                                          key=attempt_job.key or "")]
         own = {k: (attempt_job.factors or {})["compile"].get(k) for k in auto.strategy_factors(attempt_job.ctx)}
         manifest = replace(built, key=job.key, recipe=job.recipe.name, factors=job.factors, signed_by=(), pack=None,
                            recipe_data=recipe_to_dict(job.recipe),
-                           auto={"attempts": [a.as_json() for a in tried], "factors": own})
+                           auto={"attempts": [a.as_json() for a in taken], "factors": own})
         try:
             with entry_writer(store) as writer, store_lock(store.root, exclusive=False):
                 if sign_key is not None:
@@ -771,8 +771,8 @@ def _adopt(store: Store, jobs: list[Job], group: list[Job], attempts: list[auto.
         except (OSError, StoreError) as exc:
             results.append(JobResult(job, UNCACHED, time.perf_counter() - started, reason=f"not stored: {exc}"))
             continue
-        results.append(JobResult(job, BUILT, time.perf_counter() - started, size=manifest.size, attempts=tried,
-                                 reason=f"auto: {auto.attempts_text(tried)}"))
+        results.append(JobResult(job, BUILT, time.perf_counter() - started, size=manifest.size, attempts=taken,
+                                 reason=f"auto: {auto.attempts_text(taken)}"))
     return results
 
 
@@ -938,7 +938,8 @@ def _build_one(store: Store, job: Job, tick: Tick | None = None, limit: int | No
             loads.counts["proof"] += 1
             try:
                 t_proof = time.perf_counter()
-                proof = _prove(job, files, result, seconds, staging, store.root, tick, started)
+                proof = _prove(job, files, result, seconds, staging, store.root, tick, started,
+                               faster_than_eager=chosen is not None and _prepacked(job))
                 result.setdefault("seconds", {})["proof"] = round(time.perf_counter() - t_proof, 3)
             except ProofFailed as exc:
                 _keep_log(staging / "proof" / "proof.log", log_path)
@@ -961,9 +962,17 @@ def _one_line(reason: str) -> str:
     return reason[:300] + " ..." if len(reason) > 300 else reason  # the log has it all
 
 
+def _prepacked(job: Job) -> bool:
+    """Whether ``job`` builds with Inductor's freezing (prepacked weights: auto's first try on a CPU)."""
+    from aotbuild.strategies.prepack import wanted
+
+    return wanted(dict(job.recipe.compile.options))
+
+
 def _prove(job: Job, files: list[tuple[str, Path]], result: dict[str, Any], seconds: float, staging: Path,
-           cache_root: Path, tick: Tick | None, started: float) -> Proof:
-    """Serve the job's files from a throwaway store in a fresh process (aotbuild/proof.py)."""
+           cache_root: Path, tick: Tick | None, started: float, faster_than_eager: bool = False) -> Proof:
+    """Serve the job's files from a throwaway store in a fresh process (aotbuild/proof.py); with
+    ``faster_than_eager`` (an auto attempt with prepacked weights) its served call must also beat eager's."""
     from aotbuild.proof import verdict
 
     assert job.key is not None and job.ctx is not None
@@ -974,7 +983,8 @@ def _prove(job: Job, files: list[tuple[str, Path]], result: dict[str, Any], seco
     records = [FileRecord(rel, *trial.put_blob(path)) for rel, path in files]
     trial.put_manifest(make_manifest(job, records, result, seconds))
     spec = {"recipe": recipe_spec(job.recipe), "component": job.component,
-            "shape": job.shape.as_dict(), "cache_root": str(cache_root), "store": str(trial.root)}
+            "shape": job.shape.as_dict(), "cache_root": str(cache_root), "store": str(trial.root),
+            **({"faster_than_eager": True} if faster_than_eager else {})}
     # Every compiler cache empty, no aotbuild cache from the environment, another directory: the
     # process can only use what the entry holds.
     env = {**job.ctx.target.capture_env(folder / "caches"), constants.ENV_CACHE: None,
@@ -993,6 +1003,8 @@ class Chosen:
 
     job: Job
     attempts: list[auto.Attempt]
+    #: the try that builds (auto.PREPACKED or the concrete job's strategy)
+    tried: str = ""
 
 
 def make_manifest(job: Job, records: list[FileRecord], result: dict[str, Any], seconds: float,
@@ -1005,7 +1017,7 @@ def make_manifest(job: Job, records: list[FileRecord], result: dict[str, Any], s
     stored, extra = job, {}
     if chosen is not None:
         stored = chosen.job
-        built = auto.Attempt(job.recipe.strategy, auto.BUILT, seconds=seconds, key=job.key)
+        built = auto.Attempt(chosen.tried or job.recipe.strategy, auto.BUILT, seconds=seconds, key=job.key)
         own = {k: job.factors["compile"].get(k) for k in auto.strategy_factors(job.ctx)}
         extra = {"auto": {"attempts": [a.as_json() for a in (*chosen.attempts, built)], "factors": own}}
     assert stored.key is not None and stored.factors is not None

@@ -190,7 +190,7 @@ def _auto_jobs(ctx: Context, store: Store, jobs: list[Job], failure: Failures) -
             manifest = store.read_manifest(job.key)
             if manifest is not None and manifest.auto is not None:
                 attempts = tuple(manifest.auto.get("attempts", ()))
-                job = replace(job, chosen=manifest.strategy, attempts=attempts,
+                job = replace(job, chosen=auto.held_by(manifest), attempts=attempts,
                               reason=f"auto chose {manifest.strategy}: {auto.attempts_text(list(attempts))}")
         elif job.status == MISS and choice.tries and set(choice.tries) <= set(failed):
             why = "; ".join(f"{s} failed before: {failed[s]}" for s in choice.tries)

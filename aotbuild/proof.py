@@ -172,16 +172,46 @@ def serve(spec: dict[str, Any]) -> dict[str, Any]:
                                adapter_name=recipe.lora.adapters[0].adapter_name)  # the guard load_compiled put
         worst = max(worst, _replay(module, component, swapped_calls, lambda: None))
         swaps = 1
+    # 5. Prepacked kernels (auto's first try on a CPU) are taken only where they serve faster than eager.
+    speed = _speed(module, calls[0]) if spec.get("faster_than_eager") else None
     compiles = int(count() - before)
     record = served(pipe, module, seen)
-    # 5. A call at a shape this entry was not built for is refused (strict_shapes), never compiled.
+    # 6. A call at a shape this entry was not built for is refused (strict_shapes), never compiled.
     record["strict"] = _strict_refusal(pipe, recipe, shape, ctx)
     if lengths:  # what the text range served, and the refusal of a length past its end
         record["text"] = {"calls": len(lengths), "lengths": sorted({n for n, _ in refused[1:]}),
                           "refused": refused[0]}
+    if speed is not None:
+        record["speed"] = speed
     return {"compiles": compiles, "counter": counter_name, "max_abs_diff": worst,
             "tolerance": tolerance(ctx.dtype), "instances": len(expected), "calls": len(calls),
             "load_s": round(t_first[0] if t_first else 0.0, 3), "swaps": swaps, "served": record}
+
+
+#: Rounds of the speed comparison: one served and one eager call each, interleaved (a busy spell of
+#: the machine slows both alike); the medians are compared.
+SPEED_ROUNDS = 5
+
+
+def _speed(module: Any, call: tuple[Any, Any, list[Any]]) -> dict[str, float]:
+    """The first recorded call, served and eager, timed in turn: {"served_s", "eager_s"} (medians)."""
+    import statistics
+
+    import torch
+
+    from aotbuild.dispatch import dispatchers
+
+    eager = dispatchers(module)[0].eager  # the module's own forward, around which the entry was installed
+    args, kwargs, _ = call
+    served_s, eager_s = [], []
+    with torch.no_grad():
+        for _ in range(SPEED_ROUNDS):
+            for run, out in ((module, served_s), (eager, eager_s)):
+                started = time.perf_counter()
+                run(*args, **kwargs)
+                out.append(time.perf_counter() - started)
+    return {"served_s": round(statistics.median(served_s), 6), "eager_s": round(statistics.median(eager_s), 6),
+            "rounds": SPEED_ROUNDS}
 
 
 def _text_calls(module: Any, calls: list[tuple[Any, Any, list[Any]]]) -> tuple[list[Any], list[Any]]:
@@ -353,6 +383,11 @@ def verdict(result: dict[str, Any], label: str) -> Any:
         raise ProofFailed(f"the served {label} differs from eager by {proof.max_abs_diff:.3g} (tolerance "
                           f"{proof.tolerance:.0e}): nothing was stored; compile options that trade accuracy "
                           f"for speed are the usual cause (compile.options)")
+    speed = proof.served.get("speed")
+    if isinstance(speed, dict) and not float(speed["served_s"]) < float(speed["eager_s"]):
+        raise ProofFailed(f"the served {label} was not faster than eager in the proof ({speed['served_s'] * 1e3:.1f} "
+                          f"ms against {speed['eager_s'] * 1e3:.1f} ms, medians of {speed['rounds']} calls each, "
+                          f"interleaved): prepacked kernels are kept only where they serve faster")
     return proof
 
 

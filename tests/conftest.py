@@ -147,7 +147,6 @@ def build_group(item: pytest.Item) -> str | None:
     if shared[0] == "aot_cache":
         return "tiny-sd:aot-package"
     strategy = getattr(item, "callspec", None) and item.callspec.params.get("strategy")
-    strategy = AUTO_FIRST if strategy == "auto" else strategy  # auto's build starts from aot-package's
     return f"tiny-sd:{strategy}" if strategy else "tiny-sd:strategy_build"
 
 
@@ -245,8 +244,6 @@ def built_cache(tmp_path_factory) -> tuple[Path, dict]:
     return Path(root), report
 
 
-#: What strategy auto stores for STRATEGY_RECIPE here (CPU): its session build starts from that one's.
-AUTO_FIRST = "aot-package"
 #: The tiny model at one shape, for any strategy: what tests/test_strategies.py holds every strategy to.
 STRATEGY_RECIPE = """\
 model: {{id: builtin:tiny-sd, dtype: float32}}
@@ -259,21 +256,16 @@ warmup: {{num_inference_steps: 2, guidance_scale: 0.0}}
 """
 
 
-def build_strategy(strategy: str, root: Path, models_dir: Path, start: Path | None = None) -> tuple[Path, Path, dict]:
-    """Build STRATEGY_RECIPE for ``strategy`` into ``root/cache``: (recipe file, cache, build --json).
-    ``start``: a cache to start from (a copy), instead of one holding only the tiny model."""
+def build_strategy(strategy: str, root: Path, models_dir: Path) -> tuple[Path, Path, dict]:
+    """Build STRATEGY_RECIPE for ``strategy`` into ``root/cache``: (recipe file, cache, build --json)."""
     import shutil
 
-    if start is not None:
-        shutil.copytree(start, root / "cache")
-    else:
-        shutil.copytree(models_dir / "models", root / "cache" / "models")
+    shutil.copytree(models_dir / "models", root / "cache" / "models")
     recipe = root / f"tiny_sd_{strategy}.yaml"
     recipe.write_text(STRATEGY_RECIPE.format(strategy=strategy))
-    # aot-package (what auto stores on a CPU) with Inductor's own vector ISA: the default's entry as a
-    # user's build makes it, its ISA probe record included (tests/test_aot.py); its package serves any
-    # process.
-    # The others emit scalar kernels (above): a jit-cache entry's FX graph key reads the setting.
+    # aot-package with Inductor's own vector ISA: the entry as a user's build makes it, its ISA probe
+    # record included (tests/test_aot.py); its package serves any process. The others (auto's prepacked
+    # aot-package too) emit scalar kernels (above): a jit-cache entry's FX graph key reads the setting.
     vector = VECTOR_ISA if strategy == "aot-package" else {}
     proc = invoke_cli("build", "--json", "--cache", str(root / "cache"), str(recipe),
                    env={"TORCHINDUCTOR_CACHE_DIR": str(root / "build-inductor"), "AOTBUILD_CACHE": "", **vector})
@@ -291,12 +283,9 @@ def strategy_build(tmp_path_factory, models_dir, built_cache_lazy):
             reused = _jit_cache_from_built_cache(tmp_path_factory, built_cache_lazy())
             if reused:
                 return reused
-        # auto's first choice on the CPU is aot-package: started from that build's cache, auto takes its
-        # entry (the same key as the attempt's) and compiles nothing.
-        start = get(AUTO_FIRST)[1] if strategy == "auto" else None
-
+        # (auto's first try on the CPU is prepacked aot-package: a build of its own, in its own test group.)
         def build(folder: Path) -> list:
-            recipe, cache, report = build_strategy(strategy, folder, models_dir, start)
+            recipe, cache, report = build_strategy(strategy, folder, models_dir)
             return [str(recipe), str(cache), report]
 
         recipe, cache, report = once_per_run(tmp_path_factory, f"strategy-{strategy}", build)

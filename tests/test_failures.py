@@ -255,7 +255,9 @@ def test_an_auto_attempt_that_failed_is_not_tried_again_by_a_fresh_runner(models
 
     monkeypatch.setattr(builder, "_build_one", build_one)
     recipe = tmp_path / "auto.yaml"
-    recipe.write_text(json.dumps({k: v for k, v in TINY_DICT.items() if k != "strategy"}))
+    # auto without its prepacked first try on a CPU (freezing: false): its three strategies, as tests/test_auto.py
+    recipe.write_text(json.dumps({**{k: v for k, v in TINY_DICT.items() if k != "strategy"},
+                                  "compile": {"options": {"freezing": False}}}))
     (tmp_path / "remote").mkdir()
     url = (tmp_path / "remote").as_uri()
 

@@ -64,7 +64,7 @@ print(json.dumps({{"hits": hits, "graphs": counters["stats"]["unique_graphs"],
 """
 
 
-@pytest.mark.slow  # the session's aot-package build (and auto's, which takes its entry: no compile)
+@pytest.mark.slow  # the session's aot-package build, and auto's (prepacked aot-package: its packages carry recipes)
 @pytest.mark.parametrize("strategy", ["aot-package", "auto"])
 def test_serving_an_aot_package_entry_imports_no_compiler(strategy, strategy_build):
     """A fresh process serves the entry (load and first image) without importing Inductor's compile
