@@ -66,8 +66,16 @@ def test_a_frozen_package_serves_other_weights_prepacked(tmp_path):
         assert not torch.allclose(served(x), built_with(x), rtol=1e-2)
         served.load_state_dict(built_with.state_dict())  # in place: the prepacked copies are derived again
         assert torch.allclose(run(x), built_with(x), rtol=1e-4, atol=1e-5) and run.runner.rebinds == 1
-        served.conv.weight.data = served.conv.weight.data * 2  # replaced: a fused LoRA does this
+        served.conv.weight.data = served.conv.weight.data * 2  # replaced: a safely fused LoRA does this
         assert torch.allclose(run(x), served(x), rtol=1e-4, atol=1e-5) and run.runner.rebinds == 2
+        served.conv2.weight.data += 0.5  # in place through .data (peft's default merge): no version bump
+        assert torch.allclose(run(x), served(x), rtol=1e-4, atol=1e-5) and run.runner.rebinds == 3
+        served.conv2.weight.data = served.conv2.weight.data.to(memory_format=torch.channels_last)
+        assert torch.allclose(run(x), served(x), rtol=1e-4, atol=1e-5) and run.runner.rebinds == 4
+        served.conv2.weight.data.mul_(0.5)  # in another layout, in place: sampled by storage, not by index
+        assert torch.allclose(run(x), served(x), rtol=1e-4, atol=1e-5) and run.runner.rebinds == 5
+        run(x)
+        assert run.runner.rebinds == 5  # nothing changed: served as bound
     assert counters["stats"]["unique_graphs"] == graphs  # nothing traced, nothing compiled
 
     # A recipe that no longer computes what the package reads (here: the first convolution's weight

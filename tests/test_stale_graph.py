@@ -354,7 +354,8 @@ def test_the_manifest_refuses_a_malformed_dependency_record():
 
 # -- the matrix, on the session's shared builds ----------------------------------------------------
 
-STRATEGIES = ("jit-cache", "aot-package", "aot-compile")
+#: auto: the default, on a CPU prepacked aot-package (its packages re-derive their constants from the weights)
+STRATEGIES = ("jit-cache", "aot-package", "aot-compile", "auto")
 
 
 class ScaledProcessor:
@@ -427,6 +428,14 @@ def _lora(pipe):
     pipe.load_lora_weights(_ADAPTER[0])  # no `lora:` in the recipe: peft's layers replace the UNet's Linears
 
 
+def _lora_fused(pipe):
+    # fused into the weights, then unloaded: the UNet's structure is as built, its weights changed in place
+    # through .data (peft's default merge bumps no version counter: a prepacked copy must still follow)
+    pipe.load_lora_weights(_ADAPTER[0])
+    pipe.fuse_lora()
+    pipe.unload_lora_weights()
+
+
 #: change -> (what it does, its effect on eager's image is measurable, benign: served compiled, and for a
 #: change that is refused what the refusal must name (a regular expression searched in the miss's or the
 #: call's reason: a refusal for another reason, a corrupt blob or another torch, fails the cell)
@@ -451,6 +460,9 @@ CHANGES = {
                                                r"|attn1\.fused_projections: True here, False in the entry"),
     "lora-without-recipe": (_lora, True, False, r"to_q: peft\.tuners\.lora\.layer\.Linear here"
                                                 r"|_hf_peft_config_loaded: True here, absent in the entry: a LoRA"),
+    # refused by what the fuse left on the UNet (diffusers' _safe_fusing flag); the weights it changed in
+    # place are followed by every strategy (a prepacked copy: tests/test_prepack.py's .data cases)
+    "lora-fused": (_lora_fused, True, False, r"unet\._safe_fusing: False here, absent in the entry"),
 }
 _EAGER: dict[tuple[str, str], torch.Tensor] = {}
 

@@ -373,6 +373,32 @@ def _lookup(module: Any, fqn: str) -> Any:
     return tensor if tensor is not None else module._buffers.get(leaf)
 
 
+#: Elements sampled per weight a prepacked package's recipes read (first, last, and evenly between).
+SAMPLES_PER_WEIGHT = 4
+
+
+def _samples(t: Any) -> list[Any]:
+    """One-element views into ``t``'s storage at a few of its elements (whatever its layout), which
+    read what is there now at every call; [] for a tensor whose elements do not fill its storage
+    densely (an expanded view) or that has no data."""
+    if t is None or t.numel() == 0 or t.is_mkldnn or t.device.type == "meta" or not _dense(t):
+        return []
+    span = t.numel()
+    picks = sorted({(span - 1) * i // (SAMPLES_PER_WEIGHT - 1) for i in range(SAMPLES_PER_WEIGHT)})
+    base = t.detach()
+    return [base.as_strided((1,), (1,), base.storage_offset() + k) for k in picks]
+
+
+def _dense(t: Any) -> bool:
+    """Whether ``t``'s elements fill its storage span exactly, in some order of its dimensions."""
+    expected = 1
+    for stride, size in sorted((st, sz) for st, sz in zip(t.stride(), t.shape, strict=True) if sz != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
 def _version(t: Any) -> int:
     """A tensor's version counter (bumped by every in-place change); an inference tensor has none,
     and cannot be changed in place outside inference mode either."""
@@ -408,6 +434,11 @@ class PackageRunner:
         self.derived: dict[str, dict[str, Any]] = package.get("derived", {})
         self.derived_from: dict[str, list[Any]] = package.get("derived_from", {})
         self.derived_values: dict[str, Any] = {}
+        #: a few elements of each weight the recipes read, as views into its storage, and their values at
+        #: the last derive: an in-place change through ``.data`` (peft's unsafe merge, i.e. a fused LoRA)
+        #: bumps no version counter, and a prepacked copy would not follow it (:func:`_samples`)
+        self.samples: list[Any] = []
+        self.sampled: Any = None
         self.unsupplied = set(package.get("lifted_unsupplied", []))
         self.rebinds = 0
         self.swaps = 0
@@ -429,10 +460,20 @@ class PackageRunner:
 
     def _derive(self) -> None:
         """Replay every recipe on the module's weights as they are now (prepack.py)."""
+        import torch
+
         sources = {fqn: _lookup(self.module, fqn) for fqn in self.derived_from}
         self._check(sources, meta=self.derived_from)
+        self.samples = [v for fqn in self.derived_from for v in _samples(sources[fqn])]
+        self.sampled = torch.cat(self.samples).clone() if self.samples else None
         sources.update(self.lifted)
         self.derived_values = {name: prepack.replay(recipe, sources) for name, recipe in self.derived.items()}
+
+    def _resampled(self) -> bool:
+        """Whether a sampled element of a weight the recipes read changed since the last derive."""
+        import torch
+
+        return self.sampled is not None and not torch.equal(torch.cat(self.samples), self.sampled)
 
     def _check(self, tensors: dict[str, Any], device: bool = True, meta: dict[str, list[Any]] | None = None) -> None:
         """Every constant the package asked for, with its shape, dtype and (``device``) device."""
@@ -472,7 +513,7 @@ class PackageRunner:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.bound is None:
             self._bind()  # the first call of a runner bound at its first call
-        elif self._identity(self._watched()) != self.bound:  # pipe.to(...), dtype change, LoRA fuse, offload
+        elif self._identity(self._watched()) != self.bound or self._resampled():  # pipe.to(...), dtype, LoRA fuse
             self.rebinds += 1
             self._bind()  # checks the supplied constants' shape, dtype and device first
             if self.baked and baked_digests(self.module, self.meta) != self.baked:
