@@ -868,6 +868,7 @@ REFUSED = {
                             "to_q: peft.tuners.lora.layer.Linear here, torch.nn.modules.linear.Linear in the entry",
                             "unet._hf_peft_config_loaded: True here, absent in the entry: a LoRA loaded "
                             "(load_lora_weights)?"],
+    "lora-fused": ["MISS unet           64x64        8c2659489189  unet._safe_fusing: False here, absent in the entry"],
     "first-block-cache": ["transformer._cache_config: diffusers.hooks.first_block_cache.FirstBlockCacheConfig "
                           "(threshold=10.0) here, absent in the entry: a diffusers cache hook (enable_cache)?"],
 }
