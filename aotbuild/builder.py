@@ -743,6 +743,10 @@ def _adopt(store: Store, jobs: list[Job], group: list[Job], attempts: list[auto.
     entries = [store.open_entry(j.key)[0] for j in group if j.key]
     if len(entries) != len(group) or any(e is None for e in entries):
         return []
+    # An explicit freezing recipe's proof is not timed: auto takes its entry only where a proof showed it
+    # serving faster than eager (the rule its own prepacked attempt is held to).
+    if _prepacked(group[0]) and not all(_proven_faster(e.manifest) for e in entries if e is not None):
+        return []
     if sign_key is not None:  # a signed build signs only what it built or what its key signed already
         from aotbuild.signing import public_of
 
@@ -967,6 +971,15 @@ def _prepacked(job: Job) -> bool:
     from aotbuild.strategies.prepack import wanted
 
     return wanted(dict(job.recipe.compile.options))
+
+
+def _proven_faster(manifest: Manifest) -> bool:
+    """Whether ``manifest``'s proof timed its served call and found it faster than eager's."""
+    speed = manifest.proof.served.get("speed") if manifest.proof is not None else None
+    try:
+        return isinstance(speed, dict) and float(speed["served_s"]) < float(speed["eager_s"])
+    except (KeyError, TypeError, ValueError):
+        return False
 
 
 def _prove(job: Job, files: list[tuple[str, Path]], result: dict[str, Any], seconds: float, staging: Path,

@@ -279,6 +279,18 @@ def test_an_explicit_recipe_s_entry_is_taken_by_auto_without_a_compile(cache, fa
     assert manifest.files == explicit.files and manifest.proof == explicit.proof
 
 
+def test_an_explicit_freezing_entry_is_taken_only_where_a_proof_timed_it_faster(cache, fake_compiles):
+    """auto's prepacked try is the explicit freezing recipe, but that recipe's proof is not timed: its
+    entry is not taken without a proof that found it faster than eager; auto builds its own."""
+    from aotbuild import build
+
+    build({**DEFAULT, "strategy": "aot-package", "compile": {"options": {"freezing": True}}}, cache)
+    assert len(fake_compiles) == 1
+    result, = build(DEFAULT, cache).results
+    assert result.status == "built" and len(fake_compiles) == 2  # built, not taken
+    assert "its entry was in the cache" not in result.reason
+
+
 def test_a_signed_build_never_adopts_an_entry_its_key_did_not_sign(cache, fake_compiles, tmp_path):
     """An explicit entry in the cache that the build's key did not sign (pulled, restored) is not taken
     and signed as it is: the auto job builds its own (signing rule: never sign what another built)."""
