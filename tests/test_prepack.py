@@ -87,9 +87,12 @@ def test_a_frozen_package_serves_other_weights_prepacked(tmp_path):
     reorder = recipe["program"][-1]
     recipe["program"][-1:] = [["aten.mul.Tensor", [reorder[1][0], 2.0], {}],
                               [reorder[0], [{"ref": last}, *reorder[1][1:]], reorder[2]]]
+    before = {k: v.clone() for k, v in built_with.state_dict().items()}
     with pytest.raises(prepack.RecipeError, match="differs from eager"):
         prepack.check_other_weights(tmp_path / record["path"], built_with, aoti.named_tensors(built_with), (x,),
                                     {}, tampered, {})
+    # the check changed the build's weights in place (no second copy) and put back every bit, failing too
+    assert all(torch.equal(v, before[k]) for k, v in built_with.state_dict().items())
     # ... and served, it differs from eager: what the proof compares before storing an entry
     routes = aoti.load_packages(served, "net", [(tampered, {record["path"]: tmp_path / record["path"]})], "cpu")
     with torch.no_grad():
@@ -120,3 +123,19 @@ def test_a_recipe_outside_what_freezing_folds_is_refused_when_the_manifest_is_re
     assert AotPackage().check_records((good,)) == ""
     assert torch.equal(prepack.replay(good["derived"]["_frozen_param0"], {"w": torch.arange(4.0)}),
                        torch.arange(4.0).reshape(1, 4))
+
+
+def test_other_weights_are_made_in_place_and_put_back_bit_for_bit():
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(8, 4, 3, 3))
+    state = {"w": w, "tied": w, "half": torch.randn(5, 3).to(torch.bfloat16), "zeros": torch.zeros(6),
+             "steps": torch.arange(4), "tiny": torch.full((3,), 1e-40)}  # subnormal: doubled, then halved
+    before = {k: v.detach().clone() for k, v in state.items()}
+    changed: list = []
+    other = prepack._other_in_place(state, list(state), changed)
+    assert other["w"] is w and other["tied"] is w and len(changed) == 3  # w once, half, tiny: in place
+    assert not torch.equal(w, before["w"]) and not torch.equal(other["half"], before["half"])
+    assert other["zeros"].abs().sum() > 0 and torch.equal(state["zeros"], before["zeros"])  # noise, in a copy
+    assert other["steps"] is state["steps"]
+    prepack._restore(changed)
+    assert changed == [] and all(torch.equal(state[k], before[k]) for k in state)

@@ -222,40 +222,86 @@ def wanted(inductor_configs: dict[str, Any]) -> bool:
 
 def check_other_weights(path: Any, module: Any, state: dict[str, Any], args: tuple[Any, ...],
                         kwargs: dict[str, Any], record: dict[str, Any], lifted: dict[str, Any]) -> None:
-    """Serve the package with *other* weights of the same shapes (the build's, perturbed) and compare
-    with eager on those weights: a value Inductor baked in from the build's weights, which no replay on
-    the build's weights can show, fails the build here instead of serving another checkpoint wrongly."""
+    """Serve the package with *other* weights of the same shapes and compare with eager on those
+    weights: a value Inductor baked in from the build's weights, which no replay on the build's weights
+    can show, fails the build here instead of serving another checkpoint wrongly.
+
+    The other weights are the build's own, each changed in place by an exact, reversible step
+    (:func:`_other_in_place`) and restored bit for bit afterwards, failure or not: a perturbed copy
+    would hold the weights a second time at the build's peak (3.4 GB for an SD 1.5-size UNet)."""
     import torch
     from torch.utils._pytree import tree_leaves
 
+    changed: list[tuple[Any, float]] = []
+    try:
+        other = _other_in_place(state, [*record["constants"], *record.get("derived_from", {})], changed)
+        sources = {**state, **other, **lifted}
+        supplied = {**{fqn: other[fqn] for fqn in record["constants"]},
+                    **{k: v for k, v in lifted.items() if k not in record.get("lifted_unsupplied", [])},
+                    **{name: replay(recipe, sources) for name, recipe in record["derived"].items()}}
+        loaded = torch._inductor.aoti_load_package(str(path))
+        loaded.load_constants(supplied, check_full_update=True, user_managed=True)
+        with torch.no_grad():
+            served = tree_leaves(loaded(*args, **kwargs))
+            eager = tree_leaves(torch.func.functional_call(module, other, args, kwargs))
+        low = any(t.dtype in (torch.float16, torch.bfloat16) for t in other.values())
+        for a, b in zip(served, eager, strict=True):
+            if not isinstance(b, torch.Tensor):
+                continue
+            scale = max(1.0, b.detach().abs().max().item())
+            worst = (a.float() - b.float()).abs().max().item() / scale
+            if not worst <= (1e-2 if low else 1e-4):
+                raise RecipeError(f"served with other weights, the frozen package differs from eager by "
+                                  f"{worst:.3g} (relative): Inductor compiled a value of the build's weights in")
+    finally:
+        _restore(changed)
+
+
+#: the scales of :func:`_other_in_place`, by turns: powers of two, so a scale and its undoing are exact
+OTHER_SCALES = (-1.0, 2.0, -2.0)
+
+
+def _other_in_place(state: dict[str, Any], names: list[str], changed: list[tuple[Any, float]]) -> dict[str, Any]:
+    """``names``' tensors as other weights: each floating tensor reversed along every dimension and
+    scaled by -1, 2 or -2 (by turns, so that no two neighbours, a query's and a key's projection, keep
+    their product), in place; each change is appended to ``changed`` as it is made (:func:`_restore`
+    undoes them). An all-zero tensor, which that leaves as it is, is replaced by noise in a copy; a
+    tensor that is not floating is used as it is."""
+    import torch
+
     generator = torch.Generator().manual_seed(39)
-    other = {}
-    for fqn in (*record["constants"], *record.get("derived_from", {})):
-        t = state[fqn]
-        if t.is_floating_point():
-            noise = torch.randn(t.shape, generator=generator).to(t.device, t.dtype)
-            spread = t.detach().float().std().nan_to_num(0).item() + 0.1  # GroupNorm's all-ones weights too
-            other[fqn] = t.detach() + noise * spread  # elementwise: the weight's own strides
-        else:
-            other[fqn] = t.detach().clone()
-    sources = {**state, **other, **lifted}
-    supplied = {**{fqn: other[fqn] for fqn in record["constants"]},
-                **{k: v for k, v in lifted.items() if k not in record.get("lifted_unsupplied", [])},
-                **{name: replay(recipe, sources) for name, recipe in record["derived"].items()}}
-    loaded = torch._inductor.aoti_load_package(str(path))
-    loaded.load_constants(supplied, check_full_update=True, user_managed=True)
+    other: dict[str, Any] = {}
+    done: dict[int, Any] = {}  # id -> its other value: a tensor under two names changes once
     with torch.no_grad():
-        served = tree_leaves(loaded(*args, **kwargs))
-        eager = tree_leaves(torch.func.functional_call(module, other, args, kwargs))
-    low = any(t.dtype in (torch.float16, torch.bfloat16) for t in other.values())
-    for a, b in zip(served, eager, strict=True):
-        if not isinstance(b, torch.Tensor):
-            continue
-        scale = max(1.0, b.detach().abs().max().item())
-        worst = (a.float() - b.float()).abs().max().item() / scale
-        if not worst <= (1e-2 if low else 1e-4):
-            raise RecipeError(f"served with other weights, the frozen package differs from eager by {worst:.3g} "
-                              f"(relative): Inductor compiled a value of the build's weights in")
+        for i, fqn in enumerate(names):
+            t = state[fqn]
+            if id(t) in done or not t.is_floating_point():
+                other[fqn] = done.get(id(t), t)
+                continue
+            if not t.any():
+                value = torch.randn(t.shape, generator=generator).to(t.device, t.dtype)
+            else:
+                scale = OTHER_SCALES[i % len(OTHER_SCALES)]
+                value = t.flip(list(range(t.dim()))).mul_(scale)  # a temporary of this one tensor
+                try:
+                    t.copy_(value)
+                except RuntimeError:  # an inference tensor, say: the copy is the other weight
+                    pass
+                else:
+                    changed.append((t, scale))
+                    value = t
+            other[fqn] = done[id(t)] = value
+    return other
+
+
+def _restore(changed: list[tuple[Any, float]]) -> None:
+    """Undo :func:`_other_in_place`'s changes, last first: every bit as it was."""
+    import torch
+
+    with torch.no_grad():
+        for t, scale in reversed(changed):
+            t.copy_(t.mul(1.0 / scale).flip(list(range(t.dim()))))
+    changed.clear()
 
 
 def _attr(gm: Any, target: str) -> Any:
