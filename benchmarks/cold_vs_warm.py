@@ -9,6 +9,7 @@ timed from the top of the process):
   eager      no compile at all
   cold       plain torch.compile(component.forward, fullgraph=True, dynamic=False) on each of the
              recipe's components, empty Inductor cache
+  cold-freezing  the same with options={"freezing": True} (Inductor's prepacked CPU weights)
   pt-warm    the same, on the Inductor cache folder a cold run left (PyTorch's own warm cache)
   aotbuild   load_compiled() from a copy of an aotbuild cache in a new folder, empty Inductor cache
              (strategy jit-cache; ``jit-cache`` is accepted as its name in --modes)
@@ -20,6 +21,9 @@ timed from the top of the process):
                signature, shared by the block's instances; the rest of the denoiser runs eagerly)
   aot-compile  the same with strategy: aot-compile (torch's aot_compile functions, no Dynamo tracing)
   aotc-regional aot-compile with compile.scope: regional (one function per block class and signature)
+In a child, AOTBENCH_PASS_PIPE=1 loads the pipeline first and passes it to load_compiled(pipe=...)
+(a user's pipeline, e.g. other weights of the same structure), and AOTBENCH_OUTPUT=FILE.npy saves
+the first image (output_type="np", for every call of the child) to compare with eager's.
 Steady state is the median of 10 calls after the first (aotbuild builds CPU kernels with
 cpp.dynamic_threads; plain torch.compile does not). Peak RSS is each process's ru_maxrss.
 Prints medians, each mode against eager and the cold compile, where each mode's first output goes
@@ -61,7 +65,8 @@ def child(mode: str, recipe: str, cache: str) -> None:
     r = load_recipe(recipe)
     shape = r.shapes[0]
     phases = {"start": time.perf_counter() - T0}  # the interpreter, torch, diffusers, aotbuild, the recipe
-    if mode in BUILDS:
+    passed = os.environ.get("AOTBENCH_PASS_PIPE") == "1"  # the user's own pipeline, given to load_compiled
+    if mode in BUILDS and not passed:
         from aotbuild import load_compiled
 
         pipe = load_compiled(recipe, cache=cache, on_miss="error")
@@ -70,12 +75,24 @@ def child(mode: str, recipe: str, cache: str) -> None:
         t = time.perf_counter()
         pipe = load_pipeline(r, resolve_model(r, resolve_cache_root(cache)), "float32")
         phases["pipeline"] = time.perf_counter() - t
-        if mode != "eager":
+        if mode in BUILDS:
+            from aotbuild import load_compiled
+
+            pipe = load_compiled(recipe, pipe=pipe, cache=cache, on_miss="error")
+            phases.update({k: v for k, v in pipe.aotbuild_report.timings.items() if k != "pipeline"})
+        elif mode != "eager":
+            options = {"freezing": True} if mode == "cold-freezing" else None
             for name in r.compile.components:
                 module = getattr(pipe, name)
-                module.forward = torch.compile(module.forward, fullgraph=True, dynamic=False)
+                module.forward = torch.compile(module.forward, fullgraph=True, dynamic=False, options=options)
+    saved = os.environ.get("AOTBENCH_OUTPUT")  # where to write the first image as an array (.npy)
+    extra = {"output_type": "np"} if saved else {}
     t = time.perf_counter()
-    pipe(**warmup_kwargs(r, shape, pipe))
+    image = pipe(**warmup_kwargs(r, shape, pipe), **extra)
+    if saved:
+        import numpy
+
+        numpy.save(saved, numpy.asarray(image.images[0] if hasattr(image, "images") else image[0]))
     first = time.perf_counter() - T0
     phases["first image"] = time.perf_counter() - t
     if mode in BUILDS:  # of which the components' first compiled calls
@@ -83,7 +100,7 @@ def child(mode: str, recipe: str, cache: str) -> None:
     times = []
     for _ in range(10):
         t = time.perf_counter()
-        pipe(**warmup_kwargs(r, shape, pipe))
+        pipe(**warmup_kwargs(r, shape, pipe), **extra)
         times.append(time.perf_counter() - t)
     import resource
 
@@ -162,6 +179,7 @@ def main() -> None:
                 shutil.copytree(caches["auto"], copy_auto)
             runs = {"auto": (recipes["auto"], copy_auto, work / f"auto-ind-{i}"),
                     "eager": (recipe, cache, work / f"eager-{i}"), "cold": (recipe, cache, shared),
+                    "cold-freezing": (recipe, cache, work / f"cf-{i}"),
                     "pt-warm": (recipe, cache, shared), "aotbuild": (recipe, copy, work / f"aot-ind-{i}"),
                     "aot-package": (recipes["aot-package"], copy, work / f"pkg-ind-{i}"),
                     "aot-regional": (recipes["aot-regional"], copy, work / f"reg-ind-{i}"),

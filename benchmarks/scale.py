@@ -60,12 +60,14 @@ SD15_UNET = dict(sample_size=64, in_channels=4, out_channels=4, layers_per_block
 
 #: cold_vs_warm.py's child mode for each strategy
 MODES = {"jit-cache": "aotbuild", "aot-compile": "aot-compile", "aot-package": "aot-package", "auto": "auto"}
+#: the rows compiled in the serving process (a cold compile of minutes: the first round only)
+COMPILE_MODES = {"torch.compile": "cold", "torch.compile+freezing": "cold-freezing"}
 
 
 # -- models -------------------------------------------------------------------------------------------
 
 
-def make_sd15(folder: Path, work: Path) -> Path:
+def make_sd15(folder: Path, work: Path, seed: int = 0) -> Path:
     import torch
     from diffusers import StableDiffusionPipeline, UNet2DConditionModel
     from transformers import CLIPTextConfig, CLIPTextModel
@@ -74,7 +76,7 @@ def make_sd15(folder: Path, work: Path) -> Path:
 
     tiny = builtin.ensure("builtin:tiny-sd", work / "models")
     pipe = StableDiffusionPipeline.from_pretrained(str(tiny))
-    torch.manual_seed(0)
+    torch.manual_seed(seed)  # another seed: other weights of the same structure (--other-weights)
     pipe.unet = UNet2DConditionModel(**SD15_UNET)
     old = pipe.text_encoder.config
     torch.manual_seed(0)
@@ -267,9 +269,20 @@ def build(recipe_path: Path, cache: Path, workdir: Path) -> dict:
             "rss": peak, "reason": "; ".join(j["reason"] for j in jobs if j["reason"])}
 
 
-def serve(mode: str, recipe_path: Path, cache: Path, workdir: Path) -> dict:
-    """One fresh process of cold_vs_warm.py's child ``mode`` (eager, or a load_compiled mode)."""
-    return run_child(COLD_VS_WARM, [mode, str(recipe_path), str(cache)], child_env(workdir))
+def serve(mode: str, recipe_path: Path, cache: Path, workdir: Path, env: dict[str, str] | None = None) -> dict:
+    """One fresh process of cold_vs_warm.py's child ``mode`` (eager, or a load_compiled mode), with
+    ``env`` added to its environment (AOTBENCH_PASS_PIPE, AOTBENCH_OUTPUT, THP_MEM_ALLOC_ENABLE)."""
+    return run_child(COLD_VS_WARM, [mode, str(recipe_path), str(cache)], {**child_env(workdir), **(env or {})})
+
+
+def relative_difference(path: Path, reference: Path) -> float | None:
+    """max |a - b| / max |b| of two saved first images, None where either is missing."""
+    import numpy
+
+    if not (path.exists() and reference.exists()):
+        return None
+    a, b = numpy.load(path).astype("float64"), numpy.load(reference).astype("float64")
+    return float(numpy.abs(a - b).max() / max(numpy.abs(b).max(), 1e-12))
 
 
 def median_run(runs: list[dict]) -> dict:
@@ -334,8 +347,16 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--parts", default="sd15,flux,dtype")
     ap.add_argument("--depths", default="2,8,16")
-    ap.add_argument("--strategies", default="jit-cache,aot-compile,aot-package,auto,torch.compile",
-                    help="the sd15 part's rows, in order (torch.compile: a cold compile in the serving process)")
+    ap.add_argument("--strategies", default="jit-cache,aot-compile,aot-package,auto,torch.compile,"
+                                            "torch.compile+freezing",
+                    help="the sd15 part's rows, in order (torch.compile, torch.compile+freezing: a cold compile "
+                         "in the serving process, plain and with Inductor's freezing)")
+    ap.add_argument("--other-weights", action="store_true",
+                    help="sd15: serve a second model of the same structure with other weights (B) from the caches "
+                         "built with A, passing its pipeline to load_compiled (eager runs B too)")
+    ap.add_argument("--thp", action="store_true",
+                    help="sd15: serve every row again with THP_MEM_ALLOC_ENABLE=1 (huge pages for PyTorch's "
+                         "CPU allocations of 2 MB and more)")
     ap.add_argument("--repeats", type=int, default=1, help="sd15: fresh served processes per mode (medians)")
     ap.add_argument("--save", metavar="FILE.json")
     ap.add_argument("--keep", action="store_true", help="keep the work folder (models, caches)")
@@ -344,7 +365,7 @@ def main() -> None:
     if args.make:
         kind, folder, work_dir, depth = args.make
         if kind == "sd15":
-            make_sd15(Path(folder), Path(work_dir))
+            make_sd15(Path(folder), Path(work_dir), int(depth))  # depth: the UNet's seed
         else:
             make_flux(Path(folder), Path(work_dir), int(depth))
         return
@@ -361,43 +382,85 @@ def main() -> None:
         if "sd15" in args.parts:
             print("making the SD 1.5-size pipeline ...", flush=True)
             model = make("sd15", work / "sd15", work)
+            served_model = model
+            if args.other_weights:  # served with weights B; built with A
+                print("making a second SD 1.5-size pipeline (other weights, same structure) ...", flush=True)
+                served_model = make("sd15", work / "sd15-b", work, 1)
             warm = {"num_inference_steps": 2, "guidance_scale": 0.0}
             shapes = [{"height": 256, "width": 256}, {"height": 256, "width": 320}]
-            eager_recipe = recipe(work / "sd15_eager.yaml", model, "unet", "jit-cache", "full", shapes[:1], warm)
-            built: dict[str, tuple[dict | None, Path | None]] = {}  # strategy -> (build, recipe); None: torch.compile
+            eager_recipe = recipe(work / "sd15_eager.yaml", served_model, "unet", "jit-cache", "full", shapes[:1],
+                                  warm)
+            built: dict[str, tuple[dict | None, Path | None]] = {}  # strategy -> (build, served recipe)
             for strategy in args.strategies.split(","):
-                if strategy == "torch.compile":
+                if strategy in COMPILE_MODES:
                     built[strategy] = (None, None)
                     continue
-                r = recipe(work / f"sd15_{strategy}.yaml".replace("-", "_"), model, "unet", strategy, "full",
+                name = f"sd15_{strategy}".replace("-", "_")
+                r = recipe(work / f"{name}.yaml", model, "unet", strategy, "full",
                            shapes if strategy == "jit-cache" else shapes[:1], warm)
                 print(f"building sd15 {strategy} ...", flush=True)
                 b = build(r, work / f"cache-sd15-{strategy}", work / f"b-{strategy}")
                 print(f"  {b}", flush=True)
-                built[strategy] = (b, r)
+                served = r if served_model == model else recipe(
+                    work / f"{name}_served.yaml", served_model, "unet", strategy, "full", shapes[:1], warm)
+                built[strategy] = (b, served)
             # Served side by side: each round one fresh process of eager and of every strategy built
-            # (plain torch.compile, a cold compile of minutes, in the first round only).
-            runs: dict[str, list[dict]] = {"eager": [], **{k: [] for k in built}}
+            # (plain torch.compile, a cold compile of minutes, in the first round only); --thp: each
+            # again with THP_MEM_ALLOC_ENABLE=1.
+            passed = {"AOTBENCH_PASS_PIPE": "1"} if args.other_weights else {}
+            variants = [("", {})] + ([(" +THP", {"THP_MEM_ALLOC_ENABLE": "1"})] if args.thp else [])
+            rows = ["eager", *built]
+            runs: dict[str, list[dict]] = {f"{k}{v}": [] for k in rows for v, _ in variants}
+            images = work / "images"
+            images.mkdir()
+            diffs: dict[str, list[float | None]] = {k: [] for k in runs}
             for i in range(args.repeats):
                 print(f"serving, round {i + 1}/{args.repeats} ...", flush=True)
-                runs["eager"].append(serve("eager", eager_recipe, work / "cache-sd15", work / f"eager-sd15-{i}"))
-                for strategy, (b, r) in built.items():
-                    if strategy == "torch.compile":
-                        if i == 0:
-                            runs[strategy].append(serve("cold", eager_recipe, work / "cache-sd15",
-                                                        work / "s-torch-compile"))
-                    elif b["ok"]:
-                        runs[strategy].append(serve(MODES[strategy], r, served_copy(
-                            work / f"cache-sd15-{strategy}", work, f"{strategy}-{i}"), work / f"s-{strategy}-{i}"))
+                for suffix, extra in variants:
+                    for row in rows:
+                        key = f"{row}{suffix}"
+                        out_file = images / f"{key.replace(' ', '')}-{i}.npy"
+                        env = {**extra, "AOTBENCH_OUTPUT": str(out_file)}
+                        if row == "eager":
+                            res = serve("eager", eager_recipe, work / "cache-sd15", work / f"eager-sd15-{key}-{i}",
+                                        env)
+                        elif row in COMPILE_MODES:
+                            if i > 0 or suffix:  # minutes of compile: once
+                                continue
+                            res = serve(COMPILE_MODES[row], eager_recipe, work / "cache-sd15",
+                                        work / f"s-{row}{suffix}".replace(" ", ""), env)
+                        else:
+                            b, r = built[row]
+                            if not b["ok"]:
+                                continue
+                            res = serve(MODES[row], r, served_copy(work / f"cache-sd15-{row}", work, f"{key}-{i}"),
+                                        work / f"s-{key}-{i}".replace(" ", ""), {**env, **passed})
+                        runs[key].append(res)
+                        reference = images / f"eager{suffix.replace(' ', '')}-{i}.npy"
+                        diffs[key].append(relative_difference(out_file, reference))
                 print("  " + ", ".join(f"{k} {fmt(v[-1].get('first'), '.1f')} s" for k, v in runs.items() if v),
                       flush=True)
             eager = median_run(runs["eager"])
-            cells = [(k, b, median_run(runs[k]) if runs[k] else None) for k, (b, _) in built.items()]
-            title = f"SD 1.5-size UNet (860M), 256x256, 2 steps; medians of {args.repeats} fresh processes"
+            cells = []
+            for suffix, _ in variants:
+                for k in rows:
+                    key = f"{k}{suffix}"
+                    b = built[k][0] if k in built and not suffix else None  # the build's figures once
+                    if key != "eager" and (b is not None or runs[key]):
+                        cells.append((key, b, median_run(runs[key]) if runs[key] else None))
+            weights = "other weights (B) than the build's (A), the pipeline passed to load_compiled" \
+                if args.other_weights else "the build's weights"
+            title = (f"SD 1.5-size UNet (860M), 256x256, 2 steps; medians of {args.repeats} fresh processes; "
+                     f"served with {weights}")
             out += report_part(title, weight_bytes(model, "unet"), eager, cells)
             out += ["  runs, load -> first image (s): " + "; ".join(
                 f"{k} {', '.join(fmt(r.get('first'), '.1f') for r in v)}" for k, v in runs.items())]
-            saved["sd15"] = {"eager": eager, "cells": cells, "runs": runs}
+            out += ["  first image vs eager's with the same weights (max |a - b| / max |b|): " + "; ".join(
+                f"{k} {', '.join(fmt(d, '.1e') for d in v)}" for k, v in diffs.items() if v and k != "eager")]
+            out += ["  install s (load_compiled's replay of prepacked recipes): " + "; ".join(
+                f"{k} {', '.join(fmt(r.get('phases', {}).get('install'), '.2f') for r in v)}"
+                for k, v in runs.items() if any('install' in r.get('phases', {}) for r in v))]
+            saved["sd15"] = {"eager": eager, "cells": cells, "runs": runs, "diffs": diffs}
         if "flux" in args.parts:
             saved["flux"] = {}
             for depth in (int(d) for d in args.depths.split(",")):
