@@ -13,6 +13,7 @@ def checks(proc) -> dict[str, dict]:
     return {c["name"]: c for c in json.loads(proc.stdout)["checks"]}
 
 
+@pytest.mark.slow  # seconds of subprocesses or server traffic: the full suite runs it
 def test_a_missing_compiler_fails_the_toolchain_check_and_skips_the_roundtrip(tmp_path):
     proc = run_cli("doctor", "--json", "--cache", str(tmp_path / "c"), env={"CXX": str(tmp_path / "no-such-g++")})
     assert proc.returncode == 1, proc.stderr

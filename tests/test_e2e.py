@@ -230,6 +230,7 @@ def test_fx_graph_cache_off_makes_every_entry_a_miss(built_cache):
     assert "aotbuild build" not in str(info.value)  # building would not help: the message says what would
 
 
+@pytest.mark.slow  # seconds of subprocesses or server traffic: the full suite runs it
 def test_cli_output_is_aotbuild_s_own(tmp_path):
     """First use of the built-in model: one line says it is being created; transformers' torchvision
     notice and the libraries' progress bars stay out of the command's output."""

@@ -20,6 +20,7 @@ from tests.conftest import VECTOR_ISA, run_python
 
 pytestmark = [pytest.mark.skipif(sys.platform != "linux", reason="Inductor probes x86 ISAs on Linux and Windows"),
               pytest.mark.xdist_group("isa-probes"),  # one worker runs the probe subprocess (outcomes)
+              pytest.mark.slow,  # that subprocess runs g++ for every ISA case (20-25 s): the full suite runs it
               pytest.mark.usefixtures("vector_isa")]  # Inductor's own ISA choice (the suite's is scalar)
 
 DRIVER = textwrap.dedent("""

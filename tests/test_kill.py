@@ -81,10 +81,11 @@ def recipe(tmp_path: Path, phase: str) -> tuple[Path, dict[str, str]]:
     return path, dict(FAKES)
 
 
+@pytest.mark.slow  # 6-14 s of subprocess trees per phase: the full suite runs it
 @pytest.mark.parametrize("phase", [
     "loading",
     "compiling",
-    pytest.param("proof", marks=pytest.mark.slow),  # the stand-in compile comes first (a minute on 2 cores)
+    "proof",  # the stand-in compile comes first (a minute on 2 cores)
 ])
 def test_sigkill_at_each_phase_leaves_no_process_and_the_next_build_leaves_no_debris(cache, tmp_path, phase):
     path, env = recipe(tmp_path, phase)

@@ -12,6 +12,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from aotbuild import loader
 from aotbuild.loader import Loader
 from aotbuild.recipe import recipe_spec
@@ -28,6 +30,7 @@ def _run(ld: Loader, folder: Path, cache_root: Path, *, timeout: float = 600, lo
                   timeout=timeout)
 
 
+@pytest.mark.slow  # seconds of subprocesses or server traffic: the full suite runs it
 def test_one_load_serves_every_job_and_a_job_that_dies_fails_alone(tmp_path, models_dir):
     ld = Loader(recipe_spec(parse_recipe(TINY_DICT)), models_dir, tmp_path / "loader", {})
     try:
@@ -46,6 +49,7 @@ def test_one_load_serves_every_job_and_a_job_that_dies_fails_alone(tmp_path, mod
     assert ld.proc is None
 
 
+@pytest.mark.slow  # seconds of subprocesses or server traffic: the full suite runs it
 def test_a_job_past_its_time_limit_stops_the_loader_and_the_next_job_starts_another(tmp_path, models_dir):
     ld = Loader(recipe_spec(parse_recipe(TINY_DICT)), models_dir, tmp_path / "loader", {})
     try:

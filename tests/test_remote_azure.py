@@ -216,6 +216,7 @@ def test_a_failing_endpoint_is_tried_as_often_as_we_say_and_no_more(monkeypatch,
     assert KEY not in str(info.value)
 
 
+@pytest.mark.slow  # seconds of subprocesses or server traffic: the full suite runs it
 def test_a_listing_of_10000_keys_seeded_on_the_server(tmp_path, monkeypatch):
     """Seeded on the server side, through Azurite's own store on disk: one blob written through the
     API, Azurite stopped (it saves its LokiJS database), the blob's record copied under 10,000 names,

@@ -189,6 +189,7 @@ def test_a_replace_is_conditional_on_the_version_read(s3, tmp_path):
     assert remote.read_manifest(a) is not None
 
 
+@pytest.mark.slow  # seconds of subprocesses or server traffic: the full suite runs it
 def test_a_listing_of_10000_keys_is_paged(s3, tmp_path):
     """Seeded on the server side (moto's backend, in this process): one listing, in pages of 1000."""
     from moto.s3.models import s3_backends

@@ -92,6 +92,7 @@ def test_n_auto_workers_partition_the_plan_exactly(scheduler, cache, recipes):
         assert all(f"of 7 jobs (job list digest {info[0]['digest']})" in p.stderr for p in outs)  # in the log
 
 
+@pytest.mark.slow  # seconds of subprocesses or server traffic: the full suite runs it
 def test_auto_workers_as_subprocesses_split_the_plan(cache, recipes, monkeypatch):
     """Two workers of a Kubernetes Indexed Job as processes of their own (the variables in their
     real environment): the same partition."""

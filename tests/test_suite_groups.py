@@ -12,9 +12,12 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow  # seconds of subprocesses or server traffic: the full suite runs it
 def test_tests_sharing_a_build_run_on_one_worker_and_the_rest_spread(tmp_path):
     (tmp_path / "conftest.py").write_text(textwrap.dedent("""
         import pytest
