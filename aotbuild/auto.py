@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 from aotbuild.errors import AotbuildError
 from aotbuild.keys import AUTO
-from aotbuild.strategies import get_strategy
+from aotbuild.strategies.registry import get_strategy
 
 if TYPE_CHECKING:
     from aotbuild.context import Context

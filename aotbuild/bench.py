@@ -316,7 +316,7 @@ def _run_child(mode: str, recipe: Any, index: int, root: Path, calls: int, workd
     """One measured process (aotbuild/child.py's protocol), timed from before it starts."""
     from aotbuild import child as protocol
     from aotbuild.recipe import recipe_spec
-    from aotbuild.targets import get_target
+    from aotbuild.targets.registry import get_target
 
     workdir.mkdir(parents=True)
     env = get_target(recipe.target).capture_env(workdir)  # empty compiler caches

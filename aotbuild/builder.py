@@ -33,7 +33,7 @@ from aotbuild.planner import FAILED_BEFORE, HIT, MISS, RETRY_HINT, UNAVAILABLE, 
 from aotbuild.recipe import Recipe, recipe_spec, recipe_to_dict
 from aotbuild.recipes import Recipes
 from aotbuild.store import Store
-from aotbuild.strategies import checked_store
+from aotbuild.strategies.registry import checked_store
 from aotbuild.trees import lay_tree
 
 if TYPE_CHECKING:

@@ -581,7 +581,7 @@ def ls(cache: str | None, as_json: bool) -> int:
     """
 
     from aotbuild.layout import resolve_cache_root
-    from aotbuild.strategies import checked_store
+    from aotbuild.strategies.registry import checked_store
 
     if _no_cache(resolve_cache_root(cache), as_json, {"models": [], "entries": []}):
         return EXIT_OK
@@ -650,7 +650,7 @@ def show(key: str, cache: str | None, as_json: bool) -> int:
 
     from aotbuild.keys import flatten
     from aotbuild.layout import resolve_cache_root
-    from aotbuild.strategies import checked_store
+    from aotbuild.strategies.registry import checked_store
 
     store = checked_store(resolve_cache_root(cache))
     full = store.resolve_prefix(key)
@@ -802,7 +802,7 @@ def verify(cache: str | None, as_json: bool, fix: bool, trusted_keys: str | None
     from aotbuild.layout import resolve_cache_root
     from aotbuild.manage import verify as run_verify
     from aotbuild.signing import trusted_from_env
-    from aotbuild.strategies import checked_store
+    from aotbuild.strategies.registry import checked_store
 
     if _no_cache(resolve_cache_root(cache), as_json, {"fixed": fix, "problems": []}):
         return EXIT_OK
@@ -889,7 +889,7 @@ def gc(cache: str | None, as_json: bool, max_size: str | None, stale: bool, dry_
     from aotbuild.errors import UsageError
     from aotbuild.layout import resolve_cache_root, resolve_max_size
     from aotbuild.manage import gc as run_gc
-    from aotbuild.strategies import checked_store
+    from aotbuild.strategies.registry import checked_store
 
     limit = resolve_max_size(max_size)
     if limit is None and not stale:
@@ -931,7 +931,7 @@ def rm(items: tuple[str, ...], cache: str | None, as_json: bool) -> int:
     from aotbuild.layout import resolve_cache_root
     from aotbuild.manage import rm as run_rm
     from aotbuild.recipes import load_recipes
-    from aotbuild.strategies import checked_store
+    from aotbuild.strategies.registry import checked_store
     from aotbuild.sync import is_key_prefix
 
     for item in items:
@@ -1030,7 +1030,7 @@ def doctor(target: str, device: str | None, cache: str | None, remote: str | Non
 
     from aotbuild.doctor import doctor as run_doctor
     from aotbuild.errors import UsageError
-    from aotbuild.targets import target_names
+    from aotbuild.targets.registry import target_names
 
     if target not in target_names():
         raise UsageError(f"--target {target!r} is not a target (known: {', '.join(target_names())})")
@@ -1054,8 +1054,8 @@ def targets(as_json: bool) -> int:
       aotbuild targets --json
     """
 
-    from aotbuild.strategies import get_strategy, strategy_names
-    from aotbuild.targets import get_target, target_names
+    from aotbuild.strategies.registry import get_strategy, strategy_names
+    from aotbuild.targets.registry import get_target, target_names
 
     rows = []
     for name in target_names():

@@ -48,8 +48,10 @@ from typing import Any
 from aotbuild import constants, models
 from aotbuild.errors import AotbuildError, ModelUnavailable, ModelUnreachable, TargetUnavailable
 from aotbuild.recipe import Recipe, Shape
-from aotbuild.strategies import Strategy, get_strategy
-from aotbuild.targets import Target, get_target
+from aotbuild.strategies.base import Strategy
+from aotbuild.strategies.registry import get_strategy
+from aotbuild.targets.base import Target
+from aotbuild.targets.registry import get_target
 
 __all__ = ["Context", "Unavailable", "environment_factors", "job_factors", "job_pipeline", "shard_pipeline"]
 

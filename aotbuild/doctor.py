@@ -68,7 +68,7 @@ def _skipped(name: str, detail: str) -> Check:
 
 
 def check_toolchain(target_name: str, device: str) -> Check:
-    from aotbuild.targets import get_target
+    from aotbuild.targets.registry import get_target
 
     found = get_target(target_name).check_toolchain(device)
     return Check("toolchain", ok=found.ok, detail=found.detail, fix=found.fix, data=dict(found.data))
@@ -77,7 +77,7 @@ def check_toolchain(target_name: str, device: str) -> Check:
 def check_caches(target_name: str, cache_root: Path) -> Check:
     """The target's own word on its compiler caches (``Target.check_caches``), then whether its cache
     folder and the aotbuild cache can be written."""
-    from aotbuild.targets import get_target
+    from aotbuild.targets.registry import get_target
 
     found = get_target(target_name).check_caches()
     if not found.ok:
@@ -119,7 +119,7 @@ def check_disk(cache_root: Path) -> Check:
 
 def check_store(cache_root: Path, deep: bool) -> Check:
     from aotbuild.layout import format_size
-    from aotbuild.strategies import checked_store
+    from aotbuild.strategies.registry import checked_store
 
     store = checked_store(cache_root)
     if not store.layout.manifests.is_dir():
@@ -224,7 +224,7 @@ def doctor(target: str = "inductor", device: str | None = None, cache: str | Pat
            remote: str | None = None, deep: bool = False, roundtrip: bool = True, progress: Any = None) -> Report:
     from aotbuild import constants
     from aotbuild.layout import resolve_cache_root
-    from aotbuild.targets import get_target
+    from aotbuild.targets.registry import get_target
 
     t = get_target(target)
     device = device or (t.default_device() if t.availability().ok else "cpu")

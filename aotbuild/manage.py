@@ -289,7 +289,7 @@ def stale_reasons(manifests: dict[str, Manifest | StaleManifest]) -> dict[str, s
     """Entries that can never match this environment again, and why (another torch, ISA, ...)."""
     from aotbuild import keys
     from aotbuild.context import environment_factors
-    from aotbuild.targets import get_target, target_names
+    from aotbuild.targets.registry import get_target, target_names
 
     env = environment_factors()
     fingerprints: dict[tuple[str, str], dict[str, Any] | None] = {}

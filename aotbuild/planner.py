@@ -19,7 +19,7 @@ from aotbuild.layout import resolve_cache_root
 from aotbuild.recipe import Recipe, Shape
 from aotbuild.recipes import Recipes, resolve_recipes
 from aotbuild.store import Store, Unusable
-from aotbuild.strategies import checked_store
+from aotbuild.strategies.registry import checked_store
 
 if TYPE_CHECKING:
     from aotbuild.remote_base import Remote

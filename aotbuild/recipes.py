@@ -22,9 +22,9 @@ from aotbuild.deprecated import positional_shim
 from aotbuild.errors import RecipeError, UsageError
 from aotbuild.recipe import DATA_SOURCE, Recipe, check_structure_rules, describe_value, parse_structure
 from aotbuild.recipe_file import find_recipes, read_recipe_data
-from aotbuild.strategies import get_strategy, strategy_names
+from aotbuild.strategies.registry import get_strategy, strategy_names
 from aotbuild.suggest import suggest
-from aotbuild.targets import get_target, target_names
+from aotbuild.targets.registry import get_target, target_names
 
 __all__ = ["parse_recipe", "load_recipe", "as_recipe", "recipe_from_spec", "load_recipes", "resolve_recipes",
            "registry_choices", "Recipes", "find_recipes"]

@@ -24,7 +24,8 @@ from aotbuild.locks import store_lock
 from aotbuild.recipe import Recipe, Shape, build_hint
 from aotbuild.recipes import as_recipe
 from aotbuild.store import Entry, Store, Unusable
-from aotbuild.strategies import Planned, checked_store
+from aotbuild.strategies.base import Planned
+from aotbuild.strategies.registry import checked_store
 from aotbuild.text import printable
 
 if TYPE_CHECKING:

@@ -18,7 +18,7 @@ from aotbuild.layout import resolve_cache_root
 from aotbuild.planner import FAILED_BEFORE, HIT, MISS, Job, plan
 from aotbuild.remote import PushResult, Remote, as_remote, pull_entry
 from aotbuild.store import DAMAGED, Entry, Store
-from aotbuild.strategies import checked_store
+from aotbuild.strategies.registry import checked_store
 
 PULLED, CACHED, MISSING, REFUSED, UNAVAILABLE = "pulled", "cached", "missing", "refused", "unavailable"
 

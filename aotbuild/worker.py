@@ -25,7 +25,7 @@ def run(job: dict, loaded: tuple[Any, float] | None = None) -> dict:
     from aotbuild.context import job_pipeline, shard_pipeline
     from aotbuild.recipe import Shape
     from aotbuild.recipes import recipe_from_spec
-    from aotbuild.strategies import BuildJob
+    from aotbuild.strategies.base import BuildJob
 
     recipe = recipe_from_spec(job["recipe"])  # the recipe's data: the file may have changed since the plan
     shape = Shape(**job["shape"])

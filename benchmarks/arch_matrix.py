@@ -47,7 +47,7 @@ from typing import Any
 
 import harness
 
-from aotbuild.strategies import strategy_names
+from aotbuild.strategies.registry import strategy_names
 
 STRATEGIES = strategy_names()
 SCOPES = ("full", "regional")
@@ -156,7 +156,7 @@ def auto_choice(recipe_path: Path, cache: Path, key: str | None) -> dict[str, An
     from aotbuild import auto
     from aotbuild.recipes import load_recipe
     from aotbuild.store import Store
-    from aotbuild.targets import get_target
+    from aotbuild.targets.registry import get_target
 
     recipe = load_recipe(str(recipe_path))
     target = get_target(recipe.target)
@@ -243,7 +243,7 @@ def _counters(ctx: Any) -> dict[str, tuple[str, Any]]:
     Auto has no counter of its own (it raises): what counts is the chosen strategy's, known only
     once the load reports its hits, so every strategy auto could choose is read before the load."""
     from aotbuild import auto
-    from aotbuild.strategies import get_strategy
+    from aotbuild.strategies.registry import get_strategy
 
     if not auto.is_auto(ctx.recipe):
         return {ctx.strategy.name: ctx.strategy.compile_counter(ctx.target)}

@@ -68,7 +68,7 @@ def child_env(workdir: Path, target: str = "inductor") -> dict[str, str]:
     there, outside its cache, and a fresh machine has none), no AOTBUILD_CACHE, and this checkout
     first on PYTHONPATH."""
     from aotbuild.constants import ENV_CACHE
-    from aotbuild.targets import get_target
+    from aotbuild.targets.registry import get_target
 
     env = dict(os.environ)
     env.pop(ENV_CACHE, None)

@@ -59,8 +59,8 @@ def child(mode: str, recipe: str, cache: str, model: str, other: str, strategy: 
 
     if mode == "hot-swap":
         from aotbuild import load_compiled
-        from aotbuild.strategies import get_strategy
-        from aotbuild.targets import get_target
+        from aotbuild.strategies.registry import get_strategy
+        from aotbuild.targets.registry import get_target
 
         _, count = get_strategy(strategy).compile_counter(get_target("inductor"))
         pipe = load_compiled(recipe, cache=cache, on_miss="error", strict_shapes=True)

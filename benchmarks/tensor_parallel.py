@@ -46,8 +46,8 @@ def child(recipe: str, cache: str, model: str, strategy: str) -> None:
     from diffusers import DiffusionPipeline
 
     from aotbuild import load_compiled
-    from aotbuild.strategies import get_strategy
-    from aotbuild.targets import get_target
+    from aotbuild.strategies.registry import get_strategy
+    from aotbuild.targets.registry import get_target
 
     _, count = get_strategy(strategy).compile_counter(get_target("inductor"))
     before = count()

@@ -31,8 +31,8 @@ SERVE = textwrap.dedent("""
     from aotbuild.models import load_pipeline, resolve_model
     from aotbuild.pipecall import warmup_kwargs
     from aotbuild.recipe import Shape
-    from aotbuild.strategies import get_strategy
-    from aotbuild.targets import get_target
+    from aotbuild.strategies.registry import get_strategy
+    from aotbuild.targets.registry import get_target
 
     recipe_path, cache, component, strict_shape = sys.argv[1:5]
     remote = sys.argv[5] if len(sys.argv) > 5 else None

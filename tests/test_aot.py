@@ -138,7 +138,7 @@ def test_aot_package_validation(data, expected):
 def test_a_package_naming_a_block_the_model_lacks_is_a_miss():
     """A hostile or mismatched manifest: a package whose instances name a block this model does not
     have is a miss with the reason, before anything is loaded."""
-    from aotbuild.strategies import get_strategy
+    from aotbuild.strategies.registry import get_strategy
 
     model = torch.nn.Module()
     model.blocks = torch.nn.ModuleList([torch.nn.Linear(2, 2)])

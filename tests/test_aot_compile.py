@@ -14,7 +14,8 @@ from aotbuild import ShapeNotBuilt
 from aotbuild.dispatch import RouteDeclined, install_dispatcher, signature
 from aotbuild.errors import RecipeError
 from aotbuild.recipes import parse_recipe
-from aotbuild.strategies import aot_compile, calls, get_strategy
+from aotbuild.strategies import aot_compile, calls
+from aotbuild.strategies.registry import get_strategy
 
 BASE = {"model": {"id": "builtin:tiny-sd"}, "strategy": "aot-compile", "shapes": [{"height": 64, "width": 64}]}
 
@@ -112,7 +113,7 @@ def test_the_artifacts_keep_the_portable_guards_but_the_global_state_one():
 def test_the_thread_count_is_no_key_factor_of_aot_compile_any_more():
     """Its artifacts serve any thread count (tests/test_threads.py); the target keys the count where the
     kernels bake it in (cpp.dynamic_threads: false), for every strategy alike."""
-    target = __import__("aotbuild.targets", fromlist=["get_target"]).get_target("inductor")
+    target = __import__("aotbuild.targets.registry", fromlist=["get_target"]).get_target("inductor")
     assert get_strategy("aot-compile").compile_factors(target, "cpu") == {}
     assert get_strategy("aot-compile").compile_factors(target, "cuda") == {}
 
@@ -237,8 +238,8 @@ def test_kernels_built_in_this_process_count_as_compiles_and_installed_ones_do_n
     no FX graph cache miss and no Dynamo frame: the proof must still see it."""
     from pathlib import Path
 
-    from aotbuild.targets import get_target
     from aotbuild.targets.inductor import active_cache_dir, kernels_built_here
+    from aotbuild.targets.registry import get_target
 
     target = get_target("inductor")
     name, count = get_strategy("aot-compile").compile_counter(target)

@@ -18,7 +18,7 @@ from aotbuild.errors import ManifestError
 from aotbuild.planner import plan
 from aotbuild.recipes import parse_recipe
 from aotbuild.store import Store
-from aotbuild.targets import get_target
+from aotbuild.targets.registry import get_target
 from tests.conftest import REPO, STRATEGY_RECIPE, TINY_DICT, invoke_cli
 
 #: TINY_DICT naming no strategy: auto, the default, whose first try on a CPU is prepacked aot-package.
@@ -455,7 +455,7 @@ def test_a_failed_capture_names_the_line_of_the_model_where_export_or_dynamo_sto
 
     import torch
 
-    from aotbuild.strategies import get_strategy
+    from aotbuild.strategies.registry import get_strategy
     from aotbuild.worker import capture_failure
 
     path = tmp_path / "model.py"
@@ -526,7 +526,7 @@ def test_an_entry_of_the_old_default_is_a_miss_that_says_the_default_changed(cac
 def test_what_the_chosen_strategy_adds_to_the_key_is_in_the_entry_and_checked_at_load(cache, fake_compiles,
                                                                                       monkeypatch):
     from aotbuild import CacheMiss, build, load_compiled
-    from aotbuild.strategies import get_strategy
+    from aotbuild.strategies.registry import get_strategy
 
     package = type(get_strategy("aot-package"))
     monkeypatch.setattr(package, "compile_factors", lambda self, target, device: {"threads_x": 2})

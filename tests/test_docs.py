@@ -225,25 +225,31 @@ def test_environment_table_holds_every_variable_and_no_other():
     assert stale == set()
 
 
-def _layer_list() -> set[str]:
-    """The modules docs/architecture.md's layer list names (``targets/{a,b}`` expanded; a layer's
-    number and name and the prose in parentheses left out)."""
+def _layers() -> list[set[str]]:
+    """The modules of each layer docs/architecture.md's layer list names, bottom layer first
+    (``targets/{a,b}`` expanded; a layer's number and name and the prose in parentheses left out)."""
     text = (REPO / "docs" / "architecture.md").read_text()
     block = re.search(r"^## The layers\n.*?```\n(.*?)```", text, flags=re.S | re.M)
     assert block, "docs/architecture.md has no layer list"
     body = re.sub(r"\([^()]*\)", " ", block.group(1), flags=re.S)
-    names: set[str] = set()
+    layers: list[set[str]] = []
     for line in body.splitlines():
         cells = re.split(r"\s{2,}", line.strip())
         if cells and cells[0].isdigit():
+            assert int(cells[0]) == len(layers) + 1, f"layer {cells[0]} out of order"
+            layers.append(set())
             cells = cells[2:]
         for word in " ".join(cells).split():
             group = re.fullmatch(r"([a-z_]+)/\{([a-z_,]+)\}", word)
             if group:
-                names.update(f"{group[1]}/{n}" for n in group[2].split(","))
+                layers[-1].update(f"{group[1]}/{n}" for n in group[2].split(","))
             else:
-                names.add(word)
-    return names
+                layers[-1].add(word)
+    return layers
+
+
+def _layer_list() -> set[str]:
+    return set().union(*_layers())
 
 
 def _package_modules() -> set[str]:
@@ -284,3 +290,20 @@ def test_every_builtin_model_is_documented_with_its_version():
     architecture = (REPO / "docs" / "architecture.md").read_text().split("**`builtin/__init__.py`**", 1)[1]
     named = set(re.findall(r"`(Tiny\w+)`", architecture.split("\n\n", 1)[0]))
     assert named == {type(model).__name__ for model in BUILTINS.values()}
+
+
+def test_architecture_layer_list_is_the_import_contract():
+    """The page's layers are pyproject.toml's import-linter ``layers`` contract, layer by layer (the
+    contract lists the top layer first). The facade and the packages' empty ``__init__`` are left out of
+    the contract: a layer names a module with everything under it."""
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10: import-linter's own dependency
+        import tomli as tomllib
+
+    config = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["importlinter"]
+    contract = next(c for c in config["contracts"] if c["id"] == "layers")
+    in_contract = [{m.strip() for m in re.split(r"[:|]", layer)} for layer in reversed(contract["layers"])]
+    packages = {"aotbuild", "targets", "strategies"}
+    documented = [{"aotbuild." + m.replace("/", ".") for m in layer - packages} for layer in _layers()]
+    assert documented == in_contract

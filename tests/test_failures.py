@@ -47,7 +47,7 @@ def test_capture_failures_say_the_cause_where_and_the_fix():
     import torch
 
     from aotbuild.recipes import parse_recipe
-    from aotbuild.strategies import get_strategy
+    from aotbuild.strategies.registry import get_strategy
     from aotbuild.worker import capture_failure
 
     def forward(x):

@@ -15,8 +15,8 @@ import threading
 import pytest
 from torch._inductor import codecache
 
-from aotbuild.targets import get_target
 from aotbuild.targets.inductor import headers_not_precompiled
+from aotbuild.targets.registry import get_target
 from tests.conftest import VECTOR_ISA, run_python
 
 pytestmark = pytest.mark.usefixtures("vector_isa")  # the header as Inductor includes it by default

@@ -16,7 +16,8 @@ RUNTIME_MODULES = {
     "aotbuild.keys", "aotbuild.layout", "aotbuild.locks", "aotbuild.manifest", "aotbuild.models",
     "aotbuild.context", "aotbuild.explain", "aotbuild.recipe", "aotbuild.recipe_file", "aotbuild.recipes",
     "aotbuild.registry", "aotbuild.runtime", "aotbuild.safeio", "aotbuild.store",
-    "aotbuild.strategies", "aotbuild.strategies.base", "aotbuild.suggest", "aotbuild.targets", "aotbuild.targets.base",
+    "aotbuild.strategies", "aotbuild.strategies.base", "aotbuild.strategies.registry", "aotbuild.suggest",
+    "aotbuild.targets", "aotbuild.targets.base", "aotbuild.targets.registry",
     "aotbuild.text", "aotbuild.pipecall", "aotbuild.deprecated",
 }
 

@@ -7,8 +7,14 @@ strategy's or a target's name."""
 from __future__ import annotations
 
 import ast
+import os
 import re
+import shutil
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "aotbuild"
 
@@ -100,8 +106,8 @@ def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
 def test_the_checker_sees_imports_at_every_level():
     edges = _graph()
     assert "aotbuild.frozen" in edges["aotbuild.targets.inductor"]  # imported inside a function
-    assert "aotbuild.targets.inductor" in edges["aotbuild.targets"]  # named in the registry
-    assert "aotbuild.strategies.aot_package" in edges["aotbuild.strategies"]
+    assert "aotbuild.targets.inductor" in edges["aotbuild.targets.registry"]  # named in the registry
+    assert "aotbuild.strategies.aot_package" in edges["aotbuild.strategies.registry"]
     assert "aotbuild.worker" in edges["aotbuild.builder"]  # run as python -m aotbuild.worker
     assert "aotbuild.store" in edges["aotbuild.strategies.base"]  # under TYPE_CHECKING
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
@@ -146,8 +152,8 @@ def test_store_paths_are_built_by_layout():
 def test_names_are_compared_only_inside_their_registries():
     """``recipe.strategy == "aot-package"`` or ``target.name == "inductor"`` outside aotbuild/strategies
     and aotbuild/targets: the interface should have been asked instead."""
-    from aotbuild.strategies import strategy_names
-    from aotbuild.targets import target_names
+    from aotbuild.strategies.registry import strategy_names
+    from aotbuild.targets.registry import target_names
 
     names = set(strategy_names()) | set(target_names())
     compared = []
@@ -161,3 +167,37 @@ def test_names_are_compared_only_inside_their_registries():
                 if any(v in names for v in values):
                     compared.append(f"{name}:{node.lineno}: {ast.unparse(node)}")
     assert compared == []
+
+
+def _lint_imports(root: Path) -> subprocess.CompletedProcess:
+    """import-linter's contracts of ``root``/pyproject.toml on ``root``/aotbuild (a fresh process: grimp
+    finds the package on ``sys.path``, so a planted copy is found before the installed one)."""
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    return subprocess.run([sys.executable, "-c", "import sys; from importlinter.cli import lint_imports_command;"
+                           " sys.exit(lint_imports_command())", "--config", str(root / "pyproject.toml"),
+                           "--no-cache"], cwd=root, env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_the_import_contracts_hold():
+    """The layers of pyproject.toml's import-linter contract, and serving never importing build code."""
+    proc = _lint_imports(PACKAGE.parent)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "2 kept, 0 broken" in proc.stdout
+
+
+@pytest.mark.parametrize("module, planted, contract", [
+    # the store (layer 3) reaching up to the planner (layer 7), through a function-level import
+    ("store", "def _planted():\n    from aotbuild import planner\n", "Each layer imports only"),
+    # a module load_compiled imports pulling in the builder: both contracts break
+    ("pipecall", "import aotbuild.builder\n", "never imports build code"),
+])
+def test_a_planted_upward_import_breaks_a_contract(tmp_path, module, planted, contract):
+    shutil.copytree(PACKAGE, tmp_path / "aotbuild", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(PACKAGE.parent / "pyproject.toml", tmp_path / "pyproject.toml")
+    assert _lint_imports(tmp_path).returncode == 0  # the copy as it is: kept
+    path = tmp_path / "aotbuild" / f"{module}.py"
+    path.write_text(path.read_text() + "\n\n" + planted)
+    proc = _lint_imports(tmp_path)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert f"{contract}" in proc.stdout and "BROKEN" in proc.stdout
+    assert f"aotbuild.{module}" in proc.stdout  # the report names the importer

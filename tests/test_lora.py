@@ -148,8 +148,8 @@ def serve_hot_swaps(recipe_path: Path, cache: Path, loras: Path) -> dict:
     from aotbuild.models import load_pipeline, place_pipeline
     from aotbuild.pipecall import warmup_kwargs
     from aotbuild.recipes import load_recipe
-    from aotbuild.strategies import get_strategy
-    from aotbuild.targets import get_target
+    from aotbuild.strategies.registry import get_strategy
+    from aotbuild.targets.registry import get_target
 
     r = load_recipe(str(recipe_path))
     _, count = get_strategy(r.strategy).compile_counter(get_target(r.target))

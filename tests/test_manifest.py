@@ -24,7 +24,7 @@ from tests.conftest import REPO
 
 @pytest.fixture
 def store(tmp_path) -> Store:
-    from aotbuild.strategies import checked_store
+    from aotbuild.strategies.registry import checked_store
 
     return checked_store(tmp_path / "c")
 

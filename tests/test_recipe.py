@@ -142,7 +142,7 @@ def test_list_and_mapping_options_reach_torch_compile_and_the_key_as_plain_value
     import json
 
     monkeypatch.setenv("AOTBUILD_ALLOW_OPTIONS", "custom_should_partition_ops,post_grad_fusion_options")
-    from aotbuild.targets import get_target
+    from aotbuild.targets.registry import get_target
 
     options = {"custom_should_partition_ops": ["aten::mm"], "post_grad_fusion_options": {}}
     recipe = parse_recipe({**_good(), "compile": {"options": options}}, "r.yaml")

@@ -230,7 +230,7 @@ def test_blocks_recipe_errors(section, expected):
 
 def test_blocks_are_a_key_factor_and_absent_ones_change_no_key():
     from aotbuild.recipe import recipe_to_dict
-    from aotbuild.targets import get_target
+    from aotbuild.targets.registry import get_target
 
     plain, named = _recipe(scope="regional"), _recipe(scope="regional", blocks="JointTransformerBlock")
     assert named.compile.blocks == ("JointTransformerBlock",) and plain.compile.blocks is None
@@ -281,7 +281,7 @@ def test_jit_cache_regional_compiles_each_named_block(sd3_transformer):
     nothing is compiled until a call)."""
     import copy
 
-    from aotbuild.targets import get_target
+    from aotbuild.targets.registry import get_target
 
     module = copy.deepcopy(sd3_transformer)
     recipe = _recipe(scope="regional", blocks=["JointTransformerBlock"])

@@ -103,7 +103,7 @@ def test_more_static_shapes_than_dynamos_recompile_limit():
     lowered to 2 and three shapes: three real compiles, not ten."""
     import torch._dynamo.config as dynamo_config
 
-    from aotbuild.targets import get_target
+    from aotbuild.targets.registry import get_target
 
     name = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
     # torch's own patch: pytest's monkeypatch undoes a config module's setting with delattr, which

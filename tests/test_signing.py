@@ -208,8 +208,8 @@ def test_signatures_survive_the_hub_stand_in(keys, tmp_path, monkeypatch, no_amb
 SERVE = """
 import json, os, sys
 from aotbuild import load_compiled, CacheMiss
-from aotbuild.strategies import get_strategy
-from aotbuild.targets import get_target
+from aotbuild.strategies.registry import get_strategy
+from aotbuild.targets.registry import get_target
 recipe, cache = sys.argv[1:3]
 name, count = get_strategy("jit-cache").compile_counter(get_target("inductor"))
 before = count()

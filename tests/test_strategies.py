@@ -10,7 +10,7 @@ import shutil
 
 import pytest
 
-from aotbuild.strategies import strategy_names
+from aotbuild.strategies.registry import strategy_names
 from tests.serving import assert_served, serve_fresh
 
 pytestmark = pytest.mark.slow

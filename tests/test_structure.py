@@ -69,7 +69,7 @@ def test_inductor_records_what_its_cache_key_holds_and_quantize_changes_it():
     import torch._inductor.config as inductor_config
     from torchao.quantization import Int8WeightOnlyConfig, quantize_
 
-    from aotbuild.targets import get_target
+    from aotbuild.targets.registry import get_target
 
     target = get_target("inductor")
     before = target.global_settings()

@@ -201,7 +201,7 @@ def test_standin_build_then_fresh_load_compiles_nothing_tpu(tmp_path, cache):
 
 
 def test_hardware_kind_from_the_environment(monkeypatch):
-    from aotbuild.targets import get_target
+    from aotbuild.targets.registry import get_target
 
     monkeypatch.setenv("TPU_ACCELERATOR_TYPE", "v6e-8")
     assert get_target("tpu").hardware_kind() == "v6e"
@@ -254,7 +254,7 @@ def test_an_entry_that_fails_its_proof_is_never_stored(tmp_path, cache, target, 
 def test_folder_targets_count_files_the_compiler_wrote_not_files_laid(tmp_path, monkeypatch):
     """The proof counts from before the load: the files install() lays are not compiles, any other
     file in the compiler's folder is."""
-    from aotbuild.targets import get_target
+    from aotbuild.targets.registry import get_target
 
     target = get_target("neuron")
     monkeypatch.setenv(target.cache_env, str(tmp_path / "neff-cache"))
@@ -274,7 +274,7 @@ def test_a_serving_process_s_own_compiler_folder_is_removed_when_it_exits(tmp_pa
     compile time); it is that process's alone, so it does not outlive it."""
     proc = run_python(textwrap.dedent("""
         import os, sys
-        from aotbuild.targets import get_target
+        from aotbuild.targets.registry import get_target
         target = get_target("neuron")
         os.environ.pop(target.cache_env, None)
         folder = target.install([], "cpu").folder

@@ -192,8 +192,8 @@ SERVE_PROMPTS = textwrap.dedent("""
     from pathlib import Path
     from aotbuild import ShapeNotBuilt, load_compiled, load_recipe
     from aotbuild.models import load_pipeline, resolve_model
-    from aotbuild.strategies import get_strategy
-    from aotbuild.targets import get_target
+    from aotbuild.strategies.registry import get_strategy
+    from aotbuild.targets.registry import get_target
 
     recipe_path, cache = os.environ["TL_RECIPE"], os.environ["TL_CACHE"]
     r = load_recipe(recipe_path)

@@ -82,8 +82,8 @@ SERVE_CALLS = textwrap.dedent("""
     import torch
     from aotbuild import load_compiled, load_recipe
     from aotbuild.pipecall import warmup_kwargs
-    from aotbuild.strategies import get_strategy
-    from aotbuild.targets import get_target
+    from aotbuild.strategies.registry import get_strategy
+    from aotbuild.targets.registry import get_target
 
     recipe_path, cache = sys.argv[1:3]
     r = load_recipe(recipe_path)

@@ -19,7 +19,7 @@ What a strategy reads of a recipe resolved for this machine is the narrow :class
 (recipe, target, device, dtype): ``aotbuild.context.Context`` is one, defined above this layer.
 
 Adding a strategy is one module with a ``Strategy`` subclass and one line in the registry
-(``aotbuild/strategies/__init__.py``); docs/architecture.md shows the steps.
+(``aotbuild/strategies/registry.py``); docs/architecture.md shows the steps.
 """
 
 from __future__ import annotations
