@@ -34,8 +34,10 @@ _LAZY = {
     "build": "aotbuild.builder",
     "BuildReport": "aotbuild.builder",
     "JobResult": "aotbuild.builder",
+    "ResultStatus": "aotbuild.builder",
     "plan": "aotbuild.planner",
     "Job": "aotbuild.planner",
+    "JobStatus": "aotbuild.planner",
     "load_recipe": "aotbuild.recipes",
     "Recipe": "aotbuild.recipe",
     "Shape": "aotbuild.recipe",
@@ -45,6 +47,7 @@ _LAZY = {
     "pull": "aotbuild.sync",
     "PullReport": "aotbuild.sync",
     "PullItem": "aotbuild.sync",
+    "PullStatus": "aotbuild.sync",
     "sign": "aotbuild.sync",
     "parse_remote": "aotbuild.remote",
     "Remote": "aotbuild.remote_base",
@@ -53,18 +56,18 @@ _LAZY = {
 __all__ = ["AotbuildError", "CacheMiss", "ModelUnavailable", "PackageMismatch",
            "RecipeError", "RemoteError", "ShapeNotBuilt", "StaleGraph", "StoreError",
            "TargetUnavailable", "UsageError", "__version__", "load_compiled", "LoadReport", "build", "BuildReport",
-           "JobResult", "plan", "Job", "load_recipe", "parse_recipe", "Recipe", "Shape", "push", "PushReport", "pull",
-           "PullReport", "PullItem", "sign", "parse_remote", "Remote"]
+           "JobResult", "ResultStatus", "plan", "Job", "JobStatus", "load_recipe", "parse_recipe", "Recipe", "Shape",
+           "push", "PushReport", "pull", "PullReport", "PullItem", "PullStatus", "sign", "parse_remote", "Remote"]
 
 if TYPE_CHECKING:
-    from aotbuild.builder import BuildReport, JobResult, build
-    from aotbuild.planner import Job, plan
+    from aotbuild.builder import BuildReport, JobResult, ResultStatus, build
+    from aotbuild.planner import Job, JobStatus, plan
     from aotbuild.recipe import Recipe, Shape
     from aotbuild.recipes import load_recipe, parse_recipe
     from aotbuild.remote import parse_remote
     from aotbuild.remote_base import Remote
     from aotbuild.runtime import LoadReport, load_compiled
-    from aotbuild.sync import PullItem, PullReport, PushReport, pull, push, sign
+    from aotbuild.sync import PullItem, PullReport, PullStatus, PushReport, pull, push, sign
 
 
 def __getattr__(name: str) -> Any:

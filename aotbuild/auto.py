@@ -27,7 +27,7 @@ target keys under ``cpp.dynamic_threads: false`` is strategy-independent, so it 
 
 One strategy serves a component (its dispatcher is that strategy's), so the builder chooses per
 component, for all its shapes (``builder._build_component``): a shape that fails a strategy takes the
-whole component to the next one (:data:`DROPPED` on the shapes it had built).
+whole component to the next one (:attr:`Outcome.DROPPED` on the shapes it had built).
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
+from aotbuild.constants import Vocabulary
 from aotbuild.errors import AotbuildError
 from aotbuild.keys import AUTO
 from aotbuild.strategies.registry import get_strategy
@@ -59,10 +60,19 @@ DEFAULT_ORDER = ("aot-package", "aot-compile", "jit-cache")
 PREPACKED = "aot-package+freezing"
 #: A try's strategy and the compile options it adds to the recipe.
 VARIANTS = {PREPACKED: ("aot-package", {"freezing": True})}
-#: An attempt's outcomes. ``dropped``: not kept, or not tried, because another shape of the same
-#: component failed with that strategy (one strategy serves every shape of a component: the builder
-#: falls back for the whole component).
-BUILT, FAILED, FAILED_BEFORE, DROPPED = "built", "failed", "failed before", "dropped"
+
+
+class Outcome(Vocabulary):
+    """An attempt's outcome (``Attempt.outcome``; the manifest's ``attempts``, ``build --json``)."""
+
+    BUILT = "built"
+    #: failed now (its failure is recorded under the attempt's key)
+    FAILED = "failed"
+    #: failed before (a failure record): not tried again until ``--retry-failed``
+    FAILED_BEFORE = "failed before"
+    #: not kept, or not tried, because another shape of the same component failed with that strategy
+    #: (one strategy serves every shape of a component: the builder falls back for the whole component)
+    DROPPED = "dropped"
 
 
 def is_auto(recipe: Recipe) -> bool:
@@ -141,7 +151,7 @@ def held_by(manifest: Any) -> str:
     """The try that built an auto entry (:data:`PREPACKED` or its strategy): the last attempt that
     built it, where it names a try of this strategy; else the strategy the manifest names."""
     for attempt in reversed(list((manifest.auto or {}).get("attempts", ()))):
-        if isinstance(attempt, dict) and attempt.get("outcome") == BUILT:
+        if isinstance(attempt, dict) and attempt.get("outcome") == Outcome.BUILT:
             name = str(attempt.get("strategy", ""))
             return name if strategy_of(name) == manifest.strategy else manifest.strategy
     return manifest.strategy
@@ -159,7 +169,7 @@ class Attempt:
     file:line where export or Dynamo said it), and its seconds."""
 
     strategy: str
-    outcome: str  # built | failed | failed before
+    outcome: Outcome | str  # str: read from a manifest of a later aotbuild with other outcomes
     reason: str = ""
     seconds: float = 0.0
     #: the concrete job's key (the recipe with this strategy named): where its failure is recorded
@@ -171,7 +181,9 @@ class Attempt:
 
     @classmethod
     def from_json(cls, data: Any) -> Attempt:
-        return cls(str(data.get("strategy", "?")), str(data.get("outcome", "?")), str(data.get("reason", "")),
+        outcome = str(data.get("outcome", "?"))  # a manifest's: one this aotbuild does not know stays text
+        return cls(str(data.get("strategy", "?")), Outcome(outcome) if outcome in Outcome._value2member_map_
+                   else outcome, str(data.get("reason", "")),
                    float(data.get("seconds", 0.0)), str(data.get("key", "")))
 
     def text(self) -> str:
@@ -185,6 +197,6 @@ def attempts_text(attempts: list[Attempt] | list[dict[str, Any]]) -> str:
     return "; ".join((a if isinstance(a, Attempt) else Attempt.from_json(a)).text() for a in attempts)
 
 
-__all__ = ["ORDER", "DEFAULT_ORDER", "PREPACKED", "VARIANTS", "BUILT", "FAILED", "FAILED_BEFORE", "DROPPED",
+__all__ = ["ORDER", "DEFAULT_ORDER", "PREPACKED", "VARIANTS", "Outcome",
            "Choice", "Attempt", "choice", "concrete", "held_by", "is_auto", "order", "strategy_of",
            "strategy_factors", "tried_recipe", "attempts_text"]

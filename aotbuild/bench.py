@@ -255,7 +255,7 @@ def bench(recipe_path: str | Path | Any, cache: str | Path | None = None, *, sha
     ``progress`` gets a line per step; ``build_progress`` is passed to :func:`aotbuild.build`;
     ``warn`` gets :func:`load_warning`'s line when the machine is busy."""
     from aotbuild.layout import resolve_cache_root
-    from aotbuild.planner import HIT, UNAVAILABLE, plan
+    from aotbuild.planner import JobStatus, plan
     from aotbuild.recipe import build_hint
     from aotbuild.recipes import as_recipe
 
@@ -268,7 +268,7 @@ def bench(recipe_path: str | Path | Any, cache: str | Path | None = None, *, sha
     one = replace(recipe, shapes=(chosen,))
     root = resolve_cache_root(cache)
     jobs = plan([one], cache=root)
-    blocked = [j for j in jobs if j.status == UNAVAILABLE]
+    blocked = [j for j in jobs if j.status == JobStatus.UNAVAILABLE]
     if blocked:
         assert blocked[0].cause is not None  # TargetUnavailable, or ModelUnavailable for a model (exit 2)
         raise blocked[0].cause.error(f"cannot bench {recipe.source}: {blocked[0].reason}")
@@ -276,14 +276,14 @@ def bench(recipe_path: str | Path | Any, cache: str | Path | None = None, *, sha
                          recipe.compile.scope, list(recipe.compile.components), str(chosen), {}, repeats, calls,
                          cold_repeats=cold_repeats)
     if "warm" in modes:  # build also re-hashes what plan counted as hits (plan checks sizes only)
-        from aotbuild.builder import CACHED, build
+        from aotbuild.builder import ResultStatus, build
 
-        missing = sum(j.status != HIT for j in jobs)
+        missing = sum(j.status != JobStatus.HIT for j in jobs)
         if missing:
             say(f"building {missing} job(s) the cache lacks for {chosen} first (as `aotbuild build` would) ...")
         built = build([one], cache=root, progress=build_progress)
         report.built = [{"job": r.job.label, "status": r.status, "seconds": round(r.seconds, 1), "reason": r.reason}
-                        for r in built.results if r.status != CACHED]
+                        for r in built.results if r.status != ResultStatus.CACHED]
         if built.failed:
             r = built.failed[0]
             raise AotbuildError(f"cannot bench: building {r.job.label} failed: {r.reason}; run "
@@ -349,8 +349,8 @@ def _measure(mode: str, recipe_data: dict[str, Any], index: int, cache: str, cal
     from aotbuild.context import Context
 
     ctx = Context.create(recipe, Path(cache), resolve_model=mode != "warm")  # warm: load_compiled resolves it
-    if ctx.problem:
-        raise AotbuildError(ctx.problem)
+    if ctx.cause is not None:  # TargetUnavailable, ModelUnavailable or ModelUnreachable, as load_compiled raises
+        raise ctx.cause.error(ctx.problem)
     if mode == "warm":
         from aotbuild.runtime import load_compiled
 

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from aotbuild import auto, child, constants, planner
 from aotbuild.child import Tick
+from aotbuild.constants import Vocabulary
 from aotbuild.context import Unavailable
 from aotbuild.deprecated import positional_shim
 from aotbuild.errors import ProofFailed, StoreError
@@ -29,7 +30,7 @@ from aotbuild.journal import entry_writer
 from aotbuild.layout import FROM_PROJECT, cache_root_origin, format_size, resolve_max_size
 from aotbuild.locks import flocked, store_lock
 from aotbuild.manifest import FileRecord, Manifest, Proof
-from aotbuild.planner import FAILED_BEFORE, HIT, MISS, RETRY_HINT, UNAVAILABLE, Job, plan, shard_jobs, shard_summary
+from aotbuild.planner import RETRY_HINT, Job, JobStatus, plan, shard_jobs, shard_summary
 from aotbuild.recipe import Recipe, recipe_spec, recipe_to_dict
 from aotbuild.recipes import Recipes
 from aotbuild.store import Store
@@ -40,14 +41,28 @@ if TYPE_CHECKING:
     from aotbuild.manage import GcReport
     from aotbuild.remote import Remote
 
-BUILT, CACHED, FAILED, SKIPPED, ON_REMOTE = "built", "cached", "failed", "skipped", "remote"
-UNCACHED = "uncached"  # compiled, but the entry could not be written (no space left, read-only store)
+
+
+class ResultStatus(Vocabulary):
+    """What a build did with a job (``JobResult.status``; ``build --json``'s ``status``)."""
+
+    BUILT = "built"
+    #: a hit, its entry re-hashed: nothing built
+    CACHED = "cached"
+    #: failed now, or failed before and not retried (``JobResult.not_retried``)
+    FAILED = "failed"
+    #: not built: its target or device is not on this host, and another host can build it
+    SKIPPED = "skipped"
+    #: on the remote named (``build --push``), not built here
+    ON_REMOTE = "remote"
+    #: compiled, but the entry could not be written (no space left, read-only store)
+    UNCACHED = "uncached"
 
 
 @dataclass
 class JobResult:
     job: Job
-    status: str  # built | cached | failed | uncached | skipped | remote (on the remote named, not built here)
+    status: ResultStatus
     seconds: float = 0.0
     size: int = 0
     reason: str = ""
@@ -78,7 +93,7 @@ class BuildReport:
     def failed(self) -> list[JobResult]:
         """Jobs that failed (this time, or before and not retried), or compiled but could not be stored,
         or whose model could not be read or fetched."""
-        return [r for r in self.results if r.status in (FAILED, UNCACHED)]
+        return [r for r in self.results if r.status in (ResultStatus.FAILED, ResultStatus.UNCACHED)]
 
     @property
     def bad_input(self) -> list[JobResult]:
@@ -89,7 +104,7 @@ class BuildReport:
     @property
     def skipped(self) -> list[JobResult]:
         """Jobs this host cannot build: their target or device is not here (another host builds them)."""
-        return [r for r in self.results if r.status == SKIPPED]
+        return [r for r in self.results if r.status == ResultStatus.SKIPPED]
 
     def text(self, pushed: str = "") -> str:
         """The job table, the cache, then what was pushed (``pushed``: a PushReport's text), a note and gc."""
@@ -272,40 +287,42 @@ def build(recipes: Recipes, *, cache: str | Path | None = None,
         everything, jobs = jobs, shard_jobs(jobs, *shard)
         sharded = shard_summary(shard, len(jobs), everything)
     for i, job in enumerate(jobs):
-        if job.status == HIT and job.key:  # plan only checked sizes: a damaged blob means rebuild
+        if job.status == JobStatus.HIT and job.key:  # plan only checked sizes: a damaged blob means rebuild
             entry, why = store.open_entry(job.key)
             if entry is None:
-                jobs[i] = replace(job, status=MISS, reason=f"rebuilt: {why}")
+                jobs[i] = replace(job, status=JobStatus.MISS, reason=f"rebuilt: {why}")
             elif own and _not_signed_by(entry.manifest, own):
                 # A signature says "built and proven here": an entry this key did not sign was found, not
                 # built, so it is built again (and signed), never signed as it is.
-                jobs[i] = replace(job, status=MISS, reason=f"rebuilt: {_not_signed_by(entry.manifest, own)}")
+                jobs[i] = replace(job, status=JobStatus.MISS, reason=f"rebuilt: {_not_signed_by(entry.manifest, own)}")
     # The one rule for failures: a job (a tensor-parallel job: any of its ranks) that failed before is
     # not built again until retry_failed; its result keeps the build failed (exit 1), never "skipped".
-    known = {} if retry_failed else {j.group: j.reason for j in jobs if j.status == FAILED_BEFORE}
+    known = {} if retry_failed else {j.group: j.reason for j in jobs if j.status == JobStatus.FAILED_BEFORE}
     _whole_groups(jobs, known)
-    on_remote = remote.keys() if remote is not None and any(j.status in (MISS, FAILED_BEFORE) for j in jobs) \
+    on_remote = remote.keys() if remote is not None \
+        and any(j.status in (JobStatus.MISS, JobStatus.FAILED_BEFORE) for j in jobs) \
         else set()
     if own and on_remote:  # a remote entry this key did not sign is absent to a signed build (it builds its own)
         from aotbuild.remote import untrusted_on_remote
 
-        wanted = sorted({k for j in jobs if j.status in (MISS, FAILED_BEFORE) and j.key
+        wanted = sorted({k for j in jobs if j.status in (JobStatus.MISS, JobStatus.FAILED_BEFORE) and j.key
                          for k in (j.siblings or (j.key,)) if k in on_remote})
         on_remote -= set(untrusted_on_remote(remote, wanted, own)) if remote is not None else set()
     # A tensor-parallel job is on the remote only when every rank's entry is.
     on_remote -= {j.key for j in jobs if j.siblings and not set(j.siblings) <= on_remote}
     results: dict[int, JobResult] = {}
     for i, job in enumerate(jobs):
-        if job.status == HIT:
+        if job.status == JobStatus.HIT:
             assert job.key is not None
             store.touch(job.key)
-            results[i] = JobResult(job, CACHED, size=_entry_size(store, job.key))
-        elif job.status == UNAVAILABLE:  # skipped only when another host can build it
-            results[i] = JobResult(job, SKIPPED if job.cause is Unavailable.TARGET else FAILED, reason=job.reason)
+            results[i] = JobResult(job, ResultStatus.CACHED, size=_entry_size(store, job.key))
+        elif job.status == JobStatus.UNAVAILABLE:  # skipped only when another host can build it
+            status = ResultStatus.SKIPPED if job.cause is Unavailable.TARGET else ResultStatus.FAILED
+            results[i] = JobResult(job, status, reason=job.reason)
         elif job.key in on_remote:
-            results[i] = JobResult(job, ON_REMOTE, reason=f"already on {remote.url if remote else ''}")
+            results[i] = JobResult(job, ResultStatus.ON_REMOTE, reason=f"already on {remote.url if remote else ''}")
         elif job.group in known:
-            results[i] = JobResult(job, FAILED, reason=f"{_first_line(known[job.group])}; {RETRY_HINT}",
+            results[i] = JobResult(job, ResultStatus.FAILED, reason=f"{_first_line(known[job.group])}; {RETRY_HINT}",
                                    not_retried=True)
     todo = [j for i, j in enumerate(jobs) if i not in results]
     loads = SharedLoads(store, todo)
@@ -315,7 +332,7 @@ def build(recipes: Recipes, *, cache: str | Path | None = None,
         loads.close()
     report.loads = loads.counts
     report.shard = sharded
-    if limit is not None and any(r.status == BUILT for r in report.results):
+    if limit is not None and any(r.status == ResultStatus.BUILT for r in report.results):
         from aotbuild.manage import gc, store_size
 
         if store_size(store) > limit:
@@ -342,7 +359,8 @@ def _run_jobs(store: Store, jobs: list[Job], todo: list[Job], results: dict[int,
             result = ranked.pop(job.key)
         elif job.key in done_keys:  # two recipes with the same job: build once
             prior = done_keys[job.key]
-            result = JobResult(job, prior.status if prior.status != BUILT else CACHED, size=prior.size,
+            result = JobResult(job, prior.status if prior.status != ResultStatus.BUILT else ResultStatus.CACHED,
+                               size=prior.size,
                                reason=prior.reason)
         elif job.choice is not None:  # strategy: auto, every shape (and rank) of its component at once
             tick = _ticker(progress, n + 1, len(todo), job) if progress else None
@@ -430,10 +448,10 @@ def _whole_groups(jobs: list[Job], known: dict[str | None, str]) -> None:
     """A tensor-parallel job is built whole: when one rank's entry is missing or damaged, every rank of
     it is rebuilt (its ranks' artifacts come from one launch and are proven together); not one that
     failed before (``known``), which is not built at all."""
-    todo = {j.group for j in jobs if j.siblings and j.status in (MISS, FAILED_BEFORE)} - set(known)
+    todo = {j.group for j in jobs if j.siblings and j.status in (JobStatus.MISS, JobStatus.FAILED_BEFORE)} - set(known)
     for i, job in enumerate(jobs):
-        if job.siblings and job.group in todo and job.status == HIT:
-            jobs[i] = replace(job, status=MISS, reason="rebuilt with the other ranks of its job")
+        if job.siblings and job.group in todo and job.status == JobStatus.HIT:
+            jobs[i] = replace(job, status=JobStatus.MISS, reason="rebuilt with the other ranks of its job")
 
 
 def _not_signed_by(manifest: Any, own: dict[str, bytes]) -> str:
@@ -464,14 +482,15 @@ def _build_once(store: Store, job: Job, tick: Tick | None, limit: int | None,
                 entry, _ = store.open_entry(job.key)
                 if entry is not None:
                     store.touch(job.key)
-                    return JobResult(job, CACHED, time.perf_counter() - started, size=entry.manifest.size,
+                    return JobResult(job, ResultStatus.CACHED, time.perf_counter() - started, size=entry.manifest.size,
                                      reason="built meanwhile by another aotbuild process")
                 failed = None if retry_failed else _failed_meanwhile(store, job.key)
                 if failed:
-                    return JobResult(job, FAILED, time.perf_counter() - started, reason=failed, not_retried=True)
+                    return JobResult(job, ResultStatus.FAILED, time.perf_counter() - started, reason=failed,
+                                     not_retried=True)
             return _build_one(store, job, tick, limit, sign_key, loads=loads)
     except StoreError as exc:  # the lock file cannot be created: a read-only store
-        return JobResult(job, FAILED, 0.0, reason=f"cannot build into {store.root}: {exc}")
+        return JobResult(job, ResultStatus.FAILED, 0.0, reason=f"cannot build into {store.root}: {exc}")
 
 
 def _build_ranks_once(store: Store, jobs: list[Job], tick: Tick | None, limit: int | None,
@@ -491,18 +510,19 @@ def _build_ranks_once(store: Store, jobs: list[Job], tick: Tick | None, limit: i
                                            timeout=float("inf")))
                 entries = [store.open_entry(j.key)[0] for j in jobs if j.key]
                 if all(e is not None for e in entries):
-                    return [JobResult(j, CACHED, time.perf_counter() - started, size=e.manifest.size,
+                    return [JobResult(j, ResultStatus.CACHED, time.perf_counter() - started, size=e.manifest.size,
                                       reason="built meanwhile by another aotbuild process")
                             for j, e in zip(jobs, entries, strict=True) if e is not None]
                 failed = None if retry_failed else _failed_meanwhile(store, first.group)
                 if failed:
-                    return [JobResult(j, FAILED, time.perf_counter() - started, reason=failed, not_retried=True)
+                    return [JobResult(j, ResultStatus.FAILED, time.perf_counter() - started, reason=failed,
+                                      not_retried=True)
                             for j in jobs]
             loads.counts["jobs"] += 1
             loads.counts["build"] += len(jobs)  # each rank loads its own (and shards it)
             return _build_ranks(store, jobs, tick, limit, sign_key, loads)
     except StoreError as exc:
-        return [JobResult(j, FAILED, 0.0, reason=f"cannot build into {store.root}: {exc}") for j in jobs]
+        return [JobResult(j, ResultStatus.FAILED, 0.0, reason=f"cannot build into {store.root}: {exc}") for j in jobs]
 
 
 @dataclass
@@ -538,8 +558,8 @@ def _component_shapes(jobs: list[Job], results: dict[int, JobResult], todo: list
         if mine(other):
             shapes.setdefault(other.group, _Shape([])).jobs.append(other)
     for i, other in enumerate(jobs):
-        if mine(other) and other.status == HIT and other.chosen and results.get(i) is not None \
-                and results[i].status == CACHED:
+        if mine(other) and other.status == JobStatus.HIT and other.chosen and results.get(i) is not None \
+                and results[i].status == ResultStatus.CACHED:
             shape = shapes.setdefault(other.group, _Shape([], held=other.chosen, counted=False))
             shape.jobs.append(other)
             shape.indices.append(i)
@@ -576,9 +596,10 @@ def _build_component(store: Store, shapes: list[_Shape], tick: Tick | None, limi
         if blocked is not None:
             culprit, why, key = blocked
             for shape in shapes:
-                shape.attempts.append(auto.Attempt(strategy, auto.FAILED_BEFORE, why, key=key) if shape is culprit
-                                      else auto.Attempt(strategy, auto.DROPPED, f"it failed before at {culprit.label}: "
-                                                                                f"{ONE_STRATEGY}"))
+                shape.attempts.append(
+                    auto.Attempt(strategy, auto.Outcome.FAILED_BEFORE, why, key=key) if shape is culprit
+                    else auto.Attempt(strategy, auto.Outcome.DROPPED, f"it failed before at {culprit.label}: "
+                                                                      f"{ONE_STRATEGY}"))
             last_failed = culprit
             continue
         failed = None
@@ -593,9 +614,9 @@ def _build_component(store: Store, shapes: list[_Shape], tick: Tick | None, limi
             shape.results = built
             shape.seconds += max(r.seconds for r in built)
             shape.attempts = list(built[0].attempts) or shape.attempts
-            if all(r.status in (BUILT, UNCACHED) for r in built):
+            if all(r.status in (ResultStatus.BUILT, ResultStatus.UNCACHED) for r in built):
                 shape.held = strategy
-            elif all(r.status == CACHED for r in built):  # built meanwhile by another aotbuild process
+            elif all(r.status == ResultStatus.CACHED for r in built):  # built meanwhile by another aotbuild process
                 manifest = store.read_manifest(str(shape.jobs[0].key))
                 shape.held = auto.held_by(manifest) if manifest is not None else strategy
             else:
@@ -609,9 +630,9 @@ def _build_component(store: Store, shapes: list[_Shape], tick: Tick | None, limi
             if shape is failed or shape.held != strategy:
                 continue
             if shape.attempts and shape.attempts[-1].strategy == strategy:
-                shape.attempts[-1] = replace(shape.attempts[-1], outcome=auto.DROPPED, reason=dropped)
+                shape.attempts[-1] = replace(shape.attempts[-1], outcome=auto.Outcome.DROPPED, reason=dropped)
             else:  # a hit of an earlier build
-                shape.attempts.append(auto.Attempt(strategy, auto.DROPPED, dropped))
+                shape.attempts.append(auto.Attempt(strategy, auto.Outcome.DROPPED, dropped))
     _component_results(shapes)
 
 
@@ -638,14 +659,14 @@ def _component_results(shapes: list[_Shape]) -> None:
         if not shape.results:
             if shape.indices:  # a hit its component never had to rebuild
                 continue
-            known = all(a.outcome in (auto.FAILED_BEFORE, auto.DROPPED) for a in shape.attempts)
+            known = all(a.outcome in (auto.Outcome.FAILED_BEFORE, auto.Outcome.DROPPED) for a in shape.attempts)
             reason = f"auto: no strategy built and passed the proof: {auto.attempts_text(shape.attempts)}"
-            shape.results = [JobResult(j, FAILED, reason=f"{reason}; {RETRY_HINT}" if known else reason,
+            shape.results = [JobResult(j, ResultStatus.FAILED, reason=f"{reason}; {RETRY_HINT}" if known else reason,
                                        not_retried=known, attempts=list(shape.attempts)) for j in shape.jobs]
             continue
         note = f"auto: {auto.attempts_text(shape.attempts)}"
         shape.results = [replace(r, seconds=shape.seconds, attempts=list(shape.attempts),
-                                 reason=note if r.status == BUILT else r.reason) for r in shape.results]
+                                 reason=note if r.status == ResultStatus.BUILT else r.reason) for r in shape.results]
 
 
 def _build_auto(store: Store, jobs: list[Job], tick: Tick | None, limit: int | None, sign_key: str | Path | None,
@@ -668,12 +689,12 @@ def _build_auto(store: Store, jobs: list[Job], tick: Tick | None, limit: int | N
                                            timeout=float("inf")))
                 entries = [store.open_entry(j.key)[0] for j in jobs if j.key]
                 if all(e is not None for e in entries):
-                    return [JobResult(j, CACHED, time.perf_counter() - started, size=e.manifest.size,
+                    return [JobResult(j, ResultStatus.CACHED, time.perf_counter() - started, size=e.manifest.size,
                                       reason="built meanwhile by another aotbuild process")
                             for j, e in zip(jobs, entries, strict=True) if e is not None]
             return _attempts(store, jobs, tick, limit, sign_key, loads, retry_failed, tries=tries, before=before)
     except StoreError as exc:
-        return [JobResult(j, FAILED, 0.0, reason=f"cannot build into {store.root}: {exc}") for j in jobs]
+        return [JobResult(j, ResultStatus.FAILED, 0.0, reason=f"cannot build into {store.root}: {exc}") for j in jobs]
 
 
 def _attempts(store: Store, jobs: list[Job], tick: Tick | None, limit: int | None, sign_key: str | Path | None,
@@ -690,7 +711,8 @@ def _attempts(store: Store, jobs: list[Job], tick: Tick | None, limit: int | Non
     started = time.perf_counter()
     attempts: list[auto.Attempt] = list(before or ())
     if not first.choice.tries:
-        return [JobResult(j, FAILED, reason=f"auto: no strategy can serve this recipe here; {first.choice.text()}")
+        return [JobResult(j, ResultStatus.FAILED,
+                          reason=f"auto: no strategy can serve this recipe here; {first.choice.text()}")
                 for j in jobs]
     ran = False
     for strategy in first.choice.tries if tries is None else tries:
@@ -699,8 +721,8 @@ def _attempts(store: Store, jobs: list[Job], tick: Tick | None, limit: int | Non
         assert lead.group is not None
         record = None if retry_failed else store.failure(lead.group)
         if record is not None and record.get("aotbuild") == constants.VERSION:
-            attempts.append(auto.Attempt(strategy, auto.FAILED_BEFORE, _first_line(str(record.get("reason", ""))),
-                                         key=lead.group))
+            attempts.append(auto.Attempt(strategy, auto.Outcome.FAILED_BEFORE,
+                                         _first_line(str(record.get("reason", ""))), key=lead.group))
             continue
         adopted = _adopt(store, jobs, group, attempts, sign_key, strategy)
         if adopted:
@@ -718,20 +740,22 @@ def _attempts(store: Store, jobs: list[Job], tick: Tick | None, limit: int | Non
         else:
             results = [_build_one(store, lead, tick, limit, sign_key, loads=loads, chosen=chosen[0])]
         seconds = max(r.seconds for r in results)  # the attempt's own (its ranks ran side by side)
-        if all(r.status in (BUILT, UNCACHED) for r in results):  # built and proven (stored, or not storable)
+        # built and proven (stored, or not storable)
+        if all(r.status in (ResultStatus.BUILT, ResultStatus.UNCACHED) for r in results):
             store.remove_failure(lead.group)
-            attempts.append(auto.Attempt(strategy, auto.BUILT, seconds=seconds, key=lead.group))
+            attempts.append(auto.Attempt(strategy, auto.Outcome.BUILT, seconds=seconds, key=lead.group))
             note = f"auto: {auto.attempts_text(attempts)}"
             return [replace(r, job=j, seconds=time.perf_counter() - started, attempts=list(attempts),
                             reason=r.reason or note) for j, r in zip(jobs, results, strict=True)]
-        reason = next(r.reason for r in results if r.status != BUILT)
+        reason = next(r.reason for r in results if r.status != ResultStatus.BUILT)
         for job, result in zip(group, results, strict=True):
-            if result.status == FAILED:
+            if result.status == ResultStatus.FAILED:
                 _remember(store, job, result)
-        attempts.append(auto.Attempt(strategy, auto.FAILED, _first_line(reason), seconds, key=lead.group))
-    known = all(a.outcome == auto.FAILED_BEFORE for a in attempts)
+        attempts.append(auto.Attempt(strategy, auto.Outcome.FAILED, _first_line(reason), seconds, key=lead.group))
+    known = all(a.outcome == auto.Outcome.FAILED_BEFORE for a in attempts)
     reason = f"auto: no strategy built and passed the proof: {auto.attempts_text(attempts)}"
-    return [JobResult(j, FAILED, time.perf_counter() - started, reason=f"{reason}; {RETRY_HINT}" if known else reason,
+    return [JobResult(j, ResultStatus.FAILED, time.perf_counter() - started,
+                      reason=f"{reason}; {RETRY_HINT}" if known else reason,
                       not_retried=known, attempts=list(attempts)) for j in jobs]
 
 
@@ -758,7 +782,7 @@ def _adopt(store: Store, jobs: list[Job], group: list[Job], attempts: list[auto.
     for job, attempt_job, entry in zip(jobs, group, entries, strict=True):
         assert entry is not None and job.key is not None and job.factors is not None
         built = entry.manifest
-        taken = [*attempts, auto.Attempt(tried, auto.BUILT, "its entry was in the cache "
+        taken = [*attempts, auto.Attempt(tried, auto.Outcome.BUILT, "its entry was in the cache "
                                          f"(key {attempt_job.key[:12] if attempt_job.key else '-'}): taken as it is",
                                          key=attempt_job.key or "")]
         own = {k: (attempt_job.factors or {})["compile"].get(k) for k in auto.strategy_factors(attempt_job.ctx)}
@@ -773,9 +797,11 @@ def _adopt(store: Store, jobs: list[Job], group: list[Job], attempts: list[auto.
                     manifest = sign(manifest, sign_key)
                 writer.put_manifest(manifest)
         except (OSError, StoreError) as exc:
-            results.append(JobResult(job, UNCACHED, time.perf_counter() - started, reason=f"not stored: {exc}"))
+            results.append(JobResult(job, ResultStatus.UNCACHED, time.perf_counter() - started,
+                                     reason=f"not stored: {exc}"))
             continue
-        results.append(JobResult(job, BUILT, time.perf_counter() - started, size=manifest.size, attempts=taken,
+        results.append(JobResult(job, ResultStatus.BUILT, time.perf_counter() - started, size=manifest.size,
+                                 attempts=taken,
                                  reason=f"auto: {auto.attempts_text(taken)}"))
     return results
 
@@ -802,7 +828,7 @@ def _build_ranks(store: Store, jobs: list[Job], tick: Tick | None, limit: int | 
     log_path = store.layout.job_log(first.group)
 
     def failed(reason: str, seconds: float) -> list[JobResult]:
-        return [JobResult(j, FAILED, seconds, reason=reason) for j in jobs]
+        return [JobResult(j, ResultStatus.FAILED, seconds, reason=reason) for j in jobs]
 
     try:
         store.layout.tmp.mkdir(parents=True, exist_ok=True)
@@ -887,9 +913,9 @@ def _remember(store: Store, job: Job, result: JobResult) -> None:
     """A failed job leaves a small record (``<cache>/failures/<key>.json``) so ``plan`` says it failed
     (and keeps it out of estimates); a job that then builds clears it."""
     assert job.key is not None
-    if result.status == BUILT:
+    if result.status == ResultStatus.BUILT:
         store.remove_failure(job.key)
-    elif result.status == FAILED and not result.not_retried:
+    elif result.status == ResultStatus.FAILED and not result.not_retried:
         store.put_failure(job.key, {"key": job.key, "reason": result.reason[:2000], "aotbuild": constants.VERSION,
                                     "time": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                                     "recipe": job.recipe.name, "component": job.component,
@@ -912,7 +938,8 @@ def _build_one(store: Store, job: Job, tick: Tick | None = None, limit: int | No
         store.layout.tmp.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f"job-{job.key[:12]}.", dir=store.layout.tmp))
     except OSError as exc:  # a full disk or a read-only store: this job cannot even start
-        return JobResult(job, FAILED, 0.0, reason=f"cannot create the job's folder in {store.layout.tmp}: {exc}")
+        return JobResult(job, ResultStatus.FAILED, 0.0,
+                         reason=f"cannot create the job's folder in {store.layout.tmp}: {exc}")
     phase = staging / "phase"
     try:
         # Held while the job runs: `aotbuild verify` leaves a staging folder alone while it is locked.
@@ -934,10 +961,12 @@ def _build_one(store: Store, job: Job, tick: Tick | None = None, limit: int | No
             seconds = time.perf_counter() - started
             if code != 0 or "error" in result:
                 _keep_log(staging / "worker.log", log_path)
-                return JobResult(job, FAILED, seconds, reason=f"{_one_line(result['error'])} (log: {log_path})")
+                return JobResult(job, ResultStatus.FAILED, seconds,
+                                 reason=f"{_one_line(result['error'])} (log: {log_path})")
             files = job.ctx.strategy.collect(target, staging)
             if not files:
-                return JobResult(job, FAILED, seconds, reason="the job compiled nothing: no artifact to store")
+                return JobResult(job, ResultStatus.FAILED, seconds,
+                                 reason="the job compiled nothing: no artifact to store")
             phase.write_text("proving: a fresh process serves the entry")
             loads.counts["proof"] += 1
             try:
@@ -947,12 +976,12 @@ def _build_one(store: Store, job: Job, tick: Tick | None = None, limit: int | No
                 result.setdefault("seconds", {})["proof"] = round(time.perf_counter() - t_proof, 3)
             except ProofFailed as exc:
                 _keep_log(staging / "proof" / "proof.log", log_path)
-                return JobResult(job, FAILED, time.perf_counter() - started,
+                return JobResult(job, ResultStatus.FAILED, time.perf_counter() - started,
                                  reason=f"{_one_line(str(exc))} (log: {log_path})")
             seconds = time.perf_counter() - started
             return store_job(store, job, files, result, seconds, limit, proof, sign_key, chosen)
     except OSError as exc:
-        return JobResult(job, FAILED, time.perf_counter() - started, reason=f"cannot run the job: {exc}")
+        return JobResult(job, ResultStatus.FAILED, time.perf_counter() - started, reason=f"cannot run the job: {exc}")
     finally:
         store.clean_staging(staging)
 
@@ -1030,7 +1059,7 @@ def make_manifest(job: Job, records: list[FileRecord], result: dict[str, Any], s
     stored, extra = job, {}
     if chosen is not None:
         stored = chosen.job
-        built = auto.Attempt(chosen.tried or job.recipe.strategy, auto.BUILT, seconds=seconds, key=job.key)
+        built = auto.Attempt(chosen.tried or job.recipe.strategy, auto.Outcome.BUILT, seconds=seconds, key=job.key)
         own = {k: job.factors["compile"].get(k) for k in auto.strategy_factors(job.ctx)}
         extra = {"auto": {"attempts": [a.as_json() for a in (*chosen.attempts, built)], "factors": own}}
     assert stored.key is not None and stored.factors is not None
@@ -1060,7 +1089,7 @@ def store_job(store: Store, job: Job, files: list[tuple[str, Path]], result: dic
     assert job.key is not None and job.factors is not None
     size = sum(path.stat().st_size for _, path in files)
     if limit is not None and size > limit:
-        return JobResult(job, FAILED, seconds, size=size,
+        return JobResult(job, ResultStatus.FAILED, seconds, size=size,
                          reason=f"the entry is {format_size(size)}, bigger than the cache's size limit "
                                 f"{format_size(limit)}: nothing stored (raise max_size, docs/cache.md)")
     try:
@@ -1077,9 +1106,9 @@ def store_job(store: Store, job: Job, files: list[tuple[str, Path]], result: dic
                 manifest = sign(manifest, sign_key)
             writer.put_manifest(manifest)
     except OSError as exc:  # put_blob/put_manifest removed their temp files, the writer its blobs
-        return JobResult(job, UNCACHED, seconds, size=size,
+        return JobResult(job, ResultStatus.UNCACHED, seconds, size=size,
                          reason=f"compiled, but not stored in the cache: {exc}")
-    return JobResult(job, BUILT, seconds, size=manifest.size, details=result)
+    return JobResult(job, ResultStatus.BUILT, seconds, size=manifest.size, details=result)
 
 
 def _ticker(progress: Progress, n: int, total: int, job: Job) -> Tick:
@@ -1097,4 +1126,4 @@ def _keep_log(source: Path, dest: Path) -> None:
         pass
 
 
-__all__ = ["build", "BuildReport", "JobResult", "BUILT", "CACHED", "FAILED", "SKIPPED", "UNAVAILABLE"]
+__all__ = ["build", "BuildReport", "JobResult", "ResultStatus"]

@@ -19,7 +19,6 @@ from aotbuild import constants
 from aotbuild.errors import AotbuildError
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_MISS, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
-REMOTE = "remote"  # plan --remote: not cached here, on the remote
 
 
 def _human_size(n: int) -> str:
@@ -293,8 +292,8 @@ def build(recipes: tuple[str, ...], cache: str | None, as_json: bool, shard: str
       aotbuild build recipes/ --shard 2/4 --push hf://datasets/my-org/aot-cache
     """
 
-    from aotbuild.auto import FAILED as ATTEMPT_FAILED
-    from aotbuild.builder import BUILT, CACHED, FAILED
+    from aotbuild.auto import Outcome
+    from aotbuild.builder import ResultStatus
     from aotbuild.builder import build as run_build
     from aotbuild.shards import resolve
 
@@ -306,11 +305,12 @@ def build(recipes: tuple[str, ...], cache: str | None, as_json: bool, shard: str
         from aotbuild.signing import public_of
         from aotbuild.sync import push
 
-        keys = [r.job.key for r in report.results if r.status in (BUILT, CACHED) and r.job.key]
+        keys = [r.job.key for r in report.results
+                if r.status in (ResultStatus.BUILT, ResultStatus.CACHED) and r.job.key]
         # The failures this build recorded go to the remote too (the one rule for failures): failed jobs,
         # and the failed attempts of strategy: auto, recorded under each attempt's own key.
-        failed = [r.job for r in report.results if r.status == FAILED and not r.not_retried] + \
-            [a.key for r in report.results for a in r.attempts if a.outcome == ATTEMPT_FAILED and a.key]
+        failed = [r.job for r in report.results if r.status == ResultStatus.FAILED and not r.not_retried] + \
+            [a.key for r in report.results for a in r.attempts if a.outcome == Outcome.FAILED and a.key]
         # Nothing is signed on the way out; with --sign-key, a remote entry that key did not sign gives
         # way to this build's own (signed) one.
         pushed = push(keys, target, cache=cache, progress=None if as_json else _push_progress(),
@@ -455,7 +455,7 @@ def plan(recipes: tuple[str, ...], cache: str | None, as_json: bool, fail_on_mis
 
     from aotbuild.errors import RecipeError
     from aotbuild.layout import resolve_cache_root
-    from aotbuild.planner import HIT, MISS, mark_remote, shard_jobs, shard_summary
+    from aotbuild.planner import JobStatus, mark_remote, shard_jobs, shard_summary
     from aotbuild.planner import plan as run_plan
     from aotbuild.recipes import load_recipes
     from aotbuild.shards import resolve
@@ -493,14 +493,14 @@ def plan(recipes: tuple[str, ...], cache: str | None, as_json: bool, fail_on_mis
         rows = [[j.recipe.name, j.component + _rank_text(j.factors), str(j.shape),
                  f"{j.recipe.strategy}: {j.chosen}" if j.chosen else j.recipe.strategy,
                  j.key[:12] if j.key else "-", j.status,
-                 "" if j.status == HIT and not j.chosen else j.reason] for j in jobs]
+                 "" if j.status == JobStatus.HIT and not j.chosen else j.reason] for j in jobs]
         _echo(_table(rows, ["recipe", "component", "shape", "strategy", "key", "status", "reason"]))
         if explain_auto:
             _echo(_explain_auto(jobs))
-        hits = sum(j.status == HIT for j in jobs)
-        there_text = f", {sum(j.status == REMOTE for j in jobs)} on {target.url}" if target else ""
+        hits = sum(j.status == JobStatus.HIT for j in jobs)
+        there_text = f", {sum(j.status == JobStatus.REMOTE for j in jobs)} on {target.url}" if target else ""
         _echo(f"{hits}/{len(jobs)} jobs cached in {resolve_cache_root(cache)}{there_text}")
-        cost = _estimate_text([j for j in jobs if j.status == MISS])
+        cost = _estimate_text([j for j in jobs if j.status == JobStatus.MISS])
         if cost:
             _echo(cost)
         for j in jobs:  # the text length: how each job serves prompts of other lengths (issue 34)
@@ -510,26 +510,26 @@ def plan(recipes: tuple[str, ...], cache: str | None, as_json: bool, fail_on_mis
         _error(exc)
     if bad:
         return EXIT_BAD_INPUT
-    missing = any(j.status not in (HIT, REMOTE) for j in jobs)
+    missing = any(j.status not in (JobStatus.HIT, JobStatus.REMOTE) for j in jobs)
     return EXIT_MISS if (fail_on_miss and missing) else EXIT_OK
 
 
 def _explain_auto(jobs: list) -> str:
     """Per auto job: the strategies tried in order (each with its concrete key, and whether it failed
     before) and the ones excluded, with why (aotbuild/auto.py)."""
-    from aotbuild.planner import HIT
+    from aotbuild.planner import JobStatus
 
     lines = []
     held: dict[tuple[int, str], set[str]] = {}  # what each component's stored shapes hold (the builder
     for j in jobs:  # starts a component's missing shapes there: one strategy serves a component)
-        if j.choice is not None and j.status == HIT and j.chosen:
+        if j.choice is not None and j.status == JobStatus.HIT and j.chosen:
             held.setdefault((id(j.ctx), j.component), set()).add(j.chosen)
     for j in jobs:
         if j.choice is None:
             continue
         lines.append(f"{_line(j.label)} ({j.key[:12] if j.key else '-'}): auto tries, in this order:")
         stored = [n for n in j.choice.tries if n in held.get((id(j.ctx), j.component), ())]
-        if j.status != HIT and stored and stored[0] != j.choice.tries[0]:
+        if j.status != JobStatus.HIT and stored and stored[0] != j.choice.tries[0]:
             lines.append(f"  starts at {stored[0]}: the component's other shapes hold it (one strategy serves "
                          f"every shape of a component); --retry-failed starts at {j.choice.tries[0]}")
         for n, name in enumerate(j.choice.tries, 1):

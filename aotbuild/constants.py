@@ -6,7 +6,22 @@ glance what the environment can change.
 
 from __future__ import annotations
 
+import enum
 import os
+
+
+class Vocabulary(str, enum.Enum):
+    """Base of a report's statuses (planner.JobStatus, builder.ResultStatus, sync.PullStatus,
+    manage.Finding, auto.Outcome): code names a status by what it means in its own report, while a
+    member prints, formats, compares and serializes as its value, so ``--json``, the manifests and
+    ``job.status == "hit"`` read as they did when the statuses were plain strings."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
 
 #: aotbuild's version (``aotbuild.__version__``; recorded in every manifest's ``build``).
 VERSION = "0.1.0"

@@ -190,7 +190,7 @@ ROUNDTRIP = textwrap.dedent("""\
 def check_roundtrip(target: str, device: str, progress: Any = None) -> Check:
     """Build and prove the tiny model's text encoder in a temporary cache; the proof is a fresh process
     serving it."""
-    from aotbuild.builder import BUILT, build
+    from aotbuild.builder import ResultStatus, build
 
     folder = Path(tempfile.mkdtemp(prefix="aotbuild-doctor-"))
     try:
@@ -199,7 +199,7 @@ def check_roundtrip(target: str, device: str, progress: Any = None) -> Check:
         # The job and its proof each get empty compiler caches of their own (target.capture_env).
         report = build([str(recipe)], cache=folder / "cache", progress=progress)
         result = report.results[0]
-        if result.status != BUILT:
+        if result.status != ResultStatus.BUILT:
             return _failed("roundtrip", f"the tiny build {result.status}: {result.reason}",
                            "fix the check that failed above; the log named in the detail has the rest")
         from aotbuild.store import Store

@@ -61,6 +61,11 @@ class StoreError(AotbuildError, OSError):
     """The cache store could not be read or written."""
 
 
+class LockUnavailable(StoreError):
+    """The store's lock file cannot be opened or created (a read-only store, a folder its user cannot
+    write): raised instead of waiting, so a reader of a read-only store can go on unlocked."""
+
+
 class ModelUnavailable(AotbuildError):
     """The model's files cannot be read or are refused: a folder's file that is not a bounded JSON
     object (NaN, nested too deep, too big), a link out of the folder, a component name that is not a

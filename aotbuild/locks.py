@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from aotbuild.constants import lock_timeout
-from aotbuild.errors import StoreError
+from aotbuild.errors import LockUnavailable, StoreError
 from aotbuild.layout import Layout, shared_dirs
 
 try:
@@ -47,7 +47,7 @@ def flocked(path: Path, *, exclusive: bool, timeout: float | None = None, holder
         if exc.errno in (errno.EACCES, errno.EROFS, errno.EPERM) and not exclusive:
             yield False  # nobody can write this store, so there is nothing to coordinate
             return
-        raise StoreError(f"cannot open the lock file {path}: {exc}") from None
+        raise LockUnavailable(f"cannot open the lock file {path}: {exc}") from None
     try:
         if fcntl is not None:
             mode = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH

@@ -20,29 +20,41 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from aotbuild.constants import VERSION
-from aotbuild.errors import StoreError
+from aotbuild.constants import VERSION, Vocabulary
+from aotbuild.errors import LockUnavailable, StoreError
 from aotbuild.layout import HEX64
 from aotbuild.locks import is_unlocked, store_lock
 from aotbuild.manifest import Manifest, StaleManifest
 from aotbuild.store import Store, sha256_file
 
-CORRUPT, MISSING, MALFORMED, UNREADABLE, ORPHAN, TEMP = "corrupt", "missing", "malformed", "unreadable", "orphan", \
-    "temp"
-FOREIGN = "foreign"  # in the store's folders, but not a name aotbuild writes: --fix leaves it
-UNTRUSTED = "untrusted"  # with trusted keys: no trusted key signed it (reported; --fix never deletes it)
+
+class Finding(Vocabulary):
+    """What ``verify`` found wrong with a path (``Problem.kind``; ``verify --json``'s ``kind``)."""
+
+    CORRUPT = "corrupt"
+    MISSING = "missing"
+    MALFORMED = "malformed"
+    UNREADABLE = "unreadable"
+    ORPHAN = "orphan"
+    TEMP = "temp"
+    #: in the store's folders, but not a name aotbuild writes: --fix leaves it
+    FOREIGN = "foreign"
+    #: with trusted keys: no trusted key signed it (reported; --fix never deletes it)
+    UNTRUSTED = "untrusted"
+
+
 #: What ``verify --fix`` repairs; every other kind is left for its owner, who alone may remove or fix it.
-FIXABLE = frozenset({CORRUPT, MISSING, MALFORMED, ORPHAN, TEMP})
+FIXABLE = frozenset({Finding.CORRUPT, Finding.MISSING, Finding.MALFORMED, Finding.ORPHAN, Finding.TEMP})
 #: What the owner of a finding ``--fix`` leaves does about it.
-OWNER_ACTION = {UNREADABLE: "its owner fixes its permissions",
-                FOREIGN: "aotbuild did not write it: its owner removes it, or points the cache elsewhere",
-                UNTRUSTED: "no trusted key signed it: rebuild it with `build --sign-key`, vouch for it with "
+OWNER_ACTION = {Finding.UNREADABLE: "its owner fixes its permissions",
+                Finding.FOREIGN: "aotbuild did not write it: its owner removes it, or points the cache elsewhere",
+                Finding.UNTRUSTED: "no trusted key signed it: rebuild it with `build --sign-key`, vouch for it with "
                            "`aotbuild sign` (docs/security.md), or remove it (aotbuild rm KEY)"}
 
 
 @dataclass
 class Problem:
-    kind: str  # corrupt | missing | malformed | unreadable | orphan | temp
+    kind: Finding
     path: Path
     detail: str
     key: str | None = None
@@ -60,14 +72,14 @@ class Problem:
     def remains(self) -> bool:
         """After ``verify --fix``: is this problem still there? (An unreadable manifest always is, and so is
         what aotbuild did not write: ``--fix`` never deletes it.)"""
-        if self.kind in (UNREADABLE, UNTRUSTED):
+        if self.kind in (Finding.UNREADABLE, Finding.UNTRUSTED):
             return True
         return os.path.lexists(self.path)
 
     @property
     def foreign(self) -> bool:
         """A path aotbuild's naming scheme did not give: reported, never removed."""
-        return self.kind == FOREIGN
+        return self.kind == Finding.FOREIGN
 
 
 @contextlib.contextmanager
@@ -77,8 +89,8 @@ def _exclusive(store: Store, *, required: bool) -> Iterator[None]:
     with contextlib.ExitStack() as stack:
         try:
             stack.enter_context(store_lock(store.root, exclusive=True))
-        except StoreError as exc:
-            if required or "cannot open the lock file" not in str(exc):
+        except LockUnavailable:
+            if required:
                 raise
         yield
 
@@ -99,34 +111,35 @@ def _scan(store: Store) -> list[Problem]:
         key = path.stem
         why = store.untrusted(manifest) if not isinstance(manifest, StaleManifest) else ""
         if why:
-            problems.append(Problem(UNTRUSTED, path, why, key))
+            problems.append(Problem(Finding.UNTRUSTED, path, why, key))
         for item in manifest.files:
             digest, rel = item.sha256, item.path
             named.setdefault(digest, []).append(key)
             if digest not in checked:
                 checked[digest] = _blob_problem(store, digest, item.size)
-            if checked[digest] == MISSING:
-                problems.append(Problem(MISSING, path, f"blob {digest[:12]} of {rel} is missing", key, digest))
+            if checked[digest] == Finding.MISSING:
+                problems.append(Problem(Finding.MISSING, path, f"blob {digest[:12]} of {rel} is missing", key, digest))
             elif checked[digest]:
-                problems.append(Problem(CORRUPT, store.layout.blob(digest), f"{checked[digest]} ({rel})", key))
-    if not any(p.kind == UNREADABLE for p in problems):  # else an unreadable manifest's blobs look orphaned
+                problems.append(Problem(Finding.CORRUPT, store.layout.blob(digest), f"{checked[digest]} ({rel})", key))
+    if not any(p.kind == Finding.UNREADABLE for p in problems):  # else an unreadable manifest's blobs look orphaned
         for blob in store.blob_files():
             if blob.name not in named:
                 what = f"{blob.lstat().st_size} bytes" if stat.S_ISREG(blob.lstat().st_mode) else "not a regular file"
-                problems.append(Problem(ORPHAN, blob, f"{what} that no manifest names"))
+                problems.append(Problem(Finding.ORPHAN, blob, f"{what} that no manifest names"))
         if store.layout.blobs.is_dir():  # a folder where a blob belongs, which no manifest names
-            problems += [Problem(ORPHAN, p, "a folder that no manifest names") for p in
+            problems += [Problem(Finding.ORPHAN, p, "a folder that no manifest names") for p in
                          sorted(store.layout.blobs.glob("*/*")) if p.is_dir() and not p.is_symlink()
                          and p.name not in named]
-    problems += [Problem(TEMP, p, "left by a writer that died (killed, out of space)") for p in _leftovers(store)]
+    problems += [Problem(Finding.TEMP, p, "left by a writer that died (killed, out of space)")
+                 for p in _leftovers(store)]
     from aotbuild.builtin import dead_staging
 
-    problems += [Problem(TEMP, p, "a built-in model whose creation was killed midway")
+    problems += [Problem(Finding.TEMP, p, "a built-in model whose creation was killed midway")
                  for p in dead_staging(store.layout.models)]
     # What aotbuild's naming scheme did not give is reported and never deleted, wherever the root
     # points (a pyproject.toml once made it "/" and --fix deleted files in /tmp).
-    return [p if p.kind in (MISSING, UNREADABLE) or store.layout.wrote(p.path)
-            else Problem(FOREIGN, p.path, f"not a name aotbuild writes ({p.detail}): left as it is", p.key)
+    return [p if p.kind in (Finding.MISSING, Finding.UNREADABLE) or store.layout.wrote(p.path)
+            else Problem(Finding.FOREIGN, p.path, f"not a name aotbuild writes ({p.detail}): left as it is", p.key)
             for p in problems]
 
 
@@ -134,16 +147,17 @@ def _read(store: Store, path: Path) -> tuple[Manifest | StaleManifest | None, Pr
     """The manifest at ``path`` (a StaleManifest for another format: its blobs are still named),
     or the problem that makes it no entry."""
     if not HEX64.match(path.stem) or path.parent.name != path.stem[:2]:
-        return None, Problem(MALFORMED, path, "not named by a key in its key's folder")
+        return None, Problem(Finding.MALFORMED, path, "not named by a key in its key's folder")
     try:
         manifest = store.load_manifest(path.stem)
     except OSError as exc:
-        return None, Problem(UNREADABLE, path, f"cannot be read ({exc.strerror or exc}): its entry's owner must fix "
-                                               f"permissions", path.stem)
+        return None, Problem(Finding.UNREADABLE, path,
+                             f"cannot be read ({exc.strerror or exc}): its entry's owner must fix permissions",
+                             path.stem)
     except StaleManifest as exc:
         return exc, None
     except ValueError as exc:
-        return None, Problem(MALFORMED, path, str(exc).replace(f"{path}: ", ""))
+        return None, Problem(Finding.MALFORMED, path, str(exc).replace(f"{path}: ", ""))
     return manifest, None
 
 
@@ -157,7 +171,7 @@ def _blob_problem(store: Store, digest: str, size: int) -> str:
         if sha256_file(blob) != digest:
             return "content does not match its name (hash mismatch)"
     except FileNotFoundError:
-        return MISSING
+        return Finding.MISSING
     return ""
 
 
@@ -199,17 +213,17 @@ def _named(store: Store, *, strict: bool = True) -> tuple[dict[str, list[str]], 
 def _confirmed(store: Store, problem: Problem, named: dict[str, list[str]]) -> bool:
     """Does a problem found without the lock still hold, now that no writer is midway?"""
     path = problem.path
-    if problem.kind == MISSING:
+    if problem.kind == Finding.MISSING:
         return path.exists() and problem.blob is not None and not store.layout.blob(problem.blob).exists()
     if not os.path.lexists(path):
         return False
-    if problem.kind in (FOREIGN, UNTRUSTED):
+    if problem.kind in (Finding.FOREIGN, Finding.UNTRUSTED):
         return True
-    if problem.kind == CORRUPT:
+    if problem.kind == Finding.CORRUPT:
         return bool(_blob_problem(store, path.name, path.stat().st_size if path.is_file() else -1))
-    if problem.kind == ORPHAN:
+    if problem.kind == Finding.ORPHAN:
         return path.name not in named and os.path.lexists(path)
-    if problem.kind == TEMP:
+    if problem.kind == Finding.TEMP:
         from aotbuild.builtin import STAGING_LOCK
 
         lock = path / STAGING_LOCK if (path / STAGING_LOCK).exists() else path / ".lock" if path.is_dir() else path
@@ -232,16 +246,16 @@ def verify(store: Store, *, fix: bool = False) -> list[Problem]:
         named, _ = _named(store, strict=False)
         problems = [p for p in found if _confirmed(store, p, named)]
         if fix:
-            bad = {p.path.name for p in problems if p.kind == CORRUPT}
-            broken = {p.key for p in problems if p.kind in (CORRUPT, MISSING) and p.key}
+            bad = {p.path.name for p in problems if p.kind == Finding.CORRUPT}
+            broken = {p.key for p in problems if p.kind in (Finding.CORRUPT, Finding.MISSING) and p.key}
             broken |= {k for d in bad for k in named.get(d, [])}
             for key in sorted(broken):  # manifests first
                 store.remove_manifest(key)
             for p in problems:
-                if p.kind == MALFORMED:
+                if p.kind == Finding.MALFORMED:
                     _remove(p.path)
             for p in problems:
-                if p.kind in (CORRUPT, ORPHAN, TEMP):
+                if p.kind in (Finding.CORRUPT, Finding.ORPHAN, Finding.TEMP):
                     _remove(p.path)
             for digest, keys in named.items():  # blobs only the removed manifests named
                 if all(k in broken for k in keys):

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from aotbuild import auto, constants, keys, models, pipecall, shards
+from aotbuild.constants import Vocabulary
 from aotbuild.context import Context, Unavailable
 from aotbuild.deprecated import positional_shim
 from aotbuild.explain import Entries, estimate, explain_miss
@@ -24,16 +25,26 @@ from aotbuild.strategies.registry import checked_store
 if TYPE_CHECKING:
     from aotbuild.remote_base import Remote
 
-HIT, MISS, UNAVAILABLE = "hit", "miss", "unavailable"
 #: key -> its failure record, or None (Store.failure, or a remote's: sync.remote_failures)
 Failures = Callable[[str], "dict | None"]
-#: A miss whose last build, by this aotbuild version, failed (its failure record says why): kept out of
-#: estimates, and not built again until ``build --retry-failed`` (the one rule for failures).
-FAILED_BEFORE = "failed"
+
+
+class JobStatus(Vocabulary):
+    """A planned job's status (``Job.status``; ``plan --json``'s ``status``)."""
+
+    HIT = "hit"
+    MISS = "miss"
+    #: A miss whose last build, by this aotbuild version, failed (its failure record says why): kept out of
+    #: estimates, and not built again until ``build --retry-failed`` (the one rule for failures).
+    FAILED_BEFORE = "failed"
+    #: the recipe cannot be keyed here (its model or target is unavailable): ``reason`` says why
+    UNAVAILABLE = "unavailable"
+    #: ``plan(remote=...)`` (``plan --remote``): not in the local cache, on the remote.
+    REMOTE = "remote"
+
+
 #: What a build says of a job it did not retry.
 RETRY_HINT = "not retried: `aotbuild build --retry-failed` builds it again"
-#: ``plan(remote=...)`` (``plan --remote``): not in the local cache, on the remote.
-REMOTE = "remote"
 
 
 @dataclass
@@ -43,7 +54,7 @@ class Job:
     shape: Shape
     key: str | None
     factors: dict[str, Any] | None
-    status: str  # hit | miss | failed | unavailable | remote (plan(remote=...))
+    status: JobStatus
     reason: str = ""
     #: A miss's expected build time and entry size, from the nearest cached entry (estimate()).
     estimated_build_s: float | None = None
@@ -87,7 +98,7 @@ class Job:
                 "key": self.key, "status": self.status, "reason": self.reason}
         if self.rank is not None:
             data.update(rank=self.rank, tensor=self.recipe.tensor_parallel)
-        if self.status == MISS:
+        if self.status == JobStatus.MISS:
             data.update(estimated_build_s=self.estimated_build_s, estimated_size=self.estimated_size)
         if self.cause is not None:
             data["unavailable"] = self.cause.value
@@ -119,7 +130,8 @@ def jobs_for(ctx: Context, store: Store, failures: Failures | None = None) -> li
                 problem, cause = f"model unavailable: {exc}", Unavailable.of(exc)
         for shape in recipe.shapes:
             if problem or config is None:
-                jobs.extend(Job(recipe, component, shape, None, None, UNAVAILABLE, problem, ctx=ctx, rank=rank,
+                jobs.extend(Job(recipe, component, shape, None, None, JobStatus.UNAVAILABLE, problem, ctx=ctx,
+                                rank=rank,
                                 cause=cause)
                             for rank in ctx.ranks)
                 continue
@@ -142,7 +154,7 @@ def concrete_job(job: Job, strategy: str) -> Job:
     component = job.factors["component"]
     factors = ctx.factors(job.component, component["class"], component["config"], job.shape,
                           job.factors["model"]["pipeline"], job.rank)
-    return replace(job, recipe=ctx.recipe, ctx=ctx, factors=factors, key=keys.key_of(factors), status=MISS,
+    return replace(job, recipe=ctx.recipe, ctx=ctx, factors=factors, key=keys.key_of(factors), status=JobStatus.MISS,
                    choice=None, attempt_keys={}, failed_before={}, siblings=())
 
 
@@ -173,7 +185,7 @@ def _failure_lookup(store: Store, failures: Failures | None) -> Failures:
 def _auto_jobs(ctx: Context, store: Store, jobs: list[Job], failure: Failures) -> list[Job]:
     """An auto job's ranks with what auto tries (aotbuild/auto.py): each strategy's concrete key (its
     rank 0's, where failures are recorded) and which failed before; a miss whose every try failed
-    before is FAILED_BEFORE (not retried until ``--retry-failed``, the one rule for failures); a hit
+    before is JobStatus.FAILED_BEFORE (not retried until ``--retry-failed``, the one rule for failures); a hit
     says what its entry holds and the attempts its build made."""
     choice = auto.choice(ctx.recipe, ctx.target, ctx.device)
     first = jobs[0]
@@ -186,16 +198,16 @@ def _auto_jobs(ctx: Context, store: Store, jobs: list[Job], failure: Failures) -
     out = []
     for job in jobs:
         job = replace(job, choice=choice, attempt_keys=attempt_keys, failed_before=failed)
-        if job.status == HIT and job.key:
+        if job.status == JobStatus.HIT and job.key:
             manifest = store.read_manifest(job.key)
             if manifest is not None and manifest.auto is not None:
                 attempts = tuple(manifest.auto.get("attempts", ()))
                 job = replace(job, chosen=auto.held_by(manifest), attempts=attempts,
                               reason=f"auto chose {manifest.strategy}: {auto.attempts_text(list(attempts))}")
-        elif job.status == MISS and choice.tries and set(choice.tries) <= set(failed):
+        elif job.status == JobStatus.MISS and choice.tries and set(choice.tries) <= set(failed):
             why = "; ".join(f"{s} failed before: {failed[s]}" for s in choice.tries)
-            job = replace(job, status=FAILED_BEFORE, reason=f"every strategy auto tries failed before: {why}")
-        elif job.status == MISS:
+            job = replace(job, status=JobStatus.FAILED_BEFORE, reason=f"every strategy auto tries failed before: {why}")
+        elif job.status == JobStatus.MISS:
             job = replace(job, reason=f"{job.reason}; auto {choice.text()}"
                                       + "".join(f"; skips {s} (failed before)" for s in failed))
         out.append(job)
@@ -216,7 +228,7 @@ def _job(ctx: Context, store: Store, component: str, shape: Shape, rank: int | N
     if failed is not None and failed.get("aotbuild") == constants.VERSION:
         reason = (f"failed before ({failed.get('time', '?')}, aotbuild {failed.get('aotbuild', '?')}): "
                   f"{failed['reason']}")
-        return Job(recipe, component, shape, key, factors, FAILED_BEFORE, reason, unusable=why.kind, ctx=ctx,
+        return Job(recipe, component, shape, key, factors, JobStatus.FAILED_BEFORE, reason, unusable=why.kind, ctx=ctx,
                    rank=rank, siblings=siblings)
     cost = None
     if not ok:
@@ -228,7 +240,8 @@ def _job(ctx: Context, store: Store, component: str, shape: Shape, rank: int | N
         reason = explain_miss(manifests[0], recipe.name, component, factors, store.root)
         if failed is not None:
             reason += f" (it failed with aotbuild {failed.get('aotbuild', '?')}: this version tries again)"
-    return Job(recipe, component, shape, key, factors, HIT if ok else MISS, reason, *(cost or (None, None)),
+    status = JobStatus.HIT if ok else JobStatus.MISS
+    return Job(recipe, component, shape, key, factors, status, reason, *(cost or (None, None)),
                unusable=why.kind, ctx=ctx, rank=rank, siblings=siblings,
                text=_text_note(store, recipe, component, key if ok else None, factors, manifests))
 
@@ -292,7 +305,7 @@ def plan(recipes: Recipes, *, cache: str | Path | None = None, remote: str | Rem
 
 def mark_remote(jobs: list[Job], remote: str | Remote, trusted_keys: list[str | Path] | None = None) -> list[Job]:
     """``jobs`` with each one the local cache lacks (a miss, or failed before) that ``remote`` has
-    marked :data:`REMOTE` ("on URL"). The remote's keys are listed once; nothing is downloaded. With
+    marked :data:`JobStatus.REMOTE` ("on URL"). The remote's keys are listed once; nothing is downloaded. With
     trusted keys (default ``AOTBUILD_TRUSTED_KEYS``) a remote entry counts only when a trusted key
     signed it: its manifest is read (bounded; no blob is fetched), so a ``--fail-on-miss`` gate means
     what a serving machine will load, and an unsigned one stays a miss that says why."""
@@ -300,14 +313,14 @@ def mark_remote(jobs: list[Job], remote: str | Remote, trusted_keys: list[str | 
     from aotbuild.signing import trusted_from_env
 
     target = as_remote(remote)
-    if not any(j.status in (MISS, FAILED_BEFORE) for j in jobs):
+    if not any(j.status in (JobStatus.MISS, JobStatus.FAILED_BEFORE) for j in jobs):
         return jobs
     there = target.keys()
-    needed = [j.key for j in jobs if j.status in (MISS, FAILED_BEFORE) and j.key in there]
+    needed = [j.key for j in jobs if j.status in (JobStatus.MISS, JobStatus.FAILED_BEFORE) and j.key in there]
     trusted = trusted_from_env(trusted_keys)
     refused = untrusted_on_remote(target, needed, trusted) if trusted is not None else {}
     return [replace(j, reason=f"on {target.url} but refused there: {refused[j.key]}") if j.key in refused
-            else replace(j, status=REMOTE, reason=f"on {target.url}") if j.key in needed else j for j in jobs]
+            else replace(j, status=JobStatus.REMOTE, reason=f"on {target.url}") if j.key in needed else j for j in jobs]
 
 
 def _check_shardable(recipe: Recipe, model: models.ResolvedModel) -> None:
@@ -363,5 +376,4 @@ def shard_summary(shard: tuple[int, ...] | shards.Shard, picked: int, everything
 
 
 __all__ = ["Job", "plan", "jobs_for", "concrete_job", "concrete_group",
-           "parse_shard", "shard_jobs", "shard_summary", "identity", "HIT", "MISS",
-           "UNAVAILABLE", "FAILED_BEFORE", "RETRY_HINT"]
+           "parse_shard", "shard_jobs", "shard_summary", "identity", "JobStatus", "RETRY_HINT"]

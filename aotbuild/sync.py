@@ -12,15 +12,29 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from aotbuild.constants import Vocabulary
 from aotbuild.deprecated import positional_shim
 from aotbuild.errors import UsageError
 from aotbuild.layout import resolve_cache_root
-from aotbuild.planner import FAILED_BEFORE, HIT, MISS, Job, plan
+from aotbuild.planner import Job, JobStatus, plan
 from aotbuild.remote import PushResult, Remote, as_remote, pull_entry
 from aotbuild.store import DAMAGED, Entry, Store
 from aotbuild.strategies.registry import checked_store
 
-PULLED, CACHED, MISSING, REFUSED, UNAVAILABLE = "pulled", "cached", "missing", "refused", "unavailable"
+
+class PullStatus(Vocabulary):
+    """What a pull did with a job (``PullItem.status``; ``pull --json``'s ``status``)."""
+
+    PULLED = "pulled"
+    #: already in the local cache
+    CACHED = "cached"
+    #: not on the remote
+    MISSING = "missing"
+    #: on the remote, but not stored: a blob's hash, a record or a signature did not check
+    REFUSED = "refused"
+    #: the recipe cannot be keyed here (planner.JobStatus.UNAVAILABLE)
+    UNAVAILABLE = "unavailable"
+
 
 
 def is_key_prefix(text: str) -> bool:
@@ -84,7 +98,7 @@ def push(items: list[str] | tuple[str, ...], remote: str | Remote, *, cache: str
     keys += [store.resolve_prefix(i) for i in items if is_key_prefix(i)]
     if recipes:
         for job in plan(recipes, cache=store.root):
-            if job.status == HIT and job.key:
+            if job.status == JobStatus.HIT and job.key:
                 keys.append(job.key)
             else:
                 skipped.append((job.label, job.reason or job.status))
@@ -128,7 +142,7 @@ def _built_attempt(entry: Entry) -> list[str]:
     from aotbuild.layout import HEX64
 
     attempts = (entry.manifest.auto or {}).get("attempts", ())
-    return [a["key"] for a in attempts if isinstance(a, dict) and a.get("outcome") == auto.BUILT
+    return [a["key"] for a in attempts if isinstance(a, dict) and a.get("outcome") == auto.Outcome.BUILT
             and isinstance(a.get("key"), str) and HEX64.match(a["key"])]
 
 
@@ -172,7 +186,7 @@ def push_failures(remote: Remote, store: Store, failed: list[Job | str]) -> list
 
 def pull_failures(remote: Remote, cache: str | Path | Store | None = None) -> list[str]:
     """Copy into the local store the remote's failure records, so that plan and build see them as
-    the store's own (planner.FAILED_BEFORE): a job another shard or an earlier run found failing is
+    the store's own (planner.JobStatus.FAILED_BEFORE): a job another shard or an earlier run found failing is
     not built again until --retry-failed, and keeps this shard red. Skipped: a key the remote has an
     entry of (it was built since), one the local store already records a failure of for this
     aotbuild, and a record that is not one (store.failure_record). At most MAX_PULLED_FAILURES are
@@ -267,7 +281,7 @@ def sign(items: list[str] | tuple[str, ...], sign_key: str | Path, *, cache: str
     keys = [store.resolve_prefix(i) for i in items if is_key_prefix(i)]
     recipes = [i for i in items if not is_key_prefix(i)]
     for job in plan(recipes, cache=store.root, signatures=False) if recipes else []:
-        if job.status != HIT or not job.key:
+        if job.status != JobStatus.HIT or not job.key:
             raise UsageError(f"{job.label}: not in the local cache ({job.reason or job.status}): nothing signed")
         keys.append(job.key)
     keys = list(dict.fromkeys(keys))
@@ -320,7 +334,7 @@ def _with_ranks(store: Store, keys: list[str], skipped: list[tuple[str, str]]) -
 @dataclass
 class PullItem:
     job: Job
-    status: str  # pulled | cached | missing | refused | unavailable
+    status: PullStatus
     reason: str = ""
 
     def as_json(self) -> dict[str, Any]:
@@ -347,12 +361,12 @@ class PullReport:
     @property
     def refused(self) -> list[PullItem]:
         """Entries fetched that failed verification (``pull`` exits 1)."""
-        return [i for i in self.items if i.status == REFUSED]
+        return [i for i in self.items if i.status == PullStatus.REFUSED]
 
     @property
     def missing(self) -> list[PullItem]:
         """Jobs on neither side: not on the remote, or not keyable here (``--fail-on-miss`` exits 3)."""
-        return [i for i in self.items if i.status in (MISSING, UNAVAILABLE)]
+        return [i for i in self.items if i.status in (PullStatus.MISSING, PullStatus.UNAVAILABLE)]
 
     def text(self) -> str:
         from aotbuild.text import table
@@ -378,7 +392,7 @@ def pull(recipes: list[str] | tuple[str, ...], remote: str | Remote, *, cache: s
     trusted = trusted_from_env(trusted_keys)
     store = checked_store(resolve_cache_root(cache), trusted)
     jobs = plan(list(recipes), cache=store.root, trusted_keys=trusted_keys)
-    wanted = [j for j in jobs if j.status in (MISS, FAILED_BEFORE)]
+    wanted = [j for j in jobs if j.status in (JobStatus.MISS, JobStatus.FAILED_BEFORE)]
     on_remote = remote.keys() if wanted else set()
     # A tensor-parallel job is pulled whole or not at all: each rank needs its own entry.
     partial = {j.key: next(r for r, k in enumerate(j.siblings) if k not in on_remote and not store.check_entry(k)[0])
@@ -386,17 +400,18 @@ def pull(recipes: list[str] | tuple[str, ...], remote: str | Remote, *, cache: s
                and any(k not in on_remote and not store.check_entry(k)[0] for k in j.siblings)}
     out: list[PullItem] = []
     for job in jobs:
-        if job.status == HIT:
-            out.append(PullItem(job, CACHED))
-        elif job.status not in (MISS, FAILED_BEFORE) or job.key is None:
-            out.append(PullItem(job, UNAVAILABLE, job.reason))
+        if job.status == JobStatus.HIT:
+            out.append(PullItem(job, PullStatus.CACHED))
+        elif job.status not in (JobStatus.MISS, JobStatus.FAILED_BEFORE) or job.key is None:
+            out.append(PullItem(job, PullStatus.UNAVAILABLE, job.reason))
         elif job.key in partial:
-            out.append(PullItem(job, MISSING, f"rank {partial[job.key]}'s entry of this tensor-parallel job is not on "
+            out.append(PullItem(job, PullStatus.MISSING,
+                                f"rank {partial[job.key]}'s entry of this tensor-parallel job is not on "
                                               f"{remote.url}: its ranks are pulled together"))
         elif job.key not in on_remote:
-            out.append(PullItem(job, MISSING, f"not on {remote.url}"))
+            out.append(PullItem(job, PullStatus.MISSING, f"not on {remote.url}"))
         else:
             why = pull_entry(remote, job.key, store)
-            out.append(PullItem(job, REFUSED if why else PULLED, why))
+            out.append(PullItem(job, PullStatus.REFUSED if why else PullStatus.PULLED, why))
     return PullReport(remote.url, out)
 

@@ -13,7 +13,7 @@ import shutil
 import pytest
 
 from aotbuild import auto, builder
-from aotbuild.builder import FAILED, JobResult
+from aotbuild.builder import JobResult, ResultStatus
 from aotbuild.errors import ManifestError
 from aotbuild.planner import plan
 from aotbuild.recipes import parse_recipe
@@ -128,7 +128,7 @@ def export_fails(monkeypatch, fake_compiles) -> list[str]:
     def build_one(store, job, *args, **kwargs):
         tried.append(job.key)
         if job.recipe.strategy == "aot-package":
-            return JobResult(job, FAILED, 1.0, reason=f"{EXPORT_FAILS}\nsecond line")
+            return JobResult(job, ResultStatus.FAILED, 1.0, reason=f"{EXPORT_FAILS}\nsecond line")
         return stand_in(store, job, *args, **kwargs)
 
     monkeypatch.setattr(builder, "_build_one", build_one)
@@ -187,7 +187,7 @@ def test_one_strategy_serves_every_shape_of_a_component_a_failing_shape_takes_it
         shape = str(job.shape)
         shapes.append(shape)
         if job.recipe.strategy == "aot-package" and shape != shapes[0]:  # the second shape tried fails
-            return JobResult(job, FAILED, 1.0, reason=EXPORT_FAILS)
+            return JobResult(job, ResultStatus.FAILED, 1.0, reason=EXPORT_FAILS)
         return stand_in(store, job, *args, **kwargs)
 
     monkeypatch.setattr(builder, "_build_one", build_one)
@@ -232,7 +232,7 @@ def test_a_stored_shape_is_built_again_when_a_new_shape_fails_its_strategy(cache
 
     def build_one(store, job, *args, **kwargs):
         if job.recipe.strategy == "aot-package" and job.shape.height == 32:
-            return JobResult(job, FAILED, 1.0, reason=EXPORT_FAILS)
+            return JobResult(job, ResultStatus.FAILED, 1.0, reason=EXPORT_FAILS)
         return stand_in(store, job, *args, **kwargs)
 
     monkeypatch.setattr(builder, "_build_one", build_one)
@@ -254,7 +254,7 @@ def test_when_every_strategy_fails_the_job_fails_with_each_reason_and_stays_red(
     from aotbuild import build
 
     monkeypatch.setattr(builder, "_build_one", lambda store, job, *a, **k: JobResult(
-        job, FAILED, 1.0, reason=f"{job.recipe.strategy} could not"))
+        job, ResultStatus.FAILED, 1.0, reason=f"{job.recipe.strategy} could not"))
     result, = build(AUTO, cache).results
     assert result.status == "failed" and not result.not_retried
     assert result.reason == ("auto: no strategy built and passed the proof: aot-package failed, 1.0 s: aot-package "

@@ -15,7 +15,7 @@ from dataclasses import replace
 
 import pytest
 
-from aotbuild.builder import UNCACHED, store_job
+from aotbuild.builder import ResultStatus, store_job
 from aotbuild.manage import verify
 from aotbuild.store import Store
 from tests.conftest import FAKES, REPO, TINY_RECIPE, run_cli
@@ -124,7 +124,7 @@ def test_a_held_lock_gives_a_clear_timeout_naming_it(tmp_path, monkeypatch, held
             job = plan([str(TINY_RECIPE)], store.root)[0]
             monkeypatch.setenv("AOTBUILD_LOCK_TIMEOUT", "0.5")
             result = store_job(store, job, artifacts(tmp_path, job.key), {"signatures": []}, 1.0)
-            assert result.status == UNCACHED and "timed out" in result.reason
+            assert result.status == ResultStatus.UNCACHED and "timed out" in result.reason
     finally:
         proc.kill()
         proc.wait()

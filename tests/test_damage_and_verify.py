@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from aotbuild import builder
-from aotbuild.builder import BUILT, CACHED
+from aotbuild.builder import ResultStatus
 from aotbuild.errors import StoreError
 from aotbuild.manage import verify
 from aotbuild.store import Store
@@ -26,7 +26,7 @@ from tests.standins import add_entry, check_no_dangling
 @pytest.mark.parametrize("damage", ["flip", "truncate", "empty"])
 def test_a_damaged_blob_is_a_miss_and_the_next_build_rebuilds_it(cache, fake_compiles, damage):
     first = builder.build([str(TINY_RECIPE)], cache)
-    assert {r.status for r in first.results} == {BUILT}
+    assert {r.status for r in first.results} == {ResultStatus.BUILT}
     store = Store(cache)
     key = first.results[0].job.key
     blob = store.layout.blob(store.read_manifest(key).files[0].sha256)
@@ -39,8 +39,8 @@ def test_a_damaged_blob_is_a_miss_and_the_next_build_rebuilds_it(cache, fake_com
     fake_compiles.clear()
     second = builder.build([str(TINY_RECIPE)], cache)
     status = {r.job.key: r.status for r in second.results}
-    assert status[key] == BUILT and fake_compiles == [key]  # only the damaged one is rebuilt
-    assert all(s == CACHED for k, s in status.items() if k != key)
+    assert status[key] == ResultStatus.BUILT and fake_compiles == [key]  # only the damaged one is rebuilt
+    assert all(s == ResultStatus.CACHED for k, s in status.items() if k != key)
     assert store.open_entry(key)[0] is not None
 
 

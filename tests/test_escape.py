@@ -184,11 +184,12 @@ def test_builds_skipped_reasons_and_note_are_printed_escaped():
     """Found in review: a skipped job's reason (a target's or a device's word) and the report's note (an
     exception's text from gc) reached the multi-line printer raw, so a newline in either put ``::error::``
     on a line of its own in CI's log."""
-    from aotbuild.builder import SKIPPED, BuildReport, JobResult
+    from aotbuild.builder import BuildReport, JobResult, ResultStatus
     from aotbuild.planner import plan
 
     job = plan({"model": "builtin:tiny-sd", "shapes": [{"height": 64, "width": 64}]})[0]
-    report = BuildReport("/c", [JobResult(job, SKIPPED, 0.0, reason=f"no device{HOSTILE}")], note=f"gc: {HOSTILE}")
+    report = BuildReport("/c", [JobResult(job, ResultStatus.SKIPPED, 0.0, reason=f"no device{HOSTILE}")],
+                         note=f"gc: {HOSTILE}")
     text = report.text()
     assert_escaped(text)
     assert f"no device{SHOWN}" in text and f"note: gc: {SHOWN}" in text, text

@@ -16,7 +16,7 @@ import pytest
 from click.testing import CliRunner
 
 from aotbuild import builder
-from aotbuild.builder import FAILED, JobResult
+from aotbuild.builder import JobResult, ResultStatus
 from aotbuild.cli import main
 from aotbuild.store import Store
 from tests.conftest import REPO, TINY_RECIPE
@@ -118,7 +118,7 @@ def failing(monkeypatch) -> list[str]:
 
     def fail(store, job, tick=None, limit=None, sign_key=None, *, loads=None):
         tried.append(job.key)
-        return JobResult(job, FAILED, 1.0, reason=REASON)
+        return JobResult(job, ResultStatus.FAILED, 1.0, reason=REASON)
 
     monkeypatch.setattr(builder, "_build_one", fail)
     return tried
@@ -148,7 +148,8 @@ def test_retry_failed_builds_it_and_a_build_clears_the_record(cache, fake_compil
     from aotbuild import build
 
     stand_in = builder._build_one  # fake_compiles' stand-in compile
-    monkeypatch.setattr(builder, "_build_one", lambda store, job, *a, **k: JobResult(job, FAILED, 1.0, reason=REASON))
+    monkeypatch.setattr(builder, "_build_one",
+                        lambda store, job, *a, **k: JobResult(job, ResultStatus.FAILED, 1.0, reason=REASON))
     assert cli("build", "--cache", str(cache), str(TINY_RECIPE)).exit_code == 1
     monkeypatch.setattr(builder, "_build_one", stand_in)  # now it would build
     report = build(str(TINY_RECIPE), cache)  # the Python API keeps the rule
@@ -221,7 +222,7 @@ def test_a_tensor_parallel_job_one_of_whose_ranks_failed_is_not_built_until_retr
 
     def launch(store, jobs, *args):  # what builds every rank of one job in one launch
         launches.append(len(jobs))
-        return [JobResult(j, FAILED, 1.0, reason="stand-in") for j in jobs]
+        return [JobResult(j, ResultStatus.FAILED, 1.0, reason="stand-in") for j in jobs]
 
     monkeypatch.setattr(builder, "_build_ranks_once", launch)
     report = build([recipe], root)

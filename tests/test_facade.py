@@ -55,10 +55,53 @@ def test_the_facade_export_lists_agree():
 
 def test_the_report_job_and_shape_types_are_exported():
     for name in ("LoadReport", "BuildReport", "JobResult", "PushReport", "PullReport", "PullItem", "Job", "Shape",
-                 "Remote"):
+                 "Remote", "JobStatus", "ResultStatus", "PullStatus"):
         assert name in aotbuild.__all__, name
     for report in (aotbuild.LoadReport, aotbuild.BuildReport, aotbuild.PushReport, aotbuild.PullReport):
         assert callable(getattr(report, "text", None)) and callable(getattr(report, "as_json", None)), report
+
+
+#: Each report's statuses as ``--json`` writes them (issue 33 item 4: typed, with these values unchanged).
+VOCABULARIES = {
+    "aotbuild.planner.JobStatus": {"HIT": "hit", "MISS": "miss", "FAILED_BEFORE": "failed",
+                                   "UNAVAILABLE": "unavailable", "REMOTE": "remote"},
+    "aotbuild.builder.ResultStatus": {"BUILT": "built", "CACHED": "cached", "FAILED": "failed", "SKIPPED": "skipped",
+                                      "ON_REMOTE": "remote", "UNCACHED": "uncached"},
+    "aotbuild.sync.PullStatus": {"PULLED": "pulled", "CACHED": "cached", "MISSING": "missing", "REFUSED": "refused",
+                                 "UNAVAILABLE": "unavailable"},
+    "aotbuild.manage.Finding": {"CORRUPT": "corrupt", "MISSING": "missing", "MALFORMED": "malformed",
+                                "UNREADABLE": "unreadable", "ORPHAN": "orphan", "TEMP": "temp", "FOREIGN": "foreign",
+                                "UNTRUSTED": "untrusted"},
+    "aotbuild.auto.Outcome": {"BUILT": "built", "FAILED": "failed", "FAILED_BEFORE": "failed before",
+                              "DROPPED": "dropped"},
+}
+
+
+@pytest.mark.parametrize("path", sorted(VOCABULARIES))
+def test_each_report_has_its_own_typed_statuses_that_read_as_before(path):
+    """A status is a member of its report's own enum (``JobStatus.FAILED_BEFORE`` is not
+    ``ResultStatus.FAILED``, though both read "failed"), and prints, formats, compares and serializes
+    as the string it was, so ``--json``, manifests and ``job.status == "hit"`` are unchanged."""
+    from aotbuild.constants import Vocabulary
+
+    module, _, name = path.rpartition(".")
+    vocabulary = getattr(importlib.import_module(module), name)
+    assert issubclass(vocabulary, Vocabulary)
+    assert {m.name: m.value for m in vocabulary} == VOCABULARIES[path]
+    for member in vocabulary:
+        assert str(member) == f"{member}" == f"{member:<1}" == member.value and member == member.value
+        assert json.dumps({"status": member}) == json.dumps({"status": member.value})
+        assert vocabulary(member.value) is member
+
+
+def test_the_report_fields_hold_their_vocabulary():
+    """The dataclasses' status fields are annotated with their enum (not ``str``)."""
+    from aotbuild import auto, builder, manage, planner, sync
+
+    for cls, field, vocabulary in ((planner.Job, "status", "JobStatus"), (builder.JobResult, "status", "ResultStatus"),
+                                   (sync.PullItem, "status", "PullStatus"), (manage.Problem, "kind", "Finding"),
+                                   (auto.Attempt, "outcome", "Outcome")):
+        assert cls.__annotations__[field].split(" ")[0] == vocabulary, (cls, field)
 
 
 def _public_functions() -> dict[str, object]:

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from aotbuild import builder
-from aotbuild.builder import FAILED, JobResult
+from aotbuild.builder import JobResult, ResultStatus
 from tests.conftest import TINY_RECIPE, invoke_cli
 
 
@@ -18,7 +18,7 @@ def test_a_failed_job_is_remembered_shown_by_plan_and_cleared_by_a_build_that_re
     stand_in = builder._build_one  # fake_compiles' stand-in compile
 
     def failing(store, job, tick=None, limit=None, sign_key=None, *, loads=None):
-        return JobResult(job, FAILED, 1.0, reason="the component cannot be captured whole: Unsupported: x")
+        return JobResult(job, ResultStatus.FAILED, 1.0, reason="the component cannot be captured whole: Unsupported: x")
 
     monkeypatch.setattr(builder, "_build_one", failing)
     report = builder.build(str(TINY_RECIPE), cache)
@@ -132,7 +132,8 @@ def test_a_failure_recorded_on_the_remote_is_skipped_by_every_fresh_runner_until
     def failing_one(store, job, tick=None, limit=None, sign_key=None, *, loads=None):
         if job.shape.width == 96 and fails[0]:
             tried.append(job.key)
-            return JobResult(job, FAILED, 1.0, reason="the component cannot be captured whole: Unsupported: x\n"
+            return JobResult(job, ResultStatus.FAILED, 1.0,
+                             reason="the component cannot be captured whole: Unsupported: x\n"
                                                       "  File model.py, line 3\nmore of the log")
         return stand_in(store, job, tick, limit, sign_key, loads=loads)
 
@@ -149,7 +150,7 @@ def test_a_failure_recorded_on_the_remote_is_skipped_by_every_fresh_runner_until
         pull_failures(remote, cache)
         report = builder.build(recipe, cache, remote=remote, retry_failed=retry)
         keys = [r.job.key for r in report.results if r.status in ("built", "cached")]
-        failed = [r.job for r in report.results if r.status == FAILED]
+        failed = [r.job for r in report.results if r.status == ResultStatus.FAILED]
         return report, push(keys, remote, cache, failed=failed)
 
     report, pushed = run("first")
@@ -250,7 +251,8 @@ def test_an_auto_attempt_that_failed_is_not_tried_again_by_a_fresh_runner(models
     def build_one(store, job, *args, **kwargs):
         tried.append(job.recipe.strategy)
         if job.recipe.strategy == "aot-package":
-            return JobResult(job, FAILED, 1.0, reason="the component cannot be captured whole: x\nsecond line")
+            return JobResult(job, ResultStatus.FAILED, 1.0,
+                             reason="the component cannot be captured whole: x\nsecond line")
         return stand_in(store, job, *args, **kwargs)
 
     monkeypatch.setattr(builder, "_build_one", build_one)

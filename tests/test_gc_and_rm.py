@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from aotbuild import builder
-from aotbuild.builder import BUILT, FAILED, store_job
+from aotbuild.builder import ResultStatus, store_job
 from aotbuild.errors import StoreError
 from aotbuild.manage import gc, rm, verify
 from aotbuild.store import Store
@@ -51,7 +51,7 @@ def test_a_build_past_the_limit_collects_old_entries_and_keeps_its_own(cache, fa
     store = Store(cache)
     old = _entries_with_ages(store, tmp_path, 4)
     report = builder.build([str(TINY_RECIPE)], cache, max_size=3 * ARTIFACT_SIZE * 2 + 1500)
-    built = [r.job.key for r in report.results if r.status == BUILT]
+    built = [r.job.key for r in report.results if r.status == ResultStatus.BUILT]
     assert len(built) == 2 and report.gc is not None
     left = {m.key for m in store.iter_manifests()}
     assert set(built) <= left and len(left & set(old)) == 1 and old[3] in left  # the newest old one stays
@@ -91,7 +91,7 @@ def test_an_entry_bigger_than_the_limit_is_a_clear_error_and_nothing_is_stored(c
     store = Store(cache)
     job = plan([str(TINY_RECIPE)], cache)[0]
     result = store_job(store, job, artifacts(tmp_path, job.key), {"signatures": []}, 1.0, limit=5000)
-    assert result.status == FAILED and "bigger than the cache's size limit" in result.reason
+    assert result.status == ResultStatus.FAILED and "bigger than the cache's size limit" in result.reason
     assert not store.has(job.key) and not list(store.blob_files())
 
 

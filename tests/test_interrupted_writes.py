@@ -16,7 +16,7 @@ import sys
 import textwrap
 
 from aotbuild import builder
-from aotbuild.builder import BUILT, UNCACHED
+from aotbuild.builder import ResultStatus
 from aotbuild.manage import verify
 from aotbuild.store import Store
 from tests.conftest import REPO, TINY_RECIPE, invoke_cli
@@ -87,8 +87,9 @@ def test_no_space_left_cleans_up_and_the_build_continues_uncached(cache, fake_co
     monkeypatch.setattr(aotbuild.store.os, "fsync", fsync)
     report = builder.build([str(TINY_RECIPE)], cache)
     statuses = [r.status for r in report.results]
-    assert sorted(statuses) == [BUILT, UNCACHED] and len(fake_compiles) == 2  # the build went on
-    uncached = next(r for r in report.results if r.status == UNCACHED)
+    # the build went on
+    assert sorted(statuses) == [ResultStatus.BUILT, ResultStatus.UNCACHED] and len(fake_compiles) == 2
+    uncached = next(r for r in report.results if r.status == ResultStatus.UNCACHED)
     assert "No space left on device" in uncached.reason and "not stored" in uncached.reason
     store = Store(cache)
     assert not store.has(uncached.job.key) and not list(store.layout.tmp.iterdir())
@@ -109,7 +110,7 @@ def test_no_space_left_after_some_blobs_leaves_no_orphan(cache, fake_compiles, m
 
     monkeypatch.setattr(Store, "put_blob", put_blob)
     report = builder.build([str(TINY_RECIPE)], cache)
-    assert sorted(r.status for r in report.results) == [BUILT, UNCACHED]
+    assert sorted(r.status for r in report.results) == [ResultStatus.BUILT, ResultStatus.UNCACHED]
     store = Store(cache)
     assert verify(store) == []  # no orphan blob, no journal, no temp file: without --fix
     assert not list(store.layout.tmp.iterdir())

@@ -332,7 +332,7 @@ def test_a_tensor_parallel_job_is_pulled_whole_or_not_at_all(flux_cache, tmp_pat
 
 def test_a_job_missing_one_rank_s_entry_rebuilds_every_rank_in_one_launch(flux_cache, monkeypatch, tmp_path):
     from aotbuild import builder
-    from aotbuild.builder import BUILT, CACHED, store_job
+    from aotbuild.builder import ResultStatus, store_job
     from aotbuild.store import Store
     from tests.standins import artifacts
 
@@ -346,10 +346,11 @@ def test_a_job_missing_one_rank_s_entry_rebuilds_every_rank_in_one_launch(flux_c
     cache = tmp_path / "cache"
     shutil.copytree(flux_cache / "models", cache / "models")
     first = builder.build([flux(2)], cache)
-    assert launches == [[0, 1]] and [r.status for r in first.results] == [BUILT, BUILT]
+    assert launches == [[0, 1]] and [r.status for r in first.results] == [ResultStatus.BUILT, ResultStatus.BUILT]
     assert sorted(r.job.rank for r in first.results) == [0, 1]
-    assert [r.status for r in builder.build([flux(2)], cache).results] == [CACHED, CACHED] and len(launches) == 1
+    cached = builder.build([flux(2)], cache).results
+    assert [r.status for r in cached] == [ResultStatus.CACHED, ResultStatus.CACHED] and len(launches) == 1
     rank1 = next(r.job.key for r in first.results if r.job.rank == 1)
     Store(cache).layout.manifest(rank1).unlink()
     again = builder.build([flux(2)], cache)
-    assert launches == [[0, 1], [0, 1]] and {r.status for r in again.results} == {BUILT}
+    assert launches == [[0, 1], [0, 1]] and {r.status for r in again.results} == {ResultStatus.BUILT}

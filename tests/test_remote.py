@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from aotbuild.errors import RemoteError, UsageError
-from aotbuild.planner import MISS, Job, parse_shard, shard_jobs
+from aotbuild.planner import Job, JobStatus, parse_shard, shard_jobs
 from aotbuild.recipes import parse_recipe
 from aotbuild.remote import FolderRemote, HubRemote, parse_remote
 from aotbuild.store import Store
@@ -210,7 +210,7 @@ def test_a_killed_push_leaves_no_manifest_without_its_blobs(tmp_path):
 def _job(name: str, key: str | None) -> Job:
     recipe = parse_recipe({"model": "builtin:tiny-sd", "device": "cpu", "shapes": [{"height": 64, "width": 64}]},
                           f"{name}.yaml")
-    return Job(recipe, "unet", recipe.shapes[0], key, {} if key else None, MISS if key else "unavailable", "")
+    return Job(recipe, "unet", recipe.shapes[0], key, {} if key else None, JobStatus.MISS if key else "unavailable", "")
 
 
 def test_shards_split_every_job_once_whatever_is_cached():

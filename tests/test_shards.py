@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from aotbuild import builder
-from aotbuild.builder import FAILED, JobResult
+from aotbuild.builder import JobResult, ResultStatus
 from aotbuild.errors import UsageError
 from aotbuild.shards import Shard, from_environment
 from tests.conftest import REPO, TINY_DICT, invoke_cli, run_cli
@@ -207,7 +207,8 @@ def test_a_failing_job_is_built_once_across_shards_and_reruns(models_dir, recipe
     def failing_one(store, job, tick=None, limit=None, sign_key=None, *, loads=None):
         if job.recipe.name == "b" and job.shape.height == 96 and job.shape.width == 96:
             tried.append(job.key)
-            return JobResult(job, FAILED, 1.0, reason="the component cannot be captured whole: Unsupported: x")
+            return JobResult(job, ResultStatus.FAILED, 1.0,
+                             reason="the component cannot be captured whole: Unsupported: x")
         return stand_in(store, job, tick, limit, sign_key, loads=loads)
 
     monkeypatch.setattr(builder, "_build_one", failing_one)

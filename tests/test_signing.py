@@ -58,7 +58,7 @@ def test_keygen_writes_a_pair_told_apart_by_content_and_never_overwrites(tmp_pat
 def test_build_signs_what_it_stores_rebuilds_what_it_finds_unsigned_and_refuses_a_bad_key_first(
         cache, fake_compiles, keys, tmp_path):
     from aotbuild import builder
-    from aotbuild.builder import BUILT, CACHED
+    from aotbuild.builder import ResultStatus
     from tests.conftest import TINY_RECIPE
 
     ci, other = keys
@@ -68,14 +68,14 @@ def test_build_signs_what_it_stores_rebuilds_what_it_finds_unsigned_and_refuses_
         builder.build([str(TINY_RECIPE)], cache, sign_key=bad)
     assert fake_compiles == []  # refused before any job ran
     first = builder.build([str(TINY_RECIPE)], cache, sign_key=ci)
-    assert {r.status for r in first.results} == {BUILT}
+    assert {r.status for r in first.results} == {ResultStatus.BUILT}
     store = Store(cache)
     keys_built = [r.job.key for r in first.results]
     assert all([s["key"] for s in store.read_manifest(k).signed_by] == ["ci"] for k in keys_built)
-    assert {r.status for r in builder.build([str(TINY_RECIPE)], cache, sign_key=ci).results} == {CACHED}
+    assert {r.status for r in builder.build([str(TINY_RECIPE)], cache, sign_key=ci).results} == {ResultStatus.CACHED}
     # Another key finds entries it did not build: it builds (and signs) its own, never signs what it found
     second = builder.build([str(TINY_RECIPE)], cache, sign_key=other)
-    assert {r.status for r in second.results} == {BUILT} and len(fake_compiles) == 2 * len(keys_built)
+    assert {r.status for r in second.results} == {ResultStatus.BUILT} and len(fake_compiles) == 2 * len(keys_built)
     for k in keys_built:
         assert [s["key"] for s in store.read_manifest(k).signed_by] == ["other"]
     trusting = Store(cache, trusted=signing.load_trusted([tmp_path / "keys" / "other.pub"]))

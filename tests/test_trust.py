@@ -58,7 +58,7 @@ def _planted(manifest) -> bool:
 
 def test_a_signing_build_rebuilds_an_entry_it_found_unsigned_and_never_signs_it(cache, fake_compiles, ci, tmp_path):
     from aotbuild import builder, sync
-    from aotbuild.builder import BUILT
+    from aotbuild.builder import ResultStatus
     from aotbuild.remote import parse_remote
 
     remote = tmp_path / "remote"
@@ -66,7 +66,7 @@ def test_a_signing_build_rebuilds_an_entry_it_found_unsigned_and_never_signs_it(
     sync.pull([RECIPE], parse_remote(f"file://{remote}"), cache)  # into CI's cache, unverified
     assert all(_planted(Store(cache).read_manifest(k)) for k in keys)
     report = builder.build([RECIPE], cache, sign_key=ci[0])
-    assert {r.status for r in report.results} == {BUILT} and sorted(fake_compiles) == sorted(keys)
+    assert {r.status for r in report.results} == {ResultStatus.BUILT} and sorted(fake_compiles) == sorted(keys)
     trusting = Store(cache, trusted=signing.load_trusted([ci[1]]))
     for key in keys:
         entry, why = trusting.open_entry(key)
@@ -181,13 +181,13 @@ def test_a_trusted_keys_setting_that_names_no_key_is_an_error_at_every_entry_poi
 
 def test_none_is_no_verification_on_purpose_and_unset_is_none(cache, fake_compiles, monkeypatch):
     from aotbuild import builder
-    from aotbuild.planner import HIT, plan
+    from aotbuild.planner import JobStatus, plan
 
     builder.build([RECIPE], cache)
     monkeypatch.setenv("AOTBUILD_TRUSTED_KEYS", "none")
-    assert {j.status for j in plan([RECIPE], cache)} == {HIT}
+    assert {j.status for j in plan([RECIPE], cache)} == {JobStatus.HIT}
     monkeypatch.delenv("AOTBUILD_TRUSTED_KEYS")
-    assert signing.trusted_from_env() is None and {j.status for j in plan([RECIPE], cache)} == {HIT}
+    assert signing.trusted_from_env() is None and {j.status for j in plan([RECIPE], cache)} == {JobStatus.HIT}
     with pytest.raises(UsageError, match="together with keys"):
         signing.trusted_from_env(["none", "ci.pub"])
 
@@ -286,7 +286,7 @@ def test_show_and_verify_say_which_key_signed_each_entry(cache, fake_compiles, c
 
 def test_an_unsigned_remote_entry_neither_blocks_a_signed_build_nor_passes_the_gate(
         cache, fake_compiles, ci, tmp_path):
-    from aotbuild.builder import BUILT
+    from aotbuild.builder import ResultStatus
 
     remote = tmp_path / "remote"
     keys = _plant(cache, remote, fake_compiles)
@@ -298,7 +298,7 @@ def test_an_unsigned_remote_entry_neither_blocks_a_signed_build_nor_passes_the_g
     proc = invoke_cli("build", RECIPE, "--cache", str(cache), "--sign-key", str(ci[0]), "--push", url, "--json")
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
-    assert {r["status"] for r in report["jobs"]} == {BUILT}
+    assert {r["status"] for r in report["jobs"]} == {ResultStatus.BUILT}
     assert sorted(report["push"]["superseded"]) == sorted(keys)
     trusting = Store(remote, trusted=signing.load_trusted([ci[1]]))
     assert all(not _planted(trusting.open_entry(k)[0].manifest) for k in keys)
@@ -346,7 +346,7 @@ def test_a_planted_unsigned_entry_is_never_served_to_a_machine_that_trusts_only_
     reading CI's cache, is never handed a planted entry; and whenever the gate passes, it is served.
     The orders: each step before each other one, and each step first in a run of all five."""
     from aotbuild import sync
-    from aotbuild.builder import BUILT
+    from aotbuild.builder import ResultStatus
     from aotbuild.remote import parse_remote
 
     remote_root = tmp_path / "remote"
@@ -361,7 +361,7 @@ def test_a_planted_unsigned_entry_is_never_served_to_a_machine_that_trusts_only_
         elif step == "build":
             proc = invoke_cli("build", RECIPE, "--cache", str(cache), "--sign-key", str(ci[0]), "--push", url, "--json")
             assert proc.returncode == 0, proc.stderr
-            built += [r["key"] for r in json.loads(proc.stdout)["jobs"] if r["status"] == BUILT]
+            built += [r["key"] for r in json.loads(proc.stdout)["jobs"] if r["status"] == ResultStatus.BUILT]
         elif step == "push":
             invoke_cli("push", RECIPE, "--remote", url, "--cache", str(cache))
         elif step == "sign":
