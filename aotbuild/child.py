@@ -132,14 +132,14 @@ def spawn(module: str, spec: dict[str, Any], spec_path: Path, log: Path, *,
                 if tick:
                     tick(time.perf_counter() - started, read_phase(phase_file))
                 if timeout is not None and time.perf_counter() - launched > timeout:
-                    _kill(proc)
+                    kill_group(proc)
                     return -9, {"error": f"{name or module} ran past its time limit of {timeout:.0f} s "
                                          f"(AOTBUILD_JOB_TIMEOUT raises it)".strip()}
                 time.sleep(0.5)
         except BaseException:  # Ctrl-C, SIGTERM: stop the child, keep nothing
-            _kill(proc)
+            kill_group(proc)
             raise
-        _kill(proc)  # a rank a launcher left behind
+        kill_group(proc)  # a rank a launcher left behind
     if ranks > 1:
         results = [read_result(rank_result(result_path, r)) for r in range(ranks)]
         failed = [(r, res) for r, res in enumerate(results) if "error" in res or not res]
@@ -154,8 +154,9 @@ def spawn(module: str, spec: dict[str, Any], spec_path: Path, log: Path, *,
     return proc.returncode, result
 
 
-def _kill(proc: subprocess.Popen) -> None:
-    """The child's whole process group: a launcher and its ranks."""
+def kill_group(proc: subprocess.Popen) -> None:
+    """Kill the child's whole process group (a launcher and its ranks, a loader and the job it
+    forked) and reap the child."""
     import signal
 
     try:

@@ -246,3 +246,14 @@ SECRET_ENV = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_ACCESS_KEY_ID",
 
 def env_secrets() -> list[str]:
     return [os.environ.get(name, "") for name in SECRET_ENV]
+
+
+def dist_version(name: str) -> str | None:
+    """The installed version of the distribution ``name`` (``importlib.metadata``), or None when it is
+    not installed: the one helper key factors, toolchain checks and quantization read versions with."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return None

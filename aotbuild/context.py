@@ -67,20 +67,11 @@ def environment_factors() -> dict[str, Any]:
     return {
         "torch": torch.__version__,
         "torch_build": getattr(torch.version, "git_version", None),
-        "diffusers": _version("diffusers"),
-        "transformers": _version("transformers"),
+        "diffusers": constants.dist_version("diffusers"),
+        "transformers": constants.dist_version("transformers"),
         "python": f"{sys.version_info.major}.{sys.version_info.minor}",
         **({"remote_compiler_cache": remote_cache} if remote_cache else {}),
     }
-
-
-def _version(dist: str) -> str | None:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version(dist)
-    except PackageNotFoundError:
-        return None
 
 
 class Unavailable(Enum):

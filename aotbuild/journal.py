@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -34,17 +33,12 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 
 from aotbuild import safeio
 from aotbuild.errors import StoreError
-from aotbuild.layout import HEX64, shared_dirs
-from aotbuild.locks import is_unlocked, store_lock
+from aotbuild.layout import HEX64
+from aotbuild.locks import is_unlocked, locked_tempfile, store_lock
 
 if TYPE_CHECKING:
     from aotbuild.manifest import Manifest
     from aotbuild.store import Store
-
-try:
-    import fcntl
-except ImportError:  # pragma: no cover - Windows
-    fcntl = None  # type: ignore[assignment]
 
 PREFIX = "j."
 #: How long a failed writer or the next one waits for the exclusive lock to reclaim (seconds);
@@ -62,10 +56,7 @@ class EntryWriter:
 
     def __init__(self, store: Store):
         self.store = store
-        shared_dirs(store.layout.tmp)
-        fd, path = tempfile.mkstemp(prefix=PREFIX, dir=store.layout.tmp)
-        if fcntl is not None:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fd, path = locked_tempfile(store.layout.tmp, PREFIX)
         self.fd, self.path = fd, Path(path)
         self.created: set[str] = set()
         self.committed = False

@@ -248,13 +248,7 @@ class Loader:
         """Stop the loader (and a job it runs): its pipeline is freed."""
         if self.proc is None:
             return
-        import signal
-
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        self.proc.wait()
+        child.kill_group(self.proc)
         for stream in (self.proc.stdin, self.proc.stdout):
             try:
                 stream.close() if stream else None

@@ -7,7 +7,8 @@ so a crash never leaves a lock behind):
   folder remote) and loads (from the hash check to the last file installed) hold it *shared*;
   ``gc``, ``rm`` and ``verify --fix`` hold it *exclusive*, so they never delete a blob that a writer
   is about to reference or a load is about to install.
-* Each temp file is locked by the writer that has it open (``Store._tempfile``).
+* Each temp file is locked by the writer that has it open (:func:`locked_tempfile`: a blob's
+  ``Store._tempfile``, an entry's journal).
 * A build job or a download locks its staging folder (``<root>/tmp/*/.lock``).
   ``verify`` reports a temp file or folder only when it can take its lock: its owner is dead.
 
@@ -89,6 +90,19 @@ def _open(path: Path) -> int:
 def store_lock(root: Path, *, exclusive: bool, timeout: float | None = None) -> contextlib.AbstractContextManager[bool]:
     holder = "a build or pull writing to the store" if exclusive else "gc, rm or verify --fix"
     return flocked(Layout(Path(root)).store_lock, exclusive=exclusive, timeout=timeout, holder=holder)
+
+
+def locked_tempfile(folder: Path, prefix: str) -> tuple[int, str]:
+    """A new temp file in ``folder`` (created shared, as the store's folders are), locked exclusively
+    by its writer for as long as the file descriptor is open: ``verify`` takes a temp file for a dead
+    writer's only when it can lock it (:func:`is_unlocked`). Returns (fd, path) as ``mkstemp`` does."""
+    import tempfile
+
+    shared_dirs(folder)
+    fd, path = tempfile.mkstemp(prefix=prefix, dir=folder)
+    if fcntl is not None:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    return fd, path
 
 
 def is_unlocked(path: Path) -> bool:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from aotbuild.constants import dist_version
 from aotbuild.errors import UsageError
 from aotbuild.frozen import thaw
 from aotbuild.recipe import QuantSpec, Recipe
@@ -63,13 +64,7 @@ def factors(recipe: Recipe, component: str) -> dict[str, Any] | None:
     q = recipe.model.quantization
     if q is None or component not in components(recipe):
         return None
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        backend_version = version("torchao")
-    except PackageNotFoundError:
-        backend_version = None
-    return {"backend": q.backend, "version": backend_version, "quant_type": q.quant_type,
+    return {"backend": q.backend, "version": dist_version("torchao"), "quant_type": q.quant_type,
             "quant_kwargs": thaw(q.quant_kwargs), "inductor": INDUCTOR_SETTINGS if _sets_inductor(q) else {}}
 
 

@@ -110,8 +110,6 @@ SCHEMA: dict[str, dict[str, Field] | Field] = {
                                                                     "component.to(memory_format=torch.channels_last)"),
     },
 }
-#: Optional sections: parsed only when the recipe has them (their absence keeps every key as it was).
-OPTIONAL_SECTIONS = ("lora", "parallel", "changes", "text_length")
 #: The largest tensor-parallel degree a recipe may ask for.
 MAX_TENSOR_PARALLEL = 64
 QUANT_SCHEMA = {

@@ -14,7 +14,6 @@ import enum
 import hashlib
 import os
 import shutil
-import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,13 +23,9 @@ from aotbuild import manifest as codec
 from aotbuild import safeio
 from aotbuild.errors import ManifestError, StaleManifest, StoreError, UsageError
 from aotbuild.layout import HEX64, Layout, shared_dirs
+from aotbuild.locks import locked_tempfile
 from aotbuild.manifest import Manifest
 from aotbuild.safeio import atomic_write, open_regular
-
-try:
-    import fcntl
-except ImportError:  # pragma: no cover - Windows
-    fcntl = None  # type: ignore[assignment]
 
 _CHUNK = 1 << 20
 #: A failure record is a small JSON object (a reason, a time, a version).
@@ -145,11 +140,7 @@ class Store:
     def _tempfile(self) -> tuple[int, str]:
         """A temp file in ``tmp/``, locked while its writer has it open: ``verify`` reports only
         temp files nobody holds (their writer died)."""
-        shared_dirs(self.layout.tmp)
-        fd, path = tempfile.mkstemp(prefix="w.", dir=self.layout.tmp)
-        if fcntl is not None:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return fd, path
+        return locked_tempfile(self.layout.tmp, "w.")
 
     def put_blob(self, source: Path | BinaryIO, expect: str | None = None,
                  max_size: int | None = None) -> tuple[str, int]:
@@ -233,9 +224,6 @@ class Store:
             return manifest
         except ManifestError as exc:
             raise ManifestError(f"{path}: {exc}") from None
-
-    def has(self, key: str) -> bool:
-        return self.layout.manifest(key).is_file()
 
     @contextlib.contextmanager
     def hash_once(self) -> Iterator[None]:

@@ -70,7 +70,7 @@ def test_verify_lists_a_corrupt_blob_and_fix_repairs(tmp_path):
     assert "aotbuild verify --fix" in found.stdout  # the next step
     assert invoke_cli("verify", "--fix", "--cache", str(store.root)).returncode == 0  # everything it found is fixed
     assert invoke_cli("verify", "--cache", str(store.root)).returncode == 0
-    assert not store.has(a) and store.open_entry(b)[0] is not None  # b keeps the blob they shared
+    assert not store.layout.manifest(a).is_file() and store.open_entry(b)[0] is not None  # b keeps the blob they shared
     check_no_dangling(store)
 
 

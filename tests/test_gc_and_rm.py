@@ -92,7 +92,7 @@ def test_an_entry_bigger_than_the_limit_is_a_clear_error_and_nothing_is_stored(c
     job = plan([str(TINY_RECIPE)], cache)[0]
     result = store_job(store, job, artifacts(tmp_path, job.key), {"signatures": []}, 1.0, limit=5000)
     assert result.status == ResultStatus.FAILED and "bigger than the cache's size limit" in result.reason
-    assert not store.has(job.key) and not list(store.blob_files())
+    assert not store.layout.manifest(job.key).is_file() and not list(store.blob_files())
 
 
 # -- rm --------------------------------------------------------------------------------------------
@@ -102,7 +102,7 @@ def test_rm_removes_entries_and_only_their_own_blobs(tmp_path):
     a = add_entry(store, tmp_path, "a", {"x.so": b"only-a", "shared": b"both"})
     b = add_entry(store, tmp_path, "b", {"y.so": b"only-b", "shared": b"both"})
     assert rm(store, [a]) == [(a, len(b"only-a"))]
-    assert not store.has(a) and store.open_entry(b)[0] is not None
+    assert not store.layout.manifest(a).is_file() and store.open_entry(b)[0] is not None
     out = run_cli("rm", b[:10], "--cache", str(store.root))
     assert out.returncode == 0 and "1 entry removed" in out.stdout
     assert not list(store.blob_files())

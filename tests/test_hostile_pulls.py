@@ -27,7 +27,7 @@ def test_a_refused_pull_leaves_no_orphan(tmp_path):
     local = Store(tmp_path / "local")
     why = parse_remote(f"file://{remote_store.root}").fetch(key, local)
     assert why.startswith("refused")
-    assert not local.has(key) and verify(local) == [] and not list(local.blob_files())
+    assert not local.layout.manifest(key).is_file() and verify(local) == [] and not list(local.blob_files())
 
 
 @pytest.mark.parametrize("path", ["../x", "/etc/x", "a/../../x"])
@@ -42,7 +42,7 @@ def test_a_pulled_manifest_with_an_unsafe_path_is_refused(tmp_path, path):
     local = Store(tmp_path / "local")
     why = parse_remote(f"file://{remote_store.root}").fetch(key, local)
     assert why.startswith("refused") and "unsafe artifact path" in why, why
-    assert not local.has(key) and not (tmp_path / "x").exists()
+    assert not local.layout.manifest(key).is_file() and not (tmp_path / "x").exists()
 
 
 class _Marker:
@@ -71,11 +71,11 @@ def test_a_tampered_pickle_is_refused_before_anything_deserialises_it(tmp_path):
     local = Store(tmp_path / "local")
     why = parse_remote(f"file://{remote_store.root}").fetch(key, local)
     assert why.startswith("refused") and "does not match its content" in why
-    assert not local.has(key) and not list(local.blob_files())
+    assert not local.layout.manifest(key).is_file() and not list(local.blob_files())
     blob.write_bytes(planted)  # longer than declared: refused once past the declared size
     why = parse_remote(f"file://{remote_store.root}").fetch(key, local)
     assert why.startswith("refused") and f"more bytes than the {honest_size} its manifest declares" in why
-    assert not local.has(key) and not list(local.blob_files())
+    assert not local.layout.manifest(key).is_file() and not list(local.blob_files())
     assert not marker.exists()
 
 
@@ -134,4 +134,4 @@ def test_a_fifo_in_a_folder_remote_blob_s_place_is_refused_without_blocking(tmp_
     local = Store(tmp_path / "local")
     why = parse_remote(f"file://{remote_store.root}").fetch(key, local)
     assert why.startswith("refused") and "not a regular file" in why, why
-    assert not local.has(key) and not list(local.blob_files())
+    assert not local.layout.manifest(key).is_file() and not list(local.blob_files())

@@ -92,7 +92,7 @@ def test_no_space_left_cleans_up_and_the_build_continues_uncached(cache, fake_co
     uncached = next(r for r in report.results if r.status == ResultStatus.UNCACHED)
     assert "No space left on device" in uncached.reason and "not stored" in uncached.reason
     store = Store(cache)
-    assert not store.has(uncached.job.key) and not list(store.layout.tmp.iterdir())
+    assert not store.layout.manifest(uncached.job.key).is_file() and not list(store.layout.tmp.iterdir())
     check_no_dangling(store)
 
 

@@ -201,7 +201,7 @@ def test_a_remote_cannot_hand_over_a_lying_or_stale_manifest(store, tmp_path):
     stale = {**valid(remote_store, key), "signatures": [], "format": 1}
     manifests.write_raw(remote_store, key, stale)
     assert remote.fetch(key, store).startswith("refused: the remote's entry is stale")
-    assert not store.has(key) and not list(store.blob_files())
+    assert not store.layout.manifest(key).is_file() and not list(store.blob_files())
 
 
 def test_the_codec_round_trips_and_refuses_to_write_what_it_cannot_read(store, tmp_path):

@@ -301,7 +301,7 @@ def test_pushing_one_rank_s_key_pushes_every_rank_and_a_job_missing_a_rank_is_no
     report = sync.push([both[0][:12], lonely[0][:12]], parse_remote(f"file://{folder}"), local.root)
     assert sorted(report.result.sent) == sorted(both)
     assert report.skipped and "rank 0 of its 2 ranks is not in the local cache" in report.skipped[0][1]
-    assert not Store(folder).has(lonely[0])
+    assert not Store(folder).layout.manifest(lonely[0]).is_file()
 
 
 def test_a_tensor_parallel_job_is_pulled_whole_or_not_at_all(flux_cache, tmp_path):

@@ -138,7 +138,7 @@ def test_a_pull_of_an_untrusted_entry_never_fetches_or_unpickles_a_blob(keys, tm
     local = Store(tmp_path / "local", trusted=signing.trusted_from_env())
     why = parse_remote(f"file://{remote.root}").fetch(key, local)
     assert why.startswith("refused: signed by an untrusted key (other)")
-    assert not local.has(key) and not list(local.blob_files()) and not marker.exists()
+    assert not local.layout.manifest(key).is_file() and not list(local.blob_files()) and not marker.exists()
 
 
 def test_signatures_survive_push_and_pull_through_a_folder_remote_and_rotation_works(keys, tmp_path):

@@ -53,7 +53,7 @@ def test_manifest_refused_before_its_blobs(tmp_path):
     store = Store(tmp_path / "c")
     with pytest.raises(StoreError, match="blob .* is missing"):
         store.put_manifest(manifests.manifest(FACTORS, [("x", "cd" * 32, 1)]))
-    assert not store.has(KEY)
+    assert not store.layout.manifest(KEY).is_file()
 
 
 def test_malformed_manifest_is_a_miss(tmp_path):

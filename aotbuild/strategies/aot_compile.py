@@ -45,9 +45,10 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from aotbuild.blocks import select_blocks
 from aotbuild.dispatch import RouteDeclined, install_dispatcher, signature
 from aotbuild.strategies.base import BuildJob, Built, Planned, Resolved, Strategy, lazy_compile
-from aotbuild.strategies.calls import floats_of, repeated_blocks, snapshot, structure, where_called
+from aotbuild.strategies.calls import floats_of, snapshot, structure, where_called
 
 if TYPE_CHECKING:
     from aotbuild.recipe import Recipe
@@ -211,7 +212,7 @@ class AotCompile(Strategy):
     def _owners(module: Any, recipe: Recipe) -> list[tuple[str, Any]]:
         """(name, module) of what gets an artifact: the component ("") or each repeated block."""
         if recipe.compile.scope == "regional":
-            return repeated_blocks(module, recipe.compile.blocks, recipe)
+            return select_blocks(module, recipe.compile.blocks, recipe)
         return [("", module)]
 
     @staticmethod

@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from aotbuild.blocks import select_blocks
 from aotbuild.dispatch import install_dispatcher
 from aotbuild.strategies import aoti, calls, prepack
 from aotbuild.strategies.base import BuildJob, Built, Planned, Resolved, Strategy, lazy_compile
@@ -138,7 +139,7 @@ class AotPackage(Strategy):
             routes = aoti.load_packages(p.module, p.component, packages, ctx.device,
                                         bind_at_first_call=ctx.recipe.offload == "model")
             if ctx.recipe.compile.scope == "regional":  # the component runs eagerly, its blocks dispatch
-                for name, block in calls.repeated_blocks(p.module, ctx.recipe.compile.blocks, ctx.recipe):
+                for name, block in select_blocks(p.module, ctx.recipe.compile.blocks, ctx.recipe):
                     fallback = lazy_compile(ctx, block, scope="full") if policy == "compile" else None
                     install_dispatcher(block, f"{p.component}.{name}", routes.get(name, {}), fallback, policy)
             else:

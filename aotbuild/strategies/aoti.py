@@ -49,6 +49,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from aotbuild.blocks import select_blocks
 from aotbuild.errors import PackageMismatch
 from aotbuild.strategies import prepack
 from aotbuild.strategies.calls import (
@@ -58,7 +59,6 @@ from aotbuild.strategies.calls import (
     flatten_call,
     floats_of,
     relayout,
-    repeated_blocks,
     snapshot,
     structure,
     where_called,
@@ -265,7 +265,7 @@ class BlockRecorder:
         #: in the group's list}; after :meth:`build`, also "copies": whether its input is copied
         #: into the package's layout on every call.
         self.calls: dict[str, dict[str, dict[str, Any]]] = {}
-        self.blocks = repeated_blocks(module, classes, recipe)
+        self.blocks = select_blocks(module, classes, recipe)
         for name, block in self.blocks:
             group_of = (type(block).__name__, structure(block))
             install_dispatcher(block, f"{component}.{name}", {}, block.forward, "record",

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from aotbuild.recipe import Recipe
+    pass
 
 Call = tuple[tuple[Any, ...], dict[str, Any]]
 
@@ -110,16 +110,6 @@ def relayout(t: Any, strides: Any) -> Any:
     out = torch.empty_strided(tuple(t.shape), tuple(strides), dtype=t.dtype, device=t.device)
     out.copy_(t)
     return out
-
-
-def repeated_blocks(module: Any, classes: tuple[str, ...] | None = None,
-                    recipe: Recipe | None = None) -> list[tuple[str, Any]]:
-    """(name, instance) of every block of ``classes`` (a recipe's ``compile.blocks``), by default of
-    the classes diffusers lists in ``_repeated_blocks``; a recipe error naming the module's repeating
-    classes when they do not fit."""
-    from aotbuild.blocks import select_blocks
-
-    return select_blocks(module, classes, recipe)
 
 
 def structure(module: Any) -> str:

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from aotbuild.blocks import blocks_setting, compile_regional
+from aotbuild.constants import dist_version
 from aotbuild.layout import safe_relpath
 from aotbuild.targets.base import Availability, InstallResult, Target, ToolchainCheck, raise_recompile_limit
 from aotbuild.trees import collect_tree, lay_tree
@@ -27,15 +28,6 @@ if TYPE_CHECKING:
     import torch
 
     from aotbuild.recipe import Recipe
-
-
-def dist_version(name: str) -> str | None:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version(name)
-    except PackageNotFoundError:
-        return None
 
 
 class FolderCacheTarget(Target):
