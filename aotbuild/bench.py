@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from aotbuild import forwards
 from aotbuild.errors import AotbuildError, UsageError
 from aotbuild.recipe import Shape
 
@@ -367,7 +368,8 @@ def _measure(mode: str, recipe_data: dict[str, Any], index: int, cache: str, cal
         if mode == "cold":
             for component in recipe.compile.components:
                 module = getattr(pipe, component)
-                module.forward = ctx.target.compile(module, recipe, ctx.device)
+                forwards.wrap(module, forwards.COMPILED,
+                              lambda _inner, m=module: ctx.target.compile(m, recipe, ctx.device))
     kwargs = pipecall.warmup_kwargs(recipe, shape, pipe, defaults=ctx.target.warmup_defaults)
     pipe(**kwargs)
     first = time.time() - start

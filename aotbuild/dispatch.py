@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from aotbuild import textlen
+from aotbuild import forwards, textlen
 from aotbuild.errors import ShapeNotBuilt
 from aotbuild.safeio import loads_json
 
@@ -258,7 +258,7 @@ def _batch_hint(sig: str, built: list[str]) -> str:
 
 def dispatchers(module: Any) -> list[Dispatcher]:
     """Every dispatcher aotbuild put in ``module`` and its submodules."""
-    return [f for sub in module.modules() if isinstance(f := vars(sub).get("forward"), Dispatcher)]
+    return [d for sub in module.modules() for d in forwards.layers(sub, forwards.DISPATCH)]
 
 
 def uninstall_dispatchers(module: Any) -> int:
@@ -267,8 +267,7 @@ def uninstall_dispatchers(module: Any) -> int:
     around the first install (a compile that wraps a dispatcher raised Dynamo's Unsupported)."""
     removed = 0
     for sub in module.modules():
-        if isinstance(vars(sub).get("forward"), Dispatcher):
-            del sub.forward
+        while forwards.unwrap(sub, forwards.DISPATCH):  # what was below it comes back (an offload hook)
             removed += 1
         if vars(sub).get("_compiled_call_impl") is not None:
             sub._compiled_call_impl = None
@@ -278,7 +277,7 @@ def uninstall_dispatchers(module: Any) -> int:
 def install_dispatcher(module: Any, component: str, routes: dict[str, Callable[..., Any]],
                        fallback: Callable[..., Any] | None, on_unbuilt: str,
                        on_record: Callable[[str, tuple[Any, ...], dict[str, Any]], None] | None = None) -> Dispatcher:
-    """Put a dispatcher in ``module.forward`` (an instance attribute: the class is untouched)."""
-    dispatcher = Dispatcher(component, module.forward, routes, fallback, on_unbuilt, on_record)
-    module.forward = dispatcher
-    return dispatcher
+    """Put a dispatcher in ``module.forward`` (the layer ``forwards.DISPATCH``: an instance attribute, the
+    class untouched), around what was there."""
+    return forwards.wrap(module, forwards.DISPATCH,
+                         lambda inner: Dispatcher(component, inner, routes, fallback, on_unbuilt, on_record))

@@ -33,6 +33,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from aotbuild import forwards
+
 #: The largest |compiled - eager| accepted, per dtype. float32: the issue's bound, 1e-4, about 800
 #: ulps at magnitude 1: Inductor reorders and fuses reductions, so a few ulps per op add up over a
 #: network, and measured differences on the tiny models are below 1e-5. Half precisions round every
@@ -127,20 +129,17 @@ def serve(spec: dict[str, Any]) -> dict[str, Any]:
 
         return run
 
-    # What a module's own forward was before the recording (accelerate's offload hook puts one on the
-    # component): put back afterwards, so the entry is served through it as a replica's would be.
-    own = {id(m): vars(m).get("forward") for m in [module, *(b for _, b in instances)]}
-    for name, block in instances:
-        if block is not module:
-            block.forward = recording(name, block.forward, top=False)
-    module.forward = recording("", module.forward, top=True)
+    # What a module's forward was before the recording (accelerate's offload hook puts one on the
+    # component) comes back afterwards (forwards.unwrap), so the entry is served through it as a
+    # replica's would be.
+    wrapped = [(name, block) for name, block in instances if block is not module] + [("", module)]
+    for name, m in wrapped:
+        forwards.wrap(m, forwards.PROOF, lambda inner, n=name: recording(n, inner, top=not n))
     try:
         pipe(**pipecall.warmup_kwargs(recipe, shape, pipe, defaults=ctx.target.warmup_defaults))
     finally:
-        for m in [*(b for _, b in instances), module]:
-            vars(m).pop("forward", None)
-            if own[id(m)] is not None:
-                m.forward = own[id(m)]
+        for _, m in reversed(wrapped):
+            forwards.unwrap(m, forwards.PROOF)
     if not calls:
         raise RuntimeError(f"the warmup never called {component}")
     expected = {n for n, b in instances if b is not module} or {""}
@@ -266,11 +265,9 @@ def served(pipe: Any, module: Any, before: dict[str, int]) -> dict[str, Any]:
     every dispatcher's calls ("" for the component, a block's name for regional scope), the weight
     swaps and rebinds of aot-package runners, and the type of the offload hook on the component
     ("NoneType" without offload)."""
-    from aotbuild.dispatch import Dispatcher
-
     now = _compiler_counts()
-    dispatchers = {name: m.forward for name, m in module.named_modules()
-                   if isinstance(vars(m).get("forward"), Dispatcher)}
+    dispatchers = {name: found[-1] for name, m in module.named_modules()
+                   if (found := forwards.layers(m, forwards.DISPATCH))}
     runners = [getattr(route, "runner", None) for d in dispatchers.values() for route in d.routes.values()]
     report = pipe.aotbuild_report
     return {"hits": len(report.hits), "misses": len(report.misses), "rank": report.rank, "tensor": report.tensor,

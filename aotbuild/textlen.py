@@ -263,22 +263,21 @@ def probe(pipe: Any, module: Any, call: dict[str, Any], signature: Callable[...,
     """The signature (``signature``: aotbuild/dispatch.py's) of the component's first call when the
     pipeline is called with ``call``: the pipeline runs (text encoding, latents) up to that call, which
     is stopped before it runs."""
+    from aotbuild import forwards
+
     seen: list[str] = []
-    own = vars(module).get("forward")
 
     def stop(*args: Any, **kwargs: Any) -> Any:
         seen.append(signature(args, kwargs))
         raise _Probed
 
-    module.forward = stop
+    forwards.wrap(module, forwards.PROBE, lambda _inner: stop)
     try:
         pipe(**call)
     except _Probed:
         pass
     finally:
-        del module.forward
-        if own is not None:
-            module.forward = own
+        forwards.unwrap(module, forwards.PROBE)
     if not seen:
         raise RuntimeError("the pipeline never called the component")
     return seen[0]

@@ -12,7 +12,8 @@ from tests.conftest import run_python
 #: What ``from aotbuild import load_compiled`` may load of aotbuild (docs/architecture.md, "The runtime
 #: import rule"). A module added here is a module every serving process imports: keep it light.
 RUNTIME_MODULES = {
-    "aotbuild", "aotbuild.blocks", "aotbuild.builtin", "aotbuild.constants", "aotbuild.errors", "aotbuild.frozen",
+    "aotbuild", "aotbuild.blocks", "aotbuild.builtin", "aotbuild.constants", "aotbuild.errors", "aotbuild.forwards",
+    "aotbuild.frozen",
     "aotbuild.keys", "aotbuild.layout", "aotbuild.locks", "aotbuild.manifest", "aotbuild.models",
     "aotbuild.context", "aotbuild.explain", "aotbuild.recipe", "aotbuild.recipe_file", "aotbuild.recipes",
     "aotbuild.registry", "aotbuild.runtime", "aotbuild.safeio", "aotbuild.store",

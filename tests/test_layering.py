@@ -201,3 +201,22 @@ def test_a_planted_upward_import_breaks_a_contract(tmp_path, module, planted, co
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert f"{contract}" in proc.stdout and "BROKEN" in proc.stdout
     assert f"aotbuild.{module}" in proc.stdout  # the report names the importer
+
+
+def test_only_the_forwards_registry_assigns_or_deletes_a_modules_forward():
+    """``x.forward = ...``, ``del x.forward`` or ``vars(x).pop("forward")`` outside aotbuild/forwards.py:
+    a wrapper put on or taken off by hand, which drops whatever another library put below it."""
+    found = []
+    for name, path in MODULES.items():
+        if name == "aotbuild.forwards":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = node.targets if isinstance(node, (ast.Assign, ast.Delete)) else \
+                [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+            hit = any(isinstance(t, ast.Attribute) and t.attr == "forward" for t in targets)
+            hit |= isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                and node.func.attr in ("pop", "__delitem__", "__setitem__") \
+                and any(isinstance(a, ast.Constant) and a.value == "forward" for a in node.args)
+            if hit:
+                found.append(f"{name}:{node.lineno}: {ast.unparse(node)[:80]}")
+    assert found == []

@@ -45,6 +45,7 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from aotbuild import forwards
 from aotbuild.blocks import select_blocks
 from aotbuild.dispatch import RouteDeclined, install_dispatcher, signature
 from aotbuild.strategies.base import BuildJob, Built, Planned, Resolved, Strategy, lazy_compile
@@ -230,10 +231,10 @@ class AotCompile(Strategy):
                               .encode()).hexdigest()[:20]
         path = workdir / ARTIFACT_DIR / f"{name}.bin"
         path.parent.mkdir(parents=True, exist_ok=True)
-        vars(owner).pop("forward", None)  # compile the module's own forward, not a dispatcher
         # The flag gates the API; its default is not assumed. Grad mode is guarded: compiled as recorded.
+        # The module's own forward is compiled, not a wrapper put on it (forwards.class_forward).
         with dynamo_config.patch(enable_aot_compile=True), torch.set_grad_enabled(group["grad"]), \
-                _without_hooks(owner), where_called(owner, (args, kwargs)):
+                forwards.class_forward(owner), _without_hooks(owner), where_called(owner, (args, kwargs)):
             function = compiled.aot_compile(((owner, *args), kwargs))
         function.save_compiled_function(str(path))
         return {"signature": group["signature"], "path": f"{ARTIFACT_DIR}/{path.name}",
@@ -354,7 +355,8 @@ class CallRecorder:
         self.groups: dict[tuple[str, ...], dict[str, Any]] = {}
         self.owners = owners
         for name, module in owners:
-            module.forward = self._recording(name, module, module.forward, structure_digest(module))
+            forwards.wrap(module, forwards.RECORD,
+                          lambda inner, n=name, m=module: self._recording(n, m, inner, structure_digest(m)))
 
     def _recording(self, name: str, module: Any, forward: Any, digest: str) -> Callable[..., Any]:
         def run(*args: Any, **kwargs: Any) -> Any:
@@ -377,5 +379,5 @@ class CallRecorder:
         return run
 
     def remove(self) -> None:
-        for _, module in self.owners:
-            vars(module).pop("forward", None)
+        for _, module in reversed(self.owners):
+            forwards.unwrap(module, forwards.RECORD)

@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from aotbuild import forwards
 from aotbuild.blocks import select_blocks
 from aotbuild.dispatch import install_dispatcher
 from aotbuild.strategies import aoti, calls, prepack
@@ -62,7 +63,10 @@ class AotPackage(Strategy):
         recorded: dict[str, Any] = {}
         dispatcher = install_dispatcher(job.module, job.component, {}, job.module.forward, "record",
                                         on_record=lambda sig, a, k: recorded.setdefault(sig, calls.snapshot(a, k)))
-        job.run_warmup()  # eager: records the exact calls the pipeline makes
+        try:
+            job.run_warmup()  # eager: records the exact calls the pipeline makes
+        finally:
+            forwards.unwrap(job.module, forwards.DISPATCH)
         job.phase("exporting and packaging")
         return Built(sorted(dispatcher.built), aoti.build_packages(job.module, recorded, job.workdir, options))
 

@@ -49,6 +49,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from aotbuild import forwards
 from aotbuild.blocks import select_blocks
 from aotbuild.errors import PackageMismatch
 from aotbuild.strategies import prepack
@@ -145,8 +146,6 @@ def _package(module: Any, sig: str, args: tuple[Any, ...], kwargs: dict[str, Any
     """Export one recorded call of ``module``, package it without weights, probe it; its manifest record."""
     import torch
 
-    if "forward" in vars(module):  # export the module itself, not our dispatcher
-        del module.forward
     # Named by everything that tells packages apart: two block classes can share a signature, and
     # one class's instances can need two packages (another input layout, another float argument).
     strides = call_strides(args, kwargs)
@@ -154,7 +153,7 @@ def _package(module: Any, sig: str, args: tuple[Any, ...], kwargs: dict[str, Any
     name = hashlib.sha256(f"{group}\n{sig}\n{json.dumps(strides)}\n{floats!r}".encode()).hexdigest()[:20]
     path = workdir / PACKAGE_DIR / f"{name}.pt2"
     path.parent.mkdir(parents=True, exist_ok=True)
-    with torch.no_grad():
+    with torch.no_grad(), forwards.class_forward(module):  # the module itself, not a wrapper put on it
         exported = torch.export.export(module, args, kwargs)
     exported, lifted = _promote_lifted_constants(exported)
     # Weights out of the .so, and no tensor inlined as a literal (Inductor inlines 1-D tensors of <= 8
@@ -326,7 +325,7 @@ class BlockRecorder:
     def build(self, workdir: Path, inductor_configs: dict[str, Any]) -> list[dict[str, Any]]:
         named = dict(self.blocks)
         for block in named.values():
-            vars(block).pop("forward", None)
+            forwards.unwrap(block, forwards.DISPATCH)  # the recording dispatcher
         self.plan_layouts()
         built = []
         for (cls, sig, shape_of), packages in sorted(self.groups.items()):

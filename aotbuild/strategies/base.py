@@ -29,6 +29,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from aotbuild import forwards
+
 if TYPE_CHECKING:
     from aotbuild.recipe import Recipe
     from aotbuild.store import Entry
@@ -181,7 +183,6 @@ def lazy_compile(ctx: Resolved, module: Any, scope: str | None = None) -> Callab
     Dynamo alone costs ~0.7 s: an entry that serves every call never pays it).
 
     ``scope="full"`` compiles ``module`` whole whatever the recipe says (a regional recipe's block)."""
-    eager_forward = module.forward
     compiled: list[Any] = []
     recipe = ctx.recipe
     if scope is not None:
@@ -189,11 +190,8 @@ def lazy_compile(ctx: Resolved, module: Any, scope: str | None = None) -> Callab
 
     def run(*args: Any, **kwargs: Any) -> Any:
         if not compiled:
-            dispatcher, module.forward = module.forward, eager_forward
-            try:
+            with forwards.unwrapped(module):  # the module's own forward, not the dispatcher around it
                 compiled.append(ctx.target.compile(module, recipe, ctx.device))
-            finally:
-                module.forward = dispatcher
         return compiled[0](*args, **kwargs)
 
     return run
