@@ -425,8 +425,9 @@ def _with_pipe_changes(recipe: Recipe, pipe: Any) -> Recipe:
 
     from aotbuild import changes
     from aotbuild.errors import UsageError
+    from aotbuild.features.registry import detect_changes
 
-    found = changes.detect(pipe, recipe)
+    found = detect_changes(pipe, recipe)
     if found.refused:
         raise UsageError(f"build(recipe, pipe=pipe) cannot build for this pipeline: {found.refused}. The build's "
                          f"jobs load the pipeline saved with save_pretrained in fresh processes and re-apply only the "

@@ -36,10 +36,11 @@ import contextlib
 import dataclasses
 import math
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from aotbuild.features.base import Feature, Where
 from aotbuild.frozen import freeze, thaw
 from aotbuild.recipe import FREEU_FACTORS, ChangesSpec, Recipe
 from aotbuild.suggest import suggest
@@ -520,13 +521,14 @@ class Detected:
     refused: str = ""
 
 
-def detect(pipe: Any, recipe: Recipe) -> Detected:
+def detect(pipe: Any, recipe: Recipe, *, changed_modules: Callable[[str], bool]) -> Detected:
     """The declarable changes of ``pipe``'s compiled components (and FreeU on its unet): each
     component is built again from its config on the meta device, the changes read off the live one
     are applied to it, and the two dependency snapshots must then agree (a tensor by shape and
     strides: dtype and device are the recipe's). ``refused`` is the first thing that cannot be
-    re-created in another process, in words."""
-    from aotbuild import dependencies, quantize
+    re-created in another process, in words. ``changed_modules(component)``: whether a feature of the
+    recipe puts other modules in it (``features.registry.changes_modules``)."""
+    from aotbuild import dependencies
 
     found: dict[str, Any] = {}
     components = list(dict.fromkeys([*recipe.compile.components]))
@@ -565,7 +567,7 @@ def detect(pipe: Any, recipe: Recipe) -> Detected:
             return Detected(None, f"{component}: its changes cannot be re-created: {printable(str(exc))[:160]}")
         # A component the recipe quantizes or puts LoRA layers in is not its meta twin (torchao's, peft's
         # modules): only the changes read are kept; the load's check against the entry still sees the rest.
-        prepared = recipe.lora is not None or component in quantize.components(recipe)
+        prepared = changed_modules(component)
         why = "" if prepared else _remaining(dependencies.snapshot(module)["items"],
                                              dependencies.snapshot(fresh)["items"], component,
                                              dependencies.ROOT_OUTSIDE)
@@ -651,3 +653,17 @@ def as_recipe_text(spec: ChangesSpec) -> str:
     parts = [f"{name}: {json.dumps(thaw(getattr(spec, name)))}" for name in (c.name for c in CHANGES)
              if getattr(spec, name) is not None]
     return "changes: {" + ", ".join(parts) + "}"
+
+
+class DeclaredChanges(Feature):
+    """``changes``: FreeU, an attention processor, a cache hook, channels_last, applied by
+    ``models.load_pipeline`` in every process (save_pretrained keeps none of them), keyed per
+    component, checked at plan time against the model's classes."""
+
+    section = "changes"
+
+    def check_recipe(self, recipe: Recipe, model: Any, pipeline_class: str) -> None:
+        check_recipe(recipe, model.components(), pipeline_class)  # FreeU on a model with a unet, known names
+
+    def factors(self, recipe: Recipe, where: Where) -> dict[str, Any] | None:
+        return factors(recipe, where.component)

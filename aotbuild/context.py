@@ -27,7 +27,7 @@ job, proof and ``load_compiled`` all call it, so they agree by construction:
 ``changes``         only with ``changes:``: the declared changes of this component (FreeU's factors for
                     the unet, attention processor, cache hook, memory format; aotbuild/changes.py)
 ``parallel``        only with ``parallel.tensor`` > 1: degree, mesh shape, collective backend, the
-                    ``_tp_plan``'s sha256, and the rank (aotbuild/parallel.py); the thread count
+                    ``_tp_plan``'s sha256, and the rank (aotbuild/features/parallel.py); the thread count
                     keyed (``compile.cpu_threads``) is then a rank's, :func:`parallel.rank_threads`
 ``text_length``     only with ``text_length:``: the range of text lengths served (aotbuild/textlen.py)
 ==================  ===================================================================================
@@ -140,9 +140,12 @@ class Context:
 
     @property
     def ranks(self) -> tuple[int | None, ...]:
-        """The ranks of each job: (None,) unsharded, else 0 .. parallel.tensor - 1 (one entry each)."""
-        tensor = self.recipe.tensor_parallel
-        return (None,) if tensor == 1 else tuple(range(tensor))
+        """The ranks of each job: (None,) unsharded, else 0 .. N - 1 (one entry each), N the ranks a
+        feature asks for (``Feature.ranks``: tensor parallelism's ``parallel.tensor``)."""
+        from aotbuild.features.registry import used
+
+        ranks = max((f.ranks(self.recipe) for f in used(self.recipe)), default=1)
+        return (None,) if ranks == 1 else tuple(range(ranks))
 
     @property
     def pipeline_class(self) -> str:
@@ -158,22 +161,20 @@ def job_factors(ctx: Context, component: str, component_class: str, config: dict
     """Every key factor of one job (of one rank's entry, for a tensor-parallel recipe): from the recipe,
     its target and strategy, this machine, and the component as loaded (class and architecture
     config) or as planned (from its ``config.json``)."""
-    from aotbuild import adapters, changes, parallel, quantize
+    from aotbuild.features.base import Where
+    from aotbuild.features.registry import used
 
     recipe = ctx.recipe
-    sharded = parallel.factors(recipe, component_class, ctx.device, rank)
+    features = used(recipe)
+    where = Where(component, component_class, ctx.device, rank)
     # The pipeline as users change it: present only where the recipe sets it (other keys unchanged).
-    changed = {name: value for name, value in (("lora", adapters.factors(recipe, component)),
-                                               ("quantization", quantize.factors(recipe, component)),
-                                               ("parallel", sharded),
-                                               ("changes", changes.factors(recipe, component)),
-                                               ("text_length", _text_length(recipe)))
-               if value is not None}
+    changed = {f.section: value for f in features if (value := f.factors(recipe, where)) is not None}
+    if recipe.text_length is not None:
+        changed["text_length"] = _text_length(recipe)
     compile_settings = {**ctx.target.compile_settings(recipe, ctx.device),
                         **ctx.strategy.compile_factors(ctx.target, ctx.device)}
-    if sharded is not None and "cpu_threads" in compile_settings:
-        # A rank runs rank_threads() threads (parallel.setup sets them in every rank): this process may not.
-        compile_settings["cpu_threads"] = parallel.rank_threads(recipe.tensor_parallel)
+    for feature in features:  # a tensor-parallel rank's thread count
+        compile_settings = feature.compile_settings(recipe, compile_settings)
     return {
         **changed,
         "format": constants.FORMAT_VERSION,
@@ -202,20 +203,20 @@ def builtin_version(recipe: Recipe) -> int | None:
 
 
 def prepare_pipeline(pipe: Any, recipe: Recipe) -> None:
-    """The pipeline as the recipe serves it, after loading and placing: quantized (``model.quantization``,
-    aotbuild/quantize.py), its LoRA adapters loaded for hot-swap (``lora``, aotbuild/adapters.py)."""
-    from aotbuild import adapters, quantize
+    """The pipeline as the recipe serves it, after loading and placing: each feature's change
+    (aotbuild/features: quantized, then its LoRA adapters loaded for hot-swap)."""
+    from aotbuild.features.registry import used
 
-    quantize.apply(pipe, recipe)
-    adapters.prepare(pipe, recipe)
+    for feature in used(recipe):
+        feature.prepare(pipe, recipe)
 
 
 def shard_pipeline(pipe: Any, ctx: Context) -> int | None:
     """With ``parallel.tensor`` > 1, in one of its ranks: join the process group, shard every compiled
-    component (aotbuild/parallel.py). Returns this process's rank (None: unsharded)."""
+    component (aotbuild/features/parallel.py). Returns this process's rank (None: unsharded)."""
     if ctx.recipe.tensor_parallel == 1:
         return None
-    from aotbuild import parallel
+    from aotbuild.features import parallel
 
     rank, mesh = parallel.setup(ctx.recipe, ctx.device)
     for component in ctx.recipe.compile.components:
@@ -233,11 +234,10 @@ def job_pipeline(recipe: Recipe, cache_root: Path, loaded: Any = None) -> tuple[
     if ctx.problem:
         raise RuntimeError(ctx.problem)
     assert ctx.model is not None
-    if recipe.tensor_parallel > 1:
-        from aotbuild import parallel
+    from aotbuild.features.registry import used
 
-        # Before the weights load: the rank's device (CUDA: LOCAL_RANK) and its share of the CPUs.
-        parallel.setup(recipe, ctx.device)
+    for feature in used(recipe):  # before the weights load (a rank: its device and its share of the CPUs)
+        feature.before_load(recipe, ctx.device)
     pipe = loaded if loaded is not None else models.load_pipeline(recipe, ctx.model, ctx.dtype, quiet=True)
     models.place_pipeline(pipe, recipe, ctx.device)
     prepare_pipeline(pipe, recipe)

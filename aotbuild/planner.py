@@ -16,6 +16,7 @@ from aotbuild.constants import Vocabulary
 from aotbuild.context import Context, Unavailable
 from aotbuild.deprecated import positional_shim
 from aotbuild.explain import Entries, estimate, explain_miss
+from aotbuild.features.registry import used
 from aotbuild.layout import resolve_cache_root
 from aotbuild.recipe import Recipe, Shape
 from aotbuild.recipes import Recipes, resolve_recipes
@@ -287,17 +288,8 @@ def plan(recipes: Recipes, *, cache: str | Path | None = None, remote: str | Rem
             call = pipecall.signature_of(ctx.pipeline_class)
             if call is not None:
                 pipecall.check_recipe(recipe, call)
-            if recipe.lora is not None:  # each adapter's header against lora.rank and the modules
-                from aotbuild import adapters
-
-                for component in recipe.compile.components:
-                    adapters.check_recipe(recipe, component)
-            if recipe.tensor_parallel > 1:  # a _tp_plan, heads the degree divides
-                _check_shardable(recipe, ctx.model)
-            if recipe.changes is not None:  # FreeU on a model with a unet, names this diffusers knows
-                from aotbuild import changes
-
-                changes.check_recipe(recipe, ctx.model.components(), ctx.pipeline_class)
+            for feature in used(recipe):  # LoRA headers, a _tp_plan, FreeU on a model with a unet, ...
+                feature.check_recipe(recipe, ctx.model, ctx.pipeline_class)
         jobs.extend(jobs_for(ctx, store, failures))
     jobs.sort(key=lambda j: (j.key is None, j.key or "", j.label))
     return mark_remote(jobs, remote, trusted_keys) if remote is not None else jobs
@@ -321,16 +313,6 @@ def mark_remote(jobs: list[Job], remote: str | Remote, trusted_keys: list[str | 
     refused = untrusted_on_remote(target, needed, trusted) if trusted is not None else {}
     return [replace(j, reason=f"on {target.url} but refused there: {refused[j.key]}") if j.key in refused
             else replace(j, status=JobStatus.REMOTE, reason=f"on {target.url}") if j.key in needed else j for j in jobs]
-
-
-def _check_shardable(recipe: Recipe, model: models.ResolvedModel) -> None:
-    from aotbuild import parallel
-
-    known = model.components()
-    shardable = [n for n, (library, cls) in known.items() if library == "diffusers" and parallel.tp_plan_of(cls)]
-    for component in recipe.compile.components:
-        class_name, config = models.component_config(model, component, recipe.model.revision)
-        parallel.check_component(recipe, component, class_name, config, shardable)
 
 
 def parse_shard(text: str) -> tuple[int, int]:

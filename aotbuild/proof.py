@@ -331,26 +331,12 @@ def _replay(module: Any, component: str, calls: list[tuple[Any, Any, list[Any]]]
 
 def _swap_reference(pipe: Any, recipe: Any, component: str, calls: list[tuple[Any, Any, list[Any]]],
                     folder: Path) -> tuple[Path, list[tuple[Any, Any, list[Any]]]] | None:
-    """With lora: a random adapter of rank max(1, lora.rank // 2) swapped into the eager pipeline, the
-    recorded calls' eager outputs with it, then the recipe's adapter swapped back: (its file, those calls)."""
-    if recipe.lora is None:
-        return None
-    import torch
+    """A feature's extra reference (``Feature.reference``: with lora, a second adapter swapped in and
+    the recorded calls' eager outputs with it), or None."""
+    from aotbuild.features.registry import used
 
-    from aotbuild import adapters
-
-    name = recipe.lora.adapters[0].adapter_name
-    module = getattr(pipe, component)
-    swapped = adapters.random_adapter(pipe, recipe, component, folder, seed=1)
-    pipe.load_lora_weights(str(swapped.parent), weight_name=swapped.name, adapter_name=name, hotswap=True)
-    adapters.scale(pipe, recipe, recipe.lora.adapters[0])  # as the served pipe's guard does after a swap
-    with torch.no_grad():
-        outputs = [(args, kwargs, [t.detach().clone() for t in tensors(module(*args, **kwargs))])
-                   for args, kwargs, _ in calls]
-    own = adapters.resolve(recipe, recipe.lora.adapters[0])
-    pipe.load_lora_weights(str(own.parent), weight_name=own.name, adapter_name=name, hotswap=True)
-    adapters.scale(pipe, recipe, recipe.lora.adapters[0])
-    return swapped, outputs
+    return next((found for feature in used(recipe)
+                 if (found := feature.reference(pipe, recipe, component, calls, folder)) is not None), None)
 
 
 def main(argv: list[str]) -> int:

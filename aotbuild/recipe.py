@@ -175,7 +175,7 @@ class LoraSpec:
 
 @dataclass(frozen=True)
 class ParallelSpec:
-    """``parallel``: how the compiled components are sharded across ranks (aotbuild/parallel.py)."""
+    """``parallel``: how the compiled components are sharded across ranks (aotbuild/features/parallel.py)."""
 
     tensor: int = 1
 

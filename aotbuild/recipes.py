@@ -94,7 +94,7 @@ def _check_bounds(recipe: Recipe) -> None:
         if isinstance(threads, int) and not isinstance(threads, bool):
             over("compile_threads", f"compile.options.{key}", threads, what)
     over("shapes", "shapes", len(recipe.shapes), "shapes")
-    if recipe.lora is not None and recipe.lora.target_modules is not None:  # a key factor (aotbuild/adapters.py)
+    if recipe.lora is not None and recipe.lora.target_modules is not None:  # a key factor (aotbuild/features/lora.py)
         over("lora_targets", "lora.target_modules", len(set(recipe.lora.target_modules)), "target modules")
     check_pixels(recipe)
     over("jobs", "compile.components", job_count(recipe), "jobs (components x shapes x tensor-parallel ranks)")

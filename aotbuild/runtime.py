@@ -147,10 +147,11 @@ def load_compiled(recipe: str | Path | Recipe | Mapping[str, Any], *, pipe: Any 
     ctx = Context.create(recipe, root, resolve_model=not passed)
     if ctx.cause is not None:  # TargetUnavailable, or ModelUnavailable (ModelUnreachable for a Hub model)
         raise ctx.cause.error(f"{recipe.source}: {ctx.problem}")
-    if recipe.tensor_parallel > 1:  # a rank: its process group, device and threads before the weights load
-        from aotbuild import parallel
+    from aotbuild.features.registry import used
 
-        parallel.setup(recipe, ctx.device)
+    features = used(recipe)  # a plain recipe imports none of their modules
+    for feature in features:  # before the weights load (a rank: its process group, device and threads)
+        feature.before_load(recipe, ctx.device)
     started = time.perf_counter()
     pipe = _pipeline(ctx, pipe)
     rank = shard_pipeline(pipe, ctx)  # the caller's pipe too, unless it is sharded already
@@ -196,9 +197,8 @@ def load_compiled(recipe: str | Path | Recipe | Mapping[str, Any], *, pipe: Any 
             for d in dispatchers(p.module):
                 d.on_first_call = lambda s, c=p.component: report.first_calls.setdefault(c, round(s, 4))
                 d.static_text = static_patterns(d.routes, measured)  # a refusal names the prompt's length
-    from aotbuild import adapters
-
-    adapters.guard(pipe, recipe)  # a hot-swap is checked before it changes a weight
+    for feature in features:  # guards on what the served pipe may change (a LoRA hot-swap's checks)
+        feature.after_load(pipe, recipe)
     pipe.aotbuild_report = report
     _announce(report, recipe, on_miss, blocker, passed)
     return pipe
@@ -279,9 +279,9 @@ def _pipeline(ctx: Context, pipe: Any) -> Any:
     if pipe is not None:
         _check_pipe(pipe, ctx)
         if ctx.recipe.changes is None:  # keyed as build(recipe, pipe=pipe) keys it (aotbuild/changes.py)
-            from aotbuild import changes
+            from aotbuild.features.registry import detect_changes
 
-            found = changes.detect(pipe, ctx.recipe)
+            found = detect_changes(pipe, ctx.recipe)
             if found.changes is not None:
                 ctx.recipe = replace(ctx.recipe, changes=found.changes)
         return pipe
@@ -428,8 +428,9 @@ def _next_step(recipe: Recipe, blocker: str, remote: Remote | None, passed: Any 
     how = f"{build_hint(recipe)} builds them here"
     if passed is not None:
         from aotbuild import changes
+        from aotbuild.features.registry import detect_changes
 
-        found = changes.detect(passed, recipe)
+        found = detect_changes(passed, recipe)
         declared = recipe.changes is not None
         if declared and (found.refused or not changes.same_keys(recipe, found.changes)):
             # build(recipe, pipe=pipe) builds the recipe's changes: entries this pipe misses again

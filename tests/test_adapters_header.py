@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from aotbuild import adapters
 from aotbuild.errors import RecipeError, UsageError
+from aotbuild.features import lora as adapters
 
 TENSOR = {"dtype": "F32", "shape": [4, 8], "data_offsets": [0, 128]}
 NAME = "unet.a.lora_A.weight"

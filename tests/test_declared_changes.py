@@ -18,6 +18,7 @@ import torch
 import aotbuild
 from aotbuild import changes
 from aotbuild.errors import CacheMiss, RecipeError, StaleGraph, UsageError
+from aotbuild.features.registry import detect_changes
 from aotbuild.recipe import ChangesSpec, recipe_to_dict
 from aotbuild.recipes import parse_recipe
 from tests.conftest import TINY_DICT as TINY
@@ -156,14 +157,14 @@ def test_a_declared_backend_is_applied_and_read_back_off_a_users_pipe(tmp_path, 
     _change("attention_backend").apply(built.transformer, "native", None)  # back to diffusers' default, process-wide
     plain = _flux()
     pipe = _pipe(plain, tmp_path)
-    assert changes.detect(pipe, plain) == changes.Detected(None)
+    assert detect_changes(pipe, plain) == changes.Detected(None)
     pipe.transformer.set_attention_backend("_native_math")
     active = changes.active_backend()
-    assert changes.detect(pipe, plain) == changes.Detected(ChangesSpec(attention_backend="_native_math"))
+    assert detect_changes(pipe, plain) == changes.Detected(ChangesSpec(attention_backend="_native_math"))
     assert changes.active_backend() == active  # the meta twin's set_attention_backend left the process alone
     built = _pipe(_flux(attention_backend="_native_math"), tmp_path)
     assert dependencies.snapshot(built.transformer)["items"] == dependencies.snapshot(pipe.transformer)["items"]
-    assert changes.same_keys(_flux(attention_backend="_native_math"), changes.detect(pipe, plain).changes)
+    assert changes.same_keys(_flux(attention_backend="_native_math"), detect_changes(pipe, plain).changes)
 
 
 def test_a_unets_backend_is_the_process_wide_one(models_dir, active_attention_backend):
@@ -172,9 +173,9 @@ def test_a_unets_backend_is_the_process_wide_one(models_dir, active_attention_ba
     recipe = _recipe()
     pipe = _pipe(recipe, models_dir)
     pipe.unet.set_attention_backend("_native_math")
-    assert changes.detect(pipe, recipe) == changes.Detected(ChangesSpec(attention_backend="_native_math"))
+    assert detect_changes(pipe, recipe) == changes.Detected(ChangesSpec(attention_backend="_native_math"))
     _change("attention_backend").apply(pipe.unet, "native", None)
-    assert changes.detect(pipe, recipe) == changes.Detected(None)
+    assert detect_changes(pipe, recipe) == changes.Detected(None)
 
 
 def test_a_backend_changed_after_load_names_the_recipe_key_that_declares_it(active_attention_backend):
@@ -256,14 +257,14 @@ def test_a_load_applies_the_declared_changes(models_dir):
 def test_the_changes_of_a_live_pipe_are_read_as_the_recipe_declares_them(models_dir):
     recipe = _recipe()
     pipe = _pipe(recipe, models_dir)
-    assert changes.detect(pipe, recipe) == changes.Detected(None)  # from_pretrained's pipe: nothing
+    assert detect_changes(pipe, recipe) == changes.Detected(None)  # from_pretrained's pipe: nothing
     from diffusers.models.attention_processor import AttnProcessor2_0
 
     pipe.unet.set_attn_processor(AttnProcessor2_0())  # the class it had: no change
-    assert changes.detect(pipe, recipe) == changes.Detected(None)
+    assert detect_changes(pipe, recipe) == changes.Detected(None)
     pipe.enable_freeu(**FREEU)
     pipe.unet.to(memory_format=torch.channels_last)
-    found = changes.detect(pipe, recipe)
+    found = detect_changes(pipe, recipe)
     assert found.changes == _recipe(freeu=FREEU, memory_format="channels_last").changes and not found.refused
 
 
@@ -275,10 +276,10 @@ def test_a_text_encoder_as_from_pretrained_loads_it_is_no_change(models_dir):
     UNet in channels_last is still the recipe's one memory format."""
     recipe = parse_recipe({**TINY, "compile": {"components": ["unet", "vae", "text_encoder"]}})
     pipe = _pipe(recipe, models_dir)
-    assert changes.detect(pipe, recipe) == changes.Detected(None)
+    assert detect_changes(pipe, recipe) == changes.Detected(None)
     pipe.unet.to(memory_format=torch.channels_last)
     pipe.vae.to(memory_format=torch.channels_last)
-    assert changes.detect(pipe, recipe) == changes.Detected(ChangesSpec(memory_format="channels_last"))
+    assert detect_changes(pipe, recipe) == changes.Detected(ChangesSpec(memory_format="channels_last"))
 
 
 def test_a_processor_on_one_component_is_not_declared_for_all(models_dir):
@@ -291,7 +292,7 @@ def test_a_processor_on_one_component_is_not_declared_for_all(models_dir):
     pipe = _pipe(recipe, models_dir)
     assert pipe.vae.attn_processors  # the tiny VAE has attention: the case is real
     pipe.unet.set_attn_processor(AttnProcessor())
-    found = changes.detect(pipe, recipe)
+    found = detect_changes(pipe, recipe)
     assert found.changes is None and "is on some compiled components but not on vae" in found.refused
 
 
@@ -305,7 +306,7 @@ def test_freeu_factors_keep_their_type_so_a_declared_int_meets_a_users_int(model
     recipe = _recipe()
     pipe = _pipe(recipe, models_dir)
     pipe.enable_freeu(**ints)
-    found = changes.detect(pipe, recipe)
+    found = detect_changes(pipe, recipe)
     assert found == changes.Detected(_recipe(freeu=ints).changes) and found.changes.freeu["b1"] == 1
     built = _pipe(_recipe(freeu=ints), models_dir)  # what a build job of the declared recipe loads
     assert dependencies.snapshot(built.unet)["items"] == dependencies.snapshot(pipe.unet)["items"]
@@ -322,15 +323,15 @@ def test_a_quantized_pipe_is_read_for_its_changes_not_refused(models_dir):
     refused, so load_compiled(recipe, pipe=pipe) keyed a FreeU pipe without FreeU and its miss said the
     pipeline "cannot be built for", naming a torchao attribute (found in review)."""
     pytest.importorskip("torchao")
-    from aotbuild import quantize
+    from aotbuild.features import quantization as quantize
 
     recipe = parse_recipe({**TINY, "model": {**TINY["model"], "quantization": {"backend": "torchao",
                                                                                "quant_type": "int8wo"}}})
     pipe = _pipe(recipe, models_dir)
     quantize.apply(pipe, recipe)
-    assert changes.detect(pipe, recipe) == changes.Detected(None)
+    assert detect_changes(pipe, recipe) == changes.Detected(None)
     pipe.enable_freeu(**FREEU)
-    assert changes.detect(pipe, recipe) == changes.Detected(ChangesSpec(freeu=_recipe(freeu=FREEU).changes.freeu))
+    assert detect_changes(pipe, recipe) == changes.Detected(ChangesSpec(freeu=_recipe(freeu=FREEU).changes.freeu))
 
 @pytest.mark.parametrize(("change", "words"), [
     (lambda pipe: pipe.unet.set_attn_processor(ScaledProcessor()),
@@ -349,7 +350,7 @@ def test_a_change_no_other_process_can_re_create_is_refused_with_the_reason(mode
     recipe = _recipe()
     pipe = _pipe(recipe, models_dir)
     change(pipe)
-    found = changes.detect(pipe, recipe)
+    found = detect_changes(pipe, recipe)
     assert found.changes is None and words in found.refused, found.refused
     with pytest.raises(UsageError, match="cannot build for this pipeline") as info:
         aotbuild.build(TINY, cache=models_dir, pipe=pipe)
@@ -364,15 +365,15 @@ def test_a_diffusers_cache_hook_is_read_off_a_transformer_and_refused_as_no_buil
     flux = parse_recipe({**TINY, "model": {"id": "builtin:tiny-flux", "dtype": "float32"},
                          "compile": {"components": ["transformer"]}})
     pipe = _pipe(flux, tmp_path)
-    assert changes.detect(pipe, flux) == changes.Detected(None)  # FluxAttnProcessor is the model's own default
+    assert detect_changes(pipe, flux) == changes.Detected(None)  # FluxAttnProcessor is the model's own default
     pipe.transformer.enable_cache(FirstBlockCacheConfig(threshold=0.2))
     value, why = _change("cache").read(pipe.transformer, "transformer")
     assert dict(value) == {"config": "FirstBlockCacheConfig", "threshold": 0.2} and not why
-    found = changes.detect(pipe, flux)
+    found = detect_changes(pipe, flux)
     assert found.changes is None and found.refused.startswith(
         "transformer's changes.cache: FirstBlockCacheConfig: no strategy builds a diffusers cache hook")
     pipe.transformer.disable_cache()
-    assert changes.detect(pipe, flux) == changes.Detected(None)
+    assert detect_changes(pipe, flux) == changes.Detected(None)
 
 
 def test_what_no_strategy_builds_is_refused_at_plan_time_with_what_works(tmp_path, cache):

@@ -47,6 +47,11 @@ NOT_SERVING = {
     "torch._inductor.compile_fx": "Inductor's compiler",
     "aotbuild.strategies.aot_compile": "another strategy (and its Dynamo API check)",
     "aotbuild.strategies.jit_cache": "another strategy",
+    # a plain recipe uses no feature (aotbuild/features/registry.py imports a feature's module only
+    # for a recipe that uses it)
+    "aotbuild.features.lora": "LoRA hot-swap (peft)",
+    "aotbuild.features.quantization": "torchao quantization",
+    "aotbuild.features.parallel": "tensor parallelism (torch.distributed)",
 }
 
 SERVE = """

@@ -42,7 +42,7 @@ def parse(loras: Path, **over):
 
 
 def test_the_header_says_rank_and_modules_without_loading_weights(loras):
-    from aotbuild import adapters
+    from aotbuild.features import lora as adapters
 
     found = adapters.read(loras / "recipes" / "loras" / "style" / "pytorch_lora_weights.safetensors")
     assert found.rank == 4 and found.targets("unet") == set(ATTENTION)
@@ -113,7 +113,7 @@ def test_rank_and_target_modules_are_key_factors_the_weights_are_not(loras, mode
 def test_after_load_what_would_recompile_is_refused_before_a_weight_changes(loras, models_dir):
     import torch
 
-    from aotbuild import adapters
+    from aotbuild.features import lora as adapters
     from aotbuild.models import load_pipeline, resolve_model
 
     recipe = parse(loras)

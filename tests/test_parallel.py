@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from aotbuild import parallel
 from aotbuild.errors import RecipeError, UsageError
+from aotbuild.features import parallel
 from aotbuild.planner import plan, shard_jobs
 from aotbuild.recipes import parse_recipe
 from tests.conftest import REPO, invoke_cli

@@ -61,8 +61,8 @@ def test_the_quantization_and_what_it_sets_in_inductor_are_key_factors(models_di
 def test_without_torchao_the_error_says_how_to_install_it(monkeypatch):
     import builtins
 
-    from aotbuild import quantize
     from aotbuild.errors import UsageError
+    from aotbuild.features import quantization as quantize
 
     real = builtins.__import__
 

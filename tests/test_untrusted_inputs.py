@@ -452,7 +452,7 @@ def test_a_lora_file_with_a_deeply_nested_header_is_one_line(cache, tmp_path):
 def test_a_truncated_lora_file_is_refused_when_it_is_read(tmp_path):
     """safetensors itself checks the header against the file it was handed: data cut short is refused
     when the recipe is planned, not when the adapter is loaded (docs/security.md)."""
-    from aotbuild import adapters
+    from aotbuild.features import lora as adapters
 
     header = '{"unet.a.lora_A.weight": {"dtype": "F32", "shape": [4, 8], "data_offsets": [0, 128]}}'
     whole = _safetensors(tmp_path / "whole.safetensors", header, b"\0" * 128)

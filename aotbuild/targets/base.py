@@ -118,8 +118,22 @@ class Target:
         raise NotImplementedError
 
     def compile(self, module: torch.nn.Module, recipe: Recipe, device: str) -> Callable[..., Any]:
-        """Compile ``module`` as the recipe says; return the callable that runs its compiled forward."""
-        raise NotImplementedError
+        """Compile ``module`` as the recipe says (``torch.compile`` with :meth:`compile_kwargs`; regional
+        scope: each block in place); return the callable that runs its compiled forward."""
+        import torch
+
+        from aotbuild.blocks import compile_regional
+
+        self.before_compile()
+        kwargs = self.compile_kwargs(recipe, device)
+        raise_recompile_limit(len(recipe.shapes))
+        if recipe.compile.scope == "regional":
+            compile_regional(module, recipe, kwargs)
+            return module.forward
+        return torch.compile(module.forward, **kwargs)
+
+    def before_compile(self) -> None:
+        """What ``compile`` needs in this process first (a vendor's import registers its backend)."""
 
     def capture_env(self, workdir: Path) -> dict[str, str | None]:
         """Environment for a build job's subprocess so that everything it compiles lands in ``workdir``

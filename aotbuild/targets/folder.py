@@ -18,14 +18,13 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from aotbuild.blocks import blocks_setting, compile_regional
+from aotbuild.blocks import blocks_setting
 from aotbuild.constants import dist_version
 from aotbuild.layout import safe_relpath
-from aotbuild.targets.base import Availability, InstallResult, Target, ToolchainCheck, raise_recompile_limit
+from aotbuild.targets.base import Availability, InstallResult, Target, ToolchainCheck
 from aotbuild.trees import collect_tree, lay_tree
 
 if TYPE_CHECKING:
-    import torch
 
     from aotbuild.recipe import Recipe
 
@@ -110,16 +109,8 @@ class FolderCacheTarget(Target):
         return {"backend": self.name, "fullgraph": settings["fullgraph"], "dynamic": False,
                 "options": settings["options"] or None}
 
-    def compile(self, module: torch.nn.Module, recipe: Recipe, device: str) -> Callable[..., Any]:
-        import torch
-
+    def before_compile(self) -> None:
         self.import_vendor()  # registers the backend
-        kwargs = self.compile_kwargs(recipe, device)
-        raise_recompile_limit(len(recipe.shapes))
-        if recipe.compile.scope == "regional":
-            compile_regional(module, recipe, kwargs)
-            return module.forward
-        return torch.compile(module.forward, **kwargs)
 
     def check_caches(self) -> ToolchainCheck:
         folder = os.environ.get(self.cache_env)

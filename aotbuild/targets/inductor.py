@@ -27,12 +27,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from aotbuild import constants
-from aotbuild.blocks import blocks_setting, compile_regional
+from aotbuild.blocks import blocks_setting
 from aotbuild.layout import safe_relpath
-from aotbuild.targets.base import Availability, InstallResult, Target, ToolchainCheck, raise_recompile_limit
+from aotbuild.targets.base import Availability, InstallResult, Target, ToolchainCheck
 
 if TYPE_CHECKING:
-    import torch
 
     from aotbuild.recipe import Recipe
 
@@ -176,16 +175,6 @@ class InductorTarget(Target):
             options = {**list_mode_options(settings["mode"], settings["dynamic"]), **options}
         return {"backend": "inductor", "fullgraph": settings["fullgraph"], "dynamic": settings["dynamic"],
                 "options": options or None}
-
-    def compile(self, module: torch.nn.Module, recipe: Recipe, device: str) -> Callable[..., Any]:
-        import torch
-
-        kwargs = self.compile_kwargs(recipe, device)
-        raise_recompile_limit(len(recipe.shapes))
-        if recipe.compile.scope == "regional":
-            compile_regional(module, recipe, kwargs)
-            return module.forward
-        return torch.compile(module.forward, **kwargs)
 
     def capture_env(self, workdir: Path) -> dict[str, str | None]:
         # The caches must be on in the job even if the user's environment turned them off: what they

@@ -26,6 +26,7 @@ from typing import Any
 
 from aotbuild import safeio
 from aotbuild.errors import UsageError
+from aotbuild.features.base import Feature, Where
 from aotbuild.recipe import LoraAdapter, Recipe
 from aotbuild.text import printable
 
@@ -368,3 +369,48 @@ def random_adapter(pipe: Any, recipe: Recipe, component: str, folder: Path, seed
     path = folder / DEFAULT_WEIGHT_NAME
     save_file(tensors, str(path))  # no alpha in its metadata: diffusers takes alpha = rank, a scaling of 1
     return path
+
+
+class Lora(Feature):
+    """``lora``: adapters loaded for hot-swap at build and load, keyed by rank and target modules,
+    guarded after load, and proven with a second adapter swapped in."""
+
+    section = "lora"
+
+    def check_recipe(self, recipe: Recipe, model: Any, pipeline_class: str) -> None:
+        for component in recipe.compile.components:  # each adapter's header against lora.rank and the modules
+            check_recipe(recipe, component)
+
+    def factors(self, recipe: Recipe, where: Where) -> dict[str, Any] | None:
+        return factors(recipe, where.component)
+
+    def prepare(self, pipe: Any, recipe: Recipe) -> None:
+        prepare(pipe, recipe)
+
+    def after_load(self, pipe: Any, recipe: Recipe) -> None:
+        guard(pipe, recipe)  # a hot-swap is checked before it changes a weight
+
+    def changes_modules(self, recipe: Recipe, component: str) -> bool:
+        return True  # peft's layers in every compiled component
+
+    def reference(self, pipe: Any, recipe: Recipe, component: str, calls: list[tuple[Any, Any, list[Any]]],
+                  folder: Path) -> tuple[Path, list[tuple[Any, Any, list[Any]]]]:
+        """A random adapter of rank max(1, lora.rank // 2) swapped into the eager pipeline, the recorded
+        calls' eager outputs with it, then the recipe's adapter swapped back: (its file, those calls)."""
+        import torch
+        from torch.utils._pytree import tree_leaves
+
+        assert recipe.lora is not None
+        adapter = recipe.lora.adapters[0]
+        module = getattr(pipe, component)
+        swapped = random_adapter(pipe, recipe, component, folder, seed=1)
+        pipe.load_lora_weights(str(swapped.parent), weight_name=swapped.name, adapter_name=adapter.adapter_name,
+                               hotswap=True)
+        scale(pipe, recipe, adapter)  # as the served pipe's guard does after a swap
+        with torch.no_grad():
+            outputs = [(args, kwargs, [t.detach().clone() for t in tree_leaves(module(*args, **kwargs))
+                                       if isinstance(t, torch.Tensor)]) for args, kwargs, _ in calls]
+        own = resolve(recipe, adapter)
+        pipe.load_lora_weights(str(own.parent), weight_name=own.name, adapter_name=adapter.adapter_name, hotswap=True)
+        scale(pipe, recipe, adapter)
+        return swapped, outputs

@@ -18,6 +18,7 @@ from typing import Any
 
 from aotbuild.constants import dist_version
 from aotbuild.errors import UsageError
+from aotbuild.features.base import Feature, Where
 from aotbuild.frozen import thaw
 from aotbuild.recipe import QuantSpec, Recipe
 
@@ -100,3 +101,19 @@ def apply(pipe: Any, recipe: Recipe) -> None:
     if any(declared.get(k, before.get(k)) != v for k, v in changed.items()):
         raise RuntimeError(f"torchao's quantize_ changed Inductor settings the key does not hold: {sorted(changed)} "
                            f"(aotbuild knows {sorted(declared)}); this torchao is not supported yet")
+
+
+class Quantization(Feature):
+    """``model.quantization``: the compiled components quantized (torchao) before compiling and
+    serving, keyed by backend, version, type and what ``quantize_`` sets in Inductor."""
+
+    section = "quantization"
+
+    def factors(self, recipe: Recipe, where: Where) -> dict[str, Any] | None:
+        return factors(recipe, where.component)
+
+    def prepare(self, pipe: Any, recipe: Recipe) -> None:
+        apply(pipe, recipe)
+
+    def changes_modules(self, recipe: Recipe, component: str) -> bool:
+        return component in components(recipe)  # torchao's tensor subclasses in its linears

@@ -34,6 +34,7 @@ import os
 from typing import Any
 
 from aotbuild.errors import UsageError
+from aotbuild.features.base import Feature, Where
 
 __all__ = ["RANK_VARIABLES", "backend_for", "check_component", "factors", "launched", "plan_digest", "rank_threads",
            "setup", "shard", "tp_plan_of"]
@@ -186,3 +187,36 @@ def shard(module: Any, mesh: Any, component: str) -> None:
 
         module.enable_parallelism(config=TensorParallelConfig(mesh=mesh))
     setattr(module, SHARDED, mesh.size())
+
+
+class TensorParallel(Feature):
+    """``parallel.tensor``: a job is one entry per rank, each rank's process joins the group (and
+    takes its share of the CPUs) before the weights load, and the compiled components are sharded
+    by their class's ``_tp_plan`` (``context.shard_pipeline``)."""
+
+    section = "parallel"
+
+    def check_recipe(self, recipe: Any, model: Any, pipeline_class: str) -> None:
+        """A ``_tp_plan`` on every compiled component, heads the degree divides."""
+        from aotbuild import models
+
+        known = model.components()
+        shardable = [n for n, (library, cls) in known.items() if library == "diffusers" and tp_plan_of(cls)]
+        for component in recipe.compile.components:
+            class_name, config = models.component_config(model, component, recipe.model.revision)
+            check_component(recipe, component, class_name, config, shardable)
+
+    def factors(self, recipe: Any, where: Where) -> dict[str, Any] | None:
+        return factors(recipe, where.component_class, where.device, where.rank)
+
+    def compile_settings(self, recipe: Any, settings: dict[str, Any]) -> dict[str, Any]:
+        if "cpu_threads" not in settings:
+            return settings
+        # A rank runs rank_threads() threads (setup() sets them in every rank): the process keying it may not.
+        return {**settings, "cpu_threads": rank_threads(recipe.tensor_parallel)}
+
+    def ranks(self, recipe: Any) -> int:
+        return recipe.tensor_parallel
+
+    def before_load(self, recipe: Any, device: str) -> None:
+        setup(recipe, device)  # the rank's device (CUDA: LOCAL_RANK) and its share of the CPUs

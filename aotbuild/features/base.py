@@ -1,0 +1,76 @@
+"""The protocol every feature implements (aotbuild/features/registry.py lists them): what a recipe
+section checks at plan time, adds to a key, does to the pipeline before and after it loads, guards
+after ``load_compiled``, and adds to the proof; and how many ranks a job needs. Every hook defaults to
+nothing, so a feature implements only what it changes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from aotbuild.recipe import Recipe
+
+__all__ = ["Feature", "Where"]
+
+
+@dataclass(frozen=True)
+class Where:
+    """One job's place, as a feature's key factor needs it: the component (its name and class, as
+    loaded or planned), the device, and the rank of a sharded job (None: unsharded)."""
+
+    component: str
+    component_class: str
+    device: str
+    rank: int | None = None
+
+
+class Feature:
+    """What a recipe section does to a pipeline. Every hook has a default that does nothing, so a
+    feature implements only what it changes. ``section`` is the recipe's section and, where the
+    feature adds one, the name of its key factor."""
+
+    section: str = ""
+
+    # -- planning and keying --------------------------------------------------------------------
+    def check_recipe(self, recipe: Recipe, model: Any, pipeline_class: str) -> None:
+        """Plan time, against the model's files (``model``: a ``models.ResolvedModel``; no weights
+        loaded): ``recipe.error(...)`` for what this model cannot do."""
+
+    def factors(self, recipe: Recipe, where: Where) -> dict[str, Any] | None:
+        """The key factor this feature adds to one job (its ``section``), or None to add none (the key
+        is then what it was without the section)."""
+        return None
+
+    def compile_settings(self, recipe: Recipe, settings: dict[str, Any]) -> dict[str, Any]:
+        """The job's compile settings (a key factor) as this feature changes them."""
+        return settings
+
+    def ranks(self, recipe: Recipe) -> int:
+        """How many ranks (processes, one entry each) one job of the recipe needs."""
+        return 1
+
+    # -- the pipeline -----------------------------------------------------------------------------
+    def before_load(self, recipe: Recipe, device: str) -> None:
+        """In a process about to load the pipeline (a build job, a proof, a replica), before its weights."""
+
+    def prepare(self, pipe: Any, recipe: Recipe) -> None:
+        """After the pipeline is loaded and placed: the change itself (build jobs, proofs, loads)."""
+
+    def after_load(self, pipe: Any, recipe: Recipe) -> None:
+        """At the end of ``load_compiled``, entries installed: guards on what the served pipe may change."""
+
+    def changes_modules(self, recipe: Recipe, component: str) -> bool:
+        """Whether the change puts other modules in ``component`` (torchao's, peft's), so its
+        structure is not its config's meta twin's."""
+        return False
+
+    # -- the proof --------------------------------------------------------------------------------
+    def reference(self, pipe: Any, recipe: Recipe, component: str, calls: list[tuple[Any, Any, list[Any]]],
+                  folder: Path) -> tuple[Path, list[tuple[Any, Any, list[Any]]]] | None:
+        """The proof's extra reference, recorded on the eager pipeline: what the served entry must
+        also reproduce after this feature's runtime change (a hot-swapped adapter), or None."""
+        return None
+
+
