@@ -30,7 +30,7 @@ from aotbuild.journal import entry_writer
 from aotbuild.layout import FROM_PROJECT, cache_root_origin, format_size, resolve_max_size
 from aotbuild.locks import flocked, store_lock
 from aotbuild.manifest import FileRecord, Manifest, Proof
-from aotbuild.planner import RETRY_HINT, Job, JobStatus, plan, shard_jobs, shard_summary
+from aotbuild.planner import RETRY_HINT, Job, JobStatus, mark_remote, plan, shard_jobs, shard_summary
 from aotbuild.recipe import Recipe, recipe_spec, recipe_to_dict
 from aotbuild.recipes import Recipes
 from aotbuild.store import Store
@@ -299,17 +299,10 @@ def build(recipes: Recipes, *, cache: str | Path | None = None,
     # not built again until retry_failed; its result keeps the build failed (exit 1), never "skipped".
     known = {} if retry_failed else {j.group: j.reason for j in jobs if j.status == JobStatus.FAILED_BEFORE}
     _whole_groups(jobs, known)
-    on_remote = remote.keys() if remote is not None \
-        and any(j.status in (JobStatus.MISS, JobStatus.FAILED_BEFORE) for j in jobs) \
-        else set()
-    if own and on_remote:  # a remote entry this key did not sign is absent to a signed build (it builds its own)
-        from aotbuild.remote import untrusted_on_remote
-
-        wanted = sorted({k for j in jobs if j.status in (JobStatus.MISS, JobStatus.FAILED_BEFORE) and j.key
-                         for k in (j.siblings or (j.key,)) if k in on_remote})
-        on_remote -= set(untrusted_on_remote(remote, wanted, own)) if remote is not None else set()
-    # A tensor-parallel job is on the remote only when every rank's entry is.
-    on_remote -= {j.key for j in jobs if j.siblings and not set(j.siblings) <= on_remote}
+    # What the --push remote holds, as the planner decides it for plan --remote (whole rank groups; with a
+    # signing key, a remote entry this key did not sign is absent: the build builds and signs its own).
+    on_remote = {j.key for j in mark_remote(jobs, remote, trusted=own or None)
+                 if j.status == JobStatus.REMOTE} if remote is not None else set()
     results: dict[int, JobResult] = {}
     for i, job in enumerate(jobs):
         if job.status == JobStatus.HIT:

@@ -295,24 +295,45 @@ def plan(recipes: Recipes, *, cache: str | Path | None = None, remote: str | Rem
     return mark_remote(jobs, remote, trusted_keys) if remote is not None else jobs
 
 
-def mark_remote(jobs: list[Job], remote: str | Remote, trusted_keys: list[str | Path] | None = None) -> list[Job]:
+#: ``mark_remote``'s default trust: the keys ``AOTBUILD_TRUSTED_KEYS`` (or ``trusted_keys``) names.
+FROM_ENV: Any = object()
+
+
+def mark_remote(jobs: list[Job], remote: str | Remote, trusted_keys: list[str | Path] | None = None, *,
+                trusted: dict[str, bytes] | None = FROM_ENV) -> list[Job]:
     """``jobs`` with each one the local cache lacks (a miss, or failed before) that ``remote`` has
-    marked :data:`JobStatus.REMOTE` ("on URL"). The remote's keys are listed once; nothing is downloaded. With
-    trusted keys (default ``AOTBUILD_TRUSTED_KEYS``) a remote entry counts only when a trusted key
-    signed it: its manifest is read (bounded; no blob is fetched), so a ``--fail-on-miss`` gate means
-    what a serving machine will load, and an unsigned one stays a miss that says why."""
+    marked :data:`JobStatus.REMOTE` ("on URL"): the one place that decides what a remote holds, for
+    ``plan --remote``, ``plan(remote=)`` and a build that skips what its ``--push`` remote has. The
+    remote's keys are listed once; nothing is downloaded. With trusted keys (``trusted``, a build's own
+    signing key; by default ``AOTBUILD_TRUSTED_KEYS`` or ``trusted_keys``) a remote entry counts only
+    when a trusted key signed it: its manifest is read (bounded; no blob is fetched), so a
+    ``--fail-on-miss`` gate means what a serving machine will load, and an unsigned one stays a miss
+    that says why. A tensor-parallel job is on the remote only when every rank's entry is."""
     from aotbuild.remote import as_remote, untrusted_on_remote
     from aotbuild.signing import trusted_from_env
 
     target = as_remote(remote)
-    if not any(j.status in (JobStatus.MISS, JobStatus.FAILED_BEFORE) for j in jobs):
+    wanting = (JobStatus.MISS, JobStatus.FAILED_BEFORE)
+    if not any(j.status in wanting for j in jobs):
         return jobs
     there = target.keys()
-    needed = [j.key for j in jobs if j.status in (JobStatus.MISS, JobStatus.FAILED_BEFORE) and j.key in there]
-    trusted = trusted_from_env(trusted_keys)
+    needed = sorted({k for j in jobs if j.status in wanting and j.key for k in (j.siblings or (j.key,)) if k in there})
+    trusted = trusted_from_env(trusted_keys) if trusted is FROM_ENV else trusted
     refused = untrusted_on_remote(target, needed, trusted) if trusted is not None else {}
-    return [replace(j, reason=f"on {target.url} but refused there: {refused[j.key]}") if j.key in refused
-            else replace(j, status=JobStatus.REMOTE, reason=f"on {target.url}") if j.key in needed else j for j in jobs]
+    usable = set(needed) - set(refused)
+    out = []
+    for j in jobs:
+        if j.status not in wanting or j.key is None:
+            out.append(j)
+        elif j.key in refused:
+            out.append(replace(j, reason=f"on {target.url} but refused there: {refused[j.key]}"))
+        elif j.key in usable and set(j.siblings or (j.key,)) <= usable:
+            out.append(replace(j, status=JobStatus.REMOTE, reason=f"on {target.url}"))
+        elif j.key in usable:
+            out.append(replace(j, reason=f"on {target.url}, but not every rank of its tensor-parallel job is"))
+        else:
+            out.append(j)
+    return out
 
 
 def parse_shard(text: str) -> tuple[int, int]:

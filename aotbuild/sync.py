@@ -407,7 +407,7 @@ def pull(recipes: list[str] | tuple[str, ...], remote: str | Remote, *, cache: s
         elif job.key in partial:
             out.append(PullItem(job, PullStatus.MISSING,
                                 f"rank {partial[job.key]}'s entry of this tensor-parallel job is not on "
-                                              f"{remote.url}: its ranks are pulled together"))
+                                f"{remote.url}: its ranks are pulled together"))
         elif job.key not in on_remote:
             out.append(PullItem(job, PullStatus.MISSING, f"not on {remote.url}"))
         else:

@@ -233,3 +233,25 @@ def test_bad_shard_specs(text):
 
 def test_parse_shard():
     assert parse_shard("2/4") == (2, 4)
+
+
+def test_the_planner_alone_decides_what_a_remote_holds_whole_rank_groups_only(tmp_path):
+    """planner.mark_remote is what plan --remote, plan(remote=) and a build's --push skip read: a
+    tensor-parallel job counts as on the remote only when every rank's entry is there (a build used
+    to apply that rule and plan --remote did not: it showed rank 0 on the remote, rank 1 a miss)."""
+    from dataclasses import replace
+
+    from aotbuild.planner import mark_remote
+
+    local, folder = Store(tmp_path / "local"), tmp_path / "remote"
+    a, r0, r1 = (add_entry(local, tmp_path, n, {"x.bin": n.encode()}) for n in ("a", "r0", "r1"))
+    remote = parse_remote(f"file://{folder}")
+    remote.push(entries(local, a, r0))  # rank 1 of the two-rank job never arrived
+    plain = _job("plain", a)
+    ranks = [replace(_job("tp", k), rank=i, siblings=(r0, r1)) for i, k in enumerate((r0, r1))]
+    absent = _job("absent", key_of("absent"))
+    marked = mark_remote([plain, *ranks, absent], f"file://{folder}")
+    assert [j.status for j in marked] == [JobStatus.REMOTE, JobStatus.MISS, JobStatus.MISS, JobStatus.MISS]
+    assert "not every rank" in marked[1].reason and marked[2].reason == "" and marked[3].reason == ""
+    remote.push(entries(local, r1))
+    assert [j.status for j in mark_remote([*ranks], f"file://{folder}")] == [JobStatus.REMOTE] * 2
