@@ -255,7 +255,7 @@ def bench(recipe_path: str | Path | Any, cache: str | Path | None = None, *, sha
 
     ``progress`` gets a line per step; ``build_progress`` is passed to :func:`aotbuild.build`;
     ``warn`` gets :func:`load_warning`'s line when the machine is busy."""
-    from aotbuild.layout import resolve_cache_root
+    from aotbuild.cache.layout import resolve_cache_root
     from aotbuild.planner import JobStatus, plan
     from aotbuild.recipe import build_hint
     from aotbuild.recipes import as_recipe

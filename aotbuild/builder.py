@@ -21,21 +21,21 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from aotbuild import auto, child, constants, planner
+from aotbuild.cache.journal import entry_writer
+from aotbuild.cache.layout import FROM_PROJECT, cache_root_origin, format_size, resolve_max_size
+from aotbuild.cache.locks import flocked, store_lock
+from aotbuild.cache.manifest import FileRecord, Manifest, Proof
+from aotbuild.cache.store import Store
+from aotbuild.cache.trees import lay_tree
 from aotbuild.child import Tick
 from aotbuild.constants import Vocabulary
 from aotbuild.context import Unavailable
 from aotbuild.deprecated import positional_shim
 from aotbuild.errors import ProofFailed, StoreError
-from aotbuild.journal import entry_writer
-from aotbuild.layout import FROM_PROJECT, cache_root_origin, format_size, resolve_max_size
-from aotbuild.locks import flocked, store_lock
-from aotbuild.manifest import FileRecord, Manifest, Proof
 from aotbuild.planner import RETRY_HINT, Job, JobStatus, mark_remote, plan, shard_jobs, shard_summary
 from aotbuild.recipe import Recipe, recipe_spec, recipe_to_dict
 from aotbuild.recipes import Recipes
-from aotbuild.store import Store
 from aotbuild.strategies.registry import checked_store
-from aotbuild.trees import lay_tree
 
 if TYPE_CHECKING:
     from aotbuild.manage import GcReport
@@ -267,7 +267,7 @@ def build(recipes: Recipes, *, cache: str | Path | None = None,
                                max_size=max_size, sign_key=sign_key, retry_failed=retry_failed)
     root, origin = cache_root_origin(cache)
     store = checked_store(root)
-    from aotbuild.journal import reclaim_dead
+    from aotbuild.cache.journal import reclaim_dead
 
     reclaim_dead(store)  # what a build killed with -9 left in tmp/: verify is clean after this one
     if remote is not None:  # the remote's failure records join this cache's: one rule for every shard (issue 35)
@@ -276,7 +276,7 @@ def build(recipes: Recipes, *, cache: str | Path | None = None,
         pull_failures(remote, store)
     own: dict[str, bytes] = {}
     if sign_key is not None:  # a bad key fails now, not after an hour of compiling
-        from aotbuild.signing import public_of
+        from aotbuild.cache.signing import public_of
 
         own = public_of(sign_key)
     # pyproject.toml's max_size applies only to the cache it names itself (a pull request writes it).
@@ -450,7 +450,7 @@ def _whole_groups(jobs: list[Job], known: dict[str | None, str]) -> None:
 
 def _not_signed_by(manifest: Any, own: dict[str, bytes]) -> str:
     """Why ``manifest`` carries no valid signature by the signing key ``own`` ("" when it does)."""
-    from aotbuild.signing import check
+    from aotbuild.cache.signing import check
 
     why = check(manifest, own)
     return f"found in the cache, not signed by {next(iter(own))} ({why.split(':')[0].split(';')[0]})" if why else ""
@@ -766,7 +766,7 @@ def _adopt(store: Store, jobs: list[Job], group: list[Job], attempts: list[auto.
     if _prepacked(group[0]) and not all(_proven_faster(e.manifest) for e in entries if e is not None):
         return []
     if sign_key is not None:  # a signed build signs only what it built or what its key signed already
-        from aotbuild.signing import public_of
+        from aotbuild.cache.signing import public_of
 
         mine = public_of(sign_key)
         if any(_not_signed_by(e.manifest, mine) for e in entries if e is not None):
@@ -786,7 +786,7 @@ def _adopt(store: Store, jobs: list[Job], group: list[Job], attempts: list[auto.
         try:
             with entry_writer(store) as writer, store_lock(store.root, exclusive=False):
                 if sign_key is not None:
-                    from aotbuild.signing import sign
+                    from aotbuild.cache.signing import sign
 
                     manifest = sign(manifest, sign_key)
                 writer.put_manifest(manifest)
@@ -1087,7 +1087,7 @@ def store_job(store: Store, job: Job, files: list[tuple[str, Path]], result: dic
                          reason=f"the entry is {format_size(size)}, bigger than the cache's size limit "
                                 f"{format_size(limit)}: nothing stored (raise max_size, docs/cache.md)")
     try:
-        # Journaled: a failure halfway (no space left) removes the blobs it wrote (journal.py).
+        # Journaled: a failure halfway (no space left) removes the blobs it wrote (cache/journal.py).
         with entry_writer(store) as writer, store_lock(store.root, exclusive=False):
             records = []
             for rel, path in files:
@@ -1095,7 +1095,7 @@ def store_job(store: Store, job: Job, files: list[tuple[str, Path]], result: dic
                 records.append(FileRecord(rel, digest, blob_size))
             manifest = make_manifest(job, records, result, seconds, proof, chosen)
             if sign_key is not None:
-                from aotbuild.signing import sign
+                from aotbuild.cache.signing import sign
 
                 manifest = sign(manifest, sign_key)
             writer.put_manifest(manifest)

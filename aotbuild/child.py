@@ -27,7 +27,7 @@ ask again), then checks that the parent it was started by (``AOTBUILD_PARENT_PID
 parent, in case it died first; elsewhere a watchdog thread polls the parent's pid and kills the
 child's process group. Ranks of a launch are guarded the same way, the launcher too (it runs through
 this module's ``__main__``). What a dead build left in ``<cache>/tmp`` is reclaimed by the next
-build (aotbuild/journal.py).
+build (aotbuild/cache/journal.py).
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_MISS, EXIT_INTERRUPTED = 0, 1, 2, 3, 
 
 
 def _human_size(n: int) -> str:
-    from aotbuild.layout import format_size
+    from aotbuild.cache.layout import format_size
 
     return format_size(n)
 
@@ -302,7 +302,7 @@ def build(recipes: tuple[str, ...], cache: str | None, as_json: bool, shard: str
                        shard=resolve(shard) if shard else None, remote=target, retry_failed=retry_failed)
     pushed = None
     if target is not None:
-        from aotbuild.signing import public_of
+        from aotbuild.cache.signing import public_of
         from aotbuild.sync import push
 
         keys = [r.job.key for r in report.results
@@ -355,8 +355,8 @@ def push(items: tuple[str, ...], remote: str | None, cache: str | None, as_json:
       aotbuild push 3f1c9a0b --remote hf://datasets/my-org/aot-cache
     """
 
+    from aotbuild.cache.signing import trusted_from_env
     from aotbuild.errors import UsageError
-    from aotbuild.signing import trusted_from_env
     from aotbuild.sync import push as run_push
 
     if sign_key is not None:
@@ -453,8 +453,8 @@ def plan(recipes: tuple[str, ...], cache: str | None, as_json: bool, fail_on_mis
       aotbuild plan recipes/ --explain-auto
     """
 
+    from aotbuild.cache.layout import resolve_cache_root
     from aotbuild.errors import RecipeError
-    from aotbuild.layout import resolve_cache_root
     from aotbuild.planner import JobStatus, mark_remote, shard_jobs, shard_summary
     from aotbuild.planner import plan as run_plan
     from aotbuild.recipes import load_recipes
@@ -545,7 +545,7 @@ def _explain_auto(jobs: list) -> str:
 
 def _estimate_text(misses: list) -> str:
     """The misses' estimated total build time and size, from the nearest cached entries."""
-    from aotbuild.layout import format_size
+    from aotbuild.cache.layout import format_size
 
     known = [j for j in misses if j.estimated_build_s is not None]
     if not misses:
@@ -580,7 +580,7 @@ def ls(cache: str | None, as_json: bool) -> int:
       aotbuild ls --cache /mnt/aot-cache
     """
 
-    from aotbuild.layout import resolve_cache_root
+    from aotbuild.cache.layout import resolve_cache_root
     from aotbuild.strategies.registry import checked_store
 
     if _no_cache(resolve_cache_root(cache), as_json, {"models": [], "entries": []}):
@@ -648,8 +648,8 @@ def show(key: str, cache: str | None, as_json: bool) -> int:
       aotbuild show 3f1c9a0b
     """
 
+    from aotbuild.cache.layout import resolve_cache_root
     from aotbuild.keys import flatten
-    from aotbuild.layout import resolve_cache_root
     from aotbuild.strategies.registry import checked_store
 
     store = checked_store(resolve_cache_root(cache))
@@ -710,7 +710,7 @@ def show(key: str, cache: str | None, as_json: bool) -> int:
 
 def _signed_text(manifest: Any) -> str:
     """Each key that signed, and (with trusted keys set) which trusted key's signature verifies."""
-    from aotbuild.signing import signer, trusted_from_env
+    from aotbuild.cache.signing import signer, trusted_from_env
 
     names = ", ".join(_line(s["key"]) for s in manifest.signed_by) or "nobody (unsigned)"
     trusted = trusted_from_env() if manifest.signed_by else None
@@ -769,8 +769,8 @@ def keygen(name: str, convert: bool) -> int:
       aotbuild keygen --convert keys/ci.key
     """
 
-    from aotbuild.signing import convert as run_convert
-    from aotbuild.signing import keygen as run_keygen
+    from aotbuild.cache.signing import convert as run_convert
+    from aotbuild.cache.signing import keygen as run_keygen
 
     if convert:
         _echo(f"converted {run_convert(name)} to the new key format (signatures it made stay valid)")
@@ -799,9 +799,9 @@ def verify(cache: str | None, as_json: bool, fix: bool, trusted_keys: str | None
       aotbuild verify --fix
     """
 
-    from aotbuild.layout import resolve_cache_root
+    from aotbuild.cache.layout import resolve_cache_root
+    from aotbuild.cache.signing import trusted_from_env
     from aotbuild.manage import verify as run_verify
-    from aotbuild.signing import trusted_from_env
     from aotbuild.strategies.registry import checked_store
 
     if _no_cache(resolve_cache_root(cache), as_json, {"fixed": fix, "problems": []}):
@@ -810,7 +810,7 @@ def verify(cache: str | None, as_json: bool, fix: bool, trusted_keys: str | None
     problems = run_verify(store, fix=fix)
     remain = [p for p in problems if not fix or p.remains()]
     if as_json:
-        from aotbuild.journal import notes
+        from aotbuild.cache.journal import notes
 
         _emit_json({"cache": str(store.root), "fixed": fix, "problems": [p.as_json() for p in problems],
                     "remaining": [p.as_json() for p in remain], "notes": notes(store),
@@ -840,7 +840,7 @@ def verify(cache: str | None, as_json: bool, fix: bool, trusted_keys: str | None
 
 def _signers(store: Any) -> dict[str, str]:
     """key -> the trusted key whose signature on its entry verifies ("" for none)."""
-    from aotbuild.signing import signer
+    from aotbuild.cache.signing import signer
 
     return {m.key: signer(m, store.trusted) for m in store.iter_manifests()}
 
@@ -886,8 +886,8 @@ def gc(cache: str | None, as_json: bool, max_size: str | None, stale: bool, dry_
       aotbuild gc --stale
     """
 
+    from aotbuild.cache.layout import resolve_cache_root, resolve_max_size
     from aotbuild.errors import UsageError
-    from aotbuild.layout import resolve_cache_root, resolve_max_size
     from aotbuild.manage import gc as run_gc
     from aotbuild.strategies.registry import checked_store
 
@@ -927,8 +927,8 @@ def rm(items: tuple[str, ...], cache: str | None, as_json: bool) -> int:
 
     from pathlib import Path
 
+    from aotbuild.cache.layout import resolve_cache_root
     from aotbuild.errors import UsageError
-    from aotbuild.layout import resolve_cache_root
     from aotbuild.manage import rm as run_rm
     from aotbuild.recipes import load_recipes
     from aotbuild.strategies.registry import checked_store

@@ -147,7 +147,7 @@ def pause_for_tests(point: str) -> None:
 
 
 #: Public keys (comma-separated ``.pub`` paths) whose signatures make an entry loadable: with any
-#: set, unsigned or otherwise signed entries are misses (aotbuild/signing.py).
+#: set, unsigned or otherwise signed entries are misses (aotbuild/cache/signing.py).
 ENV_TRUSTED_KEYS = "AOTBUILD_TRUSTED_KEYS"
 
 

@@ -105,7 +105,7 @@ def _writable(folder: Path) -> str:
 
 
 def check_disk(cache_root: Path) -> Check:
-    from aotbuild.layout import format_size
+    from aotbuild.cache.layout import format_size
 
     probe = cache_root
     while not probe.exists():
@@ -118,7 +118,7 @@ def check_disk(cache_root: Path) -> Check:
 
 
 def check_store(cache_root: Path, deep: bool) -> Check:
-    from aotbuild.layout import format_size
+    from aotbuild.cache.layout import format_size
     from aotbuild.strategies.registry import checked_store
 
     store = checked_store(cache_root)
@@ -202,7 +202,7 @@ def check_roundtrip(target: str, device: str, progress: Any = None) -> Check:
         if result.status != ResultStatus.BUILT:
             return _failed("roundtrip", f"the tiny build {result.status}: {result.reason}",
                            "fix the check that failed above; the log named in the detail has the rest")
-        from aotbuild.store import Store
+        from aotbuild.cache.store import Store
 
         manifest = Store(folder / "cache").read_manifest(result.job.key or "")
         proof = manifest.proof if manifest else None
@@ -223,7 +223,7 @@ def check_roundtrip(target: str, device: str, progress: Any = None) -> Check:
 def doctor(target: str = "inductor", device: str | None = None, cache: str | Path | None = None,
            remote: str | None = None, deep: bool = False, roundtrip: bool = True, progress: Any = None) -> Report:
     from aotbuild import constants
-    from aotbuild.layout import resolve_cache_root
+    from aotbuild.cache.layout import resolve_cache_root
     from aotbuild.targets.registry import get_target
 
     t = get_target(target)

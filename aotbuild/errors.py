@@ -90,7 +90,7 @@ class RemoteError(AotbuildError, OSError):
 
 
 class ManifestError(AotbuildError, ValueError):
-    """A manifest that is malformed: it is no entry, for any reader (aotbuild/manifest.py)."""
+    """A manifest that is malformed: it is no entry, for any reader (aotbuild/cache/manifest.py)."""
 
 
 class StaleManifest(AotbuildError, ValueError):

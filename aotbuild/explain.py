@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from aotbuild import keys
-from aotbuild.manifest import Manifest
+from aotbuild.cache.manifest import Manifest
 
 __all__ = ["explain_miss", "estimate", "ESTIMATE_SAME", "Entries"]
 

@@ -1,6 +1,6 @@
 """Cache management: ``verify [--fix]``, ``gc`` (size limit, stale entries), ``rm``.
 
-Every change holds the store lock exclusively (aotbuild/locks.py), so no writer is midway, and
+Every change holds the store lock exclusively (aotbuild/cache/locks.py), so no writer is midway, and
 removes manifests *before* the blobs they name: at every instant, including after a crash or an
 error halfway through, each manifest on disk points at blobs that exist.
 
@@ -20,12 +20,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from aotbuild.cache.layout import HEX64
+from aotbuild.cache.locks import is_unlocked, store_lock
+from aotbuild.cache.manifest import Manifest, StaleManifest
+from aotbuild.cache.store import Store, sha256_file
 from aotbuild.constants import VERSION, Vocabulary
 from aotbuild.errors import LockUnavailable, StoreError
-from aotbuild.layout import HEX64
-from aotbuild.locks import is_unlocked, store_lock
-from aotbuild.manifest import Manifest, StaleManifest
-from aotbuild.store import Store, sha256_file
 
 
 class Finding(Vocabulary):
@@ -285,7 +285,7 @@ class GcReport:
     dry_run: bool = False
 
     def text(self, root: str) -> str:
-        from aotbuild.layout import format_size
+        from aotbuild.cache.layout import format_size
         from aotbuild.text import printable
 
         lines = [f"{'would remove' if self.dry_run else 'removed'} {key[:12]}  {format_size(size):>9}  "

@@ -18,8 +18,8 @@ from typing import Any
 
 from aotbuild import builtin, safeio
 from aotbuild.blocks import describe_repeating
+from aotbuild.cache.layout import Layout
 from aotbuild.errors import ModelUnavailable, ModelUnreachable
-from aotbuild.layout import Layout
 from aotbuild.recipe import CompileSpec, Recipe
 from aotbuild.suggest import suggest
 from aotbuild.text import printable

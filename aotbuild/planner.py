@@ -12,15 +12,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from aotbuild import auto, constants, keys, models, pipecall, shards
+from aotbuild.cache.layout import resolve_cache_root
+from aotbuild.cache.store import Store, Unusable
 from aotbuild.constants import Vocabulary
 from aotbuild.context import Context, Unavailable
 from aotbuild.deprecated import positional_shim
 from aotbuild.explain import Entries, estimate, explain_miss
 from aotbuild.features.registry import used
-from aotbuild.layout import resolve_cache_root
 from aotbuild.recipe import Recipe, Shape
 from aotbuild.recipes import Recipes, resolve_recipes
-from aotbuild.store import Store, Unusable
 from aotbuild.strategies.registry import checked_store
 
 if TYPE_CHECKING:
@@ -275,7 +275,7 @@ def plan(recipes: Recipes, *, cache: str | Path | None = None, remote: str | Rem
     (a build) ignores them. ``failures``: a lookup of failure records kept elsewhere (a remote's:
     sync.remote_failures, which ``plan --remote`` passes), read as the store's own, so a job that
     failed there is "failed" here too, nothing written locally."""
-    from aotbuild.signing import trusted_from_env
+    from aotbuild.cache.signing import trusted_from_env
 
     root = resolve_cache_root(cache)
     store = checked_store(root, trusted_from_env(trusted_keys) if signatures else None)
@@ -309,8 +309,8 @@ def mark_remote(jobs: list[Job], remote: str | Remote, trusted_keys: list[str | 
     when a trusted key signed it: its manifest is read (bounded; no blob is fetched), so a
     ``--fail-on-miss`` gate means what a serving machine will load, and an unsigned one stays a miss
     that says why. A tensor-parallel job is on the remote only when every rank's entry is."""
+    from aotbuild.cache.signing import trusted_from_env
     from aotbuild.remote import as_remote, untrusted_on_remote
-    from aotbuild.signing import trusted_from_env
 
     target = as_remote(remote)
     wanting = (JobStatus.MISS, JobStatus.FAILED_BEFORE)

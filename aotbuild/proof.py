@@ -349,8 +349,8 @@ def main(argv: list[str]) -> int:
 
 def verdict(result: dict[str, Any], label: str) -> Any:
     """The Proof for a passing result; ProofFailed, with the reason and the fix, for any other."""
+    from aotbuild.cache.manifest import Proof
     from aotbuild.errors import ProofFailed
-    from aotbuild.manifest import Proof
 
     if "error" in result:
         raise ProofFailed(f"a fresh process could not serve the entry, so nothing was stored: {result['error']}")

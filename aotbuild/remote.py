@@ -33,14 +33,14 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from aotbuild import manifest as codec
+from aotbuild.cache import manifest as codec
+from aotbuild.cache.layout import HEX64
+from aotbuild.cache.locks import flocked, store_lock
+from aotbuild.cache.manifest import Manifest, ManifestError, StaleManifest
+from aotbuild.cache.store import Entry, Store, sha256_file
 from aotbuild.errors import RemoteError, StoreError, UsageError
-from aotbuild.layout import HEX64
-from aotbuild.locks import flocked, store_lock
-from aotbuild.manifest import Manifest, ManifestError, StaleManifest
 from aotbuild.remote_base import PushResult, Remote, ingest
 from aotbuild.safeio import atomic_write, open_regular
-from aotbuild.store import Entry, Store, sha256_file
 
 _HF = re.compile(r"^hf://(?:(?P<kind>datasets|models)/)?(?P<repo>[\w.-]+/[\w.-]+)(?:@(?P<rev>[\w./-]+))?/?$")
 #: Operations per Hub commit: big pushes go in several pack commits, all before the manifest commits.
@@ -50,7 +50,7 @@ HUB_COMMIT_BATCH = 100
 def untrusted_on_remote(remote: Remote, keys: list[str], trusted: dict[str, bytes]) -> dict[str, str]:
     """key -> why the remote's entry of it is not one a trusted key signed, for each of ``keys`` (the
     remote's manifests only, each read bounded; no blob or pack is fetched)."""
-    from aotbuild.signing import check
+    from aotbuild.cache.signing import check
 
     out = {}
     for key in keys:
@@ -169,7 +169,7 @@ class FolderRemote(Remote):
 
     def _push(self, entries: list[Entry], result: PushResult, progress: Callable[[str], None] | None,
               trusted: dict[str, bytes]) -> None:
-        from aotbuild.signing import supersedes
+        from aotbuild.cache.signing import supersedes
 
         for entry in entries:
             there = self.store.check_entry(entry.key)[0]
@@ -221,7 +221,7 @@ class FolderRemote(Remote):
     def _add_signatures(self, manifest: Manifest) -> bool:
         """An entry the remote has gets the signatures pushed with it (key rotation: sign with the new
         key beside the old), where it is the same entry (the signatures cover its content)."""
-        from aotbuild.signing import merge_signatures
+        from aotbuild.cache.signing import merge_signatures
 
         there = self.store.read_manifest(manifest.key)
         merged = merge_signatures(there, manifest) if there is not None else None
@@ -361,7 +361,7 @@ class HubRemote(Remote):
     def _resigned(self, entry: Entry) -> Manifest | None:
         """The remote's manifest of ``entry`` with the signatures pushed beside its own, where it is the
         same manifest (a signature covers its content) and they add one; else None."""
-        from aotbuild.signing import merge_signatures
+        from aotbuild.cache.signing import merge_signatures
 
         there = self.read_manifest(entry.key)
         return merge_signatures(there, entry.manifest) if there is not None else None
@@ -422,7 +422,7 @@ class HubRemote(Remote):
         fill a small system /tmp), committed and deleted batch by batch; the manifests go last."""
         from huggingface_hub import CommitOperationAdd
 
-        from aotbuild.signing import supersedes
+        from aotbuild.cache.signing import supersedes
 
         result = PushResult()
         on_remote = self.keys()

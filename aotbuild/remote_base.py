@@ -12,11 +12,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
+from aotbuild.cache.journal import entry_writer
+from aotbuild.cache.locks import store_lock
+from aotbuild.cache.manifest import Manifest
+from aotbuild.cache.store import Entry, Store
 from aotbuild.errors import RemoteError, StoreError
-from aotbuild.journal import entry_writer
-from aotbuild.locks import store_lock
-from aotbuild.manifest import Manifest
-from aotbuild.store import Entry, Store
 
 
 @dataclass
@@ -91,7 +91,7 @@ def ingest(store: Store, key: str, manifest: Manifest,
         return f"refused: {why}"
     try:
         wanted = manifest.blobs()
-        # Journaled: a refused or broken pull removes the blobs it wrote (journal.py).
+        # Journaled: a refused or broken pull removes the blobs it wrote (cache/journal.py).
         with entry_writer(store) as writer, store_lock(store.root, exclusive=False):
             missing = {d: s for d, s in wanted if not store.has_blob(d, s, verify=True)}
             if missing:

@@ -50,12 +50,12 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from aotbuild import constants
-from aotbuild import manifest as codec
+from aotbuild.cache import manifest as codec
+from aotbuild.cache.layout import HEX64
+from aotbuild.cache.manifest import Manifest, StaleManifest
+from aotbuild.cache.store import MAX_FAILURE_BYTES, Entry, Store, failure_record
 from aotbuild.errors import RemoteError, StoreError, UsageError
-from aotbuild.layout import HEX64
-from aotbuild.manifest import Manifest, StaleManifest
 from aotbuild.remote_base import PushResult, Remote, ingest
-from aotbuild.store import MAX_FAILURE_BYTES, Entry, Store, failure_record
 
 #: scheme -> (fsspec protocol, the package it needs, the extra that installs it)
 SCHEMES = {"s3": ("s3", "s3fs", "s3"), "gs": ("gcs", "gcsfs", "gcs"), "gcs": ("gcs", "gcsfs", "gcs"),
@@ -460,7 +460,7 @@ class FsspecRemote(Remote):
 
     def push(self, entries: list[Entry], progress: Callable[[str], None] | None = None,
              workdir: Path | None = None, trusted: dict[str, bytes] | None = None) -> PushResult:
-        from aotbuild.signing import merge_signatures, supersedes
+        from aotbuild.cache.signing import merge_signatures, supersedes
 
         result = PushResult()
         on_remote = self.keys()

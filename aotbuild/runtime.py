@@ -15,15 +15,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from aotbuild import keys, models, pipecall
+from aotbuild.cache.layout import resolve_cache_root
+from aotbuild.cache.locks import store_lock
+from aotbuild.cache.store import Entry, Store, Unusable
 from aotbuild.context import Context, prepare_pipeline, shard_pipeline
 from aotbuild.deprecated import positional_shim
 from aotbuild.errors import CacheMiss, RemoteError, UsageError
 from aotbuild.explain import Entries, explain_miss
-from aotbuild.layout import resolve_cache_root
-from aotbuild.locks import store_lock
 from aotbuild.recipe import Recipe, Shape, build_hint
 from aotbuild.recipes import as_recipe
-from aotbuild.store import Entry, Store, Unusable
 from aotbuild.strategies.base import Planned
 from aotbuild.strategies.registry import checked_store
 from aotbuild.text import printable
@@ -140,7 +140,7 @@ def load_compiled(recipe: str | Path | Recipe | Mapping[str, Any], *, pipe: Any 
     remote = _check_arguments(on_miss, remote)
     recipe = as_recipe(recipe)
     root = resolve_cache_root(cache)
-    from aotbuild.signing import trusted_from_env
+    from aotbuild.cache.signing import trusted_from_env
 
     store = checked_store(root, trusted_from_env(trusted_keys))
     passed = pipe is not None

@@ -12,13 +12,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from aotbuild.cache.layout import resolve_cache_root
+from aotbuild.cache.store import DAMAGED, Entry, Store
 from aotbuild.constants import Vocabulary
 from aotbuild.deprecated import positional_shim
 from aotbuild.errors import UsageError
-from aotbuild.layout import resolve_cache_root
 from aotbuild.planner import Job, JobStatus, plan
 from aotbuild.remote import PushResult, Remote, as_remote, pull_entry
-from aotbuild.store import DAMAGED, Entry, Store
 from aotbuild.strategies.registry import checked_store
 
 
@@ -50,7 +50,7 @@ class PushReport:
     failures: list[str] = field(default_factory=list)  # keys whose failure record was written there
 
     def text(self) -> str:
-        from aotbuild.layout import format_size
+        from aotbuild.cache.layout import format_size
         from aotbuild.text import printable
 
         r = self.result
@@ -139,7 +139,7 @@ def _built_attempt(entry: Entry) -> list[str]:
     """An auto job's entry: the key of the attempt that built it (its strategy's concrete key, where
     that strategy's failure was recorded: aotbuild/auto.py), a record of which it makes stale."""
     from aotbuild import auto
-    from aotbuild.layout import HEX64
+    from aotbuild.cache.layout import HEX64
 
     attempts = (entry.manifest.auto or {}).get("attempts", ())
     return [a["key"] for a in attempts if isinstance(a, dict) and a.get("outcome") == auto.Outcome.BUILT
@@ -268,9 +268,9 @@ def sign(items: list[str] | tuple[str, ...], sign_key: str | Path, *, cache: str
     named: no items is an error, not "all". Each entry is hash-checked first; a damaged or missing one
     is an error and nothing is signed. Returns the keys signed (an entry this key signed already is
     left as it is)."""
-    from aotbuild.locks import store_lock
-    from aotbuild.signing import load_private, public_of, signer
-    from aotbuild.signing import sign as sign_manifest
+    from aotbuild.cache.locks import store_lock
+    from aotbuild.cache.signing import load_private, public_of, signer
+    from aotbuild.cache.signing import sign as sign_manifest
 
     if not items:
         raise UsageError("name the entries to sign (keys or recipes): `aotbuild sign` vouches for each one, "
@@ -384,7 +384,7 @@ def pull(recipes: list[str] | tuple[str, ...], remote: str | Remote, *, cache: s
     """Fetch, verified, every job of RECIPES that the local store lacks and ``remote`` (a URL or a
     Remote) has. With trusted keys (default ``AOTBUILD_TRUSTED_KEYS``) an entry no trusted key signed
     is refused before any of its blobs is fetched."""
-    from aotbuild.signing import trusted_from_env
+    from aotbuild.cache.signing import trusted_from_env
 
     if not recipes:
         raise UsageError("name the recipes to pull: only a recipe says which keys this machine needs")

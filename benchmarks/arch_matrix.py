@@ -154,8 +154,8 @@ def auto_choice(recipe_path: Path, cache: Path, key: str | None) -> dict[str, An
     serve the recipe here, with why) and, once built, the strategy its entry holds and the attempts
     its manifest records (a failed build's reason lists them too)."""
     from aotbuild import auto
+    from aotbuild.cache.store import Store
     from aotbuild.recipes import load_recipe
-    from aotbuild.store import Store
     from aotbuild.targets.registry import get_target
 
     recipe = load_recipe(str(recipe_path))

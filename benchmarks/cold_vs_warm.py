@@ -58,7 +58,7 @@ from aotbuild.recipes import load_recipe  # noqa: E402
 def child(mode: str, recipe: str, cache: str) -> None:
     import torch
 
-    from aotbuild.layout import resolve_cache_root
+    from aotbuild.cache.layout import resolve_cache_root
     from aotbuild.models import load_pipeline, resolve_model
     from aotbuild.pipecall import warmup_kwargs
 

@@ -8,9 +8,9 @@ from pathlib import Path
 from typing import Any
 
 from aotbuild import constants
+from aotbuild.cache.manifest import FileRecord, Manifest
+from aotbuild.cache.store import Store
 from aotbuild.keys import key_of
-from aotbuild.manifest import FileRecord, Manifest
-from aotbuild.store import Store
 
 FACTORS: dict[str, Any] = {
     "format": constants.FORMAT_VERSION,
@@ -47,8 +47,8 @@ def manifest(f: dict[str, Any], files: list[tuple[str, str, int]] = (), recipe: 
 def add_entry(store: Store, src: Path, name: str, blobs: dict[str, bytes], recipe: str | None = None,
               **sections: dict[str, Any]) -> str:
     """Store small real files as one entry, the way the builder does: journaled, blobs, then the manifest."""
-    from aotbuild.journal import entry_writer
-    from aotbuild.locks import store_lock
+    from aotbuild.cache.journal import entry_writer
+    from aotbuild.cache.locks import store_lock
 
     f = factors(name, **sections)
     items = []

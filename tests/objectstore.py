@@ -16,11 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from aotbuild import signing
+from aotbuild.cache import signing
+from aotbuild.cache.store import Store
 from aotbuild.errors import RemoteError
 from aotbuild.remote import parse_remote, pull_entry
 from aotbuild.remote_fsspec import FsspecRemote
-from aotbuild.store import Store
 from tests.conftest import REPO
 from tests.standins import add_entry, entries, key_of
 
@@ -70,7 +70,8 @@ def a_damaged_blob_is_refused_and_nothing_is_stored(url: str, tmp_path: Path, da
 
 def an_empty_blob_and_one_of_an_exact_multiple_of_the_range_are_pulled(url: str, tmp_path: Path,
                                                                          monkeypatch) -> None:
-    from aotbuild import remote_fsspec, store
+    from aotbuild import remote_fsspec
+    from aotbuild.cache import store
 
     monkeypatch.setattr(remote_fsspec, "RANGE", 4)  # the 8 MiB range and 1 MiB read, made small
     monkeypatch.setattr(store, "_CHUNK", 4)
@@ -115,7 +116,7 @@ PUSHER = textwrap.dedent("""
     import sys
     from pathlib import Path
     from aotbuild.remote import parse_remote
-    from aotbuild.store import Store
+    from aotbuild.cache.store import Store
     local = Store(Path(sys.argv[1]))
     found = [local.open_entry(m.key)[0] for m in local.iter_manifests()]
     result = parse_remote(sys.argv[2]).push(found)
@@ -260,7 +261,7 @@ def killed_on_stop(server: contextlib.AbstractContextManager[tuple[str, subproce
 def failure_records_are_listed_read_replaced_and_removed(url: str) -> None:
     """The failure records a build pushes (sync.push_failures) on the store itself: listed, read
     bounded (an object bigger than a record may be is not one), replaced by a newer failure, removed."""
-    from aotbuild.store import MAX_FAILURE_BYTES
+    from aotbuild.cache.store import MAX_FAILURE_BYTES
     from tests.standins import key_of
 
     remote = parse_remote(url)

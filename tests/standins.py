@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-from aotbuild.store import Store
+from aotbuild.cache.store import Store
 from tests import manifests
 
 ARTIFACT_SIZE = 3000

@@ -14,10 +14,10 @@ import pytest
 
 from aotbuild import auto, builder
 from aotbuild.builder import JobResult, ResultStatus
+from aotbuild.cache.store import Store
 from aotbuild.errors import ManifestError
 from aotbuild.planner import plan
 from aotbuild.recipes import parse_recipe
-from aotbuild.store import Store
 from aotbuild.targets.registry import get_target
 from tests.conftest import REPO, STRATEGY_RECIPE, TINY_DICT, invoke_cli
 
@@ -294,7 +294,8 @@ def test_an_explicit_freezing_entry_is_taken_only_where_a_proof_timed_it_faster(
 def test_a_signed_build_never_adopts_an_entry_its_key_did_not_sign(cache, fake_compiles, tmp_path):
     """An explicit entry in the cache that the build's key did not sign (pulled, restored) is not taken
     and signed as it is: the auto job builds its own (signing rule: never sign what another built)."""
-    from aotbuild import build, signing
+    from aotbuild import build
+    from aotbuild.cache import signing
 
     key, _ = signing.keygen(tmp_path / "keys" / "ci")
     build({**AUTO, "strategy": "aot-package"}, cache)  # unsigned: not this key's
@@ -310,7 +311,7 @@ def test_the_codec_binds_an_auto_entry_to_the_strategy_it_names(cache, fake_comp
     from dataclasses import replace
 
     from aotbuild import build
-    from aotbuild.manifest import from_json
+    from aotbuild.cache.manifest import from_json
 
     result, = build(AUTO, cache).results
     manifest = Store(cache).read_manifest(result.job.key)

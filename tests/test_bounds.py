@@ -196,8 +196,8 @@ def test_a_model_index_class_name_is_type_checked_before_it_becomes_a_key_factor
 def test_a_size_setting_past_2_62_bytes_is_one_line_not_a_traceback(tmp_path, value):
     """Found in review: ``AOTBUILD_MAX_SIZE`` (or a pull request's ``[tool.aotbuild] max_size``) of 400
     digits is inf as a float, and ``int(inf)`` raised an OverflowError's traceback."""
+    from aotbuild.cache.layout import parse_size
     from aotbuild.errors import UsageError
-    from aotbuild.layout import parse_size
     from tests.conftest import invoke_cli
 
     with pytest.raises(UsageError, match=r"is not a size of 0 to 2\^62 bytes"):

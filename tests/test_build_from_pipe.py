@@ -58,7 +58,7 @@ def test_a_pipeline_changed_in_code_is_built_proven_and_then_hits(models_dir, tm
 
     report = aotbuild.build(TINY, cache=cache, pipe=pipe)
     assert [r.status for r in report.results] == ["built"], report.as_json()
-    from aotbuild.store import Store
+    from aotbuild.cache.store import Store
 
     manifest = Store(cache).read_manifest(report.results[0].job.key)
     check_proven(manifest.proof)

@@ -16,8 +16,8 @@ from dataclasses import replace
 import pytest
 
 from aotbuild.builder import ResultStatus, store_job
+from aotbuild.cache.store import Store
 from aotbuild.manage import verify
-from aotbuild.store import Store
 from tests.conftest import FAKES, REPO, TINY_RECIPE, run_cli
 from tests.standins import add_entry, artifacts
 
@@ -100,7 +100,7 @@ def test_readers_never_see_a_partial_manifest_while_writers_and_gc_replace_it(tm
 HOLDER = textwrap.dedent("""
     import sys, time
     from pathlib import Path
-    from aotbuild.locks import store_lock
+    from aotbuild.cache.locks import store_lock
     with store_lock(Path(sys.argv[1]), exclusive=sys.argv[2] == "x"):
         print("held", flush=True)
         time.sleep(60)

@@ -15,9 +15,9 @@ import pytest
 
 from aotbuild import builder
 from aotbuild.builder import ResultStatus
+from aotbuild.cache.store import Store
 from aotbuild.errors import StoreError
 from aotbuild.manage import verify
-from aotbuild.store import Store
 from tests.conftest import TINY_RECIPE, invoke_cli
 from tests.standins import add_entry, check_no_dangling
 
@@ -75,7 +75,7 @@ def test_verify_lists_a_corrupt_blob_and_fix_repairs(tmp_path):
 
 
 def test_verify_leaves_a_running_builds_staging_folder_alone(tmp_path):
-    from aotbuild.locks import flocked
+    from aotbuild.cache.locks import flocked
 
     store = Store(tmp_path / "c")
     staging = store.layout.tmp / "job-0123456789ab.x"

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from aotbuild import load_compiled
-from aotbuild.store import Store
+from aotbuild.cache.store import Store
 from tests.conftest import TINY_RECIPE, invoke_cli, run_cli
 from tests.fakes.hub_server import HubStandIn
 from tests.serving import assert_warm, serve_fresh

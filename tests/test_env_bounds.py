@@ -64,7 +64,7 @@ def test_a_limit_in_range_is_used_and_a_job_time_limit_is_at_most_a_week(monkeyp
 
 def test_a_lock_never_waits_on_an_infinite_timeout(tmp_path, monkeypatch):
     """Where the value is used: the lock refuses it before waiting (it waited forever when held)."""
-    from aotbuild.locks import flocked
+    from aotbuild.cache.locks import flocked
 
     monkeypatch.setenv(constants.ENV_LOCK_TIMEOUT, "inf")
     with pytest.raises(UsageError, match="AOTBUILD_LOCK_TIMEOUT=inf"):

@@ -116,7 +116,7 @@ def test_a_note_logged_with_a_hostile_value_is_one_line(capsys):
 def test_verify_and_gc_report_a_hostile_file_name_in_a_shared_store_escaped(tmp_path):
     """Another writer's files in a shared store: a manifest-like name and a job folder holding a newline,
     ``::error::`` and an escape. verify reports both by path (the value itself, shown escaped)."""
-    from aotbuild.store import Store
+    from aotbuild.cache.store import Store
     from tests import manifests
 
     store = Store(tmp_path / "c")

@@ -17,8 +17,8 @@ from click.testing import CliRunner
 
 from aotbuild import builder
 from aotbuild.builder import JobResult, ResultStatus
+from aotbuild.cache.store import Store
 from aotbuild.cli import main
-from aotbuild.store import Store
 from tests.conftest import REPO, TINY_RECIPE
 
 RECIPE = ("model: {{id: {model}, dtype: float32}}\nshapes: [{{height: 64, width: 64}}]\n"
@@ -182,8 +182,8 @@ def test_a_build_that_waited_for_another_builder_does_not_retry_its_failure(cach
     import contextlib
 
     from aotbuild import build, plan
+    from aotbuild.cache.locks import flocked
     from aotbuild.constants import VERSION
-    from aotbuild.locks import flocked
     from tests.conftest import TINY_DICT
 
     store = Store(cache)

@@ -85,7 +85,7 @@ def test_plan_reports_every_bad_recipe_of_a_folder_and_plans_the_good_ones(model
 
 
 def test_ls_shows_each_entry_s_model_strategy_and_scope(tmp_path):
-    from aotbuild.store import Store
+    from aotbuild.cache.store import Store
     from tests import manifests
 
     store = Store(tmp_path / "c")
@@ -169,7 +169,7 @@ def test_a_failure_recorded_on_the_remote_is_skipped_by_every_fresh_runner_until
         assert pushed.failures == []  # the same failure is not written back
     assert len(tried) == 1  # built once across all runners
 
-    from aotbuild.store import Store
+    from aotbuild.cache.store import Store
 
     assert Store(tmp_path / "second").failure(key)["remote"] == url  # pulled into a cache that is kept
     fails[0] = False  # fixed (a new toolchain would be a new key; here, the same key built again)
@@ -190,8 +190,8 @@ def test_a_failure_recorded_on_the_remote_is_skipped_by_every_fresh_runner_until
 def test_a_hostile_failure_record_on_a_remote_is_ignored(models_dir, tmp_path):
     """A record is read bounded and checked before use: too big, not JSON, too deep, without a reason,
     or naming another key, it is not pulled (a bucket's writer can only ever make a job look failed)."""
+    from aotbuild.cache.store import MAX_FAILURE_BYTES, Store
     from aotbuild.remote import parse_remote
-    from aotbuild.store import MAX_FAILURE_BYTES, Store
     from aotbuild.sync import pull_failures
     from tests.standins import key_of
 
@@ -218,8 +218,8 @@ def test_a_failure_record_pushed_by_key_names_the_building_toolchain(tmp_path):
     goes with this process's toolchain, and is not written again once the remote has it."""
     import torch
 
+    from aotbuild.cache.store import Store
     from aotbuild.remote import parse_remote
-    from aotbuild.store import Store
     from aotbuild.sync import push_failures
     from tests.standins import key_of
 
@@ -298,8 +298,8 @@ def test_plan_with_a_remote_shows_the_remote_s_failure_records(cache, tmp_path):
     of another aotbuild version is a miss (as a local one is), and a job whose entry is on the
     remote is "remote" whatever record is there."""
     from aotbuild import constants, plan
+    from aotbuild.cache.store import Store
     from aotbuild.remote import parse_remote
-    from aotbuild.store import Store
 
     keys = [j.key for j in plan(str(TINY_RECIPE), cache)]
     (tmp_path / "remote").mkdir()
@@ -340,8 +340,8 @@ def test_an_entry_pushed_again_clears_its_failure_record_there_and_here(tmp_path
     """A key with a failure record on the remote (a runner whose retry failed again after another's
     worked) and an entry there: pushing the entry, though the remote has it, removes the record
     there and in the pushing cache, so no shard skips a job that builds."""
+    from aotbuild.cache.store import Store
     from aotbuild.remote import parse_remote
-    from aotbuild.store import Store
     from aotbuild.sync import push
     from tests.standins import add_entry
 
@@ -365,8 +365,8 @@ def test_a_remote_past_the_pull_limit_gives_its_newest_failure_records(tmp_path,
     import time
 
     from aotbuild import sync
+    from aotbuild.cache.store import Store
     from aotbuild.remote import parse_remote
-    from aotbuild.store import Store
     from tests.standins import key_of
 
     monkeypatch.setattr(sync, "MAX_PULLED_FAILURES", 2)

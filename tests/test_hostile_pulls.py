@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from aotbuild.cache.store import Store
 from aotbuild.manage import verify
-from aotbuild.store import Store
 from tests import manifests
 from tests.standins import add_entry
 

@@ -14,9 +14,9 @@ from tests.conftest import run_python
 RUNTIME_MODULES = {
     "aotbuild", "aotbuild.blocks", "aotbuild.builtin", "aotbuild.constants", "aotbuild.errors", "aotbuild.forwards",
     "aotbuild.frozen",
-    "aotbuild.keys", "aotbuild.layout", "aotbuild.locks", "aotbuild.manifest", "aotbuild.models",
+    "aotbuild.keys", "aotbuild.cache.layout", "aotbuild.cache.locks", "aotbuild.cache.manifest", "aotbuild.models",
     "aotbuild.context", "aotbuild.explain", "aotbuild.recipe", "aotbuild.recipe_file", "aotbuild.recipes",
-    "aotbuild.registry", "aotbuild.runtime", "aotbuild.safeio", "aotbuild.store",
+    "aotbuild.registry", "aotbuild.runtime", "aotbuild.safeio", "aotbuild.cache", "aotbuild.cache.store",
     "aotbuild.strategies", "aotbuild.strategies.base", "aotbuild.strategies.registry", "aotbuild.suggest",
     "aotbuild.targets", "aotbuild.targets.base", "aotbuild.targets.registry",
     "aotbuild.text", "aotbuild.pipecall", "aotbuild.deprecated",

@@ -17,8 +17,8 @@ import textwrap
 
 from aotbuild import builder
 from aotbuild.builder import ResultStatus
+from aotbuild.cache.store import Store
 from aotbuild.manage import verify
-from aotbuild.store import Store
 from tests.conftest import REPO, TINY_RECIPE, invoke_cli
 from tests.standins import add_entry, check_no_dangling
 
@@ -27,8 +27,8 @@ from tests.standins import add_entry, check_no_dangling
 WRITER = textwrap.dedent("""
     import sys, time
     from pathlib import Path
-    from aotbuild.locks import store_lock
-    from aotbuild.store import Store
+    from aotbuild.cache.locks import store_lock
+    from aotbuild.cache.store import Store
     from tests import manifests
 
     class Slow:  # a blob that takes its time to arrive, so the writer dies midway through it
@@ -73,7 +73,7 @@ def test_a_killed_writer_leaves_a_miss_and_verify_fix_reclaims_its_leftovers(tmp
 # -- 11: no space left -----------------------------------------------------------------------------
 
 def test_no_space_left_cleans_up_and_the_build_continues_uncached(cache, fake_compiles, monkeypatch):
-    import aotbuild.store
+    import aotbuild.cache.store
 
     real_fsync = os.fsync
     state = {"fail": True}
@@ -84,7 +84,7 @@ def test_no_space_left_cleans_up_and_the_build_continues_uncached(cache, fake_co
             raise OSError(errno.ENOSPC, "No space left on device")
         return real_fsync(fd)
 
-    monkeypatch.setattr(aotbuild.store.os, "fsync", fsync)
+    monkeypatch.setattr(aotbuild.cache.store.os, "fsync", fsync)
     report = builder.build([str(TINY_RECIPE)], cache)
     statuses = [r.status for r in report.results]
     # the build went on
@@ -121,9 +121,9 @@ def test_no_space_left_after_some_blobs_leaves_no_orphan(cache, fake_compiles, m
 KILLED_JOURNALED = textwrap.dedent("""
     import sys, time
     from pathlib import Path
-    from aotbuild.journal import entry_writer
-    from aotbuild.locks import store_lock
-    from aotbuild.store import Store
+    from aotbuild.cache.journal import entry_writer
+    from aotbuild.cache.locks import store_lock
+    from aotbuild.cache.store import Store
 
     store = Store(Path(sys.argv[1]))
     with entry_writer(store) as w, store_lock(store.root, exclusive=False):

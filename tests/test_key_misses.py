@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from aotbuild.store import Store
+from aotbuild.cache.store import Store
 from tests import manifests
 from tests.conftest import TINY_RECIPE
 

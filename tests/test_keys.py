@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 
 from aotbuild import context, keys
+from aotbuild.cache.store import Store
 from aotbuild.context import Context
 from aotbuild.errors import RecipeError
 from aotbuild.planner import jobs_for
 from aotbuild.recipes import load_recipe, parse_recipe
-from aotbuild.store import Store
 from tests.conftest import TINY_RECIPE
 
 

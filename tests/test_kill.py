@@ -247,9 +247,9 @@ def test_a_child_whose_parent_died_before_it_asked_exits_at_once():
 def test_the_next_writer_removes_only_dead_staging_folders(tmp_path):
     """What journal.reclaim_dead takes for a dead build's folder: a ``.lock`` nobody holds, older than
     the grace; a live build's (locked), a young one, one without a lock and a foreign name stay."""
-    from aotbuild import journal
-    from aotbuild.locks import flocked
-    from aotbuild.store import Store
+    from aotbuild.cache import journal
+    from aotbuild.cache.locks import flocked
+    from aotbuild.cache.store import Store
 
     store = Store(tmp_path / "cache")
     tmp = store.layout.tmp

@@ -1,7 +1,7 @@
 """The architecture rules of docs/architecture.md, checked on the source: no import cycles
 (function-level imports, ``TYPE_CHECKING`` imports and the registries' by-name imports included), no
 private name imported from another module, every ``AOTBUILD_*`` variable named through constants.py,
-every store path built by layout.py, and no module outside a registry's package comparing a
+every store path built by cache/layout.py, and no module outside a registry's package comparing a
 strategy's or a target's name."""
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ def test_the_checker_sees_imports_at_every_level():
     assert "aotbuild.targets.inductor" in edges["aotbuild.targets.registry"]  # named in the registry
     assert "aotbuild.strategies.aot_package" in edges["aotbuild.strategies.registry"]
     assert "aotbuild.worker" in edges["aotbuild.builder"]  # run as python -m aotbuild.worker
-    assert "aotbuild.store" in edges["aotbuild.strategies.base"]  # under TYPE_CHECKING
+    assert "aotbuild.cache.store" in edges["aotbuild.strategies.base"]  # under TYPE_CHECKING
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
@@ -137,10 +137,10 @@ STORE_FOLDERS = ("blobs", "manifests", "models", "tmp", "locks", "logs", "failur
 
 
 def test_store_paths_are_built_by_layout():
-    """``root / "logs"`` and friends: a store folder joined outside layout.py."""
+    """``root / "logs"`` and friends: a store folder joined outside cache/layout.py."""
     built = []
     for name, path in MODULES.items():
-        if name == "aotbuild.layout":
+        if name == "aotbuild.cache.layout":
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div) and isinstance(node.right, ast.Constant) \
@@ -187,7 +187,7 @@ def test_the_import_contracts_hold():
 
 @pytest.mark.parametrize("module, planted, contract", [
     # the store (layer 3) reaching up to the planner (layer 7), through a function-level import
-    ("store", "def _planted():\n    from aotbuild import planner\n", "Each layer imports only"),
+    ("cache/store", "def _planted():\n    from aotbuild import planner\n", "Each layer imports only"),
     # a module load_compiled imports pulling in the builder: both contracts break
     ("pipecall", "import aotbuild.builder\n", "never imports build code"),
 ])
@@ -200,7 +200,7 @@ def test_a_planted_upward_import_breaks_a_contract(tmp_path, module, planted, co
     proc = _lint_imports(tmp_path)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert f"{contract}" in proc.stdout and "BROKEN" in proc.stdout
-    assert f"aotbuild.{module}" in proc.stdout  # the report names the importer
+    assert f"aotbuild.{module.replace('/', '.')}" in proc.stdout  # the report names the importer
 
 
 def test_only_the_forwards_registry_assigns_or_deletes_a_modules_forward():

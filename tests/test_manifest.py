@@ -12,12 +12,12 @@ import pytest
 from click.testing import CliRunner
 
 from aotbuild import constants
-from aotbuild import manifest as codec
+from aotbuild.cache import manifest as codec
+from aotbuild.cache.store import Store
 from aotbuild.cli import main
 from aotbuild.errors import ManifestError, StaleManifest
 from aotbuild.manage import gc, verify
 from aotbuild.remote import parse_remote
-from aotbuild.store import Store
 from tests import manifests
 from tests.conftest import REPO
 
@@ -205,7 +205,7 @@ def test_a_remote_cannot_hand_over_a_lying_or_stale_manifest(store, tmp_path):
 
 
 def test_the_codec_round_trips_and_refuses_to_write_what_it_cannot_read(store, tmp_path):
-    from aotbuild.manifest import Proof
+    from aotbuild.cache.manifest import Proof
 
     f = manifests.factors("rt")
     m = manifests.manifest(f, [("a/x.so", "cd" * 32, 3)], signatures=("sig",),
@@ -289,7 +289,7 @@ def test_each_strategy_checks_its_own_records(store, tmp_path, strategy, record,
 
 
 def test_a_manifest_naming_too_many_files_or_bytes_is_malformed(tmp_path, monkeypatch):
-    from aotbuild.manifest import from_json
+    from aotbuild.cache.manifest import from_json
 
     many = manifests.manifest(manifests.factors("many"), [(f"f/{i}", "a" * 64, 1) for i in range(11)]).as_json()
     big = manifests.manifest(manifests.factors("big"), [("a", "b" * 64, 10 ** 12), ("b", "c" * 64, 10 ** 12)]).as_json()
@@ -307,7 +307,7 @@ def test_a_blob_named_by_many_paths_is_copied_once_when_links_fail(tmp_path, mon
     import os
     import shutil
 
-    from aotbuild import trees
+    from aotbuild.cache import trees
 
     blob = tmp_path / "blob"
     blob.write_bytes(b"x" * 1000)

@@ -289,8 +289,8 @@ def _ranked_entries(store, tmp_path, name: str, ranks=(0, 1)) -> list[str]:
 
 def test_pushing_one_rank_s_key_pushes_every_rank_and_a_job_missing_a_rank_is_not_pushed(tmp_path):
     from aotbuild import sync
+    from aotbuild.cache.store import Store
     from aotbuild.remote import parse_remote
-    from aotbuild.store import Store
 
     local = Store(tmp_path / "local")
     both = _ranked_entries(local, tmp_path, "a")
@@ -306,8 +306,8 @@ def test_pushing_one_rank_s_key_pushes_every_rank_and_a_job_missing_a_rank_is_no
 
 def test_a_tensor_parallel_job_is_pulled_whole_or_not_at_all(flux_cache, tmp_path):
     from aotbuild import sync
+    from aotbuild.cache.store import Store
     from aotbuild.remote import parse_remote
-    from aotbuild.store import Store
     from tests import manifests
 
     jobs = plan([flux(2)], flux_cache)
@@ -333,7 +333,7 @@ def test_a_tensor_parallel_job_is_pulled_whole_or_not_at_all(flux_cache, tmp_pat
 def test_a_job_missing_one_rank_s_entry_rebuilds_every_rank_in_one_launch(flux_cache, monkeypatch, tmp_path):
     from aotbuild import builder
     from aotbuild.builder import ResultStatus, store_job
-    from aotbuild.store import Store
+    from aotbuild.cache.store import Store
     from tests.standins import artifacts
 
     launches: list[list[int]] = []

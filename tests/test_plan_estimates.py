@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import json
 
+from aotbuild.cache.store import Store
 from aotbuild.explain import estimate
 from aotbuild.planner import plan
-from aotbuild.store import Store
 from tests import manifests as m
 from tests.conftest import invoke_cli
 

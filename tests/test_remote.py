@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
+from aotbuild.cache.store import Store
 from aotbuild.errors import RemoteError, UsageError
 from aotbuild.planner import Job, JobStatus, parse_shard, shard_jobs
 from aotbuild.recipes import parse_recipe
 from aotbuild.remote import FolderRemote, HubRemote, parse_remote
-from aotbuild.store import Store
 from tests.conftest import REPO
 from tests.standins import add_entry, entries, key_of
 
@@ -147,7 +147,7 @@ PUSHER = textwrap.dedent("""
     import sys, time
     from pathlib import Path
     from aotbuild.remote import parse_remote
-    from aotbuild.store import Store
+    from aotbuild.cache.store import Store
     local, url, delay = Store(Path(sys.argv[1])), sys.argv[2], float(sys.argv[3])
     remote = parse_remote(url)
     if delay:  # slow every blob write down, so the parent can kill the push midway

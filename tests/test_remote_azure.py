@@ -24,9 +24,9 @@ import pytest
 
 pytest.importorskip("adlfs")
 
+from aotbuild.cache.store import Store  # noqa: E402
 from aotbuild.errors import RemoteError  # noqa: E402
 from aotbuild.remote import parse_remote, pull_entry  # noqa: E402
-from aotbuild.store import Store  # noqa: E402
 from tests import objectstore as flows  # noqa: E402
 from tests.conftest import REPO, invoke_cli  # noqa: E402
 from tests.standins import add_entry, entries, key_of  # noqa: E402

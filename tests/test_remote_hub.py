@@ -15,9 +15,9 @@ import threading
 
 import pytest
 
+from aotbuild.cache.store import Store
 from aotbuild.errors import RemoteError
 from aotbuild.remote import HubRemote, parse_remote
-from aotbuild.store import Store
 from tests import manifests
 from tests.fakes.hub_server import HubStandIn
 from tests.standins import add_entry, entries, key_of

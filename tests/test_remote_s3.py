@@ -13,10 +13,10 @@ import pytest
 pytest.importorskip("s3fs")
 moto_server = pytest.importorskip("moto.server")
 
+from aotbuild.cache.store import Store  # noqa: E402
 from aotbuild.errors import RemoteError, UsageError  # noqa: E402
 from aotbuild.remote import parse_remote  # noqa: E402
 from aotbuild.remote_fsspec import FsspecRemote, storage_options  # noqa: E402
-from aotbuild.store import Store  # noqa: E402
 from tests import objectstore as flows  # noqa: E402
 from tests.conftest import invoke_cli  # noqa: E402
 from tests.standins import add_entry, entries, key_of  # noqa: E402

@@ -37,8 +37,9 @@ ALLOWED = {
     ("aotbuild/cli.py", "_run"): "opens os.devnull",
     ("aotbuild/textlen.py", "Pattern.sizes"): "parses the signature this process made of a live call's inputs "
                                               "(dispatch.signature), once per call: no file, no outside text",
-    ("aotbuild/locks.py", "_open"): "lock files: opened for flock only, their content never read or written",
-    ("aotbuild/locks.py", "is_unlocked"): "lock files: opened for flock only, their content never read or written",
+    ("aotbuild/cache/locks.py", "_open"): "lock files: opened for flock only, their content never read or written",
+    ("aotbuild/cache/locks.py", "is_unlocked"):
+        "lock files: opened for flock only, their content never read or written",
     ("aotbuild/builtin/__init__.py", "ensure"): "publishes a built-in model folder it just created by one rename",
     ("aotbuild/pipecall.py", "_pipeline_files"): "package data: the installed diffusers' own source files",
     ("aotbuild/pipecall.py", "_signature_from_source"): "package data: the installed diffusers' own source files",

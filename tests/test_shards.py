@@ -182,8 +182,8 @@ def test_auto_shards_build_the_plan_once_and_a_rerun_builds_only_what_the_remote
     info = [json.loads(p.stdout)["shard"] for p in outs]  # what each shard's --json says of its shard
     assert [(i["index"], i["count"], i["jobs"], i["of"]) for i in info] == [(1, 3, 3, 7), (2, 3, 2, 7), (3, 3, 2, 7)]
     assert len({i["digest"] for i in info}) == 1 and info[0]["source"].startswith("GitLab (CI_NODE_INDEX=1")
+    from aotbuild.cache.store import Store
     from aotbuild.remote import parse_remote
-    from aotbuild.store import Store
 
     assert len(fake_compiles) == 7 and len(set(fake_compiles)) == 7  # every job, each once
     assert parse_remote(remote.as_uri()).keys() == set(fake_compiles)  # and all pushed

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import os
 
+from aotbuild.cache.store import Store
 from aotbuild.manage import verify
-from aotbuild.store import Store
 from tests.standins import add_entry
 
 
@@ -41,7 +41,7 @@ def test_a_builtin_model_is_shared_readable_and_a_killed_creation_is_reclaimed(t
     import stat
 
     from aotbuild import builtin
-    from aotbuild.locks import flocked
+    from aotbuild.cache.locks import flocked
 
     store = Store(tmp_path / "c")
     models = store.layout.models

@@ -11,9 +11,9 @@ import stat
 
 import pytest
 
-from aotbuild import signing
+from aotbuild.cache import signing
+from aotbuild.cache.store import Store, Unusable
 from aotbuild.errors import UsageError
-from aotbuild.store import Store, Unusable
 from tests import manifests
 from tests.conftest import invoke_cli, run_cli, run_python
 
@@ -112,7 +112,7 @@ def test_only_an_entry_a_trusted_key_signed_is_handed_out_before_any_blob_is_rea
     manifests.write_raw(store, changed, data)
 
     trusting = Store(store.root, trusted=signing.load_trusted([tmp_path / "keys" / "ci.pub"]))
-    import aotbuild.store as store_module
+    import aotbuild.cache.store as store_module
 
     def no_blob_read(path):
         raise AssertionError(f"a blob was read: {path}")

@@ -341,7 +341,7 @@ def test_on_miss_error_means_no_compile_at_an_unbuilt_call_either():
 
 
 def test_the_manifest_refuses_a_malformed_dependency_record():
-    from aotbuild.manifest import ManifestError, _Checker
+    from aotbuild.cache.manifest import ManifestError, _Checker
 
     c = _Checker()
     good = {"digest": "0" * 64, "lines": [], "dependencies": {"version": 1, "items": {"a": "1"},
@@ -594,7 +594,7 @@ def test_no_change_is_served_stale(strategy, strategy_build, models_dir, no_code
     recipe_path, cache, report = strategy_build(strategy)
     run_matrix(strategy, load_recipe(recipe_path), cache, models_dir, CHANGES, traces=strategy == "jit-cache")
     if strategy == "aot-compile":  # what its saved guards no longer check is in the manifest (GuardFilter)
-        from aotbuild.store import Store
+        from aotbuild.cache.store import Store
 
         manifest = Store(cache).load_manifest(report["jobs"][0]["key"])
         assert manifest.packages and all("GLOBAL_STATE" in r["dropped_guards"] for r in manifest.packages)

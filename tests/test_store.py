@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
+from aotbuild.cache.layout import resolve_cache_root, safe_relpath
+from aotbuild.cache.manifest import Manifest
+from aotbuild.cache.store import Store, sha256_file
 from aotbuild.errors import StoreError, UsageError
-from aotbuild.layout import resolve_cache_root, safe_relpath
-from aotbuild.manifest import Manifest
-from aotbuild.store import Store, sha256_file
 from tests import manifests
 
 FACTORS = manifests.factors("store-test")
@@ -132,7 +132,7 @@ def test_a_key_prefix_that_is_not_hex_says_so(tmp_path, prefix, message):
 
 
 def test_one_load_hashes_a_blob_two_entries_share_once_and_a_later_load_hashes_it_again(tmp_path, monkeypatch):
-    import aotbuild.store as store_module
+    import aotbuild.cache.store as store_module
 
     store = Store(tmp_path / "c")
     one = manifests.add_entry(store, tmp_path / "src", "shares-a", {"probe.so": b"isa", "a.so": b"A"})

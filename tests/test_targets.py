@@ -212,8 +212,8 @@ def test_hardware_kind_from_the_environment(monkeypatch):
 def test_captured_tree_refuses_symlinks_and_special_files(tmp_path):
     import os
 
+    from aotbuild.cache.trees import collect_tree, lay_tree
     from aotbuild.errors import StoreError
-    from aotbuild.trees import collect_tree, lay_tree
 
     base = tmp_path / "cache"
     (base / "MODULE_a").mkdir(parents=True)

@@ -16,9 +16,9 @@ from dataclasses import replace
 
 import pytest
 
-from aotbuild import signing
+from aotbuild.cache import signing
+from aotbuild.cache.store import Store
 from aotbuild.errors import UsageError
-from aotbuild.store import Store
 from tests.conftest import TINY_RECIPE, invoke_cli
 
 RECIPE = str(TINY_RECIPE)
@@ -108,7 +108,7 @@ def test_sign_vouches_only_for_what_it_is_named_and_checks_hashes_first(cache, f
 def test_the_provenance_a_manifest_records_is_inside_what_is_signed(change, ci, tmp_path):
     """Who built it (aotbuild version, host), with what (torch, Python) and what the proof measured:
     a signature over the manifest covers each; changing one after signing is a bad signature."""
-    from aotbuild.manifest import FileRecord, Proof
+    from aotbuild.cache.manifest import FileRecord, Proof
     from tests import manifests
 
     store = Store(tmp_path / "c")

@@ -142,7 +142,7 @@ def _project(tmp_path: Path, body: str) -> Path:
 
 @pytest.mark.parametrize("value", ["/", "..", "../elsewhere", "~/cache", "sub/../../x", "."])
 def test_a_cache_root_from_pyproject_must_stay_inside_its_folder(tmp_path, monkeypatch, value):
-    from aotbuild.layout import resolve_cache_root
+    from aotbuild.cache.layout import resolve_cache_root
 
     project = _project(tmp_path, f'[tool.aotbuild]\ncache = "{value}"\n')
     monkeypatch.delenv("AOTBUILD_CACHE", raising=False)
@@ -153,7 +153,7 @@ def test_a_cache_root_from_pyproject_must_stay_inside_its_folder(tmp_path, monke
 
 
 def test_a_cache_root_inside_the_project_and_one_named_on_the_command_line_are_fine(tmp_path, monkeypatch):
-    from aotbuild.layout import resolve_cache_root
+    from aotbuild.cache.layout import resolve_cache_root
 
     project = _project(tmp_path, '[tool.aotbuild]\ncache = "build/aot-cache"\n')
     monkeypatch.delenv("AOTBUILD_CACHE", raising=False)
@@ -173,8 +173,8 @@ def test_a_hostile_pyproject_is_one_line(tmp_path, body):
 
 def test_max_size_from_pyproject_never_shrinks_a_cache_named_on_the_command_line(tmp_path, monkeypatch):
     """CI's routine `gc --stale --cache SHARED` with a PR's max_size = "1" removed every entry."""
-    from aotbuild.layout import resolve_max_size
-    from aotbuild.store import Store
+    from aotbuild.cache.layout import resolve_max_size
+    from aotbuild.cache.store import Store
 
     project = _project(tmp_path, '[tool.aotbuild]\ncache = "cache"\nmax_size = "1"\n')
     monkeypatch.delenv("AOTBUILD_MAX_SIZE", raising=False)
@@ -190,7 +190,7 @@ def test_max_size_from_pyproject_never_shrinks_a_cache_named_on_the_command_line
 
 def test_verify_fix_deletes_only_what_aotbuild_wrote(tmp_path):
     """A cache root pointed at a folder that holds other files: verify reports them, --fix leaves them."""
-    from aotbuild.store import Store
+    from aotbuild.cache.store import Store
 
     root = tmp_path / "root"
     store = Store(root)
@@ -228,7 +228,7 @@ def test_a_recipe_file_name_cannot_print_a_ci_workflow_command(models_dir, tmp_p
 
 
 def test_a_manifest_field_with_control_characters_is_malformed_and_build_fields_are_escaped(tmp_path):
-    from aotbuild.store import Store
+    from aotbuild.cache.store import Store
 
     store = Store(tmp_path / "c")
     key = manifests.add_entry(store, tmp_path / "src", "a", {"x.so": b"kernel"})
@@ -366,7 +366,7 @@ def _invoke(*args: str):
 
 
 def test_a_deeply_nested_failure_record_is_ignored_by_plan(cache):
-    from aotbuild.layout import Layout
+    from aotbuild.cache.layout import Layout
     from tests.conftest import TINY_RECIPE
 
     code, out, _ = _invoke("plan", "--json", "--cache", str(cache), str(TINY_RECIPE))
@@ -412,8 +412,8 @@ def _fifo_guard(fifo: Path):
 
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs here")
 def test_a_fifo_at_the_reclaimed_log_does_not_hang_verify(tmp_path):
-    from aotbuild.layout import Layout
-    from aotbuild.store import Store
+    from aotbuild.cache.layout import Layout
+    from aotbuild.cache.store import Store
 
     store = Store(tmp_path / "root")
     manifests.add_entry(store, tmp_path / "src", "a", {"x.so": b"kernel"})
@@ -464,7 +464,7 @@ def test_a_truncated_lora_file_is_refused_when_it_is_read(tmp_path):
 
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs here")
 def test_a_fifo_named_as_a_trusted_key_is_one_line_not_a_hang(tmp_path):
-    from aotbuild.signing import load_trusted
+    from aotbuild.cache.signing import load_trusted
 
     fifo = tmp_path / "ci.pub"
     os.mkfifo(fifo)

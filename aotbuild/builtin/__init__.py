@@ -473,7 +473,7 @@ def ensure(model_id: str, models_dir: Path) -> Path:
     creation removes it (and ``aotbuild verify`` reports it). The model is readable by every user
     of a shared store (folders 0755, files 0644), whatever the umask.
     """
-    from aotbuild.locks import flocked
+    from aotbuild.cache.locks import flocked
 
     model = lookup(model_id)
     folder = models_dir / model.folder_name
@@ -507,7 +507,7 @@ STAGING_LOCK = ".creating.lock"
 
 def dead_staging(models_dir: Path) -> list[Path]:
     """Staging folders of built-in models whose writer died (killed while creating a model)."""
-    from aotbuild.locks import is_unlocked
+    from aotbuild.cache.locks import is_unlocked
 
     if not models_dir.is_dir():
         return []

@@ -52,8 +52,8 @@ from aotbuild.strategies.base import BuildJob, Built, Planned, Resolved, Strateg
 from aotbuild.strategies.calls import floats_of, snapshot, structure, where_called
 
 if TYPE_CHECKING:
+    from aotbuild.cache.store import Entry
     from aotbuild.recipe import Recipe
-    from aotbuild.store import Entry
     from aotbuild.targets.base import InstallResult, Target
 
 ARTIFACT_DIR = "aot-compile"
@@ -243,7 +243,7 @@ class AotCompile(Strategy):
                 "dropped_guards": sorted(guards.dropped)}
 
     def collect(self, target: Target, workdir: Path) -> list[tuple[str, Path]]:
-        from aotbuild.trees import collect_tree
+        from aotbuild.cache.trees import collect_tree
 
         return ([(f"{ARTIFACT_DIR}/{rel}", p) for rel, p in collect_tree(workdir / ARTIFACT_DIR)]
                 + [(f"{CACHE_DIR}/{rel}", p) for rel, p in target.collect(workdir)])

@@ -22,8 +22,8 @@ from aotbuild.strategies import aoti, calls, prepack
 from aotbuild.strategies.base import BuildJob, Built, Planned, Resolved, Strategy, lazy_compile
 
 if TYPE_CHECKING:
+    from aotbuild.cache.store import Entry
     from aotbuild.recipe import Recipe
-    from aotbuild.store import Entry
     from aotbuild.targets.base import InstallResult, Target
 
 
@@ -72,7 +72,7 @@ class AotPackage(Strategy):
 
     def collect(self, target: Target, workdir: Path) -> list[tuple[str, Path]]:
         # The packages (not the compile's cache: its build folder repeats each package's contents).
-        from aotbuild.trees import collect_tree
+        from aotbuild.cache.trees import collect_tree
 
         return [(f"{aoti.PACKAGE_DIR}/{rel}", p) for rel, p in collect_tree(workdir / aoti.PACKAGE_DIR)]
 

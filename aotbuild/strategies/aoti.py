@@ -622,7 +622,7 @@ def load_packages(module: Any, component: str, packages: list[tuple[dict[str, An
     packages name their block instances). ``packages``: each record with its entry's files (relative
     path -> blob). Each package is loaded once, from a hard link (or copy) named *.pt2.
     ``bind_at_first_call``: under ``offload: model``, each runner takes its weights at its first call."""
-    from aotbuild.trees import lay_tree
+    from aotbuild.cache.trees import lay_tree
 
     # Every package checks each call's inputs (sizes, strides, dtype, device) against what it was built
     # for, before reading any: a manifest whose recorded signature is not its package's is refused at

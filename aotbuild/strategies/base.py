@@ -32,8 +32,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 from aotbuild import forwards
 
 if TYPE_CHECKING:
+    from aotbuild.cache.store import Entry
     from aotbuild.recipe import Recipe
-    from aotbuild.store import Entry
     from aotbuild.targets.base import InstallResult, Target
 
 

@@ -18,7 +18,7 @@ from aotbuild.dispatch import install_dispatcher
 from aotbuild.strategies.base import BuildJob, Built, Planned, Resolved, Strategy
 
 if TYPE_CHECKING:
-    from aotbuild.store import Entry
+    from aotbuild.cache.store import Entry
     from aotbuild.targets.base import InstallResult, Target
 
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from aotbuild.manifest import Manifest
+from aotbuild.cache.manifest import Manifest
+from aotbuild.cache.store import Store
 from aotbuild.registry import Registry
-from aotbuild.store import Store
 from aotbuild.strategies.base import Strategy
 
 __all__ = ["get_strategy", "strategy_names", "records_problem", "checked_store"]

@@ -19,10 +19,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from aotbuild.blocks import blocks_setting
+from aotbuild.cache.layout import safe_relpath
+from aotbuild.cache.trees import collect_tree, lay_tree
 from aotbuild.constants import dist_version
-from aotbuild.layout import safe_relpath
 from aotbuild.targets.base import Availability, InstallResult, Target, ToolchainCheck
-from aotbuild.trees import collect_tree, lay_tree
 
 if TYPE_CHECKING:
 

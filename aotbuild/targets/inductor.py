@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from aotbuild import constants
 from aotbuild.blocks import blocks_setting
-from aotbuild.layout import safe_relpath
+from aotbuild.cache.layout import safe_relpath
 from aotbuild.targets.base import Availability, InstallResult, Target, ToolchainCheck
 
 if TYPE_CHECKING:

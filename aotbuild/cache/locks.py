@@ -25,9 +25,9 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from aotbuild.cache.layout import Layout, shared_dirs
 from aotbuild.constants import lock_timeout
 from aotbuild.errors import LockUnavailable, StoreError
-from aotbuild.layout import Layout, shared_dirs
 
 try:
     import fcntl

@@ -32,13 +32,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
 
 from aotbuild import safeio
+from aotbuild.cache.layout import HEX64
+from aotbuild.cache.locks import is_unlocked, locked_tempfile, store_lock
 from aotbuild.errors import StoreError
-from aotbuild.layout import HEX64
-from aotbuild.locks import is_unlocked, locked_tempfile, store_lock
 
 if TYPE_CHECKING:
-    from aotbuild.manifest import Manifest
-    from aotbuild.store import Store
+    from aotbuild.cache.manifest import Manifest
+    from aotbuild.cache.store import Store
 
 PREFIX = "j."
 #: How long a failed writer or the next one waits for the exclusive lock to reclaim (seconds);
@@ -67,7 +67,7 @@ class EntryWriter:
 
     def put_blob(self, source: Path | BinaryIO, expect: str | None = None,
                  max_size: int | None = None) -> tuple[str, int]:
-        from aotbuild.store import sha256_file
+        from aotbuild.cache.store import sha256_file
 
         digest = expect or sha256_file(Path(source))  # type: ignore[arg-type]
         self._intend(digest)
@@ -133,7 +133,7 @@ def _live_journals(store: Store, exclude: Path | None = None) -> set[str]:
 def _named(store: Store) -> set[str] | None:
     """Every digest a manifest names (stale manifests too); None when a manifest cannot be read
     (its blobs could look unnamed: then nothing is removed)."""
-    from aotbuild import manifest as codec
+    from aotbuild.cache import manifest as codec
 
     named: set[str] = set()
     for path in store.manifest_files():
@@ -180,7 +180,7 @@ def reclaim_staging(store: Store) -> list[str]:
     between creating it and locking it."""
     import shutil
 
-    from aotbuild.locks import flocked
+    from aotbuild.cache.locks import flocked
 
     removed = []
     for folder in sorted(store.layout.tmp.iterdir()):

@@ -19,12 +19,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-from aotbuild import manifest as codec
 from aotbuild import safeio
+from aotbuild.cache import manifest as codec
+from aotbuild.cache.layout import HEX64, Layout, shared_dirs
+from aotbuild.cache.locks import locked_tempfile
+from aotbuild.cache.manifest import Manifest
 from aotbuild.errors import ManifestError, StaleManifest, StoreError, UsageError
-from aotbuild.layout import HEX64, Layout, shared_dirs
-from aotbuild.locks import locked_tempfile
-from aotbuild.manifest import Manifest
 from aotbuild.safeio import atomic_write, open_regular
 
 _CHUNK = 1 << 20
@@ -127,7 +127,7 @@ class Store:
         """Why ``manifest`` is not signed by a trusted key ("" when it is, or when no key is trusted)."""
         if self.trusted is None:
             return ""
-        from aotbuild.signing import check
+        from aotbuild.cache.signing import check
 
         return check(manifest, self.trusted)
 
@@ -190,7 +190,7 @@ class Store:
         text = manifest.without_pack().to_json()  # the codec refuses what no reader would accept
         final = self.layout.manifest(key)
         if self.trusted:  # one manifest per key: one a trusted key signed is never overwritten by another
-            from aotbuild.signing import check, payload
+            from aotbuild.cache.signing import check, payload
 
             old = self.read_manifest(key)
             if old is not None and not check(old, self.trusted) and payload(old.as_json()) != payload(

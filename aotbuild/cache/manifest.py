@@ -9,7 +9,7 @@ manage, cli, remote, runtime) can use without another check.
 
 A manifest's ``packages`` are its strategy's records: the codec checks what every record holds
 (the file it names, its signature, the instances it serves); the rest is the strategy's to check
-(``Strategy.check_records``), which a :class:`aotbuild.store.Store` applies when it is given one.
+(``Strategy.check_records``), which a :class:`aotbuild.cache.store.Store` applies when it is given one.
 
 The key binding: ``key`` must be the key of ``factors`` and the name the manifest is stored under.
 A manifest copied under another key's name is malformed, never a hit for the wrong job.
@@ -31,9 +31,9 @@ from pathlib import Path
 from typing import Any
 
 from aotbuild import constants, safeio
+from aotbuild.cache.layout import HEX64
 from aotbuild.errors import ManifestError, StaleManifest
 from aotbuild.keys import AUTO, key_of
-from aotbuild.layout import HEX64
 
 #: A manifest file larger than this is refused before it is read.
 MAX_BYTES = 16 * 1024 * 1024
@@ -93,7 +93,7 @@ class Manifest:
     proof: Proof | None = None
     #: the component as the compiler saw it (aotbuild/structure.py): checked before a load reports a hit
     structure: Mapping[str, Any] | None = None
-    #: Ed25519 signatures over the rest (aotbuild/signing.py): [{"key": name, "sig": base64}]
+    #: Ed25519 signatures over the rest (aotbuild/cache/signing.py): [{"key": name, "sig": base64}]
     signed_by: tuple[Mapping[str, str], ...] = ()
     pack: Mapping[str, Any] | None = None  # a Hub remote's copy only: the tar that holds the blobs
     #: an auto job's entry only (its factors' strategy is ``auto``, ``strategy`` names the one chosen):
@@ -286,9 +286,9 @@ class _Checker:
         return value
 
     def files(self, value: Any) -> tuple[FileRecord, ...]:
+        from aotbuild.cache.layout import safe_relpath
         from aotbuild.constants import LIMITS, limit
         from aotbuild.errors import StoreError
-        from aotbuild.layout import safe_relpath
 
         items = self.list_of(value, "files")
         if len(items) > limit("entry_files"):

@@ -9,8 +9,8 @@ import stat
 from collections.abc import Iterable
 from pathlib import Path
 
+from aotbuild.cache.layout import safe_relpath
 from aotbuild.errors import StoreError
-from aotbuild.layout import safe_relpath
 from aotbuild.safeio import place
 
 
