@@ -341,7 +341,7 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
 
 def _measure(mode: str, recipe_data: dict[str, Any], index: int, cache: str, calls: int,
              start: float) -> dict[str, Any]:
-    from aotbuild import models, pipecall
+    from aotbuild.pipeline import models, pipecall
     from aotbuild.recipes import recipe_from_spec
 
     recipe = recipe_from_spec(recipe_data)

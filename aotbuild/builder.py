@@ -411,14 +411,14 @@ def _build_for_pipe(recipes: Recipes, pipe: Any, cache: str | Path | None, **opt
 
 def _with_pipe_changes(recipe: Recipe, pipe: Any) -> Recipe:
     """The recipe with the pipe's changes that ``save_pretrained`` drops (FreeU's factors, an attention
-    processor, a cache hook, a memory format: aotbuild/changes.py) declared, so the jobs re-apply them
+    processor, a cache hook, a memory format: aotbuild/pipeline/changes.py) declared, so the jobs re-apply them
     and ``load_compiled(recipe, pipe=pipe)`` keys the same; UsageError for a change no other process can
     re-create (a processor class of the caller's script), or one that contradicts the recipe's own."""
     import logging
 
-    from aotbuild import changes
     from aotbuild.errors import UsageError
     from aotbuild.features.registry import detect_changes
+    from aotbuild.pipeline import changes
 
     found = detect_changes(pipe, recipe)
     if found.refused:

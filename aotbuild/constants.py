@@ -27,8 +27,9 @@ class Vocabulary(str, enum.Enum):
 VERSION = "0.1.0"
 
 #: Bumped whenever the meaning of a key factor or the manifest layout changes: old entries then miss.
-#: 3: manifests record the component's structure (aotbuild/structure.py); 4: what its graphs depend on
-#: (aotbuild/dependencies.py), so an entry built before that is stale: plan and build see a miss and rebuild it.
+#: 3: manifests record the component's structure (aotbuild/pipeline/structure.py); 4: what its graphs depend on
+#: (aotbuild/pipeline/dependencies.py), so an entry built before that is stale: plan and build see a miss and
+#: rebuild it.
 FORMAT_VERSION = 4
 
 #: Cache root from the environment; ``--cache`` wins over it, ``pyproject.toml`` loses to it.
@@ -91,7 +92,7 @@ LIMITS = {"steps": ("AOTBUILD_MAX_STEPS", 200), "prompts": ("AOTBUILD_MAX_PROMPT
           "lora_targets": ("AOTBUILD_MAX_LORA_TARGETS", 256),
           # compile.options.compile_threads: Inductor starts (and warms) that many compile processes at once.
           "compile_threads": ("AOTBUILD_MAX_COMPILE_THREADS", 64),
-          # A component built on the meta device at plan time (aotbuild/models.py): its config's layer
+          # A component built on the meta device at plan time (aotbuild/pipeline/models.py): its config's layer
           # counts, and every other size it gives.
           "model_layers": ("AOTBUILD_MAX_MODEL_LAYERS", 1024), "model_width": ("AOTBUILD_MAX_MODEL_WIDTH", 2 ** 19),
           "job_seconds": ("AOTBUILD_JOB_TIMEOUT", 4 * 3600),

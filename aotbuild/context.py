@@ -25,11 +25,11 @@ job, proof and ``load_compiled`` all call it, so they agree by construction:
 ``quantization``    only for a quantized component: backend and version, type and arguments, and the
                     Inductor settings the backend sets for the whole process
 ``changes``         only with ``changes:``: the declared changes of this component (FreeU's factors for
-                    the unet, attention processor, cache hook, memory format; aotbuild/changes.py)
+                    the unet, attention processor, cache hook, memory format; aotbuild/pipeline/changes.py)
 ``parallel``        only with ``parallel.tensor`` > 1: degree, mesh shape, collective backend, the
                     ``_tp_plan``'s sha256, and the rank (aotbuild/features/parallel.py); the thread count
                     keyed (``compile.cpu_threads``) is then a rank's, :func:`parallel.rank_threads`
-``text_length``     only with ``text_length:``: the range of text lengths served (aotbuild/textlen.py)
+``text_length``     only with ``text_length:``: the range of text lengths served (aotbuild/pipeline/textlen.py)
 ==================  ===================================================================================
 
 Never an absolute path, hostname, user, cwd, device index or process group name, and a rank only
@@ -45,8 +45,9 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
-from aotbuild import constants, models
+from aotbuild import constants
 from aotbuild.errors import AotbuildError, ModelUnavailable, ModelUnreachable, TargetUnavailable
+from aotbuild.pipeline import models
 from aotbuild.recipe import Recipe, Shape
 from aotbuild.strategies.base import Strategy
 from aotbuild.strategies.registry import get_strategy

@@ -5,7 +5,7 @@ kind, and the value of every non-float Python argument (floats are not specializ
 builder records the signatures each warmup produced; at runtime the dispatcher sends a call whose
 signature was built to the compiled forward, and any other call to the policy the user chose:
 compile it (plain ``torch.compile`` behaviour), run it eagerly, or raise ``ShapeNotBuilt``. A
-signature may hold a text range (``text_length``, aotbuild/textlen.py): it then serves every call
+signature may hold a text range (``text_length``, aotbuild/pipeline/textlen.py): it then serves every call
 that differs from it only by a text length inside the range.
 """
 
@@ -16,8 +16,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from aotbuild import forwards, textlen
+from aotbuild import forwards
 from aotbuild.errors import ShapeNotBuilt
+from aotbuild.pipeline import textlen
 from aotbuild.safeio import loads_json
 
 #: A call signature is read back from manifests (strings of up to 4096 characters): parsed with bounded
@@ -81,7 +82,7 @@ class Dispatcher:
     ``"error"`` (raise ``ShapeNotBuilt``).
     """
 
-    #: what aotbuild/dependencies.py leaves out of a module's snapshot: it wraps the graph, it is not in it
+    #: what aotbuild/pipeline/dependencies.py leaves out of a module's snapshot: it wraps the graph, it is not in it
     aotbuild_wrapper = True
 
     def __init__(self, component: str, eager: Callable[..., Any], routes: dict[str, Callable[..., Any]],
@@ -97,12 +98,12 @@ class Dispatcher:
         self.declined = ""  # why a route last refused a call (warned about once)
         #: told the seconds of the first call a route served, then dropped (load_compiled's report)
         self.on_first_call: Callable[[float], None] | None = None
-        #: the per-call check of what the routes' graphs depend on (aotbuild/dependencies.py ``Watch``:
+        #: the per-call check of what the routes' graphs depend on (aotbuild/pipeline/dependencies.py ``Watch``:
         #: ``check() -> reason or ""``), and what a call does when it fails: load_compiled's on_miss
         self.watch: Any = None
         self.on_stale = "error"
         self.stale = ""  # the last reason warned about
-        #: text patterns (aotbuild/textlen.py): built signatures whose text dimensions serve a range of
+        #: text patterns (aotbuild/pipeline/textlen.py): built signatures whose text dimensions serve a range of
         #: lengths, read off the routes' signatures (a build's recorder is given its pattern)
         self.patterns = textlen.patterns(self.routes)
         self._fits: dict[str, textlen.Pattern | None] = {}  # a call's signature -> the pattern it fits
@@ -149,7 +150,7 @@ class Dispatcher:
                 return out
         self.calls["unbuilt"] += 1
         if self.on_unbuilt == "record":
-            from aotbuild.dependencies import observe
+            from aotbuild.pipeline.dependencies import observe
 
             # the global state the build's graphs are traced under, and what the module holds at its first
             # call (a pipeline may set a processor just before): the manifest records both
@@ -215,7 +216,7 @@ class Dispatcher:
 def _rebuild_advice(why: str) -> str:
     """How to serve a changed module compiled: the recipe key that declares the change, or the build for the
     pipeline object (which re-creates only what a recipe can declare, and refuses the rest with the reason)."""
-    from aotbuild.dependencies import recipe_key
+    from aotbuild.pipeline.dependencies import recipe_key
 
     key = recipe_key(why)
     if key:

@@ -50,7 +50,7 @@ class ShapeNotBuilt(CacheMiss):
 
 class StaleGraph(CacheMiss):
     """A call whose compiled graph no longer computes what the changed module does (an attribute, a
-    processor, a weight's layout or dtype, grad mode: aotbuild/dependencies.py), under ``on_miss="error"``."""
+    processor, a weight's layout or dtype, grad mode: aotbuild/pipeline/dependencies.py), under ``on_miss="error"``."""
 
 
 class TargetUnavailable(AotbuildError, RuntimeError):

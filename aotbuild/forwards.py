@@ -16,7 +16,7 @@ component's first call. Each is a *layer*, put on and taken off here and nowhere
   or with the class's own, and put every layer back after: what a compile or an export traces.
 
 The registry lives beside the modules (a weak mapping), not in them: a module's attributes, which
-the dependency record compares (aotbuild/dependencies.py), are what they were before.
+the dependency record compares (aotbuild/pipeline/dependencies.py), are what they were before.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from aotbuild import auto, constants, keys, models, pipecall, shards
+from aotbuild import auto, constants, keys, shards
 from aotbuild.cache.layout import resolve_cache_root
 from aotbuild.cache.store import Store, Unusable
 from aotbuild.constants import Vocabulary
@@ -19,6 +19,7 @@ from aotbuild.context import Context, Unavailable
 from aotbuild.deprecated import positional_shim
 from aotbuild.explain import Entries, estimate, explain_miss
 from aotbuild.features.registry import used
+from aotbuild.pipeline import models, pipecall
 from aotbuild.recipe import Recipe, Shape
 from aotbuild.recipes import Recipes, resolve_recipes
 from aotbuild.strategies.registry import checked_store
@@ -80,7 +81,7 @@ class Job:
     chosen: str = ""
     attempts: tuple[dict[str, Any], ...] = ()
     #: the component's text length: whether it follows the prompt (measured by a build of it), how
-    #: the recipe serves it, and a warning with the fix (aotbuild/textlen.py ``plan_note``)
+    #: the recipe serves it, and a warning with the fix (aotbuild/pipeline/textlen.py ``plan_note``)
     text: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -251,7 +252,7 @@ def _text_note(store: Store, recipe: Recipe, component: str, key: str | None, fa
                manifests: list[Entries]) -> dict[str, Any]:
     """What the job's entry (a hit), or the nearest entry of the same pipeline and component class,
     measured of the component's text length when it was built (issue 34)."""
-    from aotbuild import textlen
+    from aotbuild.pipeline import textlen
 
     source = store.read_manifest(key) if key else None
     if source is None and manifests:

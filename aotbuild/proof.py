@@ -86,16 +86,16 @@ def block_instances(module: Any, recipe: Any) -> list[tuple[str, Any]]:
     """(name, instance) of every repeated block a regional recipe compiles; [("", module)] for full."""
     if recipe.compile.scope != "regional":
         return [("", module)]
-    from aotbuild.blocks import select_blocks
+    from aotbuild.pipeline.blocks import select_blocks
 
     return select_blocks(module, recipe.compile.blocks, recipe)
 
 
 def serve(spec: dict[str, Any]) -> dict[str, Any]:
     """Run in the fresh process: returns the proof's figures, or raises with the reason."""
-    from aotbuild import pipecall
     from aotbuild.context import job_pipeline
     from aotbuild.dispatch import signature
+    from aotbuild.pipeline import pipecall
     from aotbuild.recipe import Shape
     from aotbuild.recipes import recipe_from_spec
     from aotbuild.runtime import load_compiled
@@ -219,9 +219,9 @@ def _text_calls(module: Any, calls: list[tuple[Any, Any, list[Any]]]) -> tuple[l
     (length, call index) of each made call]. ([], []) without a pattern."""
     import torch
 
-    from aotbuild import textlen
     from aotbuild.dispatch import dispatchers, signature
     from aotbuild.errors import ShapeNotBuilt
+    from aotbuild.pipeline import textlen
 
     served = next((d for d in dispatchers(module) if d.patterns), None)
     if served is None:
@@ -289,8 +289,8 @@ def _strict_refusal(pipe: Any, recipe: Any, shape: Any, ctx: Any) -> str:
     """The pipeline called at :func:`strict_shape`: the ShapeNotBuilt message that refused it, or
     what happened instead (``"not refused: ..."``). Skipped for tensor-parallel ranks (a refusal on
     one rank and not the other would leave a collective waiting)."""
-    from aotbuild import pipecall
     from aotbuild.errors import ShapeNotBuilt
+    from aotbuild.pipeline import pipecall
 
     if recipe.tensor_parallel > 1:
         return "not tried: tensor parallel"

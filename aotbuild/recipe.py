@@ -30,7 +30,7 @@ MEMORY_FORMATS = ("channels_last",)
 #: ``changes.freeu``'s factors (diffusers' enable_freeu arguments).
 FREEU_FACTORS = ("s1", "s2", "b1", "b2")
 #: Pipeline-call arguments that the shapes own: a warmup may not set them (nor ``num_frames`` where a
-#: shape sets it: aotbuild/pipecall.py).
+#: shape sets it: aotbuild/pipeline/pipecall.py).
 SHAPE_OWNED = ("height", "width", "num_images_per_prompt", "num_videos_per_prompt")
 #: Pipeline-call arguments a warmup may not set because they cannot be written in YAML or are ours.
 WARMUP_FORBIDDEN = SHAPE_OWNED + ("generator", "latents", "callback_on_step_end", "prompt_embeds")
@@ -183,7 +183,7 @@ class ParallelSpec:
 @dataclass(frozen=True)
 class TextLength:
     """``text_length``: the range of text lengths served by one build where the component's text
-    dimension follows the prompt (aotbuild/textlen.py; issue 34)."""
+    dimension follows the prompt (aotbuild/pipeline/textlen.py; issue 34)."""
 
     min: int
     max: int
@@ -196,7 +196,7 @@ MAX_TEXT_LENGTH = 65536
 @dataclass(frozen=True)
 class ChangesSpec:
     """``changes``: what users change on a pipeline after from_pretrained, re-created by every load of the
-    recipe (aotbuild/changes.py). None: not declared (never a key factor)."""
+    recipe (aotbuild/pipeline/changes.py). None: not declared (never a key factor)."""
 
     freeu: Mapping[str, float | int] | None = None
     attention_processor: str | None = None
@@ -508,7 +508,7 @@ def parse_structure(data: Any, source: str = DATA_SOURCE, name: str | None = Non
 
 def _changes(check: _Checker, data: Any) -> ChangesSpec | None:
     """``changes``: the section's keys and types, FreeU's four finite factors, a cache's ``config`` name.
-    What the model and this diffusers allow is checked at plan time (aotbuild/changes.py). Empty: None."""
+    What the model and this diffusers allow is checked at plan time (aotbuild/pipeline/changes.py). Empty: None."""
     spec = ChangesSpec(**check.section(data, "changes"))
     if spec.freeu is not None:
         missing = [k for k in FREEU_FACTORS if k not in spec.freeu]

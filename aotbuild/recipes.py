@@ -228,7 +228,7 @@ def check_pixels(recipe: Recipe, default_frames: int | None = 1) -> None:
     """The images and pixels of each shape's warmup call (docs/recipes.md, "Limits"): images of all its
     prompts. ``default_frames``: what a video pipeline makes where neither the shape nor the warmup
     sets ``num_frames`` (its ``__call__``'s default, 81 for Wan), known once the pipeline is
-    (aotbuild/pipecall.py); counting 1 there let a 16384x8192 shape make 81 times the bound."""
+    (aotbuild/pipeline/pipecall.py); counting 1 there let a 16384x8192 shape make 81 times the bound."""
     from aotbuild.constants import PROMPT_ARGUMENTS
     from aotbuild.recipe import prompt_count
 

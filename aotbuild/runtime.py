@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from aotbuild import keys, models, pipecall
+from aotbuild import keys
 from aotbuild.cache.layout import resolve_cache_root
 from aotbuild.cache.locks import store_lock
 from aotbuild.cache.store import Entry, Store, Unusable
@@ -22,6 +22,7 @@ from aotbuild.context import Context, prepare_pipeline, shard_pipeline
 from aotbuild.deprecated import positional_shim
 from aotbuild.errors import CacheMiss, RemoteError, UsageError
 from aotbuild.explain import Entries, explain_miss
+from aotbuild.pipeline import models, pipecall
 from aotbuild.recipe import Recipe, Shape, build_hint
 from aotbuild.recipes import as_recipe
 from aotbuild.strategies.base import Planned
@@ -190,7 +191,7 @@ def load_compiled(recipe: str | Path | Recipe | Mapping[str, Any], *, pipe: Any 
                 report.install_folder = report.install_folder or installed.folder
         timings["install"] = time.perf_counter() - started
         _watch(planned, on_miss, ctx.recipe.offload == "none")
-        from aotbuild.textlen import static_patterns
+        from aotbuild.pipeline.textlen import static_patterns
 
         for p in planned:
             measured = [e.manifest.build.get("text") for e in p.entries]
@@ -278,7 +279,7 @@ def _pipeline(ctx: Context, pipe: Any) -> Any:
     when the recipe declares none, as ``build(recipe, pipe=pipe)`` builds it."""
     if pipe is not None:
         _check_pipe(pipe, ctx)
-        if ctx.recipe.changes is None:  # keyed as build(recipe, pipe=pipe) keys it (aotbuild/changes.py)
+        if ctx.recipe.changes is None:  # keyed as build(recipe, pipe=pipe) keys it (aotbuild/pipeline/changes.py)
             from aotbuild.features.registry import detect_changes
 
             found = detect_changes(pipe, ctx.recipe)
@@ -317,7 +318,7 @@ def _open_entries(ctx: Context, store: Store, pipe: Any, wanted: list[_Wanted], 
     manifests: Entries | None = None  # read once, on the first miss to explain
     for component in ctx.recipe.compile.components:
         module = getattr(pipe, component)
-        live: dict[str, Any] = {}  # the module's dependency snapshot, taken once (aotbuild/dependencies.py)
+        live: dict[str, Any] = {}  # the module's dependency snapshot, taken once (aotbuild/pipeline/dependencies.py)
         entries: list[Entry] = []
         for w in (w for w in wanted if w.component == component):
             entry, reason = store.open_entry(w.key) if not blocker else (None, None)
@@ -359,8 +360,8 @@ def _one_strategy(entries: list[Entry], entry: Entry) -> str:
 
 
 def _structure_problem(module: Any, component: str, entry: Entry) -> str:
-    """Whether the live module is the one the entry was built for, before any call (aotbuild/structure.py)."""
-    from aotbuild.structure import mismatch
+    """Whether the live module is the one the entry was built for, before any call (aotbuild/pipeline/structure.py)."""
+    from aotbuild.pipeline.structure import mismatch
 
     return mismatch(module, entry.manifest.structure or {}, component)
 
@@ -370,7 +371,7 @@ def _compiled_paths(module: Any, recipe: Recipe) -> list[str]:
     blocks (the rest of the component runs eagerly)."""
     if recipe.compile.scope != "regional":
         return [""]
-    from aotbuild.blocks import select_blocks
+    from aotbuild.pipeline.blocks import select_blocks
 
     return [name for name, _ in select_blocks(module, recipe.compile.blocks, recipe)]
 
@@ -378,11 +379,11 @@ def _compiled_paths(module: Any, recipe: Recipe) -> list[str]:
 def _dependency_problem(module: Any, component: str, entry: Entry, live: dict[str, Any], devices: bool,
                         paths: list[str] | None = None) -> str:
     """Whether what the entry's graphs depend on beyond their inputs (attributes, processors, hooks,
-    weights' layout: aotbuild/dependencies.py) is what the live module has; an entry without that
+    weights' layout: aotbuild/pipeline/dependencies.py) is what the live module has; an entry without that
     record (an older aotbuild) misses: nothing proves it computes what this module does (issue 31).
     ``paths``: the compiled modules (a regional recipe's blocks: each compared as the per-call check
     compares it, what is outside them runs eagerly); default: the component."""
-    from aotbuild import dependencies
+    from aotbuild.pipeline import dependencies
 
     recorded = (entry.manifest.structure or {}).get("dependencies")
     if not live:
@@ -400,8 +401,8 @@ def _dependency_problem(module: Any, component: str, entry: Entry, live: dict[st
 def _watch(planned: list[Planned], on_miss: str, devices: bool) -> None:
     """Each compiled module's dispatcher re-checks, once per call, what its graphs depend on (armed
     from the module, which matched the entry at load); a change follows ``on_miss``."""
-    from aotbuild import dependencies
     from aotbuild.dispatch import Dispatcher
+    from aotbuild.pipeline import dependencies
 
     for p in planned:
         records = [r for e in p.entries if (r := (e.manifest.structure or {}).get("dependencies"))]
@@ -427,8 +428,8 @@ def _next_step(recipe: Recipe, blocker: str, remote: Remote | None, passed: Any 
         return ""
     how = f"{build_hint(recipe)} builds them here"
     if passed is not None:
-        from aotbuild import changes
         from aotbuild.features.registry import detect_changes
+        from aotbuild.pipeline import changes
 
         found = detect_changes(passed, recipe)
         declared = recipe.changes is not None

@@ -21,8 +21,9 @@ def run(job: dict, loaded: tuple[Any, float] | None = None) -> dict:
     was forked from it, aotbuild/loader.py) and the seconds that load took; None: load it here."""
     t0 = time.perf_counter()
     child.phase(job, "loading the pipeline" if loaded is None else "placing the shared pipeline")
-    from aotbuild import keys, models, pipecall
+    from aotbuild import keys
     from aotbuild.context import job_pipeline, shard_pipeline
+    from aotbuild.pipeline import models, pipecall
     from aotbuild.recipe import Shape
     from aotbuild.recipes import recipe_from_spec
     from aotbuild.strategies.base import BuildJob
@@ -49,14 +50,14 @@ def run(job: dict, loaded: tuple[Any, float] | None = None) -> dict:
     # What the component is called with is the pipeline's business (guidance may double the batch, or
     # call twice, or be an input): the strategy records every call's signature, and loads dispatch on them.
     warmup = pipecall.warmup_kwargs(recipe, shape, pipe, defaults=ctx.target.warmup_defaults)
-    # Which input dimensions follow the prompt: measured, never listed (issue 34; aotbuild/textlen.py).
+    # Which input dimensions follow the prompt: measured, never listed (issue 34; aotbuild/pipeline/textlen.py).
     child.phase(job, "measuring the text length")
     text, pattern = measure_text(recipe, component, module, pipe, rank,
                                  lambda: pipecall.warmup_kwargs(recipe, shape, pipe,
                                                                 defaults=ctx.target.warmup_defaults))
     child.phase(job, "compiling and warming up")
-    from aotbuild import dependencies
-    from aotbuild.structure import record
+    from aotbuild.pipeline import dependencies
+    from aotbuild.pipeline.structure import record
 
     structure = record(module, ctx.target.global_settings())  # before the strategy puts anything in it
     # What the graphs depend on beyond their inputs (issue 31), also before the strategy's wrappers;
@@ -106,7 +107,7 @@ def measure_text(recipe: Any, component: str, module: Any, pipe: Any, rank: int 
     follow the prompt, and how the recipe serves them) and, with ``text_length``, the text pattern the
     strategy builds. Not measured under model offload or tensor parallelism (a stopped pipeline call
     would leave an offload hook's device or a collective half-way): those record nothing."""
-    from aotbuild import textlen
+    from aotbuild.pipeline import textlen
 
     if recipe.offload != "none" or rank is not None:
         if recipe.text_length is not None:

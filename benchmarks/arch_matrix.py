@@ -172,8 +172,9 @@ def serve(recipe_path: str, cache: str) -> dict[str, Any]:
     """The replica: an eager pipeline and the served one, the same inputs, what the load compiled."""
     from torch._dynamo.utils import counters
 
-    from aotbuild import load_compiled, models, pipecall
+    from aotbuild import load_compiled
     from aotbuild.context import Context
+    from aotbuild.pipeline import models, pipecall
     from aotbuild.proof import tensors, tolerance
     from aotbuild.recipes import load_recipe
 

@@ -59,8 +59,8 @@ def child(mode: str, recipe: str, cache: str) -> None:
     import torch
 
     from aotbuild.cache.layout import resolve_cache_root
-    from aotbuild.models import load_pipeline, resolve_model
-    from aotbuild.pipecall import warmup_kwargs
+    from aotbuild.pipeline.models import load_pipeline, resolve_model
+    from aotbuild.pipeline.pipecall import warmup_kwargs
 
     r = load_recipe(recipe)
     shape = r.shapes[0]

@@ -26,8 +26,8 @@ REPO = Path(__file__).resolve().parents[1]
 def child(dynamic: bool, calls: int, cache: str) -> None:
     import torch
 
-    from aotbuild.models import load_pipeline, resolve_model
-    from aotbuild.pipecall import warmup_kwargs
+    from aotbuild.pipeline.models import load_pipeline, resolve_model
+    from aotbuild.pipeline.pipecall import warmup_kwargs
     from aotbuild.recipes import load_recipe
 
     recipe = load_recipe(REPO / "recipes" / "tiny_sd_cpu.yaml")

@@ -34,10 +34,11 @@ RECIPE = REPO / "recipes" / "tiny_qwenimage_cpu.yaml"
 def child(recipe_path: str, cache: str, calls: int) -> None:
     import torch
 
-    from aotbuild import load_compiled, textlen
+    from aotbuild import load_compiled
     from aotbuild.dispatch import dispatchers
-    from aotbuild.models import load_pipeline, resolve_model
-    from aotbuild.pipecall import warmup_kwargs
+    from aotbuild.pipeline import textlen
+    from aotbuild.pipeline.models import load_pipeline, resolve_model
+    from aotbuild.pipeline.pipecall import warmup_kwargs
     from aotbuild.recipes import load_recipe
 
     recipe = load_recipe(recipe_path)

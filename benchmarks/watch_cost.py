@@ -1,4 +1,4 @@
-"""What the per-call dependency check (aotbuild/dependencies.py ``Watch``, issue 31) costs a steady call.
+"""What the per-call dependency check (aotbuild/pipeline/dependencies.py ``Watch``, issue 31) costs a steady call.
 
     python benchmarks/watch_cost.py                       # tiny-sd UNet, eager stand-in; SD 1.5-size check alone
     python benchmarks/watch_cost.py --recipe R --cache C  # tiny-sd UNet served from a built entry
@@ -51,10 +51,11 @@ def side_by_side(label: str, dispatcher, call, repeats: int, sync=lambda: None) 
 def tiny(recipe_path: str | None, cache: str | None, repeats: int) -> None:
     import torch
 
-    from aotbuild import builtin, dependencies
+    from aotbuild import builtin
     from aotbuild.dispatch import Dispatcher, install_dispatcher, signature
-    from aotbuild.models import load_pipeline, resolve_model
-    from aotbuild.pipecall import warmup_kwargs
+    from aotbuild.pipeline import dependencies
+    from aotbuild.pipeline.models import load_pipeline, resolve_model
+    from aotbuild.pipeline.pipecall import warmup_kwargs
     from aotbuild.recipes import load_recipe, parse_recipe
 
     if recipe_path:
@@ -97,8 +98,8 @@ def sd15(device: str, repeats: int, compiled: bool) -> None:
     import torch
     from diffusers import UNet2DConditionModel
 
-    from aotbuild import dependencies
     from aotbuild.dispatch import install_dispatcher, signature
+    from aotbuild.pipeline import dependencies
     from benchmarks.scale import SD15_UNET
 
     where = "meta" if device == "meta" else device

@@ -28,8 +28,8 @@ SERVE = textwrap.dedent("""
     from pathlib import Path
     from aotbuild import ShapeNotBuilt, load_compiled, load_recipe
     from aotbuild.dispatch import Dispatcher
-    from aotbuild.models import load_pipeline, resolve_model
-    from aotbuild.pipecall import warmup_kwargs
+    from aotbuild.pipeline.models import load_pipeline, resolve_model
+    from aotbuild.pipeline.pipecall import warmup_kwargs
     from aotbuild.recipe import Shape
     from aotbuild.strategies.registry import get_strategy
     from aotbuild.targets.registry import get_target

@@ -46,7 +46,7 @@ def _tiny_unet_params(cache):
 
 
 def captured_call(pipe, recipe):
-    from aotbuild.pipecall import warmup_kwargs
+    from aotbuild.pipeline.pipecall import warmup_kwargs
 
     seen = {}
 
@@ -95,8 +95,8 @@ def test_weights_changed_after_load_are_resupplied_or_refused(aot_cache):
 @pytest.mark.slow
 def test_other_weights_of_the_architecture_hit_and_use_their_own_values(aot_cache, models_dir):
     """A fine-tune of the same architecture runs the same packages with its own weights."""
-    from aotbuild.models import load_pipeline, resolve_model
-    from aotbuild.pipecall import warmup_kwargs
+    from aotbuild.pipeline.models import load_pipeline, resolve_model
+    from aotbuild.pipeline.pipecall import warmup_kwargs
     from aotbuild.recipes import load_recipe
 
     recipe_path, cache, _ = aot_cache

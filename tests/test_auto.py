@@ -491,15 +491,15 @@ def test_a_failed_capture_names_the_line_of_the_model_where_export_or_dynamo_sto
 @pytest.mark.parametrize("strategy", ["aot-compile"])  # groups it with that build (tests/conftest.py)
 def test_autocast_entered_around_a_pipeline_call_is_refused_by_name(strategy, strategy_build, models_dir):
     """aot-compile's entries dropped Dynamo's GLOBAL_STATE guard (entries serve any thread count, issue
-    36 item 3), which also held the autocast state: the per-call check (aotbuild/dependencies.py
+    36 item 3), which also held the autocast state: the per-call check (aotbuild/pipeline/dependencies.py
     call_state, the same Watch for every strategy auto may choose) must see ``torch.autocast`` entered
     around the whole pipeline call and refuse by name, not serve the float32 graph silently."""
     import torch
 
     from aotbuild import load_compiled
     from aotbuild.errors import StaleGraph
-    from aotbuild.models import load_pipeline, resolve_model
-    from aotbuild.pipecall import warmup_kwargs
+    from aotbuild.pipeline.models import load_pipeline, resolve_model
+    from aotbuild.pipeline.pipecall import warmup_kwargs
     from aotbuild.recipes import load_recipe
 
     recipe_path, cache, _ = strategy_build(strategy)

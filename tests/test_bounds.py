@@ -86,7 +86,7 @@ def test_a_warmup_count_is_a_whole_number_so_no_type_slips_past_its_bound(name, 
 @pytest.fixture
 def pr_model(models_dir, tmp_path):
     """A pull request's copy of the tiny SD model and a recipe whose compile.blocks plan checks by
-    building the UNet from its config.json on the meta device (aotbuild/models.py check_blocks)."""
+    building the UNet from its config.json on the meta device (aotbuild/pipeline/models.py check_blocks)."""
     import shutil
 
     folder = tmp_path / "pr" / "model"
@@ -117,8 +117,8 @@ def _set_config(folder, **values):
 ])
 def test_a_model_config_is_sized_before_plan_builds_it_even_on_meta(pr_model, tmp_path, monkeypatch, values, says,
                                                                       variable):
-    from aotbuild import blocks
     from aotbuild.errors import ModelUnavailable
+    from aotbuild.pipeline import blocks
     from aotbuild.planner import plan
     from tests.conftest import invoke_cli
 
@@ -139,7 +139,7 @@ def test_a_model_config_is_sized_before_plan_builds_it_even_on_meta(pr_model, tm
 
 
 def test_the_operator_raises_a_model_bound_and_plan_builds_it(pr_model, tmp_path, monkeypatch):
-    from aotbuild import blocks
+    from aotbuild.pipeline import blocks
     from aotbuild.planner import plan
 
     folder, recipe = pr_model
@@ -312,7 +312,7 @@ def test_a_video_pipeline_that_computes_its_own_frames_is_counted_at_the_largest
     whole default of diffusers' video pipelines (161) and says to set num_frames; set, it counts that."""
     import diffusers
 
-    from aotbuild.pipecall import CallSignature, check_recipe
+    from aotbuild.pipeline.pipecall import CallSignature, check_recipe
     from aotbuild.recipes import UNKNOWN_DEFAULT_FRAMES
 
     call = CallSignature.of(diffusers.CogVideoXPipeline)

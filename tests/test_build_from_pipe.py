@@ -20,7 +20,7 @@ def _changed_pipe(models_dir):
     and one level has fewer distinct layer shapes for Inductor to compile kernels for."""
     from diffusers import UNet2DConditionModel
 
-    from aotbuild.models import load_pipeline, resolve_model
+    from aotbuild.pipeline.models import load_pipeline, resolve_model
     from aotbuild.recipes import parse_recipe
 
     recipe = parse_recipe(TINY)

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from aotbuild import builtin, models, pipecall
+from aotbuild import builtin
+from aotbuild.pipeline import models, pipecall
 from aotbuild.recipes import load_recipe
 from tests.conftest import REPO, invoke_cli
 

@@ -1,5 +1,5 @@
 """A recipe's ``changes`` section (issue 31, item 4): FreeU's factors, an attention processor, a diffusers
-cache hook and a memory format, declared so a build re-creates them (aotbuild/changes.py).
+cache hook and a memory format, declared so a build re-creates them (aotbuild/pipeline/changes.py).
 
 Before it, ``save_pretrained`` dropped all four, so neither a build of the recipe nor
 ``aotbuild.build(recipe, pipe=pipe)`` could build for a pipeline with FreeU on: a StaleGraph's advice
@@ -16,9 +16,9 @@ import pytest
 import torch
 
 import aotbuild
-from aotbuild import changes
 from aotbuild.errors import CacheMiss, RecipeError, StaleGraph, UsageError
 from aotbuild.features.registry import detect_changes
+from aotbuild.pipeline import changes
 from aotbuild.recipe import ChangesSpec, recipe_to_dict
 from aotbuild.recipes import parse_recipe
 from tests.conftest import TINY_DICT as TINY
@@ -31,7 +31,7 @@ def _recipe(**declared):
 
 
 def _pipe(recipe, root):
-    from aotbuild.models import load_pipeline, resolve_model
+    from aotbuild.pipeline.models import load_pipeline, resolve_model
 
     return load_pipeline(recipe, resolve_model(recipe, root), "float32")
 
@@ -148,7 +148,7 @@ def test_a_declared_backend_is_applied_and_read_back_off_a_users_pipe(tmp_path, 
     """The recipe's load sets the backend on each processor and process-wide; a user's pipe with the same
     set_attention_backend reads as that declaration (so build(recipe, pipe=pipe) and
     load_compiled(recipe, pipe=pipe) key it as the declared recipe), and the snapshot of the two is one."""
-    from aotbuild import dependencies
+    from aotbuild.pipeline import dependencies
 
     built = _pipe(_flux(attention_backend="_native_math"), tmp_path)  # what a build job of the recipe loads
     assert changes.active_backend() == "_native_math"
@@ -183,8 +183,8 @@ def test_a_backend_changed_after_load_names_the_recipe_key_that_declares_it(acti
     that maps to changes.attention_backend (the StaleGraph's advice names it)."""
     from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
 
-    from aotbuild import dependencies
     from aotbuild.dispatch import Dispatcher
+    from aotbuild.pipeline import dependencies
 
     def record(processor: str) -> dict:
         items = {"a.processor": processor}
@@ -300,7 +300,7 @@ def test_freeu_factors_keep_their_type_so_a_declared_int_meets_a_users_int(model
     """enable_freeu(b1=1) stores the int 1; the dependency record tells it from 1.0. The recipe made every
     factor a float, so a user's int factor was refused by build(recipe, pipe=pipe) and never met an entry
     built from `b1: 1` (found in review)."""
-    from aotbuild import dependencies
+    from aotbuild.pipeline import dependencies
 
     ints = {**FREEU, "b1": 1, "b2": 2}
     recipe = _recipe()
@@ -497,7 +497,7 @@ def test_a_declared_freeu_is_built_and_a_users_pipe_with_it_is_served_compiled(m
     from torch._dynamo.utils import counters
     from torch._inductor import compile_fx
 
-    from aotbuild.pipecall import warmup_kwargs
+    from aotbuild.pipeline.pipecall import warmup_kwargs
     from tests.conftest import invoke_cli
     from tests.loras import attention_free_sd
 

@@ -69,7 +69,7 @@ def test_a_miss_of_a_dict_recipe_says_how_to_build_it_from_python(tiny_pipe_for_
 
 @pytest.fixture(scope="module")
 def tiny_pipe_for_dict(models_dir):
-    from aotbuild.models import load_pipeline, resolve_model
+    from aotbuild.pipeline.models import load_pipeline, resolve_model
 
     recipe = parse_recipe(TINY)
     return load_pipeline(recipe, resolve_model(recipe, models_dir), "float32")
@@ -87,7 +87,7 @@ def test_the_child_spec_carries_data_not_a_path(tmp_path):
 
 
 def test_a_relative_model_folder_of_a_dict_resolves_in_the_callers_directory(tmp_path, monkeypatch):
-    from aotbuild.models import _local_folder
+    from aotbuild.pipeline.models import _local_folder
 
     (tmp_path / "mymodel").mkdir()
     monkeypatch.chdir(tmp_path)
@@ -105,8 +105,8 @@ def test_a_dict_hits_what_its_yaml_twin_built_and_loads_into_an_existing_pipe(bu
 
     import torch
 
-    from aotbuild.models import load_pipeline, resolve_model
-    from aotbuild.pipecall import warmup_kwargs
+    from aotbuild.pipeline.models import load_pipeline, resolve_model
+    from aotbuild.pipeline.pipecall import warmup_kwargs
 
     cache = tmp_path / "cache"
     shutil.copytree(built_cache[0], cache)

@@ -12,14 +12,14 @@ from tests.conftest import run_python
 #: What ``from aotbuild import load_compiled`` may load of aotbuild (docs/architecture.md, "The runtime
 #: import rule"). A module added here is a module every serving process imports: keep it light.
 RUNTIME_MODULES = {
-    "aotbuild", "aotbuild.blocks", "aotbuild.builtin", "aotbuild.constants", "aotbuild.errors", "aotbuild.forwards",
-    "aotbuild.frozen",
-    "aotbuild.keys", "aotbuild.cache.layout", "aotbuild.cache.locks", "aotbuild.cache.manifest", "aotbuild.models",
+    "aotbuild", "aotbuild.pipeline", "aotbuild.pipeline.blocks", "aotbuild.builtin", "aotbuild.constants",
+    "aotbuild.errors", "aotbuild.forwards", "aotbuild.frozen", "aotbuild.keys", "aotbuild.cache.layout",
+    "aotbuild.cache.locks", "aotbuild.cache.manifest", "aotbuild.pipeline.models",
     "aotbuild.context", "aotbuild.explain", "aotbuild.recipe", "aotbuild.recipe_file", "aotbuild.recipes",
     "aotbuild.registry", "aotbuild.runtime", "aotbuild.safeio", "aotbuild.cache", "aotbuild.cache.store",
     "aotbuild.strategies", "aotbuild.strategies.base", "aotbuild.strategies.registry", "aotbuild.suggest",
     "aotbuild.targets", "aotbuild.targets.base", "aotbuild.targets.registry",
-    "aotbuild.text", "aotbuild.pipecall", "aotbuild.deprecated",
+    "aotbuild.text", "aotbuild.pipeline.pipecall", "aotbuild.deprecated",
 }
 
 
@@ -57,7 +57,7 @@ NOT_SERVING = {
 SERVE = """
 import json, sys
 from aotbuild import load_compiled
-from aotbuild.pipecall import warmup_kwargs
+from aotbuild.pipeline.pipecall import warmup_kwargs
 from aotbuild.recipes import load_recipe
 
 recipe = load_recipe({recipe!r})

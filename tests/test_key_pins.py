@@ -12,7 +12,7 @@ With other versions installed the test skips, naming the constraints file; under
 fails instead, so a CI run never passes without checking keys. A change that means to change keys (a
 new factor, FORMAT_VERSION) regenerates them on purpose: ``python tests/test_key_pins.py`` prints the
 new table. Regenerated for FORMAT_VERSION 4 (manifests record what each graph depends on: issue 31,
-aotbuild/dependencies.py); every built-in recipe's keys computed by that command (issue 30).
+aotbuild/pipeline/dependencies.py); every built-in recipe's keys computed by that command (issue 30).
 aot-compile's regenerated when it dropped its ``compile.cpu_threads`` factor: its artifacts serve any
 thread count (issue 36). ``auto``'s added when it became the default (issue 36): its factor
 ``target.strategy`` is ``auto`` and its compile settings hold no strategy's own factor; every other pin

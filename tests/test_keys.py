@@ -116,7 +116,7 @@ def _other_builtin_version(monkeypatch, root):
 
 
 def _other_config(monkeypatch, root):
-    from aotbuild import models
+    from aotbuild.pipeline import models
 
     real = models.component_config
     monkeypatch.setattr(models, "component_config",
@@ -161,7 +161,7 @@ def test_key_ignores_dict_order_rank_and_device_index(models_dir, tmp_path, monk
     launcher's rank/world variables, and which GPU of a machine the recipe names."""
     import torch
 
-    from aotbuild import models
+    from aotbuild.pipeline import models
 
     reference = plan_keys(load_recipe(TINY_RECIPE), models_dir)
     real = models.component_config
@@ -186,7 +186,7 @@ def test_key_ignores_dict_order_rank_and_device_index(models_dir, tmp_path, monk
 
 def test_module_config_matches_config_file(models_dir):
     """The runtime keys a loaded module; the planner reads config.json: both must agree."""
-    from aotbuild import models
+    from aotbuild.pipeline import models
 
     recipe = load_recipe(TINY_RECIPE)
     resolved = models.resolve_model(recipe, models_dir)
@@ -218,7 +218,7 @@ def test_relative_model_folder_is_found_next_to_the_recipe(models_dir, tmp_path,
     from any cwd, and the key is the same as from anywhere else."""
     import yaml
 
-    from aotbuild.models import resolve_model
+    from aotbuild.pipeline.models import resolve_model
 
     model = next(p for p in (models_dir / "models").iterdir() if p.is_dir())
     shutil.copytree(model, tmp_path / "project" / "model")

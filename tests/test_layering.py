@@ -189,7 +189,7 @@ def test_the_import_contracts_hold():
     # the store (layer 3) reaching up to the planner (layer 7), through a function-level import
     ("cache/store", "def _planted():\n    from aotbuild import planner\n", "Each layer imports only"),
     # a module load_compiled imports pulling in the builder: both contracts break
-    ("pipecall", "import aotbuild.builder\n", "never imports build code"),
+    ("pipeline/pipecall", "import aotbuild.builder\n", "never imports build code"),
 ])
 def test_a_planted_upward_import_breaks_a_contract(tmp_path, module, planted, contract):
     shutil.copytree(PACKAGE, tmp_path / "aotbuild", ignore=shutil.ignore_patterns("__pycache__"))

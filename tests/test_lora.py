@@ -114,7 +114,7 @@ def test_after_load_what_would_recompile_is_refused_before_a_weight_changes(lora
     import torch
 
     from aotbuild.features import lora as adapters
-    from aotbuild.models import load_pipeline, resolve_model
+    from aotbuild.pipeline.models import load_pipeline, resolve_model
 
     recipe = parse(loras)
     pipe = load_pipeline(recipe, resolve_model(recipe, models_dir), "float32")
@@ -145,8 +145,8 @@ def serve_hot_swaps(recipe_path: Path, cache: Path, loras: Path) -> dict:
 
     from aotbuild import load_compiled
     from aotbuild.context import Context, prepare_pipeline
-    from aotbuild.models import load_pipeline, place_pipeline
-    from aotbuild.pipecall import warmup_kwargs
+    from aotbuild.pipeline.models import load_pipeline, place_pipeline
+    from aotbuild.pipeline.pipecall import warmup_kwargs
     from aotbuild.recipes import load_recipe
     from aotbuild.strategies.registry import get_strategy
     from aotbuild.targets.registry import get_target

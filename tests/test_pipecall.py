@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from aotbuild.errors import RecipeError
-from aotbuild.pipecall import CallSignature, check_recipe, warmup_kwargs
+from aotbuild.pipeline.pipecall import CallSignature, check_recipe, warmup_kwargs
 from aotbuild.recipe import Shape
 from aotbuild.recipes import parse_recipe
 
@@ -138,6 +138,6 @@ def test_plan_reads_a_pipeline_signature_from_its_source_as_the_import_would(nam
     installed quantization backend: seconds per plan); it must say what inspect says."""
     import diffusers
 
-    from aotbuild.pipecall import _signature_from_source
+    from aotbuild.pipeline.pipecall import _signature_from_source
 
     assert _signature_from_source(name) == CallSignature.of(getattr(diffusers, name))

@@ -107,7 +107,7 @@ def test_cli_missing_recipe_file(tmp_path):
 
 def test_component_checks_need_the_model(tmp_path, models_dir):
     """Unknown component and regional scope without _repeated_blocks are found against the model."""
-    from aotbuild.models import check_components, resolve_model
+    from aotbuild.pipeline.models import check_components, resolve_model
 
     unknown = parse_recipe({**_good(), "compile": {"components": ["unte"]}}, "r.yaml")
     with pytest.raises(RecipeError, match=r"compile.components: 'unte' is not a component .*did you mean 'unet'"):

@@ -254,8 +254,8 @@ def sd3_transformer(tiny_sd3_dir):
 
 
 def test_unknown_block_class_lists_the_classes_that_repeat(sd3_transformer):
-    from aotbuild.blocks import select_blocks
     from aotbuild.errors import RecipeError
+    from aotbuild.pipeline.blocks import select_blocks
 
     recipe = _recipe(scope="regional", blocks=["JointTransformerBloc"])
     with pytest.raises(RecipeError) as info:
@@ -299,8 +299,8 @@ def tiny_sd3_dir(tmp_path_factory):
 
 
 def test_plan_checks_block_names_without_loading_weights(tiny_sd3_dir, tmp_path, monkeypatch):
-    from aotbuild import models
     from aotbuild.errors import RecipeError
+    from aotbuild.pipeline import models
     from aotbuild.planner import plan
 
     def no_loading(*args, **kwargs):

@@ -24,7 +24,7 @@ def test_on_miss_must_be_known():
 
 @pytest.fixture(scope="module")
 def tiny_pipe(models_dir):
-    from aotbuild.models import load_pipeline, resolve_model
+    from aotbuild.pipeline.models import load_pipeline, resolve_model
 
     recipe = load_recipe(TINY_RECIPE)
     return load_pipeline(recipe, resolve_model(recipe, models_dir), "float32")
@@ -38,7 +38,7 @@ def test_passed_pipe_with_wrong_dtype_is_refused(tiny_pipe, models_dir, tmp_path
 
 
 def test_passed_pipe_on_wrong_device_is_refused(models_dir):
-    from aotbuild.models import load_pipeline, resolve_model
+    from aotbuild.pipeline.models import load_pipeline, resolve_model
 
     recipe = load_recipe(TINY_RECIPE)
     pipe = load_pipeline(recipe, resolve_model(recipe, models_dir), "float32")
@@ -59,7 +59,7 @@ def test_cuda_recipe_without_cuda_is_target_unavailable(tmp_path):
 
 def test_passed_pipe_misses_run_eager_when_asked(tiny_pipe, models_dir):
     """Nothing built, on_miss='eager': the UNet is never compiled, output is eager output."""
-    from aotbuild.pipecall import warmup_kwargs
+    from aotbuild.pipeline.pipecall import warmup_kwargs
 
     recipe = load_recipe(TINY_RECIPE)
     expected = tiny_pipe(**warmup_kwargs(recipe, recipe.shapes[0], tiny_pipe), output_type="pt").images

@@ -35,14 +35,15 @@ ALLOWED = {
     ("aotbuild/builder.py", "_keep_log"): "copies the build child's own log next to the failure it explains",
     ("aotbuild/doctor.py", "check_roundtrip"): "writes doctor's own recipe into its own temp folder",
     ("aotbuild/cli.py", "_run"): "opens os.devnull",
-    ("aotbuild/textlen.py", "Pattern.sizes"): "parses the signature this process made of a live call's inputs "
+    ("aotbuild/pipeline/textlen.py", "Pattern.sizes"): "parses the signature this process made of a live call's inputs "
                                               "(dispatch.signature), once per call: no file, no outside text",
     ("aotbuild/cache/locks.py", "_open"): "lock files: opened for flock only, their content never read or written",
     ("aotbuild/cache/locks.py", "is_unlocked"):
         "lock files: opened for flock only, their content never read or written",
     ("aotbuild/builtin/__init__.py", "ensure"): "publishes a built-in model folder it just created by one rename",
-    ("aotbuild/pipecall.py", "_pipeline_files"): "package data: the installed diffusers' own source files",
-    ("aotbuild/pipecall.py", "_signature_from_source"): "package data: the installed diffusers' own source files",
+    ("aotbuild/pipeline/pipecall.py", "_pipeline_files"): "package data: the installed diffusers' own source files",
+    ("aotbuild/pipeline/pipecall.py", "_signature_from_source"):
+        "package data: the installed diffusers' own source files",
     ("aotbuild/bench.py", "_cpu_model"): "the kernel's /proc/cpuinfo",
     ("aotbuild/targets/neuron.py", "NeuronTarget.hardware_kind"): "the kernel's /sys DMI product name",
     ("aotbuild/targets/inductor.py", "InductorTarget.install"): "the compiler's own files: hash-verified blobs "

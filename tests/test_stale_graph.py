@@ -4,7 +4,7 @@ at load and at every call of a compiled module.
 Measured before this (tiny-sd, on_miss="error"): FreeU enabled, a user's attention processor set, or
 the UNet moved to channels_last were served by aot-package with 0 compiles and a wrong image (the
 image without FreeU, the old processor's output, 0.57 off for channels_last); after load, aot-compile
-too. The fast tier tests the record and its check (aotbuild/dependencies.py) and the dispatcher's
+too. The fast tier tests the record and its check (aotbuild/pipeline/dependencies.py) and the dispatcher's
 policy; the slow tier runs the matrix of changes x strategies x before/after load on the session's
 shared builds (tests/conftest.py ``strategy_build``), each cell either served compiled and equal to
 eager with the same change, or refused naming the change, and never compiling.
@@ -18,9 +18,9 @@ import warnings
 import pytest
 import torch
 
-from aotbuild import dependencies
 from aotbuild.dispatch import Dispatcher
 from aotbuild.errors import CacheMiss, StaleGraph, UsageError
+from aotbuild.pipeline import dependencies
 
 
 @pytest.fixture(autouse=True)
@@ -477,7 +477,7 @@ def _pipe(recipe, models_dir):
     ``changes`` is loaded each time: its load also sets process-wide state (an attention backend)."""
     import copy
 
-    from aotbuild.models import load_pipeline, resolve_model
+    from aotbuild.pipeline.models import load_pipeline, resolve_model
 
     if recipe.changes is not None:
         return load_pipeline(recipe, resolve_model(recipe, models_dir), "float32")
@@ -488,7 +488,7 @@ def _pipe(recipe, models_dir):
 
 
 def _image(pipe, recipe):
-    from aotbuild.pipecall import warmup_kwargs
+    from aotbuild.pipeline.pipecall import warmup_kwargs
 
     call = {**warmup_kwargs(recipe, recipe.shapes[0], pipe), **getattr(pipe, "matrix_call", {})}
     return pipe(**call, output_type="pt").images.float()
@@ -546,7 +546,8 @@ def run_matrix(label, recipe, cache, models_dir, changes, component="unet", trac
     (jit-cache: that is not compiling). Returns the printed cells."""
     from torch._dynamo.utils import counters
 
-    from aotbuild import dependencies, load_compiled
+    from aotbuild import load_compiled
+    from aotbuild.pipeline import dependencies
 
     plain = _eager("none", recipe, models_dir)
     results = {}
@@ -920,7 +921,7 @@ def test_a_declared_attention_backend_serves_a_pipe_with_it_set_by_hand(flux_bui
     from torch._dynamo.utils import counters
 
     from aotbuild import load_compiled
-    from aotbuild.changes import active_backend
+    from aotbuild.pipeline.changes import active_backend
     from aotbuild.recipes import load_recipe
 
     recipe_path, cache = flux_build

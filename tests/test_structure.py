@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from aotbuild.errors import CacheMiss
-from aotbuild.structure import describe, digest, mismatch, record, settings_mismatch
+from aotbuild.pipeline.structure import describe, digest, mismatch, record, settings_mismatch
 
 
 class Tiny(torch.nn.Module):
@@ -90,7 +90,7 @@ def test_inductor_records_what_its_cache_key_holds_and_quantize_changes_it():
 def test_a_changed_pipe_is_a_miss_with_its_reason_under_every_strategy(strategy_build, strategy, change):
     from aotbuild import load_compiled
     from aotbuild.dispatch import dispatchers
-    from aotbuild.models import load_pipeline, resolve_model
+    from aotbuild.pipeline.models import load_pipeline, resolve_model
     from aotbuild.recipes import load_recipe
 
     recipe_path, cache, _ = strategy_build(strategy)

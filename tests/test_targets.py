@@ -101,8 +101,8 @@ LOAD = textwrap.dedent("""
     import json, sys, os, importlib
     import torch
     from aotbuild import load_compiled, load_recipe
-    from aotbuild.models import load_pipeline, resolve_model
-    from aotbuild.pipecall import warmup_kwargs
+    from aotbuild.pipeline.models import load_pipeline, resolve_model
+    from aotbuild.pipeline.pipecall import warmup_kwargs
     from pathlib import Path
     recipe_path, cache, vendor = sys.argv[1:4]
     r = load_recipe(recipe_path)

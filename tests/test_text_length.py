@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from aotbuild import textlen
 from aotbuild.dispatch import Dispatcher, signature
 from aotbuild.errors import RecipeError, ShapeNotBuilt
+from aotbuild.pipeline import textlen
 from tests.conftest import invoke_cli, once_per_run, run_python
 
 QWEN_RECIPE = """\
@@ -191,7 +191,7 @@ SERVE_PROMPTS = textwrap.dedent("""
     import torch
     from pathlib import Path
     from aotbuild import ShapeNotBuilt, load_compiled, load_recipe
-    from aotbuild.models import load_pipeline, resolve_model
+    from aotbuild.pipeline.models import load_pipeline, resolve_model
     from aotbuild.strategies.registry import get_strategy
     from aotbuild.targets.registry import get_target
 

@@ -81,7 +81,7 @@ SERVE_CALLS = textwrap.dedent("""
     import json, sys, warnings
     import torch
     from aotbuild import load_compiled, load_recipe
-    from aotbuild.pipecall import warmup_kwargs
+    from aotbuild.pipeline.pipecall import warmup_kwargs
     from aotbuild.strategies.registry import get_strategy
     from aotbuild.targets.registry import get_target
 

@@ -91,7 +91,7 @@ class Manifest:
     build: Mapping[str, Any] = field(default_factory=dict)
     recipe_data: Mapping[str, Any] = field(default_factory=dict)
     proof: Proof | None = None
-    #: the component as the compiler saw it (aotbuild/structure.py): checked before a load reports a hit
+    #: the component as the compiler saw it (aotbuild/pipeline/structure.py): checked before a load reports a hit
     structure: Mapping[str, Any] | None = None
     #: Ed25519 signatures over the rest (aotbuild/cache/signing.py): [{"key": name, "sig": base64}]
     signed_by: tuple[Mapping[str, str], ...] = ()
@@ -359,7 +359,7 @@ class _Checker:
         if not all(isinstance(line, str) and len(line) <= MAX_NAME for line in lines):
             raise self.fail("structure.lines", "not a list of lines")
         self.obj(value.get("compiler", {}), "structure.compiler")
-        if value.get("dependencies") is not None:  # what the graphs depend on (aotbuild/dependencies.py)
+        if value.get("dependencies") is not None:  # what the graphs depend on (aotbuild/pipeline/dependencies.py)
             self.dependencies(value["dependencies"])
         return value
 

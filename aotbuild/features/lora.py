@@ -221,7 +221,7 @@ def resolve(recipe: Recipe, adapter: LoraAdapter, key: str = "lora.adapters[0].p
             return file
     except OSError as exc:  # a name too long, a loop of links: the path cannot be a file here
         raise recipe.error(key, f"{adapter.path[:200]}: cannot be used as a path ({exc.strerror or exc})") from None
-    from aotbuild.models import hub_file
+    from aotbuild.pipeline.models import hub_file
 
     return hub_file(adapter.path, weight, None)
 

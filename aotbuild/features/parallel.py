@@ -198,7 +198,7 @@ class TensorParallel(Feature):
 
     def check_recipe(self, recipe: Any, model: Any, pipeline_class: str) -> None:
         """A ``_tp_plan`` on every compiled component, heads the degree divides."""
-        from aotbuild import models
+        from aotbuild.pipeline import models
 
         known = model.components()
         shardable = [n for n, (library, cls) in known.items() if library == "diffusers" and tp_plan_of(cls)]

@@ -3,7 +3,7 @@
 A *feature* is a recipe section that changes the pipeline a build compiles and a replica serves:
 quantization (``model.quantization``, features/quantization.py), LoRA hot-swap (``lora``,
 features/lora.py), tensor parallelism (``parallel``, features/parallel.py) and the declared
-pipeline changes (``changes``, aotbuild/changes.py). Each implements :class:`Feature`; planning,
+pipeline changes (``changes``, aotbuild/pipeline/changes.py). Each implements :class:`Feature`; planning,
 keying, building, proving and loading iterate :func:`used` instead of calling each by hand, and a
 feature's module is imported only when a recipe uses it (a plain recipe's ``load_compiled`` imports
 none: tests/test_imports.py).
@@ -43,7 +43,7 @@ FEATURES: tuple[_Entry, ...] = (
            lambda r: r.model.quantization is not None),
     _Entry("lora", "aotbuild.features.lora", "Lora", lambda r: r.lora is not None),
     _Entry("parallel", "aotbuild.features.parallel", "TensorParallel", lambda r: r.tensor_parallel > 1),
-    _Entry("changes", "aotbuild.changes", "DeclaredChanges", lambda r: r.changes is not None),
+    _Entry("changes", "aotbuild.pipeline.changes", "DeclaredChanges", lambda r: r.changes is not None),
 )
 
 _instances: dict[str, Feature] = {}
@@ -72,7 +72,7 @@ def changes_modules(recipe: Recipe, component: str) -> bool:
 def detect_changes(pipe: Any, recipe: Recipe) -> Any:
     """``changes.detect`` of ``pipe`` with what ``recipe``'s features put in its components (a
     ``changes.Detected``)."""
-    from aotbuild import changes
+    from aotbuild.pipeline import changes
 
     return changes.detect(pipe, recipe, changed_modules=lambda component: changes_modules(recipe, component))
 

@@ -46,8 +46,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from aotbuild import forwards
-from aotbuild.blocks import select_blocks
 from aotbuild.dispatch import RouteDeclined, install_dispatcher, signature
+from aotbuild.pipeline.blocks import select_blocks
 from aotbuild.strategies.base import BuildJob, Built, Planned, Resolved, Strategy, lazy_compile
 from aotbuild.strategies.calls import floats_of, snapshot, structure, where_called
 
@@ -362,7 +362,7 @@ class CallRecorder:
         def run(*args: Any, **kwargs: Any) -> Any:
             import torch
 
-            from aotbuild.dependencies import observe
+            from aotbuild.pipeline.dependencies import observe
 
             observe(module)  # the global state the artifacts are compiled under, what the module holds at its
             # first call (the manifest records both)

@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from aotbuild import forwards
-from aotbuild.blocks import select_blocks
 from aotbuild.dispatch import install_dispatcher
+from aotbuild.pipeline.blocks import select_blocks
 from aotbuild.strategies import aoti, calls, prepack
 from aotbuild.strategies.base import BuildJob, Built, Planned, Resolved, Strategy, lazy_compile
 

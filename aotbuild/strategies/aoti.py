@@ -50,8 +50,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from aotbuild import forwards
-from aotbuild.blocks import select_blocks
 from aotbuild.errors import PackageMismatch
+from aotbuild.pipeline.blocks import select_blocks
 from aotbuild.strategies import prepack
 from aotbuild.strategies.calls import (
     call_strides,

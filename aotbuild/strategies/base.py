@@ -61,7 +61,7 @@ class BuildJob:
     workdir: Path
     #: tells the parent what the job is doing
     phase: Callable[[str], None] = lambda text: None
-    #: with ``text_length``: the component's text pattern (aotbuild/textlen.py ``Pattern``): calls that fit
+    #: with ``text_length``: the component's text pattern (aotbuild/pipeline/textlen.py ``Pattern``): calls that fit
     #: it are one signature, their text dimensions marked dynamic in the range
     text: Any = None
 
@@ -97,7 +97,7 @@ class Strategy:
     targets: tuple[str, ...] | None = None
     #: whether it serves a component captured as several graphs (``compile.fullgraph: false``)
     graph_breaks: bool = False
-    #: whether it serves ``text_length``: a range of text lengths from one build (aotbuild/textlen.py)
+    #: whether it serves ``text_length``: a range of text lengths from one build (aotbuild/pipeline/textlen.py)
     text_lengths: bool = False
 
     # -- when the recipe is read --------------------------------------------------------------
@@ -167,7 +167,7 @@ class Strategy:
 
     def check(self, ctx: Resolved, module: Any, component: str, entry: Entry) -> str:
         """Why a verified entry cannot serve the live ``module`` (then it is a miss with that reason), or "".
-        The module's structure has been checked already (aotbuild/structure.py)."""
+        The module's structure has been checked already (aotbuild/pipeline/structure.py)."""
         return ""
 
     def install(self, ctx: Resolved, planned: list[Planned], policy: str) -> InstallResult | None:

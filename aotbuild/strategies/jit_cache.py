@@ -40,7 +40,7 @@ class JitCache(Strategy):
     def check(self, ctx: Resolved, module: Any, component: str, entry: Entry) -> str:
         # Dynamo traces again at load and the compiler looks its graphs up by a key that holds its
         # global settings: a library that changed them for the process (torchao's quantize_) misses.
-        from aotbuild.structure import settings_mismatch
+        from aotbuild.pipeline.structure import settings_mismatch
 
         recorded = (entry.manifest.structure or {}).get("compiler", {})
         return settings_mismatch(recorded, ctx.target.global_settings())

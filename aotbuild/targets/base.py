@@ -122,7 +122,7 @@ class Target:
         scope: each block in place); return the callable that runs its compiled forward."""
         import torch
 
-        from aotbuild.blocks import compile_regional
+        from aotbuild.pipeline.blocks import compile_regional
 
         self.before_compile()
         kwargs = self.compile_kwargs(recipe, device)

@@ -18,10 +18,10 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from aotbuild.blocks import blocks_setting
 from aotbuild.cache.layout import safe_relpath
 from aotbuild.cache.trees import collect_tree, lay_tree
 from aotbuild.constants import dist_version
+from aotbuild.pipeline.blocks import blocks_setting
 from aotbuild.targets.base import Availability, InstallResult, Target, ToolchainCheck
 
 if TYPE_CHECKING:

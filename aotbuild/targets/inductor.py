@@ -27,8 +27,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from aotbuild import constants
-from aotbuild.blocks import blocks_setting
 from aotbuild.cache.layout import safe_relpath
+from aotbuild.pipeline.blocks import blocks_setting
 from aotbuild.targets.base import Availability, InstallResult, Target, ToolchainCheck
 
 if TYPE_CHECKING:

@@ -1,7 +1,7 @@
 """``changes``: the ways users change a pipeline after ``from_pretrained``, declared so a build re-creates them.
 
 A compiled graph bakes in FreeU's factors, the attention processor it called, the weights' memory
-format and a diffusers cache hook (aotbuild/dependencies.py records them; a load or a call with
+format and a diffusers cache hook (aotbuild/pipeline/dependencies.py records them; a load or a call with
 other ones misses). ``save_pretrained`` keeps none of them, so neither a build job loading the model
 nor ``aotbuild.build(recipe, pipe=pipe)`` (which saves the pipe for its jobs) could build for such a
 pipeline. A recipe's ``changes`` section declares them; each is one :class:`Change`:
@@ -528,7 +528,7 @@ def detect(pipe: Any, recipe: Recipe, *, changed_modules: Callable[[str], bool])
     strides: dtype and device are the recipe's). ``refused`` is the first thing that cannot be
     re-created in another process, in words. ``changed_modules(component)``: whether a feature of the
     recipe puts other modules in it (``features.registry.changes_modules``)."""
-    from aotbuild import dependencies
+    from aotbuild.pipeline import dependencies
 
     found: dict[str, Any] = {}
     components = list(dict.fromkeys([*recipe.compile.components]))
@@ -604,7 +604,7 @@ def _active_backend_kept() -> Iterator[None]:
 
 def _meta_twin(module: Any) -> Any:
     """The component built again from its config on the meta device (what a fresh load holds), or None."""
-    from aotbuild.blocks import meta_module
+    from aotbuild.pipeline.blocks import meta_module
 
     config = getattr(module, "config", None)
     if config is None:

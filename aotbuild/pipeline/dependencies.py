@@ -5,7 +5,7 @@ A compiled component bakes in what the module's Python did when it was traced: p
 attention processor, a diffusers hook, a forward wrapper), each weight's dtype, shape, strides,
 device and ``requires_grad``, and the global state of the call (grad mode, default dtype,
 autocast, deterministic algorithms and matmul precision). Neither the key (the recipe) nor the
-structure check (aotbuild/structure.py: classes and tensor shapes) sees those, and the AOT
+structure check (aotbuild/pipeline/structure.py: classes and tensor shapes) sees those, and the AOT
 strategies' artifacts do not re-check them: aot-package served the image without FreeU, the old
 processor's output, and garbage for channels_last weights, with 0 compiles (issue 31). So the
 build records a conservative *snapshot* of the component (:func:`snapshot`: for every submodule its
@@ -237,7 +237,7 @@ def _backend_only(here: str | None, there: str | None) -> bool:
 
 def recipe_key(reason: str) -> str:
     """The recipe key that declares the change a :func:`diff` or :class:`Watch` reason names
-    (aotbuild/changes.py: FreeU's factors, an attention processor or backend, a memory format), or "" for
+    (aotbuild/pipeline/changes.py: FreeU's factors, an attention processor or backend, a memory format), or "" for
     one no recipe declares. A diffusers
     cache hook is declarable but no strategy builds one (``changes.cache`` is refused at plan time)."""
     for hint, key in _DECLARED_BY:

@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from aotbuild import builtin, safeio
-from aotbuild.blocks import describe_repeating
 from aotbuild.cache.layout import Layout
 from aotbuild.errors import ModelUnavailable, ModelUnreachable
+from aotbuild.pipeline.blocks import describe_repeating
 from aotbuild.recipe import CompileSpec, Recipe
 from aotbuild.suggest import suggest
 from aotbuild.text import printable
@@ -242,7 +242,7 @@ def check_blocks(recipe: Recipe, model: ResolvedModel) -> None:
     cannot import or build), nothing is checked: each build job checks the loaded module."""
     if recipe.compile.scope != "regional" or recipe.compile.blocks is None:
         return
-    from aotbuild.blocks import block_problem
+    from aotbuild.pipeline.blocks import block_problem
 
     for name in recipe.compile.components:
         module = _meta_component(model, name, recipe.model.revision)
@@ -257,7 +257,7 @@ def _meta_component(model: ResolvedModel, name: str, revision: str | None) -> An
     """Component ``name`` built from its ``config.json`` on the meta device (no weights), or None.
     The config's sizes are bounded first (:func:`check_config_sizes`): a pull request's model folder
     decides how big a model plan builds."""
-    from aotbuild.blocks import meta_module
+    from aotbuild.pipeline.blocks import meta_module
 
     library, class_name = model.components()[name]
     try:
@@ -379,7 +379,7 @@ def _component_json(model: ResolvedModel, name: str, revision: str | None) -> di
 
 def load_pipeline(recipe: Recipe, model: ResolvedModel, dtype: str, *, quiet: bool = False) -> Any:
     """``from_pretrained`` with the recipe's dtype, variant, revision and pipeline class, then the
-    recipe's ``changes`` (aotbuild/changes.py): every build job, proof and load of it gets them."""
+    recipe's ``changes`` (aotbuild/pipeline/changes.py): every build job, proof and load of it gets them."""
     import diffusers
     import torch
 
@@ -401,7 +401,7 @@ def load_pipeline(recipe: Recipe, model: ResolvedModel, dtype: str, *, quiet: bo
         kwargs["revision"] = recipe.model.revision
     pipe = cls.from_pretrained(model.location, **kwargs)
     if recipe.changes is not None:  # FreeU, a processor, a cache hook, a memory format: as the recipe declares
-        from aotbuild import changes
+        from aotbuild.pipeline import changes
 
         changes.apply(pipe, recipe)
     if quiet and hasattr(pipe, "set_progress_bar_config"):  # build jobs and benchmarks; a user's pipe keeps its bar
