@@ -1,9 +1,9 @@
 """One registry of what aotbuild puts in a module's ``forward`` (diffusers' ``HookRegistry`` is the model).
 
-aotbuild wraps a module's forward in four places: a serving process's dispatcher (aotbuild/dispatch.py:
+aotbuild wraps a module's forward in five places: a serving process's dispatcher (aotbuild/dispatch.py:
 built calls to their artifacts, the others by the load's policy), a build job's recorders (which
-calls the warmup makes), the proof's recorder, and a text-length probe that stops the pipeline at a
-component's first call. Each is a *layer*, put on and taken off here and nowhere else:
+calls the warmup makes), the proof's recorder, a text-length probe that stops the pipeline at a
+component's first call, and bench's compiled forward. Each is a *layer*, put on and taken off here and nowhere else:
 
 * :func:`wrap` puts a layer in ``module.forward`` (an instance attribute: the class is untouched) and
   remembers what was there before: nothing (the class's ``forward``), an aotbuild layer, or another

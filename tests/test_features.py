@@ -9,9 +9,6 @@ import importlib
 import json
 import sys
 import types
-from pathlib import Path
-
-import pytest
 
 from aotbuild.features import registry
 from aotbuild.features.base import Feature, Where
@@ -75,6 +72,7 @@ def test_a_new_feature_is_one_module_and_one_line(cache, monkeypatch):
 
     module = types.ModuleType("stamp_feature")
     module.Stamp = _Stamp
+    monkeypatch.setattr(_Stamp, "prepared", [])
     monkeypatch.setitem(sys.modules, "stamp_feature", module)
     recipe = _recipe(changes={"memory_format": "channels_last"})
     before = [j.key for j in plan([recipe], cache=cache)]
@@ -96,8 +94,3 @@ def test_tensor_parallelism_asks_for_its_ranks_and_a_rank_s_thread_count(monkeyp
 
     assert settings == {"cpu_threads": rank_threads(2), "mode": None}
     assert tp[0].compile_settings(_recipe(parallel={"tensor": 2}), {"mode": None}) == {"mode": None}
-
-
-@pytest.mark.parametrize("name", ["adapters", "quantize", "parallel"])
-def test_the_features_left_the_top_level(name):
-    assert not (Path(registry.__file__).parent.parent / f"{name}.py").exists()
