@@ -10,10 +10,8 @@ A failed job is remembered (``<cache>/failures/<key>.json``) and not built again
 from __future__ import annotations
 
 import contextlib
-import json
 import tempfile
 import time
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
@@ -32,6 +30,7 @@ from aotbuild.constants import Vocabulary
 from aotbuild.context import Unavailable
 from aotbuild.deprecated import positional_shim
 from aotbuild.errors import ProofFailed, StoreError
+from aotbuild.loader import SharedLoads
 from aotbuild.planner import RETRY_HINT, Job, JobStatus, mark_remote, plan, shard_jobs, shard_summary
 from aotbuild.recipe import Recipe, recipe_spec, recipe_to_dict
 from aotbuild.recipes import Recipes
@@ -142,88 +141,6 @@ def _times(n: int) -> str:
     return {1: "once", 2: "twice"}.get(n, f"{n} times")
 
 
-class SharedLoads:
-    """The build's loader processes (aotbuild/loader.py): one per recipe whose target shares loads,
-    started at the recipe's first job and stopped after its last job's worker, before that job's
-    proof (which loads its own copy), so the host holds at most the loader's copy and one other."""
-
-    def __init__(self, store: Store, jobs: list[Job]) -> None:
-        self.store = store
-        self.remaining = Counter(self._identity(j) for j in jobs if self._shares(j))
-        self.current: tuple[str, Any, contextlib.ExitStack] | None = None
-        self.counts = {"jobs": 0, "build": 0, "proof": 0}
-
-    @staticmethod
-    def _shares(job: Job) -> bool:
-        from aotbuild import loader
-
-        return job.ctx is not None and job.ctx.target.shares_loads and job.recipe.tensor_parallel == 1 \
-            and loader.available()
-
-    @staticmethod
-    def _identity(job: Job) -> str:
-        """The pipeline the loader holds: the recipe's, whatever its strategy (an auto job's attempts
-        each name one, and load the same pipeline)."""
-        spec = recipe_spec(job.recipe)
-        spec["data"].pop("strategy", None)
-        return json.dumps(spec, sort_keys=True, default=str)
-
-    def again(self, job: Job) -> None:
-        """``job`` runs another worker (an auto job's next attempt): its loader is kept for it."""
-        if self._shares(job):
-            self.remaining[self._identity(job)] += 1
-
-    def worker(self, job: Job) -> Callable[..., tuple[int, dict[str, Any]]]:
-        """What runs ``job``'s worker, with :func:`aotbuild.child.spawn`'s signature: a child forked
-        from its recipe's loader, or (a target that cannot share loads) a fresh worker."""
-        self.counts["jobs"] += 1
-        if not self._shares(job):
-            self.counts["build"] += 1
-            return child.spawn
-        assert job.ctx is not None
-        identity = self._identity(job)
-        if self.current is None or self.current[0] != identity:
-            from aotbuild.loader import Loader
-
-            self._stop()
-            self.store.layout.tmp.mkdir(parents=True, exist_ok=True)
-            folder = Path(tempfile.mkdtemp(prefix="load.", dir=self.store.layout.tmp))
-            held = contextlib.ExitStack()
-            held.enter_context(flocked(folder / ".lock", exclusive=True, timeout=0))  # verify --fix keeps out
-            held.callback(self.store.clean_staging, folder)
-            loader = Loader(recipe_spec(job.recipe), self.store.root, folder, job.ctx.target.capture_env(folder))
-            held.callback(loader.close)
-            self.current = (identity, loader, held)
-        loader = self.current[1]
-
-        def run(module: str, spec: dict[str, Any], spec_path: Path, log: Path, **options: Any) -> tuple[int, dict]:
-            assert module == "aotbuild.worker"
-            before = loader.loads
-            try:
-                return loader.run(spec, spec_path, log, cwd=options.pop("cwd", None), **options)
-            finally:
-                self.counts["build"] += loader.loads - before
-
-        return run
-
-    def done(self, job: Job) -> None:
-        """``job``'s worker ended: after its recipe's last one, that recipe's loader stops."""
-        if not self._shares(job):
-            return
-        identity = self._identity(job)
-        self.remaining[identity] -= 1
-        if self.remaining[identity] <= 0 and self.current is not None and self.current[0] == identity:
-            self._stop()
-
-    def _stop(self) -> None:
-        if self.current is not None:
-            self.current[2].close()
-            self.current = None
-
-    def close(self) -> None:
-        self._stop()
-
-
 #: progress(event, n, total, job, result): event is "start", "tick" (result.status holds the worker's
 #: phase, result.seconds the time so far; about twice a second) or "end".
 Progress = Callable[[str, int, int, Job, "JobResult | None"], None]
@@ -248,23 +165,54 @@ def build(recipes: Recipes, *, cache: str | Path | None = None,
 
     ``shard=(I, N)`` builds only shard I of N of the full job list (planner.shard). With ``remote``
     (a URL or a Remote), a job the remote already holds is not built ("on remote"): pushing it again
-    would send nothing.
-    ``max_size`` (default: ``AOTBUILD_MAX_SIZE``, then ``[tool.aotbuild] max_size`` when that
-    pyproject.toml also names the cache) is the cache's
-    size limit: an entry bigger than it is not stored, and after the build ``gc`` removes the least
-    recently used entries until the cache fits (never one this build needs).
+    would send nothing. ``max_size`` (default: ``AOTBUILD_MAX_SIZE``, then ``[tool.aotbuild] max_size``
+    when that pyproject.toml also names the cache) is the cache's size limit: an entry bigger than it
+    is not stored, and after the build ``gc`` removes the least recently used entries until the cache
+    fits (never one this build needs).
 
-    A job that failed before (its failure record, written by this aotbuild version) is not built
-    again: its result is "failed", with the recorded reason, until ``retry_failed=True``. A job whose
-    target or device is not on this host is "skipped"; one whose model cannot be read or fetched is
-    "failed" (``BuildReport.bad_input`` holds those whose model folder or files are at fault)."""
+    A job that failed before (its failure record, by this aotbuild version) is "failed" again, with
+    the recorded reason, not built, until ``retry_failed=True``. A job whose target or device is not
+    on this host is "skipped"; one whose model cannot be read or fetched is "failed"
+    (``BuildReport.bad_input`` holds those whose model folder or files are at fault)."""
     if isinstance(remote, str):
         from aotbuild.remote import as_remote
-
         remote = as_remote(remote)
     if pipe is not None:
         return _build_for_pipe(recipes, pipe, cache, progress=progress, shard=shard, remote=remote,
                                max_size=max_size, sign_key=sign_key, retry_failed=retry_failed)
+    store, limit, own = _open_store(cache, remote, sign_key, max_size)
+    # signatures=False: a builder makes entries; whom serving trusts is not its say
+    jobs = plan(recipes, cache=store.root, signatures=False)
+    everything, sharded = jobs, None
+    if shard is not None:
+        jobs = shard_jobs(everything, *shard)
+        sharded = shard_summary(shard, len(jobs), everything)
+    _recheck_hits(store, jobs, own)
+    # The one rule for failures: a job (a tensor-parallel job: any of its ranks) that failed before is
+    # not built again until retry_failed; its result keeps the build failed (exit 1), never "skipped".
+    known = {} if retry_failed else {j.group: j.reason for j in jobs if j.status == JobStatus.FAILED_BEFORE}
+    _whole_groups(jobs, known)
+    # What the --push remote holds, as the planner decides it for plan --remote (whole rank groups; with a
+    # signing key, a remote entry this key did not sign is absent: the build builds and signs its own).
+    on_remote = {j.key for j in mark_remote(jobs, remote, trusted=own or None)
+                 if j.status == JobStatus.REMOTE} if remote is not None else set()
+    results = _settled(store, jobs, known, on_remote, remote.url if remote is not None else "")
+    todo = [j for i, j in enumerate(jobs) if i not in results]
+    loads = SharedLoads(store, todo)
+    try:
+        report = _run_jobs(store, jobs, todo, results, loads, progress, limit, sign_key, retry_failed)
+    finally:
+        loads.close()
+    report.loads = loads.counts
+    report.shard = sharded
+    _fit(store, report, limit)
+    return report
+
+
+def _open_store(cache: str | Path | None, remote: Remote | None, sign_key: str | Path | None,
+                max_size: int | None) -> tuple[Store, int | None, dict[str, bytes]]:
+    """The build's store (what a killed build left in it reclaimed; the remote's failure records
+    joined to its own), its size limit and the public half of the signing key."""
     root, origin = cache_root_origin(cache)
     store = checked_store(root)
     from aotbuild.cache.journal import reclaim_dead
@@ -281,28 +229,28 @@ def build(recipes: Recipes, *, cache: str | Path | None = None,
         own = public_of(sign_key)
     # pyproject.toml's max_size applies only to the cache it names itself (a pull request writes it).
     limit = max_size if max_size is not None else resolve_max_size(project=origin == FROM_PROJECT)
-    jobs = plan(recipes, cache=root, signatures=False)  # a builder makes entries: whom serving trusts is not its say
-    sharded = None
-    if shard is not None:
-        everything, jobs = jobs, shard_jobs(jobs, *shard)
-        sharded = shard_summary(shard, len(jobs), everything)
+    return store, limit, own
+
+
+def _recheck_hits(store: Store, jobs: list[Job], own: dict[str, bytes]) -> None:
+    """Plan only checked sizes: a hit whose blobs are damaged is rebuilt, and so is one the build's
+    signing key (``own``) did not sign."""
     for i, job in enumerate(jobs):
-        if job.status == JobStatus.HIT and job.key:  # plan only checked sizes: a damaged blob means rebuild
-            entry, why = store.open_entry(job.key)
-            if entry is None:
-                jobs[i] = replace(job, status=JobStatus.MISS, reason=f"rebuilt: {why}")
-            elif own and _not_signed_by(entry.manifest, own):
-                # A signature says "built and proven here": an entry this key did not sign was found, not
-                # built, so it is built again (and signed), never signed as it is.
-                jobs[i] = replace(job, status=JobStatus.MISS, reason=f"rebuilt: {_not_signed_by(entry.manifest, own)}")
-    # The one rule for failures: a job (a tensor-parallel job: any of its ranks) that failed before is
-    # not built again until retry_failed; its result keeps the build failed (exit 1), never "skipped".
-    known = {} if retry_failed else {j.group: j.reason for j in jobs if j.status == JobStatus.FAILED_BEFORE}
-    _whole_groups(jobs, known)
-    # What the --push remote holds, as the planner decides it for plan --remote (whole rank groups; with a
-    # signing key, a remote entry this key did not sign is absent: the build builds and signs its own).
-    on_remote = {j.key for j in mark_remote(jobs, remote, trusted=own or None)
-                 if j.status == JobStatus.REMOTE} if remote is not None else set()
+        if job.status != JobStatus.HIT or not job.key:
+            continue
+        entry, why = store.open_entry(job.key)
+        if entry is None:
+            jobs[i] = replace(job, status=JobStatus.MISS, reason=f"rebuilt: {why}")
+        elif own and _not_signed_by(entry.manifest, own):
+            # A signature says "built and proven here": an entry this key did not sign was found, not
+            # built, so it is built again (and signed), never signed as it is.
+            jobs[i] = replace(job, status=JobStatus.MISS, reason=f"rebuilt: {_not_signed_by(entry.manifest, own)}")
+
+
+def _settled(store: Store, jobs: list[Job], known: dict[str | None, str], on_remote: set[str | None],
+             remote_url: str) -> dict[int, JobResult]:
+    """The results of the jobs nothing is built for: cached, not buildable here, on the remote, or
+    failed before (``known``)."""
     results: dict[int, JobResult] = {}
     for i, job in enumerate(jobs):
         if job.status == JobStatus.HIT:
@@ -313,76 +261,69 @@ def build(recipes: Recipes, *, cache: str | Path | None = None,
             status = ResultStatus.SKIPPED if job.cause is Unavailable.TARGET else ResultStatus.FAILED
             results[i] = JobResult(job, status, reason=job.reason)
         elif job.key in on_remote:
-            results[i] = JobResult(job, ResultStatus.ON_REMOTE, reason=f"already on {remote.url if remote else ''}")
+            results[i] = JobResult(job, ResultStatus.ON_REMOTE, reason=f"already on {remote_url}")
         elif job.group in known:
             results[i] = JobResult(job, ResultStatus.FAILED, reason=f"{_first_line(known[job.group])}; {RETRY_HINT}",
                                    not_retried=True)
-    todo = [j for i, j in enumerate(jobs) if i not in results]
-    loads = SharedLoads(store, todo)
-    try:
-        report = _run_jobs(store, jobs, todo, results, loads, progress, limit, sign_key, retry_failed)
-    finally:
-        loads.close()
-    report.loads = loads.counts
-    report.shard = sharded
-    if limit is not None and any(r.status == ResultStatus.BUILT for r in report.results):
-        from aotbuild.manage import gc, store_size
+    return results
 
-        if store_size(store) > limit:
-            needed = frozenset(r.job.key for r in report.results if r.job.key)
-            try:
-                report.gc = gc(store, max_size=limit, keep=needed)
-            except StoreError as exc:  # the entries are stored; only the clean-up could not run
-                report.note = f"the cache is over its size limit and gc could not run: {exc}"
-    return report
+
+def _fit(store: Store, report: BuildReport, limit: int | None) -> None:
+    """Over its size limit after building, the cache drops its least recently used entries (never one
+    of this build's jobs)."""
+    if limit is None or not any(r.status == ResultStatus.BUILT for r in report.results):
+        return
+    from aotbuild.manage import gc, store_size
+
+    if store_size(store) > limit:
+        needed = frozenset(r.job.key for r in report.results if r.job.key)
+        try:
+            report.gc = gc(store, max_size=limit, keep=needed)
+        except StoreError as exc:  # the entries are stored; only the clean-up could not run
+            report.note = f"the cache is over its size limit and gc could not run: {exc}"
 
 
 def _run_jobs(store: Store, jobs: list[Job], todo: list[Job], results: dict[int, JobResult], loads: SharedLoads,
               progress: Progress | None, limit: int | None, sign_key: str | Path | None,
               retry_failed: bool = False) -> BuildReport:
-    """Every job not yet in ``results``, in order: built once per key, a tensor-parallel job's ranks
-    in one launch."""
+    """Every job not yet in ``results``, in order: built once per key, all ranks of a job (one, or a
+    tensor-parallel job's N) in one launch, an auto job with every shape of its component."""
     done_keys: dict[str, JobResult] = {}
-    ranked: dict[str, JobResult] = {}  # results of a tensor-parallel job's ranks not reached yet
+    ready: dict[str, JobResult] = {}  # results of jobs built with an earlier one (its ranks, its shapes)
     for n, (i, job) in enumerate((i, j) for i, j in enumerate(jobs) if i not in results):
         assert job.key is not None
-        if progress and job.key not in ranked:  # a rank built with its rank 0 just ends
+        if progress and job.key not in ready:  # a job built with an earlier one just ends
             progress("start", n + 1, len(todo), job, None)
-        if job.key in ranked:  # built with its rank 0, in one launch
-            result = ranked.pop(job.key)
-        elif job.key in done_keys:  # two recipes with the same job: build once
+        if job.key not in ready and job.key in done_keys:  # two recipes with the same job: build once
             prior = done_keys[job.key]
-            result = JobResult(job, prior.status if prior.status != ResultStatus.BUILT else ResultStatus.CACHED,
-                               size=prior.size,
-                               reason=prior.reason)
-        elif job.choice is not None:  # strategy: auto, every shape (and rank) of its component at once
+            ready[job.key] = JobResult(job, prior.status if prior.status != ResultStatus.BUILT
+                                       else ResultStatus.CACHED, size=prior.size, reason=prior.reason)
+        elif job.key not in ready:
             tick = _ticker(progress, n + 1, len(todo), job) if progress else None
-            shapes = _component_shapes(jobs, results, todo, job)
-            _build_component(store, shapes, tick, limit, sign_key, loads, retry_failed)
-            for shape in (s for s in shapes if s.results):  # a hit not rebuilt has none: it stays cached
-                for k, (sibling, sibling_result) in enumerate(zip(shape.jobs, shape.results, strict=True)):
-                    if shape.indices:  # a hit rebuilt with the strategy its component fell back to
-                        results[shape.indices[k]] = sibling_result
-                    else:
-                        done_keys[sibling.key] = ranked[sibling.key] = sibling_result  # type: ignore[index]
-            result = ranked.pop(job.key)
-        elif job.siblings:
-            tick = _ticker(progress, n + 1, len(todo), job) if progress else None
-            group = sorted((j for j in todo if j.group == job.group), key=lambda j: j.rank or 0)
-            built = _build_ranks_once(store, group, tick, limit, sign_key, loads, retry_failed)
-            for sibling, sibling_result in zip(group, built, strict=True):
-                _remember(store, sibling, sibling_result)
-                done_keys[sibling.key] = ranked[sibling.key] = sibling_result  # type: ignore[index]
-            result = ranked.pop(job.key)
-        else:
-            tick = _ticker(progress, n + 1, len(todo), job) if progress else None
-            result = _build_once(store, job, tick, limit, sign_key, loads, retry_failed)
-            _remember(store, job, result)
-            done_keys[job.key] = result
-        results[i] = result
+            if job.choice is not None:  # strategy: auto, every shape (and rank) of its component at once
+                shapes = _component_shapes(jobs, results, todo, job)
+                _build_component(store, shapes, tick, limit, sign_key, loads, retry_failed)
+                _file_component(shapes, results, done_keys, ready)
+            else:
+                group = _ranks_of(todo, job)
+                built = _locked(store, group, tick, retry_failed,
+                                lambda group=group, tick=tick: _build_group(store, group, tick, limit, sign_key, loads))
+                for sibling, sibling_result in zip(group, built, strict=True):
+                    _remember(store, sibling, sibling_result)
+                    done_keys[sibling.key] = ready[sibling.key] = sibling_result  # type: ignore[index]
+        results[i] = ready.pop(job.key)
         if progress:
-            progress("end", n + 1, len(todo), job, result)
+            progress("end", n + 1, len(todo), job, results[i])
     return BuildReport(str(store.root), [results[i] for i in range(len(jobs))])
+
+
+def _ranks_of(todo: list[Job], job: Job) -> list[Job]:
+    """Every rank of ``job`` (itself alone, unsharded) in rank order, each once."""
+    ranks: dict[str | None, Job] = {}
+    for other in todo:
+        if other.group == job.group:
+            ranks.setdefault(other.key, other)
+    return sorted(ranks.values(), key=lambda j: j.rank or 0)
 
 
 def _build_for_pipe(recipes: Recipes, pipe: Any, cache: str | Path | None, **options: Any) -> BuildReport:
@@ -456,14 +397,15 @@ def _not_signed_by(manifest: Any, own: dict[str, bytes]) -> str:
     return f"found in the cache, not signed by {next(iter(own))} ({why.split(':')[0].split(';')[0]})" if why else ""
 
 
-def _build_once(store: Store, job: Job, tick: Tick | None, limit: int | None,
-                sign_key: str | Path | None = None, loads: SharedLoads | None = None,
-                retry_failed: bool = False) -> JobResult:
-    """Build ``job`` under its per-key lock: a second builder of the same job (another CI shard,
-    another terminal) waits for the first, showing that it waits, then finds the entry cached, or
-    (unless ``retry_failed``) the first's failure, which it does not retry."""
-    assert job.key is not None
-    lock = store.layout.build_lock(job.key)
+def _locked(store: Store, jobs: list[Job], tick: Tick | None, retry_failed: bool,
+            run: Callable[[], list[JobResult]], *, failures: bool = True) -> list[JobResult]:
+    """``run()`` (the build of ``jobs``, one job's ranks) under the job's build lock: a second builder
+    of the same job (another CI shard, another terminal) waits for the first, showing that it waits,
+    then finds the entries cached, or (with ``failures``, unless ``retry_failed``) the first's
+    failure, which it does not retry."""
+    first = jobs[0]
+    assert first.group is not None
+    lock = store.layout.build_lock(first.group)
     started = time.perf_counter()
     try:
         with contextlib.ExitStack() as held:
@@ -473,49 +415,19 @@ def _build_once(store: Store, job: Job, tick: Tick | None, limit: int | None,
                 if tick:
                     tick(0.0, "waiting: another aotbuild process is building this job")
                 held.enter_context(flocked(lock, exclusive=True, timeout=float("inf")))
-                entry, _ = store.open_entry(job.key)
-                if entry is not None:
-                    store.touch(job.key)
-                    return JobResult(job, ResultStatus.CACHED, time.perf_counter() - started, size=entry.manifest.size,
-                                     reason="built meanwhile by another aotbuild process")
-                failed = None if retry_failed else _failed_meanwhile(store, job.key)
-                if failed:
-                    return JobResult(job, ResultStatus.FAILED, time.perf_counter() - started, reason=failed,
-                                     not_retried=True)
-            return _build_one(store, job, tick, limit, sign_key, loads=loads)
-    except StoreError as exc:  # the lock file cannot be created: a read-only store
-        return JobResult(job, ResultStatus.FAILED, 0.0, reason=f"cannot build into {store.root}: {exc}")
-
-
-def _build_ranks_once(store: Store, jobs: list[Job], tick: Tick | None, limit: int | None,
-                      sign_key: str | Path | None, loads: SharedLoads, retry_failed: bool = False) -> list[JobResult]:
-    """Every rank of one tensor-parallel job, under its rank 0's build lock (as :func:`_build_once`)."""
-    first = jobs[0]
-    assert first.group is not None
-    started = time.perf_counter()
-    try:
-        with contextlib.ExitStack() as held:
-            try:
-                held.enter_context(flocked(store.layout.build_lock(first.group), exclusive=True, timeout=0))
-            except StoreError:
-                if tick:
-                    tick(0.0, "waiting: another aotbuild process is building this job")
-                held.enter_context(flocked(store.layout.build_lock(first.group), exclusive=True,
-                                           timeout=float("inf")))
                 entries = [store.open_entry(j.key)[0] for j in jobs if j.key]
-                if all(e is not None for e in entries):
+                if len(entries) == len(jobs) and all(e is not None for e in entries):
+                    for j in jobs:
+                        store.touch(str(j.key))
                     return [JobResult(j, ResultStatus.CACHED, time.perf_counter() - started, size=e.manifest.size,
                                       reason="built meanwhile by another aotbuild process")
                             for j, e in zip(jobs, entries, strict=True) if e is not None]
-                failed = None if retry_failed else _failed_meanwhile(store, first.group)
+                failed = "" if retry_failed or not failures else _failed_meanwhile(store, first.group)
                 if failed:
                     return [JobResult(j, ResultStatus.FAILED, time.perf_counter() - started, reason=failed,
-                                      not_retried=True)
-                            for j in jobs]
-            loads.counts["jobs"] += 1
-            loads.counts["build"] += len(jobs)  # each rank loads its own (and shards it)
-            return _build_ranks(store, jobs, tick, limit, sign_key, loads)
-    except StoreError as exc:
+                                      not_retried=True) for j in jobs]
+            return run()
+    except StoreError as exc:  # the lock file cannot be created: a read-only store
         return [JobResult(j, ResultStatus.FAILED, 0.0, reason=f"cannot build into {store.root}: {exc}") for j in jobs]
 
 
@@ -596,26 +508,7 @@ def _build_component(store: Store, shapes: list[_Shape], tick: Tick | None, limi
                                                                       f"{ONE_STRATEGY}"))
             last_failed = culprit
             continue
-        failed = None
-        for shape in sorted(shapes, key=lambda s: s is not last_failed):
-            if shape.held == strategy:
-                continue
-            if not shape.counted:
-                loads.again(shape.jobs[0])
-            shape.counted = False
-            built = _build_auto(store, shape.jobs, tick, limit, sign_key, loads, retry_failed, tries=(strategy,),
-                                before=shape.attempts)
-            shape.results = built
-            shape.seconds += max(r.seconds for r in built)
-            shape.attempts = list(built[0].attempts) or shape.attempts
-            if all(r.status in (ResultStatus.BUILT, ResultStatus.UNCACHED) for r in built):
-                shape.held = strategy
-            elif all(r.status == ResultStatus.CACHED for r in built):  # built meanwhile by another aotbuild process
-                manifest = store.read_manifest(str(shape.jobs[0].key))
-                shape.held = auto.held_by(manifest) if manifest is not None else strategy
-            else:
-                failed = shape
-                break
+        failed = _try_on_shapes(store, shapes, strategy, last_failed, tick, limit, sign_key, loads, retry_failed)
         if failed is None:
             break
         last_failed = failed
@@ -628,6 +521,46 @@ def _build_component(store: Store, shapes: list[_Shape], tick: Tick | None, limi
             else:  # a hit of an earlier build
                 shape.attempts.append(auto.Attempt(strategy, auto.Outcome.DROPPED, dropped))
     _component_results(shapes)
+
+
+def _try_on_shapes(store: Store, shapes: list[_Shape], strategy: str, last_failed: _Shape | None,
+                   tick: Tick | None, limit: int | None, sign_key: str | Path | None, loads: SharedLoads,
+                   retry_failed: bool) -> _Shape | None:
+    """``strategy`` on each shape of a component that does not hold it yet (the one that failed the
+    last strategy first), each under its own build lock (a second builder of it waits, then finds the
+    entry cached or tries the strategy itself); the first shape that fails with it, or None."""
+    for shape in sorted(shapes, key=lambda s: s is not last_failed):
+        if shape.held == strategy:
+            continue
+        if not shape.counted:
+            loads.again(shape.jobs[0])
+        shape.counted = False
+        built = _locked(store, shape.jobs, tick, retry_failed, lambda shape=shape: _attempts(
+            store, shape.jobs, tick, limit, sign_key, loads, retry_failed, tries=(strategy,), before=shape.attempts),
+            failures=False)
+        shape.results = built
+        shape.seconds += max(r.seconds for r in built)
+        shape.attempts = list(built[0].attempts) or shape.attempts
+        if all(r.status in (ResultStatus.BUILT, ResultStatus.UNCACHED) for r in built):
+            shape.held = strategy
+        elif all(r.status == ResultStatus.CACHED for r in built):  # built meanwhile by another aotbuild process
+            manifest = store.read_manifest(str(shape.jobs[0].key))
+            shape.held = auto.held_by(manifest) if manifest is not None else strategy
+        else:
+            return shape
+    return None
+
+
+def _file_component(shapes: list[_Shape], results: dict[int, JobResult], done_keys: dict[str, JobResult],
+                    ready: dict[str, JobResult]) -> None:
+    """An auto component's results where the build's loop finds them: a rebuilt hit's at its index,
+    a miss's by its key (the loop takes it when it reaches the job)."""
+    for shape in (s for s in shapes if s.results):  # a hit not rebuilt has none: it stays cached
+        for k, (sibling, sibling_result) in enumerate(zip(shape.jobs, shape.results, strict=True)):
+            if shape.indices:  # a hit rebuilt with the strategy its component fell back to
+                results[shape.indices[k]] = sibling_result
+            else:
+                done_keys[sibling.key] = ready[sibling.key] = sibling_result  # type: ignore[index]
 
 
 #: Why auto drops a strategy one shape of a component failed with (aotbuild/runtime.py serves a
@@ -661,34 +594,6 @@ def _component_results(shapes: list[_Shape]) -> None:
         note = f"auto: {auto.attempts_text(shape.attempts)}"
         shape.results = [replace(r, seconds=shape.seconds, attempts=list(shape.attempts),
                                  reason=note if r.status == ResultStatus.BUILT else r.reason) for r in shape.results]
-
-
-def _build_auto(store: Store, jobs: list[Job], tick: Tick | None, limit: int | None, sign_key: str | Path | None,
-                loads: SharedLoads, retry_failed: bool = False, *, tries: tuple[str, ...] | None = None,
-                before: list[auto.Attempt] | None = None) -> list[JobResult]:
-    """An auto job (every rank of it), under its own build lock (as :func:`_build_once`): a second
-    builder of it waits, then finds the entry cached or tries the strategies itself (those the first
-    found failing are then known failures, skipped)."""
-    first = jobs[0]
-    assert first.group is not None
-    started = time.perf_counter()
-    try:
-        with contextlib.ExitStack() as held:
-            try:
-                held.enter_context(flocked(store.layout.build_lock(first.group), exclusive=True, timeout=0))
-            except StoreError:
-                if tick:
-                    tick(0.0, "waiting: another aotbuild process is building this job")
-                held.enter_context(flocked(store.layout.build_lock(first.group), exclusive=True,
-                                           timeout=float("inf")))
-                entries = [store.open_entry(j.key)[0] for j in jobs if j.key]
-                if all(e is not None for e in entries):
-                    return [JobResult(j, ResultStatus.CACHED, time.perf_counter() - started, size=e.manifest.size,
-                                      reason="built meanwhile by another aotbuild process")
-                            for j, e in zip(jobs, entries, strict=True) if e is not None]
-            return _attempts(store, jobs, tick, limit, sign_key, loads, retry_failed, tries=tries, before=before)
-    except StoreError as exc:
-        return [JobResult(j, ResultStatus.FAILED, 0.0, reason=f"cannot build into {store.root}: {exc}") for j in jobs]
 
 
 def _attempts(store: Store, jobs: list[Job], tick: Tick | None, limit: int | None, sign_key: str | Path | None,
@@ -726,13 +631,8 @@ def _attempts(store: Store, jobs: list[Job], tick: Tick | None, limit: int | Non
         ran = True
         if tick:
             tick(time.perf_counter() - started, f"auto: trying {strategy}")
-        chosen = [Chosen(j, list(attempts), strategy) for j in jobs]
-        if len(group) > 1:
-            loads.counts["jobs"] += 1
-            loads.counts["build"] += len(group)
-            results = _build_ranks(store, group, tick, limit, sign_key, loads, chosen)
-        else:
-            results = [_build_one(store, lead, tick, limit, sign_key, loads=loads, chosen=chosen[0])]
+        results = _build_group(store, group, tick, limit, sign_key, loads,
+                               [Chosen(j, list(attempts), strategy) for j in jobs])
         seconds = max(r.seconds for r in results)  # the attempt's own (its ranks ran side by side)
         # built and proven (stored, or not storable)
         if all(r.status in (ResultStatus.BUILT, ResultStatus.UNCACHED) for r in results):
@@ -809,15 +709,15 @@ def _failed_meanwhile(store: Store, key: str) -> str:
     return f"failed meanwhile in another aotbuild process: {_first_line(record['reason'])}; {RETRY_HINT}"
 
 
-def _build_ranks(store: Store, jobs: list[Job], tick: Tick | None, limit: int | None,
+def _build_group(store: Store, jobs: list[Job], tick: Tick | None, limit: int | None,
                  sign_key: str | Path | None, loads: SharedLoads,
                  chosen: list[Chosen] | None = None) -> list[JobResult]:
-    """One tensor-parallel job: its N ranks compiled in one launch of N worker processes sharing one
-    compiler cache folder, each rank's entry laid out in its own folder, all N proven by a fresh
-    N-rank launch, then stored (nothing of any rank unless every rank passed)."""
+    """One job, any number of ranks (one; a tensor-parallel job's N): compiled by one launch of a
+    worker per rank, which share one compiler cache folder; each rank's entry laid out in its own
+    folder; all proven by a fresh launch of as many ranks; then stored (nothing of any rank unless
+    every rank passed). With ``chosen`` (one per rank), ``jobs`` are an auto job's attempt."""
     first = jobs[0]
-    assert first.ctx is not None and first.group is not None
-    target, strategy, tensor = first.ctx.target, first.ctx.strategy, first.recipe.tensor_parallel
+    assert first.group is not None
     started = time.perf_counter()
     log_path = store.layout.job_log(first.group)
 
@@ -827,60 +727,89 @@ def _build_ranks(store: Store, jobs: list[Job], tick: Tick | None, limit: int | 
     try:
         store.layout.tmp.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f"job-{first.group[:12]}.", dir=store.layout.tmp))
-    except OSError as exc:
+    except OSError as exc:  # a full disk or a read-only store: this job cannot even start
         return failed(f"cannot create the job's folder in {store.layout.tmp}: {exc}", 0.0)
-    phase = staging / "phase"
     try:
+        # Held while the job runs: `aotbuild verify` leaves a staging folder alone while it is locked.
         with flocked(staging / ".lock", exclusive=True, timeout=0):
-            shared = staging / "shared"  # the ranks' one compiler cache folder: a kernel compiles once
-            (staging / "cwd").mkdir()
-            spec = {"recipe": recipe_spec(first.recipe), "component": first.component,
-                    "shape": first.shape.as_dict(), "cache_root": str(store.root), "key": first.group,
-                    "ranks": [{"key": j.key, "factors": j.factors} for j in jobs], "workdir": str(staging)}
-            env = {**target.capture_env(shared), "TORCH_COMPILE_DEBUG_DIR": str(staging / "debug")}
-            code, outcome = child.spawn("aotbuild.worker", spec, staging / "job.json", staging / "worker.log",
-                                        env=env, phase_file=phase, tick=tick, started=started, name="worker",
-                                        timeout=constants.limit("job_seconds"), ranks=tensor, cwd=staging / "cwd")
+            code, outcome = _compile(store, jobs, staging, tick, started, loads)
             seconds = time.perf_counter() - started
             if code != 0 or "error" in outcome:
                 _keep_log(staging / "worker.log", log_path)
                 return failed(f"{_one_line(outcome['error'])} (log: {log_path})", seconds)
-            results = outcome["ranks"]
-            compiled = target.collect(shared)
-            per_rank = []
-            for job in jobs:
-                folder = staging / f"rank{job.rank}"
-                # Each rank's entry holds the shared folder's files (both ranks' graphs: identical files are
-                # one blob) beside its own artifacts.
-                lay_tree([(path.relative_to(shared).as_posix(), path) for _, path in compiled], folder)
-                files = strategy.collect(target, folder)
-                if not files:
-                    return failed("the job compiled nothing: no artifact to store", seconds)
-                per_rank.append(files)
-            phase.write_text(f"proving: {tensor} fresh ranks serve the entries")
+            results = child.per_rank(outcome, len(jobs))
+            per_rank = _collect(jobs, staging)
+            if not per_rank:
+                return failed("the job compiled nothing: no artifact to store", seconds)
+            (staging / "phase").write_text(f"proving: {len(jobs)} fresh process(es) serve the entry")
+            loads.counts["proof"] += len(jobs)
             t_proof = time.perf_counter()
-            loads.counts["proof"] += tensor
             try:
-                proofs = _prove_ranks(jobs, per_rank, results, seconds, staging, store.root, tick, started)
+                proofs = _prove(jobs, per_rank, results, seconds, staging, store.root, tick, started,
+                                faster_than_eager=chosen is not None and _prepacked(first))
             except ProofFailed as exc:
                 _keep_log(staging / "proof" / "proof.log", log_path)
                 return failed(f"{_one_line(str(exc))} (log: {log_path})", time.perf_counter() - started)
             for result in results:
                 result.setdefault("seconds", {})["proof"] = round(time.perf_counter() - t_proof, 3)
             seconds = time.perf_counter() - started
-            return [store_job(store, job, files, result, seconds, limit, proof, sign_key,
-                              chosen[job.rank or 0] if chosen else None)
-                    for job, files, result, proof in zip(jobs, per_rank, results, proofs, strict=True)]
+            return [store_job(store, job, files, result, seconds, limit, proof, sign_key, chosen[k] if chosen else None)
+                    for k, (job, files, result, proof) in enumerate(zip(jobs, per_rank, results, proofs, strict=True))]
     except (OSError, StoreError) as exc:
         return failed(f"cannot run the job: {exc}", time.perf_counter() - started)
     finally:
         store.clean_staging(staging)
 
 
-def _prove_ranks(jobs: list[Job], files: list[list[tuple[str, Path]]], results: list[dict[str, Any]],
-                 seconds: float, staging: Path, cache_root: Path, tick: Tick | None, started: float) -> list[Proof]:
-    """Every rank's entry served by a fresh launch of as many ranks (aotbuild/proof.py): each rank
-    loads its own, compiles nothing, and matches the unsharded eager output."""
+def _compile(store: Store, jobs: list[Job], staging: Path, tick: Tick | None, started: float,
+             loads: SharedLoads) -> tuple[int, dict[str, Any]]:
+    """The job's workers, one per rank in one launch (or a child forked from its recipe's loader,
+    where loads are shared): every rank's compiler writes the one folder ``staging/shared`` (a kernel
+    the ranks share compiles once), each rank's strategy its artifacts to ``staging/rank<r>``."""
+    first = jobs[0]
+    assert first.ctx is not None
+    (staging / "cwd").mkdir()
+    spec = {"recipe": recipe_spec(first.recipe), "component": first.component,
+            "shape": first.shape.as_dict(), "cache_root": str(store.root), "key": first.group,
+            "ranks": [{"key": j.key, "factors": j.factors} for j in jobs], "workdir": str(staging)}
+    # What a compiler's debug options write (torch_compile_debug/, with real tensors) goes to the
+    # job's folder, removed with it, never into the cwd (a pull request's checkout).
+    env = {**first.ctx.target.capture_env(staging / "shared"), "TORCH_COMPILE_DEBUG_DIR": str(staging / "debug")}
+    try:
+        return loads.worker(jobs)("aotbuild.worker", spec, staging / "job.json", staging / "worker.log", env=env,
+                                  phase_file=staging / "phase", tick=tick, started=started, name="worker",
+                                  timeout=constants.limit("job_seconds"), ranks=len(jobs), cwd=staging / "cwd")
+    finally:
+        loads.done(first)  # after its recipe's last job, the loader's copy is freed before the proof
+
+
+def _collect(jobs: list[Job], staging: Path) -> list[list[tuple[str, Path]]]:
+    """Each rank's files, as its strategy collects them from its folder once the shared compiler
+    folder's files are laid there beside its own artifacts (both ranks' graphs: identical files are
+    one blob); [] when a rank has nothing to store."""
+    first = jobs[0]
+    assert first.ctx is not None
+    target, strategy = first.ctx.target, first.ctx.strategy
+    shared = staging / "shared"
+    compiled = [(path.relative_to(shared).as_posix(), path) for _, path in target.collect(shared)]
+    per_rank = []
+    for job in jobs:
+        folder = staging / f"rank{job.rank or 0}"
+        lay_tree(compiled, folder)
+        files = strategy.collect(target, folder)
+        if not files:
+            return []
+        per_rank.append(files)
+    return per_rank
+
+
+def _prove(jobs: list[Job], files: list[list[tuple[str, Path]]], results: list[dict[str, Any]], seconds: float,
+           staging: Path, cache_root: Path, tick: Tick | None, started: float,
+           faster_than_eager: bool = False) -> list[Proof]:
+    """Every rank's entry served from a throwaway store by a fresh launch of as many ranks
+    (aotbuild/proof.py): each loads its own, compiles nothing and matches the (unsharded) eager
+    output; with ``faster_than_eager`` (an auto attempt with prepacked weights) its served call must
+    also beat eager's. Raises ProofFailed."""
     from aotbuild.proof import verdict
 
     first = jobs[0]
@@ -892,15 +821,19 @@ def _prove_ranks(jobs: list[Job], files: list[list[tuple[str, Path]]], results: 
         records = [FileRecord(rel, *trial.put_blob(path)) for rel, path in rank_files]
         trial.put_manifest(make_manifest(job, records, result, seconds))
     spec = {"recipe": recipe_spec(first.recipe), "component": first.component,
-            "shape": first.shape.as_dict(), "cache_root": str(cache_root), "store": str(trial.root)}
+            "shape": first.shape.as_dict(), "cache_root": str(cache_root), "store": str(trial.root),
+            **({"faster_than_eager": True} if faster_than_eager else {})}
+    # Every compiler cache empty, no aotbuild cache from the environment, another directory: the
+    # process can only use what the entry holds.
     env = {**first.ctx.target.capture_env(folder / "caches"), constants.ENV_CACHE: None,
-           constants.ENV_TRUSTED_KEYS: None, "TORCH_COMPILE_DEBUG_DIR": str(folder / "debug")}
+           constants.ENV_TRUSTED_KEYS: None,  # the proof serves the staged entry it just built, unsigned
+           "TORCH_COMPILE_DEBUG_DIR": str(folder / "debug")}
     _, outcome = child.spawn("aotbuild.proof", spec, folder / "proof.json", folder / "proof.log", env=env,
                              cwd=folder / "cwd", phase_file=staging / "phase", tick=tick, started=started,
                              timeout=constants.limit("job_seconds"), ranks=len(jobs))
     if "error" in outcome:
         return [verdict(outcome, first.label)]  # raises
-    return [verdict(result, job.label) for job, result in zip(jobs, outcome["ranks"], strict=True)]
+    return [verdict(result, job.label) for job, result in zip(jobs, child.per_rank(outcome, len(jobs)), strict=True)]
 
 
 def _remember(store: Store, job: Job, result: JobResult) -> None:
@@ -919,65 +852,6 @@ def _remember(store: Store, job: Job, result: JobResult) -> None:
 def _entry_size(store: Store, key: str | None) -> int:
     manifest = store.read_manifest(key) if key else None
     return manifest.size if manifest else 0
-
-
-def _build_one(store: Store, job: Job, tick: Tick | None = None, limit: int | None = None,
-               sign_key: str | Path | None = None, *, loads: SharedLoads | None = None,
-               chosen: Chosen | None = None) -> JobResult:
-    assert job.key is not None and job.factors is not None and job.ctx is not None
-    target = job.ctx.target
-    started = time.perf_counter()
-    log_path = store.layout.job_log(job.key)
-    try:
-        store.layout.tmp.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=f"job-{job.key[:12]}.", dir=store.layout.tmp))
-    except OSError as exc:  # a full disk or a read-only store: this job cannot even start
-        return JobResult(job, ResultStatus.FAILED, 0.0,
-                         reason=f"cannot create the job's folder in {store.layout.tmp}: {exc}")
-    phase = staging / "phase"
-    try:
-        # Held while the job runs: `aotbuild verify` leaves a staging folder alone while it is locked.
-        with flocked(staging / ".lock", exclusive=True, timeout=0):
-            spec = {"recipe": recipe_spec(job.recipe), "component": job.component,
-                    "shape": job.shape.as_dict(), "cache_root": str(store.root), "key": job.key,
-                    "factors": job.factors, "workdir": str(staging)}
-            # What a compiler's debug options write (torch_compile_debug/, with real tensors) goes to the
-            # job's folder, removed with it, never into the cwd (a pull request's checkout).
-            env = {**target.capture_env(staging), "TORCH_COMPILE_DEBUG_DIR": str(staging / "debug")}
-            loads = loads if loads is not None else SharedLoads(store, [job])
-            try:
-                code, result = loads.worker(job)("aotbuild.worker", spec, staging / "job.json",
-                                                 staging / "worker.log", env=env, phase_file=phase, tick=tick,
-                                                 started=started, name="worker",
-                                                 timeout=constants.limit("job_seconds"))
-            finally:
-                loads.done(job)  # after its recipe's last job, the loader's copy is freed before the proof
-            seconds = time.perf_counter() - started
-            if code != 0 or "error" in result:
-                _keep_log(staging / "worker.log", log_path)
-                return JobResult(job, ResultStatus.FAILED, seconds,
-                                 reason=f"{_one_line(result['error'])} (log: {log_path})")
-            files = job.ctx.strategy.collect(target, staging)
-            if not files:
-                return JobResult(job, ResultStatus.FAILED, seconds,
-                                 reason="the job compiled nothing: no artifact to store")
-            phase.write_text("proving: a fresh process serves the entry")
-            loads.counts["proof"] += 1
-            try:
-                t_proof = time.perf_counter()
-                proof = _prove(job, files, result, seconds, staging, store.root, tick, started,
-                               faster_than_eager=chosen is not None and _prepacked(job))
-                result.setdefault("seconds", {})["proof"] = round(time.perf_counter() - t_proof, 3)
-            except ProofFailed as exc:
-                _keep_log(staging / "proof" / "proof.log", log_path)
-                return JobResult(job, ResultStatus.FAILED, time.perf_counter() - started,
-                                 reason=f"{_one_line(str(exc))} (log: {log_path})")
-            seconds = time.perf_counter() - started
-            return store_job(store, job, files, result, seconds, limit, proof, sign_key, chosen)
-    except OSError as exc:
-        return JobResult(job, ResultStatus.FAILED, time.perf_counter() - started, reason=f"cannot run the job: {exc}")
-    finally:
-        store.clean_staging(staging)
 
 
 def _first_line(reason: str) -> str:
@@ -1003,33 +877,6 @@ def _proven_faster(manifest: Manifest) -> bool:
         return isinstance(speed, dict) and float(speed["served_s"]) < float(speed["eager_s"])
     except (KeyError, TypeError, ValueError):
         return False
-
-
-def _prove(job: Job, files: list[tuple[str, Path]], result: dict[str, Any], seconds: float, staging: Path,
-           cache_root: Path, tick: Tick | None, started: float, faster_than_eager: bool = False) -> Proof:
-    """Serve the job's files from a throwaway store in a fresh process (aotbuild/proof.py); with
-    ``faster_than_eager`` (an auto attempt with prepacked weights) its served call must also beat eager's."""
-    from aotbuild.proof import verdict
-
-    assert job.key is not None and job.ctx is not None
-    folder = staging / "proof"
-    cwd = folder / "cwd"
-    cwd.mkdir(parents=True)
-    trial = Store(folder / "store")
-    records = [FileRecord(rel, *trial.put_blob(path)) for rel, path in files]
-    trial.put_manifest(make_manifest(job, records, result, seconds))
-    spec = {"recipe": recipe_spec(job.recipe), "component": job.component,
-            "shape": job.shape.as_dict(), "cache_root": str(cache_root), "store": str(trial.root),
-            **({"faster_than_eager": True} if faster_than_eager else {})}
-    # Every compiler cache empty, no aotbuild cache from the environment, another directory: the
-    # process can only use what the entry holds.
-    env = {**job.ctx.target.capture_env(folder / "caches"), constants.ENV_CACHE: None,
-           constants.ENV_TRUSTED_KEYS: None,  # the proof serves the staged entry it just built, unsigned
-           "TORCH_COMPILE_DEBUG_DIR": str(folder / "debug")}
-    _, outcome = child.spawn("aotbuild.proof", spec, folder / "proof.json", folder / "proof.log", env=env, cwd=cwd,
-                             phase_file=staging / "phase", tick=tick, started=started,
-                             timeout=constants.limit("job_seconds"))
-    return verdict(outcome, job.label)
 
 
 @dataclass

@@ -154,6 +154,12 @@ def spawn(module: str, spec: dict[str, Any], spec_path: Path, log: Path, *,
     return proc.returncode, result
 
 
+def per_rank(outcome: dict[str, Any], ranks: int) -> list[dict[str, Any]]:
+    """A successful :func:`spawn`'s result as one result per rank (a launch of one rank writes its
+    own result; a launch of several, ``{"ranks": [...]}``)."""
+    return list(outcome["ranks"]) if ranks > 1 else [outcome]
+
+
 def kill_group(proc: subprocess.Popen) -> None:
     """Kill the child's whole process group (a launcher and its ranks, a loader and the job it
     forked) and reap the child."""

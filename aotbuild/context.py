@@ -213,16 +213,13 @@ def prepare_pipeline(pipe: Any, recipe: Recipe) -> None:
 
 
 def shard_pipeline(pipe: Any, ctx: Context) -> int | None:
-    """With ``parallel.tensor`` > 1, in one of its ranks: join the process group, shard every compiled
-    component (aotbuild/features/parallel.py). Returns this process's rank (None: unsharded)."""
-    if ctx.recipe.tensor_parallel == 1:
-        return None
-    from aotbuild.features import parallel
+    """In a process that is one rank of a job split over ranks: the feature that splits it
+    (``Feature.split``: tensor parallelism) shards the pipeline. Returns this process's rank (None:
+    unsharded)."""
+    from aotbuild.features.registry import used
 
-    rank, mesh = parallel.setup(ctx.recipe, ctx.device)
-    for component in ctx.recipe.compile.components:
-        parallel.shard(getattr(pipe, component), mesh, component)
-    return rank
+    ranks = [rank for feature in used(ctx.recipe) if (rank := feature.split(pipe, ctx.recipe, ctx.device)) is not None]
+    return ranks[0] if ranks else None
 
 
 def job_pipeline(recipe: Recipe, cache_root: Path, loaded: Any = None) -> tuple[Context, Any]:

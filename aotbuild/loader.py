@@ -34,17 +34,26 @@ then per job ``started PID`` and ``exit CODE``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import select
 import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Mapping
+from collections import Counter
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aotbuild import child, constants
+from aotbuild.cache.locks import flocked
+from aotbuild.recipe import recipe_spec
+
+if TYPE_CHECKING:
+    from aotbuild.cache.store import Store
+    from aotbuild.planner import Job
 
 ENV_SHARED_LOADS = constants.ENV_SHARED_LOADS
 
@@ -255,6 +264,89 @@ class Loader:
             except OSError:
                 pass
         self.proc = None
+
+
+# -- the build's pool of loaders ----------------------------------------------------------------
+
+
+class SharedLoads:
+    """The build's loader processes (aotbuild/loader.py): one per recipe whose target shares loads,
+    started at the recipe's first job and stopped after its last job's worker, before that job's
+    proof (which loads its own copy), so the host holds at most the loader's copy and one other."""
+
+    def __init__(self, store: Store, jobs: list[Job]) -> None:
+        self.store = store
+        self.remaining = Counter(self._identity(j) for j in jobs if self._shares(j))
+        self.current: tuple[str, Any, contextlib.ExitStack] | None = None
+        self.counts = {"jobs": 0, "build": 0, "proof": 0}
+
+    @staticmethod
+    def _shares(job: Job) -> bool:
+        return job.ctx is not None and job.ctx.target.shares_loads and job.recipe.tensor_parallel == 1 \
+            and available()
+
+    @staticmethod
+    def _identity(job: Job) -> str:
+        """The pipeline the loader holds: the recipe's, whatever its strategy (an auto job's attempts
+        each name one, and load the same pipeline)."""
+        spec = recipe_spec(job.recipe)
+        spec["data"].pop("strategy", None)
+        return json.dumps(spec, sort_keys=True, default=str)
+
+    def again(self, job: Job) -> None:
+        """``job`` runs another worker (an auto job's next attempt): its loader is kept for it."""
+        if self._shares(job):
+            self.remaining[self._identity(job)] += 1
+
+    def worker(self, jobs: list[Job]) -> Callable[..., tuple[int, dict[str, Any]]]:
+        """What runs the worker of ``jobs`` (one job's ranks), with :func:`aotbuild.child.spawn`'s
+        signature: a child forked from its recipe's loader, or (a target that cannot share loads, or
+        a job of several ranks, each of which loads its own share) a fresh launch."""
+        self.counts["jobs"] += 1
+        job = jobs[0]
+        if not self._shares(job):
+            self.counts["build"] += len(jobs)
+            return child.spawn
+        assert job.ctx is not None and len(jobs) == 1
+        identity = self._identity(job)
+        if self.current is None or self.current[0] != identity:
+            self._stop()
+            self.store.layout.tmp.mkdir(parents=True, exist_ok=True)
+            folder = Path(tempfile.mkdtemp(prefix="load.", dir=self.store.layout.tmp))
+            held = contextlib.ExitStack()
+            held.enter_context(flocked(folder / ".lock", exclusive=True, timeout=0))  # verify --fix keeps out
+            held.callback(self.store.clean_staging, folder)
+            loader = Loader(recipe_spec(job.recipe), self.store.root, folder, job.ctx.target.capture_env(folder))
+            held.callback(loader.close)
+            self.current = (identity, loader, held)
+        loader = self.current[1]
+
+        def run(module: str, spec: dict[str, Any], spec_path: Path, log: Path, **options: Any) -> tuple[int, dict]:
+            assert module == "aotbuild.worker" and options.pop("ranks", 1) == 1
+            before = loader.loads
+            try:
+                return loader.run(spec, spec_path, log, cwd=options.pop("cwd", None), **options)
+            finally:
+                self.counts["build"] += loader.loads - before
+
+        return run
+
+    def done(self, job: Job) -> None:
+        """``job``'s worker ended: after its recipe's last one, that recipe's loader stops."""
+        if not self._shares(job):
+            return
+        identity = self._identity(job)
+        self.remaining[identity] -= 1
+        if self.remaining[identity] <= 0 and self.current is not None and self.current[0] == identity:
+            self._stop()
+
+    def _stop(self) -> None:
+        if self.current is not None:
+            self.current[2].close()
+            self.current = None
+
+    def close(self) -> None:
+        self._stop()
 
 
 if __name__ == "__main__":

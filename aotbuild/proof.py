@@ -91,24 +91,14 @@ def block_instances(module: Any, recipe: Any) -> list[tuple[str, Any]]:
     return select_blocks(module, recipe.compile.blocks, recipe)
 
 
-def serve(spec: dict[str, Any]) -> dict[str, Any]:
-    """Run in the fresh process: returns the proof's figures, or raises with the reason."""
-    from aotbuild.context import job_pipeline
+def record_eager(pipe: Any, recipe: Any, component: str,
+                 warmup: dict[str, Any]) -> tuple[list[tuple[Any, Any, list[Any]]], set[str]]:
+    """The pipeline's eager warmup call, recorded: every call of ``component`` (inputs, outputs; at
+    most CALLS_PER_SIGNATURE per signature) and the names of the block instances a regional entry
+    must serve (``{""}``: the component whole), each checked to have run; RuntimeError if not."""
     from aotbuild.dispatch import signature
-    from aotbuild.pipeline import pipecall
-    from aotbuild.recipe import Shape
-    from aotbuild.recipes import recipe_from_spec
-    from aotbuild.runtime import load_compiled
 
-    shape = Shape(**spec["shape"])
-    component = spec["component"]
-    full = recipe_from_spec(spec["recipe"])
-    # This job alone: the entry holds one component at one shape (neither is a key factor).
-    recipe = replace(full, shapes=(shape,), compile=replace(full.compile, components=(component,)))
-    ctx, pipe = job_pipeline(recipe, Path(spec["cache_root"]))
     module = getattr(pipe, component)
-
-    # 1. Eager: what the component is called with, what it returns, which instances run.
     calls: list[tuple[Any, Any, list[Any]]] = []
     ran: set[str] = set()
     instances = block_instances(module, recipe)
@@ -136,7 +126,7 @@ def serve(spec: dict[str, Any]) -> dict[str, Any]:
     for name, m in wrapped:
         forwards.wrap(m, forwards.PROOF, lambda inner, n=name: recording(n, inner, top=not n))
     try:
-        pipe(**pipecall.warmup_kwargs(recipe, shape, pipe, defaults=ctx.target.warmup_defaults))
+        pipe(**warmup)
     finally:
         for _, m in reversed(wrapped):
             forwards.unwrap(m, forwards.PROOF)
@@ -146,6 +136,28 @@ def serve(spec: dict[str, Any]) -> dict[str, Any]:
     if ran & expected != expected:
         missing = sorted(expected - ran)
         raise RuntimeError(f"the warmup never ran {len(missing)} of the blocks (e.g. {missing[0]})")
+    return calls, expected
+
+
+def serve(spec: dict[str, Any]) -> dict[str, Any]:
+    """Run in the fresh process: returns the proof's figures, or raises with the reason."""
+    from aotbuild.context import job_pipeline
+    from aotbuild.pipeline import pipecall
+    from aotbuild.recipe import Shape
+    from aotbuild.recipes import recipe_from_spec
+    from aotbuild.runtime import load_compiled
+
+    shape = Shape(**spec["shape"])
+    component = spec["component"]
+    full = recipe_from_spec(spec["recipe"])
+    # This job alone: the entry holds one component at one shape (neither is a key factor).
+    recipe = replace(full, shapes=(shape,), compile=replace(full.compile, components=(component,)))
+    ctx, pipe = job_pipeline(recipe, Path(spec["cache_root"]))
+    module = getattr(pipe, component)
+
+    # 1. Eager: what the component is called with, what it returns, which instances run.
+    calls, expected = record_eager(pipe, recipe, component, pipecall.warmup_kwargs(
+        recipe, shape, pipe, defaults=ctx.target.warmup_defaults))
     swap = _swap_reference(pipe, recipe, component, calls, Path(spec["result"]).parent / "swap")
 
     # 2. Load the entry the way a serving process does. Counted from before the load: an artifact can

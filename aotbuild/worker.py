@@ -21,12 +21,10 @@ def run(job: dict, loaded: tuple[Any, float] | None = None) -> dict:
     was forked from it, aotbuild/loader.py) and the seconds that load took; None: load it here."""
     t0 = time.perf_counter()
     child.phase(job, "loading the pipeline" if loaded is None else "placing the shared pipeline")
-    from aotbuild import keys
     from aotbuild.context import job_pipeline, shard_pipeline
-    from aotbuild.pipeline import models, pipecall
+    from aotbuild.pipeline import pipecall
     from aotbuild.recipe import Shape
     from aotbuild.recipes import recipe_from_spec
-    from aotbuild.strategies.base import BuildJob
 
     recipe = recipe_from_spec(job["recipe"])  # the recipe's data: the file may have changed since the plan
     shape = Shape(**job["shape"])
@@ -36,15 +34,9 @@ def run(job: dict, loaded: tuple[Any, float] | None = None) -> dict:
     # Tensor parallelism: this process is one rank (of the launch the builder started); its entry is
     # its own, in its own folder; the compiler's cache folder is the ranks' shared one.
     rank = shard_pipeline(pipe, ctx)
-    planned = job if rank is None else job["ranks"][rank]
-    workdir = Path(job["workdir"]) if rank is None else Path(job["workdir"]) / f"rank{rank}"
+    workdir = Path(job["workdir"]) / f"rank{rank or 0}"
     module = getattr(pipe, component)
-    cls_name, config = models.module_config(module)
-    factors = ctx.factors(component, cls_name, config, shape, type(pipe).__name__, rank)
-    key = keys.key_of(factors)
-    if key != planned["key"]:
-        diff = "; ".join(keys.differences(planned["factors"], factors)) or "unknown"
-        raise RuntimeError(f"the loaded model gives another key than the plan ({diff})")
+    key = _checked_key(job["ranks"][rank or 0], ctx, pipe, component, shape, rank)
     t_load = time.perf_counter()
     child.phase(job, "compiling and warming up")
     # What the component is called with is the pipeline's business (guidance may double the batch, or
@@ -56,31 +48,8 @@ def run(job: dict, loaded: tuple[Any, float] | None = None) -> dict:
                                  lambda: pipecall.warmup_kwargs(recipe, shape, pipe,
                                                                 defaults=ctx.target.warmup_defaults))
     child.phase(job, "compiling and warming up")
-    from aotbuild.pipeline import dependencies
-    from aotbuild.pipeline.structure import record
-
-    structure = record(module, ctx.target.global_settings())  # before the strategy puts anything in it
-    # What the graphs depend on beyond their inputs (issue 31), also before the strategy's wrappers;
-    # the global state of the component's calls is seen by the strategy's recorders during the warmup.
-    depends = dependencies.snapshot(module)
-    dependencies.record_calls(module)
-    workdir.mkdir(parents=True, exist_ok=True)
-    ctx.target.prepare_build(ctx.device)
-    job_spec = BuildJob(ctx, pipe, component, module, warmup, workdir,
-                        phase=lambda text: child.phase(job, text), text=pattern)
-    try:
-        built = ctx.strategy.build(job_spec)
-    except Exception as exc:
-        why = capture_failure(exc, ctx.strategy, recipe)
-        if why:
-            raise RuntimeError(why) from exc  # the whole traceback stays in the job's log
-        raise
+    built, structure = _compile(job, ctx, recipe, pipe, component, module, warmup, workdir, pattern)
     t_warm = time.perf_counter()
-    # The per-call check compares with what the modules held at their first call (a pipeline may set
-    # an attention processor for its calls, PAG does); the load-time check with ``depends``.
-    structure["dependencies"] = {**depends, "globals": dependencies.observed(),
-                                 "calls": dependencies.call_time(depends)}
-    dependencies.reset_observed()
     from torch._dynamo.utils import counters
 
     return {
@@ -99,6 +68,53 @@ def run(job: dict, loaded: tuple[Any, float] | None = None) -> dict:
         **({"text": text} if text else {}),
         **({"rank": rank} if rank is not None else {}),
     }
+
+
+def _checked_key(planned: dict[str, Any], ctx: Any, pipe: Any, component: str, shape: Any, rank: int | None) -> str:
+    """The key of the job as loaded here, which must be the one the plan computed (``planned``: this
+    rank's key and factors)."""
+    from aotbuild import keys
+    from aotbuild.pipeline import models
+
+    cls_name, config = models.module_config(getattr(pipe, component))
+    factors = ctx.factors(component, cls_name, config, shape, type(pipe).__name__, rank)
+    key = keys.key_of(factors)
+    if key != planned["key"]:
+        diff = "; ".join(keys.differences(planned["factors"], factors)) or "unknown"
+        raise RuntimeError(f"the loaded model gives another key than the plan ({diff})")
+    return key
+
+
+def _compile(job: dict, ctx: Any, recipe: Any, pipe: Any, component: str, module: Any, warmup: dict[str, Any],
+             workdir: Path, pattern: Any) -> tuple[Any, dict[str, Any]]:
+    """The strategy's build of ``module`` (compile and warm up) and the module's structure, recorded
+    before the strategy puts anything in it, with what its graphs depend on."""
+    from aotbuild.pipeline import dependencies
+    from aotbuild.pipeline.structure import record
+    from aotbuild.strategies.base import BuildJob
+
+    structure = record(module, ctx.target.global_settings())  # before the strategy puts anything in it
+    # What the graphs depend on beyond their inputs (issue 31), also before the strategy's wrappers;
+    # the global state of the component's calls is seen by the strategy's recorders during the warmup.
+    depends = dependencies.snapshot(module)
+    dependencies.record_calls(module)
+    workdir.mkdir(parents=True, exist_ok=True)
+    ctx.target.prepare_build(ctx.device)
+    job_spec = BuildJob(ctx, pipe, component, module, warmup, workdir,
+                        phase=lambda text: child.phase(job, text), text=pattern)
+    try:
+        built = ctx.strategy.build(job_spec)
+    except Exception as exc:
+        why = capture_failure(exc, ctx.strategy, recipe)
+        if why:
+            raise RuntimeError(why) from exc  # the whole traceback stays in the job's log
+        raise
+    # The per-call check compares with what the modules held at their first call (a pipeline may set
+    # an attention processor for its calls, PAG does); the load-time check with ``depends``.
+    structure["dependencies"] = {**depends, "globals": dependencies.observed(),
+                                 "calls": dependencies.call_time(depends)}
+    dependencies.reset_observed()
+    return built, structure
 
 
 def measure_text(recipe: Any, component: str, module: Any, pipe: Any, rank: int | None,

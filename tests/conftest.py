@@ -354,10 +354,28 @@ def fake_compiles(monkeypatch, tmp_path):
 
     compiled: list[str] = []
 
-    def fake_build_one(store, job, tick=None, limit=None, sign_key=None, *, loads=None, chosen=None):
-        compiled.append(job.key)
-        return store_job(store, job, artifacts(tmp_path / "out", job.key), {"signatures": []}, 0.1, limit,
-                         sign_key=sign_key, chosen=chosen)
+    def fake_build_group(store, jobs, tick=None, limit=None, sign_key=None, loads=None, chosen=None):
+        compiled.extend(job.key for job in jobs)
+        return [store_job(store, job, artifacts(tmp_path / "out", job.key), {"signatures": []}, 0.1, limit,
+                          sign_key=sign_key, chosen=chosen[k] if chosen else None) for k, job in enumerate(jobs)]
 
-    monkeypatch.setattr(builder, "_build_one", fake_build_one)
+    monkeypatch.setattr(builder, "_build_group", fake_build_group)
     return compiled
+
+
+def one_job(build_one):
+    """A stand-in for ``builder._build_group`` (one job's ranks) made of ``build_one(store, job, *args,
+    **kwargs) -> JobResult`` for jobs of one rank (the tests' recipes that are not tensor-parallel)."""
+    def build_group(store, jobs, *args, **kwargs):
+        job, = jobs
+        return [build_one(store, job, *args, **kwargs)]
+
+    return build_group
+
+
+def per_job(build_group):
+    """``builder._build_group`` (or its stand-in) called for one job of one rank: returns its JobResult."""
+    def build_one(store, job, *args, **kwargs):
+        return build_group(store, [job], *args, **kwargs)[0]
+
+    return build_one

@@ -19,7 +19,7 @@ from aotbuild.errors import ManifestError
 from aotbuild.planner import plan
 from aotbuild.recipes import parse_recipe
 from aotbuild.targets.registry import get_target
-from tests.conftest import REPO, STRATEGY_RECIPE, TINY_DICT, invoke_cli
+from tests.conftest import REPO, STRATEGY_RECIPE, TINY_DICT, invoke_cli, one_job, per_job
 
 #: TINY_DICT naming no strategy: auto, the default, whose first try on a CPU is prepacked aot-package.
 DEFAULT = {k: v for k, v in TINY_DICT.items() if k != "strategy"}
@@ -122,7 +122,7 @@ def test_a_proof_asked_for_speed_refuses_an_entry_not_faster_than_eager():
 def export_fails(monkeypatch, fake_compiles) -> list[str]:
     """aot-package's attempts fail as an export that cannot trace the model does; the others build
     (fake_compiles' stand-ins). Returns the keys of every attempt, in order."""
-    stand_in = builder._build_one
+    stand_in = per_job(builder._build_group)
     tried: list[str] = []
 
     def build_one(store, job, *args, **kwargs):
@@ -131,7 +131,7 @@ def export_fails(monkeypatch, fake_compiles) -> list[str]:
             return JobResult(job, ResultStatus.FAILED, 1.0, reason=f"{EXPORT_FAILS}\nsecond line")
         return stand_in(store, job, *args, **kwargs)
 
-    monkeypatch.setattr(builder, "_build_one", build_one)
+    monkeypatch.setattr(builder, "_build_group", one_job(build_one))
     return tried
 
 
@@ -180,7 +180,7 @@ def test_one_strategy_serves_every_shape_of_a_component_a_failing_shape_takes_it
     component's stored shapes hold."""
     from aotbuild import build
 
-    stand_in = builder._build_one
+    stand_in = per_job(builder._build_group)
     shapes: list[str] = []
 
     def build_one(store, job, *args, **kwargs):
@@ -190,7 +190,7 @@ def test_one_strategy_serves_every_shape_of_a_component_a_failing_shape_takes_it
             return JobResult(job, ResultStatus.FAILED, 1.0, reason=EXPORT_FAILS)
         return stand_in(store, job, *args, **kwargs)
 
-    monkeypatch.setattr(builder, "_build_one", build_one)
+    monkeypatch.setattr(builder, "_build_group", one_job(build_one))
     report = build(TWO_SHAPES, cache)
     assert [r.status for r in report.results] == ["built", "built"] and not report.failed
     first, second = shapes[0], next(s for s in shapes if s != shapes[0])
@@ -228,14 +228,14 @@ def test_a_stored_shape_is_built_again_when_a_new_shape_fails_its_strategy(cache
 
     one, = build(AUTO, cache).results  # 64x64, aot-package
     assert Store(cache).read_manifest(one.job.key).strategy == "aot-package"
-    stand_in = builder._build_one
+    stand_in = per_job(builder._build_group)
 
     def build_one(store, job, *args, **kwargs):
         if job.recipe.strategy == "aot-package" and job.shape.height == 32:
             return JobResult(job, ResultStatus.FAILED, 1.0, reason=EXPORT_FAILS)
         return stand_in(store, job, *args, **kwargs)
 
-    monkeypatch.setattr(builder, "_build_one", build_one)
+    monkeypatch.setattr(builder, "_build_group", one_job(build_one))
     report = build(TWO_SHAPES, cache)
     statuses = {str(r.job.shape): r.status for r in report.results}
     assert set(statuses.values()) == {"built"}, report.text()  # the stored shape too: built again
@@ -253,8 +253,8 @@ def _recipe_file(cache):
 def test_when_every_strategy_fails_the_job_fails_with_each_reason_and_stays_red(cache, fake_compiles, monkeypatch):
     from aotbuild import build
 
-    monkeypatch.setattr(builder, "_build_one", lambda store, job, *a, **k: JobResult(
-        job, ResultStatus.FAILED, 1.0, reason=f"{job.recipe.strategy} could not"))
+    monkeypatch.setattr(builder, "_build_group", one_job(lambda store, job, *a, **k: JobResult(
+        job, ResultStatus.FAILED, 1.0, reason=f"{job.recipe.strategy} could not")))
     result, = build(AUTO, cache).results
     assert result.status == "failed" and not result.not_retried
     assert result.reason == ("auto: no strategy built and passed the proof: aot-package failed, 1.0 s: aot-package "

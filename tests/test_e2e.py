@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from aotbuild import CacheMiss, load_compiled
-from tests.conftest import REPO, TINY_RECIPE, invoke_cli, run_cli
+from tests.conftest import REPO, TINY_RECIPE, invoke_cli, one_job, per_job, run_cli
 from tests.serving import assert_warm, serve_fresh
 
 
@@ -87,11 +87,11 @@ def test_adding_a_shape_builds_one_job_and_failures_are_not_stored(cache, reques
     stand-ins (``fake_compiles``); the broken recipe's run for real, in the worker a build starts."""
     from aotbuild import builder
 
-    real = builder._build_one
+    real = per_job(builder._build_group)
     compiled = request.getfixturevalue("fake_compiles")
-    stand_in = builder._build_one
-    monkeypatch.setattr(builder, "_build_one", lambda store, job, *args, **kwargs: (
-        real if job.recipe.name == "broken" else stand_in)(store, job, *args, **kwargs))
+    stand_in = per_job(builder._build_group)
+    monkeypatch.setattr(builder, "_build_group", one_job(lambda store, job, *args, **kwargs: (
+        real if job.recipe.name == "broken" else stand_in)(store, job, *args, **kwargs)))
     assert invoke_cli("build", "--json", "--cache", str(cache), str(TINY_RECIPE)).returncode == 0
     assert len(compiled) == 2
     grown = tmp_path / "tiny_sd_cpu.yaml"

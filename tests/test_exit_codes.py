@@ -19,7 +19,7 @@ from aotbuild import builder
 from aotbuild.builder import JobResult, ResultStatus
 from aotbuild.cache.store import Store
 from aotbuild.cli import main
-from tests.conftest import REPO, TINY_RECIPE
+from tests.conftest import REPO, TINY_RECIPE, one_job, per_job
 
 RECIPE = ("model: {{id: {model}, dtype: float32}}\nshapes: [{{height: 64, width: 64}}]\n"
           "warmup: {{guidance_scale: 0.0}}\n")
@@ -116,11 +116,11 @@ def failing(monkeypatch) -> list[str]:
     """Every job fails, as a compile that cannot capture the component would; returns the keys tried."""
     tried: list[str] = []
 
-    def fail(store, job, tick=None, limit=None, sign_key=None, *, loads=None):
+    def fail(store, job, *args, **kwargs):
         tried.append(job.key)
         return JobResult(job, ResultStatus.FAILED, 1.0, reason=REASON)
 
-    monkeypatch.setattr(builder, "_build_one", fail)
+    monkeypatch.setattr(builder, "_build_group", one_job(fail))
     return tried
 
 
@@ -147,11 +147,11 @@ def test_a_recorded_failure_is_not_retried_keeps_exit_1_and_says_retry_failed(ca
 def test_retry_failed_builds_it_and_a_build_clears_the_record(cache, fake_compiles, monkeypatch):
     from aotbuild import build
 
-    stand_in = builder._build_one  # fake_compiles' stand-in compile
-    monkeypatch.setattr(builder, "_build_one",
-                        lambda store, job, *a, **k: JobResult(job, ResultStatus.FAILED, 1.0, reason=REASON))
+    stand_in = per_job(builder._build_group)  # fake_compiles' stand-in compile
+    monkeypatch.setattr(builder, "_build_group",
+                        one_job(lambda store, job, *a, **k: JobResult(job, ResultStatus.FAILED, 1.0, reason=REASON)))
     assert cli("build", "--cache", str(cache), str(TINY_RECIPE)).exit_code == 1
-    monkeypatch.setattr(builder, "_build_one", stand_in)  # now it would build
+    monkeypatch.setattr(builder, "_build_group", one_job(stand_in))  # now it would build
     report = build(str(TINY_RECIPE), cache)  # the Python API keeps the rule
     assert [r.status for r in report.results] == ["failed", "failed"] and fake_compiles == []
     assert report.failed and all(r.not_retried for r in report.results)
@@ -224,7 +224,7 @@ def test_a_tensor_parallel_job_one_of_whose_ranks_failed_is_not_built_until_retr
         launches.append(len(jobs))
         return [JobResult(j, ResultStatus.FAILED, 1.0, reason="stand-in") for j in jobs]
 
-    monkeypatch.setattr(builder, "_build_ranks_once", launch)
+    monkeypatch.setattr(builder, "_build_group", launch)
     report = build([recipe], root)
     assert [r.status for r in report.results] == ["failed", "failed"] and launches == []
     assert all(r.not_retried and "captured whole" in r.reason for r in report.results)

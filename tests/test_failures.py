@@ -8,19 +8,19 @@ import pytest
 
 from aotbuild import builder
 from aotbuild.builder import JobResult, ResultStatus
-from tests.conftest import TINY_RECIPE, invoke_cli
+from tests.conftest import TINY_RECIPE, invoke_cli, one_job, per_job
 
 
 def test_a_failed_job_is_remembered_shown_by_plan_and_cleared_by_a_build_that_retries_it(cache, fake_compiles,
                                                                                           monkeypatch):
     from aotbuild import plan
 
-    stand_in = builder._build_one  # fake_compiles' stand-in compile
+    stand_in = per_job(builder._build_group)  # fake_compiles' stand-in compile
 
-    def failing(store, job, tick=None, limit=None, sign_key=None, *, loads=None):
+    def failing(store, job, *args, **kwargs):
         return JobResult(job, ResultStatus.FAILED, 1.0, reason="the component cannot be captured whole: Unsupported: x")
 
-    monkeypatch.setattr(builder, "_build_one", failing)
+    monkeypatch.setattr(builder, "_build_group", one_job(failing))
     report = builder.build(str(TINY_RECIPE), cache)
     assert [r.status for r in report.results] == ["failed", "failed"]
     jobs = plan(str(TINY_RECIPE), cache)
@@ -33,7 +33,7 @@ def test_a_failed_job_is_remembered_shown_by_plan_and_cleared_by_a_build_that_re
     assert "to build" not in text  # no estimate counts a job that fails again
     assert invoke_cli("verify", "--cache", str(cache)).returncode == 0  # records are aotbuild's: no problem
 
-    monkeypatch.setattr(builder, "_build_one", stand_in)  # now it would build
+    monkeypatch.setattr(builder, "_build_group", one_job(stand_in))  # now it would build
     report = builder.build(str(TINY_RECIPE), cache)  # a recorded failure is not retried (issue 30)
     assert [r.status for r in report.results] == ["failed", "failed"] and all(r.not_retried for r in report.results)
     report = builder.build(str(TINY_RECIPE), cache, retry_failed=True)
@@ -125,19 +125,19 @@ def test_a_failure_recorded_on_the_remote_is_skipped_by_every_fresh_runner_until
 
     recipe = {**TINY_DICT, "strategy": "jit-cache", "shapes": [{"height": 64, "width": 64},
                                                                {"height": 64, "width": 96}]}
-    stand_in = builder._build_one
+    stand_in = per_job(builder._build_group)
     tried: list[str] = []
     fails = [True]
 
-    def failing_one(store, job, tick=None, limit=None, sign_key=None, *, loads=None):
+    def failing_one(store, job, *args, **kwargs):
         if job.shape.width == 96 and fails[0]:
             tried.append(job.key)
             return JobResult(job, ResultStatus.FAILED, 1.0,
                              reason="the component cannot be captured whole: Unsupported: x\n"
                                                       "  File model.py, line 3\nmore of the log")
-        return stand_in(store, job, tick, limit, sign_key, loads=loads)
+        return stand_in(store, job, *args, **kwargs)
 
-    monkeypatch.setattr(builder, "_build_one", failing_one)
+    monkeypatch.setattr(builder, "_build_group", one_job(failing_one))
     if scheme == "file":
         (tmp_path / "remote").mkdir()
         url = (tmp_path / "remote").as_uri()
@@ -245,7 +245,7 @@ def test_an_auto_attempt_that_failed_is_not_tried_again_by_a_fresh_runner(models
     from aotbuild.remote import parse_remote
     from tests.conftest import TINY_DICT, invoke_cli
 
-    stand_in = builder._build_one
+    stand_in = per_job(builder._build_group)
     tried: list[str] = []
 
     def build_one(store, job, *args, **kwargs):
@@ -255,7 +255,7 @@ def test_an_auto_attempt_that_failed_is_not_tried_again_by_a_fresh_runner(models
                              reason="the component cannot be captured whole: x\nsecond line")
         return stand_in(store, job, *args, **kwargs)
 
-    monkeypatch.setattr(builder, "_build_one", build_one)
+    monkeypatch.setattr(builder, "_build_group", one_job(build_one))
     recipe = tmp_path / "auto.yaml"
     # auto without its prepacked first try on a CPU (freezing: false): its three strategies, as tests/test_auto.py
     recipe.write_text(json.dumps({**{k: v for k, v in TINY_DICT.items() if k != "strategy"},
@@ -283,7 +283,7 @@ def test_an_auto_attempt_that_failed_is_not_tried_again_by_a_fresh_runner(models
         tried.append(job.recipe.strategy)
         return stand_in(store, job, *args, **kwargs)
 
-    monkeypatch.setattr(builder, "_build_one", works)
+    monkeypatch.setattr(builder, "_build_group", one_job(works))
     parse_remote(url).store.remove_manifest(job.key)
     cache = _runner(models_dir, tmp_path / "retry")
     retried = invoke_cli("build", "--json", "--cache", str(cache), str(recipe), "--push", url, "--retry-failed")

@@ -24,7 +24,8 @@ from tests.conftest import TINY_DICT
 def _run(ld: Loader, folder: Path, cache_root: Path, *, timeout: float = 600, log: Path | None = None):
     folder.mkdir(parents=True)
     spec = {"recipe": recipe_spec(parse_recipe(TINY_DICT)), "component": "unet", "shape": {"height": 64, "width": 64},
-            "cache_root": str(cache_root), "key": "0" * 64, "factors": {}, "workdir": str(folder / "work")}
+            "cache_root": str(cache_root), "key": "0" * 64, "ranks": [{"key": "0" * 64, "factors": {}}],
+            "workdir": str(folder / "work")}
     return ld.run(spec, folder / "job.json", log or folder / "worker.log", env={"AOTBUILD_TEST_JOB": folder.name},
                   cwd=None, phase_file=folder / "phase", tick=None, started=time.perf_counter(), name="worker",
                   timeout=timeout)
@@ -77,7 +78,7 @@ def test_a_pipeline_that_cannot_load_fails_each_job_with_the_reason(tmp_path):
 def test_which_jobs_share_a_load(models_dir, monkeypatch):
     """Inductor jobs share their recipe's load on Linux; AOTBUILD_SHARED_LOADS=0 gives each a worker."""
     import aotbuild
-    from aotbuild.builder import SharedLoads
+    from aotbuild.loader import SharedLoads
 
     jobs = aotbuild.plan(TINY_DICT, cache=models_dir)
     assert len(jobs) == 1 and SharedLoads._shares(jobs[0]) == sys.platform.startswith("linux")

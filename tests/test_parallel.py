@@ -338,11 +338,11 @@ def test_a_job_missing_one_rank_s_entry_rebuilds_every_rank_in_one_launch(flux_c
 
     launches: list[list[int]] = []
 
-    def fake_ranks(store, jobs, tick, limit, sign_key, loads):
+    def fake_ranks(store, jobs, tick, limit, sign_key, loads, chosen=None):
         launches.append([j.rank for j in jobs])
         return [store_job(store, j, artifacts(tmp_path / "out", j.key), {"signatures": []}, 0.1, limit) for j in jobs]
 
-    monkeypatch.setattr(builder, "_build_ranks", fake_ranks)
+    monkeypatch.setattr(builder, "_build_group", fake_ranks)
     cache = tmp_path / "cache"
     shutil.copytree(flux_cache / "models", cache / "models")
     first = builder.build([flux(2)], cache)

@@ -30,8 +30,7 @@ ALLOWED = {
                                 "in its own private temp folder for its own child",
     ("aotbuild/loader.py", "*"): "the serving child's protocol (spec, job and log files in aotbuild's private "
                                  "temp folder) and its stdout pipe",
-    ("aotbuild/builder.py", "_build_ranks"): "the phase file of the child-process protocol (a private temp folder)",
-    ("aotbuild/builder.py", "_build_one"): "the phase file of the child-process protocol (a private temp folder)",
+    ("aotbuild/builder.py", "_build_group"): "the phase file of the child-process protocol (a private temp folder)",
     ("aotbuild/builder.py", "_keep_log"): "copies the build child's own log next to the failure it explains",
     ("aotbuild/doctor.py", "check_roundtrip"): "writes doctor's own recipe into its own temp folder",
     ("aotbuild/cli.py", "_run"): "opens os.devnull",

@@ -15,7 +15,7 @@ from aotbuild import builder
 from aotbuild.builder import JobResult, ResultStatus
 from aotbuild.errors import UsageError
 from aotbuild.shards import Shard, from_environment
-from tests.conftest import REPO, TINY_DICT, invoke_cli, run_cli
+from tests.conftest import REPO, TINY_DICT, invoke_cli, one_job, per_job, run_cli
 
 #: Every variable --shard auto reads: each worker's environment starts with none of them.
 ALL_VARIABLES = ("CI_NODE_INDEX", "CI_NODE_TOTAL", "BUILDKITE_PARALLEL_JOB", "BUILDKITE_PARALLEL_JOB_COUNT",
@@ -201,17 +201,17 @@ def test_auto_shards_build_the_plan_once_and_a_rerun_builds_only_what_the_remote
 
 def test_a_failing_job_is_built_once_across_shards_and_reruns(models_dir, recipes, fake_compiles, monkeypatch,
                                                                tmp_path):
-    stand_in = builder._build_one
+    stand_in = per_job(builder._build_group)
     tried: list[str] = []
 
-    def failing_one(store, job, tick=None, limit=None, sign_key=None, *, loads=None):
+    def failing_one(store, job, *args, **kwargs):
         if job.recipe.name == "b" and job.shape.height == 96 and job.shape.width == 96:
             tried.append(job.key)
             return JobResult(job, ResultStatus.FAILED, 1.0,
                              reason="the component cannot be captured whole: Unsupported: x")
-        return stand_in(store, job, tick, limit, sign_key, loads=loads)
+        return stand_in(store, job, *args, **kwargs)
 
-    monkeypatch.setattr(builder, "_build_one", failing_one)
+    monkeypatch.setattr(builder, "_build_group", one_job(failing_one))
     remote = tmp_path / "remote"
     remote.mkdir()
     envs = workers("slurm", 3)

@@ -58,6 +58,12 @@ class Feature:
     def prepare(self, pipe: Any, recipe: Recipe) -> None:
         """After the pipeline is loaded and placed: the change itself (build jobs, proofs, loads)."""
 
+    def split(self, pipe: Any, recipe: Recipe, device: str) -> int | None:
+        """In a process that is one rank of a job of ``ranks`` > 1 (a build's worker or proof, a
+        replica under torchrun), after :meth:`prepare`: join the ranks and give this process its share
+        of the compiled components. Returns this process's rank; None: this feature splits nothing."""
+        return None
+
     def after_load(self, pipe: Any, recipe: Recipe) -> None:
         """At the end of ``load_compiled``, entries installed: guards on what the served pipe may change."""
 

@@ -192,7 +192,7 @@ def shard(module: Any, mesh: Any, component: str) -> None:
 class TensorParallel(Feature):
     """``parallel.tensor``: a job is one entry per rank, each rank's process joins the group (and
     takes its share of the CPUs) before the weights load, and the compiled components are sharded
-    by their class's ``_tp_plan`` (``context.shard_pipeline``)."""
+    by their class's ``_tp_plan`` (:meth:`split`, which ``context.shard_pipeline`` calls)."""
 
     section = "parallel"
 
@@ -220,3 +220,9 @@ class TensorParallel(Feature):
 
     def before_load(self, recipe: Any, device: str) -> None:
         setup(recipe, device)  # the rank's device (CUDA: LOCAL_RANK) and its share of the CPUs
+
+    def split(self, pipe: Any, recipe: Any, device: str) -> int | None:
+        rank, mesh = setup(recipe, device)  # the group (joined once: setup is idempotent) and this rank
+        for component in recipe.compile.components:
+            shard(getattr(pipe, component), mesh, component)
+        return rank
