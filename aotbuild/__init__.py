@@ -31,26 +31,26 @@ __version__ = VERSION
 _LAZY = {
     "load_compiled": "aotbuild.runtime",
     "LoadReport": "aotbuild.runtime",
-    "build": "aotbuild.builder",
-    "BuildReport": "aotbuild.builder",
-    "JobResult": "aotbuild.builder",
-    "ResultStatus": "aotbuild.builder",
+    "build": "aotbuild.builder.build",
+    "BuildReport": "aotbuild.builder.build",
+    "JobResult": "aotbuild.builder.build",
+    "ResultStatus": "aotbuild.builder.build",
     "plan": "aotbuild.planner",
     "Job": "aotbuild.planner",
     "JobStatus": "aotbuild.planner",
-    "load_recipe": "aotbuild.recipes",
-    "Recipe": "aotbuild.recipe",
-    "Shape": "aotbuild.recipe",
-    "parse_recipe": "aotbuild.recipes",
-    "push": "aotbuild.sync",
-    "PushReport": "aotbuild.sync",
-    "pull": "aotbuild.sync",
-    "PullReport": "aotbuild.sync",
-    "PullItem": "aotbuild.sync",
-    "PullStatus": "aotbuild.sync",
-    "sign": "aotbuild.sync",
-    "parse_remote": "aotbuild.remote",
-    "Remote": "aotbuild.remote_base",
+    "load_recipe": "aotbuild.recipe.rules",
+    "Recipe": "aotbuild.recipe.schema",
+    "Shape": "aotbuild.recipe.schema",
+    "parse_recipe": "aotbuild.recipe.rules",
+    "push": "aotbuild.remote.sync",
+    "PushReport": "aotbuild.remote.sync",
+    "pull": "aotbuild.remote.sync",
+    "PullReport": "aotbuild.remote.sync",
+    "PullItem": "aotbuild.remote.sync",
+    "PullStatus": "aotbuild.remote.sync",
+    "sign": "aotbuild.remote.sync",
+    "parse_remote": "aotbuild.remote.schemes",
+    "Remote": "aotbuild.remote.base",
 }
 
 __all__ = ["AotbuildError", "CacheMiss", "ModelUnavailable", "PackageMismatch",
@@ -60,14 +60,14 @@ __all__ = ["AotbuildError", "CacheMiss", "ModelUnavailable", "PackageMismatch",
            "push", "PushReport", "pull", "PullReport", "PullItem", "PullStatus", "sign", "parse_remote", "Remote"]
 
 if TYPE_CHECKING:
-    from aotbuild.builder import BuildReport, JobResult, ResultStatus, build
+    from aotbuild.builder.build import BuildReport, JobResult, ResultStatus, build
     from aotbuild.planner import Job, JobStatus, plan
-    from aotbuild.recipe import Recipe, Shape
-    from aotbuild.recipes import load_recipe, parse_recipe
-    from aotbuild.remote import parse_remote
-    from aotbuild.remote_base import Remote
+    from aotbuild.recipe.rules import load_recipe, parse_recipe
+    from aotbuild.recipe.schema import Recipe, Shape
+    from aotbuild.remote.base import Remote
+    from aotbuild.remote.schemes import parse_remote
+    from aotbuild.remote.sync import PullItem, PullReport, PullStatus, PushReport, pull, push, sign
     from aotbuild.runtime import LoadReport, load_compiled
-    from aotbuild.sync import PullItem, PullReport, PullStatus, PushReport, pull, push, sign
 
 
 def __getattr__(name: str) -> Any:

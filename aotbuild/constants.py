@@ -48,12 +48,12 @@ ENV_QUIETED = "AOTBUILD_QUIETED"
 #: names, or "*". An environment variable, because in CI a pull request controls recipes and pyproject.toml.
 ENV_ALLOW_OPTIONS = "AOTBUILD_ALLOW_OPTIONS"
 #: Set to 0: every build job gets a fresh worker that loads the pipeline itself, instead of a child
-#: forked from the recipe's loader process (aotbuild/loader.py).
+#: forked from the recipe's loader process (aotbuild/builder/loader.py).
 ENV_SHARED_LOADS = "AOTBUILD_SHARED_LOADS"
 #: Where PyTorch Inductor keeps its own on-disk cache (FX graphs, kernels).
 ENV_INDUCTOR_CACHE = "TORCHINDUCTOR_CACHE_DIR"
 #: Set by aotbuild in each child's environment: the pid of the process that started it, which the
-#: child checks is still its parent once it asked to die with it (aotbuild/child.py ``guard``).
+#: child checks is still its parent once it asked to die with it (aotbuild/builder/child.py ``guard``).
 ENV_PARENT_PID = "AOTBUILD_PARENT_PID"
 #: Tests only: a process of a build that reaches this point sleeps there (:data:`PAUSE_SECONDS`), so
 #: a test can kill the build at that phase cheaply. Points: a phase's first word as a child reports
@@ -82,7 +82,7 @@ LIMITS = {"steps": ("AOTBUILD_MAX_STEPS", 200), "prompts": ("AOTBUILD_MAX_PROMPT
           # and its text encoders' max_sequence_length.
           "batch": ("AOTBUILD_MAX_BATCH", 1024), "pixels": ("AOTBUILD_MAX_PIXELS", 2 ** 27),
           "sequence": ("AOTBUILD_MAX_SEQUENCE", 4096),
-          # Every other warmup value (aotbuild/recipes.py WARMUP_CLASSES): the values in all (list items and
+          # Every other warmup value (aotbuild/recipe/rules.py WARMUP_CLASSES): the values in all (list items and
           # mapping values, nested or not), seconds of output (audio_length_in_s), and any count or number
           # whose name says nothing else (it may be a size).
           "warmup_items": ("AOTBUILD_MAX_WARMUP_ITEMS", 10_000), "warmup_seconds": ("AOTBUILD_MAX_WARMUP_SECONDS", 600),
@@ -124,7 +124,7 @@ def env_number(variable: str, default: float, low: float, high: float, *, intege
         value = math.nan
     if not math.isfinite(value) or not low <= value <= high:
         from aotbuild.errors import UsageError
-        from aotbuild.text import printable
+        from aotbuild.utils.text import printable
 
         kind = "an integer" if integer else "a number"
         raise UsageError(f"{variable}={printable(text[:40])}: must be {kind} from {low:g} to {high:g}")
@@ -190,7 +190,7 @@ SLURM_ARRAY_VARIABLES = ("SLURM_ARRAY_TASK_ID", "SLURM_ARRAY_TASK_COUNT", "SLURM
                          "SLURM_ARRAY_TASK_MAX", "SLURM_ARRAY_TASK_STEP")
 
 #: Set to 1: build jobs keep the compiler's remote-cache variables (REMOTE_COMPILER_CACHE_VARIABLES),
-#: which are otherwise removed from their environment (aotbuild/side_channels.py); the variables
+#: which are otherwise removed from their environment (aotbuild/targets/side_channels.py); the variables
 #: kept are then a key factor.
 ENV_ALLOW_REMOTE_COMPILER_CACHE = "AOTBUILD_ALLOW_REMOTE_COMPILER_CACHE"
 #: What makes torch or Triton read or write a cache outside the entry (torch/_inductor/config.py,
@@ -239,7 +239,7 @@ def env_gcs_emulator() -> str:
 
 
 #: The object stores' own credential variables: never used by aotbuild, read only so that their
-#: values can be scrubbed from a store's error text before it is shown (aotbuild/remote_fsspec.py).
+#: values can be scrubbed from a store's error text before it is shown (aotbuild/remote/objectstore.py).
 SECRET_ENV = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_ACCESS_KEY_ID", "AZURE_STORAGE_KEY",
               "AZURE_STORAGE_SAS_TOKEN", "AZURE_STORAGE_CONNECTION_STRING", "AZURE_CLIENT_SECRET",
               "AZURE_STORAGE_ACCOUNT_KEY", "AZURE_STORAGE_CLIENT_SECRET", "GOOGLE_OAUTH_ACCESS_TOKEN")

@@ -48,7 +48,7 @@ from typing import Any
 from aotbuild import constants
 from aotbuild.errors import AotbuildError, ModelUnavailable, ModelUnreachable, TargetUnavailable
 from aotbuild.pipeline import models
-from aotbuild.recipe import Recipe, Shape
+from aotbuild.recipe.schema import Recipe, Shape
 from aotbuild.strategies.base import Strategy
 from aotbuild.strategies.registry import get_strategy
 from aotbuild.targets.base import Target
@@ -60,10 +60,10 @@ __all__ = ["Context", "Unavailable", "environment_factors", "job_factors", "job_
 def environment_factors() -> dict[str, Any]:
     import torch
 
-    from aotbuild import side_channels
+    from aotbuild.targets import side_channels
 
     # A remote compiler cache kept on purpose (AOTBUILD_ALLOW_REMOTE_COMPILER_CACHE=1) is a factor;
-    # otherwise build jobs never see one, and keys are unchanged (aotbuild/side_channels.py).
+    # otherwise build jobs never see one, and keys are unchanged (aotbuild/targets/side_channels.py).
     remote_cache = side_channels.factors()
     return {
         "torch": torch.__version__,
@@ -227,7 +227,7 @@ def job_pipeline(recipe: Recipe, cache_root: Path, loaded: Any = None) -> tuple[
     (progress bar off) and placed on the recipe's device; RuntimeError when it cannot be. Not
     sharded: a tensor-parallel build job shards it (:func:`shard_pipeline`), its proof first runs
     the unsharded pipeline eagerly. ``loaded``: the pipeline :func:`cpu_pipeline` gave a build's
-    loader process (aotbuild/loader.py), which this forked job then places and prepares."""
+    loader process (aotbuild/builder/loader.py), which this forked job then places and prepares."""
     ctx = Context.create(recipe, cache_root)
     if ctx.problem:
         raise RuntimeError(ctx.problem)

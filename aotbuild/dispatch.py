@@ -19,7 +19,7 @@ from typing import Any
 from aotbuild import forwards
 from aotbuild.errors import ShapeNotBuilt
 from aotbuild.pipeline import textlen
-from aotbuild.safeio import loads_json
+from aotbuild.utils.safeio import loads_json
 
 #: A call signature is read back from manifests (strings of up to 4096 characters): parsed with bounded
 #: depth, so a hostile one is a ValueError, never a RecursionError.

@@ -7,7 +7,7 @@ inherits it too, so callers can catch either (huggingface_hub's ``LocalEntryNotF
 
 from __future__ import annotations
 
-from aotbuild.text import printable
+from aotbuild.utils.text import printable
 
 
 class AotbuildError(Exception):
@@ -106,4 +106,4 @@ class StaleManifest(AotbuildError, ValueError):
 
 class ProofFailed(AotbuildError):
     """A build's fresh process did not serve the entry with 0 compiles and output equal to eager
-    (aotbuild/proof.py): the job fails and nothing is stored."""
+    (aotbuild/builder/proof.py): the job fails and nothing is stored."""

@@ -12,10 +12,10 @@ import json
 import re
 from typing import Any
 
-from aotbuild.text import printable
+from aotbuild.utils.text import printable
 
 #: The ``strategy`` a key holds for a job whose strategy the build chooses (``strategy: auto``, the
-#: default, aotbuild/auto.py): the strategy-independent factors plus this name; the chosen
+#: default, aotbuild/strategies/order.py): the strategy-independent factors plus this name; the chosen
 #: strategy's own factors are in the entry (``Manifest.auto``), not the key.
 AUTO = "auto"
 

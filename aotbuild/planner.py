@@ -11,21 +11,22 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from aotbuild import auto, constants, keys, shards
+from aotbuild import constants, keys, shards
+from aotbuild.cache.explain import Entries, estimate, explain_miss
 from aotbuild.cache.layout import resolve_cache_root
 from aotbuild.cache.store import Store, Unusable
 from aotbuild.constants import Vocabulary
 from aotbuild.context import Context, Unavailable
-from aotbuild.deprecated import positional_shim
-from aotbuild.explain import Entries, estimate, explain_miss
 from aotbuild.features.registry import used
 from aotbuild.pipeline import models, pipecall
-from aotbuild.recipe import Recipe, Shape
-from aotbuild.recipes import Recipes, resolve_recipes
+from aotbuild.recipe.rules import Recipes, resolve_recipes
+from aotbuild.recipe.schema import Recipe, Shape
+from aotbuild.strategies import order as auto
 from aotbuild.strategies.registry import checked_store
+from aotbuild.utils.deprecated import positional_shim
 
 if TYPE_CHECKING:
-    from aotbuild.remote_base import Remote
+    from aotbuild.remote.base import Remote
 
 #: key -> its failure record, or None (Store.failure, or a remote's: sync.remote_failures)
 Failures = Callable[[str], "dict | None"]
@@ -71,7 +72,7 @@ class Job:
     siblings: tuple[str, ...] = ()
     #: why an unavailable job cannot be keyed here (a kind, for callers: build skips only TARGET)
     cause: Unavailable | None = None
-    #: ``strategy: auto``: what it tries here and excludes (aotbuild/auto.py); None for a named strategy
+    #: ``strategy: auto``: what it tries here and excludes (aotbuild/strategies/order.py); None for a named strategy
     choice: auto.Choice | None = field(default=None, compare=False)
     #: ``strategy: auto``: each strategy tried, in order -> its concrete job's key (the recipe naming
     #: it), and the ones that failed before (this aotbuild version's failure record) -> that reason
@@ -185,7 +186,7 @@ def _failure_lookup(store: Store, failures: Failures | None) -> Failures:
 
 
 def _auto_jobs(ctx: Context, store: Store, jobs: list[Job], failure: Failures) -> list[Job]:
-    """An auto job's ranks with what auto tries (aotbuild/auto.py): each strategy's concrete key (its
+    """An auto job's ranks with what auto tries (aotbuild/strategies/order.py): each strategy's concrete key (its
     rank 0's, where failures are recorded) and which failed before; a miss whose every try failed
     before is JobStatus.FAILED_BEFORE (not retried until ``--retry-failed``, the one rule for failures); a hit
     says what its entry holds and the attempts its build made."""
@@ -311,7 +312,7 @@ def mark_remote(jobs: list[Job], remote: str | Remote, trusted_keys: list[str | 
     ``--fail-on-miss`` gate means what a serving machine will load, and an unsigned one stays a miss
     that says why. A tensor-parallel job is on the remote only when every rank's entry is."""
     from aotbuild.cache.signing import trusted_from_env
-    from aotbuild.remote import as_remote, untrusted_on_remote
+    from aotbuild.remote.schemes import as_remote, untrusted_on_remote
 
     target = as_remote(remote)
     wanting = (JobStatus.MISS, JobStatus.FAILED_BEFORE)

@@ -15,22 +15,22 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from aotbuild import keys
+from aotbuild.cache.explain import Entries, explain_miss
 from aotbuild.cache.layout import resolve_cache_root
 from aotbuild.cache.locks import store_lock
 from aotbuild.cache.store import Entry, Store, Unusable
 from aotbuild.context import Context, prepare_pipeline, shard_pipeline
-from aotbuild.deprecated import positional_shim
 from aotbuild.errors import CacheMiss, RemoteError, UsageError
-from aotbuild.explain import Entries, explain_miss
 from aotbuild.pipeline import models, pipecall
-from aotbuild.recipe import Recipe, Shape, build_hint
-from aotbuild.recipes import as_recipe
+from aotbuild.recipe.rules import as_recipe
+from aotbuild.recipe.schema import Recipe, Shape, build_hint
 from aotbuild.strategies.base import Planned
 from aotbuild.strategies.registry import checked_store
-from aotbuild.text import printable
+from aotbuild.utils.deprecated import positional_shim
+from aotbuild.utils.text import printable
 
 if TYPE_CHECKING:
-    from aotbuild.remote import Remote
+    from aotbuild.remote.schemes import Remote
 
 log = logging.getLogger("aotbuild")
 ON_MISS = ("compile", "eager", "error")
@@ -218,7 +218,7 @@ def _by_strategy(ctx: Context, planned: list[Planned]) -> list[tuple[Context, li
     """What installs each component: the recipe's strategy; for ``strategy: auto``, the strategy its
     entries hold (one per component, :func:`_one_strategy`), and for a component without entries the
     last auto tries here (it compiles on first use, as every strategy's fallback does)."""
-    from aotbuild import auto
+    from aotbuild.strategies import order as auto
 
     if not auto.is_auto(ctx.recipe):
         return [(ctx, planned)]
@@ -233,7 +233,7 @@ def _by_strategy(ctx: Context, planned: list[Planned]) -> list[tuple[Context, li
 
 def _fallback(ctx: Context) -> str:
     """What compiles an auto recipe's component that has no entry: the last strategy auto tries here."""
-    from aotbuild import auto
+    from aotbuild.strategies import order as auto
 
     return (auto.choice(ctx.recipe, ctx.target, ctx.device).tries[-1:] or auto.order(ctx.device)[-1:])[0]
 
@@ -244,7 +244,7 @@ def _auto_problem(ctx: Context, entry: Entry, w: _Wanted) -> str:
     ``Manifest.auto``'s ``factors``) must be this process's. No built-in strategy adds one today (the
     thread count is keyed only where kernels bake it, ``cpp.dynamic_threads: false``, and then by the
     target's settings, which the auto key holds); the check keeps a strategy that does honest."""
-    from aotbuild import auto
+    from aotbuild.strategies import order as auto
 
     manifest = entry.manifest
     if manifest.auto is None:
@@ -266,7 +266,7 @@ def _check_arguments(on_miss: str, remote: str | Remote | None) -> Remote | None
     if on_miss not in ON_MISS:
         raise UsageError(f"on_miss={on_miss!r} is not allowed (allowed: {', '.join(ON_MISS)})")
     if isinstance(remote, str):
-        from aotbuild.remote import parse_remote
+        from aotbuild.remote.schemes import parse_remote
 
         return parse_remote(remote)
     return remote
@@ -312,7 +312,7 @@ def _open_entries(ctx: Context, store: Store, pipe: Any, wanted: list[_Wanted], 
                   pulled: set[str], remote_notes: dict[str, str]) -> list[Planned]:
     """Each wanted entry, hash-verified and checked against the live module by the strategy: a hit,
     or a miss with its reason (the factors that differ from the nearest entry, when not built)."""
-    from aotbuild import auto  # what an auto recipe's entries are served with (not imported with the runtime)
+    from aotbuild.strategies import order as auto
 
     planned = []
     manifests: Entries | None = None  # read once, on the first miss to explain
@@ -477,7 +477,7 @@ def _pull_missing(store: Store, remote: Remote, wanted: list[str]) -> tuple[set[
 
     Returns (keys pulled, key -> why not, as a note for the miss). A remote that is down is tried
     once: huggingface_hub already retried for ~20 s, so the other keys do not pay that again."""
-    from aotbuild.remote import pull_entry
+    from aotbuild.remote.schemes import pull_entry
 
     pulled, notes = set(), {}
     down = ""

@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 
 from aotbuild import constants
 from aotbuild.errors import UsageError
-from aotbuild.text import printable
+from aotbuild.utils.text import printable
 
 __all__ = ["AUTO", "Shard", "parse_shard", "from_environment", "resolve", "job_identity", "list_digest"]
 

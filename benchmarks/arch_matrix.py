@@ -93,7 +93,7 @@ class Cell:
 
     def why_text(self) -> str:
         """An auto cell's choice in one line: chosen, every attempt, every strategy excluded and why."""
-        from aotbuild.auto import attempts_text
+        from aotbuild.strategies.order import attempts_text
 
         out = [f"{self.name}: chose {self.auto.get('chosen') or 'nothing'}"]
         if self.auto.get("attempts"):
@@ -150,12 +150,12 @@ def run_cell(cell: Cell, work: Path, say: Any) -> None:
 
 
 def auto_choice(recipe_path: Path, cache: Path, key: str | None) -> dict[str, Any]:
-    """What auto excluded before building (aotbuild/auto.py ``choice``: each strategy that cannot
+    """What auto excluded before building (aotbuild/strategies/order.py ``choice``: each strategy that cannot
     serve the recipe here, with why) and, once built, the strategy its entry holds and the attempts
     its manifest records (a failed build's reason lists them too)."""
-    from aotbuild import auto
     from aotbuild.cache.store import Store
-    from aotbuild.recipes import load_recipe
+    from aotbuild.recipe.rules import load_recipe
+    from aotbuild.strategies import order as auto
     from aotbuild.targets.registry import get_target
 
     recipe = load_recipe(str(recipe_path))
@@ -173,10 +173,10 @@ def serve(recipe_path: str, cache: str) -> dict[str, Any]:
     from torch._dynamo.utils import counters
 
     from aotbuild import load_compiled
+    from aotbuild.builder.proof import tensors, tolerance
     from aotbuild.context import Context
     from aotbuild.pipeline import models, pipecall
-    from aotbuild.proof import tensors, tolerance
-    from aotbuild.recipes import load_recipe
+    from aotbuild.recipe.rules import load_recipe
 
     recipe = load_recipe(recipe_path)
     shape = recipe.shapes[0]
@@ -243,7 +243,7 @@ def _counters(ctx: Any) -> dict[str, tuple[str, Any]]:
     """Each strategy that may serve ``ctx``'s recipe -> (its compile counter's name, the counter).
     Auto has no counter of its own (it raises): what counts is the chosen strategy's, known only
     once the load reports its hits, so every strategy auto could choose is read before the load."""
-    from aotbuild import auto
+    from aotbuild.strategies import order as auto
     from aotbuild.strategies.registry import get_strategy
 
     if not auto.is_auto(ctx.recipe):
@@ -257,7 +257,7 @@ def machine() -> str:
     import platform
     from importlib.metadata import version
 
-    from aotbuild.bench import _cpu_model
+    from aotbuild.cli.bench import _cpu_model
 
     return (f"{os.cpu_count()} CPUs ({_cpu_model()}, {platform.machine()}), torch {version('torch')}, "
             f"diffusers {version('diffusers')}, Python {platform.python_version()}")

@@ -52,7 +52,7 @@ T0 = time.perf_counter()
 from harness import ARCHS, REGIONAL_BLOCKS, build, child_env, derive_recipe, fmt, table  # noqa: E402
 from harness import run_child as run_script_child  # noqa: E402
 
-from aotbuild.recipes import load_recipe  # noqa: E402
+from aotbuild.recipe.rules import load_recipe  # noqa: E402
 
 
 def child(mode: str, recipe: str, cache: str) -> None:
@@ -144,7 +144,7 @@ def main() -> None:
         child(*args.child)
         return
     if args.plot:
-        from aotbuild.bench import require_matplotlib
+        from aotbuild.cli.bench import require_matplotlib
 
         require_matplotlib()
     base = ARCHS.get(args.recipe) or Path(args.recipe).absolute()
@@ -191,7 +191,7 @@ def main() -> None:
         steady = {m: statistics.median(r["steady"] for r in rs) for m, rs in results.items()}
         import torch
 
-        from aotbuild.bench import _cpu_model
+        from aotbuild.cli.bench import _cpu_model
 
         machine = (f"{os.cpu_count()} CPUs, {_cpu_model()}, ISA {torch.backends.cpu.get_cpu_capability()}, "
                    f"torch {torch.__version__}")
@@ -251,7 +251,7 @@ def main() -> None:
                                                    "repeats": args.repeats, "runs": results,
                                                    "builds": {m: b.as_json() for m, b in builds.items()}}, indent=1))
         if args.plot:
-            from aotbuild.bench import draw
+            from aotbuild.cli.bench import draw
 
             names = {"eager": "eager", "cold": "cold torch.compile", "pt-warm": "PyTorch warm cache",
                      "aotbuild": "aotbuild jit-cache", "auto": "aotbuild auto", "aot-package": "aotbuild aot-package",

@@ -28,7 +28,7 @@ def child(dynamic: bool, calls: int, cache: str) -> None:
 
     from aotbuild.pipeline.models import load_pipeline, resolve_model
     from aotbuild.pipeline.pipecall import warmup_kwargs
-    from aotbuild.recipes import load_recipe
+    from aotbuild.recipe.rules import load_recipe
 
     recipe = load_recipe(REPO / "recipes" / "tiny_sd_cpu.yaml")
     pipe = load_pipeline(recipe, resolve_model(recipe, Path(cache)), "float32")

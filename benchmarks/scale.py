@@ -117,7 +117,7 @@ import json, sys, threading, time
 import torch
 from pathlib import Path
 from aotbuild.context import cpu_pipeline
-from aotbuild.recipes import load_recipe
+from aotbuild.recipe.rules import load_recipe
 
 recipe_path, cache, threads = sys.argv[1], sys.argv[2], int(sys.argv[3])
 torch.set_num_threads(threads)
@@ -187,12 +187,12 @@ def recipe(path: Path, model: Path, component: str, strategy: str, scope: str, s
 
 
 def _role(pid: int, cmdline: str, roots: dict[str, int]) -> str:
-    if "aotbuild.loader" in cmdline:
+    if "aotbuild.builder.loader" in cmdline:
         first = roots.setdefault("loader", pid)
         return "loader" if pid == first else "forked job"
-    for needle, role in (("aotbuild.worker", "worker"), ("aotbuild.proof", "proof"),
+    for needle, role in (("aotbuild.builder.worker", "worker"), ("aotbuild.builder.proof", "proof"),
                          ("compile_worker", "compile workers"),
-                         ("aotbuild.cli", "builder"), ("cc1plus", "C++ compiler"), ("g++", "C++ compiler")):
+                         ("aotbuild.cli.commands", "builder"), ("cc1plus", "C++ compiler"), ("g++", "C++ compiler")):
         if needle in cmdline:
             return role
     return "other"
@@ -371,7 +371,7 @@ def main() -> None:
         return
     import torch
 
-    from aotbuild.bench import _cpu_model
+    from aotbuild.cli.bench import _cpu_model
 
     machine = (f"{os.cpu_count()} CPUs, {_cpu_model()}, ISA {torch.backends.cpu.get_cpu_capability()}, "
                f"torch {torch.__version__}")

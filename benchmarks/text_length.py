@@ -39,7 +39,7 @@ def child(recipe_path: str, cache: str, calls: int) -> None:
     from aotbuild.pipeline import textlen
     from aotbuild.pipeline.models import load_pipeline, resolve_model
     from aotbuild.pipeline.pipecall import warmup_kwargs
-    from aotbuild.recipes import load_recipe
+    from aotbuild.recipe.rules import load_recipe
 
     recipe = load_recipe(recipe_path)
     pipe = load_pipeline(recipe, resolve_model(recipe, Path(cache)), "float32", quiet=True)

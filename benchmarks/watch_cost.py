@@ -56,7 +56,7 @@ def tiny(recipe_path: str | None, cache: str | None, repeats: int) -> None:
     from aotbuild.pipeline import dependencies
     from aotbuild.pipeline.models import load_pipeline, resolve_model
     from aotbuild.pipeline.pipecall import warmup_kwargs
-    from aotbuild.recipes import load_recipe, parse_recipe
+    from aotbuild.recipe.rules import load_recipe, parse_recipe
 
     if recipe_path:
         recipe = load_recipe(recipe_path)

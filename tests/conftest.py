@@ -109,7 +109,7 @@ def invoke_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProce
 
     from click.testing import CliRunner
 
-    from aotbuild.cli import main
+    from aotbuild.cli.commands import main
 
     handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, getattr(signal, "SIGHUP", signal.SIGTERM))}
     try:
@@ -348,8 +348,8 @@ def cache(models_dir, tmp_path) -> Path:
 @pytest.fixture
 def fake_compiles(monkeypatch, tmp_path):
     """builder.build with the compile replaced by stand-in artifacts; returns the list of keys compiled."""
-    from aotbuild import builder
-    from aotbuild.builder import store_job
+    from aotbuild.builder import build as builder
+    from aotbuild.builder.build import store_job
     from tests.standins import artifacts
 
     compiled: list[str] = []

@@ -19,8 +19,8 @@ import pytest
 from aotbuild.cache import signing
 from aotbuild.cache.store import Store
 from aotbuild.errors import RemoteError
-from aotbuild.remote import parse_remote, pull_entry
-from aotbuild.remote_fsspec import FsspecRemote
+from aotbuild.remote.objectstore import FsspecRemote
+from aotbuild.remote.schemes import parse_remote, pull_entry
 from tests.conftest import REPO
 from tests.standins import add_entry, entries, key_of
 
@@ -70,8 +70,8 @@ def a_damaged_blob_is_refused_and_nothing_is_stored(url: str, tmp_path: Path, da
 
 def an_empty_blob_and_one_of_an_exact_multiple_of_the_range_are_pulled(url: str, tmp_path: Path,
                                                                          monkeypatch) -> None:
-    from aotbuild import remote_fsspec
     from aotbuild.cache import store
+    from aotbuild.remote import objectstore as remote_fsspec
 
     monkeypatch.setattr(remote_fsspec, "RANGE", 4)  # the 8 MiB range and 1 MiB read, made small
     monkeypatch.setattr(store, "_CHUNK", 4)
@@ -115,7 +115,7 @@ def a_pull_racing_a_push_sees_no_entry_until_its_blobs_are_there(url: str, tmp_p
 PUSHER = textwrap.dedent("""
     import sys
     from pathlib import Path
-    from aotbuild.remote import parse_remote
+    from aotbuild.remote.schemes import parse_remote
     from aotbuild.cache.store import Store
     local = Store(Path(sys.argv[1]))
     found = [local.open_entry(m.key)[0] for m in local.iter_manifests()]
@@ -285,7 +285,7 @@ def a_pushed_entry_clears_its_failure_record_and_a_pull_forgets_its_copy(url: st
     key's entry pushed since (a --retry-failed that worked elsewhere): the push removes the record
     there, and the runner's next pull removes its own copy."""
     from aotbuild import constants
-    from aotbuild.sync import pull_failures, push
+    from aotbuild.remote.sync import pull_failures, push
 
     remote = parse_remote(url)
     builder = Store(tmp_path / "builder")

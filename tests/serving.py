@@ -30,7 +30,7 @@ SERVE = textwrap.dedent("""
     from aotbuild.dispatch import Dispatcher
     from aotbuild.pipeline.models import load_pipeline, resolve_model
     from aotbuild.pipeline.pipecall import warmup_kwargs
-    from aotbuild.recipe import Shape
+    from aotbuild.recipe.schema import Shape
     from aotbuild.strategies.registry import get_strategy
     from aotbuild.targets.registry import get_target
 

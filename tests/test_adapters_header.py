@@ -73,7 +73,7 @@ def repo(tmp_path) -> Path:
 
 
 def _recipe(repo: Path, path: str, weight_name: str | None = None):
-    from aotbuild.recipes import parse_recipe
+    from aotbuild.recipe.rules import parse_recipe
 
     adapter = {"path": path, "adapter_name": "a", **({"weight_name": weight_name} if weight_name else {})}
     return parse_recipe({"model": "builtin:tiny-sd", "shapes": [{"height": 64, "width": 64}],
@@ -124,7 +124,7 @@ def test_a_header_naming_more_target_modules_than_the_bound_is_refused_naming_th
 
 
 def test_a_recipes_lora_target_modules_are_bounded(repo, monkeypatch):
-    from aotbuild.recipes import parse_recipe
+    from aotbuild.recipe.rules import parse_recipe
 
     data = {"model": "builtin:tiny-sd", "shapes": [{"height": 64, "width": 64}],
             "lora": {"rank": 4, "target_modules": [f"m{i}" for i in range(257)],

@@ -9,7 +9,7 @@ import torch
 
 from aotbuild import ShapeNotBuilt, load_compiled
 from aotbuild.errors import RecipeError, StaleGraph
-from aotbuild.recipes import parse_recipe
+from aotbuild.recipe.rules import parse_recipe
 from tests.conftest import STRATEGY_RECIPE, invoke_cli
 
 AOT_RECIPE = STRATEGY_RECIPE.format(strategy="aot-package")
@@ -61,7 +61,7 @@ def captured_call(pipe, recipe):
 
 @pytest.mark.slow
 def test_weights_changed_after_load_are_resupplied_or_refused(aot_cache):
-    from aotbuild.recipes import load_recipe
+    from aotbuild.recipe.rules import load_recipe
     from aotbuild.strategies.aoti import PackageMismatch
 
     recipe_path, cache, _ = aot_cache
@@ -97,7 +97,7 @@ def test_other_weights_of_the_architecture_hit_and_use_their_own_values(aot_cach
     """A fine-tune of the same architecture runs the same packages with its own weights."""
     from aotbuild.pipeline.models import load_pipeline, resolve_model
     from aotbuild.pipeline.pipecall import warmup_kwargs
-    from aotbuild.recipes import load_recipe
+    from aotbuild.recipe.rules import load_recipe
 
     recipe_path, cache, _ = aot_cache
     recipe = load_recipe(recipe_path)

@@ -13,7 +13,7 @@ import torch
 from aotbuild import ShapeNotBuilt
 from aotbuild.dispatch import RouteDeclined, install_dispatcher, signature
 from aotbuild.errors import RecipeError
-from aotbuild.recipes import parse_recipe
+from aotbuild.recipe.rules import parse_recipe
 from aotbuild.strategies import aot_compile, calls
 from aotbuild.strategies.registry import get_strategy
 

@@ -3,7 +3,7 @@ tiny ones), guidance on where the recipe has it (PixArt batched, Wan in two call
 
 Each case builds one recipe for real with the CLI. The build's own proof is the replica: a fresh
 process in another working directory, every compiler folder empty, loading the entry from another
-store than the build's, as a new replica would (aotbuild/proof.py). The test reads what that proof
+store than the build's, as a new replica would (aotbuild/builder/proof.py). The test reads what that proof
 measured and stored in the entry (``proof.served``): every entry a hit, 0 compiles by the strategy's
 own counter and no FX graph cache miss, every replayed call of the denoiser routed to the entry and
 equal to eager's within 1e-5, and a call at a shape it was not built for refused. Serving it a

@@ -12,12 +12,13 @@ import shutil
 
 import pytest
 
-from aotbuild import auto, builder
-from aotbuild.builder import JobResult, ResultStatus
+from aotbuild.builder import build as builder
+from aotbuild.builder.build import JobResult, ResultStatus
 from aotbuild.cache.store import Store
 from aotbuild.errors import ManifestError
 from aotbuild.planner import plan
-from aotbuild.recipes import parse_recipe
+from aotbuild.recipe.rules import parse_recipe
+from aotbuild.strategies import order as auto
 from aotbuild.targets.registry import get_target
 from tests.conftest import REPO, STRATEGY_RECIPE, TINY_DICT, invoke_cli, one_job, per_job
 
@@ -100,12 +101,12 @@ def test_prepacked_aot_package_is_the_first_try_on_a_cpu_unless_the_recipe_names
 
 
 def test_a_proof_asked_for_speed_refuses_an_entry_not_faster_than_eager():
-    """auto's prepacked attempt is proven with ``faster_than_eager`` (aotbuild/builder.py): the proof
+    """auto's prepacked attempt is proven with ``faster_than_eager`` (aotbuild/builder/build.py): the proof
     then times the served call against eager's, interleaved, and the verdict refuses an entry that is
     not faster, so the component falls back to plain aot-package (the real build: the session's auto
     entry records the timing, test_no_strategy_on_tiny_sd_stores_a_prepacked_aot_package_entry)."""
+    from aotbuild.builder.proof import verdict
     from aotbuild.errors import ProofFailed
-    from aotbuild.proof import verdict
 
     passing = {"load_s": 0.1, "compiles": 0, "max_abs_diff": 0.0, "tolerance": 1e-4, "instances": 1, "calls": 1,
                "counter": "c", "served": {"speed": {"served_s": 0.02, "eager_s": 0.03, "rounds": 5}}}
@@ -456,8 +457,8 @@ def test_a_failed_capture_names_the_line_of_the_model_where_export_or_dynamo_sto
 
     import torch
 
+    from aotbuild.builder.worker import capture_failure
     from aotbuild.strategies.registry import get_strategy
-    from aotbuild.worker import capture_failure
 
     path = tmp_path / "model.py"
     path.write_text(CAPTURED)
@@ -500,7 +501,7 @@ def test_autocast_entered_around_a_pipeline_call_is_refused_by_name(strategy, st
     from aotbuild.errors import StaleGraph
     from aotbuild.pipeline.models import load_pipeline, resolve_model
     from aotbuild.pipeline.pipecall import warmup_kwargs
-    from aotbuild.recipes import load_recipe
+    from aotbuild.recipe.rules import load_recipe
 
     recipe_path, cache, _ = strategy_build(strategy)
     recipe = load_recipe(str(recipe_path))

@@ -10,11 +10,11 @@ from click.testing import CliRunner
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from aotbuild import bench
-from aotbuild.cli import main
+from aotbuild.cli import bench
+from aotbuild.cli.commands import main
 from aotbuild.errors import UsageError
-from aotbuild.recipe import Shape
-from aotbuild.recipes import load_recipe
+from aotbuild.recipe.rules import load_recipe
+from aotbuild.recipe.schema import Shape
 from tests.conftest import REPO, TINY_RECIPE, invoke_cli, run_cli
 from tests.standins import NEURON_BENCH_GROUP, neuron_bench
 
@@ -62,7 +62,7 @@ def test_cold_once_by_default_is_said_per_mode():
 
 def test_defaults_three_processes_for_eager_and_warm_one_cold(monkeypatch, tmp_path):
     """The parent's loop, with the child and the build faked: who runs how often, in which order."""
-    import aotbuild.builder
+    import aotbuild.builder.build
 
     ran = []
 
@@ -74,7 +74,7 @@ def test_defaults_three_processes_for_eager_and_warm_one_cold(monkeypatch, tmp_p
         results, failed = [], []
 
     monkeypatch.setattr(bench, "_run_child", fake_child)
-    monkeypatch.setattr(aotbuild.builder, "build", lambda *a, **k: Built())
+    monkeypatch.setattr(aotbuild.builder.build, "build", lambda *a, **k: Built())
     monkeypatch.setattr(bench, "load_warning", lambda: "warning: busy")
     warned = []
     r = bench.bench(TINY_RECIPE, tmp_path / "c", warn=warned.append)
@@ -223,7 +223,7 @@ def test_standin_target_builds_what_is_missing_then_measures_all_three(bench_run
 
 def test_a_failing_child_sends_its_whole_error_back(monkeypatch, tmp_path):
     """A CacheMiss spans lines: the child sends it whole, on one line of its result, for the parent to show."""
-    from aotbuild import child as protocol
+    from aotbuild.builder import child as protocol
     from aotbuild.errors import CacheMiss
 
     def miss(*args):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from aotbuild.errors import RecipeError
-from aotbuild.recipes import parse_recipe
+from aotbuild.recipe.rules import parse_recipe
 
 BASE = {"model": "builtin:tiny-sd", "shapes": [{"height": 64, "width": 64}]}
 
@@ -313,7 +313,7 @@ def test_a_video_pipeline_that_computes_its_own_frames_is_counted_at_the_largest
     import diffusers
 
     from aotbuild.pipeline.pipecall import CallSignature, check_recipe
-    from aotbuild.recipes import UNKNOWN_DEFAULT_FRAMES
+    from aotbuild.recipe.rules import UNKNOWN_DEFAULT_FRAMES
 
     call = CallSignature.of(diffusers.CogVideoXPipeline)
     error = refused_by(check_recipe, {**BASE, "shapes": [{"height": 1024, "width": 1024}]}, call)

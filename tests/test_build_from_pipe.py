@@ -21,7 +21,7 @@ def _changed_pipe(models_dir):
     from diffusers import UNet2DConditionModel
 
     from aotbuild.pipeline.models import load_pipeline, resolve_model
-    from aotbuild.recipes import parse_recipe
+    from aotbuild.recipe.rules import parse_recipe
 
     recipe = parse_recipe(TINY)
     pipe = load_pipeline(recipe, resolve_model(recipe, models_dir), "float32")
@@ -40,7 +40,7 @@ def test_pipe_takes_one_recipe_and_a_pipeline(models_dir):
 
 @pytest.mark.slow  # one build and its proof (~2 min on 2 cores)
 def test_a_pipeline_changed_in_code_is_built_proven_and_then_hits(models_dir, tmp_path, monkeypatch):
-    """The build's proof serves the saved pipeline in a fresh process (aotbuild/proof.py): what it
+    """The build's proof serves the saved pipeline in a fresh process (aotbuild/builder/proof.py): what it
     saw is the entry's ``proof.served``, read here instead of serving it a second time in this
     process (issue 30, item 4). What only this process can show is that the pipeline object itself,
     changed in code, now hits."""

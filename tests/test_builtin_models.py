@@ -14,7 +14,7 @@ import pytest
 
 from aotbuild import builtin
 from aotbuild.pipeline import models, pipecall
-from aotbuild.recipes import load_recipe
+from aotbuild.recipe.rules import load_recipe
 from tests.conftest import REPO, invoke_cli
 
 pytestmark = pytest.mark.xdist_group("builtin-models")  # one worker makes the built-in models this module shares
@@ -134,7 +134,7 @@ def test_plan_lists_each_recipe_s_component(builtin_root):
 def test_the_default_component_on_a_transformer_model_says_what_to_name(builtin_root):
     """compile.components defaults to [unet]; a Flux or SD3 recipe without it is told to name the transformer."""
     from aotbuild.errors import RecipeError
-    from aotbuild.recipes import parse_recipe
+    from aotbuild.recipe.rules import parse_recipe
 
     recipe = parse_recipe({"model": "builtin:tiny-flux", "shapes": [{"height": 64, "width": 64}]}, "r.yaml")
     with pytest.raises(RecipeError, match=r"compile.components: 'unet' is not a component of builtin:tiny-flux; "

@@ -1,4 +1,4 @@
-"""The child-process protocol (aotbuild/child.py): results, errors, and no import from the cwd."""
+"""The child-process protocol (aotbuild/builder/child.py): results, errors, and no import from the cwd."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from aotbuild import child
+from aotbuild.builder import child
 
-CHILDREN = ["aotbuild.worker", "aotbuild.proof", "aotbuild.bench"]
+CHILDREN = ["aotbuild.builder.worker", "aotbuild.builder.proof", "aotbuild.cli.bench"]
 
 def _plant(folder, marker):
     folder.mkdir(parents=True, exist_ok=True)
@@ -31,8 +31,8 @@ def test_the_python_310_shim_drops_the_cwd_too(tmp_path, monkeypatch):
     monkeypatch.setattr(child, "SAFE_PATH_FLAG", False)
     checkout, marker = tmp_path / "checkout", tmp_path / "marker"
     _plant(checkout, marker)
-    assert child.command("aotbuild.worker", "x")[1] == "-c"
-    code, result = child.spawn("aotbuild.worker", {}, tmp_path / "c" / "spec.json", tmp_path / "c" / "log",
+    assert child.command("aotbuild.builder.worker", "x")[1] == "-c"
+    code, result = child.spawn("aotbuild.builder.worker", {}, tmp_path / "c" / "spec.json", tmp_path / "c" / "log",
                                cwd=checkout)
     assert not marker.exists() and code == 1 and "KeyError" in result["error"]
 
@@ -42,7 +42,7 @@ def test_pythonpath_keeps_working(tmp_path):
     This is also what shows the cwd test above can fail."""
     folder, marker = tmp_path / "pp", tmp_path / "marker"
     _plant(folder, marker)
-    child.spawn("aotbuild.worker", {}, tmp_path / "c" / "spec.json", tmp_path / "c" / "log",
+    child.spawn("aotbuild.builder.worker", {}, tmp_path / "c" / "spec.json", tmp_path / "c" / "log",
                 env={"PYTHONPATH": str(folder)})
     assert marker.read_text() == "planted json ran"
 

@@ -15,9 +15,9 @@ from dataclasses import replace
 
 import pytest
 
-from aotbuild.builder import ResultStatus, store_job
+from aotbuild.builder.build import ResultStatus, store_job
+from aotbuild.cache.manage import verify
 from aotbuild.cache.store import Store
-from aotbuild.manage import verify
 from tests.conftest import FAKES, REPO, TINY_RECIPE, run_cli
 from tests.standins import add_entry, artifacts
 

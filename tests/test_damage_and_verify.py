@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from aotbuild import builder
-from aotbuild.builder import ResultStatus
+from aotbuild.builder import build as builder
+from aotbuild.builder.build import ResultStatus
+from aotbuild.cache.manage import verify
 from aotbuild.cache.store import Store
 from aotbuild.errors import StoreError
-from aotbuild.manage import verify
 from tests.conftest import TINY_RECIPE, invoke_cli
 from tests.standins import add_entry, check_no_dangling
 
@@ -99,7 +99,7 @@ def test_verify_suggests_fix_only_for_what_fix_repairs_and_names_the_rest_for_it
     """It said `run aotbuild verify --fix` for a file aotbuild did not write, which --fix never removes."""
     from click.testing import CliRunner
 
-    from aotbuild.cli import main
+    from aotbuild.cli.commands import main
 
     def cli(*args: str):
         return CliRunner().invoke(main, [*args, "--cache", str(store.root)], catch_exceptions=False)

@@ -19,8 +19,8 @@ import aotbuild
 from aotbuild.errors import CacheMiss, RecipeError, StaleGraph, UsageError
 from aotbuild.features.registry import detect_changes
 from aotbuild.pipeline import changes
-from aotbuild.recipe import ChangesSpec, recipe_to_dict
-from aotbuild.recipes import parse_recipe
+from aotbuild.recipe.rules import parse_recipe
+from aotbuild.recipe.schema import ChangesSpec, recipe_to_dict
 from tests.conftest import TINY_DICT as TINY
 
 FREEU = {"s1": 0.9, "s2": 0.2, "b1": 1.2, "b2": 1.4}

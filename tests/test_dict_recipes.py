@@ -9,8 +9,8 @@ import pytest
 
 import aotbuild
 from aotbuild.errors import RecipeError
-from aotbuild.recipe import recipe_spec
-from aotbuild.recipes import load_recipe, parse_recipe, recipe_from_spec
+from aotbuild.recipe.rules import load_recipe, parse_recipe, recipe_from_spec
+from aotbuild.recipe.schema import recipe_spec
 from tests.conftest import TINY_DICT, TINY_RECIPE
 
 TINY = TINY_DICT

@@ -57,7 +57,7 @@ def test_the_roundtrip_builds_and_a_fresh_process_serves_with_0_compiles(tmp_pat
 
 def test_the_store_check_suggests_verify_fix_only_for_what_it_repairs(tmp_path):
     from aotbuild.cache.store import Store
-    from aotbuild.doctor import check_store
+    from aotbuild.cli.doctor import check_store
     from tests.standins import add_entry
 
     store = Store(tmp_path / "c")

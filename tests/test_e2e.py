@@ -85,7 +85,7 @@ def test_adding_a_shape_builds_one_job_and_failures_are_not_stored(cache, reques
     """Which jobs a build runs, caches and fails is the promise here, not the compile (a real build of
     the added shape proved nothing the built_cache tests do not): the tiny recipe's jobs compile as
     stand-ins (``fake_compiles``); the broken recipe's run for real, in the worker a build starts."""
-    from aotbuild import builder
+    from aotbuild.builder import build as builder
 
     real = per_job(builder._build_group)
     compiled = request.getfixturevalue("fake_compiles")
@@ -181,11 +181,11 @@ def test_the_proof_counts_a_planted_compile_and_a_planted_wrong_output(built_cac
     proof must not be its own oracle: its fresh process, given a compile and a wrong output it did not
     cause, counts the compile (the strategy's counter, Dynamo's graphs, an FX graph cache miss) and
     measures the difference, and the builder's verdict refuses the entry for each."""
-    from aotbuild import child
+    from aotbuild.builder import child
+    from aotbuild.builder.proof import verdict
     from aotbuild.errors import ProofFailed
     from aotbuild.planner import plan
-    from aotbuild.proof import verdict
-    from aotbuild.recipe import recipe_spec
+    from aotbuild.recipe.schema import recipe_spec
 
     root, _ = built_cache
     store = tmp_path / "store"
@@ -198,7 +198,7 @@ def test_the_proof_counts_a_planted_compile_and_a_planted_wrong_output(built_cac
     (tmp_path / "cwd").mkdir()
     spec = {"recipe": recipe_spec(job.recipe), "component": "unet", "shape": job.shape.as_dict(),
             "cache_root": str(store), "store": str(store)}
-    _, result = child.spawn("aotbuild.proof", spec, tmp_path / "proof" / "spec.json", tmp_path / "proof.log",
+    _, result = child.spawn("aotbuild.builder.proof", spec, tmp_path / "proof" / "spec.json", tmp_path / "proof.log",
                             env={"PYTHONPATH": f"{hooks}{os.pathsep}{REPO}", "AOTBUILD_CACHE": None,
                                  "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "empty-inductor")}, cwd=tmp_path / "cwd")
     assert "error" not in result, result["error"][-3000:]
@@ -245,7 +245,7 @@ def test_cli_output_is_aotbuild_s_own(tmp_path):
 def test_build_progress_without_a_terminal_shows_life_once_a_minute(capsys):
     from types import SimpleNamespace
 
-    from aotbuild.cli import _progress
+    from aotbuild.cli.commands import _progress
 
     show = _progress()
     job = SimpleNamespace(label="r:unet@64x64", key="ab" * 32)

@@ -1,5 +1,5 @@
 """What aotbuild prints of a value from a pull request's files cannot drive a CI log or a terminal
-(issue 32, item 5): every error goes through one printer in aotbuild/cli.py (``_error``) that puts it
+(issue 32, item 5): every error goes through one printer in aotbuild/cli/commands.py (``_error``) that puts it
 on one line with newlines and control characters escaped, whatever the raise site embedded. The
 corpus's case: a Hub adapter's name holding a newline and ``::error::`` (GitHub Actions runs such a
 line as a workflow command) reached stderr through a Hub error's message."""
@@ -86,7 +86,7 @@ def test_whatever_a_raise_site_embeds_the_cli_prints_one_escaped_line(capsys, er
     forgot printable(), or an OSError's file name) is still printed on one line."""
     import errno
 
-    from aotbuild.cli import _run
+    from aotbuild.cli.commands import _run
     from aotbuild.errors import UsageError
 
     def fail():
@@ -104,7 +104,7 @@ def test_a_note_logged_with_a_hostile_value_is_one_line(capsys):
     """aotbuild's log notes go through the same kind of printer as errors."""
     import logging
 
-    from aotbuild.cli import _EchoHandler
+    from aotbuild.cli.commands import _EchoHandler
 
     handler = _EchoHandler()
     handler.setFormatter(logging.Formatter("%(message)s"))
@@ -151,8 +151,8 @@ def test_bench_names_a_local_model_folder_holding_a_newline_on_one_escaped_line(
     """Found in review: bench's report starts with the recipe's ``model.id``, which a pull request can
     make a folder whose name holds ``\\n::error::`` (git keeps such a name); the CLI prints the report
     through the multi-line printer, which keeps newlines."""
-    from aotbuild.bench import BenchReport, Run
-    from aotbuild.cli import _echo
+    from aotbuild.cli.bench import BenchReport, Run
+    from aotbuild.cli.commands import _echo
 
     report = BenchReport("r", "r.yaml", f"./m{HOSTILE}", "inductor", "jit-cache", "full", ["unet"], "64x64",
                          {"device": "cpu"}, 1, 1, {"eager": [Run(1.0, 0.1, 100.0, 0, 0, 0)]})
@@ -167,8 +167,8 @@ def test_load_compileds_miss_warning_names_a_reason_holding_a_newline_on_one_lin
     misses did not (a reason quotes a store's or a remote's word: a manifest's value, a path)."""
     import warnings
 
-    from aotbuild.recipe import Shape
-    from aotbuild.recipes import parse_recipe
+    from aotbuild.recipe.rules import parse_recipe
+    from aotbuild.recipe.schema import Shape
     from aotbuild.runtime import LoadReport, ReportEntry, _announce
 
     recipe = parse_recipe({"model": "builtin:tiny-sd", "shapes": [{"height": 64, "width": 64}]})
@@ -184,7 +184,7 @@ def test_builds_skipped_reasons_and_note_are_printed_escaped():
     """Found in review: a skipped job's reason (a target's or a device's word) and the report's note (an
     exception's text from gc) reached the multi-line printer raw, so a newline in either put ``::error::``
     on a line of its own in CI's log."""
-    from aotbuild.builder import BuildReport, JobResult, ResultStatus
+    from aotbuild.builder.build import BuildReport, JobResult, ResultStatus
     from aotbuild.planner import plan
 
     job = plan({"model": "builtin:tiny-sd", "shapes": [{"height": 64, "width": 64}]})[0]

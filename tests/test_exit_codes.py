@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from aotbuild import builder
-from aotbuild.builder import JobResult, ResultStatus
+from aotbuild.builder import build as builder
+from aotbuild.builder.build import JobResult, ResultStatus
 from aotbuild.cache.store import Store
-from aotbuild.cli import main
+from aotbuild.cli.commands import main
 from tests.conftest import REPO, TINY_RECIPE, one_job, per_job
 
 RECIPE = ("model: {{id: {model}, dtype: float32}}\nshapes: [{{height: 64, width: 64}}]\n"

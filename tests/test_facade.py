@@ -65,14 +65,14 @@ def test_the_report_job_and_shape_types_are_exported():
 VOCABULARIES = {
     "aotbuild.planner.JobStatus": {"HIT": "hit", "MISS": "miss", "FAILED_BEFORE": "failed",
                                    "UNAVAILABLE": "unavailable", "REMOTE": "remote"},
-    "aotbuild.builder.ResultStatus": {"BUILT": "built", "CACHED": "cached", "FAILED": "failed", "SKIPPED": "skipped",
-                                      "ON_REMOTE": "remote", "UNCACHED": "uncached"},
-    "aotbuild.sync.PullStatus": {"PULLED": "pulled", "CACHED": "cached", "MISSING": "missing", "REFUSED": "refused",
-                                 "UNAVAILABLE": "unavailable"},
-    "aotbuild.manage.Finding": {"CORRUPT": "corrupt", "MISSING": "missing", "MALFORMED": "malformed",
+    "aotbuild.builder.build.ResultStatus": {"BUILT": "built", "CACHED": "cached", "FAILED": "failed",
+                                            "SKIPPED": "skipped", "ON_REMOTE": "remote", "UNCACHED": "uncached"},
+    "aotbuild.remote.sync.PullStatus": {"PULLED": "pulled", "CACHED": "cached", "MISSING": "missing",
+                                        "REFUSED": "refused", "UNAVAILABLE": "unavailable"},
+    "aotbuild.cache.manage.Finding": {"CORRUPT": "corrupt", "MISSING": "missing", "MALFORMED": "malformed",
                                 "UNREADABLE": "unreadable", "ORPHAN": "orphan", "TEMP": "temp", "FOREIGN": "foreign",
                                 "UNTRUSTED": "untrusted"},
-    "aotbuild.auto.Outcome": {"BUILT": "built", "FAILED": "failed", "FAILED_BEFORE": "failed before",
+    "aotbuild.strategies.order.Outcome": {"BUILT": "built", "FAILED": "failed", "FAILED_BEFORE": "failed before",
                               "DROPPED": "dropped"},
 }
 
@@ -96,7 +96,11 @@ def test_each_report_has_its_own_typed_statuses_that_read_as_before(path):
 
 def test_the_report_fields_hold_their_vocabulary():
     """The dataclasses' status fields are annotated with their enum (not ``str``)."""
-    from aotbuild import auto, builder, manage, planner, sync
+    from aotbuild import planner
+    from aotbuild.builder import build as builder
+    from aotbuild.cache import manage
+    from aotbuild.remote import sync
+    from aotbuild.strategies import order as auto
 
     for cls, field, vocabulary in ((planner.Job, "status", "JobStatus"), (builder.JobResult, "status", "ResultStatus"),
                                    (sync.PullItem, "status", "PullStatus"), (manage.Problem, "kind", "Finding"),

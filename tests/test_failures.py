@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from aotbuild import builder
-from aotbuild.builder import JobResult, ResultStatus
+from aotbuild.builder import build as builder
+from aotbuild.builder.build import JobResult, ResultStatus
 from tests.conftest import TINY_RECIPE, invoke_cli, one_job, per_job
 
 
@@ -46,9 +46,9 @@ def test_capture_failures_say_the_cause_where_and_the_fix():
     """Data-dependent Python in forward: a 60-line Dynamo error was cut before its useful part."""
     import torch
 
-    from aotbuild.recipes import parse_recipe
+    from aotbuild.builder.worker import capture_failure
+    from aotbuild.recipe.rules import parse_recipe
     from aotbuild.strategies.registry import get_strategy
-    from aotbuild.worker import capture_failure
 
     def forward(x):
         if x.sum() > 0:  # data-dependent: Dynamo cannot capture it whole
@@ -119,8 +119,8 @@ def test_a_failure_recorded_on_the_remote_is_skipped_by_every_fresh_runner_until
     import uuid
 
     from aotbuild.planner import plan
-    from aotbuild.remote import parse_remote
-    from aotbuild.sync import pull_failures, push
+    from aotbuild.remote.schemes import parse_remote
+    from aotbuild.remote.sync import pull_failures, push
     from tests.conftest import TINY_DICT
 
     recipe = {**TINY_DICT, "strategy": "jit-cache", "shapes": [{"height": 64, "width": 64},
@@ -191,8 +191,8 @@ def test_a_hostile_failure_record_on_a_remote_is_ignored(models_dir, tmp_path):
     """A record is read bounded and checked before use: too big, not JSON, too deep, without a reason,
     or naming another key, it is not pulled (a bucket's writer can only ever make a job look failed)."""
     from aotbuild.cache.store import MAX_FAILURE_BYTES, Store
-    from aotbuild.remote import parse_remote
-    from aotbuild.sync import pull_failures
+    from aotbuild.remote.schemes import parse_remote
+    from aotbuild.remote.sync import pull_failures
     from tests.standins import key_of
 
     (tmp_path / "remote").mkdir()
@@ -219,8 +219,8 @@ def test_a_failure_record_pushed_by_key_names_the_building_toolchain(tmp_path):
     import torch
 
     from aotbuild.cache.store import Store
-    from aotbuild.remote import parse_remote
-    from aotbuild.sync import push_failures
+    from aotbuild.remote.schemes import parse_remote
+    from aotbuild.remote.sync import push_failures
     from tests.standins import key_of
 
     (tmp_path / "remote").mkdir()
@@ -242,7 +242,7 @@ def test_an_auto_attempt_that_failed_is_not_tried_again_by_a_fresh_runner(models
     runner that must build the job again (its entry is not on the remote) goes straight to the
     strategy that worked, as a rerun on the same cache does (tests/test_auto.py)."""
     from aotbuild.planner import plan
-    from aotbuild.remote import parse_remote
+    from aotbuild.remote.schemes import parse_remote
     from tests.conftest import TINY_DICT, invoke_cli
 
     stand_in = per_job(builder._build_group)
@@ -299,7 +299,7 @@ def test_plan_with_a_remote_shows_the_remote_s_failure_records(cache, tmp_path):
     remote is "remote" whatever record is there."""
     from aotbuild import constants, plan
     from aotbuild.cache.store import Store
-    from aotbuild.remote import parse_remote
+    from aotbuild.remote.schemes import parse_remote
 
     keys = [j.key for j in plan(str(TINY_RECIPE), cache)]
     (tmp_path / "remote").mkdir()
@@ -341,8 +341,8 @@ def test_an_entry_pushed_again_clears_its_failure_record_there_and_here(tmp_path
     worked) and an entry there: pushing the entry, though the remote has it, removes the record
     there and in the pushing cache, so no shard skips a job that builds."""
     from aotbuild.cache.store import Store
-    from aotbuild.remote import parse_remote
-    from aotbuild.sync import push
+    from aotbuild.remote.schemes import parse_remote
+    from aotbuild.remote.sync import push
     from tests.standins import add_entry
 
     (tmp_path / "remote").mkdir()
@@ -364,9 +364,9 @@ def test_a_remote_past_the_pull_limit_gives_its_newest_failure_records(tmp_path,
     import os
     import time
 
-    from aotbuild import sync
     from aotbuild.cache.store import Store
-    from aotbuild.remote import parse_remote
+    from aotbuild.remote import sync
+    from aotbuild.remote.schemes import parse_remote
     from tests.standins import key_of
 
     monkeypatch.setattr(sync, "MAX_PULLED_FAILURES", 2)

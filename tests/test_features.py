@@ -13,7 +13,7 @@ import types
 from aotbuild.features import registry
 from aotbuild.features.base import Feature, Where
 from aotbuild.planner import plan
-from aotbuild.recipes import parse_recipe
+from aotbuild.recipe.rules import parse_recipe
 from tests.conftest import TINY_DICT, run_python
 
 
@@ -44,7 +44,8 @@ def test_a_recipe_uses_the_features_its_sections_name_in_the_tables_order():
 
 def test_a_plain_recipe_imports_no_features_module():
     """Only ``used`` imports a feature's module, and only for a recipe that uses it."""
-    code = ("import json, sys\nfrom aotbuild.recipes import parse_recipe\nfrom aotbuild.features.registry import used\n"
+    code = ("import json, sys\nfrom aotbuild.recipe.rules import parse_recipe\n"
+            "from aotbuild.features.registry import used\n"
             f"recipe = parse_recipe({TINY_DICT!r})\nassert used(recipe) == []\n"
             "print(json.dumps(sorted(m for m in sys.modules if m.startswith('aotbuild.features.'))))")
     proc = run_python(code)

@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from aotbuild import builder
-from aotbuild.builder import ResultStatus, store_job
+from aotbuild.builder import build as builder
+from aotbuild.builder.build import ResultStatus, store_job
+from aotbuild.cache.manage import gc, rm, verify
 from aotbuild.cache.store import Store
 from aotbuild.errors import StoreError
-from aotbuild.manage import gc, rm, verify
 from tests import manifests
 from tests.conftest import TINY_RECIPE, run_cli
 from tests.standins import ARTIFACT_SIZE, add_entry, artifacts, check_no_dangling

@@ -9,15 +9,15 @@ from pathlib import Path
 
 import pytest
 
+from aotbuild.cache.manage import verify
 from aotbuild.cache.store import Store
-from aotbuild.manage import verify
 from tests import manifests
 from tests.standins import add_entry
 
 # -- 12, 13: what a remote sends is checked before anything is written or deserialised -------------
 
 def test_a_refused_pull_leaves_no_orphan(tmp_path):
-    from aotbuild.remote import parse_remote
+    from aotbuild.remote.schemes import parse_remote
 
     remote_store = Store(tmp_path / "remote")
     key = add_entry(remote_store, tmp_path, "a", {"a.so": b"good", "b.so": b"bad-to-be"})
@@ -32,7 +32,7 @@ def test_a_refused_pull_leaves_no_orphan(tmp_path):
 
 @pytest.mark.parametrize("path", ["../x", "/etc/x", "a/../../x"])
 def test_a_pulled_manifest_with_an_unsafe_path_is_refused(tmp_path, path):
-    from aotbuild.remote import parse_remote
+    from aotbuild.remote.schemes import parse_remote
 
     remote_store = Store(tmp_path / "remote")
     key = add_entry(remote_store, tmp_path, "a", {"x.so": b"kernel"})
@@ -58,7 +58,7 @@ class _Marker:
 def test_a_tampered_pickle_is_refused_before_anything_deserialises_it(tmp_path):
     import pickle
 
-    from aotbuild.remote import parse_remote
+    from aotbuild.remote.schemes import parse_remote
 
     marker = tmp_path / "marker"
     remote_store = Store(tmp_path / "remote")
@@ -123,7 +123,7 @@ def test_an_aot_package_called_at_another_shape_than_it_was_built_for_is_refused
 def test_a_fifo_in_a_folder_remote_blob_s_place_is_refused_without_blocking(tmp_path):
     import os
 
-    from aotbuild.remote import parse_remote
+    from aotbuild.remote.schemes import parse_remote
 
     remote_store = Store(tmp_path / "remote")
     key = add_entry(remote_store, tmp_path, "a", {"x.so": b"kernel"})

@@ -10,9 +10,9 @@ import sys
 
 import pytest
 
-from aotbuild import recipe_file as recipe_module
 from aotbuild.errors import RecipeError
-from aotbuild.recipes import load_recipe
+from aotbuild.recipe import files as recipe_module
+from aotbuild.recipe.rules import load_recipe
 from tests.conftest import REPO
 
 HEAD = "model: {id: builtin:tiny-sd}\nshapes: [{height: 64, width: 64}]\n"
@@ -116,7 +116,7 @@ OPTION_CASES = [  # (target, options, refused?, what the error says)
 @pytest.mark.parametrize("target,options,refused,says", OPTION_CASES,
                          ids=[f"{t}-{next(iter(o))}-{r}" for t, o, r, _ in OPTION_CASES])
 def test_a_recipe_sets_only_options_that_are_data(monkeypatch, target, options, refused, says):
-    from aotbuild.recipes import parse_recipe
+    from aotbuild.recipe.rules import parse_recipe
 
     monkeypatch.delenv("AOTBUILD_ALLOW_OPTIONS", raising=False)
     data = {"model": {"id": "builtin:tiny-sd"}, "target": target, "compile": {"options": options},
@@ -130,7 +130,7 @@ def test_a_recipe_sets_only_options_that_are_data(monkeypatch, target, options, 
 
 
 def test_the_operator_allows_a_free_form_option_by_name_but_never_a_wrong_type(monkeypatch):
-    from aotbuild.recipes import parse_recipe
+    from aotbuild.recipe.rules import parse_recipe
 
     data = {"model": {"id": "builtin:tiny-sd"}, "compile": {"options": {"cpp.march": "x86-64-v3"}},
             "shapes": [{"height": 64, "width": 64}]}

@@ -12,14 +12,17 @@ from tests.conftest import run_python
 #: What ``from aotbuild import load_compiled`` may load of aotbuild (docs/architecture.md, "The runtime
 #: import rule"). A module added here is a module every serving process imports: keep it light.
 RUNTIME_MODULES = {
-    "aotbuild", "aotbuild.pipeline", "aotbuild.pipeline.blocks", "aotbuild.builtin", "aotbuild.constants",
-    "aotbuild.errors", "aotbuild.forwards", "aotbuild.frozen", "aotbuild.keys", "aotbuild.cache.layout",
-    "aotbuild.cache.locks", "aotbuild.cache.manifest", "aotbuild.pipeline.models",
-    "aotbuild.context", "aotbuild.explain", "aotbuild.recipe", "aotbuild.recipe_file", "aotbuild.recipes",
-    "aotbuild.registry", "aotbuild.runtime", "aotbuild.safeio", "aotbuild.cache", "aotbuild.cache.store",
-    "aotbuild.strategies", "aotbuild.strategies.base", "aotbuild.strategies.registry", "aotbuild.suggest",
+    "aotbuild", "aotbuild.runtime", "aotbuild.constants", "aotbuild.errors", "aotbuild.forwards", "aotbuild.keys",
+    "aotbuild.context", "aotbuild.builtin",
+    "aotbuild.recipe", "aotbuild.recipe.schema", "aotbuild.recipe.files", "aotbuild.recipe.rules",
+    "aotbuild.recipe.frozen",
+    "aotbuild.cache", "aotbuild.cache.layout", "aotbuild.cache.locks", "aotbuild.cache.manifest",
+    "aotbuild.cache.store", "aotbuild.cache.explain",
+    "aotbuild.pipeline", "aotbuild.pipeline.blocks", "aotbuild.pipeline.models", "aotbuild.pipeline.pipecall",
+    "aotbuild.strategies", "aotbuild.strategies.base", "aotbuild.strategies.registry",
     "aotbuild.targets", "aotbuild.targets.base", "aotbuild.targets.registry",
-    "aotbuild.text", "aotbuild.pipeline.pipecall", "aotbuild.deprecated",
+    "aotbuild.utils", "aotbuild.utils.registry", "aotbuild.utils.safeio", "aotbuild.utils.suggest",
+    "aotbuild.utils.text", "aotbuild.utils.deprecated",
 }
 
 
@@ -58,7 +61,7 @@ SERVE = """
 import json, sys
 from aotbuild import load_compiled
 from aotbuild.pipeline.pipecall import warmup_kwargs
-from aotbuild.recipes import load_recipe
+from aotbuild.recipe.rules import load_recipe
 
 recipe = load_recipe({recipe!r})
 pipe = load_compiled(recipe, cache={cache!r}, on_miss="error")

@@ -15,10 +15,10 @@ import subprocess
 import sys
 import textwrap
 
-from aotbuild import builder
-from aotbuild.builder import ResultStatus
+from aotbuild.builder import build as builder
+from aotbuild.builder.build import ResultStatus
+from aotbuild.cache.manage import verify
 from aotbuild.cache.store import Store
-from aotbuild.manage import verify
 from tests.conftest import REPO, TINY_RECIPE, invoke_cli
 from tests.standins import add_entry, check_no_dangling
 

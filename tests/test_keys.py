@@ -14,7 +14,7 @@ from aotbuild.cache.store import Store
 from aotbuild.context import Context
 from aotbuild.errors import RecipeError
 from aotbuild.planner import jobs_for
-from aotbuild.recipes import load_recipe, parse_recipe
+from aotbuild.recipe.rules import load_recipe, parse_recipe
 from tests.conftest import TINY_RECIPE
 
 
@@ -239,7 +239,7 @@ def test_relative_model_folder_is_found_next_to_the_recipe(models_dir, tmp_path,
 def test_a_miss_is_explained_by_the_nearest_entry_for_the_component():
     """Fewest differing factors wins, across recipes (a copied recipe finds its original's entries);
     on a tie the entry of the same recipe wins; an empty cache is named as such."""
-    from aotbuild.explain import explain_miss
+    from aotbuild.cache.explain import explain_miss
     from tests import manifests
 
     here = manifests.factors(env={"torch": "2.13"})

@@ -137,7 +137,7 @@ import sys
 from pathlib import Path
 from aotbuild import child
 folder, ranks = Path(sys.argv[1]), int(sys.argv[2])
-child.spawn("aotbuild.worker", {}, folder / "spec.json", folder / "log", ranks=ranks)
+child.spawn("aotbuild.builder.worker", {}, folder / "spec.json", folder / "log", ranks=ranks)
 """
 
 FORKER = """
@@ -212,7 +212,7 @@ def test_a_forked_child_that_asks_again_dies_with_the_process_that_forked_it(how
 def test_a_parent_that_died_but_is_not_reaped_yet_is_not_alive():
     """The window the forked-child test above once hit under load: the parent killed, not yet reaped
     by its own parent (a zombie, which still answers signal 0), when the child checks it."""
-    from aotbuild import child
+    from aotbuild.builder import child
 
     pid = os.fork()
     if pid == 0:

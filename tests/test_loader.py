@@ -1,4 +1,4 @@
-"""A build's loader process (aotbuild/loader.py): the recipe's pipeline loaded once, each job's worker
+"""A build's loader process (aotbuild/builder/loader.py): the recipe's pipeline loaded once, each job's worker
 forked from it; a job that fails, dies or runs too long fails alone.
 
 These jobs stop before compiling (the plan's key they carry is wrong, which the worker checks right
@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from aotbuild import loader
-from aotbuild.loader import Loader
-from aotbuild.recipe import recipe_spec
-from aotbuild.recipes import parse_recipe
+from aotbuild.builder import loader
+from aotbuild.builder.loader import Loader
+from aotbuild.recipe.rules import parse_recipe
+from aotbuild.recipe.schema import recipe_spec
 from tests.conftest import TINY_DICT
 
 
@@ -78,7 +78,7 @@ def test_a_pipeline_that_cannot_load_fails_each_job_with_the_reason(tmp_path):
 def test_which_jobs_share_a_load(models_dir, monkeypatch):
     """Inductor jobs share their recipe's load on Linux; AOTBUILD_SHARED_LOADS=0 gives each a worker."""
     import aotbuild
-    from aotbuild.loader import SharedLoads
+    from aotbuild.builder.loader import SharedLoads
 
     jobs = aotbuild.plan(TINY_DICT, cache=models_dir)
     assert len(jobs) == 1 and SharedLoads._shares(jobs[0]) == sys.platform.startswith("linux")

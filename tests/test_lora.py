@@ -36,7 +36,7 @@ def recipe_data(**over) -> dict:
 
 
 def parse(loras: Path, **over):
-    from aotbuild.recipes import parse_recipe
+    from aotbuild.recipe.rules import parse_recipe
 
     return parse_recipe(recipe_data(**over), str(loras / "recipes" / "r.yaml"))
 
@@ -147,7 +147,7 @@ def serve_hot_swaps(recipe_path: Path, cache: Path, loras: Path) -> dict:
     from aotbuild.context import Context, prepare_pipeline
     from aotbuild.pipeline.models import load_pipeline, place_pipeline
     from aotbuild.pipeline.pipecall import warmup_kwargs
-    from aotbuild.recipes import load_recipe
+    from aotbuild.recipe.rules import load_recipe
     from aotbuild.strategies.registry import get_strategy
     from aotbuild.targets.registry import get_target
 
@@ -193,7 +193,7 @@ def serve_hot_swaps(recipe_path: Path, cache: Path, loras: Path) -> dict:
 
 @pytest.mark.slow  # one real compile (~1 min) and its proof, then the entry served from another store
 def test_a_lora_build_serves_and_hot_swaps_with_0_compiles(models_dir, tmp_path, monkeypatch):
-    """The build's proof is the fresh replica (aotbuild/proof.py): a fresh process, every compiler folder
+    """The build's proof is the fresh replica (aotbuild/builder/proof.py): a fresh process, every compiler folder
     empty, another store and working directory, serves the entry and hot-swaps one other adapter in with 0
     compiles, equal to eager (``proof.swaps``, ``proof.served``: read here, issue 30 item 4). What it does
     not do is served here, in this process, from a moved store and an empty Inductor folder: the

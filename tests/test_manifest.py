@@ -13,11 +13,11 @@ from click.testing import CliRunner
 
 from aotbuild import constants
 from aotbuild.cache import manifest as codec
+from aotbuild.cache.manage import gc, verify
 from aotbuild.cache.store import Store
-from aotbuild.cli import main
+from aotbuild.cli.commands import main
 from aotbuild.errors import ManifestError, StaleManifest
-from aotbuild.manage import gc, verify
-from aotbuild.remote import parse_remote
+from aotbuild.remote.schemes import parse_remote
 from tests import manifests
 from tests.conftest import REPO
 

@@ -12,7 +12,7 @@ import pytest
 from aotbuild.errors import RecipeError, UsageError
 from aotbuild.features import parallel
 from aotbuild.planner import plan, shard_jobs
-from aotbuild.recipes import parse_recipe
+from aotbuild.recipe.rules import parse_recipe
 from tests.conftest import REPO, invoke_cli
 
 FLUX = {"model": {"id": "builtin:tiny-flux", "dtype": "float32"}, "target": "inductor", "device": "cpu",
@@ -133,7 +133,7 @@ def test_a_shard_keeps_every_rank_of_a_job_together(flux_cache):
 
 def test_outside_torchrun_or_at_another_world_size_a_load_says_what_to_start(flux_cache, monkeypatch):
     from aotbuild import load_compiled
-    from aotbuild.recipes import as_recipe
+    from aotbuild.recipe.rules import as_recipe
 
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(name, raising=False)
@@ -170,16 +170,16 @@ def test_on_an_accelerator_the_shard_goes_through_diffusers_public_enable_parall
 
 
 def test_a_child_runs_as_ranks_through_torch_s_launcher_and_never_inherits_a_rank(tmp_path, monkeypatch):
-    from aotbuild import child
+    from aotbuild.builder import child
 
-    cmd = child.command("aotbuild.worker", "spec.json", ranks=2)
+    cmd = child.command("aotbuild.builder.worker", "spec.json", ranks=2)
     launcher = cmd[1:] if sys.version_info >= (3, 11) else cmd[3:]
-    # the launcher runs through aotbuild.child, which makes it die with its parent (issue 32, item 4)
-    assert launcher[:4] == ["-P", "-m", "aotbuild.child", "torch.distributed.run"] \
-        or launcher[:2] == ["aotbuild.child", "torch.distributed.run"]
-    assert cmd[-3:] == ["-m", "aotbuild.worker", "spec.json"] and "--standalone" in cmd
+    # the launcher runs through aotbuild.builder.child, which makes it die with its parent (issue 32, item 4)
+    assert launcher[:4] == ["-P", "-m", "aotbuild.builder.child", "torch.distributed.run"] \
+        or launcher[:2] == ["aotbuild.builder.child", "torch.distributed.run"]
+    assert cmd[-3:] == ["-m", "aotbuild.builder.worker", "spec.json"] and "--standalone" in cmd
     assert cmd[cmd.index("--nproc-per-node") + 1] == "2"
-    assert child.command("aotbuild.worker", "spec.json")[-2:] == ["aotbuild.worker", "spec.json"]
+    assert child.command("aotbuild.builder.worker", "spec.json")[-2:] == ["aotbuild.builder.worker", "spec.json"]
     monkeypatch.setenv("RANK", "1")  # aotbuild itself run as a rank of someone's torchrun
     monkeypatch.setenv("WORLD_SIZE", "4")
     code, result = child.spawn("tests.fakes.echo_env", {"names": ["RANK", "WORLD_SIZE"]}, tmp_path / "spec.json",
@@ -191,7 +191,7 @@ def test_a_child_runs_as_ranks_through_torch_s_launcher_and_never_inherits_a_ran
 @pytest.mark.parametrize("strategy", ["jit-cache", "aot-compile"])
 def test_a_tensor_parallel_flux_builds_then_two_fresh_ranks_serve_it_with_0_compiles(strategy, flux_1_1, tmp_path,
                                                                                     monkeypatch):
-    """The build's proof is the replica (aotbuild/builder.py ``_prove_ranks``): a fresh launch of two
+    """The build's proof is the replica (aotbuild/builder/build.py ``_prove_ranks``): a fresh launch of two
     ranks by torch's launcher, in another working directory with every compiler folder empty, each
     loading its own rank's entry from another store than the build's, after running the unsharded
     pipeline eagerly as the reference. Each rank's entry keeps what its rank saw (``proof.served``),
@@ -225,12 +225,12 @@ def proof_without_the_build_s_folders(monkeypatch, aside: Path) -> list[list[str
     stored from it): a rank's artifact naming a file of the build (its compiler folder, its laid-out
     entry, its cwd) fails the proof, as it would fail a replica serving a moved cache. Returns the
     names moved, one list per proof."""
-    from aotbuild import child
+    from aotbuild.builder import child
 
     spawn, hidden = child.spawn, []
 
     def spawn_proof(module: str, spec: dict, spec_path: Path, log: Path, **options):
-        if module != "aotbuild.proof":
+        if module != "aotbuild.builder.proof":
             return spawn(module, spec, spec_path, log, **options)
         staging = spec_path.parent.parent  # <job folder>/proof/proof.json
         moved = [p for p in staging.iterdir() if p.name not in ("proof", "phase", ".lock")]
@@ -288,9 +288,9 @@ def _ranked_entries(store, tmp_path, name: str, ranks=(0, 1)) -> list[str]:
 
 
 def test_pushing_one_rank_s_key_pushes_every_rank_and_a_job_missing_a_rank_is_not_pushed(tmp_path):
-    from aotbuild import sync
     from aotbuild.cache.store import Store
-    from aotbuild.remote import parse_remote
+    from aotbuild.remote import sync
+    from aotbuild.remote.schemes import parse_remote
 
     local = Store(tmp_path / "local")
     both = _ranked_entries(local, tmp_path, "a")
@@ -305,9 +305,9 @@ def test_pushing_one_rank_s_key_pushes_every_rank_and_a_job_missing_a_rank_is_no
 
 
 def test_a_tensor_parallel_job_is_pulled_whole_or_not_at_all(flux_cache, tmp_path):
-    from aotbuild import sync
     from aotbuild.cache.store import Store
-    from aotbuild.remote import parse_remote
+    from aotbuild.remote import sync
+    from aotbuild.remote.schemes import parse_remote
     from tests import manifests
 
     jobs = plan([flux(2)], flux_cache)
@@ -331,8 +331,8 @@ def test_a_tensor_parallel_job_is_pulled_whole_or_not_at_all(flux_cache, tmp_pat
 
 
 def test_a_job_missing_one_rank_s_entry_rebuilds_every_rank_in_one_launch(flux_cache, monkeypatch, tmp_path):
-    from aotbuild import builder
-    from aotbuild.builder import ResultStatus, store_job
+    from aotbuild.builder import build as builder
+    from aotbuild.builder.build import ResultStatus, store_job
     from aotbuild.cache.store import Store
     from tests.standins import artifacts
 

@@ -7,8 +7,8 @@ import pytest
 
 from aotbuild.errors import RecipeError
 from aotbuild.pipeline.pipecall import CallSignature, check_recipe, warmup_kwargs
-from aotbuild.recipe import Shape
-from aotbuild.recipes import parse_recipe
+from aotbuild.recipe.rules import parse_recipe
+from aotbuild.recipe.schema import Shape
 
 
 class ImagePipeline:  # SD-like: takes **kwargs

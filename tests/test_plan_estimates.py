@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 
+from aotbuild.cache.explain import estimate
 from aotbuild.cache.store import Store
-from aotbuild.explain import estimate
 from aotbuild.planner import plan
 from tests import manifests as m
 from tests.conftest import invoke_cli

@@ -11,7 +11,7 @@ import torch
 
 from aotbuild.dispatch import signature
 from aotbuild.errors import RecipeError as RecipeRefused
-from aotbuild.recipes import parse_recipe
+from aotbuild.recipe.rules import parse_recipe
 from aotbuild.strategies import aoti, prepack
 from aotbuild.strategies.aot_package import AotPackage
 from aotbuild.strategies.calls import snapshot

@@ -25,7 +25,7 @@ def data(**model) -> dict:
 @pytest.mark.parametrize("strategy,says", [("aot-compile", "use strategy jit-cache"),
                                            ("aot-package", "use strategy jit-cache")])
 def test_strategies_that_cannot_serve_tensor_subclasses_refuse_the_recipe(strategy, says):
-    from aotbuild.recipes import parse_recipe
+    from aotbuild.recipe.rules import parse_recipe
 
     with pytest.raises(RecipeError) as info:
         parse_recipe({**QUANTIZED, "strategy": strategy})
@@ -36,7 +36,7 @@ def test_strategies_that_cannot_serve_tensor_subclasses_refuse_the_recipe(strate
                                       ({"quant_type": "int7"}, "model.quantization.quant_type"),
                                       ({"components": ["vae"]}, "model.quantization.components")])
 def test_a_bad_quantization_is_a_recipe_error_naming_the_key(over, key):
-    from aotbuild.recipes import parse_recipe
+    from aotbuild.recipe.rules import parse_recipe
 
     with pytest.raises(RecipeError) as info:
         parse_recipe(data(**over))
@@ -78,7 +78,7 @@ def test_without_torchao_the_error_says_how_to_install_it(monkeypatch):
 
 @pytest.mark.slow  # one real compile of the int8 UNet and its proof
 def test_an_int8_weight_only_build_serves_with_0_compiles_equal_to_eager_quantized(models_dir, tmp_path):
-    """The build's proof is the replica (aotbuild/proof.py): a fresh process, every compiler folder
+    """The build's proof is the replica (aotbuild/builder/proof.py): a fresh process, every compiler folder
     empty, quantizes the pipeline as the recipe says, loads the entry from another store and replays
     every call; what it saw is the entry's ``proof.served`` (issue 30, item 4: no second serve here)."""
     # the one-level tiny UNet: every kind of Linear int8 replaces, fewer kernels to compile than tiny-sd's

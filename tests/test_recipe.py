@@ -7,7 +7,7 @@ import textwrap
 import pytest
 
 from aotbuild.errors import RecipeError
-from aotbuild.recipes import load_recipe, parse_recipe
+from aotbuild.recipe.rules import load_recipe, parse_recipe
 from tests.conftest import TINY_DICT, TINY_RECIPE, invoke_cli, run_cli
 
 GOOD = """

@@ -1,7 +1,7 @@
 """Recipes fuzzed with hypothesis: whatever the file holds, the answer is a Recipe or one line of
 RecipeError naming the file, never a traceback. Bounded (max_examples) to keep CI's budget.
 
-Every key and value below is derived from the schema (aotbuild/recipe.py: SCHEMA and the schemas of
+Every key and value below is derived from the schema (aotbuild/recipe/schema.py: SCHEMA and the schemas of
 its nested types), so a new key or section is fuzzed without editing this file; a new field *type*
 fails here (NESTED, _valid) until it is given its nested schema or its valid values (issue 30: the
 hand-written key lists never reached lora, parallel, model.quantization nor num_frames)."""
@@ -19,8 +19,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from aotbuild.errors import RecipeError
-from aotbuild.recipe import ADAPTER_SCHEMA, QUANT_SCHEMA, SCHEMA, SHAPE_SCHEMA, Field, Recipe
-from aotbuild.recipes import load_recipe, parse_recipe, registry_choices
+from aotbuild.recipe.rules import load_recipe, parse_recipe, registry_choices
+from aotbuild.recipe.schema import ADAPTER_SCHEMA, QUANT_SCHEMA, SCHEMA, SHAPE_SCHEMA, Field, Recipe
 
 #: Field types that hold a schema of their own: (that schema, whether it is a list of such mappings).
 NESTED: dict[str, tuple[dict[str, Field], bool]] = {

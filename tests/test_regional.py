@@ -207,7 +207,7 @@ def test_recorder_gives_an_instance_with_other_float_arguments_its_own_package()
 # ---------------------------------------------------------------------------------------------
 
 def _recipe(**compile_section):
-    from aotbuild.recipes import parse_recipe
+    from aotbuild.recipe.rules import parse_recipe
 
     return parse_recipe({"model": "builtin:tiny-sd", "device": "cpu", "shapes": [{"height": 64, "width": 64}],
                          "compile": {"components": ["transformer"], **compile_section}}, "r.yaml")
@@ -229,7 +229,7 @@ def test_blocks_recipe_errors(section, expected):
 
 
 def test_blocks_are_a_key_factor_and_absent_ones_change_no_key():
-    from aotbuild.recipe import recipe_to_dict
+    from aotbuild.recipe.schema import recipe_to_dict
     from aotbuild.targets.registry import get_target
 
     plain, named = _recipe(scope="regional"), _recipe(scope="regional", blocks="JointTransformerBlock")
@@ -345,7 +345,7 @@ FLUX_REGIONAL = textwrap.dedent("""
 
 def _build(folder: Path, strategy: str, offload: str) -> tuple[Path, Path, dict]:
     """The Flux 2+2 regional recipe built by ``aotbuild build`` into a fresh cache under ``folder``:
-    (the recipe, the cache, the entry's manifest). Its proof (aotbuild/proof.py) is a fresh process
+    (the recipe, the cache, the entry's manifest). Its proof (aotbuild/builder/proof.py) is a fresh process
     in another working directory, every compiler folder empty, loading the entry from another store:
     what it saw is ``proof.served``, which the tests read instead of serving the entry a second time
     (issue 30, item 4)."""

@@ -15,8 +15,8 @@ import pytest
 from aotbuild.cache.store import Store
 from aotbuild.errors import RemoteError, UsageError
 from aotbuild.planner import Job, JobStatus, parse_shard, shard_jobs
-from aotbuild.recipes import parse_recipe
-from aotbuild.remote import FolderRemote, HubRemote, parse_remote
+from aotbuild.recipe.rules import parse_recipe
+from aotbuild.remote.schemes import FolderRemote, HubRemote, parse_remote
 from tests.conftest import REPO
 from tests.standins import add_entry, entries, key_of
 
@@ -146,7 +146,7 @@ def test_pushing_to_an_unwritable_folder_is_one_clear_error(tmp_path, monkeypatc
 PUSHER = textwrap.dedent("""
     import sys, time
     from pathlib import Path
-    from aotbuild.remote import parse_remote
+    from aotbuild.remote.schemes import parse_remote
     from aotbuild.cache.store import Store
     local, url, delay = Store(Path(sys.argv[1])), sys.argv[2], float(sys.argv[3])
     remote = parse_remote(url)

@@ -26,7 +26,7 @@ pytest.importorskip("adlfs")
 
 from aotbuild.cache.store import Store  # noqa: E402
 from aotbuild.errors import RemoteError  # noqa: E402
-from aotbuild.remote import parse_remote, pull_entry  # noqa: E402
+from aotbuild.remote.schemes import parse_remote, pull_entry  # noqa: E402
 from tests import objectstore as flows  # noqa: E402
 from tests.conftest import REPO, invoke_cli  # noqa: E402
 from tests.standins import add_entry, entries, key_of  # noqa: E402
@@ -255,7 +255,7 @@ def test_a_push_through_the_cli(az, tmp_path):
 def test_azure_secrets_never_reach_a_message(monkeypatch):
     """adlfs's own variables (AZURE_STORAGE_ACCOUNT_KEY, AZURE_STORAGE_CLIENT_SECRET) and the key or
     signature inside any connection string a store echoes are scrubbed."""
-    from aotbuild.remote_fsspec import _scrub
+    from aotbuild.remote.objectstore import _scrub
 
     monkeypatch.setenv("AZURE_STORAGE_ACCOUNT_KEY", "acct-key-7890")
     monkeypatch.setenv("AZURE_STORAGE_CLIENT_SECRET", "client-secret-4567")

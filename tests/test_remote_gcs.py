@@ -31,7 +31,7 @@ pytest.importorskip("gcp_storage_emulator")
 
 from aotbuild.cache.store import Store  # noqa: E402
 from aotbuild.errors import RemoteError  # noqa: E402
-from aotbuild.remote import parse_remote, pull_entry  # noqa: E402
+from aotbuild.remote.schemes import parse_remote, pull_entry  # noqa: E402
 from tests import objectstore as flows  # noqa: E402
 from tests.standins import add_entry, entries, key_of  # noqa: E402
 

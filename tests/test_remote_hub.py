@@ -17,7 +17,7 @@ import pytest
 
 from aotbuild.cache.store import Store
 from aotbuild.errors import RemoteError
-from aotbuild.remote import HubRemote, parse_remote
+from aotbuild.remote.schemes import HubRemote, parse_remote
 from tests import manifests
 from tests.fakes.hub_server import HubStandIn
 from tests.standins import add_entry, entries, key_of
@@ -205,7 +205,7 @@ def test_large_packs_travel_through_the_lfs_endpoints(hub, monkeypatch, tmp_path
 
 
 def test_a_pack_longer_than_its_manifest_records_is_refused_while_it_downloads(hub, monkeypatch, tmp_path):
-    import aotbuild.remote as remote_module
+    import aotbuild.remote.schemes as remote_module
 
     local = Store(tmp_path / "local")
     a = add_entry(local, tmp_path, "a", {"x.so": b"kernel"})

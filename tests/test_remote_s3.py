@@ -15,8 +15,8 @@ moto_server = pytest.importorskip("moto.server")
 
 from aotbuild.cache.store import Store  # noqa: E402
 from aotbuild.errors import RemoteError, UsageError  # noqa: E402
-from aotbuild.remote import parse_remote  # noqa: E402
-from aotbuild.remote_fsspec import FsspecRemote, storage_options  # noqa: E402
+from aotbuild.remote.objectstore import FsspecRemote, storage_options  # noqa: E402
+from aotbuild.remote.schemes import parse_remote  # noqa: E402
 from tests import objectstore as flows  # noqa: E402
 from tests.conftest import invoke_cli  # noqa: E402
 from tests.standins import add_entry, entries, key_of  # noqa: E402
@@ -116,7 +116,7 @@ def test_an_empty_blob_and_one_of_an_exact_multiple_of_the_range_are_pulled(s3, 
 
 @pytest.mark.parametrize("blob", [b"", b"kernel-a"])
 def test_a_blob_made_longer_on_the_server_is_refused_at_any_size(s3, tmp_path, monkeypatch, blob):
-    from aotbuild import remote_fsspec
+    from aotbuild.remote import objectstore as remote_fsspec
 
     monkeypatch.setattr(remote_fsspec, "RANGE", 4)
     local = Store(tmp_path / "local")
@@ -281,7 +281,7 @@ def test_storage_options_come_from_the_environment(monkeypatch):
 
 
 def test_a_secret_in_the_options_never_reaches_a_message(monkeypatch):
-    from aotbuild.remote_fsspec import _scrub
+    from aotbuild.remote.objectstore import _scrub
 
     monkeypatch.setenv("AOTBUILD_REMOTE_OPTIONS", '{"secret": "opt-secret-123", "key": "opt-key-456"}')
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from aotbuild import UsageError, load_compiled
-from aotbuild.recipes import load_recipe, parse_recipe
+from aotbuild.recipe.rules import load_recipe, parse_recipe
 from tests.conftest import TINY_RECIPE, run_cli
 
 
@@ -127,8 +127,9 @@ def test_an_unreachable_remote_is_a_miss_with_its_reason(tiny_pipe, models_dir, 
     One connection attempt says so: huggingface_hub's retries (a warning line each, ~25 s) never start."""
     import logging
 
-    from aotbuild import CacheMiss, hub
-    from aotbuild.remote import HubRemote
+    from aotbuild import CacheMiss
+    from aotbuild.pipeline import hub
+    from aotbuild.remote.schemes import HubRemote
 
     monkeypatch.setattr(hub, "_seen", {})
     caplog.set_level(logging.WARNING, logger="huggingface_hub")

@@ -1,4 +1,4 @@
-"""aotbuild/safeio.py is the one reader and writer of outside files (docs/security.md): its refusals, and
+"""aotbuild/utils/safeio.py is the one reader and writer of outside files (docs/security.md): its refusals, and
 an AST check that no other module opens, parses or renames files except an explicit allow-list."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from aotbuild import safeio
+from aotbuild.utils import safeio
 
 PACKAGE = Path(__file__).resolve().parent.parent / "aotbuild"
 
@@ -26,14 +26,15 @@ MODULE_CALLS = {("json", "load"), ("json", "loads"), ("tomllib", "load"), ("toml
 #: (module file, function) -> why it may open, parse or rename itself. "*": the whole module. Every
 #: entry must still match a call (a stale entry fails the test), so the list stays short and true.
 ALLOWED = {
-    ("aotbuild/child.py", "*"): "the child-process protocol: spec, phase, result and log files aotbuild writes "
+    ("aotbuild/builder/child.py", "*"): "the child-process protocol: spec, phase, result and log files aotbuild writes "
                                 "in its own private temp folder for its own child",
-    ("aotbuild/loader.py", "*"): "the serving child's protocol (spec, job and log files in aotbuild's private "
+    ("aotbuild/builder/loader.py", "*"): "the serving child's protocol (spec, job and log files in aotbuild's private "
                                  "temp folder) and its stdout pipe",
-    ("aotbuild/builder.py", "_build_group"): "the phase file of the child-process protocol (a private temp folder)",
-    ("aotbuild/builder.py", "_keep_log"): "copies the build child's own log next to the failure it explains",
-    ("aotbuild/doctor.py", "check_roundtrip"): "writes doctor's own recipe into its own temp folder",
-    ("aotbuild/cli.py", "_run"): "opens os.devnull",
+    ("aotbuild/builder/build.py", "_build_group"): "the phase file of the child-process protocol (a private temp "
+                                                   "folder)",
+    ("aotbuild/builder/build.py", "_keep_log"): "copies the build child's own log next to the failure it explains",
+    ("aotbuild/cli/doctor.py", "check_roundtrip"): "writes doctor's own recipe into its own temp folder",
+    ("aotbuild/cli/commands.py", "_run"): "opens os.devnull",
     ("aotbuild/pipeline/textlen.py", "Pattern.sizes"): "parses the signature this process made of a live call's inputs "
                                               "(dispatch.signature), once per call: no file, no outside text",
     ("aotbuild/cache/locks.py", "_open"): "lock files: opened for flock only, their content never read or written",
@@ -43,14 +44,14 @@ ALLOWED = {
     ("aotbuild/pipeline/pipecall.py", "_pipeline_files"): "package data: the installed diffusers' own source files",
     ("aotbuild/pipeline/pipecall.py", "_signature_from_source"):
         "package data: the installed diffusers' own source files",
-    ("aotbuild/bench.py", "_cpu_model"): "the kernel's /proc/cpuinfo",
+    ("aotbuild/cli/bench.py", "_cpu_model"): "the kernel's /proc/cpuinfo",
     ("aotbuild/targets/neuron.py", "NeuronTarget.hardware_kind"): "the kernel's /sys DMI product name",
     ("aotbuild/targets/inductor.py", "InductorTarget.install"): "the compiler's own files: hash-verified blobs "
                                                                  "copied into Inductor's cache folder",
     ("aotbuild/strategies/aot_compile.py", "AotCompile.install"): "the compiler's own files: a hash-verified "
                                                                    "blob handed to torch.compiler",
-    ("aotbuild/remote.py", "_write_pack"): "tarfile over the file safeio.atomic_write opened",
-    ("aotbuild/remote.py", "_read_pack"): "tarfile over a pack safeio.open_regular opened, hashed before",
+    ("aotbuild/remote/schemes.py", "_write_pack"): "tarfile over the file safeio.atomic_write opened",
+    ("aotbuild/remote/schemes.py", "_read_pack"): "tarfile over a pack safeio.open_regular opened, hashed before",
 }
 
 
@@ -95,7 +96,7 @@ def test_only_safeio_opens_parses_or_renames_files_outside_the_allow_list():
     offenders = []
     for path in sorted(PACKAGE.rglob("*.py")):
         rel = path.relative_to(PACKAGE.parent).as_posix()
-        if rel == "aotbuild/safeio.py":
+        if rel == "aotbuild/utils/safeio.py":
             continue
         for function, call, line in _raw_calls(path):
             entry = next((k for k in ((rel, function), (rel, "*")) if k in ALLOWED), None)
@@ -103,7 +104,7 @@ def test_only_safeio_opens_parses_or_renames_files_outside_the_allow_list():
                 offenders.append(f"{rel}:{line} {function}: {call}(...)")
             else:
                 used.add(entry)
-    assert offenders == [], "read and write outside files through aotbuild.safeio (or allow-list it, with why)"
+    assert offenders == [], "read and write outside files through aotbuild.utils.safeio (or allow-list it, with why)"
     assert sorted(set(ALLOWED) - used) == []  # a stale entry: remove it
 
 
@@ -255,7 +256,7 @@ def test_a_log_is_never_appended_through_a_symlink(tmp_path):
 
 
 def test_safeio_imports_only_the_standard_library():
-    tree = ast.parse((PACKAGE / "safeio.py").read_text())
+    tree = ast.parse((PACKAGE / "utils" / "safeio.py").read_text())
     names = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     names |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
     assert names - set(sys.stdlib_module_names) - {"__future__"} <= {"yaml", "tomli"}  # imported when parsing

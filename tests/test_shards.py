@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from aotbuild import builder
-from aotbuild.builder import JobResult, ResultStatus
+from aotbuild.builder import build as builder
+from aotbuild.builder.build import JobResult, ResultStatus
 from aotbuild.errors import UsageError
 from aotbuild.shards import Shard, from_environment
 from tests.conftest import REPO, TINY_DICT, invoke_cli, one_job, per_job, run_cli
@@ -183,7 +183,7 @@ def test_auto_shards_build_the_plan_once_and_a_rerun_builds_only_what_the_remote
     assert [(i["index"], i["count"], i["jobs"], i["of"]) for i in info] == [(1, 3, 3, 7), (2, 3, 2, 7), (3, 3, 2, 7)]
     assert len({i["digest"] for i in info}) == 1 and info[0]["source"].startswith("GitLab (CI_NODE_INDEX=1")
     from aotbuild.cache.store import Store
-    from aotbuild.remote import parse_remote
+    from aotbuild.remote.schemes import parse_remote
 
     assert len(fake_compiles) == 7 and len(set(fake_compiles)) == 7  # every job, each once
     assert parse_remote(remote.as_uri()).keys() == set(fake_compiles)  # and all pushed

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import os
 
+from aotbuild.cache.manage import verify
 from aotbuild.cache.store import Store
-from aotbuild.manage import verify
 from tests.standins import add_entry
 
 

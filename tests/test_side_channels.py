@@ -1,5 +1,5 @@
 """Build jobs see no compiler side channel (issue 35 item 4): torch's and Triton's remote-cache
-variables are removed from every child's environment (aotbuild/side_channels.py, called by
+variables are removed from every child's environment (aotbuild/targets/side_channels.py, called by
 child.environment), unless AOTBUILD_ALLOW_REMOTE_COMPILER_CACHE=1, which makes them a key factor.
 The slow test points a real compile at a Redis API server on the loopback (fakeredis)."""
 
@@ -12,7 +12,8 @@ import threading
 
 import pytest
 
-from aotbuild import child, constants
+from aotbuild import constants
+from aotbuild.builder import child
 
 SIDE_CHANNELS = {"TORCHINDUCTOR_FX_GRAPH_REMOTE_CACHE": "1", "TORCHINDUCTOR_AUTOTUNE_REMOTE_CACHE": "1",
                  "TORCHINDUCTOR_BUNDLED_AUTOTUNE_REMOTE_CACHE": "1", "TORCHINDUCTOR_AUTOGRAD_REMOTE_CACHE": "1",

@@ -57,8 +57,8 @@ def test_keygen_writes_a_pair_told_apart_by_content_and_never_overwrites(tmp_pat
 
 def test_build_signs_what_it_stores_rebuilds_what_it_finds_unsigned_and_refuses_a_bad_key_first(
         cache, fake_compiles, keys, tmp_path):
-    from aotbuild import builder
-    from aotbuild.builder import ResultStatus
+    from aotbuild.builder import build as builder
+    from aotbuild.builder.build import ResultStatus
     from tests.conftest import TINY_RECIPE
 
     ci, other = keys
@@ -133,7 +133,7 @@ def test_a_pull_of_an_untrusted_entry_never_fetches_or_unpickles_a_blob(keys, tm
     remote = Store(tmp_path / "remote")
     key = signed_entry(remote, tmp_path, "a", other, {"fxgraph/entry": pickle.dumps(_Marker(str(marker)))})
     monkeypatch.setenv("AOTBUILD_TRUSTED_KEYS", str(tmp_path / "keys" / "ci.pub"))
-    from aotbuild.remote import parse_remote
+    from aotbuild.remote.schemes import parse_remote
 
     local = Store(tmp_path / "local", trusted=signing.trusted_from_env())
     why = parse_remote(f"file://{remote.root}").fetch(key, local)
@@ -162,7 +162,7 @@ def test_signatures_survive_push_and_pull_through_a_folder_remote_and_rotation_w
         serving = tmp_path / f"serving-{trusted}"
         remote_store = Store(folder, trusted=signing.load_trusted([tmp_path / "keys" / t for t in trusted.split(",")]))
         assert remote_store.open_entry(key)[0] is not None
-        from aotbuild.remote import parse_remote
+        from aotbuild.remote.schemes import parse_remote
 
         pulled = Store(serving, trusted=remote_store.trusted)
         assert parse_remote(f"file://{folder}").fetch(key, pulled) == ""
@@ -175,8 +175,8 @@ def test_signatures_survive_push_and_pull_through_a_folder_remote_and_rotation_w
 
 
 def test_signatures_survive_the_hub_stand_in(keys, tmp_path, monkeypatch, no_ambient_hf_auth):
-    from aotbuild import sync
-    from aotbuild.remote import parse_remote
+    from aotbuild.remote import sync
+    from aotbuild.remote.schemes import parse_remote
     from tests.fakes.hub_server import HubStandIn
 
     ci, other = keys

@@ -590,7 +590,7 @@ def run_matrix(label, recipe, cache, models_dir, changes, component="unet", trac
 def test_no_change_is_served_stale(strategy, strategy_build, models_dir, no_codegen, adapter):
     """Each change x before/after load: served compiled and within 1e-4 of eager with the change, or
     refused naming it; never a compile (on_miss="error"), never a stale image."""
-    from aotbuild.recipes import load_recipe
+    from aotbuild.recipe.rules import load_recipe
 
     recipe_path, cache, report = strategy_build(strategy)
     run_matrix(strategy, load_recipe(recipe_path), cache, models_dir, CHANGES, traces=strategy == "jit-cache")
@@ -607,7 +607,7 @@ def test_a_call_in_another_grad_mode_is_refused(strategy, strategy_build, models
     """Grad mode is part of what a trace assumed: a denoiser call with grad on (the build's ran under
     the pipeline's no_grad) is refused under on_miss="error", not compiled."""
     from aotbuild import load_compiled
-    from aotbuild.recipes import load_recipe
+    from aotbuild.recipe.rules import load_recipe
 
     recipe_path, cache, _ = strategy_build(strategy)
     recipe = load_recipe(recipe_path)
@@ -629,7 +629,7 @@ def test_jit_cache_refuses_a_compile_the_dependency_check_did_not_foresee(strate
     change the recorded dependencies do not cover) raises at Inductor's code generation instead of
     compiling silently. The change here is FreeU with the per-call check switched off."""
     from aotbuild import load_compiled
-    from aotbuild.recipes import load_recipe
+    from aotbuild.recipe.rules import load_recipe
 
     recipe_path, cache, _ = strategy_build("jit-cache")
     recipe = load_recipe(recipe_path)
@@ -901,7 +901,7 @@ def test_a_cache_hook_on_a_transformer_is_never_ignored(flux_build, no_codegen):
     call; the hook enabled then disabled serves compiled, equal to eager."""
     from pathlib import Path
 
-    from aotbuild.recipes import load_recipe
+    from aotbuild.recipe.rules import load_recipe
 
     recipe_path, cache = flux_build
     recipe = load_recipe(recipe_path)
@@ -922,7 +922,7 @@ def test_a_declared_attention_backend_serves_a_pipe_with_it_set_by_hand(flux_bui
 
     from aotbuild import load_compiled
     from aotbuild.pipeline.changes import active_backend
-    from aotbuild.recipes import load_recipe
+    from aotbuild.recipe.rules import load_recipe
 
     recipe_path, cache = flux_build
     declared = load_recipe(recipe_path)

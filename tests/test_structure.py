@@ -91,7 +91,7 @@ def test_a_changed_pipe_is_a_miss_with_its_reason_under_every_strategy(strategy_
     from aotbuild import load_compiled
     from aotbuild.dispatch import dispatchers
     from aotbuild.pipeline.models import load_pipeline, resolve_model
-    from aotbuild.recipes import load_recipe
+    from aotbuild.recipe.rules import load_recipe
 
     recipe_path, cache, _ = strategy_build(strategy)
     recipe = load_recipe(recipe_path)
@@ -130,7 +130,7 @@ def test_load_compiled_twice_on_one_pipe_installs_again_cleanly(strategy_build, 
     the first dispatcher and raised Dynamo's Unsupported from aotbuild/dispatch.py."""
     from aotbuild import load_compiled
     from aotbuild.dispatch import Dispatcher
-    from aotbuild.recipes import load_recipe
+    from aotbuild.recipe.rules import load_recipe
 
     recipe_path, cache, _ = strategy_build(strategy)
     recipe = load_recipe(recipe_path)

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from aotbuild.errors import RecipeError
-from aotbuild.recipes import parse_recipe
+from aotbuild.recipe.rules import parse_recipe
 from tests.conftest import FAKES, REPO, invoke_cli, run_cli, run_python
 from tests.standins import NEURON_BENCH_GROUP, neuron_bench
 
@@ -72,7 +72,7 @@ def test_real_recipes_validate_and_plan_as_unavailable():
 @cpu_only
 def test_the_cuda_recipe_plans_as_unavailable_without_cuda(tmp_path):
     from aotbuild import plan
-    from aotbuild.recipes import load_recipe
+    from aotbuild.recipe.rules import load_recipe
 
     jobs = plan([load_recipe(REPO / "recipes" / "flux_cuda.yaml")], tmp_path)
     assert [(j.status, j.reason.split(" (")[0]) for j in jobs] == \

@@ -124,7 +124,7 @@ def test_call_at_resizes_the_text_dimensions_to_a_dense_layout():
     ({"target": "neuron", "device": None}, "text_length", "static shapes only"),
 ])
 def test_what_cannot_serve_a_text_range_is_refused_when_the_recipe_is_read(change, key, words):
-    from aotbuild.recipes import parse_recipe
+    from aotbuild.recipe.rules import parse_recipe
 
     data = {"model": "builtin:tiny-sd", "compile": {"components": ["unet"]}, "shapes": [{"height": 64, "width": 64}],
             "text_length": {"min": 2, "max": 512}, **change}

@@ -167,7 +167,8 @@ def test_only_kernels_that_bake_the_thread_count_miss_at_another_and_the_miss_na
     """cpp.dynamic_threads (aotbuild's CPU default) keeps the count out of every strategy's key;
     ``cpp.dynamic_threads: false`` bakes it into the kernels, so the target keys it: at another count
     plan (and load_compiled, which explains a miss the same way) says which count each side has."""
-    from aotbuild import builder, plan
+    from aotbuild import plan
+    from aotbuild.builder import build as builder
     from tests.conftest import TINY_DICT
 
     default = {**TINY_DICT, "strategy": strategy}

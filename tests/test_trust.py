@@ -33,8 +33,9 @@ def ci(tmp_path):
 def _plant(cache, remote_root, fake_compiles) -> list[str]:
     """An attacker's unsigned entries for every job of the recipe, marked, on the folder ``remote_root``
     (a remote anyone can write): built (fake) in a cache of its own, marked, pushed."""
-    from aotbuild import builder, sync
-    from aotbuild.remote import parse_remote
+    from aotbuild.builder import build as builder
+    from aotbuild.remote import sync
+    from aotbuild.remote.schemes import parse_remote
 
     attacker = cache.parent / "attacker"
     shutil.copytree(cache / "models", attacker / "models")
@@ -57,9 +58,10 @@ def _planted(manifest) -> bool:
 
 
 def test_a_signing_build_rebuilds_an_entry_it_found_unsigned_and_never_signs_it(cache, fake_compiles, ci, tmp_path):
-    from aotbuild import builder, sync
-    from aotbuild.builder import ResultStatus
-    from aotbuild.remote import parse_remote
+    from aotbuild.builder import build as builder
+    from aotbuild.builder.build import ResultStatus
+    from aotbuild.remote import sync
+    from aotbuild.remote.schemes import parse_remote
 
     remote = tmp_path / "remote"
     keys = _plant(cache, remote, fake_compiles)
@@ -74,7 +76,7 @@ def test_a_signing_build_rebuilds_an_entry_it_found_unsigned_and_never_signs_it(
 
 
 def test_push_never_signs_and_push_sign_key_is_gone(cache, fake_compiles, ci, tmp_path):
-    from aotbuild import builder
+    from aotbuild.builder import build as builder
 
     keys = [r.job.key for r in builder.build([RECIPE], cache).results]  # unsigned
     remote = tmp_path / "remote"
@@ -88,7 +90,8 @@ def test_push_never_signs_and_push_sign_key_is_gone(cache, fake_compiles, ci, tm
 
 
 def test_sign_vouches_only_for_what_it_is_named_and_checks_hashes_first(cache, fake_compiles, ci):
-    from aotbuild import builder, sync
+    from aotbuild.builder import build as builder
+    from aotbuild.remote import sync
 
     keys = [r.job.key for r in builder.build([RECIPE], cache).results]
     with pytest.raises(UsageError, match="name the entries to sign"):
@@ -157,9 +160,11 @@ def test_an_untrusted_signer_name_is_printed_escaped(ci, tmp_path):
 @pytest.mark.parametrize("value", ["", " ", ",", " , "])
 def test_a_trusted_keys_setting_that_names_no_key_is_an_error_at_every_entry_point(
         value, cache, fake_compiles, tmp_path, monkeypatch):
-    from aotbuild import builder, load_compiled, sync
+    from aotbuild import load_compiled
+    from aotbuild.builder import build as builder
     from aotbuild.planner import plan
-    from aotbuild.remote import parse_remote
+    from aotbuild.remote import sync
+    from aotbuild.remote.schemes import parse_remote
 
     builder.build([RECIPE], cache)  # unsigned entries: with verification silently off, these were hits
     remote = tmp_path / "remote"
@@ -180,7 +185,7 @@ def test_a_trusted_keys_setting_that_names_no_key_is_an_error_at_every_entry_poi
 
 
 def test_none_is_no_verification_on_purpose_and_unset_is_none(cache, fake_compiles, monkeypatch):
-    from aotbuild import builder
+    from aotbuild.builder import build as builder
     from aotbuild.planner import JobStatus, plan
 
     builder.build([RECIPE], cache)
@@ -196,7 +201,7 @@ def test_none_is_no_verification_on_purpose_and_unset_is_none(cache, fake_compil
 
 
 def test_private_and_public_keys_are_told_apart_by_content(ci, tmp_path, cache, fake_compiles):
-    from aotbuild import builder
+    from aotbuild.builder import build as builder
 
     private, public = ci
     with pytest.raises(UsageError, match="a public key: signing needs the private key"):
@@ -271,7 +276,7 @@ def test_two_keys_under_one_name_or_one_key_under_two_names_is_an_error(tmp_path
 
 
 def test_show_and_verify_say_which_key_signed_each_entry(cache, fake_compiles, ci, tmp_path, monkeypatch):
-    from aotbuild import builder
+    from aotbuild.builder import build as builder
 
     keys = [r.job.key for r in builder.build([RECIPE], cache, sign_key=ci[0]).results]
     monkeypatch.setenv("AOTBUILD_TRUSTED_KEYS", str(ci[1]))
@@ -286,7 +291,7 @@ def test_show_and_verify_say_which_key_signed_each_entry(cache, fake_compiles, c
 
 def test_an_unsigned_remote_entry_neither_blocks_a_signed_build_nor_passes_the_gate(
         cache, fake_compiles, ci, tmp_path):
-    from aotbuild.builder import ResultStatus
+    from aotbuild.builder.build import ResultStatus
 
     remote = tmp_path / "remote"
     keys = _plant(cache, remote, fake_compiles)
@@ -306,9 +311,10 @@ def test_an_unsigned_remote_entry_neither_blocks_a_signed_build_nor_passes_the_g
 
 
 def test_a_manifest_a_trusted_key_signed_is_never_overwritten(cache, fake_compiles, ci, tmp_path):
-    from aotbuild import builder, sync
+    from aotbuild.builder import build as builder
     from aotbuild.errors import StoreError
-    from aotbuild.remote import parse_remote
+    from aotbuild.remote import sync
+    from aotbuild.remote.schemes import parse_remote
 
     remote = tmp_path / "remote"
     remote.mkdir()
@@ -345,9 +351,9 @@ def test_a_planted_unsigned_entry_is_never_served_to_a_machine_that_trusts_only_
     plan (the gate). After each step, a machine trusting only CI's key, pulling from the remote or
     reading CI's cache, is never handed a planted entry; and whenever the gate passes, it is served.
     The orders: each step before each other one, and each step first in a run of all five."""
-    from aotbuild import sync
-    from aotbuild.builder import ResultStatus
-    from aotbuild.remote import parse_remote
+    from aotbuild.builder.build import ResultStatus
+    from aotbuild.remote import sync
+    from aotbuild.remote.schemes import parse_remote
 
     remote_root = tmp_path / "remote"
     keys = _plant(cache, remote_root, fake_compiles)
@@ -384,8 +390,9 @@ def test_a_planted_unsigned_entry_is_never_served_to_a_machine_that_trusts_only_
 
 def test_on_the_hub_stand_in_a_signed_push_replaces_an_unsigned_manifest_and_the_gate_reads_it(
         cache, fake_compiles, ci, tmp_path, monkeypatch, no_ambient_hf_auth):
-    from aotbuild import builder, sync
-    from aotbuild.remote import parse_remote, untrusted_on_remote
+    from aotbuild.builder import build as builder
+    from aotbuild.remote import sync
+    from aotbuild.remote.schemes import parse_remote, untrusted_on_remote
     from tests.fakes.hub_server import HubStandIn
 
     attacker = tmp_path / "attacker"

@@ -85,7 +85,7 @@ def test_model_index_names_only_plain_components_of_diffusers_and_transformers(m
     index[component] = [library, "UNet2DConditionModel"]
     (model_folder / "model_index.json").write_text(json.dumps(index))
     from aotbuild import plan
-    from aotbuild.recipes import load_recipe
+    from aotbuild.recipe.rules import load_recipe
 
     recipe = load_recipe(model_folder.parent / "r.yaml")
     jobs = plan([recipe], tmp_path / "cache")
@@ -109,7 +109,7 @@ def test_a_config_json_is_read_with_bounded_work_in_one_line(model_folder, tmp_p
 
 def test_a_recipe_component_is_a_plain_name():
     from aotbuild.errors import RecipeError
-    from aotbuild.recipes import parse_recipe
+    from aotbuild.recipe.rules import parse_recipe
 
     with pytest.raises(RecipeError, match="compile.components: '../../x' is not a component name"):
         parse_recipe({"model": "builtin:tiny-sd", "compile": {"components": ["../../x"]},
@@ -272,7 +272,7 @@ def test_sigterm_and_sighup_stop_a_build_as_ctrl_c_does(models_dir, tmp_path, si
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130 and f"interrupted ({signame})" in err, err[-2000:]
     workers = subprocess.run(["pgrep", "-f", str(cache / "tmp")], capture_output=True, text=True).stdout.split()
-    assert workers == []  # no orphaned worker, no loader (aotbuild/loader.py)
+    assert workers == []  # no orphaned worker, no loader (aotbuild/builder/loader.py)
     assert not list((cache / "tmp").glob("job-*")) and not list((cache / "tmp").glob("load.*"))
     assert run_cli("verify", "--cache", str(cache)).returncode == 0
 
@@ -285,7 +285,7 @@ def test_the_proof_fails_on_nan_or_inf(served, eager, says):
     """With sigmas [1e308, 1e308] both outputs were NaN and the proof recorded a difference of 0.0."""
     import torch
 
-    from aotbuild.proof import _replay
+    from aotbuild.builder.proof import _replay
 
     module = lambda *a, **k: torch.full((2,), served)  # noqa: E731 - the served component
     with pytest.raises(RuntimeError, match=says):
@@ -304,7 +304,7 @@ def test_the_proof_fails_on_nan_or_inf(served, eager, says):
 ])
 def test_the_work_a_recipe_asks_for_is_bounded_and_the_operator_can_raise_it(monkeypatch, over, key, variable):
     from aotbuild.errors import RecipeError
-    from aotbuild.recipes import parse_recipe
+    from aotbuild.recipe.rules import parse_recipe
 
     data = {"model": "builtin:tiny-sd", "shapes": [{"height": 64, "width": 64}], **over}
     with pytest.raises(RecipeError) as info:
@@ -315,7 +315,7 @@ def test_the_work_a_recipe_asks_for_is_bounded_and_the_operator_can_raise_it(mon
 
 
 def test_a_child_past_its_time_limit_is_killed_with_the_reason(tmp_path):
-    from aotbuild import child
+    from aotbuild.builder import child
 
     planted = tmp_path / "pp"
     planted.mkdir()
@@ -327,7 +327,8 @@ def test_a_child_past_its_time_limit_is_killed_with_the_reason(tmp_path):
 
 def test_explaining_a_miss_compares_a_bounded_number_of_entries(monkeypatch):
     """plan cost jobs x entries full comparisons (1,000 shapes against 501 entries: 96 s)."""
-    from aotbuild import explain, keys
+    from aotbuild import keys
+    from aotbuild.cache import explain
 
     entries = [manifests.manifest(manifests.factors(f"v{i}"), recipe="other") for i in range(600)]
     index = explain.Entries(entries)
@@ -343,7 +344,7 @@ def test_explaining_a_miss_compares_a_bounded_number_of_entries(monkeypatch):
     assert len(flattened) == 50 * 3  # per miss: the job's factors, and differences' two; entries once, at the index
 
 
-# -- hostile files in a store or a repository: one line, never a traceback or a hang (aotbuild/safeio.py) ----
+# -- hostile files in a store or a repository: one line, never a traceback or a hang (aotbuild/utils/safeio.py) ----
 
 def _invoke(*args: str):
     """An aotbuild command in this process (click's CliRunner): (exit code, stdout, stderr); an exception
@@ -352,7 +353,7 @@ def _invoke(*args: str):
 
     from click.testing import CliRunner
 
-    from aotbuild.cli import main
+    from aotbuild.cli.commands import main
 
     handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, getattr(signal, "SIGHUP", signal.SIGTERM))}
     try:

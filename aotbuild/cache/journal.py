@@ -13,7 +13,7 @@ lifetime (``<cache>/tmp/j.*``), every digest it is about to store, before storin
   ``aotbuild verify --json`` lists under ``notes``.
 
 A build killed with -9 also leaves its staging folders (``tmp/job-*``, ``tmp/load.*``: its children
-die with it, aotbuild/child.py; a killed pull's ``tmp/pull.*`` too): the next build, and the next
+die with it, aotbuild/builder/child.py; a killed pull's ``tmp/pull.*`` too): the next build, and the next
 writer, removes each one whose ``.lock`` nobody holds (and is older than STAGING_GRACE), under that
 lock, and notes it in the same log, so ``verify`` is clean after the next command, without ``--fix``.
 
@@ -31,10 +31,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
 
-from aotbuild import safeio
 from aotbuild.cache.layout import HEX64
 from aotbuild.cache.locks import is_unlocked, locked_tempfile, store_lock
 from aotbuild.errors import StoreError
+from aotbuild.utils import safeio
 
 if TYPE_CHECKING:
     from aotbuild.cache.manifest import Manifest
@@ -44,7 +44,7 @@ PREFIX = "j."
 #: How long a failed writer or the next one waits for the exclusive lock to reclaim (seconds);
 #: past it the journal stays for the writer after.
 RECLAIM_TIMEOUT = 10.0
-#: Bounds on what is read back (aotbuild.safeio): a journal lists one 65-byte line per blob; the
+#: Bounds on what is read back (aotbuild.utils.safeio): a journal lists one 65-byte line per blob; the
 #: reclaimed log only grows, so only its tail is read, each note a small, shallow JSON object.
 MAX_JOURNAL_BYTES = 64 << 20
 NOTES_TAIL_BYTES = 1 << 20

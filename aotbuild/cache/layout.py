@@ -25,8 +25,9 @@ import re
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
-from aotbuild import constants, safeio
+from aotbuild import constants
 from aotbuild.errors import StoreError, UsageError
+from aotbuild.utils import safeio
 
 HEX64 = re.compile(r"^[0-9a-f]{64}\Z")
 _HEX2 = re.compile(r"^[0-9a-f]{2}\Z")

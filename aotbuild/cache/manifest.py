@@ -30,10 +30,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from aotbuild import constants, safeio
+from aotbuild import constants
 from aotbuild.cache.layout import HEX64
 from aotbuild.errors import ManifestError, StaleManifest
 from aotbuild.keys import AUTO, key_of
+from aotbuild.utils import safeio
 
 #: A manifest file larger than this is refused before it is read.
 MAX_BYTES = 16 * 1024 * 1024
@@ -64,7 +65,7 @@ class Proof:
     calls: int = 0  # component calls compared
     counter: str = ""  # what "compiles" counted (e.g. "fx graph cache misses")
     swaps: int = 0  # adapters hot-swapped in and served too (lora)
-    #: what serving did beyond the verdict (aotbuild/proof.py, ``served``): hits, compiler counts,
+    #: what serving did beyond the verdict (aotbuild/builder/proof.py, ``served``): hits, compiler counts,
     #: dispatcher calls, swaps and rebinds, the strict-shape refusal; {} for entries proven before
     served: Mapping[str, Any] = field(default_factory=dict)
 
@@ -159,7 +160,7 @@ def read(path: Path, key: str) -> Manifest | None:
 
     Raises OSError when it cannot be read (permissions), ManifestError when it is malformed (not a
     regular file, a symbolic link, too big, too deep, a wrong field) and StaleManifest when it is of
-    another format. Read through aotbuild.safeio: without blocking (a FIFO planted under a
+    another format. Read through aotbuild.utils.safeio: without blocking (a FIFO planted under a
     manifest's name cannot hang a reader), never through a link."""
     try:
         raw = safeio.read_bytes(path, MAX_BYTES, follow_symlinks=False)

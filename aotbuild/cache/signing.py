@@ -18,7 +18,7 @@ Key files are one line each, told apart by content (never by their name):
 ``aotbuild-ed25519-public-v1 NAME BASE64`` (``NAME.pub``, the 32-byte public key). The old
 ``NAME:base64`` files (the same for both kinds) are refused with the command that converts them
 (``aotbuild keygen --convert FILE``); signatures already in manifests stay valid. Key files are read
-through :mod:`aotbuild.safeio` (a regular file, without blocking, bounded). ``cryptography`` is
+through :mod:`aotbuild.utils.safeio` (a regular file, without blocking, bounded). ``cryptography`` is
 imported only when signing or verifying.
 """
 
@@ -33,9 +33,9 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from aotbuild import safeio
 from aotbuild.errors import UsageError
-from aotbuild.text import printable
+from aotbuild.utils import safeio
+from aotbuild.utils.text import printable
 
 #: A key's name: what signatures are filed under.
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}\Z")

@@ -19,13 +19,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-from aotbuild import safeio
 from aotbuild.cache import manifest as codec
 from aotbuild.cache.layout import HEX64, Layout, shared_dirs
 from aotbuild.cache.locks import locked_tempfile
 from aotbuild.cache.manifest import Manifest
 from aotbuild.errors import ManifestError, StaleManifest, StoreError, UsageError
-from aotbuild.safeio import atomic_write, open_regular
+from aotbuild.utils import safeio
+from aotbuild.utils.safeio import atomic_write, open_regular
 
 _CHUNK = 1 << 20
 #: A failure record is a small JSON object (a reason, a time, a version).

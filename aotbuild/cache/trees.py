@@ -11,7 +11,7 @@ from pathlib import Path
 
 from aotbuild.cache.layout import safe_relpath
 from aotbuild.errors import StoreError
-from aotbuild.safeio import place
+from aotbuild.utils.safeio import place
 
 
 def collect_tree(base: Path) -> list[tuple[str, Path]]:
@@ -61,7 +61,7 @@ def lay_tree(files: Iterable[tuple[str, Path]], folder: Path) -> tuple[int, int]
                 except (KeyError, OSError):
                     shutil.copyfile(blob, tmp)
 
-        place(dest, make)  # one rename from a temp name beside it (aotbuild.safeio)
+        place(dest, make)  # one rename from a temp name beside it (aotbuild.utils.safeio)
         laid.setdefault(blob, dest)
         installed += 1
     return installed, present

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from aotbuild.recipe import Recipe
+    from aotbuild.recipe.schema import Recipe
 
 __all__ = ["Feature", "Where"]
 

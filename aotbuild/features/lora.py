@@ -24,11 +24,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from aotbuild import safeio
 from aotbuild.errors import UsageError
 from aotbuild.features.base import Feature, Where
-from aotbuild.recipe import LoraAdapter, Recipe
-from aotbuild.text import printable
+from aotbuild.recipe.schema import LoraAdapter, Recipe
+from aotbuild.utils import safeio
+from aotbuild.utils.text import printable
 
 DEFAULT_WEIGHT_NAME = "pytorch_lora_weights.safetensors"
 MAX_HEADER = 64 * 1024 * 1024
@@ -79,7 +79,7 @@ def target_name(module_path: str) -> str:
 def read(path: Path) -> AdapterFile:
     """The header of a LoRA .safetensors file (8 bytes of length, then JSON): never its tensors.
 
-    The file is opened once, through aotbuild.safeio (a regular file, without blocking); the header's
+    The file is opened once, through aotbuild.utils.safeio (a regular file, without blocking); the header's
     length and JSON depth are checked on the bytes read, then ``safetensors`` itself parses that same
     open file (through ``/proc/self/fd``, never re-opened by its path) and checks that the header's
     offsets cover the file exactly: a truncated file is refused here, when the recipe is planned."""

@@ -19,8 +19,8 @@ from typing import Any
 from aotbuild.constants import dist_version
 from aotbuild.errors import UsageError
 from aotbuild.features.base import Feature, Where
-from aotbuild.frozen import thaw
-from aotbuild.recipe import QuantSpec, Recipe
+from aotbuild.recipe.frozen import thaw
+from aotbuild.recipe.schema import QuantSpec, Recipe
 
 #: quant_type -> torchao.quantization config class
 QUANT_TYPES = {

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from aotbuild.features.base import Feature
 
 if TYPE_CHECKING:
-    from aotbuild.recipe import Recipe
+    from aotbuild.recipe.schema import Recipe
 
 __all__ = ["FEATURES", "used", "names", "changes_modules", "detect_changes"]
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from aotbuild.errors import UsageError
 
 if TYPE_CHECKING:
-    from aotbuild.recipe import Recipe
+    from aotbuild.recipe.schema import Recipe
 
 #: How many repeating classes an error lists before "and N more".
 SHOWN = 8
@@ -44,7 +44,7 @@ def describe_repeating(module: Any) -> str:
 
 def block_problem(module: Any, classes: tuple[str, ...] | None) -> tuple[str, str]:
     """(recipe key, why ``classes`` cannot be the blocks of ``module``), or ("", "")."""
-    from aotbuild.suggest import suggest
+    from aotbuild.utils.suggest import suggest
 
     cls = type(module).__name__
     if not classes:

@@ -41,10 +41,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from aotbuild.features.base import Feature, Where
-from aotbuild.frozen import freeze, thaw
-from aotbuild.recipe import FREEU_FACTORS, ChangesSpec, Recipe
-from aotbuild.suggest import suggest
-from aotbuild.text import printable
+from aotbuild.recipe.frozen import freeze, thaw
+from aotbuild.recipe.schema import FREEU_FACTORS, ChangesSpec, Recipe
+from aotbuild.utils.suggest import suggest
+from aotbuild.utils.text import printable
 
 __all__ = ["FREEU_FACTORS", "FREEU_COMPONENT", "Change", "CHANGES", "factors", "same_keys", "check_recipe", "apply",
            "detect", "Detected", "processor_classes", "attention_backends", "active_backend", "cache_config_classes",

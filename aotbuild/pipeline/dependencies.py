@@ -41,7 +41,7 @@ import types
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from aotbuild.text import printable
+from aotbuild.utils.text import printable
 
 __all__ = ["VERSION", "ROOT_OUTSIDE", "only_devices", "snapshot", "numeric_flags", "digest", "diff", "recipe_key",
            "observe", "observed", "reset_observed", "record_calls", "at_call", "call_time", "call_state", "Watch"]

@@ -16,13 +16,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from aotbuild import builtin, safeio
+from aotbuild import builtin
 from aotbuild.cache.layout import Layout
 from aotbuild.errors import ModelUnavailable, ModelUnreachable
 from aotbuild.pipeline.blocks import describe_repeating
-from aotbuild.recipe import CompileSpec, Recipe
-from aotbuild.suggest import suggest
-from aotbuild.text import printable
+from aotbuild.recipe.schema import CompileSpec, Recipe
+from aotbuild.utils import safeio
+from aotbuild.utils.suggest import suggest
+from aotbuild.utils.text import printable
 
 __all__ = ["ModelUnavailable", "ResolvedModel", "resolve_model", "load_pipeline", "place_pipeline",
            "component_config", "module_config", "check_components", "check_blocks"]
@@ -147,7 +148,7 @@ def resolve_model(recipe: Recipe, cache_root: Path) -> ResolvedModel:
 
 
 def hub_file(repo_id: str, filename: str, revision: str | None) -> Path:
-    from aotbuild import hub
+    from aotbuild.pipeline import hub
 
     down = "" if hub.offline_mode() else hub.unreachable()
     try:
@@ -179,7 +180,7 @@ def hub_file(repo_id: str, filename: str, revision: str | None) -> Path:
 def _read_json(path: Path, inside: Path | None = None) -> dict[str, Any]:
     """A JSON object from a regular file of at most MAX_JSON_BYTES, opened without blocking, nested at
     most MAX_JSON_DEPTH deep (counted before parsing), without NaN or Infinity; with ``inside``, the
-    file's real path must stay in that folder (aotbuild.safeio reads it)."""
+    file's real path must stay in that folder (aotbuild.utils.safeio reads it)."""
     path = Path(path)
     try:
         data = safeio.read_json(path, max_bytes=MAX_JSON_BYTES, max_depth=MAX_JSON_DEPTH, within=inside)

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from aotbuild.constants import DEFAULT_WARMUP_PROMPT
-from aotbuild.recipe import Recipe, Shape
-from aotbuild.suggest import suggest
+from aotbuild.recipe.schema import Recipe, Shape
+from aotbuild.utils.suggest import suggest
 
 #: The per-prompt count arguments, in the order they are looked for.
 COUNT_ARGUMENTS = ("num_images_per_prompt", "num_videos_per_prompt")
@@ -145,7 +145,7 @@ def check_recipe(recipe: Recipe, call: CallSignature) -> None:
         raise recipe.error("warmup.num_frames", f"shapes[{framed[0]}] sets num_frames: the shapes own it, so set it "
                                                 f"in each shape, not in the warmup")
     if call.is_video and not framed and "num_frames" not in recipe.warmup:  # the pipeline's default frames
-        from aotbuild.recipes import check_pixels
+        from aotbuild.recipe.rules import check_pixels
 
         check_pixels(recipe, _default_frames(call.pipeline))
 

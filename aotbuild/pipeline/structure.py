@@ -24,7 +24,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from aotbuild.text import printable
+from aotbuild.utils.text import printable
 
 __all__ = ["describe", "record", "mismatch", "settings_mismatch"]
 

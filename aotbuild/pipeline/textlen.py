@@ -63,7 +63,7 @@ def compare(sig_a: str, sig_b: str) -> tuple[list[TextDim], str]:
     """The tensor dimensions in which two signatures of the same call differ, and "" ; or ([], why)
     when they differ in anything else (an argument present in one only, a dtype, a non-tensor value):
     then the text length is not just a size of the call."""
-    from aotbuild.safeio import loads_json
+    from aotbuild.utils.safeio import loads_json
 
     # this process's own signatures of the build's calls, parsed with the bounds of a manifest's (Pattern)
     a, b = (loads_json(s, max_bytes=1 << 16, max_depth=64) for s in (sig_a, sig_b))
@@ -95,7 +95,7 @@ def compare(sig_a: str, sig_b: str) -> tuple[list[TextDim], str]:
 
 def generalize(sig: str, dims: list[TextDim], lo: int, hi: int) -> str:
     """``sig`` with each of ``dims`` written as the range: the pattern's signature."""
-    from aotbuild.safeio import loads_json
+    from aotbuild.utils.safeio import loads_json
 
     data = loads_json(sig, max_bytes=1 << 16, max_depth=64)
     chosen = {(d.path, d.dim) for d in dims}
@@ -140,7 +140,7 @@ class Pattern:
     """A built signature with text dimensions: which calls it serves, and marking them dynamic."""
 
     def __init__(self, sig: str) -> None:
-        from aotbuild.safeio import loads_json
+        from aotbuild.utils.safeio import loads_json
 
         self.sig = sig
         # a built signature is read back from a manifest: parsed with bounded size and depth
@@ -373,7 +373,7 @@ def plan_note(limits: Any, component: str, measured: Any) -> dict[str, Any]:
     warning with the fix where a prompt other than the warmup's would compile (or, with
     ``strict_shapes``, be refused). ``limits``: the recipe's ``text_length`` or None; ``measured``:
     the ``text`` record a build of this component wrote into its manifest (``build.text``), or None."""
-    from aotbuild.text import printable
+    from aotbuild.utils.text import printable
 
     dims = measured.get("prompt_dependent") if isinstance(measured, dict) else None
     follows = None if not isinstance(dims, list) else bool(dims)

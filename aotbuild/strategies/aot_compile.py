@@ -53,7 +53,7 @@ from aotbuild.strategies.calls import floats_of, snapshot, structure, where_call
 
 if TYPE_CHECKING:
     from aotbuild.cache.store import Entry
-    from aotbuild.recipe import Recipe
+    from aotbuild.recipe.schema import Recipe
     from aotbuild.targets.base import InstallResult, Target
 
 ARTIFACT_DIR = "aot-compile"

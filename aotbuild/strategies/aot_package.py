@@ -23,7 +23,7 @@ from aotbuild.strategies.base import BuildJob, Built, Planned, Resolved, Strateg
 
 if TYPE_CHECKING:
     from aotbuild.cache.store import Entry
-    from aotbuild.recipe import Recipe
+    from aotbuild.recipe.schema import Recipe
     from aotbuild.targets.base import InstallResult, Target
 
 

@@ -66,7 +66,7 @@ from aotbuild.strategies.calls import (
 )
 
 if TYPE_CHECKING:
-    from aotbuild.recipe import Recipe
+    from aotbuild.recipe.schema import Recipe
 
 PACKAGE_DIR = "aoti"
 #: In an entry built before 2026-12-03: the CPU-ISA probe files a fresh load of its packages left in an

@@ -1,4 +1,4 @@
-"""``strategy: auto`` (the default): the registry's name for "choose per job" (aotbuild/auto.py).
+"""``strategy: auto`` (the default): the registry's name for "choose per job" (aotbuild/strategies/order.py).
 
 Auto is not a way to store an entry: the builder tries, per job, the strategies that can serve the
 recipe in a fixed order and stores the first that builds and passes the proof; the entry's manifest

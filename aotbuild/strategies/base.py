@@ -33,7 +33,7 @@ from aotbuild import forwards
 
 if TYPE_CHECKING:
     from aotbuild.cache.store import Entry
-    from aotbuild.recipe import Recipe
+    from aotbuild.recipe.schema import Recipe
     from aotbuild.targets.base import InstallResult, Target
 
 
@@ -160,7 +160,7 @@ class Strategy:
 
     def compile_counter(self, target: Target) -> tuple[str, Callable[[], int]]:
         """What the proof counts as a compile in a serving process, and a function returning that count
-        so far (aotbuild/proof.py takes the difference over the proof's calls)."""
+        so far (aotbuild/builder/proof.py takes the difference over the proof's calls)."""
         return target.compile_counter()
 
     # -- load ---------------------------------------------------------------------------------------

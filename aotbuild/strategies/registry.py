@@ -10,8 +10,8 @@ from pathlib import Path
 
 from aotbuild.cache.manifest import Manifest
 from aotbuild.cache.store import Store
-from aotbuild.registry import Registry
 from aotbuild.strategies.base import Strategy
+from aotbuild.utils.registry import Registry
 
 __all__ = ["get_strategy", "strategy_names", "records_problem", "checked_store"]
 

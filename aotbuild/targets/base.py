@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-    from aotbuild.recipe import Recipe
+    from aotbuild.recipe.schema import Recipe
 
 
 @dataclass(frozen=True)
@@ -54,7 +54,7 @@ class Target:
     #: factor yet, so such a target is refused when a recipe is read (validate), never served wrong.
     embeds_weights: bool = False
     #: True when a build may load the pipeline once per recipe and fork each job's worker from that
-    #: process (aotbuild/loader.py): the compiler reads the cache folders of ``capture_env`` when it
+    #: process (aotbuild/builder/loader.py): the compiler reads the cache folders of ``capture_env`` when it
     #: compiles, not when it is imported, and keeps nothing in memory between processes.
     shares_loads: bool = False
     #: True when the compiler serves a dimension dynamic within a range (``text_length``: Dynamo's

@@ -26,7 +26,7 @@ from aotbuild.targets.base import Availability, InstallResult, Target, Toolchain
 
 if TYPE_CHECKING:
 
-    from aotbuild.recipe import Recipe
+    from aotbuild.recipe.schema import Recipe
 
 
 class FolderCacheTarget(Target):
@@ -86,7 +86,7 @@ class FolderCacheTarget(Target):
                                          f"(allowed: {self.name}, {self.name}:N, cpu)")
 
     def validate(self, recipe: Recipe) -> None:
-        from aotbuild.frozen import thaw
+        from aotbuild.recipe.frozen import thaw
         from aotbuild.targets import options
 
         super().validate(recipe)
@@ -97,7 +97,7 @@ class FolderCacheTarget(Target):
                                                f"(got {recipe.compile.mode!r})")
 
     def compile_settings(self, recipe: Recipe, device: str) -> dict[str, Any]:
-        from aotbuild.frozen import thaw
+        from aotbuild.recipe.frozen import thaw
 
         spec = recipe.compile
         return {"backend": self.name, "scope": spec.scope, **blocks_setting(recipe), "mode": spec.mode,

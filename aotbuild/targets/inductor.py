@@ -33,7 +33,7 @@ from aotbuild.targets.base import Availability, InstallResult, Target, Toolchain
 
 if TYPE_CHECKING:
 
-    from aotbuild.recipe import Recipe
+    from aotbuild.recipe.schema import Recipe
 
 _SKIP_DIRS = {"locks", "__pycache__"}
 # Triton keeps its kernels under triton/<device index>/: stored as triton/{device}/ so an entry built
@@ -126,7 +126,7 @@ class InductorTarget(Target):
         return ToolchainCheck(True, f"C++ compiler {compiler}: {version}", data={"compiler": compiler})
 
     def compile_settings(self, recipe: Recipe, device: str) -> dict[str, Any]:
-        from aotbuild.frozen import thaw
+        from aotbuild.recipe.frozen import thaw
 
         spec = recipe.compile
         options = thaw(spec.options)  # plain lists and dicts: what torch.compile and JSON expect
@@ -386,9 +386,9 @@ def _check_options(recipe: Recipe) -> None:
     the recipe is read: a typo is one line at ``plan`` time, not a failed job with a 20 kB message."""
     from torch._inductor import config
 
-    from aotbuild.frozen import thaw
-    from aotbuild.suggest import suggest
+    from aotbuild.recipe.frozen import thaw
     from aotbuild.targets import options
+    from aotbuild.utils.suggest import suggest
 
     current = config.get_config_copy()
     for key, value in thaw(recipe.compile.options).items():

@@ -219,7 +219,7 @@ def reuse_host_record() -> bool:
     """Before a build job's first compile: answer Inductor's probes from this host's record where one
     exists and this CPU vouches for it (replay_probes); True if so. Never raises: a record that cannot
     be read or does not replay leaves Inductor to probe."""
-    from aotbuild import safeio
+    from aotbuild.utils import safeio
 
     try:
         path = host_record_path()
@@ -236,7 +236,7 @@ def keep_host_record(vec_isa: str, record: Mapping[str, Any] | None) -> None:
     written whole by rename, unless the record there says the same. Never raises."""
     import json
 
-    from aotbuild import safeio
+    from aotbuild.utils import safeio
 
     if record is None:
         return

@@ -6,8 +6,8 @@ import-linter contracts in pyproject.toml hold the two layers apart."""
 
 from __future__ import annotations
 
-from aotbuild.registry import Registry
 from aotbuild.targets.base import Target
+from aotbuild.utils.registry import Registry
 
 __all__ = ["get_target", "target_names"]
 

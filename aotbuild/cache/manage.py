@@ -286,7 +286,7 @@ class GcReport:
 
     def text(self, root: str) -> str:
         from aotbuild.cache.layout import format_size
-        from aotbuild.text import printable
+        from aotbuild.utils.text import printable
 
         lines = [f"{'would remove' if self.dry_run else 'removed'} {key[:12]}  {format_size(size):>9}  "
                  f"{printable(why)}" for key, why, size in self.removed]

@@ -1,11 +1,11 @@
 """Recipes as users give them: files, folders of files, dicts, Recipe objects, validated in full.
 
 :func:`parse_recipe` is the one entry point for recipe data: the structural checks of
-aotbuild/recipe.py (keys, types, allowed values: target and strategy names from the registries),
+aotbuild/recipe/schema.py (keys, types, allowed values: target and strategy names from the registries),
 then the rules that need more than the data: a built-in model that exists, the cross-key rules, and
 what the recipe's target and strategy accept (``Target.validate``, ``Strategy.validate``, which
 include whether this torch can run the strategy). Every problem is a :class:`RecipeError` naming the
-file and the key. :func:`load_recipe` reads a file (aotbuild/recipe_file.py, bounded),
+file and the key. :func:`load_recipe` reads a file (aotbuild/recipe/files.py, bounded),
 :func:`resolve_recipes` turns what ``plan``, ``build`` and ``load_compiled`` accept into Recipes.
 """
 
@@ -18,13 +18,13 @@ from pathlib import Path
 from typing import Any
 
 from aotbuild import builtin
-from aotbuild.deprecated import positional_shim
 from aotbuild.errors import RecipeError, UsageError
-from aotbuild.recipe import DATA_SOURCE, Recipe, check_structure_rules, describe_value, parse_structure
-from aotbuild.recipe_file import find_recipes, read_recipe_data
+from aotbuild.recipe.files import find_recipes, read_recipe_data
+from aotbuild.recipe.schema import DATA_SOURCE, Recipe, check_structure_rules, describe_value, parse_structure
 from aotbuild.strategies.registry import get_strategy, strategy_names
-from aotbuild.suggest import suggest
 from aotbuild.targets.registry import get_target, target_names
+from aotbuild.utils.deprecated import positional_shim
+from aotbuild.utils.suggest import suggest
 
 __all__ = ["parse_recipe", "load_recipe", "as_recipe", "recipe_from_spec", "load_recipes", "resolve_recipes",
            "registry_choices", "Recipes", "find_recipes"]
@@ -74,7 +74,7 @@ def _check_bounds(recipe: Recipe) -> None:
     is measured: steps (a count or a custom schedule), prompts, the batch and pixels of each warmup
     call, shapes, and the jobs (processes) of the whole recipe (issue 32)."""
     from aotbuild.constants import PROMPT_ARGUMENTS
-    from aotbuild.recipe import prompt_count
+    from aotbuild.recipe.schema import prompt_count
 
     def over(name: str, key: str, value: int, what: str) -> None:
         _over(recipe, name, key, value, what)
@@ -162,7 +162,7 @@ def _check_number(recipe: Recipe, key: str, name: str, kind: str, value: float, 
     import math
 
     from aotbuild.constants import LIMITS, limit
-    from aotbuild.recipe import MAX_FRAMES
+    from aotbuild.recipe.schema import MAX_FRAMES
 
     if not math.isfinite(value):
         raise recipe.error(key, f"expected a finite number, got {describe_value(value)}")
@@ -230,7 +230,7 @@ def check_pixels(recipe: Recipe, default_frames: int | None = 1) -> None:
     sets ``num_frames`` (its ``__call__``'s default, 81 for Wan), known once the pipeline is
     (aotbuild/pipeline/pipecall.py); counting 1 there let a 16384x8192 shape make 81 times the bound."""
     from aotbuild.constants import PROMPT_ARGUMENTS
-    from aotbuild.recipe import prompt_count
+    from aotbuild.recipe.schema import prompt_count
 
     warmup = recipe.warmup
     texts = max([1, *(prompt_count(warmup[name]) for name in PROMPT_ARGUMENTS & set(warmup))])
@@ -271,7 +271,7 @@ def as_recipe(value: Any) -> Recipe:
 
 
 def recipe_from_spec(spec: Mapping[str, Any]) -> Recipe:
-    """The :class:`Recipe` that :func:`aotbuild.recipe.recipe_spec` wrote, validated again."""
+    """The :class:`Recipe` that :func:`aotbuild.recipe.schema.recipe_spec` wrote, validated again."""
     recipe = parse_recipe(spec["data"], source=spec["source"], name=spec["name"], folder=spec["folder"])
     if spec.get("pipeline_folder"):
         from dataclasses import replace

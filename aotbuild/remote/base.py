@@ -1,7 +1,7 @@
 """What every remote is (the ``Remote`` interface, a push's result) and how a pulled entry is stored.
 
-Apart from aotbuild/remote.py (the folder and Hub remotes, and the URL grammar that picks a remote) so
-that a remote in its own module (aotbuild/remote_fsspec.py) imports what it shares with them from
+Apart from aotbuild/remote/schemes.py (the folder and Hub remotes, and the URL grammar that picks a remote) so
+that a remote in its own module (aotbuild/remote/objectstore.py) imports what it shares with them from
 below, never from the module that imports it.
 """
 

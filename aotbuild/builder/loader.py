@@ -1,10 +1,10 @@
 """One pipeline load for all of a recipe's build jobs: a loader process that forks a worker per job.
 
 Without it every job's worker loads the pipeline again (for a 12B transformer, minutes per shape).
-The loader (``python -m aotbuild.loader SPEC``, started like every child, aotbuild/child.py) loads
+The loader (``python -m aotbuild.builder.loader SPEC``, started like every child, aotbuild/builder/child.py) loads
 the recipe's pipeline on the CPU (:func:`aotbuild.context.cpu_pipeline`), then serves jobs: for
 each job spec path the builder writes to its stdin, it forks, and the forked child runs
-:func:`aotbuild.worker.run` on the loaded pipeline, exactly as a fresh worker would from there on
+:func:`aotbuild.builder.worker.run` on the loaded pipeline, exactly as a fresh worker would from there on
 (places it on the device, prepares, compiles, writes its result).
 
 What keeps each job's entry complete and each job's failure its own:
@@ -20,13 +20,13 @@ What keeps each job's entry complete and each job's failure its own:
 - A job that crashes, is killed for memory or runs past its time limit ends its forked child; the
   next job forks from the loader (a time-out stops the loader too, and the next job starts another).
 - The loader dies with the builder, and each forked job with the loader, however either dies
-  (SIGKILL included): both ask for a parent-death signal (aotbuild/child.py ``guard``), the forked
+  (SIGKILL included): both ask for a parent-death signal (aotbuild/builder/child.py ``guard``), the forked
   job again after the fork, which drops it.
 - The loader never initialises CUDA (forked children could not use it) and runs torch on one thread
   until it forks: GNU OpenMP's thread pool does not survive a fork (a child that inherits it hangs
   in its first parallel op); each child sets the thread count back.
 
-Every entry is still proven by a fresh process (aotbuild/proof.py), which loads the pipeline itself.
+Every entry is still proven by a fresh process (aotbuild/builder/proof.py), which loads the pipeline itself.
 
 Protocol on the loader's stdout, one line each: ``ready`` (or ``error MESSAGE``) after loading,
 then per job ``started PID`` and ``exit CODE``.
@@ -47,9 +47,10 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from aotbuild import child, constants
+from aotbuild import constants
+from aotbuild.builder import child
 from aotbuild.cache.locks import flocked
-from aotbuild.recipe import recipe_spec
+from aotbuild.recipe.schema import recipe_spec
 
 if TYPE_CHECKING:
     from aotbuild.cache.store import Store
@@ -79,7 +80,7 @@ def _say(line: str) -> None:
 
 def serve(spec: dict[str, Any]) -> int:
     global _protocol
-    child.guard()  # dies with the builder (aotbuild/child.py)
+    child.guard()  # dies with the builder (aotbuild/builder/child.py)
     _protocol = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
     import torch
@@ -87,7 +88,7 @@ def serve(spec: dict[str, Any]) -> int:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # no OpenMP pool to inherit (see the module's docstring)
     from aotbuild.context import cpu_pipeline
-    from aotbuild.recipes import recipe_from_spec
+    from aotbuild.recipe.rules import recipe_from_spec
 
     started = time.perf_counter()
     constants.pause_for_tests("loading")
@@ -147,7 +148,7 @@ def _job(job_path: Path, pipe: Any, threads: int, load_seconds: float) -> int:
             os.environ[name] = value
     os.chdir(job["cwd"]) if job.get("cwd") else None
     torch.set_num_threads(threads)
-    from aotbuild import worker
+    from aotbuild.builder import worker
 
     return child.main([str(job_path)], lambda spec: worker.run(spec, loaded=(pipe, load_seconds)))
 
@@ -179,7 +180,7 @@ class Loader:
         spec_path = self.folder / "loader.json"
         spec_path.write_text(json.dumps(self.spec))
         with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen(child.command("aotbuild.loader", str(spec_path)),
+            self.proc = subprocess.Popen(child.command("aotbuild.builder.loader", str(spec_path)),
                                          env=child.environment(self.env), stdin=subprocess.PIPE,
                                          stdout=subprocess.PIPE, stderr=log, cwd=self.folder / "cwd",
                                          start_new_session=True, bufsize=0)
@@ -214,7 +215,7 @@ class Loader:
     def run(self, spec: dict[str, Any], spec_path: Path, log: Path, *, env: Mapping[str, str | None],
             cwd: Path | None, phase_file: Path, tick: child.Tick | None, started: float, name: str,
             timeout: float | None) -> tuple[int, dict[str, Any]]:
-        """:func:`aotbuild.child.spawn`'s contract for one job, run by a child forked from the loader."""
+        """:func:`aotbuild.builder.child.spawn`'s contract for one job, run by a child forked from the loader."""
         spec = {**spec, "result": str(spec_path.with_name("result.json")), "phase": str(phase_file),
                 "log": str(log), "env": dict(env), "cwd": str(cwd) if cwd else None}
         spec_path.parent.mkdir(parents=True, exist_ok=True)
@@ -270,7 +271,7 @@ class Loader:
 
 
 class SharedLoads:
-    """The build's loader processes (aotbuild/loader.py): one per recipe whose target shares loads,
+    """The build's loader processes (aotbuild/builder/loader.py): one per recipe whose target shares loads,
     started at the recipe's first job and stopped after its last job's worker, before that job's
     proof (which loads its own copy), so the host holds at most the loader's copy and one other."""
 
@@ -299,7 +300,7 @@ class SharedLoads:
             self.remaining[self._identity(job)] += 1
 
     def worker(self, jobs: list[Job]) -> Callable[..., tuple[int, dict[str, Any]]]:
-        """What runs the worker of ``jobs`` (one job's ranks), with :func:`aotbuild.child.spawn`'s
+        """What runs the worker of ``jobs`` (one job's ranks), with :func:`aotbuild.builder.child.spawn`'s
         signature: a child forked from its recipe's loader, or (a target that cannot share loads, or
         a job of several ranks, each of which loads its own share) a fresh launch."""
         self.counts["jobs"] += 1
@@ -322,7 +323,7 @@ class SharedLoads:
         loader = self.current[1]
 
         def run(module: str, spec: dict[str, Any], spec_path: Path, log: Path, **options: Any) -> tuple[int, dict]:
-            assert module == "aotbuild.worker" and options.pop("ranks", 1) == 1
+            assert module == "aotbuild.builder.worker" and options.pop("ranks", 1) == 1
             before = loader.loads
             try:
                 return loader.run(spec, spec_path, log, cwd=options.pop("cwd", None), **options)

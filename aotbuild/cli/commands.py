@@ -28,7 +28,7 @@ def _human_size(n: int) -> str:
 
 
 def _table(rows: list[list[str]], header: list[str]) -> str:
-    from aotbuild.text import table
+    from aotbuild.utils.text import table
 
     return table(rows, header)
 
@@ -36,14 +36,14 @@ def _table(rows: list[list[str]], header: list[str]) -> str:
 def _clean(text: Any) -> str:
     """What a command prints, every control character but the newlines aotbuild wrote escaped: names and
     fields come from files other people write (an OSC escape must not reach the terminal)."""
-    from aotbuild.text import printable
+    from aotbuild.utils.text import printable
 
     return "\n".join(printable(line) for line in str(text).split("\n"))
 
 
 def _line(text: Any) -> str:
     """A value from a file on one line: its newlines escaped too."""
-    from aotbuild.text import printable
+    from aotbuild.utils.text import printable
 
     return printable(text)
 
@@ -193,7 +193,7 @@ def _keys(text: str | None) -> list[str] | None:
 
 def _remote(url: str | None, required: bool = False) -> Any:
     from aotbuild.errors import UsageError
-    from aotbuild.remote import parse_remote
+    from aotbuild.remote.schemes import parse_remote
 
     if not url:
         if required:
@@ -292,10 +292,10 @@ def build(recipes: tuple[str, ...], cache: str | None, as_json: bool, shard: str
       aotbuild build recipes/ --shard 2/4 --push hf://datasets/my-org/aot-cache
     """
 
-    from aotbuild.auto import Outcome
-    from aotbuild.builder import ResultStatus
-    from aotbuild.builder import build as run_build
+    from aotbuild.builder.build import ResultStatus
+    from aotbuild.builder.build import build as run_build
     from aotbuild.shards import resolve
+    from aotbuild.strategies.order import Outcome
 
     target = _remote(remote)
     report = run_build(list(recipes), cache=cache, progress=None if as_json else _progress(), sign_key=sign_key,
@@ -303,7 +303,7 @@ def build(recipes: tuple[str, ...], cache: str | None, as_json: bool, shard: str
     pushed = None
     if target is not None:
         from aotbuild.cache.signing import public_of
-        from aotbuild.sync import push
+        from aotbuild.remote.sync import push
 
         keys = [r.job.key for r in report.results
                 if r.status in (ResultStatus.BUILT, ResultStatus.CACHED) and r.job.key]
@@ -357,7 +357,7 @@ def push(items: tuple[str, ...], remote: str | None, cache: str | None, as_json:
 
     from aotbuild.cache.signing import trusted_from_env
     from aotbuild.errors import UsageError
-    from aotbuild.sync import push as run_push
+    from aotbuild.remote.sync import push as run_push
 
     if sign_key is not None:
         raise UsageError("push --sign-key was removed: a push never signs. `aotbuild sign KEYS... --sign-key "
@@ -392,7 +392,7 @@ def pull(recipes: tuple[str, ...], remote: str | None, cache: str | None, as_jso
       aotbuild pull recipes/sdxl_neuron.yaml --remote hf://datasets/my-org/aot-cache
     """
 
-    from aotbuild.sync import pull as run_pull
+    from aotbuild.remote.sync import pull as run_pull
 
     report = run_pull(list(recipes), _remote(remote, required=True), cache=cache, trusted_keys=_keys(trusted_keys))
     if as_json:
@@ -457,7 +457,7 @@ def plan(recipes: tuple[str, ...], cache: str | None, as_json: bool, fail_on_mis
     from aotbuild.errors import RecipeError
     from aotbuild.planner import JobStatus, mark_remote, shard_jobs, shard_summary
     from aotbuild.planner import plan as run_plan
-    from aotbuild.recipes import load_recipes
+    from aotbuild.recipe.rules import load_recipes
     from aotbuild.shards import resolve
 
     picked = resolve(shard) if shard else None  # a bad --shard (auto with no scheduler) fails before planning
@@ -466,7 +466,7 @@ def plan(recipes: tuple[str, ...], cache: str | None, as_json: bool, fail_on_mis
     # a build with --push would pull it); the remote's records are listed only if a job misses.
     failures = None
     if target is not None:
-        from aotbuild.sync import remote_failures
+        from aotbuild.remote.sync import remote_failures
 
         failures = remote_failures(target)
 
@@ -516,7 +516,7 @@ def plan(recipes: tuple[str, ...], cache: str | None, as_json: bool, fail_on_mis
 
 def _explain_auto(jobs: list) -> str:
     """Per auto job: the strategies tried in order (each with its concrete key, and whether it failed
-    before) and the ones excluded, with why (aotbuild/auto.py)."""
+    before) and the ones excluded, with why (aotbuild/strategies/order.py)."""
     from aotbuild.planner import JobStatus
 
     lines = []
@@ -625,7 +625,7 @@ def _scope_of(manifest: Any) -> str:
 
 
 def _shape_text(shape: Any) -> str:
-    from aotbuild.recipe import Shape
+    from aotbuild.recipe.schema import Shape
 
     return str(Shape(**shape))
 
@@ -668,7 +668,7 @@ def show(key: str, cache: str | None, as_json: bool) -> int:
     for field in ("recipe", "component", "target", "strategy"):
         _echo(f"{field + ':':<12}{_line(getattr(manifest, field))}")
     if manifest.auto is not None:  # strategy: auto: what the build tried before storing this strategy's entry
-        from aotbuild.auto import Attempt
+        from aotbuild.strategies.order import Attempt
 
         own = ", ".join(f"{k} {v}" for k, v in (manifest.auto.get("factors") or {}).items())
         _echo(f"{'auto:':<12}chose {_line(manifest.strategy)}" + (f" (its own factors, checked at load: "
@@ -740,7 +740,7 @@ def sign(items: tuple[str, ...], sign_key: str, cache: str | None, as_json: bool
       aotbuild sign 3f1c9a0b 77d0e2aa --sign-key keys/ci.key
     """
 
-    from aotbuild.sync import sign as run_sign
+    from aotbuild.remote.sync import sign as run_sign
 
     signed = run_sign(list(items), sign_key, cache)
     if as_json:
@@ -800,8 +800,8 @@ def verify(cache: str | None, as_json: bool, fix: bool, trusted_keys: str | None
     """
 
     from aotbuild.cache.layout import resolve_cache_root
+    from aotbuild.cache.manage import verify as run_verify
     from aotbuild.cache.signing import trusted_from_env
-    from aotbuild.manage import verify as run_verify
     from aotbuild.strategies.registry import checked_store
 
     if _no_cache(resolve_cache_root(cache), as_json, {"fixed": fix, "problems": []}):
@@ -856,7 +856,7 @@ def _signers_text(store: Any) -> str:
 
 def _left_for_owners(problems: list) -> str:
     """What ``verify --fix`` never removes, and what its owner does about each kind."""
-    from aotbuild.manage import OWNER_ACTION
+    from aotbuild.cache.manage import OWNER_ACTION
 
     one = len(problems) == 1
     actions = "; ".join(f"{kind}: {OWNER_ACTION[kind]}" for kind in sorted({p.kind for p in problems}))
@@ -887,8 +887,8 @@ def gc(cache: str | None, as_json: bool, max_size: str | None, stale: bool, dry_
     """
 
     from aotbuild.cache.layout import resolve_cache_root, resolve_max_size
+    from aotbuild.cache.manage import gc as run_gc
     from aotbuild.errors import UsageError
-    from aotbuild.manage import gc as run_gc
     from aotbuild.strategies.registry import checked_store
 
     limit = resolve_max_size(max_size)
@@ -928,11 +928,11 @@ def rm(items: tuple[str, ...], cache: str | None, as_json: bool) -> int:
     from pathlib import Path
 
     from aotbuild.cache.layout import resolve_cache_root
+    from aotbuild.cache.manage import rm as run_rm
     from aotbuild.errors import UsageError
-    from aotbuild.manage import rm as run_rm
-    from aotbuild.recipes import load_recipes
+    from aotbuild.recipe.rules import load_recipes
+    from aotbuild.remote.sync import is_key_prefix
     from aotbuild.strategies.registry import checked_store
-    from aotbuild.sync import is_key_prefix
 
     for item in items:
         if not is_key_prefix(item) and not Path(item).exists():
@@ -987,7 +987,7 @@ def bench(recipe: str, cache: str | None, as_json: bool, shape: str | None, repe
       aotbuild bench recipes/tiny_sd_cpu.yaml --shape 64x96 --cold-repeats 3 --plot bench.png
     """
 
-    from aotbuild import bench as benchmod
+    from aotbuild.cli import bench as benchmod
 
     if plot_file:
         benchmod.require_matplotlib()  # before minutes of measuring, not after
@@ -1028,7 +1028,7 @@ def doctor(target: str, device: str | None, cache: str | None, remote: str | Non
       aotbuild doctor --device cuda --json
     """
 
-    from aotbuild.doctor import doctor as run_doctor
+    from aotbuild.cli.doctor import doctor as run_doctor
     from aotbuild.errors import UsageError
     from aotbuild.targets.registry import target_names
 

@@ -1,6 +1,6 @@
 """``strategy: auto``, the default: which strategies a job tries, in which order, and what each did.
 
-For each job the builder (aotbuild/builder.py) tries, in a fixed order per device kind
+For each job the builder (aotbuild/builder/build.py) tries, in a fixed order per device kind
 (:data:`ORDER`), the strategies that can serve the recipe here (:func:`choice`: those whose
 ``validate`` accepts it and whose ``availability`` is met; the others are excluded with their
 words), builds with each until one builds *and passes the proof* (for every shape of the job's
@@ -42,7 +42,7 @@ from aotbuild.strategies.registry import get_strategy
 
 if TYPE_CHECKING:
     from aotbuild.context import Context
-    from aotbuild.recipe import Recipe
+    from aotbuild.recipe.schema import Recipe
     from aotbuild.targets.base import Target
 
 #: The strategies auto tries, first to last, per device kind (the device's type); any other kind
@@ -55,7 +55,7 @@ DEFAULT_ORDER = ("aot-package", "aot-compile", "jit-cache")
 #: On a CPU, auto's first try for a recipe that leaves ``compile.options.freezing`` unset: aot-package
 #: with Inductor's freezing, its prepacked weights re-derived at load from the served pipeline's own
 #: (docs/prepack.md, issue 39). Its proof must also show the served call faster than eager's
-#: (aotbuild/proof.py), else the component falls back to plain aot-package. Its concrete job is the
+#: (aotbuild/builder/proof.py), else the component falls back to plain aot-package. Its concrete job is the
 #: recipe naming ``strategy: aot-package`` and ``compile.options.freezing: true``.
 PREPACKED = "aot-package+freezing"
 #: A try's strategy and the compile options it adds to the recipe.

@@ -55,7 +55,7 @@ from aotbuild.cache.layout import HEX64
 from aotbuild.cache.manifest import Manifest, StaleManifest
 from aotbuild.cache.store import MAX_FAILURE_BYTES, Entry, Store, failure_record
 from aotbuild.errors import RemoteError, StoreError, UsageError
-from aotbuild.remote_base import PushResult, Remote, ingest
+from aotbuild.remote.base import PushResult, Remote, ingest
 
 #: scheme -> (fsspec protocol, the package it needs, the extra that installs it)
 SCHEMES = {"s3": ("s3", "s3fs", "s3"), "gs": ("gcs", "gcsfs", "gcs"), "gcs": ("gcs", "gcsfs", "gcs"),
@@ -91,7 +91,7 @@ def storage_options(protocol: str) -> dict[str, Any]:
     """fsspec's options for ``protocol``: ``AOTBUILD_REMOTE_OPTIONS`` (a JSON object), with S3's
     endpoint from ``AWS_ENDPOINT_URL`` when the options name none, and the store's own retries off
     (ours are bounded and reported)."""
-    from aotbuild import safeio
+    from aotbuild.utils import safeio
 
     text = constants.env_remote_options()
     try:
@@ -167,7 +167,7 @@ def _secrets() -> list[str]:
             out.append(value)
 
     try:
-        from aotbuild import safeio
+        from aotbuild.utils import safeio
 
         walk(safeio.loads_json(constants.env_remote_options() or "{}", max_bytes=64 * 1024, max_depth=8))
     except ValueError:

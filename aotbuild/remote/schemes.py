@@ -39,8 +39,8 @@ from aotbuild.cache.locks import flocked, store_lock
 from aotbuild.cache.manifest import Manifest, ManifestError, StaleManifest
 from aotbuild.cache.store import Entry, Store, sha256_file
 from aotbuild.errors import RemoteError, StoreError, UsageError
-from aotbuild.remote_base import PushResult, Remote, ingest
-from aotbuild.safeio import atomic_write, open_regular
+from aotbuild.remote.base import PushResult, Remote, ingest
+from aotbuild.utils.safeio import atomic_write, open_regular
 
 _HF = re.compile(r"^hf://(?:(?P<kind>datasets|models)/)?(?P<repo>[\w.-]+/[\w.-]+)(?:@(?P<rev>[\w./-]+))?/?$")
 #: Operations per Hub commit: big pushes go in several pack commits, all before the manifest commits.
@@ -63,12 +63,12 @@ def untrusted_on_remote(remote: Remote, keys: list[str], trusted: dict[str, byte
 
 def parse_remote(url: str) -> Remote:
     """``file:///abs/path``, ``hf://owner/repo[@rev]``, ``hf://datasets/owner/repo[@rev]`` or an object
-    store's ``s3://``, ``gs://``, ``az://``/``abfs://``, ``memory://`` (aotbuild/remote_fsspec.py)."""
+    store's ``s3://``, ``gs://``, ``az://``/``abfs://``, ``memory://`` (aotbuild/remote/objectstore.py)."""
     url = url.strip()
     if url.startswith("hf://buckets/") or url == "hf://buckets":
         raise UsageError(f"remote {url!r}: hf://buckets/ is reserved for the Hub's storage buckets, which aotbuild "
                          "does not read yet: use their S3 gateway as s3://bucket with AWS_ENDPOINT_URL")
-    from aotbuild.remote_fsspec import parse as parse_object_store
+    from aotbuild.remote.objectstore import parse as parse_object_store
 
     remote = parse_object_store(url)  # s3://, gs://, az://, abfs://, memory://
     if remote is not None:
@@ -255,7 +255,7 @@ class HubRemote(Remote):
         """Run a huggingface_hub call; its failures become one RemoteError naming the next step."""
         from huggingface_hub import errors
 
-        from aotbuild import hub
+        from aotbuild.pipeline import hub
 
         down = "" if hub.offline_mode() else hub.unreachable(self.endpoint)
         if down:
@@ -316,7 +316,7 @@ class HubRemote(Remote):
         from huggingface_hub import errors, hf_hub_url
         from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
 
-        from aotbuild import hub
+        from aotbuild.pipeline import hub
 
         if hub.offline_mode():
             raise RemoteError(f"{self.url}: downloading {filename} failed: HF_HUB_OFFLINE is set")

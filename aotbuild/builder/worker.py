@@ -1,4 +1,4 @@
-"""One build job, run in a fresh subprocess: ``python -m aotbuild.worker JOB.json``.
+"""One build job, run in a fresh subprocess: ``python -m aotbuild.builder.worker JOB.json``.
 
 A fresh process per job means the job's compiler caches (pointed at an empty folder by the parent
 through the target's ``capture_env``) hold exactly what this job compiled, and a crash or an
@@ -13,18 +13,18 @@ import time
 from pathlib import Path
 from typing import Any
 
-from aotbuild import child
+from aotbuild.builder import child
 
 
 def run(job: dict, loaded: tuple[Any, float] | None = None) -> dict:
     """``loaded``: the pipeline a build's loader process loaded for this job's recipe (this process
-    was forked from it, aotbuild/loader.py) and the seconds that load took; None: load it here."""
+    was forked from it, aotbuild/builder/loader.py) and the seconds that load took; None: load it here."""
     t0 = time.perf_counter()
     child.phase(job, "loading the pipeline" if loaded is None else "placing the shared pipeline")
     from aotbuild.context import job_pipeline, shard_pipeline
     from aotbuild.pipeline import pipecall
-    from aotbuild.recipe import Shape
-    from aotbuild.recipes import recipe_from_spec
+    from aotbuild.recipe.rules import recipe_from_spec
+    from aotbuild.recipe.schema import Shape
 
     recipe = recipe_from_spec(job["recipe"])  # the recipe's data: the file may have changed since the plan
     shape = Shape(**job["shape"])

@@ -1,6 +1,6 @@
 """``aotbuild push`` and ``aotbuild pull``: which entries move between the local store and a remote.
 
-The transports live in :mod:`aotbuild.remote`; this module decides what to send or fetch. A push
+The transports live in :mod:`aotbuild.remote.schemes`; this module decides what to send or fetch. A push
 takes keys (hex prefixes of at least 8 characters) or recipes (the jobs they plan in this
 environment); a pull takes recipes, because only a recipe says which keys *this* machine needs.
 """
@@ -15,11 +15,11 @@ from typing import Any
 from aotbuild.cache.layout import resolve_cache_root
 from aotbuild.cache.store import DAMAGED, Entry, Store
 from aotbuild.constants import Vocabulary
-from aotbuild.deprecated import positional_shim
 from aotbuild.errors import UsageError
 from aotbuild.planner import Job, JobStatus, plan
-from aotbuild.remote import PushResult, Remote, as_remote, pull_entry
+from aotbuild.remote.schemes import PushResult, Remote, as_remote, pull_entry
 from aotbuild.strategies.registry import checked_store
+from aotbuild.utils.deprecated import positional_shim
 
 
 class PullStatus(Vocabulary):
@@ -51,7 +51,7 @@ class PushReport:
 
     def text(self) -> str:
         from aotbuild.cache.layout import format_size
-        from aotbuild.text import printable
+        from aotbuild.utils.text import printable
 
         r = self.result
         signed = f" ({len(r.signed)} given the new signature)" if r.signed else ""
@@ -137,9 +137,9 @@ def clear_failures(remote: Remote, store: Store, keys: list[str]) -> None:
 
 def _built_attempt(entry: Entry) -> list[str]:
     """An auto job's entry: the key of the attempt that built it (its strategy's concrete key, where
-    that strategy's failure was recorded: aotbuild/auto.py), a record of which it makes stale."""
-    from aotbuild import auto
+    that strategy's failure was recorded: aotbuild/strategies/order.py), a record of which it makes stale."""
     from aotbuild.cache.layout import HEX64
+    from aotbuild.strategies import order as auto
 
     attempts = (entry.manifest.auto or {}).get("attempts", ())
     return [a["key"] for a in attempts if isinstance(a, dict) and a.get("outcome") == auto.Outcome.BUILT
@@ -159,7 +159,7 @@ def push_failures(remote: Remote, store: Store, failed: list[Job | str]) -> list
     (the same failure) is not written again; a newer failure of a key (a --retry-failed that failed
     again) replaces it. Returns the keys recorded."""
     from aotbuild.context import environment_factors
-    from aotbuild.frozen import thaw
+    from aotbuild.recipe.frozen import thaw
 
     there: set[str] | None = None
     recorded = []
@@ -302,8 +302,8 @@ def sign(items: list[str] | tuple[str, ...], sign_key: str | Path, *, cache: str
 
 def rank_keys(factors: Any) -> list[str]:
     """Every rank's key of the tensor-parallel job one rank's factors belong to ([] if unsharded)."""
-    from aotbuild.frozen import thaw
     from aotbuild.keys import key_of
+    from aotbuild.recipe.frozen import thaw
 
     factors = thaw(factors)
     sharded = factors.get("parallel") if isinstance(factors, dict) else None
@@ -369,7 +369,7 @@ class PullReport:
         return [i for i in self.items if i.status in (PullStatus.MISSING, PullStatus.UNAVAILABLE)]
 
     def text(self) -> str:
-        from aotbuild.text import table
+        from aotbuild.utils.text import table
 
         rows = [[i.job.label, i.job.key[:12] if i.job.key else "-", i.status, i.reason] for i in self.items]
         return table(rows, ["job", "key", "status", "reason"])

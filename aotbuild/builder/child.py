@@ -1,5 +1,5 @@
-"""One protocol for every Python child process aotbuild starts: build jobs (aotbuild/worker.py), proofs
-(aotbuild/proof.py), benchmark runs (aotbuild/bench.py) and the aot-package load probe.
+"""One protocol for every Python child process aotbuild starts: build jobs (aotbuild/builder/worker.py), proofs
+(aotbuild/builder/proof.py), benchmark runs (aotbuild/cli/bench.py) and the aot-package load probe.
 
 Parent side, :func:`spawn`: the child's spec (JSON data, never a pickle) is written to a file; the
 child runs as ``python -m MODULE SPEC``, in the environment and working directory the parent
@@ -42,7 +42,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from aotbuild import constants, side_channels
+from aotbuild import constants
+from aotbuild.targets import side_channels
 
 #: tick(seconds since ``started``, the child's phase): called about twice a second while it runs.
 Tick = Callable[[float, str], None]
@@ -64,11 +65,11 @@ def command(module: str, *args: str, ranks: int = 1) -> list[str]:
     """The command line that runs ``python -m module args`` without the cwd on ``sys.path``; with
     ``ranks`` > 1, ``ranks`` processes of it through torch's own launcher (``torch.distributed.run``,
     what ``torchrun`` runs: a local rendezvous on a free port, RANK, WORLD_SIZE and LOCAL_RANK set),
-    itself run through this module (``python -m aotbuild.child torch.distributed.run ...``) so that
+    itself run through this module (``python -m aotbuild.builder.child torch.distributed.run ...``) so that
     the launcher is guarded (:func:`guard`) like the ranks it starts."""
     if ranks > 1:
-        module, args = "aotbuild.child", ("torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
-                                          "--max-restarts", "0", "-m", module, *args)
+        module, args = "aotbuild.builder.child", ("torch.distributed.run", "--standalone", "--nproc-per-node",
+                                                  str(ranks), "--max-restarts", "0", "-m", module, *args)
     if SAFE_PATH_FLAG:
         return [sys.executable, "-P", "-m", module, *args]
     return [sys.executable, "-c", SHIM, module, *args]
@@ -94,7 +95,7 @@ def environment(extra: Mapping[str, str | None]) -> dict[str, str]:
     for name in os.environ.get(constants.ENV_QUIETED, "").split(","):
         if name.endswith("_VERBOSITY"):
             env.pop(name, None)
-    side_channels.scrub(env)  # no remote compiler cache in a build's children (aotbuild/side_channels.py)
+    side_channels.scrub(env)  # no remote compiler cache in a build's children (aotbuild/targets/side_channels.py)
     return {k: v for k, v in env.items() if v is not None}
 
 
@@ -308,7 +309,7 @@ def tail(log: Path, lines: int = 3) -> str:
     return (": " + " | ".join(t.strip() for t in text)) if text else ""
 
 
-if __name__ == "__main__":  # ``python -m aotbuild.child MODULE ARGS``: MODULE run as ``-m`` would, guarded
+if __name__ == "__main__":  # ``python -m aotbuild.builder.child MODULE ARGS``: MODULE run as ``-m`` would, guarded
     import runpy
 
     guard()

@@ -1,6 +1,6 @@
 """``aotbuild bench``: eager vs cold compile vs warm load for one recipe, on the user's machine.
 
-Each mode runs in a fresh process (``python -m aotbuild.bench --child ...``), timed from the moment
+Each mode runs in a fresh process (``python -m aotbuild.cli.bench --child ...``), timed from the moment
 the parent starts it (interpreter start and imports included) to the pipeline's first output, then
 ``calls`` more calls for the steady state:
 
@@ -31,7 +31,7 @@ from typing import Any
 
 from aotbuild import forwards
 from aotbuild.errors import AotbuildError, UsageError
-from aotbuild.recipe import Shape
+from aotbuild.recipe.schema import Shape
 
 MODES = ("eager", "cold", "warm")
 LABELS = {"eager": "eager (no compile)", "cold": "cold compile", "warm": "aotbuild warm load"}
@@ -98,7 +98,7 @@ class BenchReport:
         return data
 
     def text(self) -> str:
-        from aotbuild.text import printable
+        from aotbuild.utils.text import printable
 
         m = self.machine
         scope = f", scope {self.scope}" if self.scope != "full" else ""
@@ -176,7 +176,7 @@ def machine_text(m: dict[str, Any]) -> str:
 
 
 def pick_shape(recipe: Any, text: str | None) -> Any:
-    """The recipe's shape that ``text`` labels (as ``str(shape)`` prints it: aotbuild/recipe.py's
+    """The recipe's shape that ``text`` labels (as ``str(shape)`` prints it: aotbuild/recipe/schema.py's
     ``Shape.parse``), or its first shape when ``text`` is None."""
     if text is None:
         return recipe.shapes[0]
@@ -257,8 +257,8 @@ def bench(recipe_path: str | Path | Any, cache: str | Path | None = None, *, sha
     ``warn`` gets :func:`load_warning`'s line when the machine is busy."""
     from aotbuild.cache.layout import resolve_cache_root
     from aotbuild.planner import JobStatus, plan
-    from aotbuild.recipe import build_hint
-    from aotbuild.recipes import as_recipe
+    from aotbuild.recipe.rules import as_recipe
+    from aotbuild.recipe.schema import build_hint
 
     unknown = [m for m in modes if m not in MODES]
     if unknown or not modes:
@@ -277,7 +277,7 @@ def bench(recipe_path: str | Path | Any, cache: str | Path | None = None, *, sha
                          recipe.compile.scope, list(recipe.compile.components), str(chosen), {}, repeats, calls,
                          cold_repeats=cold_repeats)
     if "warm" in modes:  # build also re-hashes what plan counted as hits (plan checks sizes only)
-        from aotbuild.builder import ResultStatus, build
+        from aotbuild.builder.build import ResultStatus, build
 
         missing = sum(j.status != JobStatus.HIT for j in jobs)
         if missing:
@@ -314,9 +314,9 @@ def bench(recipe_path: str | Path | Any, cache: str | Path | None = None, *, sha
 
 
 def _run_child(mode: str, recipe: Any, index: int, root: Path, calls: int, workdir: Path) -> tuple[Run, dict]:
-    """One measured process (aotbuild/child.py's protocol), timed from before it starts."""
-    from aotbuild import child as protocol
-    from aotbuild.recipe import recipe_spec
+    """One measured process (aotbuild/builder/child.py's protocol), timed from before it starts."""
+    from aotbuild.builder import child as protocol
+    from aotbuild.recipe.schema import recipe_spec
     from aotbuild.targets.registry import get_target
 
     workdir.mkdir(parents=True)
@@ -324,7 +324,7 @@ def _run_child(mode: str, recipe: Any, index: int, root: Path, calls: int, workd
     # The recipe's data: the child never re-reads the recipe file.
     spec = {"mode": mode, "recipe": recipe_spec(recipe), "index": index, "cache": str(root), "calls": calls,
             "start": time.time()}
-    code, data = protocol.spawn("aotbuild.bench", spec, workdir / "bench.json", workdir / "bench.log", env=env)
+    code, data = protocol.spawn("aotbuild.cli.bench", spec, workdir / "bench.json", workdir / "bench.log", env=env)
     if "run" in data:  # measured, even if the process then failed on its way out
         return Run(**data["run"]), data["machine"]
     raise AotbuildError(f"bench: the {LABELS[mode]} process failed (exit {code}): {data.get('error', 'no output')}")
@@ -342,7 +342,7 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
 def _measure(mode: str, recipe_data: dict[str, Any], index: int, cache: str, calls: int,
              start: float) -> dict[str, Any]:
     from aotbuild.pipeline import models, pipecall
-    from aotbuild.recipes import recipe_from_spec
+    from aotbuild.recipe.rules import recipe_from_spec
 
     recipe = recipe_from_spec(recipe_data)
     shape = recipe.shapes[index]
@@ -406,7 +406,7 @@ def _cpu_model() -> str:
     return platform.processor()
 
 
-if __name__ == "__main__":  # a measured process: python -m aotbuild.bench SPEC.json
-    from aotbuild import child as protocol
+if __name__ == "__main__":  # a measured process: python -m aotbuild.cli.bench SPEC.json
+    from aotbuild.builder import child as protocol
 
     sys.exit(protocol.main(sys.argv[1:], child))

@@ -127,7 +127,7 @@ def check_store(cache_root: Path, deep: bool) -> Check:
     entries = list(store.iter_manifests())
     size = sum(m.size for m in entries)
     if deep:
-        from aotbuild.manage import verify
+        from aotbuild.cache.manage import verify
 
         problems = verify(store)
         if problems:
@@ -144,7 +144,7 @@ def check_store(cache_root: Path, deep: bool) -> Check:
 
 def _store_fix(problems: list) -> str:
     """``verify --fix`` only where it repairs something; what it never removes is left for its owner."""
-    from aotbuild.manage import OWNER_ACTION
+    from aotbuild.cache.manage import OWNER_ACTION
 
     repairs = sum(p.fixable for p in problems)
     fixes = [f"aotbuild verify --fix{f' repairs {repairs} of them' if repairs < len(problems) else ''}"] \
@@ -158,7 +158,7 @@ def check_remote(url: str | None) -> Check:
     if not url:
         return _skipped("remote", "no --remote and no AOTBUILD_REMOTE")
     from aotbuild.errors import AotbuildError
-    from aotbuild.remote import parse_remote
+    from aotbuild.remote.schemes import parse_remote
 
     try:
         keys = parse_remote(url).keys()
@@ -190,7 +190,7 @@ ROUNDTRIP = textwrap.dedent("""\
 def check_roundtrip(target: str, device: str, progress: Any = None) -> Check:
     """Build and prove the tiny model's text encoder in a temporary cache; the proof is a fresh process
     serving it."""
-    from aotbuild.builder import ResultStatus, build
+    from aotbuild.builder.build import ResultStatus, build
 
     folder = Path(tempfile.mkdtemp(prefix="aotbuild-doctor-"))
     try:

@@ -3,8 +3,8 @@
 A recipe file is read as a regular file of at most ``MAX_RECIPE_BYTES``, opened without blocking;
 its YAML is composed into a node graph that is measured as if every alias were expanded (nodes,
 depth, string length) before anything is constructed, with safe tags only. What comes out is plain
-data for :func:`aotbuild.recipe.parse_structure`; validating it is aotbuild/recipes.py's concern. The
-reading and the measuring are aotbuild.safeio's (the one reader of outside files); the caps are here.
+data for :func:`aotbuild.recipe.schema.parse_structure`; validating it is aotbuild/recipe/rules.py's concern. The
+reading and the measuring are aotbuild.utils.safeio's (the one reader of outside files); the caps are here.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from aotbuild import safeio
 from aotbuild.errors import RecipeError
+from aotbuild.utils import safeio
 
 #: Caps on a recipe file, checked while it is read (recipes come from pull requests: docs/recipes.md).
 MAX_RECIPE_BYTES = 1 << 20
@@ -53,7 +53,7 @@ def _read_recipe_text(source: str) -> str:
 
 
 def _parse_yaml(source: str, text: str) -> Any:
-    """YAML to plain data with bounded work (aotbuild.safeio.loads_yaml: measured as if every alias
+    """YAML to plain data with bounded work (aotbuild.utils.safeio.loads_yaml: measured as if every alias
     were expanded before anything is constructed, safe tags only); an empty file is refused."""
     empty = object()
     try:

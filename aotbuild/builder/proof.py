@@ -2,7 +2,7 @@
 
 Build side (``builder._prove``, called once a job's worker has finished): the job's files go
 into a throwaway store inside the job's staging folder, and a fresh process
-(``python -m aotbuild.proof SPEC.json``) is started with every compiler cache pointed at an empty
+(``python -m aotbuild.builder.proof SPEC.json``) is started with every compiler cache pointed at an empty
 folder (the target's ``capture_env``) and another working directory. That process
 
 1. loads the pipeline and runs the recipe's warmup call eagerly, recording every call of the
@@ -143,8 +143,8 @@ def serve(spec: dict[str, Any]) -> dict[str, Any]:
     """Run in the fresh process: returns the proof's figures, or raises with the reason."""
     from aotbuild.context import job_pipeline
     from aotbuild.pipeline import pipecall
-    from aotbuild.recipe import Shape
-    from aotbuild.recipes import recipe_from_spec
+    from aotbuild.recipe.rules import recipe_from_spec
+    from aotbuild.recipe.schema import Shape
     from aotbuild.runtime import load_compiled
 
     shape = Shape(**spec["shape"])
@@ -352,7 +352,7 @@ def _swap_reference(pipe: Any, recipe: Any, component: str, calls: list[tuple[An
 
 
 def main(argv: list[str]) -> int:
-    from aotbuild import child
+    from aotbuild.builder import child
 
     return child.main(argv, serve)
 

@@ -5,7 +5,7 @@ with ``TORCHINDUCTOR_REDIS_URL``, ``TORCHINDUCTOR_AUTOTUNE_REMOTE_CACHE``, ``TRI
 ...: constants.REMOTE_COMPILER_CACHE_VARIABLES) can fill what an entry captures from somewhere the
 entry does not record, or skip compiling what it should capture: every child a build starts (worker,
 loader, proof, the AOTI and bench children) gets an environment without them (:func:`scrub`, called
-where aotbuild/child.py makes a child's environment). ``AOTBUILD_ALLOW_REMOTE_COMPILER_CACHE=1``
+where aotbuild/builder/child.py makes a child's environment). ``AOTBUILD_ALLOW_REMOTE_COMPILER_CACHE=1``
 keeps them; the variables kept are then a key factor (:func:`factors`), so such entries never mix
 with the others, and their manifests say so.
 """

@@ -18,27 +18,29 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from aotbuild import auto, child, constants, planner
+from aotbuild import constants, planner
+from aotbuild.builder import child
+from aotbuild.builder.child import Tick
+from aotbuild.builder.loader import SharedLoads
 from aotbuild.cache.journal import entry_writer
 from aotbuild.cache.layout import FROM_PROJECT, cache_root_origin, format_size, resolve_max_size
 from aotbuild.cache.locks import flocked, store_lock
 from aotbuild.cache.manifest import FileRecord, Manifest, Proof
 from aotbuild.cache.store import Store
 from aotbuild.cache.trees import lay_tree
-from aotbuild.child import Tick
 from aotbuild.constants import Vocabulary
 from aotbuild.context import Unavailable
-from aotbuild.deprecated import positional_shim
 from aotbuild.errors import ProofFailed, StoreError
-from aotbuild.loader import SharedLoads
 from aotbuild.planner import RETRY_HINT, Job, JobStatus, mark_remote, plan, shard_jobs, shard_summary
-from aotbuild.recipe import Recipe, recipe_spec, recipe_to_dict
-from aotbuild.recipes import Recipes
+from aotbuild.recipe.rules import Recipes
+from aotbuild.recipe.schema import Recipe, recipe_spec, recipe_to_dict
+from aotbuild.strategies import order as auto
 from aotbuild.strategies.registry import checked_store
+from aotbuild.utils.deprecated import positional_shim
 
 if TYPE_CHECKING:
-    from aotbuild.manage import GcReport
-    from aotbuild.remote import Remote
+    from aotbuild.cache.manage import GcReport
+    from aotbuild.remote.schemes import Remote
 
 
 
@@ -68,7 +70,7 @@ class JobResult:
     details: dict[str, Any] = field(default_factory=dict)
     #: failed before (its failure record says why) and not built this time: nothing new to remember
     not_retried: bool = False
-    #: ``strategy: auto``: every strategy tried, in order (aotbuild/auto.py ``Attempt``)
+    #: ``strategy: auto``: every strategy tried, in order (aotbuild/strategies/order.py ``Attempt``)
     attempts: list[auto.Attempt] = field(default_factory=list)
 
     def as_json(self) -> dict[str, Any]:
@@ -107,7 +109,7 @@ class BuildReport:
 
     def text(self, pushed: str = "") -> str:
         """The job table, the cache, then what was pushed (``pushed``: a PushReport's text), a note and gc."""
-        from aotbuild.text import printable, table
+        from aotbuild.utils.text import printable, table
 
         rows = [[r.job.label, r.job.key[:12] if r.job.key else "-", r.status, f"{r.seconds:.1f}",
                  format_size(r.size) if r.size else "-", r.reason] for r in self.results]
@@ -175,7 +177,7 @@ def build(recipes: Recipes, *, cache: str | Path | None = None,
     on this host is "skipped"; one whose model cannot be read or fetched is "failed"
     (``BuildReport.bad_input`` holds those whose model folder or files are at fault)."""
     if isinstance(remote, str):
-        from aotbuild.remote import as_remote
+        from aotbuild.remote.schemes import as_remote
         remote = as_remote(remote)
     if pipe is not None:
         return _build_for_pipe(recipes, pipe, cache, progress=progress, shard=shard, remote=remote,
@@ -219,7 +221,7 @@ def _open_store(cache: str | Path | None, remote: Remote | None, sign_key: str |
 
     reclaim_dead(store)  # what a build killed with -9 left in tmp/: verify is clean after this one
     if remote is not None:  # the remote's failure records join this cache's: one rule for every shard (issue 35)
-        from aotbuild.sync import pull_failures
+        from aotbuild.remote.sync import pull_failures
 
         pull_failures(remote, store)
     own: dict[str, bytes] = {}
@@ -273,7 +275,7 @@ def _fit(store: Store, report: BuildReport, limit: int | None) -> None:
     of this build's jobs)."""
     if limit is None or not any(r.status == ResultStatus.BUILT for r in report.results):
         return
-    from aotbuild.manage import gc, store_size
+    from aotbuild.cache.manage import gc, store_size
 
     if store_size(store) > limit:
         needed = frozenset(r.job.key for r in report.results if r.job.key)
@@ -332,7 +334,7 @@ def _build_for_pipe(recipes: Recipes, pipe: Any, cache: str | Path | None, **opt
     import shutil
 
     from aotbuild.errors import UsageError
-    from aotbuild.recipes import resolve_recipes
+    from aotbuild.recipe.rules import resolve_recipes
 
     loaded = resolve_recipes(recipes)
     if len(loaded) != 1:
@@ -776,8 +778,8 @@ def _compile(store: Store, jobs: list[Job], staging: Path, tick: Tick | None, st
     # job's folder, removed with it, never into the cwd (a pull request's checkout).
     env = {**first.ctx.target.capture_env(staging / "shared"), "TORCH_COMPILE_DEBUG_DIR": str(staging / "debug")}
     try:
-        return loads.worker(jobs)("aotbuild.worker", spec, staging / "job.json", staging / "worker.log", env=env,
-                                  phase_file=staging / "phase", tick=tick, started=started, name="worker",
+        return loads.worker(jobs)("aotbuild.builder.worker", spec, staging / "job.json", staging / "worker.log",
+                                  env=env, phase_file=staging / "phase", tick=tick, started=started, name="worker",
                                   timeout=constants.limit("job_seconds"), ranks=len(jobs), cwd=staging / "cwd")
     finally:
         loads.done(first)  # after its recipe's last job, the loader's copy is freed before the proof
@@ -807,10 +809,10 @@ def _prove(jobs: list[Job], files: list[list[tuple[str, Path]]], results: list[d
            staging: Path, cache_root: Path, tick: Tick | None, started: float,
            faster_than_eager: bool = False) -> list[Proof]:
     """Every rank's entry served from a throwaway store by a fresh launch of as many ranks
-    (aotbuild/proof.py): each loads its own, compiles nothing and matches the (unsharded) eager
+    (aotbuild/builder/proof.py): each loads its own, compiles nothing and matches the (unsharded) eager
     output; with ``faster_than_eager`` (an auto attempt with prepacked weights) its served call must
     also beat eager's. Raises ProofFailed."""
-    from aotbuild.proof import verdict
+    from aotbuild.builder.proof import verdict
 
     first = jobs[0]
     assert first.ctx is not None
@@ -828,7 +830,7 @@ def _prove(jobs: list[Job], files: list[list[tuple[str, Path]]], results: list[d
     env = {**first.ctx.target.capture_env(folder / "caches"), constants.ENV_CACHE: None,
            constants.ENV_TRUSTED_KEYS: None,  # the proof serves the staged entry it just built, unsigned
            "TORCH_COMPILE_DEBUG_DIR": str(folder / "debug")}
-    _, outcome = child.spawn("aotbuild.proof", spec, folder / "proof.json", folder / "proof.log", env=env,
+    _, outcome = child.spawn("aotbuild.builder.proof", spec, folder / "proof.json", folder / "proof.log", env=env,
                              cwd=folder / "cwd", phase_file=staging / "phase", tick=tick, started=started,
                              timeout=constants.limit("job_seconds"), ranks=len(jobs))
     if "error" in outcome:

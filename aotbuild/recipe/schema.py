@@ -2,8 +2,8 @@
 
 The schema below is the single source of truth: validation walks it, ``docs/recipes.md`` is checked
 against it by a test, and every error names the file, the key and what is allowed. Reading files is
-aotbuild/recipe_file.py's; the checks that need the registries (targets, strategies) or a model are
-aotbuild/recipes.py's (``parse_recipe``), which is what callers use.
+aotbuild/recipe/files.py's; the checks that need the registries (targets, strategies) or a model are
+aotbuild/recipe/rules.py's (``parse_recipe``), which is what callers use.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from types import MappingProxyType
 from typing import Any
 
 from aotbuild.errors import RecipeError
-from aotbuild.frozen import freeze, thaw
-from aotbuild.suggest import suggest
-from aotbuild.text import printable
+from aotbuild.recipe.frozen import freeze, thaw
+from aotbuild.utils.suggest import suggest
+from aotbuild.utils.text import printable
 
 SCOPES = ("full", "regional")
 OFFLOADS = ("none", "model")
@@ -49,7 +49,7 @@ class Field:
     doc: str = ""
     required: bool = False
     #: "target" or "strategy": the allowed values are the names in that registry, which the caller
-    #: of :func:`parse_structure` supplies (aotbuild/recipes.py: a registry is above recipe data)
+    #: of :func:`parse_structure` supplies (aotbuild/recipe/rules.py: a registry is above recipe data)
     registry: str = ""
 
 
@@ -469,7 +469,7 @@ def parse_structure(data: Any, source: str = DATA_SOURCE, name: str | None = Non
     """Recipe data (a YAML file's structure, e.g. a plain dict) checked key by key into a
     :class:`Recipe`: known keys, types, allowed values (``choices``: the names of each registry a
     field takes its values from), sizes. Rules that span keys and the checks against the targets and
-    strategies are :func:`aotbuild.recipes.parse_recipe`'s, which callers use.
+    strategies are :func:`aotbuild.recipe.rules.parse_recipe`'s, which callers use.
 
     ``name`` defaults to the file's stem, or for data without a file to ``recipe-<12 hex>``, derived
     from the content (the same data always gets the same name). ``folder``: where a relative

@@ -109,7 +109,7 @@ def explain_miss(manifests: Iterable[Manifest] | Entries, recipe_name: str, comp
     built_with = _factor(dict(nearest.factors), ("target", "strategy"))
     if _factor(factors, ("target", "strategy")) == keys.AUTO and built_with != keys.AUTO:
         # most often an entry built before auto became the default (it was jit-cache)
-        from aotbuild.text import printable
+        from aotbuild.utils.text import printable
 
         shown += (f" (a recipe naming no strategy is strategy: auto, the default; the nearest entry was built "
                   f"with {printable(built_with)}: name it in the recipe to serve that entry)")

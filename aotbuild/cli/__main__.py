@@ -1,0 +1,3 @@
+from aotbuild.cli import main
+
+main()
