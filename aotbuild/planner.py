@@ -46,6 +46,19 @@ class JobStatus(Vocabulary):
     REMOTE = "remote"
 
 
+class OnRemote(Vocabulary):
+    """What :func:`mark_remote` found of a job the local cache lacks (``Job.on_remote``)."""
+
+    #: the remote has no entry for it
+    ABSENT = "absent"
+    #: its entry (every rank's, with the ranks the local cache has) is there and usable
+    ENTRY = "entry"
+    #: a tensor-parallel job: some rank's entry is neither there nor in the local cache
+    PARTIAL = "partial"
+    #: its entry is there, but no trusted key signed it
+    REFUSED = "refused"
+
+
 #: What a build says of a job it did not retry.
 RETRY_HINT = "not retried: `aotbuild build --retry-failed` builds it again"
 
@@ -84,6 +97,8 @@ class Job:
     #: the component's text length: whether it follows the prompt (measured by a build of it), how
     #: the recipe serves it, and a warning with the fix (aotbuild/pipeline/textlen.py ``plan_note``)
     text: dict[str, Any] = field(default_factory=dict)
+    #: :func:`mark_remote`: what the remote holds of a job the local cache lacks (None: not asked)
+    on_remote: OnRemote | None = None
 
     @property
     def label(self) -> str:
@@ -310,7 +325,8 @@ def mark_remote(jobs: list[Job], remote: str | Remote, trusted_keys: list[str | 
     signing key; by default ``AOTBUILD_TRUSTED_KEYS`` or ``trusted_keys``) a remote entry counts only
     when a trusted key signed it: its manifest is read (bounded; no blob is fetched), so a
     ``--fail-on-miss`` gate means what a serving machine will load, and an unsigned one stays a miss
-    that says why. A tensor-parallel job is on the remote only when every rank's entry is."""
+    that says why. A tensor-parallel job is on the remote only when every rank's entry is there or in
+    the local cache (a hit among ``jobs``). ``Job.on_remote`` says what was found (``pull`` acts on it)."""
     from aotbuild.cache.signing import trusted_from_env
     from aotbuild.remote.schemes import as_remote, untrusted_on_remote
 
@@ -323,19 +339,57 @@ def mark_remote(jobs: list[Job], remote: str | Remote, trusted_keys: list[str | 
     trusted = trusted_from_env(trusted_keys) if trusted is FROM_ENV else trusted
     refused = untrusted_on_remote(target, needed, trusted) if trusted is not None else {}
     usable = set(needed) - set(refused)
+    have = {j.key for j in jobs if j.status == JobStatus.HIT}
     out = []
     for j in jobs:
         if j.status not in wanting or j.key is None:
             out.append(j)
         elif j.key in refused:
-            out.append(replace(j, reason=f"on {target.url} but refused there: {refused[j.key]}"))
-        elif j.key in usable and set(j.siblings or (j.key,)) <= usable:
-            out.append(replace(j, status=JobStatus.REMOTE, reason=f"on {target.url}"))
-        elif j.key in usable:
-            out.append(replace(j, reason=f"on {target.url}, but not every rank of its tensor-parallel job is"))
+            out.append(replace(j, reason=f"on {target.url} but refused there: {refused[j.key]}",
+                               on_remote=OnRemote.REFUSED))
+        elif j.key in usable and set(j.siblings or (j.key,)) <= usable | have:
+            out.append(replace(j, status=JobStatus.REMOTE, reason=f"on {target.url}", on_remote=OnRemote.ENTRY))
+        elif set(j.siblings) & usable:  # a tensor-parallel job partly there: its ranks are pulled together
+            rank = next(r for r, k in enumerate(j.siblings) if k not in usable | have)
+            out.append(replace(j, reason=f"on {target.url} in part: not every rank of its tensor-parallel job is "
+                                         f"(rank {rank}'s entry is neither there nor in the local cache; its "
+                                         f"ranks are pulled together)", on_remote=OnRemote.PARTIAL))
         else:
-            out.append(j)
+            out.append(replace(j, on_remote=OnRemote.ABSENT))
     return out
+
+
+def recheck_hits(jobs: list[Job], store: Store, own: dict[str, bytes]) -> None:
+    """For a build: plan checked a hit's sizes only; a hit whose blobs are damaged becomes a miss to
+    rebuild, and so does one the build's signing key (``own``) did not sign."""
+    for i, job in enumerate(jobs):
+        if job.status != JobStatus.HIT or not job.key:
+            continue
+        entry, why = store.open_entry(job.key)
+        if entry is None:
+            jobs[i] = replace(job, status=JobStatus.MISS, reason=f"rebuilt: {why}")
+        elif own and not_signed_by(entry.manifest, own):
+            # A signature says "built and proven here": an entry this key did not sign was found, not
+            # built, so it is built again (and signed), never signed as it is.
+            jobs[i] = replace(job, status=JobStatus.MISS, reason=f"rebuilt: {not_signed_by(entry.manifest, own)}")
+
+
+def whole_groups(jobs: list[Job], known: dict[str | None, str]) -> None:
+    """A tensor-parallel job is built whole: when one rank's entry is missing or damaged, every rank of
+    it is rebuilt (its ranks' artifacts come from one launch and are proven together); not one that
+    failed before (``known``), which is not built at all."""
+    todo = {j.group for j in jobs if j.siblings and j.status in (JobStatus.MISS, JobStatus.FAILED_BEFORE)} - set(known)
+    for i, job in enumerate(jobs):
+        if job.siblings and job.group in todo and job.status == JobStatus.HIT:
+            jobs[i] = replace(job, status=JobStatus.MISS, reason="rebuilt with the other ranks of its job")
+
+
+def not_signed_by(manifest: Any, own: dict[str, bytes]) -> str:
+    """Why ``manifest`` carries no valid signature by the signing key ``own`` ("" when it does)."""
+    from aotbuild.cache.signing import check
+
+    why = check(manifest, own)
+    return f"found in the cache, not signed by {next(iter(own))} ({why.split(':')[0].split(';')[0]})" if why else ""
 
 
 def parse_shard(text: str) -> tuple[int, int]:
@@ -380,5 +434,5 @@ def shard_summary(shard: tuple[int, ...] | shards.Shard, picked: int, everything
                           shards.list_digest(identity(j) for j in everything))
 
 
-__all__ = ["Job", "plan", "jobs_for", "concrete_job", "concrete_group",
-           "parse_shard", "shard_jobs", "shard_summary", "identity", "JobStatus", "RETRY_HINT"]
+__all__ = ["Job", "plan", "jobs_for", "concrete_job", "concrete_group", "parse_shard", "shard_jobs", "shard_summary",
+           "identity", "JobStatus", "OnRemote", "RETRY_HINT", "not_signed_by", "recheck_hits", "whole_groups"]

@@ -135,14 +135,14 @@ def test_sigkill_at_each_phase_leaves_no_process_and_the_next_build_leaves_no_de
 SPAWNER = """
 import sys
 from pathlib import Path
-from aotbuild import child
+from aotbuild.builder import child
 folder, ranks = Path(sys.argv[1]), int(sys.argv[2])
 child.spawn("aotbuild.builder.worker", {}, folder / "spec.json", folder / "log", ranks=ranks)
 """
 
 FORKER = """
 import os, sys, time
-from aotbuild import child
+from aotbuild.builder import child
 if sys.argv[1] == "watchdog":  # as on a platform without a parent-death signal
     child._parent_death_signal = lambda: False
 parent = os.getpid()
@@ -229,7 +229,7 @@ def test_a_parent_that_died_but_is_not_reaped_yet_is_not_alive():
 def test_a_child_whose_parent_died_before_it_asked_exits_at_once():
     """The race: the parent is gone before the child set its death signal; the child finds another
     parent than the one it was started by, and exits instead of running on."""
-    code = "from aotbuild import child; child.guard(); print('ran on')"
+    code = "from aotbuild.builder import child; child.guard(); print('ran on')"
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()  # its pid: a parent that died
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,

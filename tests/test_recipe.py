@@ -162,3 +162,30 @@ def test_freezing_is_refused_where_an_artifact_would_keep_the_weights(strategy):
         parse_recipe({**frozen, "strategy": strategy})
     parse_recipe({**frozen, "strategy": strategy, "compile": {"options": {"freezing": False}}})
     parse_recipe(frozen)  # jit-cache: the FX graph cache re-binds frozen weights from the serving module
+
+
+def test_every_schema_section_is_made_by_the_one_table():
+    """parse_structure makes each section of SCHEMA through SECTIONS, the same way for all: the two
+    tables name the same sections, each a field of Recipe, and each section's keys are its spec's."""
+    import dataclasses
+
+    from aotbuild.recipe.schema import SCHEMA, SECTIONS, Recipe
+
+    mappings = {k for k, v in SCHEMA.items() if isinstance(v, dict)}
+    assert set(SECTIONS) == mappings
+    fields = {f.name for f in dataclasses.fields(Recipe)}
+    for name, how in SECTIONS.items():
+        assert name in fields
+        assert set(SCHEMA[name]) == {f.name for f in dataclasses.fields(how.spec)}, name
+
+
+def test_an_optional_section_absent_is_none_and_a_required_one_has_its_defaults():
+    from aotbuild.recipe.schema import parse_structure
+
+    recipe = parse_structure({"model": "builtin:tiny-sd", "shapes": [{"height": 64, "width": 64}]})
+    assert recipe.model.id == "builtin:tiny-sd" and recipe.compile.components == ("unet",)
+    assert recipe.lora is None and recipe.parallel is None and recipe.changes is None and recipe.text_length is None
+    assert parse_structure({"model": {"id": "x"}, "shapes": [{"height": 64, "width": 64}],
+                            "parallel": {}}).parallel.tensor == 1  # present, empty: its defaults
+    assert parse_structure({"model": {"id": "x"}, "shapes": [{"height": 64, "width": 64}],
+                            "changes": {}}).changes is None  # declares nothing

@@ -252,6 +252,11 @@ def test_the_planner_alone_decides_what_a_remote_holds_whole_rank_groups_only(tm
     absent = _job("absent", key_of("absent"))
     marked = mark_remote([plain, *ranks, absent], f"file://{folder}")
     assert [j.status for j in marked] == [JobStatus.REMOTE, JobStatus.MISS, JobStatus.MISS, JobStatus.MISS]
-    assert "not every rank" in marked[1].reason and marked[2].reason == "" and marked[3].reason == ""
+    assert all("not every rank" in j.reason and "rank 1's entry" in j.reason for j in marked[1:3])
+    assert marked[3].reason == "" and [j.on_remote for j in marked] == ["entry", "partial", "partial", "absent"]
     remote.push(entries(local, r1))
     assert [j.status for j in mark_remote([*ranks], f"file://{folder}")] == [JobStatus.REMOTE] * 2
+    # A rank the local cache has counts as there: pull fetches only the other one.
+    have_one = [replace(ranks[0], status=JobStatus.HIT), ranks[1]]
+    remote.store.remove_manifest(r0)
+    assert [j.status for j in mark_remote(have_one, f"file://{folder}")] == [JobStatus.HIT, JobStatus.REMOTE]

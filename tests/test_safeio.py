@@ -188,7 +188,7 @@ def test_json_depth_skips_escaped_quotes_and_is_linear_on_unterminated_strings()
     assert safeio.json_depth('["never closed [[[[') == 1
     # A quote followed by 200,000 escaped quotes never closes: a whole-string regular expression
     # backtracks from each of them (minutes here, hours at 1 MB). Run in a child with a hang guard, not a time limit.
-    code = "from aotbuild import safeio; print(safeio.json_depth('\"' + '\\\\\"' * 200_000))"
+    code = "from aotbuild.utils import safeio; print(safeio.json_depth('\"' + '\\\\\"' * 200_000))"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                           env={**os.environ, "PYTHONPATH": str(PACKAGE.parent)})
     assert proc.returncode == 0 and proc.stdout.strip() == "0", proc.stderr[-2000:]

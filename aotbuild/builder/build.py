@@ -31,7 +31,18 @@ from aotbuild.cache.trees import lay_tree
 from aotbuild.constants import Vocabulary
 from aotbuild.context import Unavailable
 from aotbuild.errors import ProofFailed, StoreError
-from aotbuild.planner import RETRY_HINT, Job, JobStatus, mark_remote, plan, shard_jobs, shard_summary
+from aotbuild.planner import (
+    RETRY_HINT,
+    Job,
+    JobStatus,
+    mark_remote,
+    not_signed_by,
+    plan,
+    recheck_hits,
+    shard_jobs,
+    shard_summary,
+    whole_groups,
+)
 from aotbuild.recipe.rules import Recipes
 from aotbuild.recipe.schema import Recipe, recipe_spec, recipe_to_dict
 from aotbuild.strategies import order as auto
@@ -189,11 +200,11 @@ def build(recipes: Recipes, *, cache: str | Path | None = None,
     if shard is not None:
         jobs = shard_jobs(everything, *shard)
         sharded = shard_summary(shard, len(jobs), everything)
-    _recheck_hits(store, jobs, own)
+    recheck_hits(jobs, store, own)
     # The one rule for failures: a job (a tensor-parallel job: any of its ranks) that failed before is
     # not built again until retry_failed; its result keeps the build failed (exit 1), never "skipped".
     known = {} if retry_failed else {j.group: j.reason for j in jobs if j.status == JobStatus.FAILED_BEFORE}
-    _whole_groups(jobs, known)
+    whole_groups(jobs, known)
     # What the --push remote holds, as the planner decides it for plan --remote (whole rank groups; with a
     # signing key, a remote entry this key did not sign is absent: the build builds and signs its own).
     on_remote = {j.key for j in mark_remote(jobs, remote, trusted=own or None)
@@ -232,21 +243,6 @@ def _open_store(cache: str | Path | None, remote: Remote | None, sign_key: str |
     # pyproject.toml's max_size applies only to the cache it names itself (a pull request writes it).
     limit = max_size if max_size is not None else resolve_max_size(project=origin == FROM_PROJECT)
     return store, limit, own
-
-
-def _recheck_hits(store: Store, jobs: list[Job], own: dict[str, bytes]) -> None:
-    """Plan only checked sizes: a hit whose blobs are damaged is rebuilt, and so is one the build's
-    signing key (``own``) did not sign."""
-    for i, job in enumerate(jobs):
-        if job.status != JobStatus.HIT or not job.key:
-            continue
-        entry, why = store.open_entry(job.key)
-        if entry is None:
-            jobs[i] = replace(job, status=JobStatus.MISS, reason=f"rebuilt: {why}")
-        elif own and _not_signed_by(entry.manifest, own):
-            # A signature says "built and proven here": an entry this key did not sign was found, not
-            # built, so it is built again (and signed), never signed as it is.
-            jobs[i] = replace(job, status=JobStatus.MISS, reason=f"rebuilt: {_not_signed_by(entry.manifest, own)}")
 
 
 def _settled(store: Store, jobs: list[Job], known: dict[str | None, str], on_remote: set[str | None],
@@ -379,24 +375,6 @@ def _with_pipe_changes(recipe: Recipe, pipe: Any) -> Recipe:
     logging.getLogger("aotbuild").info("the build's jobs re-apply the pipeline's %s",
                                        changes.as_recipe_text(found.changes))
     return replace(recipe, changes=found.changes)
-
-
-def _whole_groups(jobs: list[Job], known: dict[str | None, str]) -> None:
-    """A tensor-parallel job is built whole: when one rank's entry is missing or damaged, every rank of
-    it is rebuilt (its ranks' artifacts come from one launch and are proven together); not one that
-    failed before (``known``), which is not built at all."""
-    todo = {j.group for j in jobs if j.siblings and j.status in (JobStatus.MISS, JobStatus.FAILED_BEFORE)} - set(known)
-    for i, job in enumerate(jobs):
-        if job.siblings and job.group in todo and job.status == JobStatus.HIT:
-            jobs[i] = replace(job, status=JobStatus.MISS, reason="rebuilt with the other ranks of its job")
-
-
-def _not_signed_by(manifest: Any, own: dict[str, bytes]) -> str:
-    """Why ``manifest`` carries no valid signature by the signing key ``own`` ("" when it does)."""
-    from aotbuild.cache.signing import check
-
-    why = check(manifest, own)
-    return f"found in the cache, not signed by {next(iter(own))} ({why.split(':')[0].split(';')[0]})" if why else ""
 
 
 def _locked(store: Store, jobs: list[Job], tick: Tick | None, retry_failed: bool,
@@ -671,7 +649,7 @@ def _adopt(store: Store, jobs: list[Job], group: list[Job], attempts: list[auto.
         from aotbuild.cache.signing import public_of
 
         mine = public_of(sign_key)
-        if any(_not_signed_by(e.manifest, mine) for e in entries if e is not None):
+        if any(not_signed_by(e.manifest, mine) for e in entries if e is not None):
             return []
     started = time.perf_counter()
     results = []

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
@@ -478,19 +478,9 @@ def parse_structure(data: Any, source: str = DATA_SOURCE, name: str | None = Non
     if not isinstance(data, dict):
         raise check.fail(None, f"expected a mapping of recipe keys at the top level, got {describe_value(data)}")
     check.keys(data, SCHEMA, "")
-    model_data = data.get("model")
-    if isinstance(model_data, str):  # shorthand: "model: builtin:tiny-sd"
-        model_data = {"id": model_data}
-    model = ModelSpec(**check.section(model_data, "model"))
     top = {k: check.value(k, data.get(k), spec) for k, spec in SCHEMA.items() if isinstance(spec, Field)
            and spec.type != "shapes"}
-    compile_spec = CompileSpec(**check.section(data.get("compile"), "compile"))
-    lora = LoraSpec(**check.section(data["lora"], "lora")) if data.get("lora") is not None else None
-    parallel = ParallelSpec(**check.section(data["parallel"], "parallel")) if data.get("parallel") is not None \
-        else None
-    changes = _changes(check, data["changes"]) if data.get("changes") is not None else None
-    text_length = TextLength(**check.section(data["text_length"], "text_length")) \
-        if data.get("text_length") is not None else None
+    sections = {name: how.make(check, name, data.get(name)) for name, how in SECTIONS.items()}
     shapes = check.shapes(data.get("shapes"))
     warmup = top["warmup"]
     for arg in warmup:
@@ -499,17 +489,13 @@ def parse_structure(data: Any, source: str = DATA_SOURCE, name: str | None = Non
             raise check.fail(f"warmup.{arg}", f"cannot be set here: {owner} sets it")
     if not name:  # a file's name is a pull request's: any control character in it is escaped
         name = content_name(data) if source == DATA_SOURCE else printable(Path(source).stem)
-    return Recipe(
-        name=name, source=source, folder=folder, model=model, target=top["target"],
-        device=top["device"], strategy=top["strategy"], offload=top["offload"], compile=compile_spec,
-        shapes=shapes, warmup=warmup, lora=lora, parallel=parallel, changes=changes, text_length=text_length,
-    )
+    return Recipe(name=name, source=source, folder=folder, target=top["target"], device=top["device"],
+                  strategy=top["strategy"], offload=top["offload"], shapes=shapes, warmup=warmup, **sections)
 
 
-def _changes(check: _Checker, data: Any) -> ChangesSpec | None:
-    """``changes``: the section's keys and types, FreeU's four finite factors, a cache's ``config`` name.
-    What the model and this diffusers allow is checked at plan time (aotbuild/pipeline/changes.py). Empty: None."""
-    spec = ChangesSpec(**check.section(data, "changes"))
+def _changes(check: _Checker, spec: ChangesSpec) -> ChangesSpec | None:
+    """``changes``: FreeU's four finite factors, a cache's ``config`` name, class and backend names. What
+    the model and this diffusers allow is checked at plan time (aotbuild/pipeline/changes.py). Empty: None."""
     if spec.freeu is not None:
         missing = [k for k in FREEU_FACTORS if k not in spec.freeu]
         extra = [k for k in spec.freeu if k not in FREEU_FACTORS]
@@ -535,6 +521,40 @@ def _changes(check: _Checker, data: Any) -> ChangesSpec | None:
         raise check.fail("changes.attention_backend", f"{printable(spec.attention_backend)[:80]!r} is not a backend "
                                                       f"name (e.g. _native_math)")
     return None if spec == ChangesSpec() else spec
+
+
+@dataclass(frozen=True)
+class Section:
+    """How :func:`parse_structure` makes one section (a mapping) of :data:`SCHEMA`, the same way for
+    each: its keys checked against the schema into ``spec``; an absent section is None where
+    ``optional`` (else the spec's defaults); a scalar is the ``shorthand`` key's value (``model:
+    builtin:tiny-sd``); ``after`` checks what spans the section's keys (it returns the section, or None
+    for one that declares nothing)."""
+
+    spec: type
+    optional: bool = True
+    shorthand: str | None = None
+    after: Callable[[_Checker, Any], Any] | None = None
+
+    def make(self, check: _Checker, name: str, data: Any) -> Any:
+        if data is None and self.optional:
+            return None
+        if isinstance(data, str) and self.shorthand:
+            data = {self.shorthand: data}
+        spec = self.spec(**check.section(data, name))
+        return self.after(check, spec) if self.after else spec
+
+
+#: Every section of :data:`SCHEMA`, by the Recipe field it fills (tests/test_recipe.py holds the two
+#: tables to each other and to Recipe's fields).
+SECTIONS: dict[str, Section] = {
+    "model": Section(ModelSpec, optional=False, shorthand="id"),
+    "compile": Section(CompileSpec, optional=False),
+    "lora": Section(LoraSpec),
+    "parallel": Section(ParallelSpec),
+    "changes": Section(ChangesSpec, after=_changes),
+    "text_length": Section(TextLength),
+}
 
 
 def check_structure_rules(recipe: Recipe) -> None:

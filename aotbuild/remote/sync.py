@@ -16,7 +16,7 @@ from aotbuild.cache.layout import resolve_cache_root
 from aotbuild.cache.store import DAMAGED, Entry, Store
 from aotbuild.constants import Vocabulary
 from aotbuild.errors import UsageError
-from aotbuild.planner import Job, JobStatus, plan
+from aotbuild.planner import Job, JobStatus, OnRemote, mark_remote, plan
 from aotbuild.remote.schemes import PushResult, Remote, as_remote, pull_entry
 from aotbuild.strategies.registry import checked_store
 from aotbuild.utils.deprecated import positional_shim
@@ -391,27 +391,24 @@ def pull(recipes: list[str] | tuple[str, ...], remote: str | Remote, *, cache: s
     remote = as_remote(remote)
     trusted = trusted_from_env(trusted_keys)
     store = checked_store(resolve_cache_root(cache), trusted)
-    jobs = plan(list(recipes), cache=store.root, trusted_keys=trusted_keys)
-    wanted = [j for j in jobs if j.status in (JobStatus.MISS, JobStatus.FAILED_BEFORE)]
-    on_remote = remote.keys() if wanted else set()
-    # A tensor-parallel job is pulled whole or not at all: each rank needs its own entry.
-    partial = {j.key: next(r for r, k in enumerate(j.siblings) if k not in on_remote and not store.check_entry(k)[0])
-               for j in wanted if j.siblings
-               and any(k not in on_remote and not store.check_entry(k)[0] for k in j.siblings)}
+    # What the remote holds is the planner's to decide (planner.mark_remote, as for plan --remote and a
+    # build's --push): trusted keys, whole tensor-parallel jobs (a rank the local cache has counts).
+    jobs = mark_remote(plan(list(recipes), cache=store.root, trusted_keys=trusted_keys), remote,
+                       trusted=trusted)
     out: list[PullItem] = []
     for job in jobs:
         if job.status == JobStatus.HIT:
             out.append(PullItem(job, PullStatus.CACHED))
-        elif job.status not in (JobStatus.MISS, JobStatus.FAILED_BEFORE) or job.key is None:
-            out.append(PullItem(job, PullStatus.UNAVAILABLE, job.reason))
-        elif job.key in partial:
-            out.append(PullItem(job, PullStatus.MISSING,
-                                f"rank {partial[job.key]}'s entry of this tensor-parallel job is not on "
-                                f"{remote.url}: its ranks are pulled together"))
-        elif job.key not in on_remote:
-            out.append(PullItem(job, PullStatus.MISSING, f"not on {remote.url}"))
-        else:
+        elif job.status == JobStatus.REMOTE:
+            assert job.key is not None
             why = pull_entry(remote, job.key, store)
             out.append(PullItem(job, PullStatus.REFUSED if why else PullStatus.PULLED, why))
+        elif job.on_remote == OnRemote.REFUSED:
+            out.append(PullItem(job, PullStatus.REFUSED, job.reason))
+        elif job.on_remote in (OnRemote.ABSENT, OnRemote.PARTIAL):
+            out.append(PullItem(job, PullStatus.MISSING, job.reason if job.on_remote == OnRemote.PARTIAL
+                                else f"not on {remote.url}"))
+        else:
+            out.append(PullItem(job, PullStatus.UNAVAILABLE, job.reason))
     return PullReport(remote.url, out)
 
