@@ -34,6 +34,7 @@ from aotbuild import constants
 from aotbuild.cache.layout import HEX64
 from aotbuild.errors import ManifestError, StaleManifest
 from aotbuild.keys import AUTO, key_of
+from aotbuild.recipe.frozen import thaw
 from aotbuild.utils import safeio
 
 #: A manifest file larger than this is refused before it is read.
@@ -73,7 +74,7 @@ class Proof:
         return {"load_s": self.load_s, "compiles": self.compiles, "max_abs_diff": self.max_abs_diff,
                 "tolerance": self.tolerance, "instances": self.instances, "calls": self.calls,
                 "counter": self.counter, **({"swaps": self.swaps} if self.swaps else {}),
-                **({"served": _plain(self.served)} if self.served else {})}
+                **({"served": thaw(self.served)} if self.served else {})}
 
 
 @dataclass(frozen=True)
@@ -109,22 +110,22 @@ class Manifest:
         data: dict[str, Any] = {
             "format": self.format, "key": self.key, "recipe": self.recipe, "component": self.component,
             "shape": dict(self.shape), "target": self.target, "strategy": self.strategy,
-            "factors": _plain(self.factors), "files": [f.as_json() for f in self.files],
+            "factors": thaw(self.factors), "files": [f.as_json() for f in self.files],
             "signatures": list(self.signatures), "embeds_weights": self.embeds_weights,
-            "build": _plain(self.build), "recipe_data": _plain(self.recipe_data),
+            "build": thaw(self.build), "recipe_data": thaw(self.recipe_data),
         }
         if self.packages:
-            data["packages"] = [_plain(p) for p in self.packages]
+            data["packages"] = [thaw(p) for p in self.packages]
         if self.proof is not None:
             data["proof"] = self.proof.as_json()
         if self.structure is not None:
-            data["structure"] = _plain(self.structure)
+            data["structure"] = thaw(self.structure)
         if self.signed_by:
             data["signed_by"] = [dict(s) for s in self.signed_by]
         if self.pack is not None:
-            data["pack"] = _plain(self.pack)
+            data["pack"] = thaw(self.pack)
         if self.auto is not None:
-            data["auto"] = _plain(self.auto)
+            data["auto"] = thaw(self.auto)
         return data
 
     def to_json(self) -> str:
@@ -427,10 +428,3 @@ class _Checker:
         return value
 
 
-def _plain(value: Any) -> Any:
-    """A JSON-ready copy (mappings and tuples made dicts and lists)."""
-    if isinstance(value, Mapping):
-        return {str(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    return value

@@ -16,36 +16,17 @@ from typing import Any
 import click
 
 from aotbuild import constants
+from aotbuild.cache.layout import format_size
 from aotbuild.errors import AotbuildError
+from aotbuild.utils.text import printable, table
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_MISS, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
-
-
-def _human_size(n: int) -> str:
-    from aotbuild.cache.layout import format_size
-
-    return format_size(n)
-
-
-def _table(rows: list[list[str]], header: list[str]) -> str:
-    from aotbuild.utils.text import table
-
-    return table(rows, header)
 
 
 def _clean(text: Any) -> str:
     """What a command prints, every control character but the newlines aotbuild wrote escaped: names and
     fields come from files other people write (an OSC escape must not reach the terminal)."""
-    from aotbuild.utils.text import printable
-
     return "\n".join(printable(line) for line in str(text).split("\n"))
-
-
-def _line(text: Any) -> str:
-    """A value from a file on one line: its newlines escaped too."""
-    from aotbuild.utils.text import printable
-
-    return printable(text)
 
 
 def _echo(text: Any = "", **kwargs: Any) -> None:
@@ -56,7 +37,7 @@ def _error(text: Any) -> None:
     """An error on stderr: one line, whatever its message embeds. The one place errors are printed, so
     a value from a recipe, a model folder, a manifest or a remote that reaches a message (a newline then
     ``::error::``, an escape sequence) is shown escaped, and no raise site can forget (issue 32)."""
-    click.echo(_line(f"error: {text}"), err=True)
+    click.echo(printable(f"error: {text}"), err=True)
 
 
 def _emit_json(data: Any) -> None:
@@ -64,7 +45,7 @@ def _emit_json(data: Any) -> None:
     script that prints a field (``jq -r .jobs[].reason``) prints no newline or escape from a file."""
     def clean(value: Any) -> Any:
         if isinstance(value, str):
-            return _line(value)
+            return printable(value)
         if isinstance(value, dict):
             return {clean(k): clean(v) for k, v in value.items()}
         if isinstance(value, (list, tuple)):
@@ -94,7 +75,7 @@ def _run(fn: Callable[[], int | None]) -> None:
         _error(f"{where}{exc.strerror or exc}{hint}")
         code = EXIT_FAILED
     except KeyboardInterrupt as exc:
-        click.echo(_line(f"interrupted{f' ({exc})' if str(exc) else ''}"), err=True)
+        click.echo(printable(f"interrupted{f' ({exc})' if str(exc) else ''}"), err=True)
         code = EXIT_INTERRUPTED
     sys.exit(code)
 
@@ -118,7 +99,7 @@ class _EchoHandler(logging.Handler):
     """Writes to whatever stderr is at the time (click's test runner swaps it)."""
 
     def emit(self, record: logging.LogRecord) -> None:
-        click.echo(_line(self.format(record)), err=True)  # a note naming a value: one line, as errors
+        click.echo(printable(self.format(record)), err=True)  # a note naming a value: one line, as errors
 
 
 def _quiet_libraries() -> None:
@@ -410,9 +391,9 @@ def _progress() -> Callable[..., None]:
     heartbeat = {"next": 0.0}  # without a terminal (CI logs): one line a minute, so a long compile shows life
 
     def show(event: str, n: int, total: int, job: Any, result: Any) -> None:
-        head = f"[{n}/{total}] {_line(job.label)} ({job.key[:12]})"
+        head = f"[{n}/{total}] {printable(job.label)} ({job.key[:12]})"
         if event == "start" and getattr(job, "status", "") == "failed":
-            _echo(f"{head} retrying: it {_line(job.reason)}"[:400], err=True)
+            _echo(f"{head} retrying: it {printable(job.reason)}"[:400], err=True)
         if event == "start" and not live:
             heartbeat["next"] = 60.0
             _echo(f"{head} building ...", err=True)
@@ -423,7 +404,7 @@ def _progress() -> Callable[..., None]:
             _echo(f"{head} {result.status} ({result.seconds:.0f} s so far)", err=True)
         elif event == "end":
             prefix = "\r\033[K" if live else ""
-            note = f": {_line(result.reason)}" if result.reason else ""  # a failure's reason: one line
+            note = f": {printable(result.reason)}" if result.reason else ""  # a failure's reason: one line
             click.echo(prefix + _clean(f"{head} {result.status} in {result.seconds:.1f} s{note}"), err=True)
 
     return show
@@ -494,7 +475,7 @@ def plan(recipes: tuple[str, ...], cache: str | None, as_json: bool, fail_on_mis
                  f"{j.recipe.strategy}: {j.chosen}" if j.chosen else j.recipe.strategy,
                  j.key[:12] if j.key else "-", j.status,
                  "" if j.status == JobStatus.HIT and not j.chosen else j.reason] for j in jobs]
-        _echo(_table(rows, ["recipe", "component", "shape", "strategy", "key", "status", "reason"]))
+        _echo(table(rows, ["recipe", "component", "shape", "strategy", "key", "status", "reason"]))
         if explain_auto:
             _echo(_explain_auto(jobs))
         hits = sum(j.status == JobStatus.HIT for j in jobs)
@@ -527,19 +508,19 @@ def _explain_auto(jobs: list) -> str:
     for j in jobs:
         if j.choice is None:
             continue
-        lines.append(f"{_line(j.label)} ({j.key[:12] if j.key else '-'}): auto tries, in this order:")
+        lines.append(f"{printable(j.label)} ({j.key[:12] if j.key else '-'}): auto tries, in this order:")
         stored = [n for n in j.choice.tries if n in held.get((id(j.ctx), j.component), ())]
         if j.status != JobStatus.HIT and stored and stored[0] != j.choice.tries[0]:
             lines.append(f"  starts at {stored[0]}: the component's other shapes hold it (one strategy serves "
                          f"every shape of a component); --retry-failed starts at {j.choice.tries[0]}")
         for n, name in enumerate(j.choice.tries, 1):
-            known = f"; failed before, skipped until --retry-failed: {_line(j.failed_before[name])}" \
+            known = f"; failed before, skipped until --retry-failed: {printable(j.failed_before[name])}" \
                 if name in j.failed_before else ""
             lines.append(f"  {n}. {name} (key {j.attempt_keys.get(name, '-')[:12]}){known}"[:400])
         for name, why in j.choice.excluded:
-            lines.append(f"  excluded: {name}: {_line(why)}"[:400])
+            lines.append(f"  excluded: {name}: {printable(why)}"[:400])
         if j.chosen:
-            lines.append(f"  built: {j.chosen} ({_line(j.reason)})"[:400])
+            lines.append(f"  built: {j.chosen} ({printable(j.reason)})"[:400])
     return "\n".join(lines) if lines else "no job of these recipes has strategy: auto"
 
 
@@ -597,8 +578,8 @@ def ls(cache: str | None, as_json: bool) -> int:
         return EXIT_OK
     rows = [[m.key[:12], m.recipe, _model_of(m), m.component + _rank_text(m.factors), _shape_text(m.shape),
              m.target, m.strategy,
-             _scope_of(m), _human_size(m.size), _created(m) or "?"] for m in manifests]
-    _echo(_table(rows, ["key", "recipe", "model", "component", "shape", "target", "strategy", "scope", "size",
+             _scope_of(m), format_size(m.size), _created(m) or "?"] for m in manifests]
+    _echo(table(rows, ["key", "recipe", "model", "component", "shape", "target", "strategy", "scope", "size",
                         "created"]))
     _echo(f"{len(manifests)} entries in {store.root}")
     for name in models:
@@ -616,7 +597,7 @@ def _rank_text(factors: Any) -> str:
     sharded = factors.get("parallel") if isinstance(factors, Mapping) else None
     if not isinstance(sharded, Mapping):
         return ""
-    return f" rank {_line(sharded.get('rank'))}/{_line(sharded.get('tensor'))}"
+    return f" rank {printable(sharded.get('rank'))}/{printable(sharded.get('tensor'))}"
 
 
 def _scope_of(manifest: Any) -> str:
@@ -666,19 +647,19 @@ def show(key: str, cache: str | None, as_json: bool) -> int:
         return EXIT_OK
     _echo(f"key:        {full}")
     for field in ("recipe", "component", "target", "strategy"):
-        _echo(f"{field + ':':<12}{_line(getattr(manifest, field))}")
+        _echo(f"{field + ':':<12}{printable(getattr(manifest, field))}")
     if manifest.auto is not None:  # strategy: auto: what the build tried before storing this strategy's entry
         from aotbuild.strategies.order import Attempt
 
         own = ", ".join(f"{k} {v}" for k, v in (manifest.auto.get("factors") or {}).items())
-        _echo(f"{'auto:':<12}chose {_line(manifest.strategy)}" + (f" (its own factors, checked at load: "
-                                                                  f"{_line(own)})" if own else ""))
+        _echo(f"{'auto:':<12}chose {printable(manifest.strategy)}" + (f" (its own factors, checked at load: "
+                                                                  f"{printable(own)})" if own else ""))
         for attempt in manifest.auto.get("attempts") or []:
-            _echo(f"{'':<12}{_line(Attempt.from_json(attempt).text())}"[:500])
+            _echo(f"{'':<12}{printable(Attempt.from_json(attempt).text())}"[:500])
     _echo(f"{'shape:':<12}{_shape_text(manifest.shape)}")
     if _rank_text(manifest.factors):
-        _echo(f"{'parallel:':<12}tensor-parallel degree {_line(manifest.factors['parallel'].get('tensor'))}, "
-              f"rank {_line(manifest.factors['parallel'].get('rank'))}")
+        _echo(f"{'parallel:':<12}tensor-parallel degree {printable(manifest.factors['parallel'].get('tensor'))}, "
+              f"rank {printable(manifest.factors['parallel'].get('rank'))}")
     b = manifest.build
     seconds = b.get("seconds")
     if isinstance(seconds, dict):  # entries written before 0.1.0's fix held the phases here
@@ -686,9 +667,9 @@ def show(key: str, cache: str | None, as_json: bool) -> int:
     phases = b.get("phases")
     split = (" (" + ", ".join(f"{k.replace('_', ' ')} {v:.1f} s" for k, v in phases.items()
                               if isinstance(v, int | float)) + ")") if isinstance(phases, dict) else ""
-    _echo(f"{'built:':<12}{_line(b.get('created'))} in {_line(seconds)} s{_line(split)} by aotbuild "
-          f"{_line(b.get('aotbuild'))}")
-    _echo(f"{'size:':<12}{_human_size(manifest.size)} in {len(manifest.files)} files")
+    _echo(f"{'built:':<12}{printable(b.get('created'))} in {printable(seconds)} s{printable(split)} by aotbuild "
+          f"{printable(b.get('aotbuild'))}")
+    _echo(f"{'size:':<12}{format_size(manifest.size)} in {len(manifest.files)} files")
     proof = manifest.proof
     if proof is None:
         _echo(f"{'proof:':<12}none (built before aotbuild proved entries)")
@@ -699,11 +680,11 @@ def show(key: str, cache: str | None, as_json: bool) -> int:
                    f"(tolerance {proof.tolerance:.0e})")
     _echo("factors:")
     for path, value in flatten(dict(manifest.factors)).items():
-        _echo(f"  {_line(path)} = {json.dumps(value)}")
+        _echo(f"  {printable(path)} = {json.dumps(value)}")
     _echo(f"signatures: {len(manifest.signatures)} call signature(s) built")
     dropped = sorted({k for r in manifest.packages for k in r.get("dropped_guards") or ()})
     if dropped:  # aot-compile: guard kinds its saved functions no longer check (docs/runtime.md)
-        _echo(f"guards:     dropped at save: {_line(', '.join(dropped))}")
+        _echo(f"guards:     dropped at save: {printable(', '.join(dropped))}")
     _echo(f"signed by:  {_signed_text(manifest)}")
     return EXIT_OK
 
@@ -712,12 +693,12 @@ def _signed_text(manifest: Any) -> str:
     """Each key that signed, and (with trusted keys set) which trusted key's signature verifies."""
     from aotbuild.cache.signing import signer, trusted_from_env
 
-    names = ", ".join(_line(s["key"]) for s in manifest.signed_by) or "nobody (unsigned)"
+    names = ", ".join(printable(s["key"]) for s in manifest.signed_by) or "nobody (unsigned)"
     trusted = trusted_from_env() if manifest.signed_by else None
     if trusted is None:
         return names
     who = signer(manifest, trusted)
-    return f"{names} ({f'verified: trusted key {_line(who)}' if who else 'no trusted key signature verifies'})"
+    return f"{names} ({f'verified: trusted key {printable(who)}' if who else 'no trusted key signature verifies'})"
 
 
 @main.command()
@@ -819,7 +800,7 @@ def verify(cache: str | None, as_json: bool, fix: bool, trusted_keys: str | None
         for p in problems:
             key = f" (entry {p.key[:12]})" if p.key else ""
             left = "  (remains)" if fix and p in remain else "  (left for its owner)" if not p.fixable else ""
-            _echo(f"{p.kind:<9} {_line(p.path)}: {_line(p.detail)}{key}{left}")
+            _echo(f"{p.kind:<9} {printable(p.path)}: {printable(p.detail)}{key}{left}")
         owners = [p for p in (remain if fix else problems) if not p.fixable]
         if fix:
             summary = [f"{len(problems) - len(remain)} problem(s) fixed in {store.root}"]
@@ -849,7 +830,7 @@ def _signers_text(store: Any) -> str:
     from collections import Counter
 
     counts = Counter(_signers(store).values())
-    by = ", ".join(f"{_line(name)} {n}" for name, n in sorted(counts.items()) if name)
+    by = ", ".join(f"{printable(name)} {n}" for name, n in sorted(counts.items()) if name)
     return (f"{sum(n for name, n in counts.items() if name)} entries signed by a trusted key: {by or 'none'}"
             + (f"; {counts['']} by none" if counts[""] else ""))
 
@@ -900,7 +881,7 @@ def gc(cache: str | None, as_json: bool, max_size: str | None, stale: bool, dry_
     store = checked_store(resolve_cache_root(cache))
     report = run_gc(store, max_size=limit, stale=stale, dry_run=dry_run)
     if not report.removed and not as_json:
-        _echo("nothing to remove" + (f" (under {_human_size(limit)})" if limit is not None else ""))
+        _echo("nothing to remove" + (f" (under {format_size(limit)})" if limit is not None else ""))
     if as_json:
         _emit_json({"cache": str(store.root), **report.as_json()})
         return EXIT_OK
@@ -948,7 +929,7 @@ def rm(items: tuple[str, ...], cache: str | None, as_json: bool) -> int:
         _emit_json({"cache": str(store.root), "removed": [{"key": k, "freed": n} for k, n in removed]})
     else:
         for key, freed in removed:
-            _echo(f"removed {key[:12]} ({_human_size(freed)} freed)")
+            _echo(f"removed {key[:12]} ({format_size(freed)} freed)")
         _echo(f"{len(removed)} {'entry' if len(removed) == 1 else 'entries'} removed from {store.root}")
     return EXIT_OK
 
@@ -1075,13 +1056,13 @@ def targets(as_json: bool) -> int:
     if as_json:
         _emit_json({"targets": rows, "strategies": strategies})
         return EXIT_OK
-    table = [[r["name"], "yes" if r["available"] else "no", r["default_device"], r["default_dtype"],
+    cells = [[r["name"], "yes" if r["available"] else "no", r["default_device"], r["default_dtype"],
               " ".join(f"{k}={v}" for k, v in r["versions"].items()) or "-", r["reason"]] for r in rows]
-    _echo(_table(table, ["target", "available", "device", "dtype", "versions", "why not"]))
+    _echo(table(cells, ["target", "available", "device", "dtype", "versions", "why not"]))
     _echo()
-    table = [[r["name"], ", ".join(r["targets"]), "yes" if r["available"] else "no", r["reason"] or r["summary"]]
+    cells = [[r["name"], ", ".join(r["targets"]), "yes" if r["available"] else "no", r["reason"] or r["summary"]]
              for r in strategies]
-    _echo(_table(table, ["strategy", "targets", "available", "what it stores, or why not"]))
+    _echo(table(cells, ["strategy", "targets", "available", "what it stores, or why not"]))
     return EXIT_OK
 
 

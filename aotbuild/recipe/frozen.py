@@ -17,9 +17,9 @@ def freeze(value: Any) -> Any:
 
 
 def thaw(value: Any) -> Any:
-    """Plain dicts and lists again, for JSON."""
+    """Plain dicts and lists again, for JSON (a list's items thawed too)."""
     if isinstance(value, Mapping):
         return {k: thaw(v) for k, v in value.items()}
-    if isinstance(value, tuple):
+    if isinstance(value, (tuple, list)):
         return [thaw(v) for v in value]
     return value

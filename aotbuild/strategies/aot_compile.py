@@ -49,7 +49,7 @@ from aotbuild import forwards
 from aotbuild.dispatch import RouteDeclined, install_dispatcher, signature
 from aotbuild.pipeline.blocks import select_blocks
 from aotbuild.strategies.base import BuildJob, Built, Planned, Resolved, Strategy, lazy_compile
-from aotbuild.strategies.calls import floats_of, snapshot, structure, where_called
+from aotbuild.strategies.calls import floats_of, snapshot, structure_digest, where_called
 
 if TYPE_CHECKING:
     from aotbuild.cache.store import Entry
@@ -91,6 +91,36 @@ class GuardFilter:
                 self.dropped.add(str(entry.guard_type))
             out.append(keep)
         return out
+
+
+#: How Dynamo names a global it installs for a Python module its code loads (torch/_dynamo/codegen.py
+#: ``create_load_python_module``: ``___module_<last name part>_<id>``), e.g. ``collections`` to rebuild a
+#: transformers ``ModelOutput`` (an OrderedDict) that a CLIP text encoder returns.
+MODULE_GLOBAL = "___module_"
+
+
+def module_globals() -> dict[str, str]:
+    """The module globals Dynamo installed in this module (the trampoline's global scope) while it
+    compiled: global name -> module name. A saved function's code loads them by name, but torch
+    2.13 does not save them (its load said ``Missing required external references:
+    ['___module_collections_...']``), so each record carries them and :func:`modules_for` gives
+    them back at load."""
+    import sys
+    import types
+
+    return {name: value.__name__ for name, value in sorted(vars(sys.modules[__name__]).items())
+            if name.startswith(MODULE_GLOBAL) and isinstance(value, types.ModuleType)}
+
+
+def modules_for(record: Mapping[str, Any]) -> dict[str, object] | None:
+    """The globals a record's function needs (``modules``, :func:`module_globals`), each a module
+    this process has already imported: a manifest never makes the load import anything (one it
+    names that is not imported leaves torch's own error, and the entry misses)."""
+    import sys
+
+    found = {name: sys.modules[module] for name, module in (record.get("modules") or {}).items()
+             if module in sys.modules}
+    return found or None
 
 
 def call(module: Any, *args: Any, **kwargs: Any) -> Any:
@@ -142,10 +172,6 @@ def canonical(value: Any) -> Any:
         return t.as_strided(t.shape, strides, t.storage_offset())
 
     return tree_map(one, value)
-
-
-def structure_digest(module: Any) -> str:
-    return hashlib.sha256(structure(module).encode()).hexdigest()[:32]
 
 
 def _torch_version() -> tuple[int, int]:
@@ -237,10 +263,11 @@ class AotCompile(Strategy):
                 forwards.class_forward(owner), _without_hooks(owner), where_called(owner, (args, kwargs)):
             function = compiled.aot_compile(((owner, *args), kwargs))
         function.save_compiled_function(str(path))
+        modules = module_globals()
         return {"signature": group["signature"], "path": f"{ARTIFACT_DIR}/{path.name}",
                 "instances": group["instances"], "block_class": type(owner).__name__,
                 "structure": group["structure"], "floats": group["floats"], "grad": group["grad"],
-                "dropped_guards": sorted(guards.dropped)}
+                "dropped_guards": sorted(guards.dropped), **({"modules": modules} if modules else {})}
 
     def collect(self, target: Target, workdir: Path) -> list[tuple[str, Path]]:
         from aotbuild.cache.trees import collect_tree
@@ -259,6 +286,11 @@ class AotCompile(Strategy):
                 return "packages[].floats: not a list of numbers"
             if not isinstance(record.get("grad", False), bool):
                 return "packages[].grad: not true or false"
+            modules = record.get("modules", {})
+            if not isinstance(modules, dict) or not all(
+                    isinstance(k, str) and k.startswith(MODULE_GLOBAL) and k.isidentifier() and isinstance(v, str)
+                    and all(part.isidentifier() for part in v.split(".")) for k, v in modules.items()):
+                return "packages[].modules: not a map of Dynamo's module globals to module names"
             dropped = record.get("dropped_guards", [])  # absent: built before it was recorded
             if not isinstance(dropped, list) or not all(isinstance(k, str) and k.isidentifier() for k in dropped):
                 return "packages[].dropped_guards: not a list of guard kinds"
@@ -309,7 +341,8 @@ class AotCompile(Strategy):
                 for record in entry.manifest.packages:
                     if record["path"] not in loaded:
                         with open(blobs[record["path"]], "rb") as f, ctx.target.loading():
-                            loaded[record["path"]] = torch.compiler.load_compiled_function(f)
+                            loaded[record["path"]] = torch.compiler.load_compiled_function(
+                                f, f_globals=modules_for(record))
                     for instance in record.get("instances", [""]):
                         routes.setdefault(instance, {}).setdefault(record["signature"], []).append(
                             (record, loaded[record["path"]]))

@@ -11,6 +11,7 @@ what must be equal for one artifact to serve two module instances.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -125,3 +126,8 @@ def structure(module: Any) -> str:
         processor = getattr(sub, "processor", None)
         parts.append([name, type(sub).__qualname__, type(processor).__qualname__ if processor else None, plain])
     return json.dumps([tensors, parts], default=str)
+
+
+def structure_digest(module: Any) -> str:
+    """:func:`structure` as 32 hex digits: what aot-compile's records name an instance's group by."""
+    return hashlib.sha256(structure(module).encode()).hexdigest()[:32]
