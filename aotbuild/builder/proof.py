@@ -97,6 +97,7 @@ def record_eager(pipe: Any, recipe: Any, component: str,
     most CALLS_PER_SIGNATURE per signature) and the names of the block instances a regional entry
     must serve (``{""}``: the component whole), each checked to have run; RuntimeError if not."""
     from aotbuild.dispatch import signature
+    from aotbuild.strategies.calls import Watch
 
     module = getattr(pipe, component)
     calls: list[tuple[Any, Any, list[Any]]] = []
@@ -105,31 +106,27 @@ def record_eager(pipe: Any, recipe: Any, component: str,
 
     per_signature: dict[str, int] = {}
 
-    def recording(name: str, forward: Any, top: bool) -> Any:
-        def run(*args: Any, **kwargs: Any) -> Any:
-            ran.add(name)
-            sig = signature(args, kwargs) if top else ""
-            if not top or per_signature.get(sig, 0) >= CALLS_PER_SIGNATURE:
-                return forward(*args, **kwargs)
-            per_signature[sig] = per_signature.get(sig, 0) + 1
-            inputs = (_clone(args), _clone(kwargs))
-            out = forward(*args, **kwargs)
-            calls.append((*inputs, [t.detach().clone() for t in tensors(out)]))
-            return out
-
-        return run
+    def record(name: str, _: Any, forward: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        ran.add(name)
+        top = not name  # the component itself; a block's calls only say that it ran
+        sig = signature(args, kwargs) if top else ""
+        if not top or per_signature.get(sig, 0) >= CALLS_PER_SIGNATURE:
+            return forward(*args, **kwargs)
+        per_signature[sig] = per_signature.get(sig, 0) + 1
+        inputs = (_clone(args), _clone(kwargs))
+        out = forward(*args, **kwargs)
+        calls.append((*inputs, [t.detach().clone() for t in tensors(out)]))
+        return out
 
     # What a module's forward was before the recording (accelerate's offload hook puts one on the
-    # component) comes back afterwards (forwards.unwrap), so the entry is served through it as a
+    # component) comes back afterwards (Watch.remove), so the entry is served through it as a
     # replica's would be.
-    wrapped = [(name, block) for name, block in instances if block is not module] + [("", module)]
-    for name, m in wrapped:
-        forwards.wrap(m, forwards.PROOF, lambda inner, n=name: recording(n, inner, top=not n))
+    watch = Watch([(name, block) for name, block in instances if block is not module] + [("", module)],
+                  forwards.PROOF, record)
     try:
         pipe(**warmup)
     finally:
-        for _, m in reversed(wrapped):
-            forwards.unwrap(m, forwards.PROOF)
+        watch.remove()
     if not calls:
         raise RuntimeError(f"the warmup never called {component}")
     expected = {n for n, b in instances if b is not module} or {""}

@@ -40,6 +40,14 @@ def _error(text: Any) -> None:
     click.echo(printable(f"error: {text}"), err=True)
 
 
+def _show(report: Any, as_json: bool) -> None:
+    """A command's report: its ``as_json()`` with ``--json``, else its ``text()``."""
+    if as_json:
+        _emit_json(report.as_json())
+    else:
+        _echo(report.text())
+
+
 def _emit_json(data: Any) -> None:
     """``--json``: valid JSON whose every text is :func:`_line`'d too, as the tables' cells are: a
     script that prints a field (``jq -r .jobs[].reason``) prints no newline or escape from a file."""
@@ -345,10 +353,7 @@ def push(items: tuple[str, ...], remote: str | None, cache: str | None, as_json:
                          "NAME.key` signs local entries you vouch for (docs/security.md), then push them")
     report = run_push(list(items), _remote(remote, required=True), cache=cache,
                       trusted=trusted_from_env(_keys(trusted_keys)), progress=None if as_json else _push_progress())
-    if as_json:
-        _emit_json(report.as_json())
-    else:
-        _echo(report.text())
+    _show(report, as_json)
     return EXIT_FAILED if report.damaged else EXIT_OK
 
 
@@ -376,10 +381,7 @@ def pull(recipes: tuple[str, ...], remote: str | None, cache: str | None, as_jso
     from aotbuild.remote.sync import pull as run_pull
 
     report = run_pull(list(recipes), _remote(remote, required=True), cache=cache, trusted_keys=_keys(trusted_keys))
-    if as_json:
-        _emit_json(report.as_json())
-    else:
-        _echo(report.text())
+    _show(report, as_json)
     if report.refused:
         return EXIT_FAILED
     return EXIT_MISS if (fail_on_miss and report.missing) else EXIT_OK
@@ -978,12 +980,9 @@ def bench(recipe: str, cache: str | None, as_json: bool, shape: str | None, repe
                             build_progress=_progress(), warn=lambda text: _echo(text, err=True))
     if plot_file:
         benchmod.plot(report, plot_file)
-    if as_json:
-        _emit_json(report.as_json())
-    else:
-        _echo(report.text())
-        if plot_file:
-            _echo(f"plot: {plot_file}")
+    _show(report, as_json)
+    if plot_file and not as_json:
+        _echo(f"plot: {plot_file}")
     return EXIT_OK
 
 
@@ -1017,10 +1016,7 @@ def doctor(target: str, device: str | None, cache: str | None, remote: str | Non
         raise UsageError(f"--target {target!r} is not a target (known: {', '.join(target_names())})")
     report = run_doctor(target, device, cache, remote, deep=deep, roundtrip=not no_roundtrip,
                         progress=None if as_json else _progress())
-    if as_json:
-        _emit_json(report.as_json())
-    else:
-        _echo(report.text())
+    _show(report, as_json)
     return EXIT_OK if report.ok else EXIT_FAILED
 
 

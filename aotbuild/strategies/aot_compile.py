@@ -49,7 +49,7 @@ from aotbuild import forwards
 from aotbuild.dispatch import RouteDeclined, install_dispatcher, signature
 from aotbuild.pipeline.blocks import select_blocks
 from aotbuild.strategies.base import BuildJob, Built, Planned, Resolved, Strategy, lazy_compile
-from aotbuild.strategies.calls import floats_of, snapshot, structure_digest, where_called
+from aotbuild.strategies.calls import Watch, floats_of, snapshot, structure_digest, where_called
 
 if TYPE_CHECKING:
     from aotbuild.cache.store import Entry
@@ -380,37 +380,30 @@ class AotRunner:
         raise RouteDeclined(f"its {why} differ from every call the entry was compiled for")
 
 
-class CallRecorder:
+class CallRecorder(Watch):
     """Records, during an eager warmup, the first call of each group one artifact can serve: (class and
     structure of the module, signature, float values, grad mode) -> the call and every instance in it."""
 
     def __init__(self, owners: list[tuple[str, Any]]):
         self.groups: dict[tuple[str, ...], dict[str, Any]] = {}
-        self.owners = owners
-        for name, module in owners:
-            forwards.wrap(module, forwards.RECORD,
-                          lambda inner, n=name, m=module: self._recording(n, m, inner, structure_digest(m)))
+        self.digests = {name: structure_digest(module) for name, module in owners}
+        super().__init__(owners, forwards.RECORD, self._record)
 
-    def _recording(self, name: str, module: Any, forward: Any, digest: str) -> Callable[..., Any]:
-        def run(*args: Any, **kwargs: Any) -> Any:
-            import torch
+    def _record(self, name: str, module: Any, forward: Callable[..., Any], args: tuple[Any, ...],
+                kwargs: dict[str, Any]) -> Any:
+        import torch
 
-            from aotbuild.pipeline.dependencies import observe
+        from aotbuild.pipeline.dependencies import observe
 
-            observe(module)  # the global state the artifacts are compiled under, what the module holds at its
-            # first call (the manifest records both)
-            sig, floats, grad = signature(args, kwargs), floats_of(args, kwargs), torch.is_grad_enabled()
-            key = (type(module).__name__, digest, sig, json.dumps(floats), str(grad))
-            group = self.groups.get(key)
-            if group is None:
-                group = self.groups[key] = {"call": snapshot(args, kwargs), "instances": [], "signature": sig,
-                                            "structure": digest, "floats": floats, "grad": grad}
-            if name not in group["instances"]:
-                group["instances"].append(name)
-            return forward(*args, **kwargs)
-
-        return run
-
-    def remove(self) -> None:
-        for _, module in reversed(self.owners):
-            forwards.unwrap(module, forwards.RECORD)
+        observe(module)  # the global state the artifacts are compiled under, what the module holds at its
+        # first call (the manifest records both)
+        digest = self.digests[name]
+        sig, floats, grad = signature(args, kwargs), floats_of(args, kwargs), torch.is_grad_enabled()
+        key = (type(module).__name__, digest, sig, json.dumps(floats), str(grad))
+        group = self.groups.get(key)
+        if group is None:
+            group = self.groups[key] = {"call": snapshot(args, kwargs), "instances": [], "signature": sig,
+                                        "structure": digest, "floats": floats, "grad": grad}
+        if name not in group["instances"]:
+            group["instances"].append(name)
+        return forward(*args, **kwargs)

@@ -13,8 +13,10 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
+
+from aotbuild import forwards
 
 if TYPE_CHECKING:
     pass
@@ -131,3 +133,33 @@ def structure(module: Any) -> str:
 def structure_digest(module: Any) -> str:
     """:func:`structure` as 32 hex digits: what aot-compile's records name an instance's group by."""
     return hashlib.sha256(structure(module).encode()).hexdigest()[:32]
+
+
+#: What a :class:`Watch` calls for every call of a watched module: (name, module, forward, args,
+#: kwargs) -> the call's output (it calls ``forward(*args, **kwargs)`` itself).
+OnCall = Callable[[str, Any, Callable[..., Any], tuple[Any, ...], dict[str, Any]], Any]
+
+
+class Watch:
+    """Every call of each of ``modules`` ((name, module) pairs) goes through ``on_call``, in the layer
+    ``layer`` of the forwards registry (aotbuild/forwards.py), until :meth:`remove` puts back what was
+    below each: the one way a build's recorder (aot-compile's, :class:`aotbuild.strategies.aot_compile.
+    CallRecorder`) and the proof's reference recording watch a warmup. (aot-package's recorders go
+    through the dispatcher's record mode instead: their signatures must be the serving dispatcher's.)"""
+
+    def __init__(self, modules: list[tuple[str, Any]], layer: str, on_call: OnCall) -> None:
+        self.modules = list(modules)
+        self.layer = layer
+        for name, module in self.modules:
+            forwards.wrap(module, layer, lambda inner, n=name, m=module: _through(on_call, n, m, inner))
+
+    def remove(self) -> None:
+        for _, module in reversed(self.modules):
+            forwards.unwrap(module, self.layer)
+
+
+def _through(on_call: OnCall, name: str, module: Any, forward: Callable[..., Any]) -> Callable[..., Any]:
+    def run(*args: Any, **kwargs: Any) -> Any:
+        return on_call(name, module, forward, args, kwargs)
+
+    return run
