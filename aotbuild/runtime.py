@@ -160,12 +160,7 @@ def load_compiled(recipe: str | Path | Recipe | Mapping[str, Any], *, pipe: Any 
     pipecall.check_recipe(recipe, pipecall.CallSignature.of(pipe))  # a misspelt warmup key: a recipe error
     blocker = ctx.target.install_blocker()
     wanted = _wanted(ctx, pipe, rank)
-    if remote and not blocker:
-        started = time.perf_counter()
-        pulled, remote_notes = _pull_missing(store, remote, [w.key for w in wanted])
-        timings["pull"] = time.perf_counter() - started
-    else:
-        pulled, remote_notes = set(), {}
+    pulled, remote_notes = _pull_wanted(store, remote, wanted, timings) if remote and not blocker else (set(), {})
     report = LoadReport(recipe.name, str(root), on_miss=on_miss, remote=remote.url if remote else "", rank=rank,
                         tensor=recipe.tensor_parallel, timings=timings)
     started = time.perf_counter()
@@ -177,32 +172,49 @@ def load_compiled(recipe: str | Path | Recipe | Mapping[str, Any], *, pipe: Any 
         timings["verify"] = time.perf_counter() - started
         if report.misses and on_miss == "error":
             raise CacheMiss(f"{report}{_next_step(recipe, blocker, remote, pipe if passed else None)}")
-        from aotbuild.dispatch import dispatchers, uninstall_dispatchers
-
-        started = time.perf_counter()
-        for p in planned:  # loaded before into this pipe: install on the module, not around that install
-            uninstall_dispatchers(p.module)
-        ctx.target.before_install([e.manifest.build for p in planned for e in p.entries], ctx.device)
-        for serving, serves in _by_strategy(ctx, planned):
-            installed = serving.strategy.install(serving, serves, _call_policy(on_miss, strict_shapes))
-            if installed is not None:
-                report.installed_files += installed.installed
-                report.present_files += installed.present
-                report.install_folder = report.install_folder or installed.folder
-        timings["install"] = time.perf_counter() - started
+        _install(ctx, planned, report, _call_policy(on_miss, strict_shapes))
         _watch(planned, on_miss, ctx.recipe.offload == "none")
-        from aotbuild.pipeline.textlen import static_patterns
-
-        for p in planned:
-            measured = [e.manifest.build.get("text") for e in p.entries]
-            for d in dispatchers(p.module):
-                d.on_first_call = lambda s, c=p.component: report.first_calls.setdefault(c, round(s, 4))
-                d.static_text = static_patterns(d.routes, measured)  # a refusal names the prompt's length
     for feature in features:  # guards on what the served pipe may change (a LoRA hot-swap's checks)
         feature.after_load(pipe, recipe)
     pipe.aotbuild_report = report
     _announce(report, recipe, on_miss, blocker, passed)
     return pipe
+
+
+def _pull_wanted(store: Store, remote: Remote, wanted: list[_Wanted],
+                 timings: dict[str, float]) -> tuple[set[str], dict[str, str]]:
+    """:func:`_pull_missing` for the keys this load wants, timed as the load's ``pull`` phase."""
+    started = time.perf_counter()
+    try:
+        return _pull_missing(store, remote, [w.key for w in wanted])
+    finally:
+        timings["pull"] = time.perf_counter() - started
+
+
+def _install(ctx: Context, planned: list[Planned], report: LoadReport, policy: str) -> None:
+    """Every planned entry installed by its strategy (a dispatcher per module, put in anew), the install
+    counted in ``report``, and each dispatcher told how to time its first call and name the prompt's
+    length in a refusal."""
+    from aotbuild.dispatch import dispatchers, uninstall_dispatchers
+
+    started = time.perf_counter()
+    for p in planned:  # loaded before into this pipe: install on the module, not around that install
+        uninstall_dispatchers(p.module)
+    ctx.target.before_install([e.manifest.build for p in planned for e in p.entries], ctx.device)
+    for serving, serves in _by_strategy(ctx, planned):
+        installed = serving.strategy.install(serving, serves, policy)
+        if installed is not None:
+            report.installed_files += installed.installed
+            report.present_files += installed.present
+            report.install_folder = report.install_folder or installed.folder
+    report.timings["install"] = time.perf_counter() - started
+    from aotbuild.pipeline.textlen import static_patterns
+
+    for p in planned:
+        measured = [e.manifest.build.get("text") for e in p.entries]
+        for d in dispatchers(p.module):
+            d.on_first_call = lambda s, c=p.component: report.first_calls.setdefault(c, round(s, 4))
+            d.static_text = static_patterns(d.routes, measured)  # a refusal names the prompt's length
 
 
 @dataclass(frozen=True)
