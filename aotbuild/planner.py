@@ -400,7 +400,7 @@ def parse_shard(text: str) -> tuple[int, int]:
 def identity(job: Job) -> str:
     """The job's host-independent identity (shards.job_identity): recipe, component, shape. Under
     ``strategy: auto`` the shape is left out: auto chooses one strategy for every shape of a component
-    (builder._build_component), which only a runner building all of them can do."""
+    (builder.build._build_component), which only a runner building all of them can do."""
     shape = "*" if auto.is_auto(job.recipe) else str(job.shape)
     return shards.job_identity(job.recipe.name, job.component, shape)
 

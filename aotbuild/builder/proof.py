@@ -1,6 +1,6 @@
 """The proof: no entry is stored until a fresh process has served it with 0 compiles, equal to eager.
 
-Build side (``builder._prove``, called once a job's worker has finished): the job's files go
+Build side (``builder.build._prove``, called once a job's workers have finished): the job's files go
 into a throwaway store inside the job's staging folder, and a fresh process
 (``python -m aotbuild.builder.proof SPEC.json``) is started with every compiler cache pointed at an empty
 folder (the target's ``capture_env``) and another working directory. That process

@@ -26,7 +26,7 @@ count until its entries served any count (413934f, issue 36 item 3), and the cou
 target keys under ``cpp.dynamic_threads: false`` is strategy-independent, so it is in the auto key.
 
 One strategy serves a component (its dispatcher is that strategy's), so the builder chooses per
-component, for all its shapes (``builder._build_component``): a shape that fails a strategy takes the
+component, for all its shapes (``builder.build._build_component``): a shape that fails a strategy takes the
 whole component to the next one (:attr:`Outcome.DROPPED` on the shapes it had built).
 """
 
