@@ -119,6 +119,28 @@ def test_a_proof_asked_for_speed_refuses_an_entry_not_faster_than_eager():
     assert verdict({**passing, "served": {}}, "unet@64x64")  # not asked: no timing, no such refusal
 
 
+def test_the_speed_comparison_stops_after_three_rounds_only_when_they_order_themselves():
+    """Three rounds where every served call beat every eager one (or lost to every one) settle the
+    comparison; calls that overlap go on to five. The clock is the test's: served calls take 1 or 3
+    ticks by turns, eager ones 2."""
+    from aotbuild.builder import proof
+
+    clock = [0.0]
+
+    def ticks(*durations):
+        turn = iter(durations * 5)
+        return lambda: clock.__setitem__(0, clock[0] + next(turn))
+
+    def rounds(served, eager):
+        return proof.timed_rounds(served, eager, clock=lambda: clock[0])
+
+    assert rounds(ticks(1), ticks(2)) == ([1.0] * 3, [2.0] * 3)  # faster every time: settled
+    assert rounds(ticks(3), ticks(2)) == ([3.0] * 3, [2.0] * 3)  # slower every time: settled
+    served_s, eager_s = rounds(ticks(1, 3), ticks(2))
+    assert served_s == [1.0, 3.0, 1.0, 3.0, 1.0] and eager_s == [2.0] * 5  # overlapping: all five rounds
+    assert proof.SPEED_ROUNDS == (3, 5)
+
+
 @pytest.fixture
 def export_fails(monkeypatch, fake_compiles) -> list[str]:
     """aot-package's attempts fail as an export that cannot trace the model does; the others build
