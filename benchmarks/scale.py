@@ -14,7 +14,9 @@ sd15   The SD 1.5 UNet config (860M parameters, fp32; cross-attention width 768)
        torch.compile's row (a cold compile in the serving process: its steady call is the reference
        for issue 36's "within 5% of torch.compile's").
 flux   FluxTransformer2DModel at the built-in tiny-flux's width with D double and D single blocks
-       for each --depths D, full vs regional scope (jit-cache), each served likewise.
+       for each --depths D, full vs regional scope (jit-cache) and the recipe naming no strategy
+       (auto, full scope), each served likewise, and the ceiling: plain torch.compile with Inductor's
+       freezing, a cold compile in the serving process (--flux-rows chooses among the four).
 dtype  The SD 1.5-size pipeline's fp32 checkpoint loaded by the build's own load (the loader's
        context.cpu_pipeline) as float32 and as bfloat16, on 1 thread (as the loader runs) and on
        every core, each in a fresh process: the peak anonymous RSS (the process's own copies) and
@@ -339,7 +341,8 @@ def report_part(title: str, weights: int, eager: dict, cells: list[tuple[str, di
             loads = b.get("loads") or {}
             rss = ", ".join(f"{role} {mb:.0f}" for role, mb in sorted(b["rss"].items(), key=lambda x: -x[1]))
             lines.append(f"{name}: build {b['wall']:.0f} s wall; loads: {loads.get('build')} to compile "
-                         f"{loads.get('jobs')} jobs, {loads.get('proof')} by proofs; peak RSS MB: {rss}")
+                         f"{loads.get('jobs')} jobs, {loads.get('proof')} by proofs; peak RSS MB: {rss}"
+                         + (f"; {b['reason']}" if str(b.get("reason", "")).startswith("auto:") else ""))
     return lines
 
 
@@ -347,6 +350,10 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--parts", default="sd15,flux,dtype")
     ap.add_argument("--depths", default="2,8,16")
+    ap.add_argument("--flux-rows", default="full,regional,auto,torch.compile+freezing",
+                    help="flux: full and regional scope under jit-cache; auto: full scope, the recipe naming no "
+                         "strategy (on a CPU: prepacked aot-package where its proof times it faster than eager); "
+                         "torch.compile, torch.compile+freezing: a cold compile in the serving process")
     ap.add_argument("--strategies", default="jit-cache,aot-compile,aot-package,auto,torch.compile,"
                                             "torch.compile+freezing",
                     help="the sd15 part's rows, in order (torch.compile, torch.compile+freezing: a cold compile "
@@ -468,19 +475,27 @@ def main() -> None:
                 model = make("flux", work / f"flux{depth}", work, depth)
                 warm = {"num_inference_steps": 2, "guidance_scale": 3.5}
                 shapes = [{"height": 64, "width": 64}]
-                eager = serve("eager", recipe(work / f"flux{depth}_eager.yaml", model, "transformer", "jit-cache",
-                                              "full", shapes, warm), work / f"cache-flux{depth}", work / f"e-f{depth}")
+                eager_recipe = recipe(work / f"flux{depth}_eager.yaml", model, "transformer", "jit-cache", "full",
+                                      shapes, warm)
+                eager = serve("eager", eager_recipe, work / f"cache-flux{depth}", work / f"e-f{depth}")
                 cells = []
-                for scope in ("full", "regional"):
-                    r = recipe(work / f"flux{depth}_{scope}.yaml", model, "transformer", "jit-cache", scope, shapes,
+                for row in args.flux_rows.split(","):  # "full", "regional": jit-cache; "auto": no strategy
+                    if row in COMPILE_MODES:  # compiled in the serving process: nothing built
+                        s = serve(COMPILE_MODES[row], eager_recipe, work / f"cache-flux{depth}",
+                                  work / f"s-f{depth}-{row}")
+                        print(f"  {row}: served {s}", flush=True)
+                        cells.append((row, None, s))
+                        continue
+                    scope, strategy = ("full", "auto") if row == "auto" else (row, "jit-cache")
+                    r = recipe(work / f"flux{depth}_{row}.yaml", model, "transformer", strategy, scope, shapes,
                                warm)
-                    print(f"building flux depth {depth} {scope} ...", flush=True)
-                    cache = work / f"cache-flux{depth}-{scope}"
-                    b = build(r, cache, work / f"b-f{depth}-{scope}")
-                    s = serve("aotbuild", r, served_copy(cache, work, f"f{depth}-{scope}"),
-                              work / f"s-f{depth}-{scope}") if b["ok"] else None
-                    print(f"  {scope}: build {b.get('wall', 0):.0f} s, served {s}", flush=True)
-                    cells.append((scope, b, s))
+                    print(f"building flux depth {depth} {row} ...", flush=True)
+                    cache = work / f"cache-flux{depth}-{row}"
+                    b = build(r, cache, work / f"b-f{depth}-{row}")
+                    s = serve(MODES[strategy], r, served_copy(cache, work, f"f{depth}-{row}"),
+                              work / f"s-f{depth}-{row}") if b["ok"] else None
+                    print(f"  {row}: build {b.get('wall', 0):.0f} s, served {s}", flush=True)
+                    cells.append((row, b, s))
                 out += report_part(f"tiny-width Flux, {depth} double + {depth} single blocks, 64x64, 2 steps",
                                    weight_bytes(model, "transformer"), eager, cells)
                 saved["flux"][depth] = {"eager": eager, "cells": cells}
