@@ -30,6 +30,14 @@ from typing import Any
 #: arithmetic of binary folding, oneDNN/MKL weight reorders).
 NAMESPACES = ("aten", "prims", "mkldnn", "mkl")
 
+#: Linear weights of at most this many elements (in x out) are left unpacked under freezing: oneDNN's
+#: packed linear costs a fixed few microseconds more per call than ``addmm`` and gains only on larger
+#: weights. Measured on a 2-core AVX-512 CPU (fp32, medians; docs/prepack.md): packed against ``addmm``,
+#: 16x64 by 64x64 2.9x slower, 16x256 by 256x256 1.24x, 64x256 by 256x256 1.03x; 16x256 by 256x1024 0.72x,
+#: 1x320 by 320x1280 0.80x, 1024x320 by 320x320 0.99x, 4096x3072 by 3072x3072 0.87x. Packing every
+#: linear made the tiny-width Flux sweep's prepacked entry 17-20 % slower than unfrozen kernels.
+SMALL_LINEAR = 256 * 256
+
 
 class RecipeError(RuntimeError):
     """A folded constant whose computation cannot be recorded or replayed (the build refuses it)."""
@@ -150,7 +158,8 @@ class FoldRecorder:
 
         folding.replace_node_with_constant, freezing.freeze = recording_replace, recording_freeze
         try:
-            yield self
+            with small_linears_unpacked():
+                yield self
         finally:
             folding.replace_node_with_constant, freezing.freeze = replace, freeze
 
@@ -213,6 +222,40 @@ class FoldRecorder:
         self._folded.clear()  # the build's folded tensors (a second copy of the weights) are not needed now
         self.final.clear()
         return out
+
+
+@contextlib.contextmanager
+def small_linears_unpacked() -> Iterator[None]:
+    """While active, Inductor's freezing packs only linear weights of more than :data:`SMALL_LINEAR`
+    elements: its weight-pack pattern's check (``_is_packable_linear``, torch 2.13's
+    ``fx_passes/mkldnn_fusion.py``, registered once per process by ``freezing_patterns.lazy_init``) has
+    no size setting, so each pattern entry's check is wrapped, and put back on exit. A torch whose
+    entries go by another name packs every linear, as before."""
+    import torch
+    from torch._inductor.fx_passes import freezing_patterns
+
+    freezing_patterns.lazy_init()  # registers the patterns (cached: freezing's own call then finds them)
+    entries = [entry for patterns in freezing_patterns.pass_patterns for listed in patterns.patterns.values()
+               for entry in listed if getattr(entry.extra_check, "__name__", "") == "_is_packable_linear"]
+    checks = [entry.extra_check for entry in entries]
+
+    def gated(check: Any) -> Any:
+        def large_enough(match: Any) -> bool:
+            node = match.output_node()
+            weight = node.args[2 if node.target is torch.ops.aten.addmm.default else 1]
+            value = weight.meta.get("val") if hasattr(weight, "meta") else None
+            return value is not None and value.numel() > SMALL_LINEAR and check(match)
+
+        large_enough.__name__ = check.__name__
+        return large_enough
+
+    for entry, check in zip(entries, checks, strict=True):
+        entry.extra_check = gated(check)
+    try:
+        yield
+    finally:
+        for entry, check in zip(entries, checks, strict=True):
+            entry.extra_check = check
 
 
 def wanted(inductor_configs: dict[str, Any]) -> bool:
