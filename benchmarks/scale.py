@@ -364,7 +364,8 @@ def main() -> None:
     ap.add_argument("--thp", action="store_true",
                     help="sd15: serve every row again with THP_MEM_ALLOC_ENABLE=1 (huge pages for PyTorch's "
                          "CPU allocations of 2 MB and more)")
-    ap.add_argument("--repeats", type=int, default=1, help="sd15: fresh served processes per mode (medians)")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="sd15 and flux: fresh served processes per mode, interleaved by round (medians)")
     ap.add_argument("--save", metavar="FILE.json")
     ap.add_argument("--keep", action="store_true", help="keep the work folder (models, caches)")
     ap.add_argument("--make", nargs=4, help=argparse.SUPPRESS)
@@ -477,26 +478,41 @@ def main() -> None:
                 shapes = [{"height": 64, "width": 64}]
                 eager_recipe = recipe(work / f"flux{depth}_eager.yaml", model, "transformer", "jit-cache", "full",
                                       shapes, warm)
-                eager = serve("eager", eager_recipe, work / f"cache-flux{depth}", work / f"e-f{depth}")
-                cells = []
-                for row in args.flux_rows.split(","):  # "full", "regional": jit-cache; "auto": no strategy
+                rows = args.flux_rows.split(",")  # "full", "regional": jit-cache; "auto": no strategy
+                built: dict[str, tuple[dict, Path, str, Path]] = {}  # row -> (build, recipe, strategy, cache)
+                for row in rows:
                     if row in COMPILE_MODES:  # compiled in the serving process: nothing built
-                        s = serve(COMPILE_MODES[row], eager_recipe, work / f"cache-flux{depth}",
-                                  work / f"s-f{depth}-{row}")
-                        print(f"  {row}: served {s}", flush=True)
-                        cells.append((row, None, s))
                         continue
                     scope, strategy = ("full", "auto") if row == "auto" else (row, "jit-cache")
                     r = recipe(work / f"flux{depth}_{row}.yaml", model, "transformer", strategy, scope, shapes,
                                warm)
                     print(f"building flux depth {depth} {row} ...", flush=True)
                     cache = work / f"cache-flux{depth}-{row}"
-                    b = build(r, cache, work / f"b-f{depth}-{row}")
-                    s = serve(MODES[strategy], r, served_copy(cache, work, f"f{depth}-{row}"),
-                              work / f"s-f{depth}-{row}") if b["ok"] else None
-                    print(f"  {row}: build {b.get('wall', 0):.0f} s, served {s}", flush=True)
-                    cells.append((row, b, s))
-                out += report_part(f"tiny-width Flux, {depth} double + {depth} single blocks, 64x64, 2 steps",
+                    built[row] = (build(r, cache, work / f"b-f{depth}-{row}"), r, strategy, cache)
+                    print(f"  {row}: build {built[row][0].get('wall', 0):.0f} s", flush=True)
+                # Served side by side: each round one fresh process of eager and of every row (the cold
+                # compiles in the first round only), so a busy spell slows every row alike.
+                runs: dict[str, list[dict]] = {row: [] for row in ["eager", *rows]}
+                for i in range(args.repeats):
+                    runs["eager"].append(serve("eager", eager_recipe, work / f"cache-flux{depth}",
+                                               work / f"e-f{depth}-{i}"))
+                    for row in rows:
+                        if row in COMPILE_MODES:
+                            if i == 0:
+                                runs[row].append(serve(COMPILE_MODES[row], eager_recipe, work / f"cache-flux{depth}",
+                                                       work / f"s-f{depth}-{row}"))
+                            continue
+                        b, r, strategy, cache = built[row]
+                        if b["ok"]:
+                            runs[row].append(serve(MODES[strategy], r, served_copy(cache, work, f"f{depth}-{row}-{i}"),
+                                                   work / f"s-f{depth}-{row}-{i}"))
+                    print(f"  round {i + 1}/{args.repeats}: " + ", ".join(
+                        f"{k} steady {fmt(v[-1].get('steady'), '.3f')} s" for k, v in runs.items() if v), flush=True)
+                eager = median_run(runs["eager"])
+                cells = [(row, built[row][0] if row in built else None,
+                          median_run(runs[row]) if runs[row] else None) for row in rows]
+                out += report_part(f"tiny-width Flux, {depth} double + {depth} single blocks, 64x64, 2 steps; medians "
+                                   f"of {args.repeats} fresh processes",
                                    weight_bytes(model, "transformer"), eager, cells)
                 saved["flux"][depth] = {"eager": eager, "cells": cells}
         if "dtype" in args.parts:
