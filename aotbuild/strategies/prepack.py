@@ -127,7 +127,8 @@ class FoldRecorder:
     through which Inductor's constant folding turns each foldable node into a new constant: before
     the node goes, its computation from the graph's earlier constants is kept (the nodes between the
     ``get_attr`` leaves and it). And ``freezing.freeze``, to read the frozen graph's constants at the
-    end. :meth:`recipes` then writes each final constant as a program over the module's tensors."""
+    end. While active it also leaves small linear weights unpacked (:func:`small_linears_unpacked`).
+    :meth:`recipes` then writes each final constant as a program over the module's tensors."""
 
     def __init__(self, tensors: dict[str, Any]):
         #: the module's tensors under each of their names, and what the exported program holds besides
