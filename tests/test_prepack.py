@@ -102,7 +102,7 @@ def test_a_frozen_package_serves_other_weights_prepacked(tmp_path):
     with pytest.raises(prepack.RecipeError, match="differs from eager"):
         prepack.check_other_weights(tmp_path / record["path"], built_with, aoti.named_tensors(built_with), (x,),
                                     {}, tampered, {})
-    # the check changed the build's weights in place (no second copy) and put back every bit, failing too
+    # the check left the build's weights as they were, failing too
     assert all(torch.equal(v, before[k]) for k, v in built_with.state_dict().items())
     # ... and served, it differs from eager: what the proof compares before storing an entry
     routes = aoti.load_packages(served, "net", [(tampered, {record["path"]: tmp_path / record["path"]})], "cpu")
@@ -136,17 +136,43 @@ def test_a_recipe_outside_what_freezing_folds_is_refused_when_the_manifest_is_re
                        torch.arange(4.0).reshape(1, 4))
 
 
-def test_other_weights_are_made_in_place_and_put_back_bit_for_bit():
+def test_other_weights_are_new_tensors_and_leave_the_builds_as_they_were():
     torch.manual_seed(0)
     w = torch.nn.Parameter(torch.randn(8, 4, 3, 3))
     state = {"w": w, "tied": w, "half": torch.randn(5, 3).to(torch.bfloat16), "zeros": torch.zeros(6),
-             "steps": torch.arange(4), "tiny": torch.full((3,), 1e-40)}  # subnormal: doubled, then halved
+             "steps": torch.arange(4), "tiny": torch.full((3,), 1e-40)}
     before = {k: v.detach().clone() for k, v in state.items()}
-    changed: list = []
-    other = prepack._other_in_place(state, list(state), changed)
-    assert other["w"] is w and other["tied"] is w and len(changed) == 3  # w once, half, tiny: in place
-    assert not torch.equal(w, before["w"]) and not torch.equal(other["half"], before["half"])
-    assert other["zeros"].abs().sum() > 0 and torch.equal(state["zeros"], before["zeros"])  # noise, in a copy
-    assert other["steps"] is state["steps"]
-    prepack._restore(changed)
-    assert changed == [] and all(torch.equal(state[k], before[k]) for k in state)
+    other = prepack.other_weights(state, list(state))
+    assert all(torch.equal(state[k], before[k]) for k in state)  # the build's own, untouched
+    assert other["tied"] is other["w"] and other["w"] is not w  # a tensor under two names: one other value
+    # reversed along every dimension and scaled: -1 for w (the first name), -2 for tiny (the sixth)
+    assert torch.equal(other["w"], -before["w"].flip([0, 1, 2, 3]))
+    assert torch.equal(other["half"], before["half"].flip([0, 1]) * -2) and other["half"].dtype == torch.bfloat16
+    assert torch.equal(other["tiny"], before["tiny"] * -2)
+    assert other["zeros"].abs().sum() > 0  # all zero: noise instead
+    assert other["steps"] is state["steps"]  # not floating: as it is
+
+
+def test_every_recipe_is_checked_beside_the_compile_and_a_wrong_one_fails_the_build(monkeypatch):
+    """When freezing ends, each recipe is replayed on the build's weights in a thread while Inductor goes on
+    (its code generation and g++); the constant the package asks for must come out bit for bit, or the
+    build fails where the package's recipes are taken. Freezing itself is a fake here: one folded constant,
+    ``w`` transposed, as Inductor's folding records it."""
+    import torch._inductor.freezing as freezing
+
+    w = torch.randn(3, 5)
+    for value, right in ((w.t().contiguous(), True), (w.t() + 1, False)):
+        graph = torch.fx.Graph()
+        graph.output(graph.get_attr("c"))
+        frozen = torch.fx.GraphModule({"c": value}, graph)
+        monkeypatch.setattr(freezing, "freeze", lambda *args, frozen=frozen, **kwargs: (frozen, []))
+        recorder = prepack.FoldRecorder({"w": w})
+        recorder._folded[id(value)] = (value, [w], [("aten.permute.default", [{"ref": 0}, [1, 0]], {})])
+        with recorder.active():
+            freezing.freeze()  # what Inductor calls: the recorder's, which starts the check
+        recipe = {"inputs": ["w"], "program": [["input", [0], {}], ["aten.permute.default", [{"ref": 0}, [1, 0]], {}]]}
+        if right:
+            assert recorder.derived(["c", "w"]) == {"c": recipe}  # w: a weight as it is, supplied live
+        else:
+            with pytest.raises(prepack.RecipeError, match="replaying how Inductor folded 'c' does not give its value"):
+                recorder.derived(["c", "w"])

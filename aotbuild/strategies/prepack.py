@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import operator
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 #: The operator namespaces a recipe may call (what Inductor's freezing passes fold: layout changes,
@@ -138,6 +139,8 @@ class FoldRecorder:
         self._folded: dict[int, tuple[Any, list[Any], list[tuple[Any, list[Any], dict[str, Any]]]]] = {}
         #: the frozen graph's constants: get_attr target -> tensor
         self.final: dict[str, Any] = {}
+        #: :meth:`_checked_recipes` of the last freeze, running beside the rest of the compile
+        self._checked: Future[dict[str, dict[str, Any]]] | None = None
 
     @contextlib.contextmanager
     def active(self) -> Iterator[FoldRecorder]:
@@ -155,14 +158,16 @@ class FoldRecorder:
             gm, preserved = freeze(*args, **kwargs)
             for n in gm.graph.find_nodes(op="get_attr"):
                 self.final[n.target] = _attr(gm, n.target)
+            self._checked = pool.submit(self._checked_recipes, dict(self._folded), dict(self.final))
             return gm, preserved
 
-        folding.replace_node_with_constant, freezing.freeze = recording_replace, recording_freeze
-        try:
-            with small_linears_unpacked():
-                yield self
-        finally:
-            folding.replace_node_with_constant, freezing.freeze = replace, freeze
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="aotbuild-recipes") as pool:
+            folding.replace_node_with_constant, freezing.freeze = recording_replace, recording_freeze
+            try:
+                with small_linears_unpacked():
+                    yield self
+            finally:
+                folding.replace_node_with_constant, freezing.freeze = replace, freeze
 
     def _record(self, gm: Any, node: Any, constant: Any) -> None:
         # The node's ancestors: get_attr leaves (earlier constants) and the operators between.
@@ -191,35 +196,49 @@ class FoldRecorder:
                                       [(_op_name(t), _encode(a, r), {key: _encode(v, r) for key, v in k.items()})
                                        for t, a, k, r in program])
 
-    def recipes(self) -> dict[str, dict[str, Any]]:
+    def recipes(self, folded: dict[int, Any] | None = None,
+                final: dict[str, Any] | None = None) -> dict[str, dict[str, Any]]:
         """get_attr target -> ``{"inputs": [module tensor names], "program": [[op, args, kwargs], ...]}``.
         Each step's value is numbered by its position (``{"ref": i}`` reads step i's); ``["input", [j],
-        {}]`` is ``inputs[j]``; the last step's value is the constant. A module tensor as it is: one step."""
+        {}]`` is ``inputs[j]``; the last step's value is the constant. A module tensor as it is: one step.
+        ``folded`` and ``final``: what was recorded (by default, as it is now)."""
         names = _tensor_names(self.tensors)
+        folded = self._folded if folded is None else folded
         out = {}
-        for target, tensor in self.final.items():
+        for target, tensor in (self.final if final is None else final).items():
             inputs: list[str] = []
             program: list[list[Any]] = []
-            _inline(tensor, self._folded, names, inputs, program, {})
+            _inline(tensor, folded, names, inputs, program, {})
             out[target] = {"inputs": inputs, "program": program}
         return out
+
+    def _checked_recipes(self, folded: dict[int, Any], final: dict[str, Any]) -> dict[str, dict[str, Any]]:
+        """The recipe of every constant of the frozen graph (``final``) that is not a module tensor under
+        its own name, each replayed on the build's weights and compared with Inductor's value bit for bit.
+
+        Started when freezing ends, in a thread, while Inductor generates and compiles its code (Python
+        and g++ on one core each, mostly one at a time): at SD 1.5 size 4 s of oneDNN reorders that
+        ran after the compile before. It reads only the module's tensors and the snapshots it is given."""
+        checked = {}
+        for target, recipe in self.recipes(folded, final).items():
+            if recipe["inputs"] == [target] and len(recipe["program"]) == 1:
+                continue  # a weight as it is: supplied live, as without freezing
+            if not same_value(replay(recipe, self.tensors), final[target]):
+                raise RecipeError(f"replaying how Inductor folded {target!r} does not give its value")
+            checked[target] = recipe
+        return checked
 
     def derived(self, fqns: list[str]) -> dict[str, dict[str, Any]]:
         """The recipe of every constant in ``fqns`` (what the package asks for) that is not a module
         tensor under its own name, each checked by replaying it on the build's weights."""
-        state = self.tensors
-        recipes = self.recipes()
+        checked = self._checked.result() if self._checked is not None else {}  # raises what the check found
         out = {}
         for fqn in fqns:
-            recipe = recipes.get(fqn)
-            if recipe is None or recipe["inputs"] == [fqn] and len(recipe["program"]) == 1:
-                if fqn not in state:
-                    raise RecipeError(f"the package asks for {fqn!r}, which freezing made and whose computation "
-                                      f"from the weights was not recorded")
-                continue  # a weight as it is: supplied live, as without freezing
-            if not same_value(replay(recipe, state), self.final[fqn]):
-                raise RecipeError(f"replaying how Inductor folded {fqn!r} does not give its value")
-            out[fqn] = recipe
+            if fqn in checked:
+                out[fqn] = checked[fqn]
+            elif fqn not in self.tensors:
+                raise RecipeError(f"the package asks for {fqn!r}, which freezing made and whose computation "
+                                  f"from the weights was not recorded")
         self._folded.clear()  # the build's folded tensors (a second copy of the weights) are not needed now
         self.final.clear()
         return out
@@ -270,47 +289,46 @@ def check_other_weights(path: Any, module: Any, state: dict[str, Any], args: tup
     weights: a value Inductor baked in from the build's weights, which no replay on the build's weights
     can show, fails the build here instead of serving another checkpoint wrongly.
 
-    The other weights are the build's own, each changed in place by an exact, reversible step
-    (:func:`_other_in_place`) and restored bit for bit afterwards, failure or not: a perturbed copy
-    would hold the weights a second time at the build's peak (3.4 GB for an SD 1.5-size UNet)."""
+    The other weights are new tensors made from the build's own (:func:`other_weights`), freed on
+    return. Changing the build's weights in place instead holds no less memory: ``from_pretrained``
+    maps the checkpoint's file and a forked job shares the loader's pages, so the first write to each
+    page copies it (copy on write), and that copy is what a new tensor costs too -- only slower, page
+    by page, with a second pass to put every bit back (SD 1.5-size UNet, forked job: 15.2 s against
+    N s; docs/prepack.md)."""
     import torch
     from torch.utils._pytree import tree_leaves
 
-    changed: list[tuple[Any, float]] = []
-    try:
-        other = _other_in_place(state, [*record["constants"], *record.get("derived_from", {})], changed)
-        sources = {**state, **other, **lifted}
-        supplied = {**{fqn: other[fqn] for fqn in record["constants"]},
-                    **{k: v for k, v in lifted.items() if k not in record.get("lifted_unsupplied", [])},
-                    **{name: replay(recipe, sources) for name, recipe in record["derived"].items()}}
-        loaded = torch._inductor.aoti_load_package(str(path))
-        loaded.load_constants(supplied, check_full_update=True, user_managed=True)
-        with torch.no_grad():
-            served = tree_leaves(loaded(*args, **kwargs))
-            eager = tree_leaves(torch.func.functional_call(module, other, args, kwargs))
-        low = any(t.dtype in (torch.float16, torch.bfloat16) for t in other.values())
-        for a, b in zip(served, eager, strict=True):
-            if not isinstance(b, torch.Tensor):
-                continue
-            scale = max(1.0, b.detach().abs().max().item())
-            worst = (a.float() - b.float()).abs().max().item() / scale
-            if not worst <= (1e-2 if low else 1e-4):
-                raise RecipeError(f"served with other weights, the frozen package differs from eager by "
-                                  f"{worst:.3g} (relative): Inductor compiled a value of the build's weights in")
-    finally:
-        _restore(changed)
+    other = other_weights(state, [*record["constants"], *record.get("derived_from", {})])
+    sources = {**state, **other, **lifted}
+    supplied = {**{fqn: other[fqn] for fqn in record["constants"]},
+                **{k: v for k, v in lifted.items() if k not in record.get("lifted_unsupplied", [])},
+                **{name: replay(recipe, sources) for name, recipe in record["derived"].items()}}
+    loaded = torch._inductor.aoti_load_package(str(path))
+    loaded.load_constants(supplied, check_full_update=True, user_managed=True)
+    with torch.no_grad():
+        served = tree_leaves(loaded(*args, **kwargs))
+        del loaded, supplied  # the prepacked copies: not needed for eager's call
+        eager = tree_leaves(torch.func.functional_call(module, other, args, kwargs))
+    low = any(t.dtype in (torch.float16, torch.bfloat16) for t in other.values())
+    for a, b in zip(served, eager, strict=True):
+        if not isinstance(b, torch.Tensor):
+            continue
+        scale = max(1.0, b.detach().abs().max().item())
+        worst = (a.float() - b.float()).abs().max().item() / scale
+        if not worst <= (1e-2 if low else 1e-4):
+            raise RecipeError(f"served with other weights, the frozen package differs from eager by "
+                              f"{worst:.3g} (relative): Inductor compiled a value of the build's weights in")
 
 
-#: the scales of :func:`_other_in_place`, by turns: powers of two, so a scale and its undoing are exact
+#: the scales of :func:`other_weights`, by turns
 OTHER_SCALES = (-1.0, 2.0, -2.0)
 
 
-def _other_in_place(state: dict[str, Any], names: list[str], changed: list[tuple[Any, float]]) -> dict[str, Any]:
-    """``names``' tensors as other weights: each floating tensor reversed along every dimension and
-    scaled by -1, 2 or -2 (by turns, so that no two neighbours, a query's and a key's projection, keep
-    their product), in place; each change is appended to ``changed`` as it is made (:func:`_restore`
-    undoes them). An all-zero tensor, which that leaves as it is, is replaced by noise in a copy; a
-    tensor that is not floating is used as it is."""
+def other_weights(state: dict[str, Any], names: list[str]) -> dict[str, Any]:
+    """``names``' tensors as other weights, each a new tensor: a floating tensor reversed along every
+    dimension and scaled by -1, 2 or -2 (by turns, so that no two neighbours, a query's and a key's
+    projection, keep their product); an all-zero one, which that leaves as it is, replaced by noise; a
+    tensor that is not floating as it is. A tensor under two names gets one other value."""
     import torch
 
     generator = torch.Generator().manual_seed(39)
@@ -325,27 +343,9 @@ def _other_in_place(state: dict[str, Any], names: list[str], changed: list[tuple
             if not t.any():
                 value = torch.randn(t.shape, generator=generator).to(t.device, t.dtype)
             else:
-                scale = OTHER_SCALES[i % len(OTHER_SCALES)]
-                value = t.flip(list(range(t.dim()))).mul_(scale)  # a temporary of this one tensor
-                try:
-                    t.copy_(value)
-                except RuntimeError:  # an inference tensor, say: the copy is the other weight
-                    pass
-                else:
-                    changed.append((t, scale))
-                    value = t
+                value = t.flip(list(range(t.dim()))).mul_(OTHER_SCALES[i % len(OTHER_SCALES)])
             other[fqn] = done[id(t)] = value
     return other
-
-
-def _restore(changed: list[tuple[Any, float]]) -> None:
-    """Undo :func:`_other_in_place`'s changes, last first: every bit as it was."""
-    import torch
-
-    with torch.no_grad():
-        for t, scale in reversed(changed):
-            t.copy_(t.mul(1.0 / scale).flip(list(range(t.dim()))))
-    changed.clear()
 
 
 def _attr(gm: Any, target: str) -> Any:
