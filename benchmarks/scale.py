@@ -10,7 +10,8 @@ sd15   The SD 1.5 UNet config (860M parameters, fp32; cross-attention width 768)
        256x256 images (32x32 latents), 2 steps, no guidance. Built once per strategy of --strategies
        (jit-cache with two shapes, to show one pipeline load shared by a recipe's jobs; aot-compile,
        aot-package and auto, the recipe naming no strategy, with the first shape), each served by a
-       fresh process from a moved copy of the cache; ``torch.compile`` in --strategies adds plain
+       fresh process from a moved copy of the cache (--build-repeats N: each built N times in turn, again
+       at the first shape only, for the medians of its job); ``torch.compile`` in --strategies adds plain
        torch.compile's row (a cold compile in the serving process: its steady call is the reference
        for issue 36's "within 5% of torch.compile's").
 flux   FluxTransformer2DModel at the built-in tiny-flux's width with D double and D single blocks
@@ -305,6 +306,27 @@ def served_copy(cache: Path, work: Path, name: str) -> Path:
     return copy
 
 
+def report_builds(builds: dict[str, list[dict]], repeats: int) -> str:
+    """Each strategy's job at the first shape over its builds (interleaved by round): medians, each run,
+    and each strategy's median against jit-cache's."""
+    def jobs(runs: list[dict]) -> list[dict]:
+        return [r["jobs"][0] for r in runs if r["ok"]]
+
+    med = {k: statistics.median(j["seconds"] for j in jobs(v)) for k, v in builds.items() if jobs(v)}
+    parts = []
+    for k, v in builds.items():
+        if k not in med:
+            parts.append(f"{k} failed")
+            continue
+        phases = {p: statistics.median(j["phases"].get(p, 0.0) for j in jobs(v))
+                  for p in ("compile_and_warmup", "proof")}
+        ratio = f", {med[k] / med['jit-cache']:.2f}x jit-cache's" if "jit-cache" in med and k != "jit-cache" else ""
+        each = ", ".join(f"{j['seconds']:.1f}" for j in jobs(v))
+        parts.append(f"{k} {med[k]:.1f} s (runs {each}; compile {phases['compile_and_warmup']:.1f}, "
+                     f"proof {phases['proof']:.1f}){ratio}")
+    return f"builds, the job at the first shape, medians of {repeats} interleaved by round: " + "; ".join(parts)
+
+
 def report_part(title: str, weights: int, eager: dict, cells: list[tuple[str, dict, dict | None]]) -> list[str]:
     lines = [f"\n== {title}: weights {weights / 1e6:.1f} MB; eager: pipeline load "
              f"{fmt(eager.get('phases', {}).get('pipeline'), '.1f')} s, load -> first image "
@@ -366,6 +388,9 @@ def main() -> None:
                          "CPU allocations of 2 MB and more)")
     ap.add_argument("--repeats", type=int, default=1,
                     help="sd15 and flux: fresh served processes per mode, interleaved by round (medians)")
+    ap.add_argument("--build-repeats", type=int, default=1,
+                    help="sd15: build each strategy this many times in turn (again at the first shape only) and "
+                         "report the medians of its job's seconds against jit-cache's")
     ap.add_argument("--save", metavar="FILE.json")
     ap.add_argument("--keep", action="store_true", help="keep the work folder (models, caches)")
     ap.add_argument("--make", nargs=4, help=argparse.SUPPRESS)
@@ -399,6 +424,7 @@ def main() -> None:
             eager_recipe = recipe(work / "sd15_eager.yaml", served_model, "unet", "jit-cache", "full", shapes[:1],
                                   warm)
             built: dict[str, tuple[dict | None, Path | None]] = {}  # strategy -> (build, served recipe)
+            first_shape: dict[str, Path] = {}  # strategy -> its recipe at the first shape alone
             for strategy in args.strategies.split(","):
                 if strategy in COMPILE_MODES:
                     built[strategy] = (None, None)
@@ -412,6 +438,17 @@ def main() -> None:
                 served = r if served_model == model else recipe(
                     work / f"{name}_served.yaml", served_model, "unet", strategy, "full", shapes[:1], warm)
                 built[strategy] = (b, served)
+                first_shape[strategy] = r if strategy != "jit-cache" else recipe(
+                    work / f"{name}_first.yaml", model, "unet", strategy, "full", shapes[:1], warm)
+            # --build-repeats: each strategy built again, in turn, at the first shape (medians of its job)
+            builds = {k: [b] for k, (b, _) in built.items() if b is not None}
+            for i in range(1, args.build_repeats):
+                for strategy in builds:
+                    print(f"building sd15 {strategy} again ({i + 1}/{args.build_repeats}) ...", flush=True)
+                    builds[strategy].append(build(first_shape[strategy], work / f"cache-sd15-{strategy}-{i}",
+                                                  work / f"b-{strategy}-{i}"))
+            if args.build_repeats > 1:
+                out += [report_builds(builds, args.build_repeats)]
             # Served side by side: each round one fresh process of eager and of every strategy built
             # (plain torch.compile, a cold compile of minutes, in the first round only); --thp: each
             # again with THP_MEM_ALLOC_ENABLE=1.
