@@ -158,9 +158,10 @@ def _package(module: Any, sig: str, args: tuple[Any, ...], kwargs: dict[str, Any
     exported, lifted = _promote_lifted_constants(exported)
     # Weights out of the .so, and no tensor inlined as a literal (Inductor inlines 1-D tensors of <= 8
     # elements otherwise: the tiny UNet's biases and norms), so every weight can be supplied at load.
-    # No -g1 line tables (a profiler's source lines; 11 % of the wrapper's compile at SD 1.5 size) unless
-    # the recipe asks for them.
-    configs = {"aot_inductor.enable_line_tables": False, **inductor_configs,
+    # No -g1 line tables (a profiler's source lines; 11 % of the wrapper's compile at SD 1.5 size) and no
+    # precompiled headers (on a fresh machine, the CI runner a build usually is, 8.4 s of g++ that saved
+    # 1 s of the wrapper's compile at SD 1.5 size; docs/aot-package.md), unless the recipe asks for them.
+    configs = {"aot_inductor.enable_line_tables": False, "aot_inductor.precompile_headers": False, **inductor_configs,
                "aot_inductor.package_constants_in_so": False, "always_keep_tensor_constants": True}
     # freezing (issue 39): each folded constant's computation from the weights is recorded, to be
     # re-derived at load from the served model's own (prepack.py); Inductor freezes only without grad.

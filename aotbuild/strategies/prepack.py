@@ -293,8 +293,8 @@ def check_other_weights(path: Any, module: Any, state: dict[str, Any], args: tup
     return. Changing the build's weights in place instead holds no less memory: ``from_pretrained``
     maps the checkpoint's file and a forked job shares the loader's pages, so the first write to each
     page copies it (copy on write), and that copy is what a new tensor costs too -- only slower, page
-    by page, with a second pass to put every bit back (SD 1.5-size UNet, forked job: 15.2 s against
-    N s; docs/prepack.md)."""
+    by page, with a second pass to put every bit back (SD 1.5-size UNet, forked job: 13 s and 2 s
+    against 4 s; docs/prepack.md)."""
     import torch
     from torch.utils._pytree import tree_leaves
 
