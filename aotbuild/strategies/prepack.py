@@ -24,8 +24,10 @@ from __future__ import annotations
 import contextlib
 import operator
 from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from concurrent.futures import Future
 
 #: The operator namespaces a recipe may call (what Inductor's freezing passes fold: layout changes,
 #: arithmetic of binary folding, oneDNN/MKL weight reorders).
@@ -144,6 +146,8 @@ class FoldRecorder:
 
     @contextlib.contextmanager
     def active(self) -> Iterator[FoldRecorder]:
+        from concurrent.futures import ThreadPoolExecutor  # build only: the runtime imports this module too
+
         import torch._inductor.constant_folding as folding
         import torch._inductor.freezing as freezing
 
