@@ -200,16 +200,14 @@ class FoldRecorder:
                                       [(_op_name(t), _encode(a, r), {key: _encode(v, r) for key, v in k.items()})
                                        for t, a, k, r in program])
 
-    def recipes(self, folded: dict[int, Any] | None = None,
-                final: dict[str, Any] | None = None) -> dict[str, dict[str, Any]]:
-        """get_attr target -> ``{"inputs": [module tensor names], "program": [[op, args, kwargs], ...]}``.
+    def recipes(self, folded: dict[int, Any], final: dict[str, Any]) -> dict[str, dict[str, Any]]:
+        """get_attr target -> ``{"inputs": [module tensor names], "program": [[op, args, kwargs], ...]}``
+        for each constant of ``final`` (the frozen graph's), from ``folded`` (what folding recorded).
         Each step's value is numbered by its position (``{"ref": i}`` reads step i's); ``["input", [j],
-        {}]`` is ``inputs[j]``; the last step's value is the constant. A module tensor as it is: one step.
-        ``folded`` and ``final``: what was recorded (by default, as it is now)."""
+        {}]`` is ``inputs[j]``; the last step's value is the constant. A module tensor as it is: one step."""
         names = _tensor_names(self.tensors)
-        folded = self._folded if folded is None else folded
         out = {}
-        for target, tensor in (self.final if final is None else final).items():
+        for target, tensor in final.items():
             inputs: list[str] = []
             program: list[list[Any]] = []
             _inline(tensor, folded, names, inputs, program, {})
