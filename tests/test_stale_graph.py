@@ -955,3 +955,39 @@ def test_a_declared_attention_backend_serves_a_pipe_with_it_set_by_hand(flux_bui
     with pytest.raises(CacheMiss, match=r"declares changes: \{attention_backend: \"_native_math\"\} and this "
                                         r"pipeline holds none of them"):
         load_compiled(declared, _pipe(plain, root), cache=root, on_miss="error")
+
+
+def test_the_watch_sees_a_hook_replaced_a_child_added_to_a_leaf_and_a_global_hook():
+    """What the fast check missed (issue 52): a hook replaced by another keeps the count the record holds,
+    a leaf's children were not watched, and process-wide module hooks were not looked at."""
+    from torch.nn.modules.module import register_module_forward_hook
+
+    def loaded_with(mod, args, out):
+        return out
+
+    m = Outer()
+    first = m.blocks[0].proj.register_forward_hook(loaded_with)
+    recorded = {**dependencies.snapshot(m), "globals": [[False, "float32", []]]}
+    watch = dependencies.Watch(m, recorded, "m")
+    with torch.no_grad():
+        assert watch.check() == ""
+        first.remove()
+        second = m.blocks[0].proj.register_forward_hook(lambda mod, args, out: out * 2)
+        assert "blocks.0.proj: a forward hook was replaced" in watch.check()
+        assert "replaced" in watch.check()  # sticky until undone
+        second.remove()
+        m.blocks[0].proj.register_forward_hook(loaded_with)
+        assert watch.check() == ""  # the hook it was loaded with, again
+    m = Outer()
+    watch = dependencies.Watch(m, {**dependencies.snapshot(m), "globals": [[False, "float32", []]]}, "m")
+    with torch.no_grad():
+        m.blocks[0].proj.extra = torch.nn.ReLU()  # a child added to a leaf
+        assert "extra" in watch.check()
+        del m.blocks[0].proj.extra
+        assert watch.check() == ""
+        handle = register_module_forward_hook(lambda mod, args, out: out)
+        try:
+            assert "process-wide module hook" in watch.check()
+        finally:
+            handle.remove()
+        assert watch.check() == ""

@@ -458,9 +458,16 @@ class Watch:
         self.states = [(s[0], s[1], tuple(s[2])) for s in recorded.get("globals") or []]
         self.reason = ""
         self._arm()
+        #: the hooks at load, by submodule (compared by identity: :meth:`_hooks_replaced`)
+        self.hooks_at_load = (self._hooks_by_path(), _global_hooks())
+
+    def _hooks_by_path(self) -> dict[tuple[str, int], tuple[Any, ...]]:
+        return {(path, i % 2): tuple(h.values()) for i, (path, h) in enumerate(zip(self.hook_paths, self.hooks,
+                                                                                   strict=True))}
 
     def _arm(self) -> None:
         dicts, plain, objects, children, hooks, trained, stores = [], [], [], [], [], [], []
+        self.hook_paths: list[str] = []
         for path, sub in self.module.named_modules(remove_duplicate=False):
             d = vars(sub)
             root = path == ""
@@ -470,10 +477,10 @@ class Watch:
             if len(keys) > len(held):
                 plain.append((d, operator.itemgetter(*[k for k in keys if k not in held])))
             objects += [(d, k) for k in held]
-            if d["_modules"]:
-                children.append(d["_modules"])
+            children.append(d["_modules"])  # a leaf's too: a child added to it changes what runs
             if not root:
                 hooks += [sub._forward_hooks, sub._forward_pre_hooks]
+                self.hook_paths += [path, path]
             if _keeps_training(sub):
                 trained.append(sub)
             stores += [d["_parameters"], d["_buffers"]]
@@ -498,10 +505,12 @@ class Watch:
             values = [get(d) for d, get in self.plain]
         except KeyError:  # a recorded attribute was deleted
             values = None
+        # Hooks by identity, not count: one replaced by another keeps the count (issue 52); and the
+        # process-wide module hooks, which eager runs for every submodule and a served graph does not.
         return (list(map(len, self.dicts)), values, [_fingerprint(d.get(k)) for d, k in self.objects],
-                [m for mods in self.children for m in mods.values()], list(map(len, self.hooks)),
+                [m for mods in self.children for m in mods.values()], list(map(tuple, map(dict.values, self.hooks))),
                 [m.training for m in self.trained], list(map(torch._C.TensorBase.data_ptr, tensors)),
-                [_fingerprint(st.get(name)) for st, name in self.odd])
+                [_fingerprint(st.get(name)) for st, name in self.odd], _global_hooks())
 
     def moved(self) -> bool:
         """Whether anything the fingerprint covers differs from when it was armed."""
@@ -527,9 +536,34 @@ class Watch:
         reason = diff(self.recorded, live, self.component, self.under, self.ignore)
         if reason and not self.devices and only_devices(self.recorded, live, self.under, self.ignore):
             reason = ""
+        reason = reason or self._hooks_replaced()
         self._arm()
         self.reason = reason
         return reason
+
+
+    def _hooks_replaced(self) -> str:
+        """A change of hooks the record cannot show (it counts them): one replaced by another since load,
+        or a process-wide module hook registered or removed since."""
+        by_path, global_hooks = self.hooks_at_load
+        if _global_hooks() != global_hooks:
+            return (f"{self.component}: a process-wide module hook (torch.nn.modules.module."
+                    f"register_module_forward_hook or _pre_hook) was registered or removed since load; eager runs "
+                    f"it for every submodule, the entry's graphs do not")
+        for (path, kind), now in self._hooks_by_path().items():
+            before = by_path.get((path, kind))
+            if before is not None and before != now and len(before) == len(now):
+                where = ".".join(p for p in (self.under, path) if p)
+                return (f"{self.component}.{where}: a forward {'pre-' if kind else ''}hook was replaced by another "
+                        f"since load; the entry's graphs run the hooks it was built with")
+        return ""
+
+
+def _global_hooks() -> tuple[Any, ...]:
+    from torch.nn.modules import module as torch_module
+
+    return tuple(tuple(getattr(torch_module, name, {}).values()) for name in (
+        "_global_forward_hooks", "_global_forward_pre_hooks", "_global_forward_hooks_always_called"))
 
 
 def _without_backend(state: tuple[Any, ...]) -> tuple[Any, ...]:
