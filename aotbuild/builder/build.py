@@ -852,9 +852,11 @@ def _prepacked(job: Job) -> bool:
 
 def _proven_faster(manifest: Manifest) -> bool:
     """Whether ``manifest``'s proof timed its served call and found it faster than eager's."""
+    from aotbuild.builder.proof import faster
+
     speed = manifest.proof.served.get("speed") if manifest.proof is not None else None
     try:
-        return isinstance(speed, dict) and float(speed["served_s"]) < float(speed["eager_s"])
+        return isinstance(speed, dict) and faster(speed)
     except (KeyError, TypeError, ValueError):
         return False
 
