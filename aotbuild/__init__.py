@@ -31,6 +31,7 @@ __version__ = VERSION
 _LAZY = {
     "load_compiled": "aotbuild.runtime",
     "LoadReport": "aotbuild.runtime",
+    "refresh": "aotbuild.runtime",
     "build": "aotbuild.builder.build",
     "BuildReport": "aotbuild.builder.build",
     "JobResult": "aotbuild.builder.build",
@@ -55,8 +56,9 @@ _LAZY = {
 
 __all__ = ["AotbuildError", "CacheMiss", "ModelUnavailable", "PackageMismatch",
            "RecipeError", "RemoteError", "ShapeNotBuilt", "StaleGraph", "StoreError",
-           "TargetUnavailable", "UsageError", "__version__", "load_compiled", "LoadReport", "build", "BuildReport",
-           "JobResult", "ResultStatus", "plan", "Job", "JobStatus", "load_recipe", "parse_recipe", "Recipe", "Shape",
+           "TargetUnavailable", "UsageError", "__version__", "load_compiled", "LoadReport", "refresh", "build",
+           "BuildReport", "JobResult", "ResultStatus", "plan", "Job", "JobStatus", "load_recipe", "parse_recipe",
+           "Recipe", "Shape",
            "push", "PushReport", "pull", "PullReport", "PullItem", "PullStatus", "sign", "parse_remote", "Remote"]
 
 if TYPE_CHECKING:
@@ -67,7 +69,7 @@ if TYPE_CHECKING:
     from aotbuild.remote.base import Remote
     from aotbuild.remote.schemes import parse_remote
     from aotbuild.remote.sync import PullItem, PullReport, PullStatus, PushReport, pull, push, sign
-    from aotbuild.runtime import LoadReport, load_compiled
+    from aotbuild.runtime import LoadReport, load_compiled, refresh
 
 
 def __getattr__(name: str) -> Any:

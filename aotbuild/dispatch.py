@@ -109,6 +109,7 @@ class Dispatcher:
         self._fits: dict[str, textlen.Pattern | None] = {}  # a call's signature -> the pattern it fits
         #: a static build's text lengths (textlen.static_patterns): only to name a refused prompt's length
         self.static_text: list[textlen.Pattern] = []
+        self.copied = False  # a deep copy's dispatcher, before its first call (:meth:`_finish_copy`)
 
     def _pattern(self, sig: str) -> textlen.Pattern | None:
         """The text pattern serving a call of signature ``sig`` (remembered: a server sees few)."""
@@ -122,7 +123,51 @@ class Dispatcher:
     def built(self) -> set[str]:
         return set(self.routes)
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> Dispatcher:
+        """The dispatcher of a copy ``copy.deepcopy`` makes of the module (or of a pipeline), for the copy's
+        own weights (issue 52: a copy used to call the original's routes, closures over the original
+        module, and served its weights). A route that can follow a copy (an AOT package's: opened again
+        for the copy; aot-compile's: its functions take the module) is copied with it; any other (jit-cache's
+        forward, compiled for the original module) serves the copy eagerly, with a warning at its first call,
+        as do unbuilt calls (the fallback compile was the original's). ``load_compiled(recipe, pipe=copy)``
+        serves such a copy compiled."""
+        import copy
+
+        new = Dispatcher.__new__(Dispatcher)  # not copy.copy: that pickles (__reduce__, below)
+        new.__dict__.update(self.__dict__)
+        memo[id(self)] = new
+        new.eager = copy.deepcopy(self.eager, memo)
+        new.routes = {sig: copy.deepcopy(route, memo) if hasattr(type(route), "__deepcopy__")
+                      else _CopyRunsEagerly(new) for sig, route in self.routes.items()}
+        new.fallback = None
+        new.watch = copy.deepcopy(self.watch, memo)
+        new.calls = {"built": 0, "unbuilt": 0}
+        new.on_first_call, new._fits, new.declined, new.stale = None, {}, "", ""
+        new.copied = True
+        owner = getattr(self.eager, "__self__", None)
+        if owner is not None:
+            forwards.copied(owner, memo)
+        return new
+
+    def __reduce__(self) -> Any:
+        """``torch.save`` or pickle of a served module saves it as its eager self: what is below the
+        dispatcher (the class's forward, bound at unpickling) takes its place; an AOT package or a compiled
+        forward is no picklable value. Load the unpickled module with ``load_compiled(recipe, pipe=...)``."""
+        return self.eager.__reduce__()
+
+    def _finish_copy(self) -> None:
+        """At a copy's first call: a compiled call a regional compile set on the copied blocks
+        (``_compiled_call_impl``, copied as the original's function) runs the original blocks: dropped,
+        so that what serves the copy eagerly runs the copy's own."""
+        self.copied = False
+        owner = getattr(self.eager, "__self__", None)
+        for sub in owner.modules() if owner is not None else ():
+            if vars(sub).get("_compiled_call_impl") is not None:
+                sub._compiled_call_impl = None
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.copied:
+            self._finish_copy()
         sig = raw = signature(args, kwargs)
         route = self.routes.get(sig)
         pattern = self._pattern(sig) if route is None and self.patterns else None
@@ -211,6 +256,28 @@ class Dispatcher:
             self.declined = why
             then = {"error": "raises", "eager": "runs eagerly"}.get(self.on_unbuilt, "compiles")
             warnings.warn(f"aotbuild: {self.component}: {why}; the call {then}", stacklevel=3)
+
+
+class _CopyRunsEagerly:
+    """A route of a copied dispatcher that cannot follow the copy: the copy's eager forward, with a
+    warning at its first call."""
+
+    def __init__(self, dispatcher: Dispatcher):
+        self.dispatcher = dispatcher
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        import torch
+
+        d = self.dispatcher
+        if not d.declined:
+            import warnings
+
+            d.declined = "copied"
+            warnings.warn(f"aotbuild: {d.component} of a copied pipeline runs eagerly: its compiled forward "
+                          f"belongs to the original; load_compiled(recipe, pipe=copy) serves the copy compiled",
+                          stacklevel=3)
+        with torch.compiler.set_stance("force_eager"):
+            return d.eager(*args, **kwargs)
 
 
 def _rebuild_advice(why: str) -> str:

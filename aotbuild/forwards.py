@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = ["DISPATCH", "RECORD", "PROOF", "PROBE", "COMPILED", "wrap", "unwrap", "layers", "unwrapped",
-           "class_forward"]
+           "class_forward", "copied"]
 
 #: The layers' names.
 DISPATCH = "dispatch"  # a serving dispatcher (aotbuild/dispatch.py), or a build's recording one
@@ -91,6 +91,25 @@ def unwrap(module: Any, name: str) -> bool:
 def layers(module: Any, name: str | None = None) -> list[Callable[..., Any]]:
     """The forwards of ``module``'s layers (only those named ``name``), innermost first."""
     return [la.forward for la in _LAYERS.get(module) or [] if name is None or la.name == name]
+
+
+def copied(module: Any, memo: dict[int, Any]) -> None:
+    """Register, for the copy ``copy.deepcopy`` is making of ``module`` (``memo``), the copies of
+    ``module``'s layers that it has made so far (a layer's ``__deepcopy__`` calls this once its own copy
+    is in ``memo``): ``unwrap`` and ``layers`` then work on the copy as on the original."""
+    import copy
+
+    twin = memo.get(id(module))
+    if twin is None or twin is module:
+        return
+    stack = []
+    for layer in _LAYERS.get(module) or []:
+        if id(layer.forward) not in memo:
+            break  # the layers above it are not copied yet
+        below = layer.below if layer.below is _NONE else copy.deepcopy(layer.below, memo)
+        stack.append(_Layer(layer.name, memo[id(layer.forward)], below))
+    if stack:
+        _LAYERS[twin] = stack
 
 
 @contextlib.contextmanager

@@ -69,6 +69,9 @@ class LoadReport:
     #: seconds of each component's first compiled call (Dynamo's trace for jit-cache, the first
     #: package call for aot-package), filled in when the pipeline first runs
     first_calls: dict[str, float] = field(default_factory=dict)
+    #: what a user of the served pipeline must know (each said once), e.g. which weight writes a prepacked
+    #: package needs ``aotbuild.refresh`` after
+    notes: list[str] = field(default_factory=list)
 
     @property
     def hits(self) -> list[ReportEntry]:
@@ -90,7 +93,7 @@ class LoadReport:
         return {"recipe": self.recipe, "cache": self.cache, "installed_files": self.installed_files,
                 "present_files": self.present_files, "install_folder": self.install_folder,
                 "remote": self.remote, **({"rank": self.rank, "tensor": self.tensor} if self.rank is not None else {}),
-                "timings": dict(self.timings), "first_calls": dict(self.first_calls),
+                "timings": dict(self.timings), "first_calls": dict(self.first_calls), "notes": list(self.notes),
                 "entries": [
                     {"component": e.component, "shape": e.shape.as_dict(), "key": e.key, "hit": e.hit,
                      "pulled": e.pulled, "reason": e.reason, **({"strategy": e.strategy} if e.strategy else {})}
@@ -115,6 +118,7 @@ class LoadReport:
         if self.timings:
             lines.append("  load: " + ", ".join(f"{phase} {s:.2f} s" for phase, s in self.timings.items())
                          + "".join(f", first {c} call {s:.2f} s" for c, s in self.first_calls.items()))
+        lines += [f"  note: {note}" for note in self.notes]
         return "\n".join(lines)
 
 
@@ -215,6 +219,32 @@ def _install(ctx: Context, planned: list[Planned], report: LoadReport, policy: s
         for d in dispatchers(p.module):
             d.on_first_call = lambda s, c=p.component: report.first_calls.setdefault(c, round(s, 4))
             d.static_text = static_patterns(d.routes, measured)  # a refusal names the prompt's length
+            report.notes += [n for route in d.routes.values() for n in getattr(route, "notes", ())
+                             if n not in report.notes]
+
+
+def refresh(pipe: Any) -> int:
+    """Make every served component of ``pipe`` (a pipeline, or one module) compute with its weights as
+    they are now: each AOT package built with freezing replays every recipe of its prepacked constants
+    and is handed every weight again. Needed only after a write the per-call check cannot see: a partial
+    write that bypasses autograd's version counter (``w.data[...] = ...``, through numpy, in place on an
+    inference tensor) and changes no sampled element (docs/prepack.md lists them). Returns how many
+    packages were refreshed."""
+    import torch
+
+    from aotbuild.dispatch import dispatchers
+
+    modules = [pipe] if isinstance(pipe, torch.nn.Module) else [
+        m for m in getattr(pipe, "components", {}).values() if isinstance(m, torch.nn.Module)]
+    refreshed = 0
+    for module in modules:
+        for d in dispatchers(module):
+            for route in d.routes.values():
+                runner = getattr(route, "runner", None)
+                if callable(getattr(runner, "refresh", None)):
+                    runner.refresh()
+                    refreshed += 1
+    return refreshed
 
 
 @dataclass(frozen=True)

@@ -114,10 +114,10 @@ def test_other_weights_of_the_architecture_hit_and_use_their_own_values(aot_cach
 def test_tensors_compiled_into_a_package_are_checked():
     """A safety net for a torch that inlines a tensor despite always_keep_tensor_constants: the
     package records its sha256 and other values are a miss, naming the tensor."""
-    from aotbuild.strategies.aoti import _tensor_digest, check_baked
+    from aotbuild.strategies.aoti import check_baked, tensor_digest
 
     module = torch.nn.Linear(2, 2)
-    package = {"baked": {"bias": _tensor_digest(module.bias)}}
+    package = {"baked": {"bias": tensor_digest(module.bias)}}
     assert check_baked(module, "unet", [package]) == ""
     with torch.no_grad():
         module.bias.add_(1)

@@ -11,6 +11,7 @@ from torch import nn
 
 from aotbuild.errors import PackageMismatch
 from aotbuild.strategies import aoti, calls
+from aotbuild.strategies.runner import PackageRoute, PackageRunner
 
 
 @pytest.mark.parametrize("shape,strides,ok", [
@@ -61,7 +62,7 @@ class _FakeModel:
 def _guard(strides):
     model = _FakeModel()
     package = {"constants": {}, "strides": strides}
-    return aoti._stride_guard(aoti.PackageRunner(model, nn.Module(), "transformer.single_transformer_blocks.1",
+    return PackageRoute(PackageRunner(model, nn.Module(), "transformer.single_transformer_blocks.1",
                                                  package, "cpu")), model
 
 
@@ -112,13 +113,13 @@ def test_under_offload_a_package_takes_its_weights_at_the_first_call_where_the_h
                "strides": None, "path": "aoti/block.pt2"}
     block = nn.Linear(2, 2)
     with pytest.raises(PackageMismatch, match="weight is now float32 \\[2, 2\\] on cpu"):
-        aoti.PackageRunner(_Binding(), block, "unet.block", package, "meta")  # bound at load: refused
+        PackageRunner(_Binding(), block, "unet.block", package, "meta")  # bound at load: refused
     model = _Binding()
-    runner = aoti.PackageRunner(model, block, "unet.block", package, "meta", bind_at_first_call=True)
+    runner = PackageRunner(model, block, "unet.block", package, "meta", bind_at_first_call=True)
     assert model.bound == []
     other = {**package, "constants": {**package["constants"], "weight": [[4, 2], "float32", "meta"]}}
     with pytest.raises(PackageMismatch, match="weight is now float32 \\[2, 2\\] on cpu, but .* \\[4, 2\\] on meta"):
-        aoti.PackageRunner(_Binding(), block, "unet.block", other, "meta", bind_at_first_call=True)  # at load
+        PackageRunner(_Binding(), block, "unet.block", other, "meta", bind_at_first_call=True)  # at load
     block.to("meta")  # what the hook does before the component runs
     runner(hidden_states=torch.empty(1, 2, device="meta"))
     runner(hidden_states=torch.empty(1, 2, device="meta"))
@@ -399,7 +400,7 @@ def test_flux_regional_packages_serve_every_block(tmp_path, strategy, offload, r
 @ONE_PACKAGE_BUILD
 def test_the_flux_package_built_under_offload_serves_a_replica_without_offload(flux_package, tmp_path):
     """The same entry (offload is no key factor) loaded by a fresh replica that does not offload:
-    instances sharing a package swap their own weights in, nothing rebinds. No build proves this
+    instances sharing a package each open it for themselves, nothing is swapped or rebound. No build proves this
     path, so a real replica serves it (tests/serving.py)."""
     from tests.serving import serve_fresh
 
@@ -414,10 +415,27 @@ def test_the_flux_package_built_under_offload_serves_a_replica_without_offload(f
     instances = {b for p in manifest["packages"] for b in p["instances"]}
     assert len(instances) == 4 and set(result["calls"]) == instances, result
     assert all(c["built"] == 2 for c in result["calls"].values()), result  # every block, both steps
-    assert result["swaps"] > 0 and result["rebinds"] == 0, result  # instances sharing a package swap weights
+    # each instance has the package opened for itself: nothing is swapped in before a call (issue 52)
+    assert result["swaps"] == 0 and result["rebinds"] == 0, result
     assert result["max_diff"] <= 1e-5 and result["component_max_diff"] <= 1e-5, result
     assert "transformer_blocks.0 was called with" in result["strict"], result
     assert result["offload_hook"] == "NoneType", result
+
+
+@pytest.mark.slow
+@ONE_PACKAGE_BUILD
+def test_the_flux_regional_package_serves_threads_copies_and_a_partial_write(flux_package, tmp_path):
+    """A server's use of a regional entry (issue 52; tests/test_server_pipelines.py for full scope): 4
+    request-scoped pipelines at once, copies, saves and a one-channel ``.data`` write, each like eager.
+    Every block instance has its package opened for itself: nothing is swapped between the instances."""
+    from tests.test_server_pipelines import assert_like_eager, serve_as_a_server
+
+    _, cache, _ = flux_package
+    plain = tmp_path / "regional-aot-package-none.yaml"
+    plain.write_text(FLUX_REGIONAL.format(strategy="aot-package", offload="none"))
+    result = serve_as_a_server(plain, cache, tmp_path, component="transformer")
+    assert_like_eager(result)
+    assert result["deepcopy_warnings"] == [] and result["refreshed"] >= 4  # a package per block instance
 
 
 def check_every_block_served(manifest: dict, strategy: str, offload: str) -> None:

@@ -363,6 +363,13 @@ class AotRunner:
         self.label = label
         self.variants = variants
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> AotRunner:
+        """A copy of the served module (``copy.deepcopy``) is served by the same loaded functions, which
+        take the module as an argument: given the copy, they compute with the copy's weights."""
+        import copy
+
+        return AotRunner(copy.deepcopy(self.module, memo), self.label, self.variants)
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         import torch
 

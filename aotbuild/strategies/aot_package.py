@@ -140,8 +140,9 @@ class AotPackage(Strategy):
         result = ctx.target.install(files, ctx.device) if files else None
         for p in planned:
             packages = [(package, dict(e.files)) for e in p.entries for package in e.manifest.packages]
+            built_by = next((e.manifest.factors.get("env", {}).get("torch") for e in p.entries), None)
             routes = aoti.load_packages(p.module, p.component, packages, ctx.device,
-                                        bind_at_first_call=ctx.recipe.offload == "model")
+                                        bind_at_first_call=ctx.recipe.offload == "model", built_by=built_by)
             if ctx.recipe.compile.scope == "regional":  # the component runs eagerly, its blocks dispatch
                 for name, block in select_blocks(p.module, ctx.recipe.compile.blocks, ctx.recipe):
                     fallback = lazy_compile(ctx, block, scope="full") if policy == "compile" else None

@@ -19,22 +19,21 @@ weights into the package). Should a torch still compile a tensor in, its sha256 
 (``baked``), a module whose tensors differ is a miss at load, and a rebind re-checks them.
 
 ``scope: regional`` packages each repeated block class (diffusers' ``_repeated_blocks``) once per
-call signature; the package is shared by every instance called with that signature, each
-instance's own weights swapped in before its call. The build records every instance's input
+call signature; the package is shared by every instance called with that signature, each instance
+opening it for itself at load and serving its own weights. The build records every instance's input
 strides (``BlockRecorder.calls``), so it knows which instances' inputs the load will copy.
 
 Load: packages are hard-linked into a per-process folder and opened by AOTInductor's C++ loader
-(:func:`open_package`: no Inductor compile path imported, no ISA probe); each is handed the live
-weights of the component with ``load_constants(..., user_managed=True)`` (shared, not copied)
-after aotbuild itself checked every constant's shape, dtype and device, because AOTInductor
-accepts a wrong one silently, and calling a package before its constants are loaded segfaults.
-Before every call the runner checks that the component still holds the same tensors; after
-``pipe.to(...)``, a dtype change or a LoRA fuse that replaced them, it re-supplies them when they
-still fit and raises a clear error when they do not. Input checking is off in AOTInductor's runner
-(a batch-4 input to a batch-2 package silently returns batch 2), so the dispatcher only ever routes
-a call whose signature matches the package's, and an input whose strides differ from the ones the
-package reads with (where they matter: not in dimensions of size 1) is first copied into exactly
-those strides.
+(:func:`open_package`: no Inductor compile path imported, no ISA probe), one per served module; each is
+bound to the live weights of its module by a :class:`~aotbuild.strategies.runner.PackageRunner`, which
+checks every constant's shape, dtype and device first (AOTInductor accepts a wrong one silently, and
+calling a package before its constants are loaded segfaults) and, before every call, that the module
+still holds what it handed over (runner.py: replaced weights handed over again, prepacked constants
+replayed, memory flat on torch 2.13's runtime through handover.py). Input checking is off in
+AOTInductor's runner (a batch-4 input to a batch-2 package silently returns batch 2), so the dispatcher
+only ever routes a call whose signature matches the package's, and an input whose strides differ from
+the ones the package reads with (where they matter: not in dimensions of size 1) is first copied into
+exactly those strides.
 """
 
 from __future__ import annotations
@@ -42,7 +41,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import os
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
@@ -52,7 +50,7 @@ from typing import TYPE_CHECKING, Any
 from aotbuild import forwards
 from aotbuild.errors import PackageMismatch
 from aotbuild.pipeline.blocks import select_blocks
-from aotbuild.strategies import prepack
+from aotbuild.strategies import handover, prepack
 from aotbuild.strategies.calls import (
     call_strides,
     call_tensors,
@@ -64,6 +62,7 @@ from aotbuild.strategies.calls import (
     structure,
     where_called,
 )
+from aotbuild.strategies.runner import PackageRoute, PackageRunner, baked_digests, named_tensors, tensor_digest
 
 if TYPE_CHECKING:
     from aotbuild.recipe.schema import Recipe
@@ -72,15 +71,6 @@ PACKAGE_DIR = "aoti"
 #: In an entry built before 2026-12-03: the CPU-ISA probe files a fresh load of its packages left in an
 #: empty Inductor cache (installed at load as they were; an entry built since has none).
 PROBE_DIR = "inductor"
-
-
-def named_tensors(module: Any) -> dict[str, Any]:
-    """Every parameter and buffer of ``module`` under every name it has: torch.export names a tied
-    weight or a buffer registered twice by each of its names, and a package asks for the one its
-    graph read (``named_parameters()`` keeps only the first: the build refused 'the package needs
-    constant c.alias', issue 36 item 4)."""
-    return {**dict(module.named_parameters(remove_duplicate=False)),
-            **dict(module.named_buffers(remove_duplicate=False))}
 
 
 def constant_meta(module: Any, fqns: list[str]) -> dict[str, list[Any]]:
@@ -101,27 +91,6 @@ def constant_strides(module: Any, fqns: list[str]) -> dict[str, list[int]]:
     return {fqn: list(state[fqn].stride()) for fqn in fqns if fqn in state}
 
 
-def _tensor_digest(t: Any) -> str:
-    import torch
-
-    data = t.detach().to("cpu").contiguous()
-    if data.dtype == torch.bfloat16:  # numpy has no bfloat16: hash the raw 16-bit words
-        data = data.view(torch.int16)
-    return hashlib.sha256(data.numpy().tobytes()).hexdigest()
-
-
-def baked_digests(module: Any, supplied: list[str] | dict[str, Any]) -> dict[str, str]:
-    """sha256 of every tensor of ``module`` that the package does *not* take as a constant.
-
-    Measured on the tiny UNet: ``get_constant_fqns()`` lists 143 of its 208 parameters and buffers;
-    the other 65 (biases, norm weights) are compiled into the package itself. So a package embeds
-    those values, and may only run with a module whose same tensors are equal. A tensor the package
-    takes under another of its names (a tied weight) is supplied, not compiled in."""
-    state = named_tensors(module)
-    taken = {id(state[fqn]) for fqn in supplied if fqn in state}
-    return {fqn: _tensor_digest(t) for fqn, t in sorted(state.items()) if fqn not in supplied and id(t) not in taken}
-
-
 def check_baked(module: Any, component: str, packages: list[dict[str, Any]]) -> str:
     """Why the module's weights do not fit the values compiled into these packages, or ""."""
     import torch
@@ -134,7 +103,7 @@ def check_baked(module: Any, component: str, packages: list[dict[str, Any]]) -> 
             local = named_tensors(owner) if owner is not None else {}
             for fqn, digest in package.get("baked", {}).items():
                 t = local.get(fqn, state.get(fqn) if not instance else None)
-                if not isinstance(t, torch.Tensor) or _tensor_digest(t) != digest:
+                if not isinstance(t, torch.Tensor) or tensor_digest(t) != digest:
                     where = f"{instance}.{fqn}" if instance else fqn
                     return (f"{component}'s AOT package has {len(package['baked'])} tensors compiled in (biases, "
                             f"norms) and this model's differ (e.g. {where}): it was built for other weights")
@@ -406,208 +375,6 @@ def _relaid(call: tuple[tuple[Any, ...], dict[str, Any]],
     return tree_unflatten(leaves, spec)
 
 
-def _lookup(module: Any, fqn: str) -> Any:
-    """``module``'s parameter or buffer ``fqn``, or None; walked afresh on every call (a submodule
-    replaced since load, e.g. a LoRA wrapper, must not leave us reading the old one), and ~5x faster
-    than building ``named_parameters()`` for each call of a block."""
-    *path, leaf = fqn.split(".")
-    for part in path:
-        module = module._modules.get(part) if hasattr(module, "_modules") else None
-        if module is None:
-            return None
-    tensor = module._parameters.get(leaf)
-    return tensor if tensor is not None else module._buffers.get(leaf)
-
-
-#: Elements sampled per weight a prepacked package's recipes read (first, last, and evenly between).
-SAMPLES_PER_WEIGHT = 4
-
-
-def _samples(t: Any) -> list[Any]:
-    """One-element views into ``t``'s storage at a few of its elements (whatever its layout), which
-    read what is there now at every call; [] for a tensor whose elements do not fill its storage
-    densely (an expanded view) or that has no data."""
-    if t is None or t.numel() == 0 or t.is_mkldnn or t.device.type == "meta" or not _dense(t):
-        return []
-    span = t.numel()
-    picks = sorted({(span - 1) * i // (SAMPLES_PER_WEIGHT - 1) for i in range(SAMPLES_PER_WEIGHT)})
-    base = t.detach()
-    return [base.as_strided((1,), (1,), base.storage_offset() + k) for k in picks]
-
-
-def _dense(t: Any) -> bool:
-    """Whether ``t``'s elements fill its storage span exactly, in some order of its dimensions."""
-    expected = 1
-    for stride, size in sorted((st, sz) for st, sz in zip(t.stride(), t.shape, strict=True) if sz != 1):
-        if stride != expected:
-            return False
-        expected *= size
-    return True
-
-
-def _version(t: Any) -> int:
-    """A tensor's version counter (bumped by every in-place change); an inference tensor has none,
-    and cannot be changed in place outside inference mode either."""
-    return -1 if t.is_inference() else t._version
-
-
-class PackageRunner:
-    """One loaded package bound to one module's live weights.
-
-    Regional packages are shared by every instance of a block: each instance has its runner, all
-    runners of a package share ``shared`` (the loaded model and which runner's tensors it holds), and
-    a call from another instance than the last one swaps its tensors in first (``load_constants`` with
-    ``user_managed=True`` only rebinds pointers: nothing is copied)."""
-
-    def __init__(self, model: Any, module: Any, component: str, package: dict[str, Any], device: str,
-                 shared: dict[str, Any] | None = None, lifted: dict[str, Any] | None = None,
-                 bind_at_first_call: bool = False):
-        self.model = model
-        #: the values of tensors the model makes in forward (stored beside the package), on the device
-        self.lifted = lifted or {}
-        self.module = module
-        self.component = component
-        self.package = package
-        self.meta: dict[str, list[Any]] = package["constants"]
-        self.constant_strides: dict[str, list[int]] = package.get("constant_strides", {})
-        self.strides = package.get("strides")
-        self.baked: dict[str, str] = package.get("baked", {})
-        self.device_kind = device.partition(":")[0]
-        self.shared = shared if shared is not None else {}
-        self.bound: tuple[Any, ...] | None = None  # the identity of the tensors last supplied
-        #: freezing (prepack.py): constants replayed from the module's weights at each bind, and the
-        #: weights they come from (whose in-place changes count too: a prepacked copy would not follow)
-        self.derived: dict[str, dict[str, Any]] = package.get("derived", {})
-        self.derived_from: dict[str, list[Any]] = package.get("derived_from", {})
-        self.derived_values: dict[str, Any] = {}
-        #: a few elements of each weight the recipes read, as views into its storage, and their values at
-        #: the last derive: an in-place change through ``.data`` (peft's unsafe merge, i.e. a fused LoRA)
-        #: bumps no version counter, and a prepacked copy would not follow it (:func:`_samples`)
-        self.samples: list[Any] = []
-        self.sampled: Any = None
-        self.unsupplied = set(package.get("lifted_unsupplied", []))
-        self.rebinds = 0
-        self.swaps = 0
-        if not bind_at_first_call:
-            self._bind()  # a module that does not fit is refused at load
-        else:  # offload: model: the weights are on the CPU until the offload hook moves the component
-            # to the execution device, just before its blocks run; bound then, and refused at load if
-            # anything but their device differs.
-            self._check(self._tensors(), device=False)
-
-    def _tensors(self) -> dict[str, Any]:
-        lifted = {k: v for k, v in self.lifted.items() if k not in self.unsupplied}
-        return {**{fqn: _lookup(self.module, fqn) for fqn in self.meta}, **lifted, **self.derived_values}
-
-    def _identity(self, tensors: dict[str, Any]) -> tuple[Any, ...]:
-        versions = bool(self.derived)  # load_state_dict copies in place: only a prepacked copy misses it
-        return tuple((id(t), t.data_ptr(), t.dtype, t.device, tuple(t.shape), _version(t) if versions else 0)
-                     if t is not None else None for t in tensors.values())
-
-    def _derive(self) -> None:
-        """Replay every recipe on the module's weights as they are now (prepack.py)."""
-        import torch
-
-        sources = {fqn: _lookup(self.module, fqn) for fqn in self.derived_from}
-        self._check(sources, meta=self.derived_from)
-        self.samples = [v for fqn in self.derived_from for v in _samples(sources[fqn])]
-        self.sampled = torch.cat(self.samples).clone() if self.samples else None
-        sources.update(self.lifted)
-        self.derived_values = {name: prepack.replay(recipe, sources) for name, recipe in self.derived.items()}
-
-    def _resampled(self) -> bool:
-        """Whether a sampled element of a weight the recipes read changed since the last derive."""
-        import torch
-
-        return self.sampled is not None and not torch.equal(torch.cat(self.samples), self.sampled)
-
-    def _check(self, tensors: dict[str, Any], device: bool = True, meta: dict[str, list[Any]] | None = None) -> None:
-        """Every constant the package asked for, with its shape, dtype and (``device``) device."""
-        # AOTInductor takes a missing buffer or lifted constant with a warning, and the next call
-        # segfaults: every name it asked for must be supplied (a missing parameter it does refuse).
-        for fqn, (shape, dtype, device_kind) in (self.meta if meta is None else meta).items():
-            t = tensors[fqn]
-            if t is None:
-                raise PackageMismatch(f"{self.component}: the module has no {fqn!r}, which its AOT package needs; "
-                                      f"rebuild the recipe for this model")
-            have = (list(t.shape), str(t.dtype).replace("torch.", ""), t.device.type)
-            if have[:2] != (shape, dtype) or (device and have[2] != device_kind):
-                raise PackageMismatch(
-                    f"{self.component}: {fqn} is now {have[1]} {have[0]} on {have[2]}, but its AOT package was "
-                    f"built for {dtype} {shape} on {device_kind}; rebuild the recipe for this dtype/device or "
-                    f"load it again with load_compiled")
-            strides = self.constant_strides.get(fqn)
-            if strides is not None and list(t.stride()) != strides and t.numel() > 1:
-                raise PackageMismatch(
-                    f"{self.component}: {fqn} has strides {list(t.stride())}, but its AOT package reads it with "
-                    f"{strides} (another memory format: channels_last?); convert it back "
-                    f"(.to(memory_format=torch.contiguous_format)) or rebuild the recipe for this layout")
-
-    def _bind(self) -> None:
-        self._check(self._tensors())
-        if self.derived:
-            self._derive()
-        self.model.load_constants(self._tensors(), check_full_update=True, user_managed=True)
-        self.shared["owner"] = self
-        self.bound = self._identity(self._watched())
-
-    def _watched(self) -> dict[str, Any]:
-        """The supplied constants, the weights derived ones come from, and any tensors compiled into the
-        package: all must stay right."""
-        return {fqn: _lookup(self.module, fqn) for fqn in (*self.meta, *self.derived_from, *self.baked)}
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self.bound is None:
-            self._bind()  # the first call of a runner bound at its first call
-        elif self._identity(self._watched()) != self.bound or self._resampled():  # pipe.to(...), dtype, LoRA fuse
-            self.rebinds += 1
-            self._bind()  # checks the supplied constants' shape, dtype and device first
-            if self.baked and baked_digests(self.module, self.meta) != self.baked:
-                raise PackageMismatch(f"{self.component}: tensors compiled into its AOT package "
-                                      f"changed since load; rebuild the recipe for these weights")
-        elif self.shared.get("owner") is not self:  # another instance of the block ran last
-            self.swaps += 1
-            self.model.load_constants(self._tensors(), check_full_update=True, user_managed=True)
-            self.shared["owner"] = self
-        try:
-            return self.model(*args, **kwargs)
-        except RuntimeError as exc:  # the package's own input check (AOTI_RUNTIME_CHECK_INPUTS, load_packages)
-            if "input_handles[" not in str(exc):
-                raise
-            first = next((x.strip() for x in str(exc).splitlines() if "input_handles[" in x), "")
-            raise PackageMismatch(f"{self.component}: its AOT package {self.package['path']} refused the call "
-                                  f"({first}): it was not built for the call signature its manifest records (a "
-                                  f"damaged or altered store: run aotbuild verify, rebuild the recipe)") from None
-
-    def adapt(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        """The call's inputs laid out as the package reads them. A package reads each input with the
-        strides it was built for, so an input whose strides differ where it matters is copied into
-        exactly those strides (``.contiguous()`` would not do: it keeps a size-1 dimension's stride
-        and cannot make a strided layout). The inputs themselves when nothing differs (the usual case)."""
-        if self.strides is None:
-            return args, kwargs
-        import torch
-        from torch.utils._pytree import tree_unflatten
-
-        leaves, spec = flatten_call(args, kwargs)
-        positions = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
-        if len(positions) != len(self.strides):
-            raise PackageMismatch(f"{self.component}: called with {len(positions)} tensors, its AOT package was "
-                                  f"built for {len(self.strides)}; rebuild the recipe")
-        changed = False
-        for i, want in zip(positions, self.strides, strict=True):
-            t = leaves[i]
-            if list(t.stride()) == list(want):  # exactly: the package checks every stride, size-1 ones too
-                continue
-            if t.dim() != len(want) or not copyable(t.shape, want):
-                raise PackageMismatch(f"{self.component}: an input of shape {list(t.shape)} has strides "
-                                      f"{list(t.stride())}; its AOT package was built for {want}, which no copy "
-                                      f"can make; rebuild the recipe")
-            leaves[i] = relayout(t, want)
-            changed = True
-        return tree_unflatten(leaves, spec) if changed else (args, kwargs)
-
-
 def open_package(path: Path) -> Any:
     """One package, loaded by AOTInductor's C++ loader alone (``torch._C._aoti.AOTIModelPackageLoader``,
     what ``torch._inductor.aoti_load_package`` ends with): no compiler imported, no CPU-ISA probe.
@@ -656,49 +423,53 @@ class LoadedPackage:
     def get_constant_fqns(self) -> list[str]:
         return list(self.loader.get_constant_fqns())
 
-    def __deepcopy__(self, memo: dict[int, Any]) -> LoadedPackage:
-        """``copy.deepcopy(pipe)`` after a load: the copy shares the C++ loader, as torch's own
-        ``AOTICompiledModel.__deepcopy__`` does (a pybind loader cannot be copied). Each copy's runner
-        binds its own module's weights before its calls (:class:`PackageRunner`)."""
-        return LoadedPackage(self.loader)
-
 
 def load_packages(module: Any, component: str, packages: list[tuple[dict[str, Any], dict[str, Path]]],
-                  device: str, bind_at_first_call: bool = False) -> dict[str, dict[str, Callable[..., Any]]]:
-    """instance -> signature -> runner, for every package ("" is the component itself; regional
+                  device: str, bind_at_first_call: bool = False,
+                  built_by: str | None = None) -> dict[str, dict[str, Callable[..., Any]]]:
+    """instance -> signature -> route, for every package ("" is the component itself; regional
     packages name their block instances). ``packages``: each record with its entry's files (relative
-    path -> blob). Each package is loaded once, from a hard link (or copy) named *.pt2.
-    ``bind_at_first_call``: under ``offload: model``, each runner takes its weights at its first call."""
-    from aotbuild.cache.trees import lay_tree
-
-    # Every package checks each call's inputs (sizes, strides, dtype, device) against what it was built
-    # for, before reading any: a manifest whose recorded signature is not its package's is refused at
-    # the first call, never served at a wrong shape (the check is a few comparisons per input).
-    # Read by each package's library at its first call; a caller's explicit "0" is respected.
-    os.environ.setdefault("AOTI_RUNTIME_CHECK_INPUTS", "1")
+    path -> blob). Each instance gets the package opened for itself (from a hard link or copy named
+    *.pt2): a regional package's instances no longer share one and swap their weights in before each
+    call, which handed the package new tensors at every call (memory grew without end on torch 2.13,
+    handover.py) and let two threads interleave a swap and a call (issue 52).
+    ``bind_at_first_call``: under ``offload: model``, each runner takes its weights at its first call.
+    ``built_by``: the torch version that built the entry (whether its packages pin what they are handed
+    is found out once per version: handover.leaks)."""
     named = dict(module.named_modules())
     routes: dict[str, dict[str, Callable[..., Any]]] = {}
-    models = {}
-    folder = Path(tempfile.mkdtemp(prefix="aotbuild-aoti-"))
-    try:  # the loader extracts what it needs: the links are only its way in
-        lay_tree([(Path(p["path"]).name, files[p["path"]]) for p, files in packages], folder)
-        for package, _ in packages:
-            models[package["path"]] = open_package(folder / Path(package["path"]).name)
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
     for package, files in packages:
-        model = models[package["path"]]
         lifted = _lifted(package, files, device)
-        shared: dict[str, Any] = {}
+        blob = files[package["path"]]
+
+        def opener(blob: Path = blob, name: str = Path(package["path"]).name) -> Any:
+            return open_blob(blob, name)
+
         for instance in package.get("instances", [""]):
             owner = named.get(instance)
             if owner is None:
                 raise PackageMismatch(f"{component} has no block {instance!r}, which its AOT package serves; "
                                       f"rebuild the recipe for this model")
+            model = opener()
+            pinning = handover.leaks(model, list(package["constants"]) + list(package.get("derived", {})), built_by)
             label = f"{component}.{instance}" if instance else component
-            runner = PackageRunner(model, owner, label, package, device, shared, lifted, bind_at_first_call)
-            routes.setdefault(instance, {})[package["signature"]] = _stride_guard(runner)
+            runner = PackageRunner(model, owner, label, package, device, lifted, bind_at_first_call,
+                                   pinning=pinning, opener=opener)
+            routes.setdefault(instance, {})[package["signature"]] = PackageRoute(runner)
     return routes
+
+
+def open_blob(blob: Path, name: str) -> Any:
+    """The package stored at ``blob``, opened from a hard link (or copy) named ``name`` (*.pt2) in a
+    folder of its own, removed once the loader has extracted what it needs."""
+    from aotbuild.cache.trees import lay_tree
+
+    folder = Path(tempfile.mkdtemp(prefix="aotbuild-aoti-"))
+    try:
+        lay_tree([(name, blob)], folder)
+        return open_package(folder / name)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _lifted(package: dict[str, Any], files: dict[str, Path], device: str) -> dict[str, Any]:
@@ -713,12 +484,3 @@ def _lifted(package: dict[str, Any], files: dict[str, Path], device: str) -> dic
         if t is None or list(t.shape) != shape or str(t.dtype).replace("torch.", "") != dtype:
             raise PackageMismatch(f"the constants file of {package['path']} does not hold {name} as {dtype} {shape}")
     return {name: values[name] for name in package["lifted"]}
-
-
-def _stride_guard(runner: PackageRunner) -> Callable[..., Any]:
-    def run(*args: Any, **kwargs: Any) -> Any:
-        args, kwargs = runner.adapt(args, kwargs)
-        return runner(*args, **kwargs)
-
-    run.runner = runner  # type: ignore[attr-defined]
-    return run

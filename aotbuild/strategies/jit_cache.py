@@ -11,6 +11,7 @@ compile in a serving process is the target's to say (``Target.compile_counter``)
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -88,33 +89,52 @@ def _loading(target: Target, compiled: Any, component: str = "", refuse: bool = 
     return route
 
 
+#: Which component's route the current thread is in, while that route refuses code generation
+_REFUSING = threading.local()
+_GATE_LOCK = threading.Lock()
+_GATE: dict[str, Any] = {"depth": 0, "compiler": None, "original": None}
+
+
 @contextlib.contextmanager
 def _refusing_codegen(component: str) -> Iterator[None]:
-    """Inductor's code generation raises while held (process-wide, like the loading header switch:
-    another thread's compile in that time is refused too). Not imported before a route needs it."""
-    import sys
+    """Inductor's code generation raises while held, in this thread only. Inductor's entry to it
+    (``_InProcessFxCompile.codegen_and_compile``) is wrapped by a gate while any thread holds this (a
+    depth count under a lock) and put back when the last one leaves; the gate refuses only in a thread
+    inside a refusing route. Until issue 52 the entry itself was replaced and put back per call: two
+    overlapping calls on two threads refused every other thread's compile meanwhile, and could leave
+    it replaced for the whole process (the second saved the first's replacement as "the original").
+    Not imported before a route needs it."""
+    with _GATE_LOCK:
+        if _GATE["depth"] == 0:
+            import torch._inductor.compile_fx as fx
 
-    fx = sys.modules.get("torch._inductor.compile_fx")
-    compiler = getattr(fx, "_InProcessFxCompile", None)
-    original = vars(compiler).get("codegen_and_compile") if compiler is not None else None
-    if original is None:  # Inductor not imported yet: nothing of it compiles before Dynamo imports it
-        import torch._inductor.compile_fx as fx
+            compiler = fx._InProcessFxCompile
+            original = vars(compiler)["codegen_and_compile"]
 
-        compiler = fx._InProcessFxCompile
-        original = vars(compiler)["codegen_and_compile"]
+            def gate(*args: Any, **kwargs: Any) -> Any:
+                refusing = getattr(_REFUSING, "component", None)
+                if refusing is None:
+                    return original(*args, **kwargs)
+                from aotbuild.errors import StaleGraph
 
-    def refuse(*args: Any, **kwargs: Any) -> Any:
-        from aotbuild.errors import StaleGraph
+                raise StaleGraph(f"{refusing}: a call needs a graph the installed cache does not have (a Dynamo "
+                                 f"guard failed: something the graph depends on changed), and load_compiled("
+                                 f"on_miss=\"error\") never compiles; load with on_miss=\"compile\" to compile it")
 
-        raise StaleGraph(f"{component}: a call needs a graph the installed cache does not have (a Dynamo guard "
-                         f"failed: something the graph depends on changed), and load_compiled(on_miss=\"error\") "
-                         f"never compiles; load with on_miss=\"compile\" to compile it")
-
-    compiler.codegen_and_compile = refuse
+            compiler.codegen_and_compile = gate
+            _GATE.update(compiler=compiler, original=original)
+        _GATE["depth"] += 1
+    outer = getattr(_REFUSING, "component", None)
+    _REFUSING.component = component
     try:
         yield
     finally:
-        compiler.codegen_and_compile = original
+        _REFUSING.component = outer
+        with _GATE_LOCK:
+            _GATE["depth"] -= 1
+            if _GATE["depth"] == 0:
+                _GATE["compiler"].codegen_and_compile = _GATE["original"]
+                _GATE.update(compiler=None, original=None)
 
 
 def _stale_cause(exc: BaseException) -> BaseException | None:

@@ -1,0 +1,257 @@
+"""A long-lived server's memory and outputs, step by step (issue 52): one process serves a weight-free AOT
+package built with freezing (prepacked weights, what ``strategy: auto`` chooses on a CPU) through weight
+swaps, replaced weights, reloads, a partial write, a copy and threads, and compares every output with eager.
+
+    python benchmarks/soak.py                      # four Conv2d(512, 512, 3): 37.7 MB of weights, ~1 min
+    python benchmarks/soak.py --model sd15         # the SD 1.5-size UNet (860M, 3.4 GB): heavy
+    python benchmarks/soak.py --leaky              # negative control: hand over the tensors themselves
+    python benchmarks/soak.py --json out.json      # every step's figures as JSON (tests/test_soak.py)
+    python benchmarks/soak.py --peaks              # and peak RSS served vs eager, fresh processes
+
+The package is built as the strategy builds it (aotbuild.strategies.aoti) with weights A, in a fresh
+process, and served here with a dispatcher in the module's forward, as ``load_compiled`` installs it.
+``--rounds`` rounds, each: a swap (``load_state_dict`` of the other checkpoint, in place), a call; the
+weights replaced by new tensors (``load_state_dict(..., assign=True)``), a call; every
+``--reload-every`` rounds a reload (the dispatcher and package dropped, ``gc.collect()``, loaded again), a
+call. Then a one-channel write through ``.data``, a ``copy.deepcopy`` served with other weights, and
+``--threads`` threads calling at once. After each step: ``gc.collect()``, then VmRSS, RssAnon and RssFile
+(/proc/self/status; the criterion is on RssAnon: mapped files count in VmRSS). Growth is judged from the
+middle of the rounds on (the allocator settles in the first rounds): ``growth_after_middle`` is RssAnon at
+the end of the rounds minus at their middle, in units of the weights' bytes. Also: the per-call check
+(the runner's own identity, version and sample checks) alone against a steady call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+BUILD = """
+import json, sys, torch
+sys.path.insert(0, {repo!r}); sys.path.insert(0, {bench!r})
+from soak import make
+from aotbuild.dispatch import signature
+from aotbuild.strategies import aoti
+from aotbuild.strategies.calls import snapshot
+from pathlib import Path
+module, args = make({model!r})
+calls = {{signature(args, {{}}): snapshot(args, {{}})}}
+record, = aoti.build_packages(module, calls, Path({work!r}), {{"freezing": True}})
+Path({work!r}, "record.json").write_text(json.dumps(record))
+"""
+
+
+PEAK = """
+import json, sys, torch
+sys.path.insert(0, {repo!r}); sys.path.insert(0, {bench!r})
+from pathlib import Path
+from soak import make, first
+module, args = make({model!r})
+if {served!r}:
+    from aotbuild.dispatch import install_dispatcher
+    from aotbuild.strategies import aoti
+    record = json.loads(Path({work!r}, "record.json").read_text())
+    routes = aoti.load_packages(module, "net", [(record, {{record["path"]: Path({work!r}) / record["path"]}})], "cpu",
+                                built_by=torch.__version__)
+    install_dispatcher(module, "net", routes[""], None, "error")
+with torch.no_grad():
+    for _ in range(3):
+        first(module(*args))
+status = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines())
+print("PEAK", int(status["VmHWM"].split()[0]) * 1024)
+"""
+
+
+def peak(model: str, work: Path, served: bool) -> int:
+    """Peak RSS (VmHWM) of a fresh process that makes the model and calls it 3 times, eagerly or served."""
+    code = PEAK.format(repo=str(REPO), bench=str(REPO / "benchmarks"), model=model, work=str(work), served=served)
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
+    return int(next(x for x in out.splitlines() if x.startswith("PEAK")).split()[1])
+
+
+def make(model: str):
+    """The module (weights A: seed 0) and one call's inputs."""
+    import torch
+
+    torch.manual_seed(0)
+    if model == "convs":
+        module = torch.nn.Sequential(*[layer for _ in range(4) for layer in (
+            torch.nn.Conv2d(512, 512, 3, padding=1), torch.nn.SiLU())])
+        args = (torch.randn(1, 512, 16, 16),)
+    else:
+        from diffusers import UNet2DConditionModel
+        from scale import SD15_UNET
+
+        module = UNet2DConditionModel(**SD15_UNET)
+        args = (torch.randn(1, 4, 32, 32), torch.tensor(999.0), torch.randn(1, 77, 768))
+    return module.eval(), args
+
+
+def memory() -> dict[str, int]:
+    """This process's VmRSS, RssAnon and RssFile in bytes, after a full collection."""
+    gc.collect()
+    out = {}
+    for line in Path("/proc/self/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in ("VmRSS", "RssAnon", "RssFile"):
+            out[key] = int(value.split()[0]) * 1024
+    return out
+
+
+def first(out):
+    return out[0] if isinstance(out, tuple) else getattr(out, "sample", out)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", choices=("convs", "sd15"), default="convs")
+    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--reload-every", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=4)
+    parser.add_argument("--leaky", action="store_true", help="as before issue 52: hand over new tensors, as they are, "
+                                                              "at every rebind (the negative control)")
+    parser.add_argument("--work", type=Path, help="build folder (reused when it holds a record.json)")
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--peaks", action="store_true", help="also the peak RSS of a fresh process serving "
+                                                              "3 calls against an eager one's")
+    opts = parser.parse_args(argv)
+
+    import torch
+
+    from aotbuild.dispatch import install_dispatcher, uninstall_dispatchers
+    from aotbuild.strategies import aoti, handover, runner
+
+    if opts.leaky:  # as before issue 52: every rebind hands over new tensors, as they are
+        handover.prepare = lambda tensors, pinning: dict(tensors)
+        handover.reuse = lambda value: value
+        runner._same_layout = lambda a, b: False
+    work = opts.work or Path(tempfile.mkdtemp(prefix="aotbuild-soak-"))
+    work.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    if not (work / "record.json").is_file():
+        code = BUILD.format(repo=str(REPO), bench=str(REPO / "benchmarks"), model=opts.model, work=str(work))
+        subprocess.run([sys.executable, "-c", code], check=True)
+    built_s = time.perf_counter() - started
+    record = json.loads((work / "record.json").read_text())
+    module, args = make(opts.model)
+    weights = sum(t.numel() * t.element_size() for t in module.state_dict().values())
+    state_a = {k: v.clone() for k, v in module.state_dict().items()}
+    torch.manual_seed(1)
+    state_b = {k: v + 0.01 * torch.randn_like(v) for k, v in state_a.items()}
+
+    def load() -> None:
+        routes = aoti.load_packages(module, "net", [(record, {record["path"]: work / record["path"]})], "cpu",
+                                    built_by=torch.__version__)
+        install_dispatcher(module, "net", routes[""], None, "error")
+
+    def check(what: str, served=None) -> float:
+        served = served or module
+        with torch.no_grad():
+            out = first(served(*args))
+            ref = first(served.forward.eager(*args))
+        diff = ((out - ref).abs().max() / ref.abs().max()).item()
+        if not diff <= 1e-4:
+            raise AssertionError(f"{what}: served output {diff:.3g} off eager")
+        return diff
+
+    steps = []
+
+    def step(name: str, diff: float) -> None:
+        steps.append({"step": name, "diff": diff, **memory()})
+        print(f"{name:<22} {steps[-1]['RssAnon'] / 2**20:9.1f} MB anon {steps[-1]['RssFile'] / 2**20:8.1f} MB file"
+              f"  diff {diff:.2g}", flush=True)
+
+    load()
+    step("load + first call", check("first call"))
+    for r in range(opts.rounds):
+        module.load_state_dict(state_b if r % 2 == 0 else state_a)
+        step(f"round {r + 1}: swap", check("swap"))
+        module.load_state_dict({k: v.clone() for k, v in (state_a if r % 2 == 0 else state_b).items()}, assign=True)
+        step(f"round {r + 1}: replace", check("replace"))
+        if (r + 1) % opts.reload_every == 0:
+            uninstall_dispatchers(module)
+            gc.collect()
+            load()
+            step(f"round {r + 1}: reload", check("reload"))
+    middle = next(s for s in steps if s["step"].startswith(f"round {opts.rounds // 2}:") and "replace" in s["step"])
+    end = steps[-1]
+    with torch.no_grad():
+        weight = next(p for p in module.parameters() if p.dim() == 4)
+        weight.data[weight.shape[0] // 2] *= 2  # one output channel, through .data: no version bump
+    step("one-channel .data write", check(".data write"))
+    twin = copy.deepcopy(module)
+    twin.load_state_dict(state_b)
+    step("deepcopy, other weights", max(check("copy", twin), check("original after copy")))
+    del twin
+    step("copy dropped", check("after copy"))
+    errors: list[str] = []
+    barrier = threading.Barrier(opts.threads)
+
+    def serve() -> None:
+        barrier.wait()
+        try:
+            for _ in range(3):
+                check("thread")
+        except AssertionError as exc:
+            errors.append(str(exc))
+
+    pool = [threading.Thread(target=serve) for _ in range(opts.threads)]
+    for t in pool:
+        t.start()
+    for t in pool:
+        t.join()
+    if errors:
+        raise AssertionError(errors[0])
+    step(f"{opts.threads} threads", check("after threads"))
+
+    served = module.forward.routes[record["signature"]].runner
+    dispatcher = module.forward
+    with torch.no_grad():
+        calls = []
+        for _ in range(5):
+            t = time.perf_counter()
+            dispatcher(*args)
+            calls.append(time.perf_counter() - t)
+    checks = []
+    for _ in range(200):
+        t = time.perf_counter()
+        served._changed()
+        checks.append(time.perf_counter() - t)
+    result = {
+        "model": opts.model, "leaky": opts.leaky, "torch": torch.__version__, "weights_bytes": weights,
+        "build_s": round(built_s, 1), "pinning": served.pinning, "rounds": opts.rounds,
+        "growth_after_middle": (end["RssAnon"] - middle["RssAnon"]) / weights,
+        "growth_all": (end["RssAnon"] - steps[0]["RssAnon"]) / weights,
+        "check_us": statistics.median(checks) * 1e6, "steady_call_ms": statistics.median(calls) * 1e3,
+        "watched_tensors": len(served.watched), "steps": steps,
+    }
+    result["check_share"] = result["check_us"] / 1e3 / result["steady_call_ms"]
+    if opts.peaks:
+        result["peak_eager"], result["peak_served"] = peak(opts.model, work, False), peak(opts.model, work, True)
+        print(f"peak RSS of 3 calls in a fresh process: served {result['peak_served'] / 2**20:.0f} MB, eager "
+              f"{result['peak_eager'] / 2**20:.0f} MB: {result['peak_served'] / result['peak_eager']:.2f}x")
+    print(f"\n{opts.model}: weights {weights / 2**20:.1f} MB, torch {torch.__version__}, pinning runtime: "
+          f"{served.pinning}{', LEAKY' if opts.leaky else ''}\n"
+          f"RssAnon growth: {result['growth_all']:.3f}x the weights over the run, "
+          f"{result['growth_after_middle']:.3f}x from round {opts.rounds // 2} to round {opts.rounds}\n"
+          f"per-call check {result['check_us']:.0f} us over {len(served.watched)} tensors = "
+          f"{100 * result['check_share']:.3f} % of a steady call ({result['steady_call_ms']:.1f} ms)")
+    if opts.json:
+        opts.json.write_text(json.dumps(result, indent=1))
+    return result
+
+
+if __name__ == "__main__":
+    main()
