@@ -22,6 +22,7 @@ from aotbuild.errors import (
     StoreError,
     TargetUnavailable,
     UsageError,
+    WeightsDiscarded,
 )
 
 __version__ = VERSION
@@ -32,6 +33,7 @@ _LAZY = {
     "load_compiled": "aotbuild.runtime",
     "LoadReport": "aotbuild.runtime",
     "refresh": "aotbuild.runtime",
+    "refit": "aotbuild.runtime",
     "build": "aotbuild.builder.build",
     "BuildReport": "aotbuild.builder.build",
     "JobResult": "aotbuild.builder.build",
@@ -54,12 +56,11 @@ _LAZY = {
     "Remote": "aotbuild.remote.base",
 }
 
-__all__ = ["AotbuildError", "CacheMiss", "ModelUnavailable", "PackageMismatch",
-           "RecipeError", "RemoteError", "ShapeNotBuilt", "StaleGraph", "StoreError",
-           "TargetUnavailable", "UsageError", "__version__", "load_compiled", "LoadReport", "refresh", "build",
-           "BuildReport", "JobResult", "ResultStatus", "plan", "Job", "JobStatus", "load_recipe", "parse_recipe",
-           "Recipe", "Shape",
-           "push", "PushReport", "pull", "PullReport", "PullItem", "PullStatus", "sign", "parse_remote", "Remote"]
+__all__ = ["AotbuildError", "CacheMiss", "ModelUnavailable", "PackageMismatch", "RecipeError", "RemoteError",
+           "ShapeNotBuilt", "StaleGraph", "StoreError", "TargetUnavailable", "UsageError", "WeightsDiscarded",
+           "__version__", "load_compiled", "LoadReport", "refresh", "refit", "build", "BuildReport", "JobResult",
+           "ResultStatus", "plan", "Job", "JobStatus", "load_recipe", "parse_recipe", "Recipe", "Shape", "push",
+           "PushReport", "pull", "PullReport", "PullItem", "PullStatus", "sign", "parse_remote", "Remote"]
 
 if TYPE_CHECKING:
     from aotbuild.builder.build import BuildReport, JobResult, ResultStatus, build
@@ -69,7 +70,7 @@ if TYPE_CHECKING:
     from aotbuild.remote.base import Remote
     from aotbuild.remote.schemes import parse_remote
     from aotbuild.remote.sync import PullItem, PullReport, PullStatus, PushReport, pull, push, sign
-    from aotbuild.runtime import LoadReport, load_compiled, refresh
+    from aotbuild.runtime import LoadReport, load_compiled, refit, refresh
 
 
 def __getattr__(name: str) -> Any:

@@ -85,6 +85,11 @@ class PackageMismatch(AotbuildError, RuntimeError):
     """A component's weights no longer fit the AOT package it was built with."""
 
 
+class WeightsDiscarded(AotbuildError, RuntimeError):
+    """A use of a weight dropped after load (``load_compiled(..., discard_weights=True)``): only its
+    prepacked copy is kept; ``aotbuild.refit`` changes it (docs/prepack.md)."""
+
+
 class RemoteError(AotbuildError, OSError):
     """A remote cache could not be reached, read or written; the message names it and the next step."""
 

@@ -125,7 +125,7 @@ class LoadReport:
 @positional_shim("pipe")
 def load_compiled(recipe: str | Path | Recipe | Mapping[str, Any], *, pipe: Any = None, cache: str | Path | None = None,
                   remote: str | Remote | None = None, on_miss: str = "compile", strict_shapes: bool = False,
-                  trusted_keys: list[str | Path] | None = None) -> Any:
+                  trusted_keys: list[str | Path] | None = None, discard_weights: bool = False) -> Any:
     """Load ``recipe``'s pipeline (or take ``pipe``), install its cached artifacts, compile it.
 
     ``recipe``: a recipe file's path, recipe data as a dict (the YAML's structure, validated like a
@@ -140,6 +140,10 @@ def load_compiled(recipe: str | Path | Recipe | Mapping[str, Any], *, pipe: Any 
     network access at all.
     ``trusted_keys`` (``.pub`` paths; default ``AOTBUILD_TRUSTED_KEYS``): accept only entries that
     one of these keys signed, checked before any blob is read (docs/security.md, "Signed entries").
+    ``discard_weights=True``: where an entry serves prepacked weights (aot-package with freezing, auto's
+    on a CPU), the dense weights only they read are dropped after load (memory close to eager's); they
+    can then be changed only with :func:`aotbuild.refit`, and any other use raises
+    :class:`aotbuild.WeightsDiscarded` (docs/prepack.md, "Without the dense weights").
     The report is ``pipe.aotbuild_report`` and is logged at INFO.
     """
     remote = _check_arguments(on_miss, remote)
@@ -176,8 +180,16 @@ def load_compiled(recipe: str | Path | Recipe | Mapping[str, Any], *, pipe: Any 
         timings["verify"] = time.perf_counter() - started
         if report.misses and on_miss == "error":
             raise CacheMiss(f"{report}{_next_step(recipe, blocker, remote, pipe if passed else None)}")
-        _install(ctx, planned, report, _call_policy(on_miss, strict_shapes))
+        from aotbuild.strategies.discard import DISCARDING
+
+        discarding = DISCARDING.set(discard_weights)
+        try:
+            _install(ctx, planned, report, _call_policy(on_miss, strict_shapes))
+        finally:
+            DISCARDING.reset(discarding)
         _watch(planned, on_miss, ctx.recipe.offload == "none")
+        if discard_weights:
+            _discarded(planned, report)
     for feature in features:  # guards on what the served pipe may change (a LoRA hot-swap's checks)
         feature.after_load(pipe, recipe)
     pipe.aotbuild_report = report
@@ -221,6 +233,34 @@ def _install(ctx: Context, planned: list[Planned], report: LoadReport, policy: s
             d.static_text = static_patterns(d.routes, measured)  # a refusal names the prompt's length
             report.notes += [n for route in d.routes.values() for n in getattr(route, "notes", ())
                              if n not in report.notes]
+
+
+def _discarded(planned: list[Planned], report: LoadReport) -> None:
+    """``discard_weights=True``: each served component's runners dropped the dense weights only prepacked
+    constants read while they derived them (aotbuild/strategies/discard.py); a component with none is an
+    error naming why. Noted in the report; runners bound at their first call (offload) drop them then."""
+    from aotbuild.dispatch import dispatchers
+
+    for p in planned:
+        runners = [r for d in dispatchers(p.module) for route in d.routes.values()
+                   if (r := getattr(route, "runner", None)) is not None and getattr(r, "derived", None)]
+        if not runners:
+            raise UsageError(f"discard_weights=True: {p.component} is not served with prepacked weights (only an "
+                             f"aot-package entry built with freezing is: auto's first try on a CPU), so its dense "
+                             f"weights are what it runs with")
+        dropped = sum(r.dropped for r in runners)
+        report.notes.append(f"{p.component}: {dropped / 2**20:.0f} MB of dense weights discarded (discard_weights="
+                            f"True); change them with aotbuild.refit(pipe.{p.component}, state_dict), any other use "
+                            f"raises WeightsDiscarded")
+
+
+def refit(module: Any, state_dict: Any) -> int:
+    """Change the weights of a served component (``pipe.unet``) to ``state_dict``'s, whatever was
+    discarded (aotbuild/strategies/discard.py :func:`~aotbuild.strategies.discard.refit`); how many
+    prepacked constants were replayed."""
+    from aotbuild.strategies.discard import refit as refit_module
+
+    return refit_module(module, state_dict)
 
 
 def refresh(pipe: Any) -> int:

@@ -62,7 +62,9 @@ module, args = make({model!r})
 if {served!r}:
     from aotbuild.dispatch import install_dispatcher
     from aotbuild.strategies import aoti
+    from aotbuild.strategies.discard import DISCARDING
     record = json.loads(Path({work!r}, "record.json").read_text())
+    DISCARDING.set({discard!r})  # as load_compiled(..., discard_weights=True) installs
     routes = aoti.load_packages(module, "net", [(record, {{record["path"]: Path({work!r}) / record["path"]}})], "cpu",
                                 built_by=torch.__version__)
     install_dispatcher(module, "net", routes[""], None, "error")
@@ -74,9 +76,11 @@ print("PEAK", int(status["VmHWM"].split()[0]) * 1024)
 """
 
 
-def peak(model: str, work: Path, served: bool) -> int:
-    """Peak RSS (VmHWM) of a fresh process that makes the model and calls it 3 times, eagerly or served."""
-    code = PEAK.format(repo=str(REPO), bench=str(REPO / "benchmarks"), model=model, work=str(work), served=served)
+def peak(model: str, work: Path, served: bool, discard: bool = False) -> int:
+    """Peak RSS (VmHWM) of a fresh process that makes the model and calls it 3 times, eagerly or served
+    (``discard``: with its dense prepacked weights dropped after load, ``discard_weights=True``)."""
+    code = PEAK.format(repo=str(REPO), bench=str(REPO / "benchmarks"), model=model, work=str(work), served=served,
+                       discard=discard)
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
     return int(next(x for x in out.splitlines() if x.startswith("PEAK")).split()[1])
 
@@ -125,7 +129,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--work", type=Path, help="build folder (reused when it holds a record.json)")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--peaks", action="store_true", help="also the peak RSS of a fresh process serving "
-                                                              "3 calls against an eager one's")
+                                                              "3 calls (with and without discard_weights) against "
+                                                              "an eager one's")
     opts = parser.parse_args(argv)
 
     import torch
@@ -239,9 +244,13 @@ def main(argv: list[str] | None = None) -> dict:
     }
     result["check_share"] = result["check_us"] / 1e3 / result["steady_call_ms"]
     if opts.peaks:
-        result["peak_eager"], result["peak_served"] = peak(opts.model, work, False), peak(opts.model, work, True)
-        print(f"peak RSS of 3 calls in a fresh process: served {result['peak_served'] / 2**20:.0f} MB, eager "
-              f"{result['peak_eager'] / 2**20:.0f} MB: {result['peak_served'] / result['peak_eager']:.2f}x")
+        result["peak_eager"] = peak(opts.model, work, False)
+        result["peak_served"] = peak(opts.model, work, True)
+        result["peak_discarded"] = peak(opts.model, work, True, discard=True)
+        print(f"peak RSS of 3 calls in a fresh process: eager {result['peak_eager'] / 2**20:.0f} MB; served "
+              f"{result['peak_served'] / 2**20:.0f} MB ({result['peak_served'] / result['peak_eager']:.2f}x), with "
+              f"discard_weights {result['peak_discarded'] / 2**20:.0f} MB "
+              f"({result['peak_discarded'] / result['peak_eager']:.2f}x)")
     print(f"\n{opts.model}: weights {weights / 2**20:.1f} MB, torch {torch.__version__}, pinning runtime: "
           f"{served.pinning}{', LEAKY' if opts.leaky else ''}\n"
           f"RssAnon growth: {result['growth_all']:.3f}x the weights over the run, "

@@ -334,3 +334,42 @@ def test_the_pool_reuses_what_a_dropped_runner_left_pinned():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert handover.reuse(torch.ones(3)) is not None
+
+
+def test_discarded_weights_free_their_memory_and_any_use_names_refit():
+    """``discard_weights=True`` (issue 52 item 2): a weight only prepacked constants read is dropped after
+    load; its placeholder keeps shape, dtype, strides and ``requires_grad`` (so the module reads as it
+    was), any use of its values raises naming ``aotbuild.refit``, and refit replays from new weights."""
+    import aotbuild
+    from aotbuild.errors import WeightsDiscarded
+    from aotbuild.strategies.discard import discard, discardable, is_discarded
+
+    module, model, run = _served()
+    install_dispatcher(module, "unet", {"sig": PackageRoute(run)}, None, "error")
+    dense = weakref.ref(module[1].weight)
+    assert discardable(run) == ["1.bias", "1.weight"]  # 0.weight is handed to the package as it is
+    assert discard(run) == (16 + 4) * 4
+    gc.collect()
+    placeholder = module[1].weight
+    assert dense() is None and is_discarded(placeholder) and not is_discarded(module[0].weight)
+    assert placeholder.shape == (4, 4) and placeholder.requires_grad and "unet.1.weight" in repr(placeholder)
+    run()
+    assert run.rebinds == 0  # the placeholders are what the runner watches now
+    for use in (lambda: module.state_dict()["1.weight"] + 0, lambda: copy.deepcopy(module),
+                lambda: module.forward.eager(torch.randn(1, 4)), lambda: torch.save(module, io.BytesIO())):
+        with pytest.raises((WeightsDiscarded, RuntimeError), match="aotbuild.refit"):
+            use()
+    new = {"1.weight": torch.full((4, 4), 3.0), "1.bias": torch.ones(4), "0.weight": torch.eye(4)}
+    assert aotbuild.refit(module, new) == 2 and len(model.handed) == 1  # replayed into what was handed over
+    assert torch.equal(model.constants["_frozen_param0"], new["1.weight"] * 2)
+    assert torch.equal(model.constants["_frozen_param1"], new["1.bias"] * 2)
+    assert torch.equal(module[0].weight.detach(), torch.eye(4))  # kept by the module: written in place
+    run()
+    assert run.rebinds == 0  # refit left nothing for the per-call check to redo
+    with pytest.raises(Exception, match="not Sequential's"):
+        aotbuild.refit(module, {"2.weight": torch.ones(1)})
+    module[1].weight = nn.Parameter(torch.ones(4, 4))  # a dense weight assigned back: served from it
+    run()
+    assert run.rebinds == 1 and torch.equal(model.constants["_frozen_param0"], torch.full((4, 4), 2.0))
+    with pytest.raises(WeightsDiscarded, match="aotbuild.refit"):
+        module.to(torch.float64)  # reaches 1.bias, still discarded

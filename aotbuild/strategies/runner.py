@@ -34,8 +34,10 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from aotbuild.errors import PackageMismatch
+from aotbuild.strategies import discard as discarding
 from aotbuild.strategies import handover, prepack
 from aotbuild.strategies.calls import copyable, flatten_call, relayout
+from aotbuild.strategies.discard import is_discarded
 
 #: Elements sampled per weight a prepacked package's recipes read, besides one per output channel
 #: (first, last, and evenly between).
@@ -68,7 +70,7 @@ def samples(t: Any) -> list[Any]:
     different position in each (the diagonal), so that a write to one output or input channel shows;
     [] for a tensor whose elements do not fill its storage densely (an expanded view), that has no data,
     or that is no plain dense tensor."""
-    if t is None or t.numel() == 0 or t.is_mkldnn or t.device.type == "meta" or not _dense(t):
+    if t is None or t.numel() == 0 or is_discarded(t) or t.is_mkldnn or t.device.type == "meta" or not _dense(t):
         return []
     base = t.detach()
     span, offset = t.numel(), base.storage_offset()
@@ -191,6 +193,9 @@ class PackageRunner:
         self.pinning = pinning
         self.opener = opener
         self.bind_at_first_call = bind_at_first_call
+        #: discard_weights=True (discard.py): the weights dropped as soon as their constants are derived
+        self.discarding: set[str] = set()
+        self.dropped = 0  # bytes of dense weights dropped
         self.lock = threading.RLock()
         #: handed-over tensors the package's runtime pins (not aliasable): kept for the next runner when
         #: this one goes (handover.retire), where the runtime pins them
@@ -209,6 +214,8 @@ class PackageRunner:
         self.watched = list(dict.fromkeys((*self.meta, *self.derived_from, *self.baked)))
         self._readers = {src: [name for name, r in self.derived.items() if src in r["inputs"]]
                          for src in self.derived_from}
+        if discarding.DISCARDING.get():
+            self.discarding = set(discarding.discardable(self))
         self.bound: list[Any] | None = None  # the watched tensors' identity at the last bind
         self._last: dict[str, Any] = {}  # each watched tensor's identity at the last bind
         self._source_versions: dict[str, int] = {}
@@ -328,7 +335,7 @@ class PackageRunner:
             self.handed = everything
         else:
             self._hand_over({**handed, **new})
-        self._last = now
+        self._last = dict(zip(self.watched, self._identity_each(tensors.values()), strict=True))  # dropped ones too
         self._remember(tensors, edges, stores)
         if sources:
             handover.trim()  # the replays' temporaries, as large as the weights they read
@@ -373,9 +380,21 @@ class PackageRunner:
                                                                    for n in self._readers[s]))
         inputs = {**tensors, **self.lifted}
         new = {}
+        # discard_weights: each dense weight dropped once the last recipe reading it has run
+        unread = {src: set(self._readers[src]) for src in self.discarding} if full else {}
         for name in names:
-            value = prepack.replay(self.derived[name], inputs)
             old = self.derived_values.get(name)
+            if old is not None and all(is_discarded(inputs[i]) for i in self.derived[name]["inputs"]):
+                continue  # discard_weights: only aotbuild.refit changes it (discard.py)
+            value = prepack.replay(self.derived[name], inputs)
+            for src in self.derived[name]["inputs"]:
+                readers = unread.get(src)
+                if readers is not None:
+                    readers.discard(name)
+                    if not readers:  # its last reader ran: the dense weight goes now
+                        del unread[src]
+                        self.dropped += discarding.drop(self.module, src, f"{self.component}.{src}")
+                        tensors[src] = inputs[src] = lookup(self.module, src)[0]
             if old is not None and _same_layout(old, value):
                 _write_into(old, value)  # in place: the package reads it as it is, nothing is handed over
             else:
@@ -392,8 +411,9 @@ class PackageRunner:
 
         self._edges = ([e[0] for e in edges], [e[1] for e in edges], [e[2] for e in edges])
         self._stores = (stores, [fqn.rsplit(".", 1)[-1] for fqn in self.watched])
-        self._tracked = [tensors[f] for f in self.derived_from if not tensors[f].is_inference()]
-        self._source_versions = {f: tensors[f]._version for f in self.derived_from if not tensors[f].is_inference()}
+        kept = [f for f in self.derived_from if not tensors[f].is_inference() and not is_discarded(tensors[f])]
+        self._tracked = [tensors[f] for f in kept]
+        self._source_versions = {f: tensors[f]._version for f in kept}
         self._sampled = {}
         for fqn in self.derived_from:
             views = samples(tensors[fqn])
@@ -401,6 +421,37 @@ class PackageRunner:
         self._sample_views = [v for views, _ in self._sampled.values() for v in views]
         self._sample_values = torch.cat(self._sample_views).clone() if self._sample_views else None
         self.bound = [self._identity(list(tensors.values())), self._versions()]
+
+    def forget_dense(self) -> None:
+        """After :func:`~aotbuild.strategies.discard.discard`: watch the placeholders the module holds now
+        (their identity; no version, no samples) and keep no reference to the dense weights."""
+        tensors, edges, stores = self._lookup_all()
+        self._last = dict(zip(self.watched, self._identity_each(tensors.values()), strict=True))
+        self._remember(tensors, edges, stores)
+        handover.trim()
+
+    def refit(self, given: dict[str, Any]) -> int:
+        """Replay every recipe that reads a weight in ``given`` (name -> tensor), with the given tensors in
+        place of the module's (a discarded weight's only way to change), into the prepacked tensors handed
+        over; how many were replayed."""
+        with self.lock:
+            tensors, edges, stores = self._lookup_all()
+            inputs = {**tensors, **given}
+            names = list(dict.fromkeys(n for s in sorted(given) for n in self._readers.get(s, ())))
+            new = {}
+            for name in names:
+                value = prepack.replay(self.derived[name], {**inputs, **self.lifted})
+                old = self.derived_values.get(name)
+                if old is not None and _same_layout(old, value):
+                    _write_into(old, value)
+                else:
+                    self.derived_values[name] = new[name] = value
+                self.replayed += 1
+            self._hand_over(new)
+            self._last = dict(zip(self.watched, self._identity_each(tensors.values()), strict=True))
+            self._remember(tensors, edges, stores)
+            handover.trim()
+            return len(names)
 
     def refresh(self) -> None:
         """Replay every recipe on the weights as they are and hand over every tensor again: what a write
