@@ -7,6 +7,7 @@ swaps, replaced weights, reloads, a partial write, a copy and threads, and compa
     python benchmarks/soak.py --leaky              # negative control: hand over the tensors themselves
     python benchmarks/soak.py --json out.json      # every step's figures as JSON (tests/test_soak.py)
     python benchmarks/soak.py --peaks              # and peak RSS served vs eager, fresh processes
+    python benchmarks/soak.py --baseline ../main-before  # load -> first call, steady call vs another checkout
 
 The package is built as the strategy builds it (aotbuild.strategies.aoti) with weights A, in a fresh
 process, and served here with a dispatcher in the module's forward, as ``load_compiled`` installs it.
@@ -34,6 +35,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -74,6 +76,60 @@ with torch.no_grad():
 status = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines())
 print("PEAK", int(status["VmHWM"].split()[0]) * 1024)
 """
+
+
+TIMED = """
+import json, statistics, sys, time, torch
+sys.path.insert(0, {repo!r}); sys.path.insert(0, {bench!r})
+from pathlib import Path
+from soak import make, first
+from aotbuild.dispatch import install_dispatcher
+from aotbuild.strategies import aoti
+module, args = make({model!r})
+record = json.loads(Path({work!r}, "record.json").read_text())
+packages = [(record, {{record["path"]: Path({work!r}) / record["path"]}})]
+started = time.perf_counter()
+try:
+    routes = aoti.load_packages(module, "net", packages, "cpu", built_by=torch.__version__)
+except TypeError:  # a checkout from before issue 52
+    routes = aoti.load_packages(module, "net", packages, "cpu")
+install_dispatcher(module, "net", routes[""], None, "error")
+loaded = time.perf_counter()
+with torch.no_grad():
+    first(module(*args))
+    first_call = time.perf_counter()
+    steady = []
+    for _ in range(3):
+        t = time.perf_counter()
+        first(module(*args))
+        steady.append(time.perf_counter() - t)
+print("TIMED " + json.dumps({{"load_s": loaded - started, "first_s": first_call - started,
+                            "steady_s": statistics.median(steady)}}))
+"""
+
+
+def timed(model: str, work: Path, checkout: Path) -> dict[str, float]:
+    """Load -> first call and the steady call of the package served by ``checkout``'s aotbuild, in a fresh
+    process (the model made in it first, as a server's pipeline load)."""
+    code = TIMED.format(repo=str(checkout), bench=str(REPO / "benchmarks"), model=model, work=str(work))
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True,
+                         cwd=checkout).stdout
+    return json.loads(next(x for x in out.splitlines() if x.startswith("TIMED"))[len("TIMED "):])
+
+
+def compare(model: str, work: Path, baseline: Path, repeats: int) -> dict[str, Any]:
+    """This checkout against ``baseline`` (another checkout, e.g. a git worktree of main before a change),
+    fresh processes interleaved, medians of ``repeats``: the ratio of each figure."""
+    runs: dict[str, list[dict[str, float]]] = {"this": [], "baseline": []}
+    for _ in range(repeats):
+        for name, checkout in (("this", REPO), ("baseline", baseline)):
+            runs[name].append(timed(model, work, checkout))
+    med = {name: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for name, rs in runs.items()}
+    ratios = {k: med["this"][k] / med["baseline"][k] for k in med["this"]}
+    print(f"\nthis checkout against {baseline}, fresh processes interleaved, medians of {repeats}:")
+    for k in med["this"]:
+        print(f"  {k:<9} {med['this'][k]:8.3f} s against {med['baseline'][k]:8.3f} s: {ratios[k]:.3f}x")
+    return {"medians": med, "ratios": ratios, "runs": runs}
 
 
 def peak(model: str, work: Path, served: bool, discard: bool = False) -> int:
@@ -131,6 +187,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--peaks", action="store_true", help="also the peak RSS of a fresh process serving "
                                                               "3 calls (with and without discard_weights) against "
                                                               "an eager one's")
+    parser.add_argument("--baseline", type=Path, help="another checkout (a git worktree of main before a "
+                                                         "change): first call and steady call of each, side by side")
+    parser.add_argument("--repeats", type=int, default=3, help="fresh processes per checkout with --baseline")
     opts = parser.parse_args(argv)
 
     import torch
@@ -190,7 +249,8 @@ def main(argv: list[str] | None = None) -> dict:
             gc.collect()
             load()
             step(f"round {r + 1}: reload", check("reload"))
-    middle = next(s for s in steps if s["step"].startswith(f"round {opts.rounds // 2}:") and "replace" in s["step"])
+    half = max(1, opts.rounds // 2)
+    middle = next(s for s in steps if s["step"].startswith(f"round {half}:") and "replace" in s["step"])
     end = steps[-1]
     with torch.no_grad():
         weight = next(p for p in module.parameters() if p.dim() == 4)
@@ -257,6 +317,8 @@ def main(argv: list[str] | None = None) -> dict:
           f"{result['growth_after_middle']:.3f}x from round {opts.rounds // 2} to round {opts.rounds}\n"
           f"per-call check {result['check_us']:.0f} us over {len(served.watched)} tensors = "
           f"{100 * result['check_share']:.3f} % of a steady call ({result['steady_call_ms']:.1f} ms)")
+    if opts.baseline:
+        result["baseline"] = compare(opts.model, work, opts.baseline, opts.repeats)
     if opts.json:
         opts.json.write_text(json.dumps(result, indent=1))
     return result

@@ -149,3 +149,116 @@ def assert_warm(result: dict) -> None:
     assert result["kernels_after_install"], "the install should have put compiled kernels in place"
     assert result["kernels_after_call"] == result["kernels_after_install"], "a C++ kernel was rebuilt"
     assert result["calls"] == {"": {"built": 4, "unbuilt": 1}}  # 2 shapes x 2 steps, then the strict call
+
+
+# -- a server's use of a served pipeline (issue 52): tests/test_server_pipelines.py, tests/test_regional.py --
+
+SERVER = textwrap.dedent("""
+    import copy, io, json, sys, tempfile, threading, warnings
+    from pathlib import Path
+    import torch
+    import aotbuild
+    from aotbuild import load_compiled, load_recipe
+    from aotbuild.pipeline.models import load_pipeline, resolve_model
+    from aotbuild.pipeline.pipecall import warmup_kwargs
+
+    recipe_path, cache, component = sys.argv[1:4]
+    r = load_recipe(recipe_path)
+    shape = r.shapes[0]
+
+    def eager():
+        return load_pipeline(r, resolve_model(r, Path(cache)), "float32")
+
+    def image(pipe, seed=0):
+        with torch.no_grad():
+            return pipe(**warmup_kwargs(r, shape, pipe, seed=seed), output_type="pt").images
+
+    def off(a, b):
+        return (a - b).abs().max().item()
+
+    reference = eager()
+    refs = {seed: image(reference, seed) for seed in range(4)}
+    pipe = load_compiled(recipe_path, cache=cache, on_miss="error")
+    report = str(pipe.aotbuild_report)
+    out = {"served": off(image(pipe), refs[0])}
+
+    # 4 request-scoped pipelines at once (diffusers' server example: from_pipe with its own scheduler and
+    # tokenizer: a fast tokenizer's padding state is not thread-safe), with a tiny switch interval so that
+    # the threads interleave inside every call
+    sys.setswitchinterval(1e-6)
+    barrier, diffs, errors = threading.Barrier(4), {}, []
+    def request(seed):
+        try:
+            scoped = type(pipe).from_pipe(pipe, scheduler=pipe.scheduler.from_config(pipe.scheduler.config),
+                                          tokenizer=copy.deepcopy(pipe.tokenizer))
+            barrier.wait()
+            diffs[seed] = max(off(image(scoped, seed), refs[seed]) for _ in range(2))
+        except Exception as exc:
+            errors.append(repr(exc))
+    threads = [threading.Thread(target=request, args=(s,)) for s in range(4)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    sys.setswitchinterval(0.005)
+    out["threads"] = max(diffs.values()) if len(diffs) == 4 else None
+    out["thread_errors"] = errors
+
+    out["copy.copy"] = off(image(copy.copy(pipe)), refs[0])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        twin = copy.deepcopy(pipe)
+        other = {k: v * -1.0 if v.is_floating_point() else v
+                 for k, v in getattr(twin, component).state_dict().items()}
+        getattr(twin, component).load_state_dict(other)
+        twin_image = image(twin)
+    getattr(reference, component).load_state_dict(other)
+    out["deepcopy"] = off(twin_image, image(reference))
+    out["deepcopy_warnings"] = [str(w.message) for w in caught if "aotbuild" in str(w.message)]
+    out["original_after_copy"] = off(image(pipe), refs[0])
+    del twin
+    reference = eager()
+
+    buffer = io.BytesIO()
+    torch.save(getattr(pipe, component), buffer)
+    buffer.seek(0)
+    pipe_from_save = eager()
+    setattr(pipe_from_save, component, torch.load(buffer, weights_only=False))
+    out["torch.save"] = off(image(pipe_from_save), refs[0])
+    folder = Path(tempfile.mkdtemp())
+    pipe.save_pretrained(folder)
+    out["save_pretrained"] = off(image(type(pipe).from_pretrained(folder)), refs[0])
+
+    # one middle output channel of the first weight a dispatcher serves (the UNet's conv_in; a regional
+    # entry's first block's) doubled through .data (no version bump), after a call
+    from aotbuild.dispatch import Dispatcher
+    served = next(n for n, m in getattr(pipe, component).named_modules()
+                  if isinstance(vars(m).get("forward"), Dispatcher))
+    for p in (pipe, reference):
+        with torch.no_grad():
+            w = next(t for t in getattr(p, component).get_submodule(served).parameters() if t.dim() >= 2)
+            w.data[w.shape[0] // 2] *= 2
+    out[".data write"] = off(image(pipe), image(reference))
+    out["refreshed"] = aotbuild.refresh(pipe)
+    out["after refresh"] = off(image(pipe), image(reference))
+    out["report"] = report
+    print("RESULT " + json.dumps(out))
+""")
+
+
+def serve_as_a_server(recipe, cache, tmp_path, component: str = "unet") -> dict:
+    """What SERVER measured in a fresh process serving ``recipe`` from ``cache``."""
+    script = tmp_path / "server.py"
+    script.write_text(SERVER)
+    proc = run_python(f"import runpy, sys; sys.argv = ['server', {str(recipe)!r}, {str(cache)!r}, {component!r}]; "
+                      f"runpy.run_path({str(script)!r}, run_name='__main__')",
+                      env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"), "AOTBUILD_CACHE": ""},
+                      cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))[len("RESULT "):])
+
+
+def assert_like_eager(result: dict) -> None:
+    print(json.dumps({k: v for k, v in result.items() if k != "report"}))  # the figures of docs/runtime.md
+    assert result["thread_errors"] == [], result
+    for what in ("served", "threads", "copy.copy", "deepcopy", "original_after_copy", "torch.save",
+                 "save_pretrained", ".data write", "after refresh"):
+        assert result[what] is not None and result[what] <= 1e-4, (what, result)

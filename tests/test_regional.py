@@ -428,7 +428,7 @@ def test_the_flux_regional_package_serves_threads_copies_and_a_partial_write(flu
     """A server's use of a regional entry (issue 52; tests/test_server_pipelines.py for full scope): 4
     request-scoped pipelines at once, copies, saves and a one-channel ``.data`` write, each like eager.
     Every block instance has its package opened for itself: nothing is swapped between the instances."""
-    from tests.test_server_pipelines import assert_like_eager, serve_as_a_server
+    from tests.serving import assert_like_eager, serve_as_a_server
 
     _, cache, _ = flux_package
     plain = tmp_path / "regional-aot-package-none.yaml"

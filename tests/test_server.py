@@ -373,3 +373,30 @@ def test_discarded_weights_free_their_memory_and_any_use_names_refit():
     assert run.rebinds == 1 and torch.equal(model.constants["_frozen_param0"], torch.full((4, 4), 2.0))
     with pytest.raises(WeightsDiscarded, match="aotbuild.refit"):
         module.to(torch.float64)  # reaches 1.bias, still discarded
+
+
+def test_a_rebind_of_a_package_with_a_tensor_compiled_in_compares_what_the_build_digested():
+    """The build digests every tensor the package takes neither as a constant nor as a recipe's source;
+    a rebind compared a digest over the constants only, so a prepacked package with a tensor compiled in
+    raised at every rebind (issue 52 item 6)."""
+    from aotbuild.strategies.runner import baked_digests
+
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(4, 4, bias=False), nn.Linear(4, 4))
+    package = _package()
+    package["derived"] = {"_frozen_param0": package["derived"]["_frozen_param0"]}
+    package["derived_from"] = {"1.weight": package["derived_from"]["1.weight"]}
+    package["baked"] = baked_digests(module, ["0.weight", "1.weight"])  # as the build: constants and sources
+    assert list(package["baked"]) == ["1.bias"]
+    model = Pinning()
+    run = PackageRunner(model, module, "unet", package, "cpu", pinning=True)
+    with torch.no_grad():
+        module[1].weight.mul_(2)
+    run()
+    assert run.rebinds == 1
+    with torch.no_grad():
+        module[1].bias.add_(1)  # the tensor compiled in changed: refused
+    from aotbuild.errors import PackageMismatch
+
+    with pytest.raises(PackageMismatch, match="compiled into its AOT package changed"):
+        run()

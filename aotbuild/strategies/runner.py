@@ -412,8 +412,11 @@ class PackageRunner:
         self._edges = ([e[0] for e in edges], [e[1] for e in edges], [e[2] for e in edges])
         self._stores = (stores, [fqn.rsplit(".", 1)[-1] for fqn in self.watched])
         kept = [f for f in self.derived_from if not tensors[f].is_inference() and not is_discarded(tensors[f])]
-        self._tracked = [tensors[f] for f in kept]
         self._source_versions = {f: tensors[f]._version for f in kept}
+        # and a tensor compiled into the package, changed in place, must be seen (and refused)
+        kept += [f for f in self.baked if f not in self._source_versions and tensors[f] is not None
+                 and not tensors[f].is_inference()]
+        self._tracked = [tensors[f] for f in kept]
         self._sampled = {}
         for fqn in self.derived_from:
             views = samples(tensors[fqn])
