@@ -22,9 +22,9 @@ the dependency record compares (aotbuild/pipeline/dependencies.py), are what the
 from __future__ import annotations
 
 import contextlib
+import types
 import weakref
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 __all__ = ["DISPATCH", "RECORD", "PROOF", "PROBE", "COMPILED", "wrap", "unwrap", "layers", "unwrapped",
@@ -41,12 +41,44 @@ COMPILED = "compiled"  # bench: the module's forward compiled in its process
 _NONE = object()
 
 
-@dataclass
+def _weak(value: Any) -> Any:
+    """A reference to ``value`` that does not keep it alive (``_NONE`` as it is; a bound method by its
+    object and function); ``value`` itself where it takes no weak reference."""
+    if value is _NONE:
+        return value
+    if isinstance(value, types.MethodType):
+        return weakref.WeakMethod(value)
+    try:
+        return weakref.ref(value)
+    except TypeError:
+        return lambda: value
+
+
 class _Layer:
-    name: str
-    forward: Callable[..., Any]
-    #: ``vars(module)["forward"]`` before this layer, or ``_NONE``
-    below: Any
+    """One layer: its name, its forward and what was below it, held weakly. The registry is keyed weakly
+    by module, but a value that held the layer's forward strongly (a dispatcher, whose eager forward is
+    the module's bound method) kept its key, the module, alive: every served module, and so every
+    pipeline ``del``-ed for a reload, stayed in memory (issue 52). The module holds its layers itself
+    (its ``forward`` and what that calls); the registry only remembers them."""
+
+    __slots__ = ("name", "_forward", "_below")
+
+    def __init__(self, name: str, forward: Callable[..., Any], below: Any):
+        self.name = name
+        self._forward = _weak(forward)
+        self._below = _weak(below)
+
+    @property
+    def forward(self) -> Any:
+        return self._forward()
+
+    @property
+    def below(self) -> Any:
+        """``vars(module)["forward"]`` before this layer, or ``_NONE``."""
+        if self._below is _NONE:
+            return _NONE
+        below = self._below()
+        return _NONE if below is None else below
 
 
 #: module -> its layers, innermost first

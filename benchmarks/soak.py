@@ -13,10 +13,11 @@ The package is built as the strategy builds it (aotbuild.strategies.aoti) with w
 process, and served here with a dispatcher in the module's forward, as ``load_compiled`` installs it.
 ``--rounds`` rounds, each: a swap (``load_state_dict`` of the other checkpoint, in place), a call; the
 weights replaced by new tensors (``load_state_dict(..., assign=True)``), a call; every
-``--reload-every`` rounds a reload (the dispatcher and package dropped, ``gc.collect()``, loaded again), a
-call. Then a one-channel write through ``.data``, a ``copy.deepcopy`` served with other weights, and
-``--threads`` threads calling at once. After each step: ``gc.collect()``, then VmRSS, RssAnon and RssFile
-(/proc/self/status; the criterion is on RssAnon: mapped files count in VmRSS). Growth is judged from the
+``--reload-every`` rounds a reload (a new module with the same weights served, the old one and its
+package dropped, ``gc.collect()``), a call. Then a one-channel write through ``.data``, a
+``copy.deepcopy`` served with other weights, and ``--threads`` threads calling at once. After each step:
+``gc.collect()``, then VmRSS, RssAnon and RssFile (/proc/self/status; the criterion is on RssAnon: mapped
+files count in VmRSS). Growth is judged from the
 middle of the rounds on (the allocator settles in the first rounds): ``growth_after_middle`` is RssAnon at
 the end of the rounds minus at their middle, in units of the weights' bytes. Also: the per-call check
 (the runner's own identity, version and sample checks) alone against a steady call.
@@ -194,7 +195,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     import torch
 
-    from aotbuild.dispatch import install_dispatcher, uninstall_dispatchers
+    from aotbuild.dispatch import install_dispatcher
     from aotbuild.strategies import aoti, handover, runner
 
     if opts.leaky:  # as before issue 52: every rebind hands over new tensors, as they are
@@ -209,6 +210,17 @@ def main(argv: list[str] | None = None) -> dict:
         subprocess.run([sys.executable, "-c", code], check=True)
     built_s = time.perf_counter() - started
     record = json.loads((work / "record.json").read_text())
+    before: dict[str, Any] = {}  # fresh processes first, while this one holds nothing (SD 1.5: 20 GB later)
+    if opts.peaks:
+        before["peak_eager"] = peak(opts.model, work, False)
+        before["peak_served"] = peak(opts.model, work, True)
+        before["peak_discarded"] = peak(opts.model, work, True, discard=True)
+        print(f"peak RSS of 3 calls in a fresh process: eager {before['peak_eager'] / 2**20:.0f} MB; served "
+              f"{before['peak_served'] / 2**20:.0f} MB ({before['peak_served'] / before['peak_eager']:.2f}x), with "
+              f"discard_weights {before['peak_discarded'] / 2**20:.0f} MB "
+              f"({before['peak_discarded'] / before['peak_eager']:.2f}x)", flush=True)
+    if opts.baseline:
+        before["baseline"] = compare(opts.model, work, opts.baseline, opts.repeats)
     module, args = make(opts.model)
     weights = sum(t.numel() * t.element_size() for t in module.state_dict().values())
     state_a = {k: v.clone() for k, v in module.state_dict().items()}
@@ -244,8 +256,11 @@ def main(argv: list[str] | None = None) -> dict:
         step(f"round {r + 1}: swap", check("swap"))
         module.load_state_dict({k: v.clone() for k, v in (state_a if r % 2 == 0 else state_b).items()}, assign=True)
         step(f"round {r + 1}: replace", check("replace"))
-        if (r + 1) % opts.reload_every == 0:
-            uninstall_dispatchers(module)
+        if (r + 1) % opts.reload_every == 0:  # as a server reloads: a new module, the old one dropped
+            fresh, _ = make(opts.model)
+            fresh.load_state_dict(module.state_dict())
+            module = fresh
+            del fresh
             gc.collect()
             load()
             step(f"round {r + 1}: reload", check("reload"))
@@ -260,6 +275,7 @@ def main(argv: list[str] | None = None) -> dict:
     twin.load_state_dict(state_b)
     step("deepcopy, other weights", max(check("copy", twin), check("original after copy")))
     del twin
+    gc.collect()  # the copy's runner goes: its freed weights are given back at the next call of a package
     step("copy dropped", check("after copy"))
     errors: list[str] = []
     barrier = threading.Barrier(opts.threads)
@@ -303,22 +319,13 @@ def main(argv: list[str] | None = None) -> dict:
         "watched_tensors": len(served.watched), "steps": steps,
     }
     result["check_share"] = result["check_us"] / 1e3 / result["steady_call_ms"]
-    if opts.peaks:
-        result["peak_eager"] = peak(opts.model, work, False)
-        result["peak_served"] = peak(opts.model, work, True)
-        result["peak_discarded"] = peak(opts.model, work, True, discard=True)
-        print(f"peak RSS of 3 calls in a fresh process: eager {result['peak_eager'] / 2**20:.0f} MB; served "
-              f"{result['peak_served'] / 2**20:.0f} MB ({result['peak_served'] / result['peak_eager']:.2f}x), with "
-              f"discard_weights {result['peak_discarded'] / 2**20:.0f} MB "
-              f"({result['peak_discarded'] / result['peak_eager']:.2f}x)")
+    result.update(before)
     print(f"\n{opts.model}: weights {weights / 2**20:.1f} MB, torch {torch.__version__}, pinning runtime: "
           f"{served.pinning}{', LEAKY' if opts.leaky else ''}\n"
           f"RssAnon growth: {result['growth_all']:.3f}x the weights over the run, "
           f"{result['growth_after_middle']:.3f}x from round {opts.rounds // 2} to round {opts.rounds}\n"
           f"per-call check {result['check_us']:.0f} us over {len(served.watched)} tensors = "
           f"{100 * result['check_share']:.3f} % of a steady call ({result['steady_call_ms']:.1f} ms)")
-    if opts.baseline:
-        result["baseline"] = compare(opts.model, work, opts.baseline, opts.repeats)
     if opts.json:
         opts.json.write_text(json.dumps(result, indent=1))
     return result

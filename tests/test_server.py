@@ -400,3 +400,18 @@ def test_a_rebind_of_a_package_with_a_tensor_compiled_in_compares_what_the_build
 
     with pytest.raises(PackageMismatch, match="compiled into its AOT package changed"):
         run()
+
+
+def test_a_served_module_dropped_by_its_user_is_freed_with_its_package():
+    """A reload drops the old pipeline (``del pipe``): the registry of what aotbuild put in each module's
+    forward held the dispatcher, whose eager forward holds the module, so every served module stayed in
+    memory for good (issue 52)."""
+    from aotbuild.dispatch import dispatchers
+
+    module, model, run = _served()
+    install_dispatcher(module, "unet", {"sig": PackageRoute(run)}, None, "error")
+    assert dispatchers(module)
+    module_alive, model_alive = weakref.ref(module), weakref.ref(model)
+    del module, model, run
+    gc.collect()
+    assert module_alive() is None and model_alive() is None

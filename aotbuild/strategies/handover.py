@@ -116,11 +116,19 @@ def _pool_key(t: Any) -> tuple[Any, ...]:
 
 
 def retire(tensors: list[Any]) -> None:
-    """Keep ``tensors`` (handed over, not aliasable, so pinned for the process's life) for :func:`reuse`."""
+    """Keep ``tensors`` (handed over, not aliasable, so pinned for the process's life) for :func:`reuse`;
+    called as a runner is collected, before its module's weights are freed, so the memory they free is
+    given back at the next call of any runner (:data:`TRIM_PENDING`)."""
     with _LOCK:
         for t in tensors:
             _POOL.setdefault(_pool_key(t), []).append(t)
         tensors.clear()
+    TRIM_PENDING[0] = True
+
+
+#: A runner went (a reload, a dropped copy): its module's freed weights are given back to the system
+#: (:func:`trim`) at the next call of a package (runner.py), not left in the C allocator's heaps.
+TRIM_PENDING = [False]
 
 
 def reuse(value: Any) -> Any:
@@ -164,6 +172,7 @@ def trim() -> None:
             _LIBC.append(getattr(libc, "malloc_trim", None))
         except OSError:
             _LIBC.append(None)
+    TRIM_PENDING[0] = False
     if _LIBC[0] is not None:
         _LIBC[0](0)
 

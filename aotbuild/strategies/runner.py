@@ -410,7 +410,9 @@ class PackageRunner:
         import torch
 
         self._edges = ([e[0] for e in edges], [e[1] for e in edges], [e[2] for e in edges])
-        self._stores = (stores, [fqn.rsplit(".", 1)[-1] for fqn in self.watched])
+        # a name the module lacks reads from an empty dict: None, so every call rebinds, and the bind refuses it
+        self._stores = ([st if st is not None else {} for st in stores],
+                        [fqn.rsplit(".", 1)[-1] for fqn in self.watched])
         kept = [f for f in self.derived_from if not tensors[f].is_inference() and not is_discarded(tensors[f])]
         self._source_versions = {f: tensors[f]._version for f in kept}
         # and a tensor compiled into the package, changed in place, must be seen (and refused)
@@ -465,6 +467,8 @@ class PackageRunner:
     # -- calls ------------------------------------------------------------------------------------
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if handover.TRIM_PENDING[0]:  # another runner went: the weights it served are free now
+            handover.trim()
         with self.lock:  # a rebind and the call it serves are one step for other threads
             if self.bound is None:
                 self._bind()  # the first call of a runner bound at its first call (offload, a copy)
