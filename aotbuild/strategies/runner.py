@@ -11,7 +11,7 @@ call and under one lock per package:
 * **prepacked constants follow the weights they come from.** A source weight changed in place
   (``load_state_dict``, ``copy_``, an optimizer, a fused LoRA) bumps its version counter; a write that
   bypasses it (``.data[...] =``, numpy, an inference tensor) is seen where it changes a sampled element:
-  one per output channel and four spread over the tensor. Only the recipes that read a changed weight
+  one of every output channel, at a different position in each (sampling.py: one gather a call). Only the recipes that read a changed weight
   are replayed, *into* the prepacked tensor they made before, so nothing new is handed over;
   ``aotbuild.refresh(pipe)`` replays every recipe for the writes no check sees (docs/prepack.md);
 * **memory stays flat.** What the package is handed is an alias that does not own its memory
@@ -38,10 +38,7 @@ from aotbuild.strategies import discard as discarding
 from aotbuild.strategies import handover, prepack
 from aotbuild.strategies.calls import copyable, flatten_call, relayout
 from aotbuild.strategies.discard import is_discarded
-
-#: Elements sampled per weight a prepacked package's recipes read, besides one per output channel
-#: (first, last, and evenly between).
-SAMPLES_PER_WEIGHT = 4
+from aotbuild.strategies.sampling import Samples
 
 
 def lookup(module: Any, fqn: str) -> tuple[Any, dict[str, Any] | None, list[tuple[dict[str, Any], str, Any]]]:
@@ -62,35 +59,6 @@ def lookup(module: Any, fqn: str) -> tuple[Any, dict[str, Any] | None, list[tupl
         if tensor is not None:
             return tensor, store, edges
     return None, None, edges
-
-
-def samples(t: Any) -> list[Any]:
-    """Views into ``t``'s storage that read, at every call, a few elements spread over the whole tensor
-    and, for a tensor of two or more dimensions, one element of each output channel (dim 0), at a
-    different position in each (the diagonal), so that a write to one output or input channel shows;
-    [] for a tensor whose elements do not fill its storage densely (an expanded view), that has no data,
-    or that is no plain dense tensor."""
-    if t is None or t.numel() == 0 or is_discarded(t) or t.is_mkldnn or t.device.type == "meta" or not _dense(t):
-        return []
-    base = t.detach()
-    span, offset = t.numel(), base.storage_offset()
-    step = max(1, (span - 1) // (SAMPLES_PER_WEIGHT - 1))
-    views = [base.as_strided((min(SAMPLES_PER_WEIGHT, span),), (step,), offset)]
-    if t.dim() >= 2 and t.shape[0] > 1 and t.is_contiguous():
-        rows = t.shape[0]
-        per_row = span // rows
-        views.append(base.as_strided((rows,), (per_row + 1 if rows <= per_row else per_row,), offset))
-    return views
-
-
-def _dense(t: Any) -> bool:
-    """Whether ``t``'s elements fill its storage span exactly, in some order of its dimensions."""
-    expected = 1
-    for stride, size in sorted((st, sz) for st, sz in zip(t.stride(), t.shape, strict=True) if sz != 1):
-        if stride != expected:
-            return False
-        expected *= size
-    return True
 
 
 def _version(t: Any) -> int:
@@ -222,9 +190,7 @@ class PackageRunner:
         self._edges: tuple[list[Any], list[str], list[Any]] = ([], [], [])
         self._stores: tuple[list[Any], list[str]] = ([], [])
         self._tracked: list[Any] = []  # the derived constants' sources that have a version counter
-        self._sampled: dict[str, tuple[list[Any], Any]] = {}  # source -> (views, values at the last derive)
-        self._sample_views: list[Any] = []
-        self._sample_values: Any = None
+        self._samples: Samples | None = None  # the sources' sampled elements at the last derive
         if not checked:
             return  # a copy's runner: its module is still being copied; checked and bound at its first call
         if not bind_at_first_call:
@@ -270,11 +236,7 @@ class PackageRunner:
         tensors = self._current()
         if tensors is None or self._identity(tensors) != self.bound[0] or self._versions() != self.bound[1]:
             return True
-        if self._sample_views:
-            import torch
-
-            return not torch.equal(torch.cat(self._sample_views), self._sample_values)
-        return False
+        return self._samples is not None and self._samples.moved()
 
     # -- binding --------------------------------------------------------------------------------
 
@@ -323,8 +285,9 @@ class PackageRunner:
             changed, sources = set(self.watched), set(self.derived_from)
         else:
             changed = {fqn for fqn in self.watched if self._last.get(fqn) != now[fqn]}
+            moved = self._samples.moved_names() if self._samples is not None else set()
             sources = {fqn for fqn in self.derived_from
-                       if fqn in changed or self._resampled(fqn) or self._moved(fqn, tensors[fqn])}
+                       if fqn in changed or fqn in moved or self._moved(fqn, tensors[fqn])}
         handed = {fqn: tensors[fqn] for fqn in self.meta if fqn in changed}
         new = self._derive(tensors, sources, full)
         if full:  # every name the package asked for: a missing one segfaults the next call
@@ -361,14 +324,6 @@ class PackageRunner:
         """Whether source ``fqn``'s version counter moved since the last derive."""
         last = self._source_versions.get(fqn)
         return last is not None and not t.is_inference() and t._version != last
-
-    def _resampled(self, fqn: str) -> bool:
-        views, values = self._sampled.get(fqn, ([], None))
-        if not views:
-            return False
-        import torch
-
-        return not torch.equal(torch.cat(views), values)
 
     def _derive(self, tensors: dict[str, Any], sources: set[str], full: bool) -> dict[str, Any]:
         """Replay the recipes that read a weight in ``sources`` (all of them when ``full``), into the
@@ -407,8 +362,6 @@ class PackageRunner:
         return new
 
     def _remember(self, tensors: dict[str, Any], edges: list[Any], stores: list[Any]) -> None:
-        import torch
-
         self._edges = ([e[0] for e in edges], [e[1] for e in edges], [e[2] for e in edges])
         # a name the module lacks reads from an empty dict: None, so every call rebinds, and the bind refuses it
         self._stores = ([st if st is not None else {} for st in stores],
@@ -419,12 +372,7 @@ class PackageRunner:
         kept += [f for f in self.baked if f not in self._source_versions and tensors[f] is not None
                  and not tensors[f].is_inference()]
         self._tracked = [tensors[f] for f in kept]
-        self._sampled = {}
-        for fqn in self.derived_from:
-            views = samples(tensors[fqn])
-            self._sampled[fqn] = (views, torch.cat(views).clone() if views else None)
-        self._sample_views = [v for views, _ in self._sampled.values() for v in views]
-        self._sample_values = torch.cat(self._sample_views).clone() if self._sample_views else None
+        self._samples = Samples({fqn: tensors[fqn] for fqn in self.derived_from}) if self.derived_from else None
         self.bound = [self._identity(list(tensors.values())), self._versions()]
 
     def forget_dense(self) -> None:
