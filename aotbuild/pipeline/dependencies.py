@@ -495,6 +495,10 @@ class Watch:
                     and torch._C.TensorBase.data_ptr(t) == 0]
         armed = self._fingerprint()
         self.armed = (*armed[:1], copy.deepcopy(armed[1]), *armed[2:])  # a list attribute changed in place moves
+        from torch.utils.hooks import RemovableHandle
+
+        self.hook_serial = RemovableHandle.next_id
+        self.armed_hooks, self.armed_global = self._hook_values(), _global_hooks()
         self.reason = ""
 
     def _fingerprint(self) -> tuple[Any, ...]:
@@ -505,16 +509,28 @@ class Watch:
             values = [get(d) for d, get in self.plain]
         except KeyError:  # a recorded attribute was deleted
             values = None
-        # Hooks by identity, not count: one replaced by another keeps the count (issue 52); and the
-        # process-wide module hooks, which eager runs for every submodule and a served graph does not.
+        # Hooks by count here; one replaced by another keeps the count (issue 52), so :meth:`moved` also
+        # compares them by identity whenever a hook was registered anywhere since (torch numbers every
+        # registration: RemovableHandle.next_id), and the process-wide module hooks, which eager runs for
+        # every submodule and a served graph does not.
         return (list(map(len, self.dicts)), values, [_fingerprint(d.get(k)) for d, k in self.objects],
-                [m for mods in self.children for m in mods.values()], list(map(tuple, map(dict.values, self.hooks))),
+                [m for mods in self.children for m in mods.values()], list(map(len, self.hooks)),
                 [m.training for m in self.trained], list(map(torch._C.TensorBase.data_ptr, tensors)),
-                [_fingerprint(st.get(name)) for st, name in self.odd], _global_hooks())
+                [_fingerprint(st.get(name)) for st, name in self.odd], tuple(map(len, _global_hooks())))
 
     def moved(self) -> bool:
-        """Whether anything the fingerprint covers differs from when it was armed."""
-        return self._fingerprint() != self.armed
+        """Whether anything the fingerprint covers differs from when it was armed, or a hook was replaced."""
+        if self._fingerprint() != self.armed:
+            return True
+        from torch.utils.hooks import RemovableHandle
+
+        if RemovableHandle.next_id == self.hook_serial:  # no hook registered anywhere since: none replaced
+            return False
+        self.hook_serial = RemovableHandle.next_id
+        return (self._hook_values() != self.armed_hooks) or _global_hooks() != self.armed_global
+
+    def _hook_values(self) -> list[tuple[Any, ...]]:
+        return list(map(tuple, map(dict.values, self.hooks)))
 
     def check(self) -> str:
         """Why this call cannot be served by the entry (the first difference), or ""."""

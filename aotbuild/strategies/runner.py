@@ -11,8 +11,9 @@ call and under one lock per package:
 * **prepacked constants follow the weights they come from.** A source weight changed in place
   (``load_state_dict``, ``copy_``, an optimizer, a fused LoRA) bumps its version counter; a write that
   bypasses it (``.data[...] =``, numpy, an inference tensor) is seen where it changes a sampled element:
-  one of every output channel, at a different position in each (sampling.py: one gather a call). Only the recipes that read a changed weight
-  are replayed, *into* the prepacked tensor they made before, so nothing new is handed over;
+  one of every output channel (of a share of them past a budget), at a different position in each
+  (sampling.py: one gather a call). Only the recipes that read a changed weight are replayed, *into*
+  the prepacked tensor they made before, so nothing new is handed over;
   ``aotbuild.refresh(pipe)`` replays every recipe for the writes no check sees (docs/prepack.md);
 * **memory stays flat.** What the package is handed is an alias that does not own its memory
   (handover.py), so torch 2.13's runtime, which never releases what it is handed, pins nothing;
@@ -225,8 +226,9 @@ class PackageRunner:
             return [None]
         import torch
 
+        # A new shape comes with new strides or new memory: sizes are not compared (77 us at SD 1.5 size)
         return [list(map(id, present)), list(map(torch.Tensor.data_ptr, present)),
-                list(map(torch.Tensor.stride, present)), list(map(torch.Tensor.size, present))]
+                list(map(torch.Tensor.stride, present))]
 
     def _versions(self) -> list[int]:
         return [t._version for t in self._tracked]
