@@ -12,6 +12,7 @@ that differs from it only by a text length inside the range.
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -342,10 +343,29 @@ def uninstall_dispatchers(module: Any) -> int:
     return removed
 
 
+_UNTRACED = threading.Lock()
+
+
+def _untraced() -> None:
+    """Dynamo traces no dispatcher: ``torch.compile`` of a served module (or of code around it) breaks its
+    graph once, at the dispatcher, which then runs its routes as loaded (a compiled forward called by a
+    route still compiles: Dynamo is off for the dispatcher's frame, not for what re-enables it). Traced,
+    the dispatcher's Python (a JSON signature, dict lookups) broke the graph 14 times (issue 52). Put on
+    the class at the first install: it is defined before torch is imported."""
+    with _UNTRACED:
+        if vars(Dispatcher).get("_untraced"):
+            return
+        import torch
+
+        Dispatcher.__call__ = torch.compiler.disable(Dispatcher.__call__)  # type: ignore[method-assign]
+        Dispatcher._untraced = True
+
+
 def install_dispatcher(module: Any, component: str, routes: dict[str, Callable[..., Any]],
                        fallback: Callable[..., Any] | None, on_unbuilt: str,
                        on_record: Callable[[str, tuple[Any, ...], dict[str, Any]], None] | None = None) -> Dispatcher:
     """Put a dispatcher in ``module.forward`` (the layer ``forwards.DISPATCH``: an instance attribute, the
     class untouched), around what was there."""
+    _untraced()
     return forwards.wrap(module, forwards.DISPATCH,
                          lambda inner: Dispatcher(component, inner, routes, fallback, on_unbuilt, on_record))

@@ -415,3 +415,27 @@ def test_a_served_module_dropped_by_its_user_is_freed_with_its_package():
     del module, model, run
     gc.collect()
     assert module_alive() is None and model_alive() is None
+
+
+def test_compiling_a_served_module_breaks_its_graph_once_at_the_dispatcher():
+    """``torch.compile`` of a served module traced aotbuild's dispatcher and broke the graph at every Python
+    step of it (14 times, issue 52); it now skips the dispatcher, one break, and the route runs as loaded."""
+    from torch._dynamo.utils import counters
+
+    from aotbuild.dispatch import signature
+
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    x = torch.randn(2, 4)
+    served_with = []
+
+    def route(x):  # stands for a loaded package: the module's own computation, counted
+        served_with.append(x)
+        return module[1](module[0](x))
+
+    install_dispatcher(module, "unet", {signature((x,), {}): route}, None, "eager")
+    torch._dynamo.reset()
+    counters.clear()
+    out = torch.compile(module, backend="eager")(x)
+    assert torch.equal(out, module[1](module[0](x))) and len(served_with) == 1
+    assert sum(counters["graph_break"].values()) <= 1, dict(counters["graph_break"])
