@@ -116,10 +116,10 @@ def test_a_proof_asked_for_speed_refuses_an_entry_not_faster_than_eager():
         with pytest.raises(ProofFailed, match=f"was not faster than eager in the proof .{served_s * 1e3:.1f} ms "
                                               "against 30.0 ms"):
             verdict(slower, "unet@64x64")
-        by_cpu = {"served_s": 0.01, "eager_s": 0.03, "served_cpu_s": served_s, "eager_cpu_s": 0.03, "rounds": 5,
-                  "measure": "cpu"}
-        with pytest.raises(ProofFailed, match=f".{served_s * 1e3:.1f} ms against 30.0 ms of CPU time"):
-            verdict({**passing, "served": {"speed": by_cpu}}, "unet@64x64")
+        fastest = {"served_s": 0.01, "eager_s": 0.03, "served_min_s": served_s, "eager_min_s": 0.03, "rounds": 5,
+                   "measure": "wall-min"}
+        with pytest.raises(ProofFailed, match=f".{served_s * 1e3:.1f} ms against 30.0 ms, the fastest of 5"):
+            verdict({**passing, "served": {"speed": fastest}}, "unet@64x64")
     assert verdict({**passing, "served": {}}, "unet@64x64")  # not asked: no timing, no such refusal
 
 
@@ -135,10 +135,10 @@ def test_the_speed_comparison_stops_after_three_rounds_only_when_they_order_them
         turn = iter(durations * 5)
         return lambda: clock.__setitem__(0, clock[0] + next(turn))
 
-    def rounds(served, eager):  # the wall clock ticks as the CPU clock here
-        served_s, eager_s = proof.timed_rounds(served, eager, clock=lambda: clock[0], cpu_clock=lambda: clock[0])
-        assert all(w == c for w, c in served_s + eager_s)
-        return [c for _, c in served_s], [c for _, c in eager_s]
+    def rounds(served, eager):  # the CPU clock stands still: the wall clock settles it
+        served_s, eager_s = proof.timed_rounds(served, eager, clock=lambda: clock[0], cpu_clock=lambda: 0.0)
+        assert all(c == 0.0 for _, c in served_s + eager_s)
+        return [w for w, _ in served_s], [w for w, _ in eager_s]
 
     assert rounds(ticks(1), ticks(2)) == ([1.0] * 3, [2.0] * 3)  # faster every time: settled
     assert rounds(ticks(3), ticks(2)) == ([3.0] * 3, [2.0] * 3)  # slower every time: settled
@@ -147,21 +147,21 @@ def test_the_speed_comparison_stops_after_three_rounds_only_when_they_order_them
     assert proof.SPEED_ROUNDS == (3, 5)
 
 
-def test_the_speed_verdict_compares_cpu_time_and_the_record_says_how_noisy_each_clock_was():
-    """Under another process's load, wall time moves with the load and CPU time does not (issue 52: an auto
-    build on a heavily loaded machine dropped its prepacked try on wall time). The record keeps both, with
-    the spread of the rounds, and the verdict reads the measure it names."""
+def test_the_speed_verdict_compares_the_fastest_rounds_and_the_record_says_how_noisy_each_clock_was():
+    """A busy machine slows some rounds, rarely all (issue 52: an auto build on a heavily loaded machine
+    dropped its prepacked try on wall medians): the verdict compares each side's fastest round; the record
+    keeps the medians of both clocks and the spread of each."""
     from aotbuild.builder import proof
 
-    # served: 80 ms of CPU in 240-480 ms of wall (the other process ran meanwhile); eager: 190 ms of CPU in 300 ms
+    # served: 240 ms when the machine let it, 480 ms when it did not; eager: 290-300 ms throughout
     served = [(0.24, 0.080), (0.48, 0.082), (0.30, 0.079)]
     eager = [(0.30, 0.190), (0.30, 0.192), (0.29, 0.188)]
     record = proof.speed_record(served, eager)
-    assert record["measure"] == "cpu" and record["served_cpu_s"] == 0.08 and record["eager_cpu_s"] == 0.19
+    assert record["measure"] == "wall-min" and record["served_min_s"] == 0.24 and record["eager_min_s"] == 0.29
     assert record["served_s"] == 0.3 and record["noise"]["served_s"] == 0.8  # (0.48 - 0.24) / 0.30
-    assert record["noise"]["served_cpu_s"] < 0.05 and record["rounds"] == 3
+    assert record["served_cpu_s"] == 0.08 and record["noise"]["served_cpu_s"] < 0.05 and record["rounds"] == 3
     assert proof.faster(record)  # by wall medians it would be 0.30 against 0.30: not faster
-    assert not proof.faster({"served_s": 0.3, "eager_s": 0.3, "rounds": 3})  # a record from before: wall time
+    assert not proof.faster({"served_s": 0.3, "eager_s": 0.3, "rounds": 3})  # a record from before: medians
 
 
 @pytest.fixture

@@ -17,16 +17,24 @@ from tests.serving import assert_like_eager, serve_as_a_server
 @pytest.mark.slow  # a fresh serving process per strategy (~15 s each), on the shared builds
 @pytest.mark.parametrize("strategy", ["jit-cache", "aot-package", "aot-compile", "auto"])
 def test_threads_copies_saves_and_a_partial_write_serve_what_eager_gives(strategy, strategy_build, tmp_path):
-    recipe, cache, _ = strategy_build(strategy)
+    recipe, cache, built = strategy_build(strategy)
     result = serve_as_a_server(recipe, cache, tmp_path)
     assert_like_eager(result)
     # a copy whose compiled forward belongs to the original runs eagerly and says so; the AOT strategies'
     # copies are served by packages or functions of their own
     copied_eagerly = [w for w in result["deepcopy_warnings"] if "copied pipeline runs eagerly" in w]
     assert bool(copied_eagerly) == (strategy == "jit-cache"), result["deepcopy_warnings"]
-    prepacked = strategy == "auto"
+    # auto keeps its prepacked try only where its proof timed it faster than eager (on tiny-sd a close
+    # call): which one it stored is in the build's report, and decides what is checked
+    prepacked = strategy == "auto" and _prepacked(built)
     assert ("aotbuild.refresh(pipe)" in result["report"]) == prepacked, result["report"]
     assert result["refreshed"] == (1 if strategy in ("aot-package", "auto") else 0)
+
+
+def _prepacked(report: dict) -> bool:
+    """Whether a build's report (``build --json``) stored auto's prepacked try (aot-package+freezing)."""
+    return any(a.get("strategy") == "aot-package+freezing" and a.get("outcome") == "built"
+               for job in report["jobs"] for a in job.get("attempts", []))
 
 
 DISCARD = textwrap.dedent("""
@@ -72,7 +80,14 @@ def test_discarded_dense_weights_serve_refuse_by_name_and_refit(strategy_build, 
     """``load_compiled(..., discard_weights=True)`` on auto's prepacked entry: the UNet's convolution and
     large linear weights are dropped, the image is eager's, a use that needs them is refused naming
     ``aotbuild.refit``, and a refit with other weights serves what eager gives with those."""
-    recipe, cache, _ = strategy_build("auto")
+    recipe, cache, built = strategy_build("auto")
+    if not _prepacked(built):  # a close call on tiny-sd: the option is then refused by name
+        from aotbuild import UsageError, load_compiled
+
+        with pytest.raises(UsageError, match="not served with prepacked weights"):
+            load_compiled(recipe, cache=cache, on_miss="error", discard_weights=True)
+        pytest.skip("auto's proof timed its prepacked try no faster than eager on this machine: stored plain "
+                    "aot-package, whose weights cannot be discarded (refused, checked above)")
     script = tmp_path / "discard.py"
     script.write_text(DISCARD)
     proc = run_python(f"import runpy, sys; sys.argv = ['discard', {str(recipe)!r}, {str(cache)!r}]; "

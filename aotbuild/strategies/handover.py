@@ -17,11 +17,12 @@ the memory, which goes when its real owner drops it. That owner is the served mo
 the runner (the derived, prepacked constants); the runner checks before every call that the module
 still holds the tensors it handed over and hands over new aliases when it does not, so the package
 never reads memory its owner freed. And the runner hands over as little as it can: a weight changed in
-place is re-derived *into* the prepacked tensor it had (aoti.PackageRunner), so a swap hands over nothing.
+place is re-derived *into* the prepacked tensor it had (runner.PackageRunner), so a swap hands over nothing.
 
 Whether a package's runtime leaks is a property of the torch that compiled it (header code), so it is
 found out on the package itself (:func:`leaks`), once per torch version that built the entries a
-process loads: a one-byte probe tensor is handed over, replaced, and its buffer's release observed.
+process loads: a small probe tensor is handed over, replaced, and its buffer's release observed
+(in process, on the very package: deterministic, where a subprocess looping handovers would measure RSS).
 Where the runtime releases what it is given, the tensors are handed over as they are.
 
 Aliases are made for dense CPU tensors. A tensor no alias can be made of stays pinned once handed over
