@@ -236,15 +236,18 @@ def test_a_deep_copy_is_served_by_a_package_of_its_own_with_its_own_weights():
 
 
 def test_a_copy_whose_route_cannot_follow_it_runs_eagerly_and_says_so():
+    """A route that closes over the original module (jit-cache's compiled forward) is not copied: the copy
+    runs its own weights eagerly, with a warning (before issue 52 it ran the original's route)."""
     module = nn.Linear(4, 4)
-    original = module.forward
-    install_dispatcher(module, "unet", {"sig": lambda *a: "the original's compiled forward"}, None, "error")
+    install_dispatcher(module, "unet", {"sig": lambda x: module.forward.eager(x)}, None, "error")
     twin = copy.deepcopy(module)
-    route = twin.forward.routes["sig"]
+    with torch.no_grad():
+        twin.weight.mul_(-1)
     x = torch.randn(1, 4)
     with pytest.warns(UserWarning, match="copied pipeline runs eagerly"):
-        assert torch.equal(route(x), twin(x) if False else nn.functional.linear(x, twin.weight, twin.bias))
-    assert original(x).shape == (1, 4)
+        served = twin.forward.routes["sig"](x)
+    assert torch.equal(served, nn.functional.linear(x, twin.weight, twin.bias))
+    assert not torch.equal(served, nn.functional.linear(x, module.weight, module.bias))
 
 
 def test_a_served_module_pickles_as_its_eager_self():

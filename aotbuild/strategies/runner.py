@@ -282,10 +282,10 @@ class PackageRunner:
         if self.bound is None:
             self._warn_inference(tensors)
         full = full or self.bound is None
-        now = dict(zip(self.watched, self._identity_each(tensors.values()), strict=True))
         if full:
             changed, sources = set(self.watched), set(self.derived_from)
         else:
+            now = dict(zip(self.watched, self._identity_each(tensors.values()), strict=True))
             changed = {fqn for fqn in self.watched if self._last.get(fqn) != now[fqn]}
             moved = self._samples.moved_names() if self._samples is not None else set()
             sources = {fqn for fqn in self.derived_from
