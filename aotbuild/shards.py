@@ -11,12 +11,16 @@ list is printed by every shard, so two shards' logs show whether they split the 
 auto"); it refuses (a UsageError, exit 2) when it finds none, half of one, a Slurm array that is not
 contiguous, or two schedulers that disagree: a shard that guessed "1 of 1" would build everything
 and go green.
+
+Every number of ``--shard I/N`` and of a scheduler's variables goes through one parser (:func:`_whole`):
+1 to 9 ASCII digits, nothing else (issue 53).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple
 
@@ -24,7 +28,8 @@ from aotbuild import constants
 from aotbuild.errors import UsageError
 from aotbuild.utils.text import printable
 
-__all__ = ["AUTO", "Shard", "parse_shard", "from_environment", "resolve", "job_identity", "list_digest"]
+__all__ = ["AUTO", "Shard", "parse_shard", "whole_number", "from_environment", "resolve", "job_identity",
+           "list_digest"]
 
 #: ``--shard auto``: the index and count come from the scheduler's variables.
 AUTO = "auto"
@@ -37,40 +42,84 @@ class Shard(NamedTuple):
     source: str = "--shard"
 
 
+#: A shard's index or count as text: ASCII digits, 1 to 9 of them. ``str.isdigit()`` passes "²" and
+#: "③", which ``int()`` then refuses (a traceback, exit 1), and ``int()`` itself takes "٣", "+3",
+#: "3_0" and " 3" (issue 53): neither is asked here.
+_WHOLE_NUMBER = re.compile(r"[0-9]{1,9}")
+#: What is ignored around a scheduler variable's value (the newline a YAML block scalar leaves):
+#: ASCII whitespace only (``str.strip()`` would drop U+00A0 or U+3000 too). ``--shard`` takes none.
+_ASCII_SPACE = " \t\n\r\x0b\x0c"
+
+
+def _escaped(text: str) -> str:
+    """A value as an error names it: quoted, at most 20 characters, every non-ASCII or control character
+    escaped (a "²" reads ``'\\xb2'``, not as a 2)."""
+    return ascii(text[:20]) + (" ..." if len(text) > 20 else "")
+
+
+def _whole(text: str) -> int | None:
+    """The one parser of a shard's numbers: ``text`` as an int if it is 1 to 9 ASCII digits, else None."""
+    return int(text) if _WHOLE_NUMBER.fullmatch(text) else None
+
+
+def whole_number(text: str, what: str) -> int:
+    """``text`` (a scheduler variable's value) as a whole number (:func:`_whole`); else a UsageError
+    naming ``what`` and the value, escaped."""
+    number = _whole(text)
+    if number is None:
+        raise UsageError(f"{what}={_escaped(text)} is not a whole number (1 to 9 ASCII digits)")
+    return number
+
+
 def parse_shard(text: str) -> tuple[int, int]:
-    """``"I/N"`` (1-based) -> (I, N)."""
-    head, _, tail = text.partition("/")
-    try:
-        index, count = int(head), int(tail)
-    except ValueError:
-        raise UsageError(f"--shard {printable(text[:40])!r}: expected I/N (e.g. 2/4) or auto") from None
-    if count < 1 or not 1 <= index <= count:
-        raise UsageError(f"--shard {printable(text[:40])!r}: I must be between 1 and N")
+    """``"I/N"`` (1-based) -> (I, N): two whole numbers (:func:`_whole`), nothing around them."""
+    head, slash, tail = text.partition("/")
+    index, count = _whole(head), _whole(tail)
+    if not slash or index is None or count is None:
+        raise UsageError(f"--shard {_escaped(text)}: expected I/N, two whole numbers of ASCII digits (e.g. 2/4), "
+                         f"or auto")
+    check(index, count, f"--shard {_escaped(text)}")
     return index, count
 
 
+def check(index: int, count: int, what: str = "shard") -> None:
+    """A shard (1-based) that exists: ``1 <= index <= count``, both ints (the Python API's
+    ``build(shard=(I, N))`` too: shard 0 or 5 of 4 would silently build nothing)."""
+    if not all(isinstance(n, int) and not isinstance(n, bool) for n in (index, count)):
+        raise UsageError(f"{what}: expected (I, N), two whole numbers, got {printable(repr((index, count)))[:60]}")
+    if count < 1 or not 1 <= index <= count:
+        raise UsageError(f"{what}: I must be between 1 and N")
+
+
 def resolve(text: str, environ: Mapping[str, str] | None = None) -> Shard:
-    """``--shard``'s value: ``I/N``, or ``auto`` (:func:`from_environment`)."""
-    if text.strip().lower() == AUTO:
+    """``--shard``'s value: ``I/N``, or ``auto`` (:func:`from_environment`). An empty or blank value
+    is refused: it is what an unset variable in a CI template gives (``--shard "$SHARD"``), and read
+    as "no shard" every worker would build every job and go green (issue 53)."""
+    if not text.strip(_ASCII_SPACE):
+        raise UsageError(f"--shard {_escaped(text)}: empty (an unset variable in the CI command?): expected I/N "
+                         f"(e.g. 2/4) or auto")
+    if text.isascii() and text.lower() == AUTO:
         return from_environment(environ)
     return Shard(*parse_shard(text))
 
 
+def _value(environ: Mapping[str, str], name: str) -> str:
+    """A scheduler variable's value, ASCII whitespace around it ignored; "" when unset."""
+    return environ.get(name, "").strip(_ASCII_SPACE)
+
+
 def _number(environ: Mapping[str, str], name: str) -> int:
-    text = environ[name].strip()
-    if not text.isdigit() or len(text) > 9:
-        raise UsageError(f"--shard auto: {name}={printable(text[:20])!r} is not a whole number")
-    return int(text)
+    return whole_number(_value(environ, name), f"--shard auto: {name}")
 
 
 def _scheduler(name: str, environ: Mapping[str, str], index_var: str, count_var: str,
                base: int) -> Shard | None:
     """One scheduler's (index, count): None when neither variable is set; a half is refused."""
-    have = [v for v in (index_var, count_var) if environ.get(v, "").strip()]
+    have = [v for v in (index_var, count_var) if _value(environ, v)]
     if not have:
         return None
     if len(have) == 1:
-        if name == "GitLab" and have == [count_var] and environ[count_var].strip() == "1":
+        if name == "GitLab" and have == [count_var] and _number(environ, count_var) == 1:
             return Shard(1, 1, "GitLab (CI_NODE_TOTAL=1: the job has no parallel:)")  # as GitLab documents
         missing = ({index_var, count_var} - set(have)).pop()
         hint = " (Kubernetes gives no count: set it to the Job's completions)" \
@@ -87,7 +136,7 @@ def _slurm(environ: Mapping[str, str]) -> Shard | None:
     """A Slurm array task: its index normalised by the array's MIN and STEP; a non-contiguous array
     (``--array=1,3,7``) is refused, naming the variables seen."""
     names = constants.SLURM_ARRAY_VARIABLES
-    seen = {v: environ[v].strip() for v in names if environ.get(v, "").strip()}
+    seen = {v: _value(environ, v) for v in names if _value(environ, v)}
     if not seen:
         return None
     task, count, low, high, step = names
@@ -153,6 +202,7 @@ def list_digest(identities: Iterable[str]) -> str:
 def deal(identities: Iterable[str], index: int, count: int) -> set[str]:
     """The identities of shard ``index`` of ``count`` (1-based): the distinct identities, sorted, dealt
     round-robin (identity number k, 0-based, goes to shard k % count + 1)."""
+    check(index, count)
     return {ident for k, ident in enumerate(sorted(set(identities))) if k % count == index - 1}
 
 

@@ -66,15 +66,19 @@ def test_json_output_stays_json_and_errors_stay_on_stderr(cache, folder):
     (a value inside it JSON-escaped), each bad one an escaped line on stderr."""
     (folder / "good.yaml").write_text(GOOD)
     (folder / "bad.yaml").write_text(RECIPES["warmup key"])
+    # A Hub id holding a newline is no Hub id: a recipe error since issue 53 (it was a job "unavailable"
+    # with the id in its reason); the value inside the JSON is now a recipe's name, from its file's.
     (folder / "hub.yaml").write_text(RECIPES["hub model"])
+    (folder / f"named{HOSTILE}.yaml").write_text(GOOD)
     proc = invoke_cli("plan", "--json", "--cache", str(cache), str(folder), env=ENV)
     assert proc.returncode == 2
     data = json.loads(proc.stdout)
-    reasons = {job["recipe"]: job["reason"] for job in data["jobs"]}
-    assert set(reasons) == {"good", "hub"} and f"org/model{SHOWN}" in reasons["hub"]
+    names = {job["recipe"] for job in data["jobs"]}
+    assert names == {"good", f"named{SHOWN}"}, names
     assert_escaped(proc.stdout + proc.stderr)
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
-    assert len(errors) == 1 and SHOWN in errors[0], proc.stderr
+    assert len(errors) == 2 and all(SHOWN in line for line in errors), proc.stderr
+    assert any(f"org/model{SHOWN}" in line and "not a Hub repo id" in line for line in errors), proc.stderr
 
 
 @pytest.mark.parametrize("error,shown", [

@@ -144,3 +144,133 @@ def test_the_operator_allows_a_free_form_option_by_name_but_never_a_wrong_type(m
     data["compile"]["options"] = {"cpp.march": "native"}
     with pytest.raises(RecipeError, match="free-form"):
         parse_recipe(data, "r.yaml")
+
+
+# -- issue 53's leftovers: a Hub id that cannot be one; a warmup tensor a recipe cannot write ----------
+#: model.id values that are no local folder and no Hub repo id. huggingface_hub's HFValidationError
+#: read as "cannot fetch": plan "unavailable" (exit 0), build exit 1, a Hub failure instead of the
+#: recipe's (exit 2).
+BAD_HUB_IDS = ["bad id with spaces//x", "a/b/c", "-x", "x" * 200, "x" * 300, "org/..", "org/x--y", "org/.x",
+               "org/x.git", "ｏｒｇ/ｘ", "hf://org/x", "org/x\n::error::y", "org/x?", "org/x\x1b]0;t\x07"]
+TINY = "shapes: [{height: 64, width: 64}]\nwarmup: {num_inference_steps: 2, guidance_scale: 0.0}\n"
+
+
+@pytest.fixture
+def no_hub(monkeypatch) -> list[str]:
+    """No Hub to reach, and no probe of it allowed: a malformed id is refused before any network."""
+    from aotbuild.pipeline import hub
+
+    asked: list[str] = []
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(hub, "unreachable", lambda *a, **k: asked.append("probe") or "cannot reach the Hub (test)")
+    return asked
+
+
+def _recipe(tmp_path, text: str):
+    import json
+
+    path = tmp_path / "r.yaml"
+    path.write_text(text if text.startswith("model") else f"model: {{id: {json.dumps(text)}}}\n" + TINY)
+    return path
+
+
+def _one_line_exit_2(proc, *says: str) -> None:
+    assert proc.returncode == 2, (proc.returncode, proc.stdout[-2000:], proc.stderr[-2000:])
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert all(s in errors[0] for s in says), (says, errors[0])
+
+
+@pytest.mark.parametrize("command", ["plan", "build"])
+def test_a_malformed_hub_id_is_the_recipe_s_fault_exit_2(tmp_path, cache, no_hub, command):
+    from tests.conftest import invoke_cli
+
+    for bad in BAD_HUB_IDS:
+        proc = invoke_cli(command, "--cache", str(cache), str(_recipe(tmp_path, bad)))
+        _one_line_exit_2(proc, "model.id", "not a Hub repo id")
+        assert "\n::error::" not in proc.stderr and "\x1b" not in proc.stderr
+    assert no_hub == []  # never a probe, never a fetch
+
+
+def test_a_well_formed_hub_id_still_goes_to_the_hub(tmp_path, cache, no_hub):
+    from tests.conftest import invoke_cli
+
+    for good in ("org/name", "stabilityai/stable-diffusion-2.1", "a_b/C-1.x", "x" * 96):
+        proc = invoke_cli("plan", "--cache", str(cache), str(_recipe(tmp_path, good)))
+        assert proc.returncode == 0 and "cannot reach the Hub (test)" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_a_malformed_hub_id_for_a_lora_adapter_is_exit_2(tmp_path, cache, no_hub):
+    from tests.conftest import invoke_cli
+
+    (tmp_path / "pyproject.toml").write_text("[project]\nname = 'x'\n")
+    for bad in ("a/b/c", "org/x--y", "-lora"):
+        text = ("model: {id: builtin:tiny-sd}\n" + TINY +
+                f"lora: {{rank: 8, adapters: [{{path: '{bad}', adapter_name: a}}]}}\n")
+        proc = invoke_cli("plan", "--cache", str(cache), str(_recipe(tmp_path, text)))
+        _one_line_exit_2(proc, "lora.adapters[0].path", "not a Hub repo id")
+    assert no_hub == []
+
+
+@pytest.mark.parametrize("command", ["plan", "build"])
+def test_a_malformed_hub_id_in_a_process_of_its_own(tmp_path, command):
+    path = _recipe(tmp_path, "a/b/c")
+    proc = subprocess.run([sys.executable, "-m", "aotbuild.cli", command, str(path)], capture_output=True, text=True,
+                          timeout=300, cwd=REPO, env={**os.environ, "AOTBUILD_CACHE": str(tmp_path / "c"),
+                                                      "HF_HUB_OFFLINE": "1"})
+    _one_line_exit_2(proc, "model.id", "'a/b/c': no such folder, and not a Hub repo id")
+
+
+#: Warmup arguments that StableDiffusionPipeline.__call__ annotates as tensors only, and values a recipe
+#: can write for them: each passed plan (a null is not even a wrong type there) and failed the build.
+TENSOR_WARMUPS = [("negative_prompt_embeds", "null"), ("ip_adapter_image_embeds", "null"),
+                  ("negative_prompt_embeds", "[[0.0, 1.0]]"), ("ip_adapter_image_embeds", "[null]"),
+                  ("negative_prompt_embeds", "'x'"), ("negative_prompt_embeds", "{a: 1}"),
+                  ("negative_prompt_embeds", "0")]
+
+
+@pytest.mark.parametrize("key,value", TENSOR_WARMUPS)
+def test_plan_refuses_a_tensor_argument_a_recipe_cannot_write(tmp_path, cache, key, value):
+    from tests.conftest import invoke_cli
+
+    warmup = TINY.replace("guidance_scale: 0.0", f"guidance_scale: 0.0, {key}: {value}")
+    text = f"model: {{id: builtin:tiny-sd}}\n{warmup}"
+    proc = invoke_cli("plan", "--cache", str(cache), str(_recipe(tmp_path, text)))
+    _one_line_exit_2(proc, f"warmup.{key}: StableDiffusionPipeline.__call__ takes a tensor for {key}")
+
+
+def test_a_warmup_value_a_recipe_can_write_still_plans(tmp_path, cache):
+    from tests.conftest import invoke_cli
+
+    text = ("model: {id: builtin:tiny-sd}\nshapes: [{height: 64, width: 64}]\nwarmup: {num_inference_steps: 2, "
+            "guidance_scale: 0.0, timesteps: [999, 500], guidance_rescale: 0.0, cross_attention_kwargs: {scale: 1.0}, "
+            "negative_prompt: null}\n")
+    proc = invoke_cli("plan", "--cache", str(cache), str(_recipe(tmp_path, text)))
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_tensor_arguments_are_read_from_each_pipeline_s_signature():
+    """Which arguments are tensors is the pipeline's own annotation, read without importing it (plan)
+    and from the imported class (jobs, load_compiled): the same answer, for every built-in's pipeline."""
+    import diffusers
+
+    from aotbuild.pipeline.pipecall import CallSignature, signature_of, takes_only_tensors
+
+    for annotation in ("torch.Tensor | None", "Optional[torch.FloatTensor]", "list[torch.Tensor] | None",
+                       "typing.Optional[typing.List[torch.Tensor]]", "'torch.Tensor'"):
+        assert takes_only_tensors(annotation), annotation
+    for annotation in ("PipelineImageInput", "list[float, torch.Tensor] | None", "float | list[float] | torch.Tensor",
+                       "Callable[[int, int, torch.Tensor], None] | None", "None", "str | list[str]", "dict[str, Any]",
+                       "np.ndarray | None", "not python ("):
+        assert not takes_only_tensors(annotation), annotation
+    expected = {"StableDiffusionPipeline": {"negative_prompt_embeds", "ip_adapter_image_embeds"},
+                "StableDiffusionXLPipeline": {"pooled_prompt_embeds", "negative_pooled_prompt_embeds"},
+                "PixArtSigmaPipeline": {"prompt_attention_mask", "negative_prompt_attention_mask"},
+                "QwenImagePipeline": {"prompt_embeds_mask", "negative_prompt_embeds_mask"},
+                "FluxPipeline": {"negative_ip_adapter_image_embeds"}, "WanPipeline": {"negative_prompt_embeds"},
+                "StableDiffusion3Pipeline": {"pooled_prompt_embeds"}}
+    for name, some in expected.items():
+        read = signature_of(name)
+        assert read is not None and some | {"latents", "prompt_embeds"} <= set(read.tensors), (name, read)
+        assert read.tensors == CallSignature.of(getattr(diffusers, name)).tensors, name
+        assert not {"prompt", "num_inference_steps", "guidance_scale", "generator"} & set(read.tensors)

@@ -282,3 +282,67 @@ def test_an_auto_job_this_host_cannot_build_has_the_same_identity_as_on_a_host_t
             "shapes": [{"height": 64, "width": 64}, {"height": 64, "width": 96}]}
     (folder / "gpu.yaml").write_text(json.dumps(data))
     assert {identity(j) for j in plan(str(folder), cache)} == {json.dumps(["gpu", "unet", "*"])}
+
+
+# -- every number of a shard is ASCII digits (issue 53) ------------------------------------------------
+#: Values that are not 1 to 9 ASCII digits: each passed str.isdigit() (then int() raised: a traceback,
+#: exit 1) or int() (a shard nobody asked for).
+NOT_NUMBERS = ["²", "③", "٣", "１", "+3", "3_0", "-1", "0x3", "1e3", "3.0", "\u00a02", "2\u3000", "1234567890", "2 2"]
+
+
+def _one_line_refusal(proc, *names: str) -> None:
+    assert proc.returncode == 2, (proc.returncode, proc.stderr)
+    assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert all(name in proc.stderr for name in names), (names, proc.stderr)
+    assert not proc.stdout.strip()  # nothing planned or built, nothing printed as if it were the shard's list
+
+
+def test_every_scheduler_variable_is_ascii_digits_or_exit_2_naming_it(cache, recipes):
+    """Each variable of each scheduler (AOTBUILD_SHARD_COUNT included) through the one parser: a
+    superscript, a circled or Arabic-Indic digit, a sign, an underscore, a space inside, ten digits."""
+    refused = 0
+    for scheduler in SCHEDULERS:
+        env = workers(scheduler, 3)[1]  # a valid worker, then one variable made bad
+        for name in env:
+            for value in NOT_NUMBERS:
+                proc = _plan(cache, recipes, "--shard", "auto", env={**env, name: value})
+                _one_line_refusal(proc, f"{name}={ascii(value)} is not a whole number")
+                refused += 1
+    assert refused == len(NOT_NUMBERS) * sum(len(workers(s, 1)[0]) for s in SCHEDULERS)
+
+
+def test_gitlab_without_parallel_reads_its_count_with_the_same_parser(cache, recipes):
+    _one_line_refusal(_plan(cache, recipes, "--shard", "auto", env={"CI_NODE_TOTAL": "¹"}), "CI_NODE_TOTAL='\\xb9'")
+
+
+def test_ascii_whitespace_around_a_variable_is_ignored_and_nothing_else():
+    """A YAML block scalar leaves a newline: still the number. A no-break space is not ASCII whitespace."""
+    assert from_environment({"CI_NODE_INDEX": "2\n", "CI_NODE_TOTAL": " 3\t"})[:2] == (2, 3)
+    with pytest.raises(UsageError, match=r"CI_NODE_INDEX='\\xa0' is not a whole number"):
+        from_environment({"CI_NODE_INDEX": "\u00a0", "CI_NODE_TOTAL": "1"})  # before: read as unset, 1 of 1
+
+
+@pytest.mark.parametrize("value", ["", "  ", "\t", "²/4", "2/③", "٣/4", "１/２", " 3/4", "3/ 4", "+3/4", "3_0/40",
+                                   "1/2/3", "2/4\n", "0x1/4", "1234567890/1234567891", "0/4", "5/4", "auto-ish"])
+def test_a_bad_or_empty_shard_option_is_exit_2_naming_it(cache, recipes, value):
+    """``--shard ""`` is an unset ``$SHARD`` in a CI template: it meant "no shard", so every worker built
+    every job and went green."""
+    _one_line_refusal(_plan(cache, recipes, "--shard", value), f"--shard {ascii(value[:20])}")
+
+
+@pytest.mark.parametrize("value", ["", " ", "²/4"])
+def test_build_refuses_a_bad_or_empty_shard_before_building_anything(models_dir, recipes, fake_compiles, tmp_path,
+                                                                     value):
+    cache = _fresh_cache(models_dir, tmp_path / "runner")
+    proc = invoke_cli("build", "--json", "--cache", str(cache), str(recipes), "--shard", value,
+                      env={name: None for name in ALL_VARIABLES})
+    _one_line_refusal(proc, f"--shard {ascii(value)}")
+    assert fake_compiles == []
+
+
+def test_the_python_api_refuses_a_shard_that_does_not_exist(cache, recipes):
+    from aotbuild import build
+
+    for shard in ((0, 4), (5, 4), (1, 0), ("1", "2"), (True, 1)):
+        with pytest.raises(UsageError, match="shard"):
+            build(str(recipes), cache=cache, shard=shard)

@@ -288,7 +288,7 @@ def build(recipes: tuple[str, ...], cache: str | None, as_json: bool, shard: str
 
     target = _remote(remote)
     report = run_build(list(recipes), cache=cache, progress=None if as_json else _progress(), sign_key=sign_key,
-                       shard=resolve(shard) if shard else None, remote=target, retry_failed=retry_failed)
+                       shard=resolve(shard) if shard is not None else None, remote=target, retry_failed=retry_failed)
     pushed = None
     if target is not None:
         from aotbuild.cache.signing import public_of
@@ -443,7 +443,8 @@ def plan(recipes: tuple[str, ...], cache: str | None, as_json: bool, fail_on_mis
     from aotbuild.recipe.rules import load_recipes
     from aotbuild.shards import resolve
 
-    picked = resolve(shard) if shard else None  # a bad --shard (auto with no scheduler) fails before planning
+    # a bad --shard (auto with no scheduler; empty: an unset CI variable) fails before planning
+    picked = resolve(shard) if shard is not None else None
     target = _remote(remote)
     # A job whose key has a failure record on the remote reads "failed", as a local record does (and as
     # a build with --push would pull it); the remote's records are listed only if a job misses.

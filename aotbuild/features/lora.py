@@ -221,8 +221,12 @@ def resolve(recipe: Recipe, adapter: LoraAdapter, key: str = "lora.adapters[0].p
             return file
     except OSError as exc:  # a name too long, a loop of links: the path cannot be a file here
         raise recipe.error(key, f"{adapter.path[:200]}: cannot be used as a path ({exc.strerror or exc})") from None
+    from aotbuild.pipeline.hub import repo_id_problem
     from aotbuild.pipeline.models import hub_file
 
+    why = repo_id_problem(adapter.path)
+    if why:  # the recipe's fault (exit 2), not the Hub's (issue 53)
+        raise recipe.error(key, f"{adapter.path[:100]!r}: no such file, and {why}")
     return hub_file(adapter.path, weight, None)
 
 

@@ -3,11 +3,15 @@ calls, which retry a refused or unresolvable host for ~25 s with a warning line 
 
 Offline mode (``HF_HUB_OFFLINE=1``) is huggingface_hub's own: then no probe is made and its
 functions read the local Hugging Face cache only.
+
+:func:`repo_id_problem` is the one check of a Hub repo id that a recipe names (``model.id``, a LoRA
+adapter's ``path``), made before any fetch.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import socket
 import threading
 from urllib.parse import urlsplit
@@ -16,6 +20,34 @@ from urllib.parse import urlsplit
 PROBE_TIMEOUT = 3.0
 
 _seen: dict[str, str] = {}
+
+#: One part of a Hub repo id (owner or name): 1 to 96 ASCII letters, digits, "_", "-" and ".", starting
+#: and ending with a letter, digit or "_" (huggingface_hub's ``REPO_ID_REGEX``, ASCII as its is).
+_REPO_PART = r"[A-Za-z0-9_](?:[A-Za-z0-9_.-]{0,94}[A-Za-z0-9_])?"
+#: A Hub repo id: ``name`` or ``owner/name``; besides, no "--" or ".." and no ".git" at the end.
+REPO_ID = re.compile(rf"(?:{_REPO_PART}/)?{_REPO_PART}")
+REPO_ID_RULES = ("name or owner/name: ASCII letters, digits, '-', '_', '.', at most 96 each, no '--' or '..', "
+                 "no .git end")
+
+
+def repo_id_problem(repo_id: str) -> str:
+    """Why ``repo_id`` cannot name a Hub repo ("" when it can), decided here, before any fetch.
+
+    A malformed id used to reach ``hf_hub_download``, whose ``HFValidationError`` read as "cannot fetch"
+    (a Hub failure: plan "unavailable", build exit 1) or, offline, as an unreachable Hub; it is the
+    recipe's fault, exit 2 (issue 53). huggingface_hub's own ``validate_repo_id`` has the last word,
+    for what a later version refuses."""
+    if not REPO_ID.fullmatch(repo_id) or "--" in repo_id or ".." in repo_id or repo_id.endswith(".git"):
+        return f"not a Hub repo id ({REPO_ID_RULES})"
+    try:
+        from huggingface_hub.utils import HFValidationError, validate_repo_id
+    except ImportError:  # no huggingface_hub: nothing is fetched either
+        return ""
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as exc:
+        return f"not a Hub repo id ({str(exc).splitlines()[0][:200]})"
+    return ""
 
 
 def offline_mode() -> bool:

@@ -18,7 +18,7 @@ from typing import Any
 
 from aotbuild import builtin
 from aotbuild.cache.layout import Layout
-from aotbuild.errors import ModelUnavailable, ModelUnreachable
+from aotbuild.errors import ModelUnavailable, ModelUnreachable, UsageError
 from aotbuild.pipeline.blocks import describe_repeating
 from aotbuild.recipe.schema import CompileSpec, Recipe
 from aotbuild.utils import safeio
@@ -110,7 +110,10 @@ def _local_folder(recipe: Recipe) -> Path | None:
     recipe and its model move together), then in the current directory; None if neither exists."""
     path = Path(recipe.model.id).expanduser()
     candidates = [path] if path.is_absolute() else [recipe.base / path, path]
-    return next((c for c in candidates if c.is_dir()), None)
+    try:
+        return next((c for c in candidates if c.is_dir()), None)
+    except OSError:  # a name too long for a path (a 300-character id): no folder, maybe not a Hub id either
+        return None
 
 
 def resolve_model(recipe: Recipe, cache_root: Path) -> ResolvedModel:
@@ -141,6 +144,11 @@ def resolve_model(recipe: Recipe, cache_root: Path) -> ResolvedModel:
         tried = [(recipe.base / spec.id).resolve(), Path(spec.id).expanduser().resolve()]
         looked = " and ".join(map(str, dict.fromkeys(tried)))
         raise recipe.error("model.id", f"no such folder: {spec.id} (looked for {looked})")
+    from aotbuild.pipeline.hub import repo_id_problem
+
+    why = repo_id_problem(spec.id)
+    if why:  # neither a folder nor a Hub id: the recipe's fault (exit 2), not the Hub's (issue 53)
+        raise recipe.error("model.id", f"{spec.id[:100]!r}: no such folder, and {why}")
     path = hub_file(spec.id, "model_index.json", spec.revision)
     data = _read_json(path)
     check_model_index(data, f"{spec.id}'s model_index.json")
@@ -148,8 +156,14 @@ def resolve_model(recipe: Recipe, cache_root: Path) -> ResolvedModel:
 
 
 def hub_file(repo_id: str, filename: str, revision: str | None) -> Path:
+    """``filename`` of Hub repo ``repo_id``, fetched (or from the local Hugging Face cache). A malformed
+    id is a UsageError (exit 2): callers that know the recipe check it first (hub.repo_id_problem) to
+    name the key."""
     from aotbuild.pipeline import hub
 
+    why = hub.repo_id_problem(repo_id)
+    if why:
+        raise UsageError(f"{printable(repo_id[:100])!r}: {why}")
     down = "" if hub.offline_mode() else hub.unreachable()
     try:
         from huggingface_hub import hf_hub_download

@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from aotbuild.constants import DEFAULT_WARMUP_PROMPT
-from aotbuild.recipe.schema import Recipe, Shape
+from aotbuild.recipe.frozen import thaw
+from aotbuild.recipe.schema import Recipe, Shape, describe_value
 from aotbuild.utils.suggest import suggest
 
 #: The per-prompt count arguments, in the order they are looked for.
@@ -39,6 +40,8 @@ class CallSignature:
     pipeline: str
     params: tuple[str, ...]  # named parameters (self, *args and **kwargs left out)
     takes_kwargs: bool
+    #: the parameters annotated as tensors only (:func:`takes_only_tensors`): latents, prompt_embeds, ...
+    tensors: tuple[str, ...] = ()
 
     @classmethod
     def of(cls, pipeline: Any) -> CallSignature:
@@ -47,7 +50,9 @@ class CallSignature:
         parameters = inspect.signature(klass.__call__).parameters
         named = tuple(n for n, p in parameters.items()
                       if n != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD))
-        return cls(klass.__name__, named, any(p.kind is p.VAR_KEYWORD for p in parameters.values()))
+        tensors = tuple(n for n in named if parameters[n].annotation is not parameters[n].empty
+                        and takes_only_tensors(_annotation_text(parameters[n].annotation)))
+        return cls(klass.__name__, named, any(p.kind is p.VAR_KEYWORD for p in parameters.values()), tensors)
 
     @property
     def count_argument(self) -> str | None:
@@ -110,9 +115,54 @@ def _signature_from_source(name: str) -> CallSignature | None:
             if call is None:
                 return None  # inherited: the import knows
             a = call.args
-            named = [x.arg for x in (*a.posonlyargs, *a.args, *a.kwonlyargs) if x.arg != "self"]
-            return CallSignature(name, tuple(named), a.kwarg is not None)
+            named = [x for x in (*a.posonlyargs, *a.args, *a.kwonlyargs) if x.arg != "self"]
+            tensors = tuple(x.arg for x in named if x.annotation is not None
+                            and takes_only_tensors(ast.unparse(x.annotation)))
+            return CallSignature(name, tuple(x.arg for x in named), a.kwarg is not None, tensors)
     return None
+
+
+#: torch's tensor classes, as an annotation names them (``torch.Tensor``, the legacy ``FloatTensor``...).
+_TENSOR_CLASSES = frozenset({"Tensor", "FloatTensor", "DoubleTensor", "HalfTensor", "BFloat16Tensor", "LongTensor",
+                             "IntTensor", "ShortTensor", "ByteTensor", "CharTensor", "BoolTensor"})
+#: Annotations that hold their items' types: a parameter takes tensors only if every item is one.
+_HOLDERS = frozenset({"Optional", "Union", "List", "list", "Tuple", "tuple", "Sequence"})
+
+
+def takes_only_tensors(annotation: str) -> bool:
+    """Whether a parameter annotated ``annotation`` (its source text) takes tensors and nothing else
+    that a recipe could write: ``torch.Tensor | None``, ``Optional[List[torch.FloatTensor]]`` (``None``
+    is the default, not a value to pass). A warmup cannot give such an argument: YAML has no tensor,
+    and a null or a list there passed ``plan`` and failed the build (issue 53)."""
+    import ast
+
+    def leaves(node: ast.expr) -> list[str]:
+        if isinstance(node, ast.Constant) and node.value is None:
+            return []
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):  # a forward reference
+            try:
+                return leaves(ast.parse(node.value, mode="eval").body)
+            except SyntaxError:
+                return ["?"]
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.BitOr):
+            return leaves(node.left) + leaves(node.right)
+        if isinstance(node, ast.Subscript) and ast.unparse(node.value).rpartition(".")[2] in _HOLDERS:
+            items = node.slice.elts if isinstance(node.slice, ast.Tuple) else [node.slice]
+            return [leaf for item in items for leaf in leaves(item)]
+        if isinstance(node, (ast.Name, ast.Attribute)):
+            return [ast.unparse(node).rpartition(".")[2]]
+        return ["?"]  # Callable[...], Dict[...], a literal ...: not a tensor
+
+    try:
+        found = leaves(ast.parse(annotation, mode="eval").body)
+    except SyntaxError:
+        return False
+    return bool(found) and all(leaf in _TENSOR_CLASSES for leaf in found)
+
+
+def _annotation_text(annotation: Any) -> str:
+    """An imported ``__call__``'s annotation as source text (a string one is already)."""
+    return annotation if isinstance(annotation, str) else inspect.formatannotation(annotation)
 
 
 def pipeline_class(name: str) -> type | None:
@@ -132,6 +182,10 @@ def check_recipe(recipe: Recipe, call: CallSignature) -> None:
         if not call.takes(arg):
             raise recipe.error(f"warmup.{arg}", f"not an argument of {call.pipeline}.__call__"
                                                 f"{suggest(arg, list(call.params))}")
+        if arg in call.tensors:  # any value: null, a list, a string (issue 53)
+            got = describe_value(thaw(recipe.warmup[arg]))
+            raise recipe.error(f"warmup.{arg}", f"{call.pipeline}.__call__ takes a tensor for {arg}, which a recipe "
+                                                f"cannot give (got {got}; a null or a list is no tensor): remove it")
     framed = [i for i, s in enumerate(recipe.shapes) if s.num_frames is not None]
     for i, shape in enumerate(recipe.shapes):
         if shape.batch_size > 1 and call.count_argument is None:
