@@ -258,3 +258,23 @@ def dist_version(name: str) -> str | None:
         return version(name)
     except PackageNotFoundError:
         return None
+
+
+# -- bounds on every read from a remote (issue 53; aotbuild/remote/bounds.py, docs/security.md) ------
+#: Seconds one metadata request to a remote may take in all, per try (a listing's page, a manifest, a
+#: failure record, an info/exists): a black hole or a drip fails it, then it is retried.
+ENV_REMOTE_DEADLINE = "AOTBUILD_REMOTE_DEADLINE"
+DEFAULT_REMOTE_DEADLINE = 60.0
+#: Seconds a blob transfer may go without receiving a byte (a progress deadline, not a total one).
+ENV_REMOTE_STALL = "AOTBUILD_REMOTE_STALL"
+DEFAULT_REMOTE_STALL = 60.0
+#: The slowest rate, in bytes per second, a transfer may keep up: each ranged read of a blob gets
+#: AOTBUILD_REMOTE_DEADLINE plus its length at this rate, and a listing its deadline plus
+#: remote.bounds.KEY_BYTES per key listed (a drip of one byte every few seconds never trips a
+#: progress deadline). 256 KiB/s: 2 Mbit/s, slower than any link a replica pulls GBs over.
+ENV_REMOTE_MIN_RATE = "AOTBUILD_REMOTE_MIN_RATE"
+DEFAULT_REMOTE_MIN_RATE = 256 * 1024
+#: Keys (objects) one listing of a remote's manifests/ or failures/ may return before it stops, one
+#: line naming this variable: 1,000,000 is ten times the largest store we support (100,000 entries).
+ENV_REMOTE_MAX_KEYS = "AOTBUILD_REMOTE_MAX_KEYS"
+DEFAULT_REMOTE_MAX_KEYS = 1_000_000

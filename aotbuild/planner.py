@@ -23,6 +23,7 @@ from aotbuild.recipe.rules import Recipes, resolve_recipes
 from aotbuild.recipe.schema import Recipe, Shape
 from aotbuild.strategies import order as auto
 from aotbuild.strategies.registry import checked_store
+from aotbuild.utils import secrets
 from aotbuild.utils.deprecated import positional_shim
 
 if TYPE_CHECKING:
@@ -280,6 +281,7 @@ def _text_note(store: Store, recipe: Recipe, component: str, key: str | None, fa
 
 
 @positional_shim("cache")
+@secrets.scrubbed  # its exceptions leave it scrubbed of secrets (issue 53)
 def plan(recipes: Recipes, *, cache: str | Path | None = None, remote: str | Remote | None = None,
          trusted_keys: list[str | Path] | None = None, signatures: bool = True,
          failures: Failures | None = None) -> list[Job]:

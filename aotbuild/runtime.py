@@ -26,6 +26,7 @@ from aotbuild.recipe.rules import as_recipe
 from aotbuild.recipe.schema import Recipe, Shape, build_hint
 from aotbuild.strategies.base import Planned
 from aotbuild.strategies.registry import checked_store
+from aotbuild.utils import secrets
 from aotbuild.utils.deprecated import positional_shim
 from aotbuild.utils.text import printable
 
@@ -122,6 +123,7 @@ class LoadReport:
         return "\n".join(lines)
 
 
+@secrets.scrubbed  # its exceptions leave it scrubbed of secrets (issue 53)
 @positional_shim("pipe")
 def load_compiled(recipe: str | Path | Recipe | Mapping[str, Any], *, pipe: Any = None, cache: str | Path | None = None,
                   remote: str | Remote | None = None, on_miss: str = "compile", strict_shapes: bool = False,

@@ -16,6 +16,7 @@ RUNTIME_MODULES = {
     "aotbuild.context", "aotbuild.builtin",
     "aotbuild.recipe", "aotbuild.recipe.schema", "aotbuild.recipe.files", "aotbuild.recipe.rules",
     "aotbuild.recipe.frozen",
+    "aotbuild.utils.secrets",  # stdlib only: load_compiled's exceptions leave it scrubbed (issue 53)
     "aotbuild.cache", "aotbuild.cache.layout", "aotbuild.cache.locks", "aotbuild.cache.manifest",
     "aotbuild.cache.store", "aotbuild.cache.explain",
     "aotbuild.pipeline", "aotbuild.pipeline.blocks", "aotbuild.pipeline.models", "aotbuild.pipeline.pipecall",

@@ -295,15 +295,15 @@ def test_a_store_throttling_is_retried_then_served(s3, tmp_path, monkeypatch):
     a = add_entry(local, tmp_path, "a", {"x.so": b"kernel-a"})
     remote = parse_remote(f"s3://{s3}/ci")
     remote.push(entries(local, a))
-    real, failed = remote.fs.cat_file, []
+    real, failed = remote._read, []
 
-    def flaky(path, **kw):
+    def flaky(path, *args, **kw):
         if "/blobs/" in path and not failed:
             failed.append(path)
             raise OSError("SlowDown: Please reduce your request rate.")
-        return real(path, **kw)
+        return real(path, *args, **kw)
 
-    remote.fs.cat_file = flaky
+    remote._read = flaky
     other = Store(tmp_path / "other")
     assert remote.fetch(a, other) == "" and failed and other.open_entry(a)[0] is not None
     monkeypatch.setenv("AOTBUILD_REMOTE_RETRIES", "1")  # no second try: the same failure is the error

@@ -47,6 +47,7 @@ from aotbuild.recipe.rules import Recipes
 from aotbuild.recipe.schema import Recipe, recipe_spec, recipe_to_dict
 from aotbuild.strategies import order as auto
 from aotbuild.strategies.registry import checked_store
+from aotbuild.utils import secrets
 from aotbuild.utils.deprecated import positional_shim
 
 if TYPE_CHECKING:
@@ -160,6 +161,7 @@ Progress = Callable[[str, int, int, Job, "JobResult | None"], None]
 
 
 @positional_shim("cache")
+@secrets.scrubbed  # its exceptions leave it scrubbed of secrets (issue 53)
 def build(recipes: Recipes, *, cache: str | Path | None = None,
           progress: Progress | None = None, shard: tuple[int, int] | None = None,
           remote: str | Remote | None = None, max_size: int | None = None,

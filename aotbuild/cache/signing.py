@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from aotbuild.errors import UsageError
-from aotbuild.utils import safeio
+from aotbuild.utils import safeio, secrets
 from aotbuild.utils.text import printable
 
 #: A key's name: what signatures are filed under.
@@ -111,6 +111,10 @@ def _read_key_file(path: str | os.PathLike, kind: str) -> tuple[str, bytes]:
     """(name, 32 raw bytes) of a key file of ``kind`` (PRIVATE or PUBLIC); UsageError naming why not."""
     path = Path(path)
     text = _read(path)
+    if not text.startswith(HEADER[PUBLIC]):  # a private seed (or what may be one): never printed (issue 53)
+        for word in text.replace(":", " ").split():
+            if len(word) >= 16 and word not in HEADER.values():
+                secrets.register(word)
     if _OLD.match(text) and len(_b64(_OLD.match(text)[2])) == 32:
         raise UsageError(f"{path}: an old-format key (NAME:base64, the same for private and public keys): "
                          f"convert it with `aotbuild keygen --convert {path}`")

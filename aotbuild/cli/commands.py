@@ -18,6 +18,7 @@ import click
 from aotbuild import constants
 from aotbuild.cache.layout import format_size
 from aotbuild.errors import AotbuildError
+from aotbuild.utils.secrets import scrub
 from aotbuild.utils.text import printable, table
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_MISS, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
@@ -26,7 +27,7 @@ EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_MISS, EXIT_INTERRUPTED = 0, 1, 2, 3, 
 def _clean(text: Any) -> str:
     """What a command prints, every control character but the newlines aotbuild wrote escaped: names and
     fields come from files other people write (an OSC escape must not reach the terminal)."""
-    return "\n".join(printable(line) for line in str(text).split("\n"))
+    return "\n".join(printable(line) for line in scrub(str(text)).split("\n"))
 
 
 def _echo(text: Any = "", **kwargs: Any) -> None:
@@ -37,7 +38,7 @@ def _error(text: Any) -> None:
     """An error on stderr: one line, whatever its message embeds. The one place errors are printed, so
     a value from a recipe, a model folder, a manifest or a remote that reaches a message (a newline then
     ``::error::``, an escape sequence) is shown escaped, and no raise site can forget (issue 32)."""
-    click.echo(printable(f"error: {text}"), err=True)
+    click.echo(printable(scrub(f"error: {text}")), err=True)  # and scrubbed of secrets (issue 53)
 
 
 def _show(report: Any, as_json: bool) -> None:
@@ -53,7 +54,7 @@ def _emit_json(data: Any) -> None:
     script that prints a field (``jq -r .jobs[].reason``) prints no newline or escape from a file."""
     def clean(value: Any) -> Any:
         if isinstance(value, str):
-            return printable(value)
+            return printable(scrub(value))  # each value: the JSON stays JSON
         if isinstance(value, dict):
             return {clean(k): clean(v) for k, v in value.items()}
         if isinstance(value, (list, tuple)):
@@ -107,7 +108,7 @@ class _EchoHandler(logging.Handler):
     """Writes to whatever stderr is at the time (click's test runner swaps it)."""
 
     def emit(self, record: logging.LogRecord) -> None:
-        click.echo(printable(self.format(record)), err=True)  # a note naming a value: one line, as errors
+        click.echo(printable(scrub(self.format(record))), err=True)  # a note naming a value: one line, as errors
 
 
 def _quiet_libraries() -> None:

@@ -32,6 +32,13 @@ under the prefix. The same rules hold:
   or 403 from any store) and missing objects are not retried. The stores' own retry loops are
   turned off, so that ours is the only one (gcsfs: 6 tries and 31 s of sleeps per request; the Azure
   SDK: 4 tries and about a minute): nested, a dead endpoint took minutes to become a miss.
+- Every read is bounded (aotbuild/remote/bounds.py, issue 53): a metadata request (a listing's page, a
+  manifest, a failure record, an info) within ``AOTBUILD_REMOTE_DEADLINE`` in all, through fsspec's own
+  ``timeout`` (which cancels the request); a blob's ranged read with no byte for
+  ``AOTBUILD_REMOTE_STALL`` and slower than ``AOTBUILD_REMOTE_MIN_RATE`` fails; every body is read in
+  chunks of at most what is still wanted, so a server that ignores ``Range`` is never read past it;
+  a listing is paged and stops past ``AOTBUILD_REMOTE_MAX_KEYS`` keys. Each timeout is a transient
+  failure: retried, then one RemoteError naming the remote and the variable.
 - A GCS endpoint (``STORAGE_EMULATOR_HOST``, or ``endpoint_url`` in the options) is spoken to over
   HTTP only: gcsfs's default class first asks the endpoint over gRPC what kind of bucket it is, which
   an HTTP-only endpoint never answers (60 s per bucket, then each request again).
@@ -55,7 +62,9 @@ from aotbuild.cache.layout import HEX64
 from aotbuild.cache.manifest import Manifest, StaleManifest
 from aotbuild.cache.store import MAX_FAILURE_BYTES, Entry, Store, failure_record
 from aotbuild.errors import RemoteError, StoreError, UsageError
+from aotbuild.remote import bounds
 from aotbuild.remote.base import PushResult, Remote, ingest
+from aotbuild.utils import secrets
 
 #: scheme -> (fsspec protocol, the package it needs, the extra that installs it)
 SCHEMES = {"s3": ("s3", "s3fs", "s3"), "gs": ("gcs", "gcsfs", "gcs"), "gcs": ("gcs", "gcsfs", "gcs"),
@@ -63,11 +72,8 @@ SCHEMES = {"s3": ("s3", "s3fs", "s3"), "gs": ("gcs", "gcsfs", "gcs"), "gcs": ("g
 _URL = re.compile(r"^(?P<scheme>[a-z0-9]+)://(?P<bucket>[\w.-]+)(?P<prefix>(?:/[\w.=+-]+)*)/?$")
 #: Bytes fetched per ranged read of a blob.
 RANGE = 8 << 20
-#: Option names whose values are secrets: scrubbed from every message.
-_SECRET_NAME = re.compile(r"secret|token|password|key|credential|sas|connection|sig", re.I)
-#: gcsfs's ``token`` modes: names of a credential chain, not secrets (scrubbed, "anon" garbled every
-#: "anonymous" in a store's message to "***ymous").
-_NOT_SECRETS = frozenset({"anon", "google_default", "cloud", "cache", "browser"})
+#: Bytes of a store's error body read (the rest is never received).
+_ERROR_BYTES = 64 * 1024
 
 
 def parse(url: str) -> FsspecRemote | None:
@@ -156,34 +162,9 @@ def _denied(exc: BaseException) -> bool:
     return isinstance(exc, PermissionError) or _status(exc) in (401, 403) or str(exc).startswith("Forbidden")
 
 
-def _secrets() -> list[str]:
-    out = constants.env_secrets()
-
-    def walk(value: Any, name: str = "") -> None:
-        if isinstance(value, dict):
-            for k, v in value.items():
-                walk(v, str(k))
-        elif isinstance(value, str) and _SECRET_NAME.search(name) and value not in _NOT_SECRETS:
-            out.append(value)
-
-    try:
-        from aotbuild.utils import safeio
-
-        walk(safeio.loads_json(constants.env_remote_options() or "{}", max_bytes=64 * 1024, max_depth=8))
-    except ValueError:
-        pass
-    return sorted({s for s in out if len(s) >= 4}, key=len, reverse=True)
-
-
 def _scrub(text: str) -> str:
-    """``text`` without credentials: known secret values, a URL's user part, signed-URL query values."""
-    for secret in _secrets():
-        text = text.replace(secret, "***")
-    text = re.sub(r"(://)[^/@\s]+@", r"\1***@", text)
-    text = re.sub(r"((?:AccountKey|SharedAccessSignature|SharedAccessKey)=)[^;\s]+", r"\1***", text, flags=re.I)
-    text = re.sub(r"([?&][\w-]*(?:sig|signature|credential|token|key|security)[\w-]*=)[^&\s]+", r"\1***", text,
-                  flags=re.I)
-    return text
+    """``text`` without credentials (aotbuild/utils/secrets.py, the one scrubber)."""
+    return secrets.scrub(text)
 
 
 def _modified(info: dict[str, Any]) -> float:
@@ -212,6 +193,12 @@ def _why(exc: BaseException) -> str:
     return _scrub(f"{type(exc).__name__}: {lines[0] if lines else ''}")[:300]
 
 
+def _key(path: str, info: Any = None) -> str | None:
+    """The key a listed ``.../<key>.json`` names (a manifest or a failure record), or None."""
+    name = path.rsplit("/", 1)[-1]
+    return name[:-5] if name.endswith(".json") and HEX64.match(name[:-5]) else None
+
+
 class _Ranges:
     """A blob on the store as a binary stream: ranged reads of at most RANGE bytes, each retried, of
     its first ``limit`` bytes. ``limit`` must not exceed the object's size: a range that starts at
@@ -224,8 +211,8 @@ class _Ranges:
     def read(self, n: int = -1) -> bytes:
         if not self.buf and self.pos < self.limit:  # pos >= limit: nothing is left to ask for
             end = min(self.pos + max(n, RANGE), self.limit)
-            self.buf = self.remote._call(f"reading {self.path}", lambda: self.remote.fs.cat_file(
-                self.path, start=self.pos, end=end))
+            self.buf = self.remote._call(f"reading {self.path}", lambda: self.remote._read(
+                self.path, self.pos, end, blob=True))
             self.pos = end if len(self.buf) == end - self.pos else self.limit  # short: the object ended
         n = len(self.buf) if n < 0 else n
         out, self.buf = self.buf[:n], self.buf[n:]
@@ -266,8 +253,9 @@ class FsspecRemote(Remote):
         for attempt in range(1, tries + 1):
             try:
                 return fn()
-            except (FileNotFoundError, FileExistsError, UsageError, NotImplementedError):
-                raise  # NotImplementedError: the store lacks a feature (_put_new falls back), not transient
+            except (FileNotFoundError, FileExistsError, UsageError, NotImplementedError, RemoteError):
+                raise  # NotImplementedError: the store lacks a feature (_put_new falls back), not transient;
+                # RemoteError: a listing past its key cap (bounds.collect), which another try would repeat
             except ImportError as exc:
                 raise UsageError(f"{self.url}: {_why(exc)}") from None
             except Exception as exc:  # the network, the store's throttling, a cut connection
@@ -283,25 +271,149 @@ class FsspecRemote(Remote):
                 time.sleep(delay * 2 ** (attempt - 1))
         raise AssertionError("unreachable")
 
+    def _ask(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        """``self.fs.<name>(...)``, a metadata request or a small write, within AOTBUILD_REMOTE_DEADLINE
+        in all: fsspec's own ``timeout`` for an async filesystem (asyncio.wait_for: the request is
+        cancelled, its connection closed). memory:// runs in this process, unbounded."""
+        method = getattr(self.fs, name)
+        if not getattr(self.fs, "async_impl", False):
+            return method(*args, **kwargs)
+        from fsspec.exceptions import FSTimeoutError
+
+        limits = bounds.limits()
+        try:
+            return method(*args, timeout=limits.deadline, **kwargs)
+        except FSTimeoutError:
+            raise limits.missed(limits.deadline) from None
+
+    def _run(self, coroutine: Callable[[], Any], total: float) -> Any:
+        """``coroutine()`` on the filesystem's event loop, abandoned (cancelled) after ``total`` seconds."""
+        from fsspec.asyn import sync
+        from fsspec.exceptions import FSTimeoutError
+
+        try:
+            return sync(self.fs.loop, coroutine, timeout=total)
+        except FSTimeoutError:
+            raise bounds.limits().missed(total) from None
+
+    def _read(self, path: str, start: int, end: int, blob: bool = False) -> bytes:
+        """Bytes ``start`` to ``end`` of ``path``: at most ``end - start`` received whatever the server
+        sends (a server ignoring ``Range`` sends the whole object: the connection is dropped past what
+        was asked for), no byte for AOTBUILD_REMOTE_STALL fails, all within AOTBUILD_REMOTE_DEADLINE
+        (a manifest, a record), or a ``blob``'s range within that plus its length at
+        AOTBUILD_REMOTE_MIN_RATE: a drip fails, a slow link's GBs arrive."""
+        if end <= start:
+            return b""
+        if not getattr(self.fs, "async_impl", False):
+            return self.fs.cat_file(path, start=start, end=end)
+        limits = bounds.limits()
+        total = limits.transfer(end - start) if blob else limits.deadline
+        late = limits.too_slow(total) if blob else limits.missed(total)
+        began = time.monotonic()
+        return self._run(lambda: bounds.bounded(self._stream(path, start, end, began + total, late), total, late),
+                         total + 1)
+
+    async def _stream(self, path: str, start: int, end: int, until: float, late: Exception) -> bytes:
+        """:meth:`_read` on the event loop: each store's streaming GET (fsspec's cat_file reads a body
+        whole), its body drained by bounds.drain."""
+        limits, fs, length = bounds.limits(), self.fs, end - start
+        asked = f"bytes={start}-{end - 1}"
+        if self.protocol == "s3":
+            bucket, key, version = fs.split_path(path)
+            response = await fs._call_s3("get_object", Bucket=bucket, Key=key, Range=asked,
+                                         **({"VersionId": version} if version else {}))
+            body = response["Body"]
+            try:
+                return await bounds.drain(body.read, length, limits, until - time.monotonic(), late)
+            finally:
+                body.close()
+        if self.protocol == "gcs":
+            from gcsfs.retry import validate_response
+
+            await fs._set_session()
+            async with fs.session.get(fs.url(path), headers=fs._get_headers({"Range": asked}),
+                                      timeout=fs.requests_timeout) as response:
+                if response.status >= 400:
+                    validate_response(response.status, await response.content.read(_ERROR_BYTES), path)
+                return await bounds.drain(response.content.read, length, limits, until - time.monotonic(), late)
+        if self.protocol in ("az", "abfs"):
+            # The Azure SDK reads its first response whole (up to the length asked, or what a server
+            # ignoring the range sends): docs/security.md says so. Its chunks after that are bounded.
+            container, blob, version = fs.split_path(path)
+            async with fs.service_client.get_blob_client(container=container, blob=blob) as client:
+                stream = await client.download_blob(offset=start, length=length, version_id=version,
+                                                    max_concurrency=1)
+                chunks = stream.chunks()
+
+                async def read(_: int) -> bytes:
+                    try:
+                        return await chunks.__anext__()
+                    except StopAsyncIteration:
+                        return b""
+
+                return await bounds.drain(read, length, limits, until - time.monotonic(), late)
+        return await fs._cat_file(path, start=start, end=end)
+
+    def _list(self, folder: str, keep: Callable[[str, Any], Any], what: str) -> list[Any]:
+        """What ``keep(path, info)`` keeps of each object under ``folder``, listed page by page: no
+        page later than the listing's deadline (bounds.Limits.listing), and stopped past
+        AOTBUILD_REMOTE_MAX_KEYS objects, kept or not (a listing that never ends: issue 53)."""
+        limits = bounds.limits()
+        if not getattr(self.fs, "async_impl", False):  # memory://: in this process
+            found = self.fs.find(folder, detail=True)
+            if len(found) > limits.max_keys:
+                raise limits.too_many(self.url, what)
+            return [k for k in (keep(p, i) for p, i in found.items()) if k is not None]
+        return self._run(lambda: bounds.collect(self._pages(folder), keep, limits, self.url, what),
+                         limits.listing(limits.max_keys) + 1)
+
+    async def _pages(self, folder: str) -> Any:
+        """The objects under ``folder``, one list of (path, info) per request of the store's own
+        paged listing (fsspec's find reads every page before it returns)."""
+        fs = self.fs
+        bucket, _, rest = folder.partition("/")
+        prefix = f"{rest}/" if rest else ""
+        if self.protocol == "s3":
+            token = None
+            while True:
+                page = await fs._call_s3("list_objects_v2", Bucket=bucket, Prefix=prefix,
+                                         **({"ContinuationToken": token} if token else {}))
+                yield [(f"{bucket}/{o['Key']}", o) for o in page.get("Contents", []) if isinstance(o, dict)]
+                token = page.get("NextContinuationToken")
+                if not page.get("IsTruncated") or not token:
+                    return
+        elif self.protocol == "gcs":
+            token = None
+            while True:
+                page = await fs._call_list_objects(bucket, prefix=prefix, maxResults=1000,
+                                                   **({"pageToken": token} if token else {}))
+                yield [(f"{bucket}/{i['name']}", i) for i in page.get("items", []) if isinstance(i, dict)]
+                token = page.get("nextPageToken")
+                if not token:
+                    return
+        else:  # az, abfs
+            async with fs.service_client.get_container_client(container=bucket) as client:
+                async for page in client.list_blobs(name_starts_with=prefix).by_page():
+                    yield [(f"{bucket}/{b.name}", {"last_modified": b.last_modified}) async for b in page]
+
     def _check_bucket(self) -> None:
         """RemoteError unless the bucket (container) is there; once per remote once it is."""
         bucket = self.root.split("/", 1)[0]
         if self._bucket_seen or self.protocol == "memory":
             return
-        if not self._call("checking the bucket", lambda: self.fs.exists(bucket)):
+        if not self._call("checking the bucket", lambda: self._ask("exists", bucket)):
             raise RemoteError(f"{self.url}: no bucket {bucket!r} there (or these credentials cannot see it)")
         self._bucket_seen = True
 
     def keys(self) -> set[str]:
         folder = f"{self.root}/manifests"
         try:
-            paths = self._call(f"listing {folder}", lambda: self.fs.find(folder))
+            keys = self._call(f"listing {folder}", lambda: self._list(folder, _key, f"listing {folder}"))
         except FileNotFoundError:
-            paths = []
-        if not paths:
+            keys = []
+        if not keys:
             self._check_bucket()  # an empty listing of a bucket that is not there is a typo, not an empty remote
-        names = (p.rsplit("/", 1)[-1] for p in paths)
-        return {n[:-5] for n in names if n.endswith(".json") and HEX64.match(n[:-5])}
+        return set(keys)
 
     def _manifest(self, key: str, versioned: bool = True) -> tuple[Manifest | None, str | None]:
         """(the manifest there, its version for a conditional replace) or (None, None) when it is not
@@ -311,10 +423,10 @@ class FsspecRemote(Remote):
         try:
             version = None
             if versioned and self.protocol != "memory":  # read before the content: a replace conditional
-                info = self._call(f"reading {path}", lambda: self.fs.info(path))  # on it is conservative
+                info = self._call(f"reading {path}", lambda: self._ask("info", path))  # on it is conservative
                 found = info.get("generation") if self.protocol == "gcs" else info.get("ETag") or info.get("etag")
                 version = str(found) if found is not None else None
-            raw = self._call(f"reading {path}", lambda: self.fs.cat_file(path, start=0, end=codec.MAX_BYTES + 1))
+            raw = self._call(f"reading {path}", lambda: self._read(path, 0, codec.MAX_BYTES + 1))
         except FileNotFoundError:
             return None, None
         return codec.from_json(raw, key), version
@@ -342,7 +454,7 @@ class FsspecRemote(Remote):
             for digest, size in wanted:
                 path = self.blob_path(digest)
                 try:
-                    info = self._call(f"checking {path}", lambda p=path: self.fs.info(p))
+                    info = self._call(f"checking {path}", lambda p=path: self._ask("info", p))
                 except FileNotFoundError:
                     info = {}
                 if info.get("type", "file") != "file" or not isinstance(info.get("size"), int):
@@ -358,21 +470,20 @@ class FsspecRemote(Remote):
 
     def failure_times(self) -> dict[str, float]:
         folder = f"{self.root}/failures"
+
+        def keep(path: str, info: Any) -> tuple[str, float] | None:
+            key = _key(path, info)
+            return (key, _modified(info)) if key is not None else None
+
         try:
-            found = self._call(f"listing {folder}", lambda: self.fs.find(folder, detail=True))
+            return dict(self._call(f"listing {folder}", lambda: self._list(folder, keep, f"listing {folder}")))
         except FileNotFoundError:
             return {}
-        times = {}
-        for path, info in found.items():
-            name = path.rsplit("/", 1)[-1]
-            if name.endswith(".json") and HEX64.match(name[:-5]):
-                times[name[:-5]] = _modified(info)
-        return times
 
     def read_failure(self, key: str) -> dict | None:
         path = self.failure_path(key)
         try:  # one byte more than a record may have: a bigger object is refused, not read whole
-            raw = self._call(f"reading {path}", lambda: self.fs.cat_file(path, start=0, end=MAX_FAILURE_BYTES + 1))
+            raw = self._call(f"reading {path}", lambda: self._read(path, 0, MAX_FAILURE_BYTES + 1))
         except FileNotFoundError:
             return None
         return failure_record(raw)
@@ -382,13 +493,13 @@ class FsspecRemote(Remote):
         that a job failed, and what may write it is what may write the bucket (docs/security.md)."""
         path = self.failure_path(key)
         data = json.dumps(record, sort_keys=True).encode("utf-8")
-        self._call(f"writing {path}", lambda: self.fs.pipe_file(path, data))
+        self._call(f"writing {path}", lambda: self._ask("pipe_file", path, data))
         return True
 
     def remove_failure(self, key: str) -> None:
         path = self.failure_path(key)
         try:
-            self._call(f"removing {path}", lambda: self.fs.rm_file(path))
+            self._call(f"removing {path}", lambda: self._ask("rm_file", path))
         except FileNotFoundError:
             pass
 
@@ -430,7 +541,7 @@ class FsspecRemote(Remote):
                 if self.protocol == "gcs" and version:
                     self._gcs_put_if_generation(path, data, version)
                     return
-                self.fs.pipe_file(path, data, **extra)
+                self._ask("pipe_file", path, data, **extra)
             except OSError as exc:  # s3fs: 412 Precondition Failed, someone else wrote it since
                 if "pre-condition" in str(exc) or "PreconditionFailed" in str(exc):
                     raise FileExistsError(path) from None
@@ -482,7 +593,7 @@ class FsspecRemote(Remote):
                 digest, size = by_path[rel].sha256, by_path[rel].size
                 target = self.blob_path(digest)
                 try:
-                    self._call(f"checking {target}", lambda t=target: self.fs.info(t))
+                    self._call(f"checking {target}", lambda t=target: self._ask("info", t))
                     continue
                 except FileNotFoundError:
                     pass
@@ -496,7 +607,8 @@ class FsspecRemote(Remote):
                     raise RemoteError(f"{self.url}: the manifest of {entry.key[:12]} changed while it was "
                                       "replaced; push again")
                 result.superseded.append(entry.key)
-            elif not self._put_new(f"writing {path}", lambda mode, p=path, d=data: self.fs.pipe_file(p, d, mode=mode)):
+            elif not self._put_new(f"writing {path}",
+                                   lambda mode, p=path, d=data: self._ask("pipe_file", p, d, mode=mode)):
                 result.present.append(entry.key)  # another pusher's manifest landed first: it stays
                 continue
             result.sent.append(entry.key)

@@ -39,7 +39,9 @@ from aotbuild.cache.locks import flocked, store_lock
 from aotbuild.cache.manifest import Manifest, ManifestError, StaleManifest
 from aotbuild.cache.store import Entry, Store, sha256_file
 from aotbuild.errors import RemoteError, StoreError, UsageError
+from aotbuild.remote import bounds
 from aotbuild.remote.base import PushResult, Remote, ingest
+from aotbuild.utils import secrets
 from aotbuild.utils.safeio import atomic_write, open_regular
 
 _HF = re.compile(r"^hf://(?:(?P<kind>datasets|models)/)?(?P<repo>[\w.-]+/[\w.-]+)(?:@(?P<rev>[\w./-]+))?/?$")
@@ -61,6 +63,7 @@ def untrusted_on_remote(remote: Remote, keys: list[str], trusted: dict[str, byte
     return out
 
 
+@secrets.scrubbed  # its exceptions leave it scrubbed of secrets (issue 53)
 def parse_remote(url: str) -> Remote:
     """``file:///abs/path``, ``hf://owner/repo[@rev]``, ``hf://datasets/owner/repo[@rev]`` or an object
     store's ``s3://``, ``gs://``, ``az://``/``abfs://``, ``memory://`` (aotbuild/remote/objectstore.py)."""
@@ -263,8 +266,8 @@ class HubRemote(Remote):
                               f"HF_ENDPOINT)")
         try:
             return fn()
-        except StoreError:  # ours: a refused download (too big), a local disk that cannot be written
-            raise
+        except (StoreError, RemoteError):  # ours: a refused download (too big), a local disk that cannot be
+            raise  # written, a listing past AOTBUILD_REMOTE_MAX_KEYS
         except errors.LocalEntryNotFoundError:  # huggingface_hub's word for "could not reach the Hub"
             raise RemoteError(f"{self.url}: {what} failed: the Hub cannot be reached (network, HF_ENDPOINT, "
                               f"HF_HUB_OFFLINE)") from None
@@ -297,21 +300,36 @@ class HubRemote(Remote):
         from huggingface_hub.hf_api import RepoFile
 
         api = self._api()
+        what = f"listing {folder}/"
+        limits, listed = bounds.limits(), [0]
+
+        def listing(cancelled: Any) -> list[str]:
+            # The Hub's tree is paged (list_repo_tree is lazy): one page at a time, stopped past the
+            # key cap or once the listing's deadline passed (issue 53: a listing that never ends).
+            out = []
+            for item in bounds.capped(api.list_repo_tree(self.repo_id, path_in_repo=folder, recursive=True,
+                                                         repo_type=self.repo_type, revision=self.revision),
+                                      limits, self.url, what, cancelled):
+                listed[0] += 1
+                if isinstance(item, RepoFile):
+                    out.append(item.path)
+            return out
+
         try:
-            items = self._call(f"listing {folder}/", lambda: list(api.list_repo_tree(
-                self.repo_id, path_in_repo=folder, recursive=True, repo_type=self.repo_type,
-                revision=self.revision)))
+            return self._call(what, lambda: bounds.within(listing, lambda: limits.listing(listed[0])))
         except errors.EntryNotFoundError:
             return []
-        return [item.path for item in items if isinstance(item, RepoFile)]
 
     def keys(self) -> set[str]:
         return {Path(p).stem for p in self._list("manifests") if p.endswith(".json") and HEX64.match(Path(p).stem)}
 
-    def _download(self, filename: str, folder: Path, limit: int) -> Path | None:
+    def _download(self, filename: str, folder: Path, limit: int, total: float | None = None) -> Path | None:
         """``filename`` (a path aotbuild made: manifests/... or packs/...) into ``folder``, streamed and
         refused as soon as it passes ``limit`` bytes (a manifest's 16 MiB, a pack's recorded size): a
-        remote cannot fill the disk by sending more than it declared. None when it is not there."""
+        remote cannot fill the disk by sending more than it declared. None when it is not there.
+        Bounded in time (issue 53): no byte for AOTBUILD_REMOTE_STALL fails, and all of it within
+        ``total`` seconds (default AOTBUILD_REMOTE_DEADLINE: a manifest; a pack passes its length at
+        AOTBUILD_REMOTE_MIN_RATE), so a drip fails too."""
         from huggingface_hub import constants as hf_constants
         from huggingface_hub import errors, hf_hub_url
         from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
@@ -323,11 +341,13 @@ class HubRemote(Remote):
         url = hf_hub_url(self.repo_id, filename, repo_type=self.repo_type, revision=self.revision,
                          endpoint=self.endpoint)
         dest = folder.joinpath(*Path(filename).parts)
+        limits = bounds.limits()
+        total = limits.deadline if total is None else total
 
-        def fetch() -> Path:
+        def fetch(cancelled: Any) -> Path:
             dest.parent.mkdir(parents=True, exist_ok=True)
             with get_session().stream("GET", url, headers=build_hf_headers(), follow_redirects=True,
-                                      timeout=hf_constants.HF_HUB_DOWNLOAD_TIMEOUT) as response:
+                                      timeout=min(hf_constants.HF_HUB_DOWNLOAD_TIMEOUT, limits.stall)) as response:
                 if response.status_code >= 400:
                     response.read()
                     hf_raise_for_status(response)
@@ -337,7 +357,9 @@ class HubRemote(Remote):
                                      f"have: refused before downloading")
                 received = 0
                 with atomic_write(dest) as out:  # a download cut short leaves no partial file
-                    for chunk in response.iter_bytes(1 << 20):
+                    for chunk in response.iter_bytes():  # as it arrives: a drip is seen, byte by byte
+                        if cancelled.is_set():  # past its deadline: the caller has moved on
+                            raise bounds.DeadlineExceeded(f"{filename}: abandoned past its deadline")
                         received += len(chunk)
                         if received > limit:
                             raise StoreError(f"{filename} on {self.url} sent more than the {limit} bytes it may "
@@ -345,8 +367,16 @@ class HubRemote(Remote):
                         out.file.write(chunk)
             return dest
 
+        def bounded(cancelled: Any) -> Path:
+            try:
+                return fetch(cancelled)
+            except Exception as exc:  # the HTTP client's ReadTimeout & co: its timeout is AOTBUILD_REMOTE_STALL
+                if type(exc).__name__.endswith(("Timeout", "TimeoutException")):  # at most (no import of it here)
+                    raise limits.stalled() from None
+                raise
+
         try:
-            return self._call(f"downloading {filename}", fetch)
+            return self._call(f"downloading {filename}", lambda: bounds.within(bounded, lambda: total))
         except errors.EntryNotFoundError:
             return None
 
@@ -402,7 +432,8 @@ class HubRemote(Remote):
         if any(not store.has_blob(d, size, verify=True) for d, size in wanted):
             # Downloaded and verified before any lock is taken: a long download holds up no one.
             try:
-                tar_path = self._download(self.pack_path(pack_digest), folder, pack_size)
+                tar_path = self._download(self.pack_path(pack_digest), folder, pack_size,
+                                          bounds.limits().transfer(pack_size))
             except StoreError as exc:
                 return f"refused: {exc}"
             if tar_path is None:

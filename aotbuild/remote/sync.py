@@ -19,6 +19,7 @@ from aotbuild.errors import UsageError
 from aotbuild.planner import Job, JobStatus, OnRemote, mark_remote, plan
 from aotbuild.remote.schemes import PushResult, Remote, as_remote, pull_entry
 from aotbuild.strategies.registry import checked_store
+from aotbuild.utils import secrets
 from aotbuild.utils.deprecated import positional_shim
 
 
@@ -72,6 +73,7 @@ class PushReport:
                 "failures": self.failures}
 
 
+@secrets.scrubbed  # its exceptions leave it scrubbed of secrets (issue 53)
 @positional_shim("cache", "progress", "trusted", "failed")
 def push(items: list[str] | tuple[str, ...], remote: str | Remote, *, cache: str | Path | None = None,
          progress: Callable[[str], None] | None = None, trusted: dict[str, bytes] | None = None,
@@ -261,6 +263,7 @@ def _first_line(reason: str) -> str:
     return lines[0][:500] if lines else ""
 
 
+@secrets.scrubbed  # its exceptions leave it scrubbed of secrets (issue 53)
 @positional_shim("cache")
 def sign(items: list[str] | tuple[str, ...], sign_key: str | Path, *, cache: str | Path | None = None) -> list[str]:
     """Sign, with ``sign_key``, the local entries of KEYS (hex prefixes) or RECIPES (their cached jobs):
@@ -378,6 +381,7 @@ class PullReport:
         return {"remote": self.remote, "jobs": [i.as_json() for i in self.items]}
 
 
+@secrets.scrubbed  # its exceptions leave it scrubbed of secrets (issue 53)
 @positional_shim("cache", "trusted_keys")
 def pull(recipes: list[str] | tuple[str, ...], remote: str | Remote, *, cache: str | Path | None = None,
          trusted_keys: list[str | Path] | None = None) -> PullReport:
