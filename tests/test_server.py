@@ -76,8 +76,13 @@ def _package(derived: bool = True) -> dict:
               "baked": {}}
     if derived:
         double = [["input", [0], {}], ["aten.mul.Tensor", [{"ref": 0}, 2.0], {}]]
-        record["derived"] = {"_frozen_param0": {"inputs": ["1.weight"], "program": double},
-                             "_frozen_param1": {"inputs": ["1.bias"], "program": double}}
+        record["derived"] = {"_frozen_param0": {"inputs": ["1.weight"], "program": double, "value": {
+                                 "shape": [4, 4], "dtype": "float32", "layout": "strided", "stride": [4, 1],
+                                 "nbytes": 64}},
+                             "_frozen_param1": {"inputs": ["1.bias"], "program": double, "value": {
+                                 "shape": [4], "dtype": "float32", "layout": "strided", "stride": [1],
+                                 "nbytes": 16}}}
+        record["asks"] = ["0.weight", "_frozen_param0", "_frozen_param1"]
         record["derived_from"] = {"1.weight": [[4, 4], "float32", "cpu"], "1.bias": [[4], "float32", "cpu"]}
     return record
 

@@ -141,8 +141,11 @@ class AotPackage(Strategy):
         for p in planned:
             packages = [(package, dict(e.files)) for e in p.entries for package in e.manifest.packages]
             built_by = next((e.manifest.factors.get("env", {}).get("torch") for e in p.entries), None)
-            routes = aoti.load_packages(p.module, p.component, packages, ctx.device,
-                                        bind_at_first_call=ctx.recipe.offload == "model", built_by=built_by)
+            try:
+                routes = aoti.load_packages(p.module, p.component, packages, ctx.device,
+                                            bind_at_first_call=ctx.recipe.offload == "model", built_by=built_by)
+            except prepack.RecipeError as exc:  # a store's recipe that does not make what the build recorded
+                routes = _unservable(p, exc, policy)
             if ctx.recipe.compile.scope == "regional":  # the component runs eagerly, its blocks dispatch
                 for name, block in select_blocks(p.module, ctx.recipe.compile.blocks, ctx.recipe):
                     fallback = lazy_compile(ctx, block, scope="full") if policy == "compile" else None
@@ -151,6 +154,24 @@ class AotPackage(Strategy):
                 fallback = lazy_compile(ctx, p.module) if policy == "compile" else None
                 install_dispatcher(p.module, p.component, routes.get("", {}), fallback, policy)
         return result
+
+
+def _unservable(p: Planned, exc: Exception, policy: str) -> dict[str, Any]:
+    """A component whose entry passed every check but cannot be served (its prepacked constants cannot be
+    derived as recorded): a CacheMiss under ``on_miss="error"`` (or strict shapes), else a warning and
+    no routes (every call falls back as at a miss)."""
+    import warnings
+
+    from aotbuild.errors import CacheMiss
+    from aotbuild.utils.text import printable
+
+    reason = (f"{p.component} ({', '.join(e.key[:12] for e in p.entries)}): its entry cannot be served: "
+              f"{printable(str(exc))}")
+    if policy == "error":
+        raise CacheMiss(reason) from None
+    then = "compiles on first call" if policy == "compile" else "runs eagerly"
+    warnings.warn(f"aotbuild: {reason}; it {then}", stacklevel=2)
+    return {}
 
 
 def _mapping(value: Any) -> dict[str, Any]:

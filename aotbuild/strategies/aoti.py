@@ -153,7 +153,7 @@ def _package(module: Any, sig: str, args: tuple[Any, ...], kwargs: dict[str, Any
     unsupplied = sorted(name for name in lifted if name not in fqns)  # only a recipe's input
     weights = [f for f in fqns if f not in lifted and f not in derived]
     sources = sorted({i for r in derived.values() for i in r["inputs"]} - set(lifted))
-    record = {"signature": sig, "path": f"{PACKAGE_DIR}/{path.name}", "strides": strides,
+    record = {"signature": sig, "path": f"{PACKAGE_DIR}/{path.name}", "strides": strides, "asks": sorted(fqns),
               "constants": constant_meta(module, weights), "baked": baked_digests(module, [*weights, *sources]),
               "constant_strides": constant_strides(module, weights)}
     if derived:
@@ -451,12 +451,29 @@ def load_packages(module: Any, component: str, packages: list[tuple[dict[str, An
                 raise PackageMismatch(f"{component} has no block {instance!r}, which its AOT package serves; "
                                       f"rebuild the recipe for this model")
             model = opener()
+            if instance == package.get("instances", [""])[0]:
+                _check_asked(model, package, lifted)
             pinning = handover.leaks(model, list(package["constants"]) + list(package.get("derived", {})), built_by)
             label = f"{component}.{instance}" if instance else component
             runner = PackageRunner(model, owner, label, package, device, lifted, bind_at_first_call,
                                    pinning=pinning, opener=opener)
             routes.setdefault(instance, {})[package["signature"]] = PackageRoute(runner)
     return routes
+
+
+def _check_asked(model: Any, package: dict[str, Any], lifted: dict[str, Any]) -> None:
+    """RecipeError unless the names the package asks for are exactly what its record supplies: weights,
+    derived constants and the lifted constants it reads. A recipe missing from a store's manifest left
+    a constant unsupplied, and the package's first call read freed memory (SIGSEGV); an extra one is a
+    record that is not this package's."""
+    supplied = set(package["asks"])  # the static check (prepack.check_record) made it what the record supplies
+    asked = set(model.get_constant_fqns())
+    if asked != supplied:
+        missing, extra = sorted(asked - supplied), sorted(supplied - asked)
+        what = f"asks for {missing[0]!r}, which its record does not supply" if missing else \
+            f"does not ask for {extra[0]!r}, which its record supplies"
+        raise prepack.RecipeError(f"the package {Path(package['path']).name} {what} ({len(missing)} missing, "
+                                  f"{len(extra)} extra)")
 
 
 def open_blob(blob: Path, name: str) -> Any:

@@ -15,14 +15,23 @@ replays every recipe on the weights of the pipeline it is given and hands the re
 package (:func:`derive`). The package holds no weight values, and another checkpoint of the same
 structure is served with its own weights, prepacked.
 
-Only torch operators of the namespaces in :data:`NAMESPACES` and ``operator.getitem`` are replayed:
-a recipe naming anything else is refused when the manifest is read.
+A recipe from a store is untrusted data (issue 53), not a program: it may name only the operators of
+:data:`OPERATORS` for the format (dtype) of the constant it makes, which is what the build's recorder
+emits (a build that records another refuses to prepack), none of which writes to its inputs, reads or
+writes files, or makes a tensor from nothing. The build records each constant's shape, dtype, layout,
+strides and bytes (:func:`describe`); :func:`check_record` (every manifest read, and ``verify``) checks
+the operators, the references, the recipe set and the declared sizes without loading anything; a replay
+(:func:`replay`) refuses a step that would make a tensor larger than its recipe's bound before it runs,
+and a value that is not the one recorded. What no check can see is a well-formed recipe that computes
+another value (``aten.mul(w, 2)``): only a signature vouches for values (docs/security.md).
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import operator
+import re
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -32,6 +41,33 @@ if TYPE_CHECKING:
 #: The operator namespaces a recipe may call (what Inductor's freezing passes fold: layout changes,
 #: arithmetic of binary folding, oneDNN/MKL weight reorders).
 NAMESPACES = ("aten", "prims", "mkldnn", "mkl")
+
+#: What freezing records for a float32 constant (torch 2.13; tests/test_prepack.py records each): layout
+#: changes, the arithmetic of folding a batch norm or a following multiplication into a convolution, and
+#: oneDNN's and MKL's weight reorders (MKL's where torch has MKL, oneDNN's otherwise).
+_FLOAT32 = frozenset({
+    "aten.clone.default", "aten.reshape.default", "aten.permute.default", "aten.unsqueeze.default",
+    "aten.mul.Tensor", "aten.add.Tensor", "aten.sub.Tensor", "aten.sqrt.default", "aten.reciprocal.default",
+    "mkldnn._reorder_convolution_weight", "mkl._mkl_reorder_linear_weight", "mkldnn._reorder_linear_weight"})
+#: The operators a recipe may replay, by the dtype of the constant it makes (its *format*): a closed list
+#: of what the build's recorder emits, checked at record time (a build that records another does not
+#: prepack) and whenever a manifest is read. bf16 and fp16 add the casts of folding in float32.
+#: No operator here writes to its inputs, touches a file or makes a tensor but from its inputs.
+OPERATORS: dict[str, frozenset[str]] = {
+    "float32": _FLOAT32,
+    "bfloat16": _FLOAT32 | {"prims.convert_element_type.default"},
+    "float16": _FLOAT32 | {"prims.convert_element_type.default"},
+}
+#: Operators that can make a tensor larger than each of their inputs (broadcasting): the output's size
+#: is checked against the recipe's bound before they run.
+_BROADCASTING = frozenset({"aten.mul.Tensor", "aten.add.Tensor", "aten.sub.Tensor"})
+#: Steps in one recipe (freezing's longest, a batch norm folded into a convolution in bf16: 19).
+MAX_STEPS = 256
+#: A derived constant may declare at most this many times the bytes of the tensors it is made from, plus
+#: :data:`PACK_SLACK`: MKL's packed linear weights are up to 22x a 256x257 weight's bytes, and at least
+#: about 5.8 MB whatever the weight (torch 2.13, measured); oneDNN pads blocked channels to 16.
+PACK_FACTOR = 32
+PACK_SLACK = 8 << 20
 
 #: Linear weights of at most this many elements (in x out) are left unpacked under freezing: oneDNN's
 #: packed linear costs a fixed few microseconds more per call than ``addmm`` and gains only on larger
@@ -65,20 +101,69 @@ def _op_name(target: Any) -> str:
     raise RecipeError(f"a folded constant is computed by {target!r}, which a recipe cannot replay")
 
 
-def resolve_op(name: str) -> Any:
-    """The operator a recipe names, from the allowed namespaces only (a manifest is untrusted input)."""
-    if name == "operator.getitem":
-        return operator.getitem
+_ALLOWED = frozenset().union(*OPERATORS.values())
+_RESOLVED: dict[str, Any] = {}
+
+
+def resolve_op(name: str, fmt: str | None = None) -> Any:
+    """The operator a recipe names: one of :data:`OPERATORS` (of format ``fmt`` when given), whose
+    schema writes to none of its arguments (a manifest is untrusted input)."""
+    allowed = _ALLOWED if fmt is None else OPERATORS.get(fmt, frozenset())
+    if name not in allowed:
+        if fmt is not None and fmt not in OPERATORS:
+            raise RecipeError(f"a recipe makes a {fmt} constant: no recipe is replayed for {fmt} constants "
+                              f"(prepacked formats: {', '.join(OPERATORS)})")
+        where = f"for {fmt} constants" if fmt is not None else "for any format"
+        raise RecipeError(f"a recipe names the operator {name[:80]!r}, which is not one aotbuild replays {where} "
+                          f"(prepack.OPERATORS: what freezing records)")
+    op = _RESOLVED.get(name)
+    if op is not None:
+        return op
     import torch
 
-    parts = name.split(".")
-    if len(parts) not in (2, 3) or parts[0] not in NAMESPACES or not all(p.isidentifier() for p in parts):
-        raise RecipeError(f"a recipe names the operator {name!r}, which is not a torch operator aotbuild replays")
+    ns, _, rest = name.partition(".")
     try:
-        op = getattr(getattr(torch.ops, parts[0]), parts[1])
-        return getattr(op, parts[2]) if len(parts) == 3 else op
+        op = getattr(getattr(torch.ops, ns), rest.split(".")[0])
+        op = getattr(op, rest.split(".")[1]) if "." in rest else op
     except (AttributeError, RuntimeError) as exc:
         raise RecipeError(f"a recipe names the operator {name!r}, which this torch does not have") from exc
+    overloads = [op] if isinstance(op, torch._ops.OpOverload) else [getattr(op, o) for o in op.overloads()]
+    if any(o._schema.is_mutable for o in overloads):  # never the case for the list: held anyway
+        raise RecipeError(f"a recipe names the operator {name!r}, which writes to its arguments")
+    _RESOLVED[name] = op
+    return op
+
+
+def describe(t: Any) -> dict[str, Any]:
+    """What a derived constant is, as the build recorded it and a load checks it: shape, dtype, layout
+    (``strided`` or oneDNN's opaque ``mkldnn``), strides (strided) and bytes."""
+    import torch
+
+    dtype = str(t.dtype).replace("torch.", "")
+    if t.is_mkldnn:
+        return {"shape": list(t.shape), "dtype": dtype, "layout": "mkldnn", "nbytes": int(torch.ops.mkldnn._nbytes(t))}
+    return {"shape": list(t.shape), "dtype": dtype, "layout": "strided", "stride": list(t.stride()),
+            "nbytes": _span(list(t.shape), list(t.stride()), t.element_size())}
+
+
+def _span(shape: list[int], stride: list[int], itemsize: int) -> int:
+    """Bytes a strided tensor's elements reach (0 when it has none)."""
+    if any(d == 0 for d in shape):
+        return 0
+    return (1 + sum((d - 1) * s for d, s in zip(shape, stride, strict=True))) * itemsize
+
+
+def _itemsize(dtype: str) -> int | None:
+    import torch
+
+    value = getattr(torch, dtype, None) if dtype.isidentifier() else None
+    return value.itemsize if isinstance(value, torch.dtype) else None
+
+
+def _bytes(t: Any) -> int:
+    import torch
+
+    return int(torch.ops.mkldnn._nbytes(t)) if t.is_mkldnn else t.numel() * t.element_size()
 
 
 def _encode(value: Any, refs: dict[Any, int]) -> Any:
@@ -118,6 +203,8 @@ def _decode(value: Any, values: list[Any]) -> Any:
                 raise RecipeError(f"a recipe names {kind} {v!r}")
             return out
         if kind == "device":
+            if not _DEVICE.match(v):
+                raise RecipeError(f"a recipe names device {v[:40]!r}")
             return torch.device(v)
         raise RecipeError(f"a recipe holds an argument tagged {kind!r}")
     return value
@@ -225,7 +312,18 @@ class FoldRecorder:
         for target, recipe in self.recipes(folded, final).items():
             if recipe["inputs"] == [target] and len(recipe["program"]) == 1:
                 continue  # a weight as it is: supplied live, as without freezing
-            if not same_value(replay(recipe, self.tensors), final[target]):
+            recipe["value"] = describe(final[target])
+            for op, _, _ in recipe["program"]:
+                if op != "input":
+                    resolve_op(op, recipe["value"]["dtype"])  # what a load would refuse is not stored
+            if len(recipe["program"]) > MAX_STEPS:
+                raise RecipeError(f"{target!r} is folded in {len(recipe['program'])} steps, more than the "
+                                  f"{MAX_STEPS} a recipe may have")
+            try:
+                same = same_value(replay(recipe, self.tensors), final[target])
+            except RecipeError as exc:
+                raise RecipeError(f"replaying how Inductor folded {target!r} does not give its value: {exc}") from None
+            if not same:
                 raise RecipeError(f"replaying how Inductor folded {target!r} does not give its value")
             checked[target] = recipe
         return checked
@@ -410,19 +508,69 @@ def _inline(tensor: Any, folded: dict[int, Any], names: dict[tuple[Any, ...], st
 
 
 def replay(recipe: dict[str, Any], tensors: dict[str, Any]) -> Any:
-    """Run a recipe on ``tensors`` (module tensor name -> tensor); the constant it computes."""
+    """Run a recipe (as :func:`check_record` passed it) on ``tensors`` (module tensor name -> tensor); the
+    constant it computes, checked against the one the build recorded (``recipe["value"]``).
+
+    No step may make a tensor of more than twice the larger of the recorded constant's bytes and its
+    largest input's (plus 64 KiB): a broadcasting step is refused before it runs, any other after (each
+    of the others makes at most a fixed multiple of what it reads). Every failure is a RecipeError
+    naming the step."""
     import torch
 
+    declared = recipe["value"]
+    fmt = declared["dtype"]
     inputs = [tensors[name] for name in recipe["inputs"]]
+    bound = 2 * max([declared["nbytes"], *(_bytes(t) for t in inputs)]) + (64 << 10)
     values: list[Any] = []
     with torch.no_grad():
-        for op, args, kwargs in recipe["program"]:
+        for i, (op, args, kwargs) in enumerate(recipe["program"]):
             if op == "input":
                 values.append(inputs[args[0]].detach())
                 continue
-            values.append(resolve_op(op)(*_decode(args, values), **{k: _decode(v, values)
-                                                                      for k, v in kwargs.items()}))
-    return values[-1]
+            fn = resolve_op(op, fmt)
+            a, k = _decode(args, values), {name: _decode(v, values) for name, v in kwargs.items()}
+            try:
+                if op in _BROADCASTING:
+                    operands = [x for x in a if isinstance(x, torch.Tensor)]
+                    size = math.prod(torch.broadcast_shapes(*(x.shape for x in operands))) * max(
+                        x.element_size() for x in operands) if operands else 0
+                    if size > bound:
+                        raise RecipeError(f"step {i} ({op}) would make {size} bytes, more than the {bound} its "
+                                          f"recipe may use")
+                out = fn(*a, **k)
+            except RecipeError:
+                raise
+            except (RuntimeError, TypeError, ValueError, IndexError, OverflowError) as exc:
+                why = (str(exc).strip().splitlines() or [""])[0][:200]
+                raise RecipeError(f"step {i} ({op}) fails: {type(exc).__name__}: {why}") from None
+            if isinstance(out, torch.Tensor) and _bytes(out) > bound:
+                raise RecipeError(f"step {i} ({op}) made {_bytes(out)} bytes, more than the {bound} its recipe "
+                                  f"may use")
+            values.append(out)
+    value = values[-1]
+    why = _unlike(value, declared)
+    if why:
+        raise RecipeError(f"it made {why}")
+    return value
+
+
+def _unlike(value: Any, declared: dict[str, Any]) -> str:
+    """How ``value`` differs from the constant the build recorded, or ""."""
+    import torch
+
+    if not isinstance(value, torch.Tensor):
+        return f"a {type(value).__name__}, not a tensor"
+    got = describe(value)
+    if got["layout"] == "mkldnn" == declared["layout"]:
+        # oneDNN's padding follows the CPU's ISA (a key factor): equal on the build's ISA, bounded here
+        same = got["shape"] == declared["shape"] and got["dtype"] == declared["dtype"] \
+            and got["nbytes"] <= 2 * declared["nbytes"] + (64 << 10)
+    else:
+        same = got == declared
+    if same:
+        return ""
+    shown = {k: v for k, v in got.items() if declared.get(k) != v}
+    return f"{shown}, where the build recorded {({k: declared.get(k) for k in shown})}"
 
 
 def same_value(a: Any, b: Any) -> bool:
@@ -434,27 +582,89 @@ def same_value(a: Any, b: Any) -> bool:
     return a.shape == b.shape and a.dtype == b.dtype and bool(torch.equal(a, b))
 
 
+#: The tags an argument may carry, and the devices a ``{"device": ...}`` may name.
+_TAGS = frozenset({"ref", "dtype", "device", "memory_format", "layout"})
+_DEVICE = re.compile(r"^(cpu|cuda|xpu)(:[0-9]{1,2})?$")
+
+
 def _refs_ok(value: Any, below: int) -> bool:
     if isinstance(value, list):
         return all(_refs_ok(v, below) for v in value)
     if isinstance(value, dict):
         if set(value) == {"ref"}:
             return isinstance(value["ref"], int) and not isinstance(value["ref"], bool) and 0 <= value["ref"] < below
-        return len(value) == 1 and all(isinstance(v, str) for v in value.values())
+        if len(value) != 1 or not all(isinstance(v, str) for v in value.values()):
+            return False
+        (kind, v), = value.items()
+        return kind in _TAGS and (kind != "device" or bool(_DEVICE.match(v))) and (
+            kind not in ("dtype", "memory_format", "layout") or v.isidentifier())
     return value is None or isinstance(value, (bool, int, float, str))
 
 
+def _ints(value: Any, low: int = 0) -> bool:
+    return isinstance(value, list) and len(value) <= 8 and all(
+        isinstance(d, int) and not isinstance(d, bool) and low <= d < 1 << 40 for d in value)
+
+
+def _value_problem(value: Any) -> str:
+    """What is wrong with a recipe's recorded constant (:func:`describe`), or ""."""
+    if not isinstance(value, dict) or not isinstance(value.get("dtype"), str) or not _ints(value.get("shape")) \
+            or value.get("layout") not in ("strided", "mkldnn") or not _ints([value.get("nbytes")]):
+        return "not {shape, dtype, layout, nbytes}"
+    itemsize = _itemsize(value["dtype"])
+    if itemsize is None:
+        return f"dtype {value['dtype'][:40]!r} is no torch dtype"
+    if value["layout"] == "strided":
+        if not _ints(value.get("stride")) or len(value["stride"]) != len(value["shape"]) or set(value) != {
+                "shape", "dtype", "layout", "stride", "nbytes"}:
+            return "a strided constant without its strides"
+        if value["nbytes"] != _span(value["shape"], value["stride"], itemsize):
+            return "nbytes is not what its shape and strides reach"
+    elif set(value) != {"shape", "dtype", "layout", "nbytes"} or value["nbytes"] < math.prod(value["shape"]) * itemsize:
+        return "an opaque constant smaller than its elements"
+    return ""
+
+
 def check_record(record: dict[str, Any]) -> str:
-    """What is wrong with a package record's recipes (``derived``, ``derived_from``), or ""."""
+    """What is wrong with a package record's recipes (``derived``, ``derived_from``), or "": the static
+    checks of every manifest read and of ``verify``, which load nothing (a package's ``.so`` runs when it
+    is loaded). Each recipe: steps of :data:`OPERATORS` for its constant's format, each reading values
+    computed before it, its inputs among the weights (``derived_from``) and lifted constants the record
+    names, its recorded constant well-formed and at most :data:`PACK_FACTOR` times the bytes of its inputs
+    (plus :data:`PACK_SLACK`); no name both a derived constant and a weight."""
     derived = record.get("derived", {})
     if not isinstance(derived, dict):
         return "packages[].derived: not an object"
+    sources = record.get("derived_from", {})
+    if not isinstance(sources, dict) or not all(isinstance(m, list) and len(m) == 3 and _ints(m[0])
+                                                and isinstance(m[1], str) for m in sources.values()):
+        return "packages[].derived_from: not {name: [shape, dtype, device]}"
+    lifted = record.get("lifted", {}) if isinstance(record.get("lifted", {}), dict) else {}
+    readable = {name: meta[:2] for name, meta in {**lifted, **sources}.items() if isinstance(meta, list)}
+    constants = record.get("constants", {})
     for name, recipe in derived.items():
         where = f"packages[].derived[{name[:40]!r}]"
         if (not isinstance(recipe, dict) or not isinstance(recipe.get("inputs"), list)
                 or not all(isinstance(i, str) for i in recipe["inputs"])
                 or not isinstance(recipe.get("program"), list) or not recipe["program"]):
-            return f"{where}: not {{inputs, program}}"
+            return f"{where}: not {{inputs, program, value}}"
+        if isinstance(constants, dict) and name in constants:
+            return f"{where}: also a weight the package is handed as it is"
+        if len(recipe["program"]) > MAX_STEPS:
+            return f"{where}: {len(recipe['program'])} steps, more than {MAX_STEPS}"
+        why = _value_problem(recipe.get("value"))
+        if why:
+            return f"{where}.value: {why}"
+        unknown = [i for i in recipe["inputs"] if i not in readable]
+        if unknown:
+            return f"{where}: reads {unknown[0][:60]!r}, which is not among the weights it is derived from"
+        read = 0
+        for i in recipe["inputs"]:
+            shape, dtype = readable[i]
+            read += math.prod(shape) * (_itemsize(dtype) or 8)
+        if recipe["value"]["nbytes"] > PACK_FACTOR * read + PACK_SLACK:
+            return (f"{where}: declares {recipe['value']['nbytes']} bytes, more than {PACK_FACTOR}x the "
+                    f"{read} it reads")
         for i, step in enumerate(recipe["program"]):
             if (not isinstance(step, list) or len(step) != 3 or not isinstance(step[0], str)
                     or not isinstance(step[1], list) or not isinstance(step[2], dict)):
@@ -464,15 +674,23 @@ def check_record(record: dict[str, Any]) -> str:
                     return f"{where}: step {i} names no input"
                 continue
             try:
-                resolve_op(step[0])
+                resolve_op(step[0], recipe["value"]["dtype"])
             except RecipeError as exc:
                 return f"{where}: {exc}"
-            if not _refs_ok(step[1], i) or not _refs_ok(list(step[2].values()), i):
-                return f"{where}: step {i} reads a value not computed before it"
-    sources = record.get("derived_from", {})
-    if not isinstance(sources, dict) or not all(isinstance(m, list) and len(m) == 3 for m in sources.values()):
-        return "packages[].derived_from: not {name: [shape, dtype, device]}"
+            if not _refs_ok(step[1], i) or not _refs_ok(list(step[2].values()), i) \
+                    or not all(isinstance(k, str) and k.isidentifier() for k in step[2]):
+                return f"{where}: step {i} reads a value not computed before it, or an argument of no known kind"
     unsupplied = record.get("lifted_unsupplied", [])
     if not isinstance(unsupplied, list) or not all(isinstance(n, str) for n in unsupplied):
         return "packages[].lifted_unsupplied: not a list of names"
+    asks = record.get("asks")
+    if not isinstance(asks, list) or not all(isinstance(n, str) for n in asks):
+        return "packages[].asks: not the list of the package's constants"
+    supplied = {*(constants if isinstance(constants, dict) else {}), *derived,
+                *(n for n in lifted if n not in unsupplied)}
+    if set(asks) != supplied:
+        missing, extra = sorted(set(asks) - supplied), sorted(supplied - set(asks))
+        return (f"packages[].asks: the package asks for {missing[0][:60]!r}, which no weight, recipe or lifted "
+                f"constant supplies" if missing else
+                f"packages[]: {extra[0][:60]!r} is supplied but the package does not ask for it")
     return ""

@@ -158,6 +158,7 @@ class PackageRunner:
         self.derived: dict[str, dict[str, Any]] = package.get("derived", {})
         self.derived_from: dict[str, list[Any]] = package.get("derived_from", {})
         self.derived_values: dict[str, Any] = {}
+        self._views: set[str] = set()  # derived constants that are views of a weight (never written into)
         self.unsupplied = set(package.get("lifted_unsupplied", []))
         self.pinning = pinning
         self.opener = opener
@@ -343,7 +344,7 @@ class PackageRunner:
             old = self.derived_values.get(name)
             if old is not None and all(is_discarded(inputs[i]) for i in self.derived[name]["inputs"]):
                 continue  # discard_weights: only aotbuild.refit changes it (discard.py)
-            value = prepack.replay(self.derived[name], inputs)
+            value = self._replay(name, inputs)
             for src in self.derived[name]["inputs"]:
                 readers = unread.get(src)
                 if readers is not None:
@@ -352,16 +353,34 @@ class PackageRunner:
                         del unread[src]
                         self.dropped += discarding.drop(self.module, src, f"{self.component}.{src}")
                         tensors[src] = inputs[src] = lookup(self.module, src)[0]
-            if old is not None and _same_layout(old, value):
-                _write_into(old, value)  # in place: the package reads it as it is, nothing is handed over
-            else:
-                if self.pinning and not handover.aliasable(value):  # pinned once handed over: a pooled one
-                    value = handover.reuse(value)
-                    self._pinned.append(value)
-                self.derived_values[name] = new[name] = value
+            self._settle(name, value, inputs, new)
             self.replayed += 1
             del value
         return new
+
+    def _replay(self, name: str, inputs: dict[str, Any]) -> Any:
+        try:
+            return prepack.replay(self.derived[name], inputs)
+        except prepack.RecipeError as exc:
+            raise prepack.RecipeError(f"{self.component}: the recipe of {name!r}: {exc}") from None
+
+    def _settle(self, name: str, value: Any, inputs: dict[str, Any], new: dict[str, Any]) -> None:
+        """Keep ``value``, the re-derived constant ``name``: written into the one handed over where it has
+        its layout and owns its memory, else kept to hand over (in ``new``). A constant that is a view of
+        a weight (a reshape) is never written into: that would write into the weight the user's module
+        held before (a checkpoint it may keep to swap back)."""
+        old = self.derived_values.get(name)
+        if old is not None and name not in self._views and _same_layout(old, value):
+            _write_into(old, value)  # in place: the package reads it as it is, nothing is handed over
+            return
+        if any(_shares_memory(value, inputs.get(i)) for i in self.derived[name]["inputs"]):
+            self._views.add(name)
+        else:
+            self._views.discard(name)
+        if self.pinning and not handover.aliasable(value):  # pinned once handed over: a pooled one
+            value = handover.reuse(value)
+            self._pinned.append(value)
+        self.derived_values[name] = new[name] = value
 
     def _remember(self, tensors: dict[str, Any], edges: list[Any], stores: list[Any]) -> None:
         self._edges = ([e[0] for e in edges], [e[1] for e in edges], [e[2] for e in edges])
@@ -395,12 +414,7 @@ class PackageRunner:
             names = list(dict.fromkeys(n for s in sorted(given) for n in self._readers.get(s, ())))
             new = {}
             for name in names:
-                value = prepack.replay(self.derived[name], {**inputs, **self.lifted})
-                old = self.derived_values.get(name)
-                if old is not None and _same_layout(old, value):
-                    _write_into(old, value)
-                else:
-                    self.derived_values[name] = new[name] = value
+                self._settle(name, self._replay(name, {**inputs, **self.lifted}), inputs, new)
                 self.replayed += 1
             self._hand_over(new)
             self._last = dict(zip(self.watched, self._identity_each(tensors.values()), strict=True))
@@ -494,6 +508,16 @@ class PackageRunner:
     def __reduce__(self) -> Any:
         raise TypeError(f"{self.component}: a served AOT package cannot be pickled; torch.save the module (it "
                         f"saves as its eager self) or its state_dict")
+
+
+def _shares_memory(value: Any, t: Any) -> bool:
+    """Whether the dense tensor ``value`` is a view of the dense tensor ``t``'s memory."""
+    if t is None or is_discarded(t) or getattr(value, "is_mkldnn", True) or getattr(t, "is_mkldnn", True):
+        return False
+    try:
+        return t.device == value.device and t.untyped_storage().data_ptr() == value.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return False
 
 
 def _same_layout(a: Any, b: Any) -> bool:

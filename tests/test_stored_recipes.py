@@ -1,0 +1,280 @@
+"""A store's prepacked recipes are data, not a program (issue 53): a closed list of operators per format,
+what the build's recorder emits (held here by recording each), no operator that writes to its inputs, a
+file or makes a tensor from nothing, every reference and size checked when a manifest is read and by
+``verify`` (nothing loaded), each replayed value checked against the one the build recorded, and a
+recipe missing or extra refused before anything is handed over (aotbuild/strategies/prepack.py).
+The end-to-end tampering of a real package: tests/test_prepack.py."""
+
+from __future__ import annotations
+
+import collections
+import copy
+import json
+import os
+
+import pytest
+import torch
+
+from aotbuild.cache.manage import Finding, verify
+from aotbuild.strategies import prepack
+from aotbuild.strategies.aot_package import AotPackage
+from aotbuild.strategies.registry import checked_store
+from tests.conftest import run_cli
+from tests.manifests import add_entry, write_raw
+
+VALUE = {"shape": [1, 4], "dtype": "float32", "layout": "strided", "stride": [4, 1], "nbytes": 16}
+GOOD = [["input", [0], {}], ["aten.reshape.default", [{"ref": 0}, [1, 4]], {}]]
+
+
+def record(program=GOOD, value=VALUE, inputs=("w",), **fields):
+    """An AOT package record with one derived constant, made from the weight ``w`` (4 floats)."""
+    out = {"constants": {"b": [[4], "float32", "cpu"]},
+           "derived": {"_frozen_param0": {"inputs": list(inputs), "program": program, "value": value}},
+           "derived_from": {"w": [[4], "float32", "cpu"]}, "asks": ["_frozen_param0", "b"]}
+    out.update(fields)
+    return out
+
+
+def test_a_well_formed_recipe_passes_and_replays_to_what_the_build_recorded():
+    assert AotPackage().check_records((record(),)) == ""
+    w = torch.arange(4.0)
+    assert torch.equal(prepack.replay(record()["derived"]["_frozen_param0"], {"w": w}), w.reshape(1, 4))
+
+
+HOSTILE = {
+    # operators outside the closed list: a file, an in-place write to a weight, a tensor from nothing
+    "from_file": ["aten.from_file.default", ["/tmp/aotbuild-planted", True, 1 << 20], {}],
+    "fill_": ["aten.fill_.Scalar", [{"ref": 0}, 1.0], {}],
+    "zero_": ["aten.zero_.default", [{"ref": 0}], {}],
+    "copy_": ["aten.copy_.default", [{"ref": 0}, {"ref": 0}], {}],
+    "empty": ["aten.empty.memory_format", [[1 << 40]], {}],
+    "out=": ["aten.mul.out", [{"ref": 0}, {"ref": 0}], {"out": {"ref": 0}}],
+    "eval": ["builtins.eval", ["1"], {}],
+    "torch.load": ["torch.load", ["x"], {}],
+    "unknown": ["aten.no_such_op.default", [], {}],
+    "a cast in float32": ["prims.convert_element_type.default", [{"ref": 0}, {"dtype": "float64"}], {}],
+}
+
+
+@pytest.mark.parametrize("name", list(HOSTILE))
+def test_an_operator_outside_what_freezing_records_is_refused_when_the_manifest_is_read(name, tmp_path):
+    step = HOSTILE[name]
+    why = AotPackage().check_records((record([["input", [0], {}], step]),))
+    assert "not one aotbuild replays for float32 constants" in why, why
+    # and a replay that was never checked refuses it too, before it runs: no file, the weight unchanged
+    w = torch.arange(4.0)
+    recipe = record([["input", [0], {}], step])["derived"]["_frozen_param0"]
+    with pytest.raises(prepack.RecipeError, match="not one aotbuild replays"):
+        prepack.replay(recipe, {"w": w})
+    assert torch.equal(w, torch.arange(4.0)) and not os.path.exists("/tmp/aotbuild-planted")
+
+
+def test_the_closed_list_holds_no_operator_that_writes_reads_files_or_makes_tensors_from_nothing():
+    for fmt, names in prepack.OPERATORS.items():
+        for name in names:
+            op = prepack.resolve_op(name, fmt)
+            overloads = [op] if isinstance(op, torch._ops.OpOverload) else [getattr(op, o) for o in op.overloads()]
+            for overload in overloads:
+                schema = overload._schema
+                assert not schema.is_mutable, name
+                assert any(a.type.isSubtypeOf(torch._C.TensorType.get()) for a in schema.arguments), name
+
+
+@pytest.mark.parametrize(("fields", "expected"), [
+    ({"value": None}, ".value: not {shape, dtype, layout, nbytes}"),
+    ({"value": {**VALUE, "dtype": "int8", "nbytes": 4}},
+     "no recipe is replayed for int8 constants (prepacked formats: float32"),
+    ({"value": {**VALUE, "dtype": "os.system"}}, "is no torch dtype"),
+    ({"value": {**VALUE, "nbytes": 1 << 30}}, "nbytes is not what its shape and strides reach"),
+    ({"value": {"shape": [1 << 28], "dtype": "float32", "layout": "strided", "stride": [1], "nbytes": 1 << 30}},
+     "declares 1073741824 bytes, more than 32x the 16 it reads"),
+    ({"value": {"shape": [4], "dtype": "float32", "layout": "mkldnn", "nbytes": 8}}, "smaller than its elements"),
+    ({"inputs": ("text_encoder.secret",)}, "which is not among the weights it is derived from"),
+    ({"program": [["input", [0], {}], ["aten.clone.default", [{"ref": 0}], {"memory_format": {"device": "disk"}}]]},
+     "an argument of no known kind"),
+    ({"program": [["input", [0], {}], ["aten.clone.default", [{"ref": 0}], {"memory_format": {"eval": "x"}}]]},
+     "an argument of no known kind"),
+    ({"program": [["input", [0], {}], ["aten.reshape.default", [{"ref": 5}, [4]], {}]]},
+     "reads a value not computed before it"),
+    ({"program": [["input", [3], {}]]}, "names no input"),
+    ({"program": [["input", [0], {}]] + [["aten.clone.default", [{"ref": 0}], {}]] * prepack.MAX_STEPS},
+     f"more than {prepack.MAX_STEPS}"),
+])
+def test_a_recipe_whose_references_or_declared_sizes_are_wrong_is_malformed(fields, expected):
+    kwargs = {k: v for k, v in fields.items() if k in ("program", "value", "inputs")}
+    assert expected in AotPackage().check_records((record(**kwargs),))
+
+
+def test_a_missing_or_extra_recipe_or_a_name_both_derived_and_a_weight_is_malformed():
+    removed = record()
+    del removed["derived"]["_frozen_param0"]  # the package still asks for it: its first call read freed memory
+    assert "asks for '_frozen_param0', which no weight, recipe or lifted constant supplies" in \
+        AotPackage().check_records((removed,))
+    extra = record(asks=["b"])
+    assert "'_frozen_param0' is supplied but the package does not ask for it" in AotPackage().check_records((extra,))
+    both = record(constants={"b": [[4], "float32", "cpu"], "_frozen_param0": [[1, 4], "float32", "cpu"]})
+    assert "also a weight the package is handed as it is" in AotPackage().check_records((both,))
+    assert "packages[].asks" in AotPackage().check_records(({k: v for k, v in record().items() if k != "asks"},))
+
+
+def test_a_step_that_would_make_more_than_its_recipe_may_is_refused_before_it_runs():
+    """(N,1) x (1,N): two reshapes of a weight broadcast to N^2 elements; the bound is twice the larger of
+    the recorded constant and the largest input (plus 64 KiB): refused before the multiplication runs."""
+    n = 4096
+    program = [["input", [0], {}], ["aten.reshape.default", [{"ref": 0}, [n, 1]], {}],
+               ["aten.reshape.default", [{"ref": 0}, [1, n]], {}],
+               ["aten.mul.Tensor", [{"ref": 1}, {"ref": 2}], {}]]
+    value = {"shape": [n, n], "dtype": "float32", "layout": "strided", "stride": [n, 1], "nbytes": 4 * n * n}
+    # declared as it is, it is malformed: 64 MiB from a 16 KiB weight
+    rec = record(program, value, derived_from={"w": [[n], "float32", "cpu"]})
+    assert "more than 32x" in AotPackage().check_records((rec,))
+    # declared small (a lie), it passes the static check and the replay refuses the step before it runs
+    small = {"shape": [n], "dtype": "float32", "layout": "strided", "stride": [1], "nbytes": 4 * n}
+    rec = record(program, small, derived_from={"w": [[n], "float32", "cpu"]})
+    assert AotPackage().check_records((rec,)) == ""
+    with pytest.raises(prepack.RecipeError, match=r"step 3 \(aten.mul.Tensor\) would make 67108864 bytes"):
+        prepack.replay(rec["derived"]["_frozen_param0"], {"w": torch.ones(n)})
+
+
+def test_a_replayed_value_unlike_the_recorded_one_or_a_failing_step_is_a_recipe_error():
+    w = torch.arange(4.0)
+    other = record(value={"shape": [4, 1], "dtype": "float32", "layout": "strided", "stride": [1, 1], "nbytes": 16})
+    with pytest.raises(prepack.RecipeError, match=r"it made \{'shape': \[1, 4\]"):
+        prepack.replay(other["derived"]["_frozen_param0"], {"w": w})
+    failing = record([["input", [0], {}], ["aten.reshape.default", [{"ref": 0}, [3]], {}]])
+    with pytest.raises(prepack.RecipeError, match=r"step 1 \(aten.reshape.default\) fails: RuntimeError"):
+        prepack.replay(failing["derived"]["_frozen_param0"], {"w": w})
+
+
+def test_verify_finds_a_hostile_recipe_without_loading_anything(tmp_path):
+    """``verify`` applies the strategy's static checks, as every manifest read does (before: exit 0 on
+    every hostile recipe of the closed list's namespaces)."""
+    store = checked_store(tmp_path / "cache")
+    key = add_entry(store, tmp_path / "src", "e", {"packages/p.pt2": b"not a package: never loaded"},
+                    target={"name": "inductor", "strategy": "aot-package"})
+    data = json.loads(store.layout.manifest(key).read_text())
+    hostile = record([["input", [0], {}], HOSTILE["zero_"]], path="packages/p.pt2", signature="s")
+    data["packages"] = [hostile]
+    write_raw(store, key, data)
+    found = [p for p in verify(store) if p.kind == Finding.MALFORMED]
+    assert len(found) == 1 and "aten.zero_.default" in found[0].detail, found
+    proc = run_cli("verify", "--cache", str(tmp_path / "cache"))
+    assert proc.returncode == 1 and "aten.zero_.default" in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+    proc = run_cli("verify", "--fix", "--cache", str(tmp_path / "cache"))
+    assert not store.layout.manifest(key).exists() and not list(store.blob_files())  # its blob reclaimed too
+    good = copy.deepcopy(data)
+    good["packages"] = [record(path="packages/p.pt2", signature="s")]
+    assert AotPackage().check_records(tuple(good["packages"])) == ""
+
+
+@pytest.mark.slow  # two freezing passes (fp32, bf16) of a small module, stopped before code generation (~15 s)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_closed_list_is_what_freezing_records(dtype):
+    """Every operator of a format's list is one freezing records for a module with the patterns it folds
+    (a batch norm and a following multiplication folded into a convolution, a GroupNorm's reshapes, large
+    linears packed), and every operator it records is on the list: each listed operator is held here."""
+    import torch._inductor.config as inductor_config
+    import torch._inductor.freezing as freezing
+
+    class Stop(Exception):
+        pass
+
+    class Folded(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = torch.nn.Conv2d(4, 32, 3, padding=1)
+            self.conv2 = torch.nn.Conv2d(32, 32, 3, padding=1, bias=False)
+            self.bn = torch.nn.BatchNorm2d(32)
+            self.gn = torch.nn.GroupNorm(4, 32)
+            self.lin = torch.nn.Linear(320, 320)
+            self.small = torch.nn.Linear(32, 32)  # left unpacked (prepack.SMALL_LINEAR): addmm reads it permuted
+            self.register_buffer("scale", torch.randn(32, 1, 1))
+
+        def forward(self, x, y):
+            h = self.gn(self.bn(self.conv2(self.conv(x) * self.scale + 1.0)))
+            return self.small(h.mean((2, 3))), self.lin(y)
+
+    torch.manual_seed(0)
+    module = Folded().eval().to(dtype)
+    recorder = prepack.FoldRecorder({k: v.detach() for k, v in [*module.named_parameters(), *module.named_buffers()]})
+    with torch.no_grad(), inductor_config.patch(freezing=True), recorder.active():
+        recording = freezing.freeze
+
+        stopped = []
+
+        def stop(*args, **kwargs):
+            recording(*args, **kwargs)
+            stopped.append(True)
+            raise Stop  # the recipes are recorded: no code generation
+
+        freezing.freeze = stop
+        try:
+            x, y = torch.randn(1, 4, 8, 8, dtype=dtype), torch.randn(8, 320, dtype=dtype)
+            torch.compile(module, fullgraph=True)(x, y)
+        except Exception:  # Dynamo wraps it
+            pass
+        finally:
+            freezing.freeze = recording
+    assert stopped
+    names = prepack._tensor_names(recorder.tensors)
+    recorded = collections.Counter()
+    for tensor in recorder.final.values():
+        inputs, program = [], []
+        try:
+            prepack._inline(tensor, recorder._folded, names, inputs, program, {})
+        except prepack.RecipeError:
+            continue  # a value Inductor made (under torch.compile, not export): no recipe, as at a build
+        recorded.update(step[0] for step in program if step[0] != "input")
+    fmt = str(dtype).replace("torch.", "")
+    listed = set(prepack.OPERATORS[fmt])
+    # one of the two linear reorders, by whether this torch has MKL
+    unused = "mkldnn._reorder_linear_weight" if torch._C.has_mkl and dtype == torch.float32 else \
+        "mkl._mkl_reorder_linear_weight"
+    assert set(recorded) == listed - {unused}, (sorted(recorded), sorted(listed))
+
+
+def test_a_recipe_that_fails_at_load_is_a_miss_naming_it_or_a_fallback_that_says_so():
+    """aot_package's install: a RecipeError from loading a component's packages is a CacheMiss under
+    on_miss="error" (or strict shapes), else a warning and no routes (each call falls back as at a miss)."""
+    from types import SimpleNamespace
+
+    from aotbuild.errors import CacheMiss
+    from aotbuild.strategies.aot_package import _unservable
+
+    planned = SimpleNamespace(component="unet", entries=[SimpleNamespace(key="ab" * 32)])
+    why = prepack.RecipeError("unet: the recipe of '_frozen_param3': it made {'dtype': 'float32'}, where ...")
+    with pytest.raises(CacheMiss, match=r"unet \(abababababab\): its entry cannot be served: unet: the recipe of "
+                                        r"'_frozen_param3'"):
+        _unservable(planned, why, "error")
+    for policy, then in (("eager", "runs eagerly"), ("compile", "compiles on first call")):
+        with pytest.warns(UserWarning, match=f"the recipe of '_frozen_param3'.*; it {then}"):
+            assert _unservable(planned, why, policy) == {}
+
+
+def test_a_recipe_that_computes_another_value_is_served_unsigned_and_a_miss_with_trusted_keys(tmp_path):
+    """``aten.mul(w, 2)`` is a well-formed recipe: no check can tell its value from a right one (an unsigned
+    store serves it, docs/security.md says so); with trusted keys the manifest edited after signing is a
+    miss, before any blob is read."""
+    from aotbuild.cache import signing
+    from aotbuild.cache.store import Unusable
+
+    ci, _ = signing.keygen(tmp_path / "keys" / "ci")
+    store = checked_store(tmp_path / "cache")
+    key = add_entry(store, tmp_path / "src", "e", {"packages/p.pt2": b"package"},
+                    target={"name": "inductor", "strategy": "aot-package"})
+    data = json.loads(store.layout.manifest(key).read_text())
+    data["packages"] = [record(path="packages/p.pt2", signature="s")]
+    write_raw(store, key, data)
+    store.put_manifest(signing.sign(store.read_manifest(key), ci))
+    trusting = checked_store(store.root, signing.load_trusted([tmp_path / "keys" / "ci.pub"]))
+    assert trusting.open_entry(key)[0] is not None
+    data = json.loads(store.layout.manifest(key).read_text())
+    doubled = [["input", [0], {}], ["aten.reshape.default", [{"ref": 0}, [1, 4]], {}],
+               ["aten.mul.Tensor", [{"ref": 1}, 2.0], {}]]
+    data["packages"][0]["derived"]["_frozen_param0"]["program"] = doubled
+    write_raw(store, key, data)
+    assert checked_store(store.root).open_entry(key)[0] is not None  # unsigned trust: served (wrong values)
+    w = torch.arange(4.0)
+    assert torch.equal(prepack.replay(data["packages"][0]["derived"]["_frozen_param0"], {"w": w}), w.reshape(1, 4) * 2)
+    entry, why = trusting.open_entry(key)
+    assert entry is None and why.kind is Unusable.UNTRUSTED and "bad signature by ci" in why, why
