@@ -29,9 +29,8 @@ VERSION = "0.1.0"
 #: Bumped whenever the meaning of a key factor or the manifest layout changes: old entries then miss.
 #: 3: manifests record the component's structure (aotbuild/pipeline/structure.py); 4: what its graphs depend on
 #: (aotbuild/pipeline/dependencies.py), so an entry built before that is stale: plan and build see a miss and
-#: rebuild it; 5: an AOT package's record names the constants it asks for, and each prepacked recipe the
-#: constant it makes (issue 53: a store's recipes are checked as data).
-FORMAT_VERSION = 5
+#: rebuild it.
+FORMAT_VERSION = 4
 
 #: Cache root from the environment; ``--cache`` wins over it, ``pyproject.toml`` loses to it.
 ENV_CACHE = "AOTBUILD_CACHE"

@@ -16,8 +16,7 @@ aotbuild/pipeline/dependencies.py); every built-in recipe's keys computed by tha
 aot-compile's regenerated when it dropped its ``compile.cpu_threads`` factor: its artifacts serve any
 thread count (issue 36). ``auto``'s added when it became the default (issue 36): its factor
 ``target.strategy`` is ``auto`` and its compile settings hold no strategy's own factor; every other pin
-unchanged. Regenerated for FORMAT_VERSION 5 (an AOT package's record names its constants and each prepacked
-recipe the constant it makes: issue 53); nothing else changed.
+unchanged.
 """
 
 from __future__ import annotations
@@ -85,194 +84,194 @@ def compute(cache_root: Path) -> dict[str, list[str]]:
 
 PINS = {
     'tiny_sd_cpu/jit-cache/full': [
-        'd445b58436c088f546494c220521e374b3348d107acfd1de5572b92db49460c2',
-        '4efbe3c0c45fdbb61770b7792714245717c7d4c6bed14c5c538337a631e5868f',
+        'df532807b47849258b5b0502202daa445f4b01a76d14e15ec6bcdc5e9b123786',
+        'a90fcb4756cbf4f4da370502423514c4c3d8e9fe81ce1ec91286920032e0bd2f',
     ],
     'tiny_sd_cpu/jit-cache/regional': [
-        'a1e840730ed1106e70a53ec523bb0ad7eb76eb78fbd90e629203f4449463d3c2',
-        'e617035216e5df4264ebbb9ef0092bcd96774f85f08eb146ce15afc9cce50a36',
+        '9a48395f19584d090f88d05c68d9cbbc561f9e2597774b856b84292aa21b66d0',
+        '2128096b4026ea07453b2edb94e5a06f42eaedb900566c0eae1326a8f4819bfc',
     ],
     'tiny_sd_cpu/aot-package/full': [
-        'be516c340d29b3a31471bfe5c3eda64198567349a4ce14fd0d89622a53a8cb57',
-        'bcb322808c9d461ada9a709ad69219dbc7f6f23de625994dbe70d4542c1bd0f8',
+        'b9e97f7e98bce029314c551558f49c2602b8b7e7da47ece584eb10e19320fddd',
+        '30e44c86be045857ae51aa8fea0a2b8be0022368834c64ad230f74965cefd607',
     ],
     'tiny_sd_cpu/aot-package/regional': [
-        '95ec568aa4991e738a5495647e787cfa770dd3c21b332e736a7b0b678a9a5ec7',
-        '2c975a096678808fb54c3fbd37c7702164fa83831452a02ba35d6bfb41d2fcc8',
+        'c621a4bfd55ba90a3010327f7df96e0e8203e0402f10f263c077a054a425df81',
+        '4b63368da3a7a31c3cb5e774637919a8c43e6d99d5a6f70c62abcc817a53104b',
     ],
     'tiny_sd_cpu/aot-compile/full': [
-        '23595a05bf2a9b57ac13bc1fef9962133460b4bd8d2b79b5b1694f1e1536b3f9',
-        'd1540ca0fee35800a133c54fe57d2ce9d9e52afb361b38f66047db8fb96c1c53',
+        'a5318eed180467211556a732769271750f93e6356ccbf2d73b199803aeb099bf',
+        '8932358720d106c2672b37fbd71c03ff52efa065edc2e492134481762c995b05',
     ],
     'tiny_sd_cpu/aot-compile/regional': [
-        'e9ea297715b03478638c7fa3365110bc14607fc803b2ea678d95f112fdc3033b',
-        '9fb7ad2b3f4a85d36db45fbf8fd5dd385db68e2692c18cd2598fb7682afd4635',
+        '42e685120122d8375c40d040749010fdc43148d30811fe735d2efc6c805dbfb3',
+        'ba18b78b6556cf0cf8d895cfe2dd2638961ffa750941aeb1d37c3a3b696179f9',
     ],
     'tiny_sd_cpu/auto/full': [
-        'e997081fadf2bbf737bbd044604a34dc08f3202c6caab137af3462cc353b40e9',
-        '06583bd32a417994a1a4df910833196648bf1bbe60789cc8184b22da8b71e351',
+        'de21d540a022d90a06df67f6fa5630726099657e4b2bc69c6d1a8f2b99ead588',
+        'a67d42bc3a07b7356c76a56cad584b0724bef6c51b7d32e66f5487b1cdc7c37c',
     ],
     'tiny_sd_cpu/auto/regional': [
-        '79cabfcfa95741405ad1295184d6a438461077219fe734b17f734f1b6cf06825',
-        'a109dc397ac9e82d57a1ca452acd62dfb1113a53b1e63d605be7699db9499bad',
+        '3204952dadceb08ca51a54a9d493f1d41bc0b02a9d82c4e41d0729e827423c5f',
+        'b50a001e825acfac30fb4a84fcb1d61d7c8c7ab50ba6ae7ef139eaeca5d1871f',
     ],
     'tiny_sdxl_cpu/jit-cache/full': [
-        'c7a5140a0d5b3f0c6963bb09b2997223bc706fd6f5a30f076a9ac968394f1d7d',
+        '71cca74925625414a4b746d4f17c679ec2e84cfcaf8c89278a76069d624c6674',
     ],
     'tiny_sdxl_cpu/jit-cache/regional': [
-        '1a6f0d3865b7cef2befb2e4e203edbc3a6cd23aea1f22d3cde614e81b320329c',
+        'd8694a2b7b619de9c5b071e80ef7e9dd0cab74f5bf74bb4e6ff41a46047b74de',
     ],
     'tiny_sdxl_cpu/aot-package/full': [
-        'a6f7a81452b6aea15f9677e58e9ccb4e90ee6b46beed41a140d461e229fe86c0',
+        '5c32dfcc40114931ca3918048000ca0043fa901a01acea4d3059fe572fecd06a',
     ],
     'tiny_sdxl_cpu/aot-package/regional': [
-        '78480e13733693b8f8de56cac25337b2af92dd26087927a79fd50842b13d1024',
+        '01ac484ab83159a856b93fe448a2c812c5e0ec1fac2305c06a0966ca9b2d9a1c',
     ],
     'tiny_sdxl_cpu/aot-compile/full': [
-        '6121e71d184ba0e8d22702dc00d952928adeab14f02024d6b279f7e385d87f86',
+        '661a6244d619b0a1b5a73bf31edaf8617bd59d50e5bd94c0646140a4051c2a2a',
     ],
     'tiny_sdxl_cpu/aot-compile/regional': [
-        '5a1d7431bf9c0c060fb3885e37709164395efd1188224a28bdc81f34180086db',
+        '02704cd4d7f26f88b08c742c84fedd62d837e5b88447c2ef795b5376fdec383e',
     ],
     'tiny_sdxl_cpu/auto/full': [
-        '7638af7ac10b72a2939238753e73f53b3f23a97dcecae9c7b4226f8e4def8ec9',
+        '290e55bea04ebe0cf3559fc05ae818cd5978535027507db98a25523d1f0f7884',
     ],
     'tiny_sdxl_cpu/auto/regional': [
-        '5b10a32b8146f390417529fa1fc5fb282157de9179723fe0dbe9759004de4220',
+        '5fab206bea1f073d56fa2584d43c7634544b7c362a7ec8208a5fe56542da3c54',
     ],
     'tiny_sd3_cpu/jit-cache/full': [
-        '73e91bc47c6f08d4c25a19fadc631b740f5472d35f82f454a7ca9f0b7a219667',
+        'e0406de54910348333f9db776f56c495ae782cc5b8bd5225ad7a987f45f91385',
     ],
     'tiny_sd3_cpu/jit-cache/regional': [
-        'baf25d3fa44a66b159735d8e0bb17eda692c9923922b4bc6f52353a45d1ebd56',
+        '419c1ed2397b0abd7841bf931ae0ef535ad4e744a83e6c59f66b271e519b696a',
     ],
     'tiny_sd3_cpu/aot-package/full': [
-        '9c241ca14d0dbfd8b682e109b0ef80269798ac0a3a50cd3bd5a535dc9cfd490f',
+        'fdcf878406fcb7d8ba5903e28d07ca9be3a09dafbc345d2e17b922ea8e525f36',
     ],
     'tiny_sd3_cpu/aot-package/regional': [
-        '39f9bdfe8e14724b1e094852318042435259170f8d62088d950153d49a8be8fa',
+        '5162b06fffaa9db203d536b0440c07981299014cc9135235e8ea98ff294503da',
     ],
     'tiny_sd3_cpu/aot-compile/full': [
-        'a2cf5765142af6d6a61647d0a9c48844c18dfedba30fdb9a636e9fd04ec12e2b',
+        '4394a2c9ff01524339c555fa10d39b70cdb11c1b718d6aaa724a9351311612e3',
     ],
     'tiny_sd3_cpu/aot-compile/regional': [
-        'f59d36da735cc590244c391353165b0ecc4104cedbe473f2d38077b8ad418b65',
+        '77856d54ca7d2dfc0ec024d271ad35b06f4695edd1e8cd5233623c5543574e3f',
     ],
     'tiny_sd3_cpu/auto/full': [
-        '2c866bef603866f19ce7dbbcd3298085a8a15a05d4ea8bedfa966e394acaa1ec',
+        '927d3fb869a6727786d649d76825ea4f5e6d7647d1e24f321ffcbf7ae0602c0e',
     ],
     'tiny_sd3_cpu/auto/regional': [
-        '8174dd293034ec8365b4d93d309289519cb37852cd2b8b235ddd48f020656bbe',
+        '6be190d310d298bd64486dddfb3fc1b51dd7765d0aa1778ad558eb616c8836ea',
     ],
     'tiny_flux_cpu/jit-cache/full': [
-        'ff3fe6df4c2e972d69335de6a3afe55802886d4d3affc3fbd5a94288cc62a1dd',
+        'c4886d73b5222e6b57c3e245c82d06bf8a4132f6dfd4cd2d5a66100c964879e6',
     ],
     'tiny_flux_cpu/jit-cache/regional': [
-        '03e05cd89e92436ef079c8f150ea8679f7f45f0d5961ad298050e21829fc4062',
+        '35a99ffee77718b74c0292b621c963249c818971aefeb805e0758dcd611af306',
     ],
     'tiny_flux_cpu/aot-package/full': [
-        'efddc0434ee938cb85bf8d67693f51fad277b27a5a3ad35171eb133c38ee8b62',
+        'c08758c9135ae10f647c65a2451f9159f25d978612f76933600bdcb53ea7dd4c',
     ],
     'tiny_flux_cpu/aot-package/regional': [
-        'b694264c84e1ac080dd89e75e89864b5e28f945592bd6f8ce09748b7d1426a62',
+        'a67741d4264f7bb9e3b6386bec04f445deab2a7e7ed44b9643c08f92fc03aa71',
     ],
     'tiny_flux_cpu/aot-compile/full': [
-        'da6a84e4526a13be3ff7cfe87c3bc37b80695169ca73dfcc321ac412266aa899',
+        '205b228be015c97bf704287748db29f000fee174ea69500d1b00a28d8aeaf13c',
     ],
     'tiny_flux_cpu/aot-compile/regional': [
-        'c5e3c1adafe18d916bd6ab361317e81d152cf8121d1128904f3b060455beff27',
+        '6e68a85fc22a6b155da8739255fc54802886e570a52f235835d423ed77351850',
     ],
     'tiny_flux_cpu/auto/full': [
-        '3e5188cd25e1bf9b3122bf0e1706f5ecd43cfc3ef36c70187797f188bc49ed1f',
+        '37826bab79480afd2b12abea4f7cc32536d5d47acffa5c787589dc8aa8dfe483',
     ],
     'tiny_flux_cpu/auto/regional': [
-        'f2f83d76946bef974e3ecc2db0d223e2034e84ae0e34af0de011827ffcd705c5',
+        '083ccc3fdc0c417eb726682329a25cfdd352aa27ae5210e937a307dcfe53c506',
     ],
     'tiny_pixart_cpu/jit-cache/full': [
-        'f40fd5d971848346f63e996c43167355b801e3549a46276b1a7b49437d0f1000',
+        '6a2142a671c133be2493a3c0fd52fe72731744829bfe8d9fdb803e62d7bf024e',
     ],
     'tiny_pixart_cpu/jit-cache/regional': [
-        '798576d7dc919c505621f7db92bdadabd7b57e9d0565cd1bd0f6a8db0a389054',
+        'ecb546d3945c30243e60acb60610396c63362fa9c32e7df4991f2d747cff6801',
     ],
     'tiny_pixart_cpu/aot-package/full': [
-        '592d1f52dee8bba46167318b8479f23455b16fc52a15bb92eeb14fe010ce491f',
+        '2ba527fbcfcf39da447f3e0701e22ad7133725676a50397c8168742cb450e075',
     ],
     'tiny_pixart_cpu/aot-package/regional': [
-        'f9f5ad2d28c8052c4dbd44086607a2b355714a7bc14f8de11d3bd28ebedc5583',
+        '0a7e0e9d12762c2b26baf28cee037ebafbe1578b8d23fd32550a46204fecfa43',
     ],
     'tiny_pixart_cpu/aot-compile/full': [
-        'ec0a1871506bcecdf02f345b893f6f55d68f5413ac9bfbba4f65d7edf723121b',
+        '052cf6ffd4887efd9cb1c3106ea6229dfca006244bd2d705858b33063ce3f8b2',
     ],
     'tiny_pixart_cpu/aot-compile/regional': [
-        '39daff4ff0045d96bb13b89e943b4b67448b87688aa698f652de8fbb356d5daf',
+        '7eb558eb0b85cc04b7758a765c95dc0ffc9fbcfc44373b2e9371b585a82b1ce3',
     ],
     'tiny_pixart_cpu/auto/full': [
-        'da905344711a8cda0aebf268600e1adcd5f1e854003a6a3f9f3dcca5bcdfdbd5',
+        '80e30205388caee13ec2a539c58edfee5cf14fc322b825abcfdde6b03f637a63',
     ],
     'tiny_pixart_cpu/auto/regional': [
-        'b140960cc6b1e3895889b0020cbb268af32cbf60a99537457c0844fe7dbb663e',
+        'e4d8d6a40287328546417dbfddd43caa7b5ceaf4cd33c76eec4dd62e60198b0d',
     ],
     'tiny_wan_cpu/jit-cache/full': [
-        'a770e9922a4cc35d8e27bd3d1ce117b1c67671674d12a01fbb8e31f1b79cd6a0',
+        '9dcbc72b666e51f177696b2c1ea7ae015c162930b9fd982ae5ed7e351e486387',
     ],
     'tiny_wan_cpu/jit-cache/regional': [
-        '2033146e1afa9b620f5533acdbcd4ad5bc504acc7090a4a135a80629f02d5fc3',
+        'e326f9618057dc89d900470b7f2f13d5332584913bd32401ab5111580f0606cc',
     ],
     'tiny_wan_cpu/aot-package/full': [
-        'ce6f937c5cb5288d281d3f685937b95772cc81eea06525543f1a72f8092bceaa',
+        '690c8802819703cf0272fee9c0fa963479d827d6e497f56e430c6fabe61b80ad',
     ],
     'tiny_wan_cpu/aot-package/regional': [
-        '398bef6642ed8bd170bc2fb606846827830a0c0b840cceb01493f0273cea62d1',
+        '1eb61da30c713da92aa91efaebf7a6d5e18ea7d51d086a90b80314f1ce0c67ac',
     ],
     'tiny_wan_cpu/aot-compile/full': [
-        'd2911d15b40c5db4831914499ad55fdce847f6d34e25803ca98b6c1e997b79ec',
+        '1835a2d038bf99d0a5670ac100920c010f07cd0413bd34e89baeca26af8d43dc',
     ],
     'tiny_wan_cpu/aot-compile/regional': [
-        '56fbabef378735daba4f7e2b3c1b1fcecdb6733f808ffe91e54b7d68c71f62a1',
+        'f0927ded7483a149f8843589b200fe2891b5a051a0dd34229bcc43a5b2277de3',
     ],
     'tiny_wan_cpu/auto/full': [
-        '7c2a68c6f2cce9c1f5d6c674620e3d4e212c1e3d786d06c2e9f3c88a10f9fa47',
+        '84a3b836cb43fbc663f4452e12103225df5064fd911c6e3c0143a429cc48394a',
     ],
     'tiny_wan_cpu/auto/regional': [
-        '4269ebdba3a77e929ebf382c266d96c5658701224e53bb05360d94beb65c185e',
+        '98c6ca99c9e0f09ddd2e9b8fe98e364529362b6597416e32dc693ae4da49c75a',
     ],
     'tiny_wan22_cpu/jit-cache/full': [
-        'f8e1adcf2f66503f3b9991bc0ba3b22048329a13da5017831613e76d6afae43e',
-        '390ce3a0b6d44c7ee06cbf1ed9c439f7fd1d15eb66b33252a62c3e2b6d7d5a91',
+        '13ce94bffdf16e2de207cfd515e5d8e19d7281f93ce1c76edca358aba8108905',
+        'cf685ae2f415a6ba5004080144fa7a05f6d7da5d39353ecca76ec000ce4b1c69',
     ],
     'tiny_wan22_cpu/jit-cache/regional': [
-        '5955ee0dcdc17b7de9655f87bb4493fb0c26ac8a52a65c1685be8bf0d1fa5b9e',
-        'fe11a091e9edfd6b2a02a534b66cc9394d87ad8687a9bf451a4ea30f1e784e33',
+        '5373c75330a320ac291710b9e0342a34c72590cba3945a8d6275a3e8d3cad4b6',
+        '8c99edda32f759786296e74831d3e7b1784c3b136a3fc95605465cd8803ca034',
     ],
     'tiny_wan22_cpu/aot-package/full': [
-        '976da6f6b617de3b8bbddcbae2c231b588362a4cb478f6d8a2f3fd0aebbfac2b',
-        'dabf2d694f3358991942e449a1e902169253b77ffaf3fa6be10e2624a1f17fa9',
+        '5591e707cd44235d2066bbf538befcdfccf32900173e0d6e7d770ed047557848',
+        '87df1948b1ecc9c76a034875bfa001fdeaced23dd9f7d70c32520b96de17c31e',
     ],
     'tiny_wan22_cpu/aot-package/regional': [
-        'f68df4abdc0f3aa98263bc5a2aaad349f66996be34773d2b2de6dd09a398a011',
-        '71ab79786a0221b2074f33edb798a5433a5f3ebc6f8b8a4f65783b1ed007fa93',
+        '292bb107cddceca9fe8cf964d0d209ddc93ec818cb2a222d6860c27caf2226a2',
+        '618e517670858dcf55f75fd44735428de6d9079a0aac390ebc179a47e05999b5',
     ],
     'tiny_wan22_cpu/aot-compile/full': [
-        'ca6ceac2d42ea025c11de778b198b82c173d14fe6d56767ae67e9a67a5ef8370',
-        '6d768e7adfee1344967e1988bf8a21db11ff1828c821f21daee0621d952d4018',
+        'e51d1c5fd135437dd3a1f58050ccf3c389d594aeae52da44dc6ee0a0e8e9d4c6',
+        '7554cbdccf17fce3eb00b5bc35466da68b95c9f0f02f78fc46bac883f13796c7',
     ],
     'tiny_wan22_cpu/aot-compile/regional': [
-        'dcd857366daf17e268f6b158e46fa8ce6fba7b43d522193304ecac3642b9de1c',
-        'bd0b55aeb743c5fa96c5e1f7bb89d4a7cf71af29c299ea9ee70a88d830848776',
+        '5d53cb45898dce2e0186e660ec32cfa7a8d5938736d28e7307ba929373305cae',
+        '494dd952775a99aa09ec79d94165d378e232116e7ad809c7c434b081f304a70e',
     ],
     'tiny_wan22_cpu/auto/full': [
-        '8f3e0e07a2b822878b72186b9c3b18265051449ef63c83823dba47de2ad4a860',
-        '26d4f52875ac4b789e9a79065389778328653eb60d813d2f69d0720bca051b25',
+        '291b75a322f4fdd64da25fa3baf57f44c40c7f953c3a0d5077f2002ab46e0673',
+        'a5304bc734f0fdf83825f6d76617ae67c08b6cff6efe801b9f2ae592ae430bd9',
     ],
     'tiny_wan22_cpu/auto/regional': [
-        'db453f8c9562ddec0ae312dfe4a83093041baea50f5de8c7ebf8ccd3ccd9a8f4',
-        '925e37e2d8b33f3b1b750fa10d063b598c64f2e93f827eb7f76b77a59f177cb4',
+        '7830403ac727e1bf2d63d767e1b24ee04896a34366f78ebf69b4cb7f38c53c26',
+        'cc0533df727df9fa4a230ca0beb546405fff54aeebbddf5c6fa675ec0c3147f9',
     ],
     'tiny_qwenimage_cpu/jit-cache/full': [
-        'd47eb6da51a68a127bf3e6ceb9ec34f61af6c8ba2ef09e915221a08da565bf2e',
+        'ae7d2ae7ff09adff4e154eb14f6996869b9b5789056b9e61685305416e902f46',
     ],
     'tiny_qwenimage_cpu/auto/full': [
-        '58fa0cf3c0a38da648f67efb23b72942b8695cc542b996d93acd0706fe890584',
+        '475fe616bd11e2d30c0e167d24f7b7ca408c08c6d8df6ab4447e3e8db5f02c32',
     ],
 }
 

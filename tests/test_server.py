@@ -331,14 +331,15 @@ def test_jit_caches_refusal_holds_for_its_own_thread_only_and_is_never_left_behi
 def test_the_pool_reuses_what_a_dropped_runner_left_pinned():
     """oneDNN's prepacked tensors cannot be aliased: on a pinning runtime a dropped runner's stay in memory,
     and the next runner's constants of the same layout are written into them instead of allocating more."""
+    before = handover.pooled()  # what other tests of this worker left (other layouts too)
     pinned = [torch.ones(8), torch.ones(8)]
     handover.retire(pinned)
-    assert pinned == [] and handover.pooled() >= 2
+    assert pinned == [] and handover.pooled() == before + 2
     value = torch.full((8,), 3.0)
     reused = handover.reuse(value)
-    assert reused is not value and torch.equal(reused, value)
-    while handover.pooled():  # leave the process's pool as it was
-        handover.reuse(torch.ones(8))
+    assert reused is not value and torch.equal(reused, value) and handover.pooled() == before + 1
+    handover.reuse(torch.ones(8))  # leave the process's pool as it was (a loop until empty never ends
+    assert handover.pooled() == before  # where another test left a tensor of another layout)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert handover.reuse(torch.ones(3)) is not None

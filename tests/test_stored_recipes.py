@@ -114,7 +114,29 @@ def test_a_missing_or_extra_recipe_or_a_name_both_derived_and_a_weight_is_malfor
     assert "'_frozen_param0' is supplied but the package does not ask for it" in AotPackage().check_records((extra,))
     both = record(constants={"b": [[4], "float32", "cpu"], "_frozen_param0": [[1, 4], "float32", "cpu"]})
     assert "also a weight the package is handed as it is" in AotPackage().check_records((both,))
-    assert "packages[].asks" in AotPackage().check_records(({k: v for k, v in record().items() if k != "asks"},))
+    assert "packages[].asks" in AotPackage().check_records((record(asks="all"),))
+
+
+def test_prepacked_records_of_an_older_aotbuild_are_stale_and_every_other_entry_still_serves(tmp_path):
+    """Recipes recorded before each constant's value and the package's constant names were (issue 53): a
+    stale entry (a miss build rebuilds, gc --stale removes), not a malformed one; a package without
+    recipes, of the same age, is checked against what its record supplies and still serves."""
+    from aotbuild.errors import StaleManifest
+
+    old = record()
+    del old["asks"], old["derived"]["_frozen_param0"]["value"]
+    assert AotPackage().check_records((old,)) == prepack.STALE
+    plain = {"constants": {"b": [[4], "float32", "cpu"]}, "path": "packages/p.pt2", "signature": "s"}
+    assert AotPackage().check_records((plain,)) == ""
+    store = checked_store(tmp_path / "cache")
+    key = add_entry(store, tmp_path / "src", "e", {"packages/p.pt2": b"package"},
+                    target={"name": "inductor", "strategy": "aot-package"})
+    data = json.loads(store.layout.manifest(key).read_text())
+    data["packages"] = [{**old, "path": "packages/p.pt2", "signature": "s"}]
+    write_raw(store, key, data)
+    with pytest.raises(StaleManifest, match="recorded by an older aotbuild"):
+        store.load_manifest(key)
+    assert not [p for p in verify(store) if p.kind == Finding.MALFORMED]
 
 
 def test_a_step_that_would_make_more_than_its_recipe_may_is_refused_before_it_runs():

@@ -91,6 +91,9 @@ class Reason(str):
 #: manifest's strategy): why they are malformed, or "". The store takes it as a narrow protocol and
 #: knows no strategy.
 RecordsCheck = Callable[[Manifest], str]
+#: A RecordsCheck's answer that starts so: records an older aotbuild wrote that this one cannot use (a
+#: StaleManifest: a miss that ``build`` rebuilds and ``gc --stale`` removes), not damage.
+STALE_RECORDS = "stale: "
 
 
 @dataclass(frozen=True)
@@ -219,6 +222,8 @@ class Store:
         try:
             manifest = codec.read(path, key)
             why = self.records(manifest) if manifest is not None and self.records is not None else ""
+            if why.startswith(STALE_RECORDS):  # a strategy's records of an older aotbuild: stale, not damage
+                raise StaleManifest(why[len(STALE_RECORDS):], manifest.format, manifest.files)
             if why:
                 raise ManifestError(why)
             return manifest

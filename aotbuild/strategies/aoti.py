@@ -466,8 +466,9 @@ def _check_asked(model: Any, package: dict[str, Any], lifted: dict[str, Any]) ->
     derived constants and the lifted constants it reads. A recipe missing from a store's manifest left
     a constant unsupplied, and the package's first call read freed memory (SIGSEGV); an extra one is a
     record that is not this package's."""
-    supplied = set(package["asks"])  # the static check (prepack.check_record) made it what the record supplies
-    asked = set(model.get_constant_fqns())
+    unsupplied = set(package.get("lifted_unsupplied", []))
+    supplied = {*package["constants"], *package.get("derived", {}), *(n for n in lifted if n not in unsupplied)}
+    asked = set(model.get_constant_fqns())  # (the static check made the record's "asks", if any, this set)
     if asked != supplied:
         missing, extra = sorted(asked - supplied), sorted(supplied - asked)
         what = f"asks for {missing[0]!r}, which its record does not supply" if missing else \

@@ -35,6 +35,8 @@ import re
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from aotbuild.cache.store import STALE_RECORDS
+
 if TYPE_CHECKING:
     from concurrent.futures import Future
 
@@ -582,6 +584,12 @@ def same_value(a: Any, b: Any) -> bool:
     return a.shape == b.shape and a.dtype == b.dtype and bool(torch.equal(a, b))
 
 
+#: :func:`check_record`'s word for a record of prepacked constants made before each constant's value and
+#: the package's constant names were recorded (issue 53): a stale entry (a miss ``build`` rebuilds and
+#: ``gc --stale`` removes), not a malformed one (aotbuild/cache/store.py, ``RecordsCheck``).
+STALE = (f"{STALE_RECORDS}its prepacked constants were recorded by an older aotbuild, without their shapes and the "
+         "package's constant names (issue 53): rebuild it")
+
 #: The tags an argument may carry, and the devices a ``{"device": ...}`` may name.
 _TAGS = frozenset({"ref", "dtype", "device", "memory_format", "layout"})
 _DEVICE = re.compile(r"^(cpu|cuda|xpu)(:[0-9]{1,2})?$")
@@ -635,6 +643,8 @@ def check_record(record: dict[str, Any]) -> str:
     derived = record.get("derived", {})
     if not isinstance(derived, dict):
         return "packages[].derived: not an object"
+    if derived and ("asks" not in record or any(isinstance(r, dict) and "value" not in r for r in derived.values())):
+        return STALE  # recorded before each constant was (issue 53): every other entry still serves
     sources = record.get("derived_from", {})
     if not isinstance(sources, dict) or not all(isinstance(m, list) and len(m) == 3 and _ints(m[0])
                                                 and isinstance(m[1], str) for m in sources.values()):
@@ -683,6 +693,8 @@ def check_record(record: dict[str, Any]) -> str:
     unsupplied = record.get("lifted_unsupplied", [])
     if not isinstance(unsupplied, list) or not all(isinstance(n, str) for n in unsupplied):
         return "packages[].lifted_unsupplied: not a list of names"
+    if "asks" not in record:  # a package without recipes, built before the list was recorded: the load
+        return ""               # compares the package's own list with what the record supplies
     asks = record.get("asks")
     if not isinstance(asks, list) or not all(isinstance(n, str) for n in asks):
         return "packages[].asks: not the list of the package's constants"
