@@ -282,6 +282,113 @@ def test_a_text_encoder_as_from_pretrained_loads_it_is_no_change(models_dir):
     assert detect_changes(pipe, recipe) == changes.Detected(ChangesSpec(memory_format="channels_last"))
 
 
+def _marked_on_load(monkeypatch, cls, marks):
+    """A future library: ``cls.from_pretrained`` sets ``marks`` (path -> value) on every model it loads, as
+    transformers 5.25 leaves ``_use_kernels`` True where 5.24 left it False."""
+    load = cls.from_pretrained.__func__
+
+    def marked(klass, *args, **kwargs):
+        model = load(klass, *args, **kwargs)
+        for path, value in marks.items():
+            owner, _, name = path.rpartition(".")
+            setattr(model.get_submodule(owner), name, value)
+        return model
+
+    monkeypatch.setattr(cls, "from_pretrained", classmethod(marked))
+
+
+def _users_value(value):
+    return not value if isinstance(value, bool) else value + 1
+
+
+#: What a future release's load might set: another value of one transformers sets today, and new names.
+_TRANSFORMERS_MARKS = [{"_use_kernels": True}, {"_use_kernels": False},
+                       {"_something_new": 3, "encoder.layers.0._kernel_flag": True}]
+
+
+@pytest.mark.parametrize("marks", _TRANSFORMERS_MARKS, ids=["use_kernels_true", "use_kernels_false", "new_names"])
+def test_what_a_transformers_load_sets_is_no_change_whatever_its_value(models_dir, monkeypatch, marks):
+    """transformers 5.25 leaves text_encoder._use_kernels True after from_pretrained; the values hard-coded
+    from 5.24 (False) refused every unchanged pipe that compiles a text encoder (issue 54 item 3). The
+    fresh load the pipe is compared with is the library's own from_pretrained, without weights: what a
+    release sets on load is on it too, at that release's value, and a user's value over it still differs."""
+    from transformers import CLIPTextModel
+
+    _marked_on_load(monkeypatch, CLIPTextModel, marks)
+    recipe = parse_recipe({**TINY, "compile": {"components": ["unet", "vae", "text_encoder"]}})
+    pipe = _pipe(recipe, models_dir)
+    for path, value in marks.items():  # the case is real: the pipe's own load set them
+        owner, _, name = path.rpartition(".")
+        assert getattr(pipe.text_encoder.get_submodule(owner), name) is value
+    assert detect_changes(pipe, recipe) == changes.Detected(None)
+    pipe.unet.to(memory_format=torch.channels_last)  # a real change is still read
+    pipe.vae.to(memory_format=torch.channels_last)
+    assert detect_changes(pipe, recipe) == changes.Detected(ChangesSpec(memory_format="channels_last"))
+    path, value = next(iter(marks.items()))
+    owner, _, name = path.rpartition(".")
+    setattr(pipe.text_encoder.get_submodule(owner), name, _users_value(value))  # the user's, over the load's
+    found = detect_changes(pipe, recipe)
+    assert found.changes is None and (f"text_encoder.{path} is {_users_value(value)!r} here, {value!r} in a fresh "
+                                      f"load") in found.refused, found.refused
+
+
+def test_what_a_diffusers_load_sets_is_no_change(models_dir, monkeypatch):
+    """The same for a diffusers model: a release whose from_pretrained sets attributes of its own (none in
+    0.42) keeps an unchanged UNet unchanged, and FreeU, a processor or a value written over the load's is
+    still read or refused (issue 54 item 3)."""
+    from diffusers import UNet2DConditionModel
+    from diffusers.models.attention_processor import AttnProcessor
+
+    marks = {"_something_new": 3, "conv_in._loaded_by": "a future diffusers"}
+    _marked_on_load(monkeypatch, UNet2DConditionModel, marks)
+    recipe = _recipe()
+    pipe = _pipe(recipe, models_dir)
+    assert pipe.unet._something_new == 3 and pipe.unet.conv_in._loaded_by == "a future diffusers"
+    assert detect_changes(pipe, recipe) == changes.Detected(None)
+    pipe.enable_freeu(**FREEU)
+    pipe.unet.set_attn_processor(AttnProcessor())
+    assert detect_changes(pipe, recipe) == changes.Detected(_recipe(freeu=FREEU,
+                                                                    attention_processor="AttnProcessor").changes)
+    pipe.unet._something_new = 4
+    found = detect_changes(pipe, recipe)
+    assert found.changes is None and "unet._something_new is 4 here, 3 in a fresh load" in found.refused
+
+
+def test_the_fresh_load_reads_no_weights_and_leaves_the_libraries_logging_as_it_was(models_dir):
+    """The twin is each library's from_pretrained of the component's config and an empty weights file, on
+    the meta device (or, where a load step refuses it, as transformers 5.25's kernelize does, as fake
+    tensors): no weight is read or allocated, and its report of the missing ones is silenced without
+    changing what the user's process logs."""
+    import diffusers
+    import transformers
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    recipe = parse_recipe({**TINY, "compile": {"components": ["unet", "vae", "text_encoder"]}})
+    pipe = _pipe(recipe, models_dir)
+
+    def logging_state():
+        return [(lib.utils.logging.get_verbosity(), lib.utils.logging.is_progress_bar_enabled())
+                for lib in (transformers, diffusers)]
+
+    before = logging_state()
+    for component in recipe.compile.components:
+        twin = changes._meta_twin(getattr(pipe, component))
+        assert twin.loaded and all(t.device.type == "meta" or isinstance(t, FakeTensor)
+                                   for t in twin.module.parameters()), component
+    assert logging_state() == before
+
+
+def test_where_the_library_cannot_load_a_twin_what_a_load_sets_is_refused_saying_so(models_dir, monkeypatch):
+    """A release whose from_pretrained refuses a checkpoint without weights leaves the twin built from the
+    config alone: what the load set reads as a change, refused with why, never accepted unseen."""
+    monkeypatch.setattr(changes, "_load_twin", lambda library, module: None)
+    recipe = parse_recipe({**TINY, "compile": {"components": ["unet", "text_encoder"]}})
+    pipe = _pipe(recipe, models_dir)
+    found = detect_changes(pipe, recipe)
+    assert found.changes is None and "built from the config alone" in found.refused
+    assert found.refused.startswith("text_encoder.")  # the UNet's own load sets nothing its config does not
+
+
 def test_a_processor_on_one_component_is_not_declared_for_all(models_dir):
     """The VAE keeps its own default processor (AttnProcessor2_0, which reads as its name, not None): the
     recipe would have set AttnProcessor on it too, built a VAE entry the user's VAE never matches

@@ -19,10 +19,12 @@ keeps every key), checked at plan time against the model's classes (:func:`check
 applied by ``models.load_pipeline`` right after ``from_pretrained`` (:func:`apply`): in the build's
 jobs, their proofs and ``load_compiled``. :func:`detect` reads the same changes off a live pipeline
 (``build(recipe, pipe=pipe)``, and ``load_compiled(recipe, pipe=pipe)`` for a recipe that declares
-none): it builds each compiled component again from its config on the meta device, applies the
-changes it found there, and compares the two dependency snapshots; whatever still differs (a
-processor class of the user's, a processor set on some layers only, an attribute written by hand)
-cannot be re-created in another process and is refused with that difference.
+none): it loads each compiled component again, without weights, by its library's own
+``from_pretrained`` (so whatever a release's load sets on a model is on that twin too, at that
+release's value: issue 54 item 3), applies the changes it found there, and compares the two
+dependency snapshots; whatever still differs (a processor class of the user's, a processor set on
+some layers only, an attribute written by hand) cannot be re-created in another process and is
+refused with that difference.
 
 What no strategy builds is refused at plan time and by :func:`detect` (:meth:`Change.unbuildable`):
 a fused attention processor (it needs ``fuse_qkv_projections``' ``to_qkv``), an attention backend whose
@@ -537,7 +539,8 @@ def detect(pipe: Any, recipe: Recipe, *, changed_modules: Callable[[str], bool])
         if module is None:
             continue
         mine: dict[str, Any] = {}
-        fresh = _meta_twin(module)
+        twin = _meta_twin(module)
+        fresh = None if twin is None else twin.module
         for change in CHANGES:
             if fresh is not None and change.as_fresh(module, fresh):
                 continue
@@ -568,9 +571,8 @@ def detect(pipe: Any, recipe: Recipe, *, changed_modules: Callable[[str], bool])
         # A component the recipe quantizes or puts LoRA layers in is not its meta twin (torchao's, peft's
         # modules): only the changes read are kept; the load's check against the entry still sees the rest.
         prepared = changed_modules(component)
-        why = "" if prepared else _remaining(dependencies.snapshot(module)["items"],
-                                             dependencies.snapshot(fresh)["items"], component,
-                                             dependencies.ROOT_OUTSIDE)
+        why = "" if prepared else _remaining(dependencies.snapshot(module)["items"], twin.items(), component,
+                                             dependencies.ROOT_OUTSIDE, loaded=twin.loaded)
         if why:
             return Detected(None, why)
         found.update(mine)
@@ -602,8 +604,43 @@ def _active_backend_kept() -> Iterator[None]:
             registry._active_backend = before
 
 
-def _meta_twin(module: Any) -> Any:
-    """The component built again from its config on the meta device (what a fresh load holds), or None."""
+#: What the twin's load reads first in its folder: each library's weights file, written empty.
+_WEIGHTS_FILE = {"transformers": "model.safetensors", "diffusers": "diffusion_pytorch_model.safetensors"}
+
+
+@dataclass(frozen=True)
+class _Twin:
+    """A compiled component as a fresh load holds it, on the meta device: ``module``; ``loaded``, whether
+    its library's own ``from_pretrained`` made it (else it was built from its config: no load step ran);
+    ``folder``, the folder that load read, and ``location``, the one the live module was loaded from."""
+
+    module: Any
+    loaded: bool = False
+    folder: str = ""
+    location: str = ""
+
+    def items(self) -> dict[str, str]:
+        """The twin's dependency snapshot, as if loaded from the live module's folder: a value the load
+        derives from its folder (transformers' ``name_or_path``) names the live module's."""
+        from aotbuild.pipeline import dependencies
+
+        items = dependencies.snapshot(self.module)["items"]
+        if not (self.folder and self.location):
+            return items
+        mine, theirs = repr(self.folder), repr(self.location)
+        return {path: theirs if what == mine else what for path, what in items.items()}
+
+
+def _meta_twin(module: Any) -> _Twin | None:
+    """The component as a fresh load holds it, without its weights, or None.
+
+    Loaded by its library's own ``from_pretrained``, from a folder holding its config and an empty
+    weights file, where no weight takes memory (:func:`_load_twin`), so whatever that load sets on a
+    model (transformers 5.24's ``_is_hf_initialized``, ``_use_kernels`` False and ``_weight_conversions``;
+    5.25's ``_use_kernels`` True) is on the twin too, at the value this version gives it: the 5.24 values,
+    hard-coded, read every unchanged text encoder of 5.25 as changed (issue 54 item 3). Where that load
+    fails here, the component built from its config (blocks.meta_module), which lacks what a load sets:
+    a difference then says so (:func:`_remaining`)."""
     from aotbuild.pipeline.blocks import meta_module
 
     config = getattr(module, "config", None)
@@ -611,18 +648,98 @@ def _meta_twin(module: Any) -> Any:
         return None
     library = "transformers" if type(module).__module__.startswith("transformers.") else "diffusers"
     data = config.to_dict() if hasattr(config, "to_dict") and library == "transformers" else dict(config)
-    return meta_module(library, type(module).__name__, data)
+    location = data.get("_name_or_path")
+    loaded = _load_twin(library, module)
+    if loaded is not None:
+        twin, folder = loaded
+        return _Twin(twin, True, folder, location if isinstance(location, str) else "")
+    twin = meta_module(library, type(module).__name__, data)
+    return None if twin is None else _Twin(twin)
 
 
-#: What transformers' from_pretrained sets on a model and a construction from its config does not, with
-#: the value it sets: that value in the live module is no change (every build job's load has it too).
-_LOAD_MARKS = {"_is_hf_initialized": "True", "_use_kernels": "False", "_weight_conversions": "[]"}
+def _load_twin(library: str, module: Any) -> tuple[Any, str] | None:
+    """(``type(module).from_pretrained`` of a temporary folder, that folder), or None where this library
+    cannot load so here. The folder holds the module's config, written by its library, and an empty
+    weights file: every weight is missing, so none is read, and the load runs where none is allocated
+    (:func:`_weightless`); its report of the missing weights is silenced."""
+    import importlib
+    import tempfile
+    import warnings
+    from pathlib import Path
+
+    cls = type(module)
+    if library not in _WEIGHTS_FILE or getattr(importlib.import_module(library), cls.__name__, None) is not cls:
+        return None  # only the library's own classes, as blocks.meta_module: never a load a subclass redefines
+    with tempfile.TemporaryDirectory(prefix="aotbuild-twin-") as folder, _quiet(library), \
+            warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            from safetensors.torch import save_file
+
+            if library == "transformers":
+                module.config.save_pretrained(folder)
+            else:
+                module.save_config(folder)
+            save_file({}, str(Path(folder) / _WEIGHTS_FILE[library]))
+        except Exception:  # noqa: BLE001 - a config its own library cannot write: the config twin
+            return None
+        first = _PLACE_THAT_LOADED.get(cls, 0)  # a place that refused this class once refuses it again
+        for place, (where, kwargs) in enumerate(_weightless(library)):
+            if place < first:
+                continue
+            try:
+                with where:
+                    twin = cls.from_pretrained(folder, local_files_only=True, **kwargs)
+            except Exception:  # noqa: BLE001 - a load step this place cannot run: the next place, or none
+                continue
+            _PLACE_THAT_LOADED[cls] = place
+            return twin, folder
+    return None
 
 
-def _remaining(live: Mapping[str, str], fresh: Mapping[str, str], component: str, outside: frozenset[str]) -> str:
+#: The first place of :func:`_weightless` whose load of a class succeeded, by class: each load that fails
+#: costs a load (transformers 5.25 refuses the meta device at its last step; issue 54 item 3).
+_PLACE_THAT_LOADED: dict[type, int] = {}
+
+
+def _weightless(library: str) -> Iterator[tuple[Any, dict[str, Any]]]:
+    """Where the twin's load runs, without memory for a weight, each with its ``from_pretrained`` arguments,
+    in order. First the meta device (transformers' ``device_map="meta"`` keeps the missing weights there;
+    diffusers' load leaves them on it). Then torch's FakeTensorMode, a plain load whose tensors say
+    ``cpu`` and hold no memory: for a load step that refuses the meta device, as transformers 5.25's
+    ``kernelize`` (run by default, it validates the model's device) does (issue 54 item 3)."""
+    import torch
+
+    yield torch.device("meta"), ({"device_map": "meta"} if library == "transformers" else {})
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    yield FakeTensorMode(allow_non_fake_inputs=True), {}
+
+
+@contextlib.contextmanager
+def _quiet(library: str) -> Iterator[None]:
+    """``library``'s logging at errors only and its progress bars off, then as they were: the twin's load
+    reports each weight missing, which is the point of it."""
+    import importlib
+
+    logging = importlib.import_module(f"{library}.utils.logging")
+    verbosity, bars = logging.get_verbosity(), logging.is_progress_bar_enabled()
+    logging.set_verbosity_error()
+    logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        logging.set_verbosity(verbosity)
+        if bars:
+            logging.enable_progress_bar()
+
+
+def _remaining(live: Mapping[str, str], fresh: Mapping[str, str], component: str, outside: frozenset[str], *,
+               loaded: bool = True) -> str:
     """The first difference left between the live module and its re-created twin, in words, or "".
     ``outside``: what wraps the component from outside its graph (an offload hook's forward, a
-    dispatcher), left out as the load's check leaves it out."""
+    dispatcher), left out as the load's check leaves it out. ``loaded``: whether the twin's library loaded
+    it (:func:`_meta_twin`); else the words say that what a load sets is missing from it."""
     def comparable(what: str) -> str:
         if what.startswith(("param ", "buffer ", "tensor ")):  # kind dtype [shape] stride [...] device [grad]
             words = what.split(" ")
@@ -632,14 +749,16 @@ def _remaining(live: Mapping[str, str], fresh: Mapping[str, str], component: str
 
     for path in sorted((set(live) | set(fresh)) - outside):
         a, b = live.get(path), fresh.get(path)
-        if b is None and a is not None and _LOAD_MARKS.get(path.rsplit(".", 1)[-1]) == a:
-            continue
         if a is None or b is None or comparable(a) != comparable(b):
             full = f"{component}.{path}" if path != "." else component
             return (f"{printable(full)} is {printable(a or 'absent')} here, {printable(b or 'absent')} in a fresh "
                     f"load with the declarable changes found (FreeU, attention_processor, attention_backend, cache, "
-                    f"memory_format): a change the build's processes cannot re-create")
+                    f"memory_format): a change the build's processes cannot re-create{'' if loaded else _UNLOADED}")
     return ""
+
+
+_UNLOADED = (" (the fresh load was built from the config alone here: this library's from_pretrained could not "
+             "load it without weights, so what such a load sets on a model is missing from it)")
 
 
 def _show(value: Any) -> str:
