@@ -260,6 +260,47 @@ def dist_version(name: str) -> str | None:
         return None
 
 
+# -- the supported stack (issue 54) -----------------------------------------------------------------
+#: The oldest version of each library aotbuild supports: pyproject.toml's floors and the README's table,
+#: the versions CI's pinned job runs (.ci/constraints.txt; torch 2.13.0, the first with what the AOT
+#: strategies use: AOTInductor's user-managed constants, save_compiled_function). Older ones were never
+#: run; :func:`check_stack` refuses them in one line where a command or an API call starts.
+FLOORS = {"torch": "2.13", "diffusers": "0.42", "transformers": "5.24", "huggingface_hub": "2.4",
+          "accelerate": "1.16", "numpy": "2.0"}
+
+
+def _release(text: str) -> tuple[int, ...]:
+    """The leading release numbers of a version string ("2.13.0+cpu" -> (2, 13, 0)); () when none."""
+    import re
+
+    match = re.match(r"\s*v?(\d+(?:\.\d+)*)", text)
+    return tuple(int(p) for p in match.group(1).split(".")) if match else ()
+
+
+def stack_problem() -> str:
+    """Why the installed libraries are below :data:`FLOORS`, in one line, or "" (a library not installed
+    is pip's to report: aotbuild's dependencies name them)."""
+    old = []
+    for name, floor in FLOORS.items():
+        have = dist_version(name)
+        if have is not None and _release(have) < _release(floor):
+            old.append(f"{name} {have} (needs >={floor})")
+    if not old:
+        return ""
+    pins = " ".join(f"'{name}>={FLOORS[name]}'" for name in (o.split(" ", 1)[0] for o in old))
+    return (f"aotbuild {VERSION} supports {', '.join(old)}: older versions were never run (README, "
+            f"\"Supported versions\"); pip install -U {pins}")
+
+
+def check_stack() -> None:
+    """A UsageError (one line, exit 2) when an installed library is older than aotbuild supports."""
+    why = stack_problem()
+    if why:
+        from aotbuild.errors import UsageError
+
+        raise UsageError(why.replace(" supports ", " does not support ", 1))
+
+
 # -- bounds on every read from a remote (issue 53; aotbuild/remote/bounds.py, docs/security.md) ------
 #: Seconds one metadata request to a remote may take in all, per try (a listing's page, a manifest, a
 #: failure record, an info/exists): a black hole or a drip fails it, then it is retried.

@@ -296,6 +296,7 @@ def plan(recipes: Recipes, *, cache: str | Path | None = None, remote: str | Rem
     failed there is "failed" here too, nothing written locally."""
     from aotbuild.cache.signing import trusted_from_env
 
+    constants.check_stack()  # an older torch than supported: one line (issue 54)
     root = resolve_cache_root(cache)
     store = checked_store(root, trusted_from_env(trusted_keys) if signatures else None)
     loaded = resolve_recipes(recipes)

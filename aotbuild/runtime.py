@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from aotbuild import keys
+from aotbuild import constants, keys
 from aotbuild.cache.explain import Entries, explain_miss
 from aotbuild.cache.layout import resolve_cache_root
 from aotbuild.cache.locks import store_lock
@@ -148,6 +148,7 @@ def load_compiled(recipe: str | Path | Recipe | Mapping[str, Any], *, pipe: Any 
     :class:`aotbuild.WeightsDiscarded` (docs/prepack.md, "Without the dense weights").
     The report is ``pipe.aotbuild_report`` and is logged at INFO.
     """
+    constants.check_stack()  # an older torch than supported: one line (issue 54)
     remote = _check_arguments(on_miss, remote)
     recipe = as_recipe(recipe)
     root = resolve_cache_root(cache)

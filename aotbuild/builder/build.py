@@ -189,6 +189,7 @@ def build(recipes: Recipes, *, cache: str | Path | None = None,
     the recorded reason, not built, until ``retry_failed=True``. A job whose target or device is not
     on this host is "skipped"; one whose model cannot be read or fetched is "failed"
     (``BuildReport.bad_input`` holds those whose model folder or files are at fault)."""
+    constants.check_stack()  # an older torch than supported: one line (issue 54)
     if isinstance(remote, str):
         from aotbuild.remote.schemes import as_remote
         remote = as_remote(remote)

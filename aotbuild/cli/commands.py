@@ -239,6 +239,10 @@ def main() -> None:
       aotbuild build recipes/tiny_sd_cpu.yaml
       aotbuild plan recipes/
     """
+    why = constants.stack_problem()
+    if why:  # an older torch or library than aotbuild supports: one line, not a traceback deep in Inductor
+        _error(why.replace(" supports ", " does not support ", 1))
+        sys.exit(EXIT_BAD_INPUT)
     _quiet_libraries()
     _signals_interrupt()
 
