@@ -74,6 +74,12 @@ class LoadReport:
     #: package needs ``aotbuild.refresh`` after
     notes: list[str] = field(default_factory=list)
 
+    def note(self, text: str) -> None:
+        """``text`` added to ``notes`` unless said already: every prepacked shape's route gives the same
+        refresh note (the main job's two entries printed it twice, issue 54)."""
+        if text not in self.notes:
+            self.notes.append(text)
+
     @property
     def hits(self) -> list[ReportEntry]:
         return [e for e in self.entries if e.hit]
@@ -234,8 +240,9 @@ def _install(ctx: Context, planned: list[Planned], report: LoadReport, policy: s
         for d in dispatchers(p.module):
             d.on_first_call = lambda s, c=p.component: report.first_calls.setdefault(c, round(s, 4))
             d.static_text = static_patterns(d.routes, measured)  # a refusal names the prompt's length
-            report.notes += [n for route in d.routes.values() for n in getattr(route, "notes", ())
-                             if n not in report.notes]
+            for route in d.routes.values():
+                for note in getattr(route, "notes", ()):
+                    report.note(note)
 
 
 def _discarded(planned: list[Planned], report: LoadReport) -> None:

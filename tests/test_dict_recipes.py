@@ -99,7 +99,7 @@ def test_a_relative_model_folder_of_a_dict_resolves_in_the_callers_directory(tmp
 
 @pytest.mark.slow  # the session's tiny-sd build (tests/test_e2e.py's), then a load into an existing pipeline
 def test_a_dict_hits_what_its_yaml_twin_built_and_loads_into_an_existing_pipe(built_cache, tmp_path):
-    """The dict of recipes/tiny_sd_cpu.yaml's settings at one of its shapes has that file's keys:
+    """The dict of tests/recipes/tiny_sd_cpu.yaml's settings at one of its shapes has that file's keys:
     `build` finds the entry cached, and `load_compiled` serves it into a pipeline the caller made."""
     import shutil
 

@@ -70,7 +70,7 @@ def test_plan_ls_show_on_built_cache(built_cache):
     assert [line.split()[5] for line in proc.stdout.splitlines()[2:4]] == ["hit", "hit"]
     data = json.loads(invoke_cli("plan", "--json", "--cache", str(root), str(TINY_RECIPE)).stdout)
     assert {j["status"] for j in data["jobs"]} == {"hit"}
-    assert {j["strategy"] for j in data["jobs"]} == {"jit-cache"}  # the recipe names none: the default
+    assert {j["strategy"] for j in data["jobs"]} == {"jit-cache"}  # what TINY_RECIPE names
     listing = json.loads(invoke_cli("ls", "--json", "--cache", str(root)).stdout)
     assert sorted(e["key"] for e in listing["entries"]) == sorted(j["key"] for j in report["jobs"])
     assert listing["models"] == ["tiny-sd-v1"]

@@ -8,7 +8,7 @@ import pytest
 
 from aotbuild.errors import RecipeError
 from aotbuild.recipe.rules import load_recipe, parse_recipe
-from tests.conftest import TINY_DICT, TINY_RECIPE, invoke_cli, run_cli
+from tests.conftest import MAIN_RECIPE, TINY_DICT, TINY_RECIPE, invoke_cli, run_cli
 
 GOOD = """
 model: {id: builtin:tiny-sd}
@@ -26,14 +26,25 @@ def write(tmp_path, text: str):
 
 
 def test_tiny_recipe_loads_with_defaults():
-    r = load_recipe(TINY_RECIPE)
+    r = load_recipe(MAIN_RECIPE)
     assert r.name == "tiny_sd_cpu" and r.target == "inductor" and r.compile.components == ("unet",)
+    assert r.strategy == "auto"  # the README's main job shows the default (issue 54)
     assert [str(s) for s in r.shapes] == ["64x64", "64x96"]
     assert r.compile.fullgraph is True and r.compile.dynamic is False
     with pytest.raises(AttributeError):
         r.target = "tpu"  # immutable
     with pytest.raises(TypeError):
         r.warmup["guidance_scale"] = 1.0  # type: ignore[index]
+
+
+def test_the_suites_tiny_recipe_is_the_main_job_naming_jit_cache():
+    """tests/recipes/tiny_sd_cpu.yaml (the shared jit-cache build's) cannot drift from the README's main job:
+    the same settings, `strategy: jit-cache` apart, and the same name (job names, reports)."""
+    import yaml
+
+    main, suite = yaml.safe_load(MAIN_RECIPE.read_text()), yaml.safe_load(TINY_RECIPE.read_text())
+    assert "strategy" not in main and suite == {**main, "strategy": "jit-cache"}
+    assert load_recipe(TINY_RECIPE).name == load_recipe(MAIN_RECIPE).name
 
 
 BAD = [

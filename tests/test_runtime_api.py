@@ -142,3 +142,16 @@ def test_an_unreachable_remote_is_a_miss_with_its_reason(tiny_pipe, models_dir, 
     assert str(info.value).count("the Hub cannot be reached") == 2  # both entries say why
     assert len(calls) == 1  # one wait for the remote, not one per entry
     assert not [r for r in caplog.records if "Retrying" in r.getMessage()]
+
+
+def test_a_note_every_entry_gives_is_said_once():
+    """Each prepacked shape's route gives the refresh note: the main job's two entries printed it twice."""
+    from aotbuild.runtime import LoadReport
+    from aotbuild.strategies.runner import REFRESH_NOTE
+
+    report = LoadReport("tiny_sd_cpu", "/c")
+    for _ in range(2):  # the 64x64 and 64x96 entries' routes
+        report.note(REFRESH_NOTE)
+    report.note("unet: 12 MB of dense weights discarded")
+    assert report.notes == [REFRESH_NOTE, "unet: 12 MB of dense weights discarded"]
+    assert str(report).count("  note: ") == 2

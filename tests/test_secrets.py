@@ -17,7 +17,7 @@ import textwrap
 import pytest
 
 from aotbuild.utils import secrets
-from tests.conftest import REPO, run_cli, run_python
+from tests.conftest import MAIN_RECIPE, REPO, run_cli, run_python
 
 
 @pytest.fixture(autouse=True)
@@ -183,7 +183,7 @@ def test_no_secret_in_any_output_of_a_command_that_touches_a_remote(tmp_path, ca
                                           "--sign-key", "generic", "HF_TOKEN", "AWS_SECRET_ACCESS_KEY"))
     root = tmp_path / echoed / "cache"
     shutil.copytree(cache, root)
-    recipe = str(REPO / "recipes" / "tiny_sd_cpu.yaml")
+    recipe = str(MAIN_RECIPE)
     remotes = [f"s3://AKIAX:{planted['url user info (s3)']}@bkt/p", f"gs://u:{planted['url user info (gs)']}@bkt/p",
                f"az://dev:{planted['url user info (az)']}@c/p", f"s3://bkt/p?secret={planted['query secret']}",
                f"s3://bkt/p#{planted['fragment']}", "s3://bkt/p", "gs://bkt/p", "az://c/p", "hf://owner/repo"]

@@ -19,7 +19,7 @@ import pytest
 
 from aotbuild.errors import UsageError
 from tests import manifests
-from tests.conftest import invoke_cli, run_cli
+from tests.conftest import MAIN_RECIPE, invoke_cli, run_cli
 
 SECRET = "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY"
 RECIPE = ("model: {{id: {model}, dtype: float32}}\nshapes: [{{height: 64, width: 64}}]\n"
@@ -166,8 +166,7 @@ def test_a_cache_root_inside_the_project_and_one_named_on_the_command_line_are_f
                                   "x = 1\n" * 200_000])
 def test_a_hostile_pyproject_is_one_line(tmp_path, body):
     project = _project(tmp_path, body)
-    proc = run_cli("plan", str(Path(__file__).parents[1] / "recipes" / "tiny_sd_cpu.yaml"),
-                   env={"AOTBUILD_CACHE": ""}, cwd=project)
+    proc = run_cli("plan", str(MAIN_RECIPE), env={"AOTBUILD_CACHE": ""}, cwd=project)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "pyproject.toml" in proc.stderr, proc.stderr
 
 
