@@ -25,7 +25,7 @@ from aotbuild.remote.schemes import parse_remote, pull_entry  # noqa: E402
 from tests.conftest import TINY_RECIPE, run_cli  # noqa: E402
 from tests.standins import add_entry, key_of  # noqa: E402
 
-DEADLINE, TRIES, BACKOFF = 2.0, 2, 0.0
+DEADLINE, TRIES, BACKOFF = 1.5, 2, 0.0
 #: What the bounds allow a command that meets a misbehaving endpoint, before the slack.
 BOUND = DEADLINE * TRIES + BACKOFF
 URL = "s3://bkt/ci"

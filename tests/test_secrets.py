@@ -124,13 +124,35 @@ def test_log_records_and_warnings_are_scrubbed_once_installed(tmp_path):
     assert "PLANT" not in proc.stdout + proc.stderr and proc.stderr.count("***") == 3, proc.stderr
 
 
+#: Runs each (extra environment, argv) of argv[1] (JSON) as the ``aotbuild`` console script would, its
+#: stdout and stderr scrubbed as the console script's are (secrets.install_streams), then prints its exit code.
+CLI_DRIVER = textwrap.dedent("""
+    import json, os, sys
+    from aotbuild.utils.secrets import install_streams
+    install_streams()
+    from aotbuild.cli.commands import main
+    for extra, args in json.loads(sys.argv[1]):
+        before = dict(os.environ)
+        os.environ.update(extra)
+        try:
+            main(args, prog_name="aotbuild")
+        except SystemExit as exc:
+            print(f"exit {exc.code}")
+        finally:
+            os.environ.clear()
+            os.environ.update(before)
+        sys.stdout.flush()
+        sys.stderr.flush()
+""")
+
+
 def _closed_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-@pytest.mark.slow  # 18 CLI processes and one of the API against closed ports (~40 s on 2 cores)
+@pytest.mark.slow  # 18 commands in one process and one API process against closed ports (~15 s)
 def test_no_secret_in_any_output_of_a_command_that_touches_a_remote(tmp_path, cache):
     """A distinct secret in each source; every command that touches a remote, with its failures forced
     (the endpoints are closed ports): no planted secret in any stdout, stderr or ``--json``."""
@@ -187,15 +209,16 @@ def test_no_secret_in_any_output_of_a_command_that_touches_a_remote(tmp_path, ca
     remotes = [f"s3://AKIAX:{planted['url user info (s3)']}@bkt/p", f"gs://u:{planted['url user info (gs)']}@bkt/p",
                f"az://dev:{planted['url user info (az)']}@c/p", f"s3://bkt/p?secret={planted['query secret']}",
                f"s3://bkt/p#{planted['fragment']}", "s3://bkt/p", "gs://bkt/p", "az://c/p", "hf://owner/repo"]
-    outputs = []
-    for remote in remotes:
-        outputs.append(run_cli("plan", recipe, "--remote", remote, "--json", "--cache", str(root), env=env))
-    for remote in (remotes[0], remotes[3], "s3://bkt/p", "gs://bkt/p", "az://c/p", "hf://owner/repo"):
-        outputs.append(run_cli("pull", recipe, "--remote", remote, "--cache", str(root), env=env))
-    outputs.append(run_cli("push", recipe, "--remote", "s3://bkt/p", "--cache", str(root), env=env))
-    outputs.append(run_cli("plan", recipe, "--cache", str(root), env={
-        **env, "AOTBUILD_REMOTE": f"s3://k:{planted['AOTBUILD_REMOTE']}@bkt/p"}))
-    outputs.append(run_cli("sign", recipe, "--sign-key", str(key), "--cache", str(root), env=env))
+    commands = [({}, ["plan", recipe, "--remote", remote, "--json"]) for remote in remotes]
+    commands += [({}, ["pull", recipe, "--remote", remote])
+                 for remote in (remotes[0], remotes[3], "s3://bkt/p", "gs://bkt/p", "az://c/p", "hf://owner/repo")]
+    commands += [({}, ["push", recipe, "--remote", "s3://bkt/p"]), ({}, ["sign", recipe, "--sign-key", str(key)]),
+                 ({"AOTBUILD_REMOTE": f"s3://k:{planted['AOTBUILD_REMOTE']}@bkt/p"}, ["plan", recipe])]
+    commands = [(extra, [*args, "--cache", str(root)]) for extra, args in commands]
+    # the console script's streams, one command after another in one process (a process each: +30 s)
+    outputs = [subprocess.run([sys.executable, "-c", CLI_DRIVER, json.dumps(commands)], capture_output=True,
+                              text=True, env={**os.environ, "PYTHONPATH": str(REPO), **env}, cwd=REPO)]
+    assert outputs[0].stdout.count("exit ") == len(commands), outputs[0].stderr[-2000:]
     api = textwrap.dedent("""
         import logging, sys
         logging.basicConfig(level=logging.DEBUG)
