@@ -68,3 +68,19 @@ def test_an_older_torch_is_one_line_at_a_command_and_at_load_compiled(tmp_path):
     proc = run_python(f"import sys; sys.argv = ['x', 'api', {recipe!r}]; exec({FAKE!r})", cwd=tmp_path)
     assert proc.returncode == 0 and "REFUSED aotbuild 0.1.0 does not support torch 2.6.0" in proc.stdout, proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_the_readmes_two_commands_agree_with_each_other_and_with_ci():
+    """Run in order in one venv, the README's two commands install the same libraries (the main job's
+    entries still hit after the test install: issue 54 item 4), and ``.ci/run`` installs as the test command."""
+    readme = (REPO / "README.md").read_text()
+    main, tests = re.findall(r"```bash\n(python3 -m venv .*)\n```", readme)[:2]
+    assert "aotbuild build recipes/tiny_sd_cpu.yaml" in main and "python -m pytest" in tests
+    installs = [[step.strip() for step in command.split("&&") if step.strip().startswith("pip install")]
+                for command in (main, tests)]
+    torch_main, project_main = installs[0]
+    torch_tests, project_tests = installs[1]
+    assert torch_main == torch_tests and "-c .ci/constraints.txt" in project_main and \
+        "-c .ci/constraints.txt" in project_tests
+    ci = (REPO / ".ci" / "run").read_text().replace(" -q", "")  # CI installs quietly
+    assert f"python -m {torch_tests}" in ci and f"python -m {project_tests}" in ci
