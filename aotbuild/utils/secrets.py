@@ -350,6 +350,13 @@ class _ScrubbedStream(io.TextIOBase):
     def isatty(self) -> bool:
         return bool(getattr(self.inner, "isatty", lambda: False)())
 
+    def writable(self) -> bool:
+        return True
+
+    @property
+    def closed(self) -> bool:  # type: ignore[override]
+        return bool(getattr(self.inner, "closed", False))
+
     def fileno(self) -> int:
         return self.inner.fileno()
 
