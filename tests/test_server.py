@@ -448,3 +448,35 @@ def test_compiling_a_served_module_breaks_its_graph_once_at_the_dispatcher():
     out = torch.compile(module, backend="eager")(x)
     assert torch.equal(out, module[1](module[0](x))) and len(served_with) == 1
     assert sum(counters["graph_break"].values()) <= 1, dict(counters["graph_break"])
+
+
+def test_a_dropped_runner_retired_during_a_probe_does_not_deadlock_the_load():
+    """handover.leaks probes a package with a gc.collect(), which runs finalizers: among them a dropped
+    pinning runner's retire. The probe and the pool had one lock, so such a load waited forever (the
+    suite hung in test_prepack after a dropped runner); they have a lock each now."""
+    import gc
+    import threading
+
+    class Cycle:
+        pass
+
+    class Model:
+        def load_constants(self, constants, check_full_update, user_managed):
+            pass
+
+    gc.collect()
+    gc.disable()  # the cycle is collected by the probe's own gc.collect(), inside leaks
+    try:
+        dropped = Cycle()
+        dropped.me = dropped
+        weakref.finalize(dropped, handover.retire, [torch.ones(3)])
+        del dropped
+        before = handover.pooled()
+        done = threading.Thread(target=handover.leaks, args=(Model(), ["c"], None), daemon=True)
+        done.start()
+        done.join(20)
+        assert not done.is_alive(), "the probe deadlocked on the pool's lock"
+    finally:
+        gc.enable()
+    assert handover.pooled() == before + 1
+    handover.reuse(torch.ones(3))  # the process's pool as it was

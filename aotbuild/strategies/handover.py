@@ -44,7 +44,11 @@ from typing import Any
 
 #: torch version that built the entry -> whether its packages' runtime pins what it is handed
 _LEAKS: dict[str, bool] = {}
-_LOCK = threading.Lock()
+#: guards _LEAKS; the probe's gc.collect() runs finalizers, among them a dropped runner's retire (which
+#: takes _LOCK): one lock for both deadlocked a load in a process that had dropped a pinning runner
+_LEAKS_LOCK = threading.Lock()
+#: guards _POOL; reentrant: a collection inside a pool operation may run a dropped runner's retire
+_LOCK = threading.RLock()
 
 
 class _Buffer(bytearray):
@@ -72,7 +76,7 @@ def leaks(model: Any, names: list[str], built_by: str | None) -> bool:
     first time a process meets that version; every time where the version is not known)."""
     if not names:
         return False
-    with _LOCK:
+    with _LEAKS_LOCK:
         if built_by is not None and built_by in _LEAKS:
             return _LEAKS[built_by]
         leaking = probe(model, names[0])
