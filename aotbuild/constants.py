@@ -239,14 +239,10 @@ def env_gcs_emulator() -> str:
 
 
 #: The object stores' own credential variables: never used by aotbuild, read only so that their
-#: values can be scrubbed from a store's error text before it is shown (aotbuild/remote/objectstore.py).
+#: values can be scrubbed from everything aotbuild prints (aotbuild/utils/secrets.py, SECRET_ENV there).
 SECRET_ENV = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_ACCESS_KEY_ID", "AZURE_STORAGE_KEY",
               "AZURE_STORAGE_SAS_TOKEN", "AZURE_STORAGE_CONNECTION_STRING", "AZURE_CLIENT_SECRET",
               "AZURE_STORAGE_ACCOUNT_KEY", "AZURE_STORAGE_CLIENT_SECRET", "GOOGLE_OAUTH_ACCESS_TOKEN")
-
-
-def env_secrets() -> list[str]:
-    return [os.environ.get(name, "") for name in SECRET_ENV]
 
 
 def dist_version(name: str) -> str | None:
