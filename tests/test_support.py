@@ -84,3 +84,8 @@ def test_the_readmes_two_commands_agree_with_each_other_and_with_ci():
         "-c .ci/constraints.txt" in project_tests
     ci = (REPO / ".ci" / "run").read_text().replace(" -q", "")  # CI installs quietly
     assert f"python -m {torch_tests}" in ci and f"python -m {project_tests}" in ci
+    # the torch line is docs/ci.md's: PyTorch's own CPU wheel index, not PyPI's multi-GB CUDA build
+    assert "--index-url https://download.pytorch.org/whl/cpu" in torch_tests
+    assert torch_tests in (REPO / "docs" / "ci.md").read_text()
+    quickstart = (REPO / "docs" / "quickstart.md").read_text()  # its copy of the two commands
+    assert main in quickstart and tests in quickstart
