@@ -50,6 +50,10 @@ ENV_ALLOW_OPTIONS = "AOTBUILD_ALLOW_OPTIONS"
 #: Set to 0: every build job gets a fresh worker that loads the pipeline itself, instead of a child
 #: forked from the recipe's loader process (aotbuild/builder/loader.py).
 ENV_SHARED_LOADS = "AOTBUILD_SHARED_LOADS"
+#: Seconds between the lines that show life in a log (not a terminal, where one line is redrawn in
+#: place): a build job's phase, a push's or pull's bytes (0 to 86400; 0: a line for every update).
+ENV_PROGRESS_INTERVAL = "AOTBUILD_PROGRESS_INTERVAL"
+DEFAULT_PROGRESS_INTERVAL = 60.0
 #: Where PyTorch Inductor keeps its own on-disk cache (FX graphs, kernels).
 ENV_INDUCTOR_CACHE = "TORCHINDUCTOR_CACHE_DIR"
 #: Set by aotbuild in each child's environment: the pid of the process that started it, which the
@@ -166,6 +170,10 @@ MAX_LOCK_TIMEOUT = 86400.0
 
 def lock_timeout() -> float:
     return env_number(ENV_LOCK_TIMEOUT, DEFAULT_LOCK_TIMEOUT, 0, MAX_LOCK_TIMEOUT)
+
+
+def progress_interval() -> float:
+    return env_number(ENV_PROGRESS_INTERVAL, DEFAULT_PROGRESS_INTERVAL, 0, 86400)
 
 
 def env_max_size() -> str | None:

@@ -115,7 +115,10 @@ class Context:
     cause: Unavailable | None = None
 
     @classmethod
-    def create(cls, recipe: Recipe, cache_root: Path, *, resolve_model: bool = True) -> Context:
+    def create(cls, recipe: Recipe, cache_root: Path, *, resolve_model: bool = True,
+               reading: bool = False) -> Context:
+        """``reading``: for a command that only reads the cache (plan, a load): nothing is written under
+        it (models.resolve_model)."""
         target = get_target(recipe.target)
         ctx = cls(recipe, target, get_strategy(recipe.strategy))
         available = target.availability(recipe.device)
@@ -128,7 +131,7 @@ class Context:
         ctx.fingerprint = target.fingerprint(ctx.device)
         if resolve_model:
             try:
-                ctx.model = models.resolve_model(recipe, cache_root)
+                ctx.model = models.resolve_model(recipe, cache_root, reading=reading)
             except models.ModelUnavailable as exc:
                 ctx.problem, ctx.cause = f"model unavailable: {exc}", Unavailable.of(exc)
                 return ctx

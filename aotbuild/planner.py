@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from aotbuild import constants, keys, shards
+from aotbuild import advice, constants, keys, shards
 from aotbuild.cache.explain import Entries, estimate, explain_miss
 from aotbuild.cache.layout import resolve_cache_root
 from aotbuild.cache.store import Store, Unusable
@@ -58,10 +58,6 @@ class OnRemote(Vocabulary):
     PARTIAL = "partial"
     #: its entry is there, but no trusted key signed it
     REFUSED = "refused"
-
-
-#: What a build says of a job it did not retry.
-RETRY_HINT = "not retried: `aotbuild build --retry-failed` builds it again"
 
 
 @dataclass
@@ -287,9 +283,10 @@ def plan(recipes: Recipes, *, cache: str | Path | None = None, remote: str | Rem
          failures: Failures | None = None) -> list[Job]:
     """Every job of every recipe, sorted by key (jobs without a key last), with hit/miss status.
 
-    ``recipes``: recipe files or folders, recipe data as dicts (validated like a file), Recipe
-    objects, or a list mixing them. ``remote`` (a URL or a Remote, as ``plan --remote``): a job the
-    local cache lacks and the remote has is ``remote`` (:func:`mark_remote`). ``trusted_keys``
+    ``recipes``: a recipe file or folder (str or os.PathLike), recipe data as a dict (validated like a
+    file), a Recipe, or a list or tuple mixing them; a str is one path (recipe/rules.recipe_items).
+    ``remote`` (a URL or a Remote, as ``plan --remote``): a job the local cache lacks and the remote
+    has is ``remote`` (:func:`mark_remote`). ``trusted_keys``
     (default ``AOTBUILD_TRUSTED_KEYS``): an entry no trusted key signed is a miss; ``signatures=False``
     (a build) ignores them. ``failures``: a lookup of failure records kept elsewhere (a remote's:
     sync.remote_failures, which ``plan --remote`` passes), read as the store's own, so a job that
@@ -302,7 +299,7 @@ def plan(recipes: Recipes, *, cache: str | Path | None = None, remote: str | Rem
     loaded = resolve_recipes(recipes)
     jobs: list[Job] = []
     for recipe in loaded:
-        ctx = Context.create(recipe, root)
+        ctx = Context.create(recipe, root, reading=True)  # a plan writes nothing under the cache (issue 55)
         if ctx.model is not None and not ctx.problem:  # only plan: jobs and loads check the loaded pipeline
             models.check_blocks(recipe, ctx.model)
             call = pipecall.signature_of(ctx.pipeline_class)
@@ -357,7 +354,11 @@ def mark_remote(jobs: list[Job], remote: str | Remote, trusted_keys: list[str | 
             out.append(replace(j, reason=f"on {target.url} in part: not every rank of its tensor-parallel job is "
                                          f"(rank {rank}'s entry is neither there nor in the local cache; its "
                                          f"ranks are pulled together)", on_remote=OnRemote.PARTIAL))
-        else:
+        elif j.status == JobStatus.MISS and j.unusable is Unusable.NOT_BUILT:
+            # on neither side: what the local cache's nearest entry lacks is not why a gate fails (it
+            # said "the cache at X is empty" where the remote was what it checked: issue 55)
+            out.append(replace(j, reason=advice.neither_side(target.url), on_remote=OnRemote.ABSENT))
+        else:  # failed before, or a local entry that is damaged or untrusted: its reason says why
             out.append(replace(j, on_remote=OnRemote.ABSENT))
     return out
 
@@ -438,4 +439,4 @@ def shard_summary(shard: tuple[int, ...] | shards.Shard, picked: int, everything
 
 
 __all__ = ["Job", "plan", "jobs_for", "concrete_job", "concrete_group", "parse_shard", "shard_jobs", "shard_summary",
-           "identity", "JobStatus", "OnRemote", "RETRY_HINT", "not_signed_by", "recheck_hits", "whole_groups"]
+           "identity", "JobStatus", "OnRemote", "not_signed_by", "recheck_hits", "whole_groups"]

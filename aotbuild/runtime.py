@@ -6,7 +6,9 @@ else: no click, no YAML writer, no rich, no Hub client unless the model itself c
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import time
 import warnings
 from collections.abc import Mapping
@@ -14,7 +16,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from aotbuild import constants, keys
+from aotbuild import advice, constants, keys
 from aotbuild.cache.explain import Entries, explain_miss
 from aotbuild.cache.layout import resolve_cache_root
 from aotbuild.cache.locks import store_lock
@@ -23,7 +25,7 @@ from aotbuild.context import Context, prepare_pipeline, shard_pipeline
 from aotbuild.errors import CacheMiss, RemoteError, UsageError
 from aotbuild.pipeline import models, pipecall
 from aotbuild.recipe.rules import as_recipe
-from aotbuild.recipe.schema import Recipe, Shape, build_hint
+from aotbuild.recipe.schema import DATA_SOURCE, Recipe, Shape
 from aotbuild.strategies.base import Planned
 from aotbuild.strategies.registry import checked_store
 from aotbuild.utils import secrets
@@ -131,21 +133,28 @@ class LoadReport:
 
 @secrets.scrubbed  # its exceptions leave it scrubbed of secrets (issue 53)
 @positional_shim("pipe")
-def load_compiled(recipe: str | Path | Recipe | Mapping[str, Any], *, pipe: Any = None, cache: str | Path | None = None,
-                  remote: str | Remote | None = None, on_miss: str = "compile", strict_shapes: bool = False,
-                  trusted_keys: list[str | Path] | None = None, discard_weights: bool = False) -> Any:
+def load_compiled(recipe: str | os.PathLike | Recipe | Mapping[str, Any], *, pipe: Any = None,
+                  cache: str | Path | None = None, remote: str | Remote | None = None, on_miss: str = "compile",
+                  strict_shapes: bool = False, trusted_keys: list[str | Path] | None = None,
+                  discard_weights: bool = False) -> Any:
     """Load ``recipe``'s pipeline (or take ``pipe``), install its cached artifacts, compile it.
 
-    ``recipe``: a recipe file's path, recipe data as a dict (the YAML's structure, validated like a
-    file: :func:`aotbuild.parse_recipe`) or a :class:`aotbuild.Recipe`.
+    ``recipe``: one recipe: a recipe file's path (str or os.PathLike), recipe data as a dict (the
+    YAML's structure, validated like a file: :func:`aotbuild.parse_recipe`) or a
+    :class:`aotbuild.Recipe`; a folder or a list is refused (:func:`aotbuild.build` and
+    :func:`aotbuild.plan` take several).
 
     ``on_miss`` acts at load when a component x shape has no usable entry: ``"compile"`` (warn, then
     compile on first call as torch.compile would), ``"eager"`` (warn, run that shape eagerly) or
     ``"error"`` (raise :class:`aotbuild.CacheMiss`). ``strict_shapes=True`` acts at call time: a call
     at a shape that was not built raises :class:`aotbuild.ShapeNotBuilt` instead of compiling.
-    ``remote`` (``"file:///shared/cache"``, ``"hf://org/cache"``) fetches only the entries this load
-    needs and the local store lacks, verified, into the local store first; without it there is no
-    network access at all.
+    ``remote`` fetches only the entries this load needs and the local store lacks, verified, into the
+    local store first; without it there is no network access at all. A :class:`aotbuild.Remote` or a
+    URL: ``file:///shared/cache`` (a folder), ``hf://owner/repo[@revision]`` or
+    ``hf://datasets/owner/repo[@revision]`` (a Hub repo), ``s3://bucket/prefix`` (S3 or a store at
+    ``AWS_ENDPOINT_URL``), ``gs://bucket/prefix`` or ``gcs://bucket/prefix`` (Google Cloud Storage),
+    ``az://container/prefix`` or ``abfs://container/prefix`` (Azure Blob Storage), ``memory://name``
+    (fsspec's in-process store, for tests); docs/ci.md, "Remotes".
     ``trusted_keys`` (``.pub`` paths; default ``AOTBUILD_TRUSTED_KEYS``): accept only entries that
     one of these keys signed, checked before any blob is read (docs/security.md, "Signed entries").
     ``discard_weights=True``: where an entry serves prepacked weights (aot-package with freezing, auto's
@@ -162,7 +171,8 @@ def load_compiled(recipe: str | Path | Recipe | Mapping[str, Any], *, pipe: Any 
 
     store = checked_store(root, trusted_from_env(trusted_keys))
     passed = pipe is not None
-    ctx = Context.create(recipe, root, resolve_model=not passed)
+    # reading: a built-in model the cache lacks is made outside it until the load has succeeded (issue 55)
+    ctx = Context.create(recipe, root, resolve_model=not passed, reading=True)
     if ctx.cause is not None:  # TargetUnavailable, or ModelUnavailable (ModelUnreachable for a Hub model)
         raise ctx.cause.error(f"{recipe.source}: {ctx.problem}")
     from aotbuild.features.registry import used
@@ -178,17 +188,20 @@ def load_compiled(recipe: str | Path | Recipe | Mapping[str, Any], *, pipe: Any 
     blocker = ctx.target.install_blocker()
     wanted = _wanted(ctx, pipe, rank)
     pulled, remote_notes = _pull_wanted(store, remote, wanted, timings) if remote and not blocker else (set(), {})
+    situation = _situation(recipe, root, remote, passed)
     report = LoadReport(recipe.name, str(root), on_miss=on_miss, remote=remote.url if remote else "", rank=rank,
                         tensor=recipe.tensor_parallel, timings=timings)
     started = time.perf_counter()
     # As a reader of the store (its shared lock) from the hash check to the last file installed,
-    # so gc or rm cannot remove an entry in between. A read-only store needs no lock.
-    with store_lock(root, exclusive=False):
+    # so gc or rm cannot remove an entry in between. A read-only store needs no lock, and a store
+    # without entries has nothing to remove: no lock file is made there, so a load that finds nothing
+    # writes nothing (a failed load left ~/.cache/aotbuild/locks behind: issue 55).
+    with store_lock(root, exclusive=False) if store.layout.manifests.is_dir() else contextlib.nullcontext():
         with store.hash_once():
             planned = _open_entries(ctx, store, pipe, wanted, report, blocker, pulled, remote_notes)
         timings["verify"] = time.perf_counter() - started
         if report.misses and on_miss == "error":
-            raise CacheMiss(f"{report}{_next_step(recipe, blocker, remote, pipe if passed else None)}")
+            raise CacheMiss(f"{report}{_next_step(recipe, blocker, situation, pipe if passed else None)}")
         from aotbuild.strategies.discard import DISCARDING
 
         discarding = DISCARDING.set(discard_weights)
@@ -202,7 +215,10 @@ def load_compiled(recipe: str | Path | Recipe | Mapping[str, Any], *, pipe: Any 
     for feature in features:  # guards on what the served pipe may change (a LoRA hot-swap's checks)
         feature.after_load(pipe, recipe)
     pipe.aotbuild_report = report
-    _announce(report, recipe, on_miss, blocker, passed)
+    _announce(report, recipe, on_miss, blocker, situation)
+    if ctx.model is not None:  # it served: a built-in model made outside the cache is kept there
+        with contextlib.suppress(OSError):  # (a read-only cache still served: StoreError is an OSError)
+            models.store_builtin(recipe, root)
     return pipe
 
 
@@ -513,12 +529,20 @@ def _watch(planned: list[Planned], on_miss: str, devices: bool) -> None:
                 d.on_stale = on_miss
 
 
-def _next_step(recipe: Recipe, blocker: str, remote: Remote | None, passed: Any = None) -> str:
-    """What builds the misses: for a pipe the caller passed (maybe not the recipe's model), the
-    build for that pipeline object, with the ``changes`` it re-creates (or why it cannot)."""
+def _situation(recipe: Recipe, root: Path, remote: Remote | None, passed: bool) -> advice.Situation:
+    """Where this load missed, for its advice (aotbuild/advice.py): the recipe's file (none for data),
+    the cache it read, the remote it asked, and whether the caller passed its pipeline."""
+    files = (recipe.source,) if recipe.source != DATA_SOURCE else ()
+    return advice.Situation(files, root, remote.url if remote is not None else "", passed)
+
+
+def _next_step(recipe: Recipe, blocker: str, situation: advice.Situation, passed: Any = None) -> str:
+    """What builds the misses (into the cache this load read, aotbuild/advice.py): for a pipe the
+    caller passed (maybe not the recipe's model), the build for that pipeline object, with the
+    ``changes`` it re-creates (or why it cannot)."""
     if blocker:
         return ""
-    how = f"{build_hint(recipe)} builds them here"
+    line = advice.build_line(situation)
     if passed is not None:
         from aotbuild.features.registry import detect_changes
         from aotbuild.pipeline import changes
@@ -536,11 +560,10 @@ def _next_step(recipe: Recipe, blocker: str, remote: Remote | None, passed: Any 
         if found.refused:
             return (f"\n  next: this pipeline cannot be built for: {found.refused}; undo that change, or load with "
                     f"on_miss=\"eager\"")
-        how = "`aotbuild.build(recipe, pipe=pipe)` builds them for this pipeline"
         if found.changes is not None:
-            how += f" (it re-applies the pipeline's {changes.as_recipe_text(found.changes)}: declare that in the " \
-                   f"recipe and CI can pre-build it)"
-    return f"\n  next: {how}" + (" (or load with remote=URL to fetch CI-built entries)" if remote is None else "")
+            line += f" (it re-applies the pipeline's {changes.as_recipe_text(found.changes)}: declare that in the " \
+                    f"recipe and CI can pre-build it)"
+    return f"\n  {line}" + (" (or load with remote=URL to fetch CI-built entries)" if not situation.remote else "")
 
 
 def _call_policy(on_miss: str, strict_shapes: bool) -> str:
@@ -550,16 +573,15 @@ def _call_policy(on_miss: str, strict_shapes: bool) -> str:
     return "error" if strict_shapes or on_miss == "error" else on_miss
 
 
-def _announce(report: LoadReport, recipe: Recipe, on_miss: str, blocker: str, passed: bool = False) -> None:
-    """The report at INFO; a warning naming the misses, if any."""
+def _announce(report: LoadReport, recipe: Recipe, on_miss: str, blocker: str, situation: advice.Situation) -> None:
+    """The report at INFO; a warning naming the misses, if any, and what builds them."""
     log.info("%s", report)
     if not report.misses:
         return
     then = "compiles on first call" if on_miss == "compile" else "runs eagerly"
     misses = "; ".join(f"{e.component} {e.shape} ({e.key[:12]}): {printable(e.reason)}" for e in report.misses[:3])
     more = f"; and {len(report.misses) - 3} more" if len(report.misses) > 3 else ""
-    build = "" if blocker else "; `aotbuild.build(recipe, pipe=pipe)` builds them" if passed \
-        else f"; {build_hint(recipe)} builds them"
+    build = "" if blocker else f"; `{advice.build_command(situation)}` builds them"
     warnings.warn(f"aotbuild: {recipe.name}: {len(report.misses)} of {len(report.entries)} entries missed, each "
                   f"{then}: {misses}{more} (pipe.aotbuild_report has them all{build})", stacklevel=3)
 

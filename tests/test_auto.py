@@ -308,7 +308,7 @@ def test_when_every_strategy_fails_the_job_fails_with_each_reason_and_stays_red(
                              "jit-cache could not")
     assert _job(cache).status == "failed"  # every try failed before: not built again, and red
     again, = build(AUTO, cache).results
-    assert again.status == "failed" and again.not_retried and "--retry-failed" in again.reason
+    assert again.status == "failed" and again.not_retried and "retry_failed=True" in again.reason  # Python's words
     assert invoke_cli("build", "--cache", str(cache), str(_recipe_file(cache))).returncode == 1
 
 

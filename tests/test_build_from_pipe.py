@@ -54,7 +54,8 @@ def test_a_pipeline_changed_in_code_is_built_proven_and_then_hits(models_dir, tm
     pipe = _changed_pipe(models_dir)
     with pytest.raises(aotbuild.CacheMiss) as info:  # the miss names the difference and the way out
         aotbuild.load_compiled(TINY, pipe=pipe, cache=cache, on_miss="error")
-    assert "next: `aotbuild.build(recipe, pipe=pipe)` builds them for this pipeline" in str(info.value)
+    assert f"next: `aotbuild.build(recipe, pipe=pipe, cache={str(cache)!r})` builds them for this pipeline" \
+        in str(info.value)
 
     report = aotbuild.build(TINY, cache=cache, pipe=pipe)
     assert [r.status for r in report.results] == ["built"], report.as_json()

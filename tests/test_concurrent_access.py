@@ -115,7 +115,7 @@ def test_a_held_lock_gives_a_clear_timeout_naming_it(tmp_path, monkeypatch, held
                             env={**os.environ, "PYTHONPATH": str(REPO)})
     try:
         assert proc.stdout is not None and proc.stdout.readline().strip() == "held"
-        out = run_cli("gc", "--max-size", "1", "--cache", str(store.root), env={"AOTBUILD_LOCK_TIMEOUT": "0.5"})
+        out = run_cli("gc", "--max-size", "1B", "--cache", str(store.root), env={"AOTBUILD_LOCK_TIMEOUT": "0.5"})
         assert out.returncode == 1 and "Traceback" not in out.stderr
         assert f"timed out after 0.5 s waiting for the lock {store.root / 'locks' / 'store.lock'}" in out.stderr
         if held == "x":  # a writer facing gc: the job is compiled but not stored, and says why

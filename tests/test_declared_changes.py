@@ -520,8 +520,9 @@ def test_build_for_a_pipe_re_applies_its_changes_and_a_load_of_that_pipe_keys_th
     empty = cache.parent / "empty"
     with pytest.raises(CacheMiss) as info:
         aotbuild.load_compiled(TINY, pipe, cache=empty, on_miss="error")
-    assert ("next: `aotbuild.build(recipe, pipe=pipe)` builds them for this pipeline (it re-applies the pipeline's "
-            "changes: {freeu: ") in str(info.value) and "declare that in the recipe" in str(info.value)
+    assert (f"next: `aotbuild.build(recipe, pipe=pipe, cache={str(empty)!r})` builds them for this pipeline (it "
+            f"re-applies the pipeline's changes: {{freeu: ") in str(info.value) and "declare that in the recipe" in \
+        str(info.value)
     # the recipe's own changes and the pipe's must agree
     with pytest.raises(UsageError, match="are not the ones"):
         aotbuild.build({**TINY, "changes": {"freeu": {**FREEU, "b1": 1.1}}}, cache=cache, pipe=pipe)
@@ -537,7 +538,7 @@ def test_a_miss_of_a_pipe_without_the_recipes_declared_changes_says_so(cache):
     assert "declares changes: {freeu: " in str(info.value) and "this pipeline holds none of them" in str(info.value)
     assert "build(recipe, pipe=pipe)` builds" not in str(info.value)
     pipe.enable_freeu(**FREEU)  # the same FreeU: the build for this pipe is the way
-    with pytest.raises(CacheMiss, match=r"next: `aotbuild.build\(recipe, pipe=pipe\)` builds them"):
+    with pytest.raises(CacheMiss, match=r"next: `aotbuild.build\(recipe, pipe=pipe, cache='[^']+'\)` builds them"):
         aotbuild.load_compiled({**TINY, "changes": {"freeu": FREEU}}, pipe, cache=cache, on_miss="error")
     # b1 1.0 declared, the int 1 in the pipe: another setting and key (a dict's == calls them equal)
     pipe.enable_freeu(**{**FREEU, "b1": 1})

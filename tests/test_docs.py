@@ -308,3 +308,184 @@ def test_architecture_layer_list_is_the_import_contract():
                 "cli", "utils"}
     documented = [{"aotbuild." + m.replace("/", ".") for m in layer - packages} for layer in _layers()]
     assert documented == in_contract
+
+
+# -- issue 55, item 9: what the README and the guides claim, held to the code --------------------------------
+
+GUIDES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+#: A row of a LoadReport as ``print(pipe.aotbuild_report)`` shows it (runtime.LoadReport.__str__).
+REPORT_ROW = re.compile(r"^  (hit |MISS) (\S+) +(\S+) +([0-9a-f]{12})(.*)$")
+REPORT_HEADER = re.compile(
+    r"^(?:aotbuild\.CacheMiss: )?aotbuild: (?P<recipe>\S+?)(?: \(rank (?P<rank>\d+) of (?P<tensor>\d+)\))?: "
+    r"(?P<hits>\d+) hit, (?P<misses>\d+) miss (?:\((?P<pulled>\d+) pulled from (?P<remote>\S+)\) )?"
+    r"\(cache (?P<cache>[^;]+); (?P<installed>\d+) files installed into the compiler's cache (?P<folder>.+), "
+    r"(?P<present>\d+) were already there\)$")
+
+
+def _fenced_blocks(text: str) -> list[str]:
+    return re.findall(r"^```[^\n]*\n(.*?)^```", text, flags=re.S | re.M)
+
+
+def _rendered_row(line: str) -> str:
+    """What a LoadReport prints for the entry ``line`` describes: a hit names the strategy its entry
+    holds (every hit has one), a miss its reason and what a call does under the load's ``on_miss``."""
+    from aotbuild.recipe.schema import Shape
+    from aotbuild.runtime import LoadReport, ReportEntry
+    from aotbuild.strategies.registry import strategy_names
+
+    status, component, shape, key, rest = REPORT_ROW.match(line).groups()
+    if status == "hit ":
+        hit = re.fullmatch(r"(  pulled)?  (\S+)", rest)
+        assert hit and hit[2] in strategy_names() and hit[2] != "auto", f"a hit names its entry's strategy: {line!r}"
+        entry, on_miss = ReportEntry(component, Shape.parse(shape), key, True, pulled=bool(hit[1]),
+                                     strategy=hit[2]), "compile"
+    else:
+        reason = rest.removeprefix("  ")
+        on_miss = "error"
+        for policy, then in (("compile", " -> compiles on first call"), ("eager", " -> runs eager")):
+            if reason.endswith(then):
+                reason, on_miss = reason.removesuffix(then), policy
+        entry = ReportEntry(component, Shape.parse(shape), key, False, reason)
+    return str(LoadReport("r", "c", [entry], on_miss=on_miss)).splitlines()[1]
+
+
+def _rendered_header(line: str, rows: int | None) -> str:
+    from aotbuild.recipe.schema import Shape
+    from aotbuild.runtime import LoadReport, ReportEntry
+
+    m = REPORT_HEADER.match(line)
+    assert m, f"not a LoadReport's first line: {line!r}"
+    hits, misses, pulled = int(m["hits"]), int(m["misses"]), int(m["pulled"] or 0)
+    if rows is not None:
+        assert hits + misses == rows, f"{line!r} counts {hits + misses} entries, the block shows {rows}"
+    entries = [ReportEntry("c", Shape(8, 8), "0" * 64, n < hits, pulled=n < pulled, strategy="jit-cache")
+               for n in range(hits + misses)]
+    report = LoadReport(m["recipe"], m["cache"], entries, int(m["installed"]), int(m["present"]),
+                        "" if m["folder"] == "folder" else m["folder"], remote=m["remote"] or "",
+                        rank=int(m["rank"]) if m["rank"] else None, tensor=int(m["tensor"] or 1))
+    return line[:line.index("aotbuild: ")] + str(report).splitlines()[0]
+
+
+def test_load_reports_in_the_guides_are_what_a_load_report_prints():
+    """Every report row and first line a guide shows is a real LoadReport's rendering of what it says:
+    docs/runtime.md (and docs/troubleshooting.md) showed hits without the strategy column a hit has
+    had since strategy: auto (issue 55)."""
+    checked = 0
+    for path in GUIDES:
+        for block in _fenced_blocks(path.read_text()):
+            lines = block.splitlines()
+            for n, line in enumerate(lines):
+                if REPORT_ROW.match(line):
+                    assert _rendered_row(line) == line, f"{path.name}: a report row as aotbuild prints it"
+                    checked += 1
+                elif re.match(r"^(?:aotbuild\.CacheMiss: )?aotbuild: \S+: \d+ hit, ", line) and "..." not in line:
+                    following = [x for x in lines[n + 1:] if REPORT_ROW.match(x)]
+                    assert _rendered_header(line, len(following) or None) == line, path.name
+                    checked += 1
+    assert checked >= 10  # the quickstart's, runtime.md's and troubleshooting.md's reports
+
+
+def _paragraph(path, words: str) -> str:
+    found = [p for p in re.split(r"\n\s*\n", path.read_text()) if words in p]
+    assert len(found) == 1, f"{path.name}: one paragraph with {words!r}"
+    return found[0]
+
+
+def test_every_remote_scheme_is_named_where_remotes_are_listed():
+    """README.md said "Remotes are a Hugging Face Hub repo or a shared folder" (and docs/cli.md the
+    same) a release after S3, GCS and Azure arrived; ``load_compiled``'s docstring named file:// and
+    hf:// only. Each list is held to the schemes parse_remote takes."""
+    import aotbuild
+    from aotbuild.remote.schemes import parse_remote, scheme_names
+
+    ci = (REPO / "docs" / "ci.md").read_text()
+    places = {"README.md": _paragraph(REPO / "README.md", "Remotes are "),
+              "docs/cli.md": _paragraph(REPO / "docs" / "cli.md", "URL is a remote:"),
+              "docs/ci.md's table": ci.split("## Remotes", 1)[1].split("\n\n", 2)[1],
+              "load_compiled's docstring": aotbuild.load_compiled.__doc__}
+    for where, text in places.items():
+        missing = [s for s in scheme_names() if f"{s}://" not in text]
+        assert missing == [], f"{where} does not name {missing}"
+    for scheme in scheme_names():  # and the registry is what parse_remote takes
+        url = "file:///srv/aot" if scheme == "file" else "hf://org/aot" if scheme == "hf" else f"{scheme}://bucket/p"
+        try:
+            assert parse_remote(url).url.startswith(f"{scheme}://")
+        except aotbuild.UsageError as exc:  # an object store whose package is not installed: named as such
+            assert "is not installed: pip install 'aotbuild[" in str(exc), exc
+
+
+#: How each object store's bucket is created with the store's own tool (docs/ci.md, "Object stores"),
+#: by the extra that installs its package (remote/objectstore.py's SCHEMES).
+BUCKET_CREATION = {"s3": "aws s3 mb s3://", "gcs": "gcloud storage buckets create gs://",
+                   "azure": "az storage container create"}
+
+
+def test_ci_md_says_to_create_the_bucket_of_every_object_store():
+    """docs/ci.md showed the S3 path from build to serving and never said to create the bucket, which
+    aotbuild does not do (a missing one is an error on every command)."""
+    from aotbuild.remote.objectstore import SCHEMES
+
+    section = (REPO / "docs" / "ci.md").read_text().split("### Object stores", 1)[1].split("\n## ", 1)[0]
+    assert "Create the bucket first" in section and "aotbuild creates no bucket" in section
+    for extra in sorted({extra for _, package, extra in SCHEMES.values() if package}):
+        assert BUCKET_CREATION[extra] in section, extra
+
+
+def test_targets_gives_autos_order_as_auto_tries_it():
+    """``aotbuild targets`` said auto tries "aot-package, aot-compile, jit-cache (CPU order)", where on
+    a CPU it tries aot-package+freezing first (what ``plan --explain-auto`` lists)."""
+    import json
+
+    from aotbuild.recipe.rules import load_recipe
+    from aotbuild.strategies.order import choice
+    from aotbuild.targets.registry import get_target
+    from tests.conftest import MAIN_RECIPE, invoke_cli
+
+    recipe = load_recipe(MAIN_RECIPE)  # names no strategy: auto, on a CPU
+    tries = choice(recipe, get_target(recipe.target), "cpu").tries
+    assert tries[0] == "aot-package+freezing"
+    proc = invoke_cli("targets", "--json")
+    auto = next(s for s in json.loads(proc.stdout)["strategies"] if s["name"] == "auto")
+    assert f"{', '.join(tries)} on a CPU" in auto["summary"] and auto["summary"] in invoke_cli("targets").stdout
+
+
+def test_the_readmes_python_examples_load_recipes_that_run_on_this_machine():
+    """The README's serving example loaded recipes/sdxl_neuron.yaml (Trainium): a new user's first
+    copy-paste failed with TargetUnavailable. Every recipe a README example loads is in the repo and
+    a CPU recipe, so each runs where the README's two commands ran."""
+    from aotbuild.recipe.rules import load_recipe
+
+    loaded = [name for block in re.findall(r"```python\n(.*?)```", (REPO / "README.md").read_text(), flags=re.S)
+              for name in re.findall(r"load_compiled\(\"([^\"]+)\"", block)]
+    assert loaded
+    for name in loaded:
+        recipe = load_recipe(REPO / name)
+        assert (recipe.target, recipe.device) == ("inductor", "cpu"), name
+
+
+def test_the_readme_states_no_test_counts():
+    """The README's counts (tests, passed, skipped) were wrong a few commits after each update: a
+    count goes stale at the next test added. It gives the suite's time with the commit it was measured
+    on, and how to count."""
+    text = (REPO / "README.md").read_text()
+    counts = re.findall(r"\b\d[\d,]*\s+(?:tests?|passed|skipped|failed)\b", text)
+    assert counts == []
+
+
+def test_a_recipe_mistake_is_one_line_and_exit_2():
+    """docs/quickstart.md, "Your own recipe": ``aotbuild plan FILE`` with a mistake is one line and
+    exit 2; it printed an empty table and "0/0 jobs cached" too."""
+    import tempfile
+
+    from tests.conftest import invoke_cli
+
+    with tempfile.TemporaryDirectory() as folder:
+        bad = f"{folder}/sdxl_cuda.yaml"
+        with open(bad, "w") as f:
+            f.write("model: {id: builtin:tiny-sd}\nshape: [{height: 64, width: 64}]\n")
+        proc = invoke_cli("plan", bad, "--cache", f"{folder}/cache")
+    assert (proc.returncode, proc.stdout) == (2, "")
+    assert proc.stderr.strip().splitlines() == [f"error: {bad}: shape: unknown key; did you mean 'shapes'? "
+                                                 f"(allowed: {proc.stderr.split('(allowed: ', 1)[1].strip()}"]
+    quickstart = (REPO / "docs" / "quickstart.md").read_text()
+    assert "a mistake is one line and exit 2, e.g. `error:" in quickstart

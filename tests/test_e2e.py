@@ -217,7 +217,9 @@ def test_on_miss_error_on_empty_cache(models_dir, tmp_path):
     cache is empty, where it is, and how the root is chosen; the error says what to run next."""
     with pytest.raises(CacheMiss, match=f"the cache at {models_dir} is empty .*AOTBUILD_CACHE") as info:
         load_compiled(TINY_RECIPE, cache=models_dir, on_miss="error")
-    assert f"next: `aotbuild build {TINY_RECIPE}`" in str(info.value)
+    # into that cache (issue 55: it advised the default cache, and the next load missed again), in Python words
+    assert f"next: `aotbuild build {TINY_RECIPE} --cache {models_dir}` builds them here" in str(info.value)
+    assert "pass cache= or set AOTBUILD_CACHE" in str(info.value)
 
 
 @pytest.mark.slow
@@ -272,7 +274,8 @@ def test_read_only_commands_on_a_missing_cache_say_so_and_create_nothing(tmp_pat
 def test_a_cache_that_cannot_be_created_is_one_line(tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("")
-    proc = invoke_cli("plan", "--cache", str(blocker / "cache"), str(TINY_RECIPE))
+    # a build: a plan writes nothing under the cache (tests/test_reading_writes_nothing.py)
+    proc = invoke_cli("build", "--cache", str(blocker / "cache"), str(TINY_RECIPE))
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert proc.stderr.startswith("error: cannot create builtin:tiny-sd in ") and "--cache DIR" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1

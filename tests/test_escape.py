@@ -171,6 +171,7 @@ def test_load_compileds_miss_warning_names_a_reason_holding_a_newline_on_one_lin
     misses did not (a reason quotes a store's or a remote's word: a manifest's value, a path)."""
     import warnings
 
+    from aotbuild.advice import Situation
     from aotbuild.recipe.rules import parse_recipe
     from aotbuild.recipe.schema import Shape
     from aotbuild.runtime import LoadReport, ReportEntry, _announce
@@ -179,7 +180,7 @@ def test_load_compileds_miss_warning_names_a_reason_holding_a_newline_on_one_lin
     report = LoadReport("r", "/c", [ReportEntry("unet", Shape(64, 64), "a" * 64, False, f"no entry{HOSTILE}")])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        _announce(report, recipe, "compile", "")
+        _announce(report, recipe, "compile", "", Situation())
     text = str(caught[0].message)
     assert f"no entry{SHOWN}" in text and "\n" not in text and "\x1b" not in text, text
 

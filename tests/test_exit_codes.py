@@ -134,7 +134,7 @@ def test_a_recorded_failure_is_not_retried_keeps_exit_1_and_says_retry_failed(ca
     assert len(failing) == 2  # not tried again
     for job in jobs_of(again):
         assert job["status"] == "failed" and job["reason"].startswith("failed before (")
-        assert "captured whole: Unsupported: x; not retried: `aotbuild build --retry-failed`" in job["reason"]
+        assert "captured whole: Unsupported: x; not retried: the same command with --retry-failed" in job["reason"]
         assert "second line" not in job["reason"]  # the recorded reason's first line
     assert cli("plan", "--fail-on-miss", "--cache", str(cache), recipe).exit_code == 3
     text = cli("build", "--cache", str(cache), recipe).stdout
@@ -199,7 +199,7 @@ def test_a_build_that_waited_for_another_builder_does_not_retry_its_failure(cach
     [result] = build(TINY_DICT, cache, progress=progress).results
     assert result.status == "failed" and fake_compiles == []
     assert result.reason.startswith("failed meanwhile in another aotbuild process: the component cannot be")
-    assert result.reason.endswith("not retried: `aotbuild build --retry-failed` builds it again")
+    assert result.reason.endswith("not retried: build(..., retry_failed=True) builds it again")  # Python's words
     assert store.failure(job.key)["reason"] == REASON  # the other builder's record, not overwritten
 
 

@@ -8,6 +8,7 @@ import ast
 import importlib
 import inspect
 import json
+import re
 import warnings
 
 import pytest
@@ -171,3 +172,50 @@ def _push_plan_build_pull(cache, tmp_path, fake_compiles):
     assert report.text().splitlines()[0].split() == ["job", "key", "status", "reason"]
     assert "pulled" in report.text().splitlines()[2] and not report.refused and not report.missing
     assert [i.status for i in aotbuild.pull([TINY_DICT], url, cache=other)] == ["cached"]
+
+
+def _bare(fn) -> str:
+    """``fn``'s signature as help() readers type it: no annotations."""
+    sig = inspect.signature(fn)
+    return str(sig.replace(parameters=[p.replace(annotation=inspect.Parameter.empty) for p in sig.parameters.values()],
+                           return_annotation=inspect.Signature.empty))
+
+
+def test_help_shows_load_compiled_build_and_plan_their_signatures_and_an_example_first():
+    """``help(aotbuild)`` was 3,099 lines, ``load_compiled`` at line 2,990 after the exceptions'
+    inherited methods (issue 55): its first 60 lines now hold the three functions with their real
+    signatures (held to ``inspect.signature``) and an example that loads a recipe this repo has."""
+    import pydoc
+
+    from aotbuild.recipe.rules import load_recipe
+
+    head = pydoc.render_doc(aotbuild, renderer=pydoc.plaintext).splitlines()[:60]
+    flat = re.sub(r"\s+", " ", "\n".join(head))
+    for name in ("load_compiled", "build", "plan"):
+        assert f" {name}{_bare(getattr(aotbuild, name))}" in flat, name
+    example = re.search(r'aotbuild\.load_compiled\("([^"]+)"', flat)
+    assert example and "print(pipe.aotbuild_report)" in flat
+    recipe = load_recipe(REPO / example[1])  # the repo's CPU recipe: the example runs here
+    assert (recipe.target, recipe.device) == ("inductor", "cpu")
+
+
+def test_a_clone_folder_named_aotbuild_shadows_the_install_and_the_readme_says_so(tmp_path):
+    """A script run beside a clone named ``aotbuild/`` imports that folder (an empty namespace package)
+    instead of the editable install the README's commands make; the README warns in the error's own words."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    where = subprocess.run([sys.executable, "-c", "import importlib.util as u; print(u.find_spec('aotbuild').origin)"],
+                           cwd=tmp_path, env=env, capture_output=True, text=True).stdout
+    if "site-packages" in where:  # a regular install on sys.path wins over a namespace folder
+        pytest.skip(f"aotbuild is installed into site-packages here ({where.strip()}): no folder shadows it")
+    (tmp_path / "aotbuild" / "aotbuild").mkdir(parents=True)  # the clone, holding the package
+    proc = subprocess.run([sys.executable, "-c", "from aotbuild import load_compiled"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True)
+    assert proc.returncode == 1, proc.stderr
+    error = proc.stderr.strip().splitlines()[-1].removeprefix("ImportError: ")
+    readme = re.sub(r"\s+", " ", (REPO / "README.md").read_text())
+    assert error.startswith("cannot import name 'load_compiled' from 'aotbuild'") and error in readme, error
+    assert "never from the folder that holds a clone named `aotbuild/`" in readme

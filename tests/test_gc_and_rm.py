@@ -47,6 +47,52 @@ def test_gc_to_a_size_limit_keeps_recently_used_entries(tmp_path):
     check_no_dangling(store)
 
 
+def test_a_size_needs_its_unit_and_entries_sharing_blobs_count_each_blob_once(tmp_path, monkeypatch):
+    """Issue 55: `gc --max-size 20` meant 20 bytes and emptied the cache; text needs a unit (exit 2, the
+    form shown), an int from Python stays bytes. Two entries sharing a blob: the dry run printed
+    `17.1 MB -> -1484685 B`, doctor and gc disagreed; now gc, doctor and ls give one entries figure."""
+    import json
+
+    from aotbuild.cache.layout import parse_size, resolve_max_size
+    from aotbuild.cli.doctor import check_store
+    from aotbuild.errors import UsageError
+    from tests.conftest import invoke_cli
+
+    store = Store(tmp_path / "c")
+    shared = os.urandom(1000)
+    a = add_entry(store, tmp_path, "a", {"k.so": shared, "a.so": os.urandom(500)})
+    add_entry(store, tmp_path, "b", {"k.so": shared, "b.so": os.urandom(300)})
+    root = str(store.root)
+    for args, env in ((["--max-size", "20"], {}), ([], {"AOTBUILD_MAX_SIZE": "20"})):
+        proc = invoke_cli("gc", *args, "--dry-run", "--cache", root, env=env)
+        assert proc.returncode == 2 and "'20' has no unit" in proc.stderr and "20GB" in proc.stderr, proc.stderr
+    for value in ('"20"', "20"):  # pyproject.toml's, for a build into its own cache: a string with its unit
+        (tmp_path / "pyproject.toml").write_text(f"[tool.aotbuild]\nmax_size = {value}\n")
+        monkeypatch.delenv("AOTBUILD_MAX_SIZE", raising=False)
+        with pytest.raises(UsageError, match="20GB"):
+            resolve_max_size(start=tmp_path, project=True)
+    assert parse_size(20) == 20 and parse_size("1.5KiB") == 1536 and parse_size("20 GB") == 20 * 10 ** 9
+    assert len(list(store.iter_manifests())) == 2
+
+    dry = json.loads(invoke_cli("gc", "--max-size", "0B", "--dry-run", "--json", "--cache", root).stdout)
+    assert (dry["size_before"], dry["size_after"]) == (1800, 0)  # 1000 shared + 500 + 300
+    assert sum(r["size"] for r in dry["removed"]) == 1800
+    proc = invoke_cli("gc", "--max-size", "1KB", "--dry-run", "--cache", root)
+    assert proc.stdout.splitlines()[-1] == f"{root}: entries 1.8 KB -> 0 B (dry run)", proc.stdout
+    listed = invoke_cli("ls", "--cache", root).stdout
+    assert json.loads(invoke_cli("ls", "--json", "--cache", root).stdout)["size"] == 1800
+    assert f"2 entries, 1.8 KB in {root}" in listed, listed
+    doctor = check_store(store.root, deep=False)
+    assert doctor.ok and doctor.detail.startswith("2 entries, 1.8 KB") and doctor.data["size"] == 1800
+    assert any(line.startswith("locks:") and line.endswith(str(store.layout.locks)) for line in doctor.lines)
+    # the real gc: the older entry goes; the figure after is what is left, each blob once
+    os.utime(store.layout.manifest(a), (1_000_000, 1_000_000))
+    report = gc(store, max_size=1500)
+    assert [(k, s) for k, _, s in report.removed] == [(a, 500)] and (report.size_before, report.size_after) == \
+        (1800, 1300)
+    check_no_dangling(store)
+
+
 def test_a_build_past_the_limit_collects_old_entries_and_keeps_its_own(cache, fake_compiles, tmp_path):
     store = Store(cache)
     old = _entries_with_ages(store, tmp_path, 4)

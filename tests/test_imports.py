@@ -13,6 +13,7 @@ from tests.conftest import run_python
 #: import rule"). A module added here is a module every serving process imports: keep it light.
 RUNTIME_MODULES = {
     "aotbuild", "aotbuild.runtime", "aotbuild.constants", "aotbuild.errors", "aotbuild.forwards", "aotbuild.keys",
+    "aotbuild.advice",  # the advice of a miss (issue 55): stdlib and cache.layout only
     "aotbuild.context", "aotbuild.builtin",
     "aotbuild.recipe", "aotbuild.recipe.schema", "aotbuild.recipe.files", "aotbuild.recipe.rules",
     "aotbuild.recipe.frozen",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import tarfile
 import threading
 
@@ -175,9 +176,19 @@ def test_a_pack_with_unsafe_members_is_refused_before_anything_is_written(hub, m
 
 
 def test_unknown_repo_says_how_to_create_it(hub, monkeypatch):
+    """... with a command the installed ``hf`` has: ``hf repo create`` (the advice until issue 55) is
+    "No such command 'repo'" in huggingface_hub 2.x (``hf repos create``)."""
+    import shlex
+    import subprocess
+    import sys
+
     monkeypatch.setenv("HF_TOKEN", TOKEN)
-    with pytest.raises(RemoteError, match="hf repo create"):
+    with pytest.raises(RemoteError, match="hf repos create") as info:
         parse_remote("hf://datasets/org/nothing-here").keys()
+    words = shlex.split(re.search(r"`(hf [^`]+)`", str(info.value))[1])
+    hf = "import sys; from huggingface_hub.cli.hf import main; sys.argv[0] = 'hf'; sys.exit(main())"
+    proc = subprocess.run([sys.executable, "-c", hf, *words[1:], "--help"], capture_output=True, text=True)
+    assert proc.returncode == 0 and "--repo-type" in proc.stdout, proc.stderr
 
 
 def test_large_packs_travel_through_the_lfs_endpoints(hub, monkeypatch, tmp_path):

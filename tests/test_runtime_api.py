@@ -96,6 +96,29 @@ def test_an_unreachable_hub_is_one_line_after_one_attempt(tmp_path):
     assert "Retrying" not in proc.stderr and proc.stderr.count("\n") <= 1
 
 
+def test_a_hub_id_with_a_typo_is_not_blamed_on_gating(monkeypatch, no_ambient_hf_auth):
+    """Issue 55: the Hub answers 401 to an unknown repo asked without a token (it cannot tell missing
+    from private or gated): the message says both, the typo first. With a token it answers 404. Against
+    the loopback Hub stand-in, which answers as the Hub does (tests/fakes/hub_server.py)."""
+    from aotbuild.errors import ModelUnreachable
+    from aotbuild.pipeline import hub
+    from aotbuild.pipeline.models import hub_file
+    from tests.fakes.hub_server import HubStandIn
+
+    with HubStandIn() as server:
+        monkeypatch.setenv("HF_ENDPOINT", server.endpoint)
+        with pytest.raises(ModelUnreachable) as anonymous:
+            hub_file("stabilityai/stable-difusion-xl", "model_index.json", None)
+        monkeypatch.setenv("HF_TOKEN", "hf_some_reader")
+        with pytest.raises(ModelUnreachable) as authed:
+            hub_file("stabilityai/stable-difusion-xl", "model_index.json", None)
+    assert str(anonymous.value) == ("cannot fetch model_index.json of stabilityai/stable-difusion-xl: the Hub "
+                                    f"answered 401: {hub.NOT_FOUND_OR_GATED}")
+    assert "not found, or gated/private: check the id, or accept its terms and set HF_TOKEN" in str(anonymous.value)
+    assert "not found, or private and this token cannot read it: check the id" in str(authed.value)
+    assert "gated" not in str(authed.value)
+
+
 @pytest.mark.slow  # compiles for real
 def test_more_static_shapes_than_dynamos_recompile_limit():
     """Dynamo's recompile_limit (default 8) makes one static shape too many a hard error under

@@ -171,11 +171,12 @@ def test_a_hostile_pyproject_is_one_line(tmp_path, body):
 
 
 def test_max_size_from_pyproject_never_shrinks_a_cache_named_on_the_command_line(tmp_path, monkeypatch):
-    """CI's routine `gc --stale --cache SHARED` with a PR's max_size = "1" removed every entry."""
+    """CI's routine `gc --stale --cache SHARED` with a PR's max_size = "1" removed every entry (since issue
+    55 a size needs its unit: "1B")."""
     from aotbuild.cache.layout import resolve_max_size
     from aotbuild.cache.store import Store
 
-    project = _project(tmp_path, '[tool.aotbuild]\ncache = "cache"\nmax_size = "1"\n')
+    project = _project(tmp_path, '[tool.aotbuild]\ncache = "cache"\nmax_size = "1B"\n')
     monkeypatch.delenv("AOTBUILD_MAX_SIZE", raising=False)
     assert resolve_max_size(start=project) is None  # gc, and a build into another cache
     assert resolve_max_size(start=project, project=True) == 1  # a build into the project's own cache

@@ -18,7 +18,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from aotbuild import constants, planner
+from aotbuild import advice, constants, planner
 from aotbuild.builder import child
 from aotbuild.builder.child import Tick
 from aotbuild.builder.loader import SharedLoads
@@ -31,8 +31,8 @@ from aotbuild.cache.trees import lay_tree
 from aotbuild.constants import Vocabulary
 from aotbuild.context import Unavailable
 from aotbuild.errors import ProofFailed, StoreError
+from aotbuild.pipeline import models
 from aotbuild.planner import (
-    RETRY_HINT,
     Job,
     JobStatus,
     mark_remote,
@@ -43,7 +43,7 @@ from aotbuild.planner import (
     shard_summary,
     whole_groups,
 )
-from aotbuild.recipe.rules import Recipes
+from aotbuild.recipe.rules import Recipes, resolve_recipes
 from aotbuild.recipe.schema import Recipe, recipe_spec, recipe_to_dict
 from aotbuild.strategies import order as auto
 from aotbuild.strategies.registry import checked_store
@@ -168,8 +168,8 @@ def build(recipes: Recipes, *, cache: str | Path | None = None,
           sign_key: str | Path | None = None, pipe: Any = None, retry_failed: bool = False) -> BuildReport:
     """Build every missing job of ``recipes``; jobs already cached (and intact) are left alone.
 
-    ``recipes``: recipe files or folders, recipe data as dicts, Recipe objects, or a list of them
-    (as :func:`aotbuild.plan`).
+    ``recipes``: a recipe file or folder (str or os.PathLike), recipe data as a dict, a Recipe, or a
+    list or tuple of them (as :func:`aotbuild.plan`; a str is one path).
 
     ``pipe``: build one recipe for this pipeline object instead of the recipe's ``model.id`` (a model
     you changed in code: another config, other weights), so that ``load_compiled(recipe, pipe=pipe)``
@@ -196,9 +196,12 @@ def build(recipes: Recipes, *, cache: str | Path | None = None,
     if pipe is not None:
         return _build_for_pipe(recipes, pipe, cache, progress=progress, shard=shard, remote=remote,
                                max_size=max_size, sign_key=sign_key, retry_failed=retry_failed)
+    loaded = resolve_recipes(recipes, "build")
     store, limit, own = _open_store(cache, remote, sign_key, max_size)
     # signatures=False: a builder makes entries; whom serving trusts is not its say
-    jobs = plan(recipes, cache=store.root, signatures=False)
+    for recipe in loaded:  # a build keeps its built-in models in the cache, where its plan then reads them
+        models.store_builtin(recipe, store.root)
+    jobs = plan(loaded, cache=store.root, signatures=False)
     everything, sharded = jobs, None
     if shard is not None:
         jobs = shard_jobs(everything, *shard)
@@ -264,8 +267,8 @@ def _settled(store: Store, jobs: list[Job], known: dict[str | None, str], on_rem
         elif job.key in on_remote:
             results[i] = JobResult(job, ResultStatus.ON_REMOTE, reason=f"already on {remote_url}")
         elif job.group in known:
-            results[i] = JobResult(job, ResultStatus.FAILED, reason=f"{_first_line(known[job.group])}; {RETRY_HINT}",
-                                   not_retried=True)
+            results[i] = JobResult(job, ResultStatus.FAILED, not_retried=True,
+                                   reason=f"{_first_line(known[job.group])}; {advice.retry_failed()}")
     return results
 
 
@@ -333,9 +336,8 @@ def _build_for_pipe(recipes: Recipes, pipe: Any, cache: str | Path | None, **opt
     import shutil
 
     from aotbuild.errors import UsageError
-    from aotbuild.recipe.rules import resolve_recipes
 
-    loaded = resolve_recipes(recipes)
+    loaded = resolve_recipes(recipes, "build")
     if len(loaded) != 1:
         raise UsageError(f"build(..., pipe=pipe) builds one recipe for that pipeline; got {len(loaded)} recipes")
     if not hasattr(pipe, "save_pretrained"):
@@ -571,8 +573,9 @@ def _component_results(shapes: list[_Shape]) -> None:
                 continue
             known = all(a.outcome in (auto.Outcome.FAILED_BEFORE, auto.Outcome.DROPPED) for a in shape.attempts)
             reason = f"auto: no strategy built and passed the proof: {auto.attempts_text(shape.attempts)}"
-            shape.results = [JobResult(j, ResultStatus.FAILED, reason=f"{reason}; {RETRY_HINT}" if known else reason,
-                                       not_retried=known, attempts=list(shape.attempts)) for j in shape.jobs]
+            said = f"{reason}; {advice.retry_failed()}" if known else reason
+            shape.results = [JobResult(j, ResultStatus.FAILED, reason=said, not_retried=known,
+                                       attempts=list(shape.attempts)) for j in shape.jobs]
             continue
         note = f"auto: {auto.attempts_text(shape.attempts)}"
         shape.results = [replace(r, seconds=shape.seconds, attempts=list(shape.attempts),
@@ -632,7 +635,7 @@ def _attempts(store: Store, jobs: list[Job], tick: Tick | None, limit: int | Non
     known = all(a.outcome == auto.Outcome.FAILED_BEFORE for a in attempts)
     reason = f"auto: no strategy built and passed the proof: {auto.attempts_text(attempts)}"
     return [JobResult(j, ResultStatus.FAILED, time.perf_counter() - started,
-                      reason=f"{reason}; {RETRY_HINT}" if known else reason,
+                      reason=f"{reason}; {advice.retry_failed()}" if known else reason,
                       not_retried=known, attempts=list(attempts)) for j in jobs]
 
 
@@ -689,7 +692,7 @@ def _failed_meanwhile(store: Store, key: str) -> str:
     record = store.failure(key)
     if record is None or record.get("aotbuild") != constants.VERSION:
         return ""
-    return f"failed meanwhile in another aotbuild process: {_first_line(record['reason'])}; {RETRY_HINT}"
+    return f"failed meanwhile in another aotbuild process: {_first_line(record['reason'])}; {advice.retry_failed()}"
 
 
 def _build_group(store: Store, jobs: list[Job], tick: Tick | None, limit: int | None,

@@ -28,6 +28,7 @@ that model saves.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import shutil
@@ -464,8 +465,49 @@ def lookup(model_id: str) -> BuiltinModel:
         raise UsageError(f"unknown built-in model {model_id!r}; known: {known}") from None
 
 
+def folder_of(model_id: str, models_dir: Path, *, create: bool = True) -> Path:
+    """The folder of a built-in model: the cache's (``models_dir``), created there on first use; with
+    ``create=False`` (a command that only reads the cache: plan, a load until it succeeds) the cache's
+    where it has the model, else one made outside the cache (:func:`scratch`)."""
+    if create:
+        return ensure(model_id, models_dir)
+    folder = models_dir / lookup(model_id).folder_name
+    return folder if (folder / "model_index.json").is_file() else scratch(model_id)
+
+
+#: This process's built-in models made outside any cache (:func:`scratch`): folder name -> folder.
+_scratch: dict[str, Path] = {}
+
+
+def scratch(model_id: str) -> Path:
+    """A built-in model made in a temporary folder of this process's (``TMPDIR``), once, removed when the
+    process exits: for a command that only reads a cache, which needs the model's configs for its keys.
+    ``plan`` created every built-in model it planned in the cache, and a load that failed left one behind
+    (issue 55). :func:`ensure` copies it into a cache (a build, a load that succeeded) instead of making
+    it again: the same files, as a model is made deterministically."""
+    model = lookup(model_id)
+    made = _scratch.get(model.folder_name)
+    if made is None or not (made / "model_index.json").is_file():  # (a TMPDIR cleaner may have taken it)
+        _scratch.pop(model.folder_name, None)
+        if not _scratch_root:
+            _scratch_root.append(Path(tempfile.mkdtemp(prefix="aotbuild-models-")))
+            atexit.register(_remove_scratch, _scratch_root[0], os.getpid())
+        _scratch[model.folder_name] = ensure(model_id, _scratch_root[0])
+    return _scratch[model.folder_name]
+
+
+#: The one temporary folder of this process's scratch models, once made.
+_scratch_root: list[Path] = []
+
+
+def _remove_scratch(root: Path, owner: int) -> None:
+    if os.getpid() == owner:  # a forked child that exits normally leaves its parent's models alone
+        shutil.rmtree(root, ignore_errors=True)
+
+
 def ensure(model_id: str, models_dir: Path) -> Path:
-    """Return the folder of a built-in model under ``models_dir``, creating it on first use.
+    """Return the folder of a built-in model under ``models_dir``, creating it on first use (a copy of
+    this process's :func:`scratch` one where it has made the model there).
 
     Creation happens in a temporary sibling folder (``.<name>.*``, locked while its writer lives)
     that is renamed into place, so concurrent first uses never see a half-written model: the loser
@@ -479,6 +521,9 @@ def ensure(model_id: str, models_dir: Path) -> Path:
     folder = models_dir / model.folder_name
     if (folder / "model_index.json").is_file():
         return folder
+    made = _scratch.get(model.folder_name)
+    if made is not None and not (made / "model_index.json").is_file():
+        made = None
     try:
         models_dir.mkdir(parents=True, exist_ok=True)
         remove_dead_staging(models_dir)
@@ -486,10 +531,14 @@ def ensure(model_id: str, models_dir: Path) -> Path:
     except OSError as exc:
         raise StoreError(f"cannot create {model_id} in {models_dir}: {exc.strerror or exc}; use a writable cache "
                          "(--cache DIR or AOTBUILD_CACHE)") from None
-    logging.getLogger("aotbuild").info("creating %s in %s (first use; a few seconds) ...", model_id, folder)
+    if made is None:
+        logging.getLogger("aotbuild").info("creating %s in %s (first use; a few seconds) ...", model_id, folder)
     try:
         with flocked(staging / STAGING_LOCK, exclusive=True, timeout=0):
-            model.create(staging)
+            if made is not None:
+                shutil.copytree(made, staging, dirs_exist_ok=True)
+            else:
+                model.create(staging)
             (staging / STAGING_LOCK).unlink()
             _share(staging)
             try:

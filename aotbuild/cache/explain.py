@@ -11,7 +11,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from aotbuild import keys
+from aotbuild import advice, keys
 from aotbuild.cache.manifest import Manifest
 
 __all__ = ["explain_miss", "estimate", "ESTIMATE_SAME", "Entries"]
@@ -98,7 +98,7 @@ def explain_miss(manifests: Iterable[Manifest] | Entries, recipe_name: str, comp
     entries = manifests if isinstance(manifests, Entries) else Entries(manifests)
     nearest = entries.nearest(recipe_name, component, factors)
     if nearest is None and not entries.count and root is not None:  # the classic: built into another root
-        return f"not built: the cache at {root} is empty (built into another? pass --cache or set AOTBUILD_CACHE)"
+        return f"not built: the cache at {root} is empty ({advice.another_root()})"
     if nearest is None:
         cls = _factor(factors, ("component", "class"))
         return f"not built: the cache has no entry for a {component} of class {cls} yet"

@@ -2,7 +2,7 @@
 
     <root>/blobs/sha256/<2 hex>/<64 hex>     content-addressed artifact files
     <root>/manifests/<2 hex>/<key>.json      one JSON manifest per job key, written after its blobs
-    <root>/models/<name>-v<N>/               built-in models, created on first use
+    <root>/models/<name>-v<N>/               built-in models, created by a build or a load that succeeded
     <root>/tmp/                              staging for atomic writes (same filesystem as blobs)
     <root>/locks/store.lock                  writers share it, gc/rm/verify --fix take it alone
     <root>/locks/build-<key prefix>.lock      one builder per job key at a time
@@ -119,20 +119,28 @@ def _pyproject_cache(start: Path) -> Path | None:
     return (folder / path).absolute()
 
 
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "b": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "t": 1000**4,
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(b|[kmgt]i?b?)\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "t": 1000**4,
           "ki": 1024, "mi": 1024**2, "gi": 1024**3, "ti": 1024**4}
+#: How a size is written, for the message that refuses one.
+SIZE_FORM = "a number and its unit, e.g. 20GB, 500MB, 1.5GiB or 4096B (B, KB, MB, GB, TB; KiB, MiB, GiB, TiB)"
 
 
-def parse_size(text: str | int) -> int:
-    """Bytes from ``"20GB"``, ``"500MB"``, ``"1.5GiB"``, ``"4096"`` (decimal units; ``*iB`` binary)."""
-    match = _SIZE.match(str(text))
-    if not match:
-        raise UsageError(f"{text!r} is not a size: use e.g. 20GB, 500MB, 1.5GiB or a number of bytes")
-    unit = (match[2] or "").lower().rstrip("b")
-    size = text if isinstance(text, int) and not isinstance(text, bool) else float(match[1]) * _UNITS[unit]
+def parse_size(text: str | int, where: str = "") -> int:
+    """Bytes from ``"20GB"``, ``"500MB"``, ``"1.5GiB"``, ``"4096B"`` (decimal units; ``*iB`` binary); an
+    int (from Python) is bytes. Text needs its unit: ``--max-size 20`` meant 20 bytes, and a gc to it
+    emptied the cache (issue 55). ``where`` names the setting in the UsageError (``--max-size``)."""
+    shown = f"{where} {str(text)[:40]!r}" if where else repr(str(text)[:40])
+    if isinstance(text, bool) or not isinstance(text, (str, int)):
+        raise UsageError(f"{shown} is not a size: use {SIZE_FORM}")
+    match = _SIZE.match(text) if isinstance(text, str) else None
+    if isinstance(text, str) and not match:
+        bare = text.strip().replace(".", "", 1).isdigit()
+        raise UsageError(f"{shown} {'has no unit' if bare else 'is not a size'}: a size is {SIZE_FORM}")
+    unit = match[2].lower().rstrip("b") if match else ""
+    size = text if isinstance(text, int) else float(match[1]) * _UNITS[unit]
     if not 0 <= size <= MAX_SIZE:  # 400 digits are inf as a float: an OverflowError's traceback
-        raise UsageError(f"{str(text)[:40]!r} is not a size of 0 to 2^62 bytes")
+        raise UsageError(f"{shown} is not a size of 0 to 2^62 bytes")
     return int(size)
 
 
@@ -158,18 +166,19 @@ def resolve_max_size(cli_value: str | None = None, start: Path | None = None, *,
     A pull request's pyproject.toml must never shrink a cache named on the command line (``gc
     --stale --cache SHARED`` with ``max_size = "1"`` removed every entry)."""
     if cli_value:
-        return parse_size(cli_value)
+        return parse_size(cli_value, "--max-size")
     env = constants.env_max_size()
     if env:
-        return parse_size(env)
+        return parse_size(env, constants.ENV_MAX_SIZE)
     if not project:
         return None
     found = _pyproject_setting(start or Path.cwd(), "max_size")
     if found is None:
         return None
-    if not isinstance(found[1], (str, int)) or isinstance(found[1], bool):
-        raise UsageError(f"{found[0] / 'pyproject.toml'}: [tool.aotbuild] max_size must be a size such as \"20GB\"")
-    return parse_size(found[1])
+    if not isinstance(found[1], str):  # a TOML number has no unit either: 20 is not 20GB
+        raise UsageError(f"{found[0] / 'pyproject.toml'}: [tool.aotbuild] max_size must be a size with its unit, "
+                         f"as a string such as \"20GB\": {SIZE_FORM}")
+    return parse_size(found[1], f"{found[0] / 'pyproject.toml'}: [tool.aotbuild] max_size")
 
 
 def safe_relpath(rel: str) -> PurePosixPath:

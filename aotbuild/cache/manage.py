@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import os
 import stat
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -273,14 +273,44 @@ def _remove(path: Path) -> None:
 
 
 def store_size(store: Store) -> int:
-    """Bytes of every blob on disk (shared blobs count once)."""
+    """Bytes of every blob on disk (shared blobs count once), named by an entry or not."""
     return sum(p.lstat().st_size for p in store.blob_files())
+
+
+def entries_size(manifests: Iterable[Manifest | StaleManifest]) -> int:
+    """Bytes of the blobs these entries name, each blob once (two shapes of a component share
+    kernels): the one entries figure ``gc``, ``doctor`` and ``ls`` print. Summing each entry's own
+    size counted a shared blob once per entry: ``doctor`` said 18.6 MB where ``gc`` said 17.1 MB of
+    one store, and a dry run printed ``17.1 MB -> -1484685 B`` (issue 55)."""
+    return sum({d: s for m in manifests for d, s in _items(m)}.values())
+
+
+def other_folders(store: Store) -> list[tuple[str, Path, int]]:
+    """(name, folder, bytes) of each folder of the store beside its entries that exists (built-in
+    models, staging, locks, logs, failure records), for ``doctor``, which lists each on its own line."""
+    layout = store.layout
+    out = []
+    for name, folder in (("models", layout.models), ("tmp", layout.tmp), ("locks", layout.locks),
+                         ("logs", layout.logs), ("failures", layout.failures)):
+        if folder.is_dir() and not folder.is_symlink():
+            out.append((name, folder, _bytes_under(folder)))
+    return out
+
+
+def _bytes_under(folder: Path) -> int:
+    """Bytes of the files under ``folder`` (links not followed; what cannot be read counts 0)."""
+    total = 0
+    for dirpath, _, filenames in os.walk(folder):
+        for name in filenames:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(dirpath, name)).st_size
+    return total
 
 
 @dataclass
 class GcReport:
-    removed: list[tuple[str, str, int]] = field(default_factory=list)  # (key, why, bytes only it held)
-    size_before: int = 0
+    removed: list[tuple[str, str, int]] = field(default_factory=list)  # (key, why, bytes it frees)
+    size_before: int = 0  # the entries' blobs, each once (entries_size), before and after
     size_after: int = 0
     dry_run: bool = False
 
@@ -290,7 +320,7 @@ class GcReport:
 
         lines = [f"{'would remove' if self.dry_run else 'removed'} {key[:12]}  {format_size(size):>9}  "
                  f"{printable(why)}" for key, why, size in self.removed]
-        lines.append(f"{root}: {format_size(self.size_before)} -> {format_size(self.size_after)}"
+        lines.append(f"{root}: entries {format_size(self.size_before)} -> {format_size(self.size_after)}"
                      + (" (dry run)" if self.dry_run else ""))
         return "\n".join(lines)
 
@@ -340,9 +370,9 @@ def gc(store: Store, *, max_size: int | None = None, stale: bool = False, dry_ru
     with contextlib.ExitStack() as stack:
         if not dry_run:
             stack.enter_context(store_lock(store.root, exclusive=True))
-        report = GcReport(size_before=store_size(store), dry_run=dry_run)
         named, manifests = _named(store)
         sizes = {d: s for m in manifests.values() for d, s in _items(m)}
+        report = GcReport(size_before=sum(sizes.values()), dry_run=dry_run)  # entries_size: each blob once
         victims: dict[str, str] = dict(stale_reasons(manifests)) if stale else {}
         if max_size is not None:
             def recency(key: str) -> float:
@@ -360,11 +390,13 @@ def gc(store: Store, *, max_size: int | None = None, stale: bool = False, dry_ru
                     refs[digest].discard(key)
                     if not refs[digest]:
                         total -= size
+        freed: set[str] = set()  # a blob only victims name is freed once, by the first of them listed
         for key, why in victims.items():
-            only = {d for d, _ in _items(manifests[key]) if set(named.get(d, [])) <= set(victims)}
+            only = {d for d, _ in _items(manifests[key]) if d not in freed and set(named.get(d, [])) <= set(victims)}
+            freed |= only
             report.removed.append((key, why, sum(sizes[d] for d in only)))
+        report.size_after = report.size_before - sum(sizes[d] for d in freed)
         if dry_run:
-            report.size_after = report.size_before - sum(s for _, _, s in report.removed)
             return report
         for key in victims:  # manifests first: no manifest ever points at a deleted blob
             store.remove_manifest(key)
@@ -377,7 +409,6 @@ def gc(store: Store, *, max_size: int | None = None, stale: bool = False, dry_ru
                 record = store.failure(path.stem) if store.layout.wrote(path) else None
                 if record is not None and record.get("aotbuild") != VERSION:
                     path.unlink(missing_ok=True)
-        report.size_after = store_size(store)
     return report
 
 

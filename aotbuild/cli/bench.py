@@ -255,16 +255,16 @@ def bench(recipe_path: str | Path | Any, cache: str | Path | None = None, *, sha
 
     ``progress`` gets a line per step; ``build_progress`` is passed to :func:`aotbuild.build`;
     ``warn`` gets :func:`load_warning`'s line when the machine is busy."""
+    from aotbuild import advice
     from aotbuild.cache.layout import resolve_cache_root
     from aotbuild.planner import JobStatus, plan
     from aotbuild.recipe.rules import as_recipe
-    from aotbuild.recipe.schema import build_hint
 
     unknown = [m for m in modes if m not in MODES]
     if unknown or not modes:
         raise UsageError(f"--modes: {', '.join(unknown) or 'none given'}: allowed: {', '.join(MODES)}")
     say = progress or (lambda text: None)
-    recipe = as_recipe(recipe_path)
+    recipe = as_recipe(recipe_path, "bench")
     chosen = pick_shape(recipe, shape)
     one = replace(recipe, shapes=(chosen,))
     root = resolve_cache_root(cache)
@@ -288,7 +288,8 @@ def bench(recipe_path: str | Path | Any, cache: str | Path | None = None, *, sha
         if built.failed:
             r = built.failed[0]
             raise AotbuildError(f"cannot bench: building {r.job.label} failed: {r.reason}; run "
-                                f"{build_hint(recipe)} to see the whole log")
+                                f"`{advice.build_command(advice.Situation((recipe.source,), root))}` to see the "
+                                f"whole log")
     index = list(recipe.shapes).index(chosen)
     counts = {mode: cold_repeats if mode == "cold" else repeats for mode in modes}
     rounds = max(counts.values())

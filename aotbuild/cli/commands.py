@@ -15,7 +15,7 @@ from typing import Any
 
 import click
 
-from aotbuild import constants
+from aotbuild import advice, constants
 from aotbuild.cache.layout import format_size
 from aotbuild.errors import AotbuildError
 from aotbuild.utils.secrets import scrub
@@ -95,7 +95,8 @@ def command(fn: Callable[..., int | None]) -> Callable[..., None]:
 
     @functools.wraps(fn)
     def run(*args: Any, **kwargs: Any) -> None:
-        _run(lambda: fn(*args, **kwargs))
+        with advice.cli_voice():  # what to do next, said in flags (aotbuild/advice.py)
+            _run(lambda: fn(*args, **kwargs))
 
     return run
 
@@ -307,7 +308,7 @@ def build(recipes: tuple[str, ...], cache: str | None, as_json: bool, shard: str
             [a.key for r in report.results for a in r.attempts if a.outcome == Outcome.FAILED and a.key]
         # Nothing is signed on the way out; with --sign-key, a remote entry that key did not sign gives
         # way to this build's own (signed) one.
-        pushed = push(keys, target, cache=cache, progress=None if as_json else _push_progress(),
+        pushed = push(keys, target, cache=cache, progress=None if as_json else _transfer_progress("push"),
                       trusted=public_of(sign_key) if sign_key else None, failed=failed) if keys or failed else None
     if as_json:
         _emit_json({**report.as_json(), **({"push": pushed.as_json()} if pushed else {})})
@@ -316,13 +317,6 @@ def build(recipes: tuple[str, ...], cache: str | None, as_json: bool, shard: str
     if report.bad_input:  # the input is at fault (a model folder it cannot read), as with a bad recipe
         return EXIT_BAD_INPUT
     return EXIT_FAILED if report.failed else EXIT_OK
-
-
-def _push_progress() -> Callable[[str], None]:
-    return lambda what: _echo(f"pushed {what[:12]}", err=True)
-
-
-
 
 
 @main.command()
@@ -357,7 +351,8 @@ def push(items: tuple[str, ...], remote: str | None, cache: str | None, as_json:
         raise UsageError("push --sign-key was removed: a push never signs. `aotbuild sign KEYS... --sign-key "
                          "NAME.key` signs local entries you vouch for (docs/security.md), then push them")
     report = run_push(list(items), _remote(remote, required=True), cache=cache,
-                      trusted=trusted_from_env(_keys(trusted_keys)), progress=None if as_json else _push_progress())
+                      trusted=trusted_from_env(_keys(trusted_keys)),
+                      progress=None if as_json else _transfer_progress("push"))
     _show(report, as_json)
     return EXIT_FAILED if report.damaged else EXIT_OK
 
@@ -385,34 +380,86 @@ def pull(recipes: tuple[str, ...], remote: str | None, cache: str | None, as_jso
 
     from aotbuild.remote.sync import pull as run_pull
 
-    report = run_pull(list(recipes), _remote(remote, required=True), cache=cache, trusted_keys=_keys(trusted_keys))
+    report = run_pull(list(recipes), _remote(remote, required=True), cache=cache, trusted_keys=_keys(trusted_keys),
+                      progress=None if as_json else _transfer_progress("pull"))
     _show(report, as_json)
     if report.refused:
         return EXIT_FAILED
     return EXIT_MISS if (fail_on_miss and report.missing) else EXIT_OK
 
 
+class _Line:
+    """Progress on stderr, one way for builds and transfers: on a terminal (a tty) one line redrawn in
+    place; in a log, a line when a thing starts and when it ends, and one every AOTBUILD_PROGRESS_INTERVAL
+    seconds (60) in between, so a long compile or transfer shows life without filling the log."""
+
+    def __init__(self) -> None:
+        self.live = sys.stderr.isatty()
+        self.interval = constants.progress_interval()
+        self.next = 0.0
+
+    def start(self, text: str) -> None:
+        if not self.live:
+            self.next = self.interval
+            _echo(text, err=True)
+
+    def tick(self, live: str, log: str, seconds: float) -> None:
+        """``live`` redrawn on a terminal; ``log`` written once ``seconds`` have passed the next mark."""
+        if self.live:
+            click.echo("\r\033[K" + _clean(live), nl=False, err=True)
+        elif seconds >= self.next:
+            self.next = seconds + self.interval
+            _echo(log, err=True)
+
+    def end(self, text: str) -> None:
+        click.echo(("\r\033[K" if self.live else "") + _clean(text), err=True)
+
+
 def _progress() -> Callable[..., None]:
     """One line per job; on a terminal it updates in place with the phase and elapsed time."""
-    live = sys.stderr.isatty()
-    heartbeat = {"next": 0.0}  # without a terminal (CI logs): one line a minute, so a long compile shows life
+    line = _Line()
 
     def show(event: str, n: int, total: int, job: Any, result: Any) -> None:
         head = f"[{n}/{total}] {printable(job.label)} ({job.key[:12]})"
         if event == "start" and getattr(job, "status", "") == "failed":
             _echo(f"{head} retrying: it {printable(job.reason)}"[:400], err=True)
-        if event == "start" and not live:
-            heartbeat["next"] = 60.0
-            _echo(f"{head} building ...", err=True)
-        elif event == "tick" and live:
-            click.echo("\r\033[K" + _clean(f"{head} {result.status} {result.seconds:5.0f} s"), nl=False, err=True)
-        elif event == "tick" and result.seconds >= heartbeat["next"]:
-            heartbeat["next"] = result.seconds + 60.0
-            _echo(f"{head} {result.status} ({result.seconds:.0f} s so far)", err=True)
+        if event == "start":
+            line.start(f"{head} building ...")
+        elif event == "tick":
+            line.tick(f"{head} {result.status} {result.seconds:5.0f} s",
+                      f"{head} {result.status} ({result.seconds:.0f} s so far)", result.seconds)
         elif event == "end":
-            prefix = "\r\033[K" if live else ""
             note = f": {printable(result.reason)}" if result.reason else ""  # a failure's reason: one line
-            click.echo(prefix + _clean(f"{head} {result.status} in {result.seconds:.1f} s{note}"), err=True)
+            line.end(f"{head} {result.status} in {result.seconds:.1f} s{note}")
+
+    return show
+
+
+def _transfer_progress(verb: str, clock: Callable[[], float] | None = None) -> Callable[[str, Any], None]:
+    """Each entry a push or pull moves (remote.base.Transfer), as builds show their jobs (:class:`_Line`):
+    a bar of its bytes on a terminal, a line a minute in a log (issue 55: a multi-GB push said nothing
+    for minutes). ``clock``: seconds, for the time each entry has taken (default ``time.monotonic``)."""
+    import time
+
+    line = _Line()
+    now = clock or time.monotonic
+    started: dict[str, float] = {}
+
+    def show(event: str, t: Any) -> None:
+        head = f"[{t.n}/{t.count}] {verb} {t.key[:12]}"
+        if event == "start":
+            started[t.key] = now()
+            line.start(f"{head}: {format_size(t.size)} ...")
+            return
+        seconds = now() - started[t.key] if t.key in started else 0.0
+        if event == "tick":
+            share = t.done / t.size if t.size else 1.0
+            bar = "#" * int(share * 20)
+            line.tick(f"{head} [{bar:<20}] {format_size(t.done)} / {format_size(t.size)}",
+                      f"{head}: {format_size(t.done)} of {format_size(t.size)} ({share:.0%}, {seconds:.0f} s so far)",
+                      seconds)
+        elif event == "end":
+            line.end(f"{head}: {format_size(t.size)} in {seconds:.1f} s")
 
     return show
 
@@ -478,7 +525,7 @@ def plan(recipes: tuple[str, ...], cache: str | None, as_json: bool, fail_on_mis
     if as_json:
         _emit_json({"cache": str(resolve_cache_root(cache)), "remote": target.url if target else None,
                     **({"shard": sharded} if sharded else {}), "jobs": [j.as_json() for j in jobs]})
-    else:
+    elif jobs or not bad:  # a recipe mistake alone is its one line, not an empty table (docs/quickstart.md)
         rows = [[j.recipe.name, j.component + _rank_text(j.factors), str(j.shape),
                  f"{j.recipe.strategy}: {j.chosen}" if j.chosen else j.recipe.strategy,
                  j.key[:12] if j.key else "-", j.status,
@@ -495,6 +542,9 @@ def plan(recipes: tuple[str, ...], cache: str | None, as_json: bool, fail_on_mis
         for j in jobs:  # the text length: how each job serves prompts of other lengths (issue 34)
             if j.text.get("warning"):
                 _echo(f"warning: {j.label}: {j.text['warning']}")
+        if fail_on_miss and any(j.status == JobStatus.MISS for j in jobs):  # a gate that fails says what fixes it
+            _echo(advice.build_line(advice.Situation(recipes, resolve_cache_root(cache),
+                                                     target.url if target is not None else "")))
     for exc in bad:
         _error(exc)
     if bad:
@@ -570,16 +620,17 @@ def ls(cache: str | None, as_json: bool) -> int:
     """
 
     from aotbuild.cache.layout import resolve_cache_root
+    from aotbuild.cache.manage import entries_size
     from aotbuild.strategies.registry import checked_store
 
-    if _no_cache(resolve_cache_root(cache), as_json, {"models": [], "entries": []}):
+    if _no_cache(resolve_cache_root(cache), as_json, {"models": [], "entries": [], "size": 0}):
         return EXIT_OK
     store = checked_store(resolve_cache_root(cache))
     manifests = list(store.iter_manifests())
     models = sorted(p.name for p in store.layout.models.iterdir()
                     if p.is_dir() and not p.name.startswith(".")) if store.layout.models.is_dir() else []
     if as_json:
-        _emit_json({"cache": str(store.root), "models": models, "entries": [
+        _emit_json({"cache": str(store.root), "models": models, "size": entries_size(manifests), "entries": [
             {"key": m.key, "recipe": m.recipe, "component": m.component, "model": _model_of(m),
              "shape": dict(m.shape), "target": m.target, "strategy": m.strategy, "scope": _scope_of(m),
              "size": m.size, "created": _created(m)} for m in manifests]})
@@ -589,7 +640,7 @@ def ls(cache: str | None, as_json: bool) -> int:
              _scope_of(m), format_size(m.size), _created(m) or "?"] for m in manifests]
     _echo(table(rows, ["key", "recipe", "model", "component", "shape", "target", "strategy", "scope", "size",
                         "created"]))
-    _echo(f"{len(manifests)} entries in {store.root}")
+    _echo(f"{len(manifests)} entries, {format_size(entries_size(manifests))} in {store.root}")  # each blob once
     for name in models:
         _echo(f"model: {store.layout.models / name}")
     return EXIT_OK
@@ -857,7 +908,8 @@ def _left_for_owners(problems: list) -> str:
 @cache_option
 @json_option
 @click.option("--max-size", "max_size", metavar="SIZE",
-              help="Remove least recently used entries until the cache fits (20GB, 500MB, 1.5GiB). Default: "
+              help="Remove least recently used entries until the cache fits: a size with its unit (20GB, "
+                   "500MB, 1.5GiB, 4096B; a bare number is refused). Default: "
                    "AOTBUILD_MAX_SIZE (never pyproject.toml's max_size, which only builds use).")
 @click.option("--stale", is_flag=True, help="Remove entries that can never match this environment again "
                                             "(another torch, Python, CPU ISA or GPU, or an older format).")
@@ -1037,6 +1089,7 @@ def targets(as_json: bool) -> int:
       aotbuild targets --json
     """
 
+    from aotbuild.strategies.order import summary
     from aotbuild.strategies.registry import get_strategy, strategy_names
     from aotbuild.targets.registry import get_target, target_names
 
@@ -1054,7 +1107,7 @@ def targets(as_json: bool) -> int:
         strategy = get_strategy(name)
         why = strategy.availability()
         strategies.append({"name": name, "targets": list(strategy.targets or target_names()),
-                           "available": not why, "reason": why, "summary": strategy.summary})
+                           "available": not why, "reason": why, "summary": summary(strategy)})
     if as_json:
         _emit_json({"targets": rows, "strategies": strategies})
         return EXIT_OK

@@ -30,9 +30,12 @@ class Check:
     detail: str = ""
     fix: str = ""
     data: dict[str, Any] = field(default_factory=dict)
+    #: more of the detail, each printed on its own line below it (the store's other folders)
+    lines: list[str] = field(default_factory=list)
 
     def as_json(self) -> dict[str, Any]:
         out = asdict(self)
+        out.pop("lines")
         out.update(out.pop("data"))
         return out
 
@@ -51,6 +54,7 @@ class Report:
             state = "skip" if c.skipped else "ok" if c.ok else "FAIL"
             fix = f"\n{'':16}fix: {c.fix}" if c.fix and not c.ok else ""
             lines.append(f"{state:<5} {c.name:<10} {c.detail}{fix}")
+            lines += [f"{'':16}{line}" for line in c.lines]
         lines.append("this machine can build and serve caches" if self.ok else
                      "a check failed: fix it, then run aotbuild doctor again")
         return "\n".join(lines)
@@ -119,13 +123,19 @@ def check_disk(cache_root: Path) -> Check:
 
 def check_store(cache_root: Path, deep: bool) -> Check:
     from aotbuild.cache.layout import format_size
+    from aotbuild.cache.manage import entries_size, other_folders
     from aotbuild.strategies.registry import checked_store
 
     store = checked_store(cache_root)
+    # The folders beside the entries (built-in models, staging, locks, logs), each on its own line.
+    folders = other_folders(store) if store.root.is_dir() else []
+    lines = [f"{name + ':':<10}{format_size(size):>9}  {folder}" for name, folder, size in folders]
+    sizes = {name: size for name, _, size in folders}
     if not store.layout.manifests.is_dir():
-        return Check("store", detail=f"no entries yet in {cache_root}", data={"entries": 0, "size": 0})
+        return Check("store", detail=f"no entries yet in {cache_root}", lines=lines,
+                     data={"entries": 0, "size": 0, "folders": sizes})
     entries = list(store.iter_manifests())
-    size = sum(m.size for m in entries)
+    size = entries_size(entries)  # each blob once, as gc and ls count (issue 55)
     if deep:
         from aotbuild.cache.manage import verify
 
@@ -138,8 +148,8 @@ def check_store(cache_root: Path, deep: bool) -> Check:
         return _failed("store", f"{len(broken)} of {len(entries)} entries have missing or resized blobs",
                        "aotbuild verify --fix (the next build rebuilds them)", entries=len(entries))
     how = "every blob hashed" if deep else "sizes checked; --deep hashes every blob"
-    return Check("store", detail=f"{len(entries)} entries, {format_size(size)} ({how})",
-                 data={"entries": len(entries), "size": size})
+    return Check("store", detail=f"{len(entries)} entries, {format_size(size)} ({how})", lines=lines,
+                 data={"entries": len(entries), "size": size, "folders": sizes})
 
 
 def _store_fix(problems: list) -> str:

@@ -5,7 +5,8 @@ Offline mode (``HF_HUB_OFFLINE=1``) is huggingface_hub's own: then no probe is m
 functions read the local Hugging Face cache only.
 
 :func:`repo_id_problem` is the one check of a Hub repo id that a recipe names (``model.id``, a LoRA
-adapter's ``path``), made before any fetch.
+adapter's ``path``), made before any fetch; :func:`fetch_problem` says what a failed fetch of a file of
+one means and what to do, by the kind of failure.
 """
 
 from __future__ import annotations
@@ -48,6 +49,47 @@ def repo_id_problem(repo_id: str) -> str:
     except HFValidationError as exc:
         return f"not a Hub repo id ({str(exc).splitlines()[0][:200]})"
     return ""
+
+
+#: The Hub's answer to a repo it will not show: 401 to a request without a (valid) token, whether the repo
+#: is missing, private or gated (it cannot tell them apart for an anonymous caller); 404 with a token.
+NOT_FOUND_OR_GATED = "not found, or gated/private: check the id, or accept its terms and set HF_TOKEN"
+#: Offline, no network, or the file was never downloaded: what to do without the Hub.
+NO_NETWORK = ("no network? pre-download it (hf download), set HF_HUB_OFFLINE=1 to use only the local Hugging "
+              "Face cache, or point model.id at a local folder")
+
+
+def fetch_problem(exc: BaseException) -> str:
+    """What a failed fetch from the Hub means, and what to do, by the kind of ``exc`` (huggingface_hub's
+    error classes and the HTTP status, never its message's words): one line.
+
+    An unknown repo fetched without a token is a 401 ``RepositoryNotFoundError``: it used to read as
+    "a gated or private repo" (the "401" in the message), so a typo in ``model.id`` sent users off to
+    accept terms (issue 55). ``GatedRepoError`` is the Hub saying the repo is gated."""
+    from huggingface_hub import errors
+
+    status = getattr(getattr(exc, "response", None), "status_code", None)
+    if isinstance(exc, errors.GatedRepoError):  # before RepositoryNotFoundError, its base class
+        return "a gated repo: accept its terms on the Hub, then set HF_TOKEN to a token of that account"
+    if isinstance(exc, errors.RepositoryNotFoundError):
+        return (f"the Hub answered {status}: {NOT_FOUND_OR_GATED}" if status != 404 else
+                "not found, or private and this token cannot read it: check the id (owner/name) and HF_TOKEN")
+    if isinstance(exc, errors.RevisionNotFoundError):
+        return "no such revision in the repo: check model.revision"
+    if isinstance(exc, (errors.LocalEntryNotFoundError, errors.OfflineModeIsEnabled)) or \
+            "Connect" in type(exc).__name__:
+        return f"{type(exc).__name__}; {NO_NETWORK}"
+    if isinstance(exc, errors.EntryNotFoundError):
+        return "the repo has no such file (a diffusers pipeline has model_index.json and one folder per component)"
+    reason = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    reason = f"{type(exc).__name__}: {reason[:200]}{' ...' if len(reason) > 200 else ''}" if reason \
+        else type(exc).__name__
+    if status == 401:
+        return f"{reason}; the Hub refused the token: check HF_TOKEN"
+    if status == 403:
+        return (f"{reason}; this token may not read it: accept the repo's terms on the Hub, or use a token with "
+                f"read access")
+    return reason
 
 
 def offline_mode() -> bool:

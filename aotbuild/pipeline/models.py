@@ -116,7 +116,11 @@ def _local_folder(recipe: Recipe) -> Path | None:
         return None
 
 
-def resolve_model(recipe: Recipe, cache_root: Path) -> ResolvedModel:
+def resolve_model(recipe: Recipe, cache_root: Path, *, reading: bool = False) -> ResolvedModel:
+    """Where the recipe's model is, and its ``model_index.json``. ``reading`` (plan, a load until it has
+    succeeded): a built-in model the cache lacks is made outside it (builtin.scratch), never in it:
+    a command that only reads writes nothing under the cache (issue 55); :func:`store_builtin` puts it
+    there once a load has succeeded."""
     spec = recipe.model
     if recipe.pipeline_folder:  # aotbuild.build(recipe, pipe=pipe): the caller's pipeline, saved for the jobs
         folder = Path(recipe.pipeline_folder)
@@ -126,7 +130,7 @@ def resolve_model(recipe: Recipe, cache_root: Path) -> ResolvedModel:
         return ResolvedModel(str(folder.resolve()), True, data, None, {"id": spec.id, "from_pipe": True})
     if builtin.is_builtin(spec.id):
         model = builtin.lookup(spec.id)
-        folder = builtin.ensure(spec.id, Layout(cache_root).models)
+        folder = builtin.folder_of(spec.id, Layout(cache_root).models, create=not reading)
         return ResolvedModel(str(folder), True, _read_json(folder / "model_index.json"), model.version,
                              {"id": spec.id, "builtin_version": model.version})
     folder = _local_folder(recipe)
@@ -155,6 +159,14 @@ def resolve_model(recipe: Recipe, cache_root: Path) -> ResolvedModel:
     return ResolvedModel(spec.id, False, data, None, {"id": spec.id, "revision": spec.revision})
 
 
+def store_builtin(recipe: Recipe, cache_root: Path) -> None:
+    """The recipe's built-in model into the cache, where it lacks it (a copy of the one a read made
+    outside it, builtin.scratch): what a build and a load that succeeded leave there. Nothing for
+    another model."""
+    if builtin.is_builtin(recipe.model.id) and not recipe.pipeline_folder:
+        builtin.ensure(recipe.model.id, Layout(cache_root).models)
+
+
 def hub_file(repo_id: str, filename: str, revision: str | None) -> Path:
     """``filename`` of Hub repo ``repo_id``, fetched (or from the local Hugging Face cache). A malformed
     id is a UsageError (exit 2): callers that know the recipe check it first (hub.repo_id_problem) to
@@ -169,26 +181,15 @@ def hub_file(repo_id: str, filename: str, revision: str | None) -> Path:
         from huggingface_hub import hf_hub_download
 
         # Unreachable: the local Hugging Face cache may still have it; asked without the network.
-        return Path(hf_hub_download(repo_id, filename, revision=revision, local_files_only=bool(down)))
-    except Exception as exc:  # offline, gated, missing: one line says which
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        if len(reason) > 200:
-            reason = reason[:200] + " ..."
-        name = type(exc).__name__
+        # The endpoint probed above, read now (huggingface_hub reads HF_ENDPOINT once, at its import).
+        return Path(hf_hub_download(repo_id, filename, revision=revision, local_files_only=bool(down),
+                                    endpoint=hub.endpoint()))
+    except Exception as exc:  # offline, gated, missing: one line says which (hub.fetch_problem)
         if down:
             raise ModelUnreachable(f"cannot fetch {filename} of {repo_id}: {down}, and the local Hugging "
                                    f"Face cache does not have it; pre-download it (hf download) or point model.id at "
                                    f"a local folder") from None
-        if "LocalEntryNotFound" in name or "Connect" in name or "Offline" in name:
-            hint = ("; no network? pre-download it (hf download), set HF_HUB_OFFLINE=1 to use only the local "
-                    "Hugging Face cache, or point model.id at a local folder")
-        elif "GatedRepo" in name or "401" in reason or "403" in reason:
-            hint = "; a gated or private repo: accept its terms on the Hub and set HF_TOKEN"
-        elif "RepositoryNotFound" in name:
-            hint = "; check model.id (owner/name), or set HF_TOKEN for a private repo"
-        else:
-            hint = ""
-        raise ModelUnreachable(f"cannot fetch {filename} of {repo_id}: {name}: {reason}{hint}") from None
+        raise ModelUnreachable(f"cannot fetch {filename} of {repo_id}: {hub.fetch_problem(exc)}") from None
 
 
 def _read_json(path: Path, inside: Path | None = None) -> dict[str, Any]:

@@ -6,12 +6,15 @@ then the rules that need more than the data: a built-in model that exists, the c
 what the recipe's target and strategy accept (``Target.validate``, ``Strategy.validate``, which
 include whether this torch can run the strategy). Every problem is a :class:`RecipeError` naming the
 file and the key. :func:`load_recipe` reads a file (aotbuild/recipe/files.py, bounded),
-:func:`resolve_recipes` turns what ``plan``, ``build`` and ``load_compiled`` accept into Recipes.
+:func:`resolve_recipes` turns what ``plan``, ``build``, ``push``, ``pull`` and ``sign`` accept into
+Recipes (:func:`recipe_items`: the one rule of what they take), :func:`as_recipe` the one recipe
+``load_compiled`` takes.
 """
 
 from __future__ import annotations
 
 import math
+import os
 import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -27,7 +30,7 @@ from aotbuild.utils.deprecated import positional_shim
 from aotbuild.utils.suggest import suggest
 
 __all__ = ["parse_recipe", "load_recipe", "as_recipe", "recipe_from_spec", "load_recipes", "resolve_recipes",
-           "registry_choices", "Recipes", "find_recipes"]
+           "recipe_items", "registry_choices", "Recipes", "RecipeLike", "find_recipes"]
 
 
 def registry_choices() -> dict[str, tuple[str, ...]]:
@@ -258,14 +261,24 @@ def load_recipe(path: str | Path) -> Recipe:
     return parse_recipe(read_recipe_data(source), source=source)
 
 
-def as_recipe(value: Any) -> Recipe:
-    """A :class:`Recipe` from a Recipe, a path to a recipe file, or recipe data (a mapping)."""
+def as_recipe(value: Any, function: str = "load_compiled") -> Recipe:
+    """The one :class:`Recipe` that ``function`` (a public function's name) takes: a Recipe, a recipe
+    file's path (str or os.PathLike) or recipe data (a mapping). A folder or a list is refused by name:
+    ``function`` serves one recipe (plan and build take several)."""
     if isinstance(value, Recipe):
         return value
     if isinstance(value, Mapping):
         return parse_recipe(dict(value))
-    if isinstance(value, (str, Path)):
-        return load_recipe(value)
+    if isinstance(value, (str, os.PathLike)):
+        path = os.fspath(value)
+        if isinstance(path, str) and os.path.isdir(path):
+            raise UsageError(f"{function}() takes one recipe file, and {path} is a folder: name one of its .yaml "
+                             f"files (plan and build take a folder)")
+        if isinstance(path, str):
+            return load_recipe(path)
+    if isinstance(value, (list, tuple)):
+        raise UsageError(f"{function}() takes one recipe (a file, a dict or a Recipe), not a "
+                         f"{type(value).__name__}: call it once per recipe (plan and build take a list)")
     raise RecipeError(DATA_SOURCE, None, f"expected a recipe file's path, a dict of recipe keys or a Recipe, got "
                                          f"{describe_value(value)}")
 
@@ -309,16 +322,40 @@ def _unique_names(recipes: list[Recipe]) -> list[Recipe]:
     return recipes
 
 
-#: What ``plan`` and ``build`` accept: recipe files or folders, recipe data (dicts), Recipe objects,
-#: one of them or a list of them.
-Recipes = str | Path | Recipe | Mapping[str, Any] | Sequence[str | Path | Recipe | Mapping[str, Any]]
+#: One recipe as the Python API takes it: a file's path (str or os.PathLike), recipe data (a mapping) or a Recipe.
+RecipeLike = str | os.PathLike | Recipe | Mapping[str, Any]
+#: What ``plan``, ``build``, ``push``, ``pull`` and ``sign`` take (:func:`recipe_items`): one RecipeLike (the
+#: path of a folder: every recipe in it), or a list or tuple of them.
+Recipes = RecipeLike | list[RecipeLike] | tuple[RecipeLike, ...]
 
 
-def resolve_recipes(recipes: Recipes) -> list[Recipe]:
-    """Recipe objects for ``recipes``: paths are read (folders searched), dicts validated
-    (:func:`parse_recipe`), Recipes taken as they are; names must differ."""
-    items = [recipes] if isinstance(recipes, (str, Path, Recipe, Mapping)) else list(recipes)
-    paths = [str(r) for r in items if isinstance(r, (str, Path))]
+def recipe_items(recipes: Any, function: str, keys: bool = False) -> list[str | Recipe | Mapping[str, Any]]:
+    """The items of what ``function`` (a public function's name) was given, paths as str: one str,
+    os.PathLike, mapping or Recipe is one item, a list or a tuple gives its items, and anything else is
+    refused naming ``function``. The one rule of the Python API (issue 55): a str is never iterated
+    (``push("recipes/x.yaml", remote)`` once walked the file system from ``/``, one character a path).
+    ``keys``: the function takes entry keys too (push, sign), which are str items as well."""
+    one = (str, os.PathLike, Recipe, Mapping)
+    items = [recipes] if isinstance(recipes, one) else recipes
+    if not isinstance(items, (list, tuple)) or not all(isinstance(item, one) for item in items):
+        bad = recipes if not isinstance(items, (list, tuple)) else next(i for i in items if not isinstance(i, one))
+        what = "entry keys, recipe files or folders" if keys else "recipe files or folders"
+        raise UsageError(f"{function}() takes {what} (str or os.PathLike), dicts of recipe keys or Recipes: one, or "
+                         f"a list or tuple of them; got {describe_value(bad)}")
+    out: list[str | Recipe | Mapping[str, Any]] = []
+    for item in items:
+        path = os.fspath(item) if isinstance(item, os.PathLike) else item
+        if isinstance(path, bytes):
+            raise UsageError(f"{function}() takes a path as str or os.PathLike of str, got {describe_value(item)}")
+        out.append(path)
+    return out
+
+
+def resolve_recipes(recipes: Recipes, function: str = "plan") -> list[Recipe]:
+    """Recipe objects for ``recipes`` (:func:`recipe_items`): paths are read (folders searched), dicts
+    validated (:func:`parse_recipe`), Recipes taken as they are; names must differ."""
+    items = recipe_items(recipes, function)
+    paths = [item for item in items if isinstance(item, str)]
     loaded = iter(load_recipes(paths) if paths else [])
     out: list[Recipe] = []
     for item in items:
@@ -326,8 +363,6 @@ def resolve_recipes(recipes: Recipes) -> list[Recipe]:
             out.append(item)
         elif isinstance(item, Mapping):
             out.append(parse_recipe(dict(item)))
-        elif isinstance(item, (str, Path)):
-            out.extend(loaded)  # every file found, once, where the first path stood
         else:
-            as_recipe(item)  # raises, naming what was given
+            out.extend(loaded)  # every file found, once, where the first path stood
     return _unique_names(out)

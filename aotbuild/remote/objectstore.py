@@ -63,7 +63,7 @@ from aotbuild.cache.manifest import Manifest, StaleManifest
 from aotbuild.cache.store import MAX_FAILURE_BYTES, Entry, Store, failure_record
 from aotbuild.errors import RemoteError, StoreError, UsageError
 from aotbuild.remote import bounds
-from aotbuild.remote.base import PushResult, Remote, ingest
+from aotbuild.remote.base import Meter, PushResult, Remote, TransferProgress, ingest
 from aotbuild.utils import secrets
 
 #: scheme -> (fsspec protocol, the package it needs, the extra that installs it)
@@ -437,7 +437,7 @@ class FsspecRemote(Remote):
         except ValueError:
             return None
 
-    def fetch(self, key: str, store: Store) -> str:
+    def fetch(self, key: str, store: Store, progress: TransferProgress | None = None) -> str:
         try:
             manifest, _ = self._manifest(key, versioned=False)
         except StaleManifest as exc:
@@ -466,7 +466,7 @@ class FsspecRemote(Remote):
                 # and never past the object's end: no range is requested once it is reached.
                 yield digest, _Ranges(self, path, min(size + 1, info["size"]))  # type: ignore[misc]
 
-        return ingest(store, key, manifest, blobs)
+        return ingest(store, key, manifest, blobs, Meter(progress, key))
 
     def failure_times(self) -> dict[str, float]:
         folder = f"{self.root}/failures"
@@ -569,12 +569,13 @@ class FsspecRemote(Remote):
              uploadType="multipart", headers={"Content-Type": 'multipart/related; boundary="==0=="'}, data=body,
              json_out=True, ifGenerationMatch=generation)
 
-    def push(self, entries: list[Entry], progress: Callable[[str], None] | None = None,
+    def push(self, entries: list[Entry], progress: TransferProgress | None = None,
              workdir: Path | None = None, trusted: dict[str, bytes] | None = None) -> PushResult:
         from aotbuild.cache.signing import merge_signatures, supersedes
 
         result = PushResult()
         on_remote = self.keys()
+        todo: list[tuple[Entry, str | None]] = []  # what is sent, and the version of a manifest it replaces
         for entry in entries:
             there, version = None, None
             if entry.key in on_remote:
@@ -588,18 +589,10 @@ class FsspecRemote(Remote):
                 if merged is not None and self._replace(entry.key, merged.to_json().encode(), version):
                     result.signed.append(entry.key)
                 continue
-            by_path = {item.path: item for item in entry.manifest.files}
-            for rel, blob in entry.files:
-                digest, size = by_path[rel].sha256, by_path[rel].size
-                target = self.blob_path(digest)
-                try:
-                    self._call(f"checking {target}", lambda t=target: self._ask("info", t))
-                    continue
-                except FileNotFoundError:
-                    pass
-                if self._put_new(f"uploading {target}",
-                                 lambda mode, b=blob, t=target: self.fs.put_file(str(b), t, mode=mode)):
-                    result.bytes_sent += size
+            todo.append((entry, version))
+        for n, (entry, version) in enumerate(todo, 1):
+            meter = Meter(progress, entry.key, n, len(todo))
+            result.bytes_sent += self._put_blobs(entry, meter)
             data = entry.manifest.to_json().encode()
             path = self.manifest_path(entry.key)
             if entry.key in on_remote:  # superseded (or malformed there): replace what was read
@@ -612,9 +605,47 @@ class FsspecRemote(Remote):
                 result.present.append(entry.key)  # another pusher's manifest landed first: it stays
                 continue
             result.sent.append(entry.key)
-            if progress:
-                progress(entry.key)
+            meter.end()
         return result
+
+    def _put_blobs(self, entry: Entry, meter: Meter) -> int:
+        """Upload the entry's blobs the store lacks, each create-only; the bytes sent. ``meter`` hears
+        of them as fsspec's upload callback counts them."""
+        by_path = {item.path: item for item in entry.manifest.files}
+        missing: dict[str, tuple[Path, int]] = {}
+        for rel, blob in entry.files:
+            digest, size = by_path[rel].sha256, by_path[rel].size
+            target = self.blob_path(digest)
+            if digest in missing:
+                continue
+            try:
+                self._call(f"checking {target}", lambda t=target: self._ask("info", t))
+                continue
+            except FileNotFoundError:
+                missing[digest] = (blob, size)
+        meter.start(sum(size for _, size in missing.values()))
+        sent = done = 0
+        for digest, (blob, size) in missing.items():
+            target = self.blob_path(digest)
+            counted = _counted(meter, done, size)
+            if self._put_new(f"uploading {target}", lambda mode, b=blob, t=target, c=counted:
+                             self.fs.put_file(str(b), t, mode=mode, callback=c)):
+                sent += size
+            done += size
+            meter.reached(done)
+        return sent
+
+
+def _counted(meter: Meter, base: int, size: int) -> Any:
+    """An fsspec callback that tells ``meter`` of one blob's bytes as the store's client uploads them
+    (``base`` bytes of the entry before it; a retried upload counts from its start again)."""
+    from fsspec.callbacks import Callback
+
+    class Counted(Callback):
+        def call(self, *args: Any, **kwargs: Any) -> None:
+            meter.reached(base + min(int(self.value or 0), size))
+
+    return Counted()
 
 
 __all__ = ["FsspecRemote", "SCHEMES", "parse", "storage_options"]

@@ -40,10 +40,13 @@ from aotbuild.cache.manifest import Manifest, ManifestError, StaleManifest
 from aotbuild.cache.store import Entry, Store, sha256_file
 from aotbuild.errors import RemoteError, StoreError, UsageError
 from aotbuild.remote import bounds
-from aotbuild.remote.base import PushResult, Remote, ingest
+from aotbuild.remote.base import Meter, PushResult, Remote, TransferProgress, ingest
 from aotbuild.utils import secrets
 from aotbuild.utils.safeio import atomic_write, open_regular
 
+#: The schemes of a remote URL that are not an object store's (``objectstore.SCHEMES`` holds those):
+#: a folder's and the Hub's. :func:`scheme_names` is every scheme :func:`parse_remote` takes.
+FOLDER, HUB = "file", "hf"
 _HF = re.compile(r"^hf://(?:(?P<kind>datasets|models)/)?(?P<repo>[\w.-]+/[\w.-]+)(?:@(?P<rev>[\w./-]+))?/?$")
 #: Operations per Hub commit: big pushes go in several pack commits, all before the manifest commits.
 HUB_COMMIT_BATCH = 100
@@ -76,8 +79,8 @@ def parse_remote(url: str) -> Remote:
     remote = parse_object_store(url)  # s3://, gs://, az://, abfs://, memory://
     if remote is not None:
         return remote
-    if url.startswith("file://"):
-        path = url[len("file://"):]
+    if url.startswith(f"{FOLDER}://"):
+        path = url[len(f"{FOLDER}://"):]
         if not path.startswith("/"):
             raise UsageError(f"remote {url!r}: a folder remote is file:///absolute/path (three slashes)")
         return FolderRemote(url, Path(path))
@@ -85,10 +88,19 @@ def parse_remote(url: str) -> Remote:
     if match:
         repo_type = "dataset" if match["kind"] == "datasets" else "model"
         return HubRemote(url, match["repo"], repo_type, match["rev"])
-    if url.startswith("hf://"):
+    if url.startswith(f"{HUB}://"):
         raise UsageError(f"remote {url!r}: expected hf://owner/repo[@revision] or hf://datasets/owner/repo[@revision]")
     raise UsageError(f"{url!r} is not a remote: use file:///shared/folder, hf://owner/repo (hf://datasets/owner/repo "
                      f"for a dataset repo), s3://bucket/prefix, gs://bucket/prefix or az://container/prefix")
+
+
+def scheme_names() -> tuple[str, ...]:
+    """Every scheme of a remote URL, in the order the docs list them: a folder's, the Hub's, then the
+    object stores' (s3, gs and its alias gcs, az and abfs, memory). README.md, docs/cli.md, docs/ci.md
+    and ``load_compiled``'s docstring name each one (tests/test_docs.py)."""
+    from aotbuild.remote.objectstore import SCHEMES
+
+    return (FOLDER, HUB, *SCHEMES)
 
 
 def as_remote(remote: str | Remote) -> Remote:
@@ -96,12 +108,13 @@ def as_remote(remote: str | Remote) -> Remote:
     return parse_remote(remote) if isinstance(remote, str) else remote
 
 
-def pull_entry(remote: Remote, key: str, store: Store) -> str:
-    """Fetch one entry into ``store``: "" or why not (the download takes no lock; storing it does).
+def pull_entry(remote: Remote, key: str, store: Store, progress: TransferProgress | None = None) -> str:
+    """Fetch one entry into ``store``: "" or why not (the download takes no lock; storing it does);
+    ``progress`` hears of its bytes (base.Transfer).
 
     RemoteError (the remote failed) propagates; a local store that cannot be written is a reason."""
     try:
-        return remote.fetch(key, store)
+        return remote.fetch(key, store, progress) if progress is not None else remote.fetch(key, store)
     except RemoteError:
         raise
     except OSError as exc:  # a read-only store, a lock timeout
@@ -127,7 +140,7 @@ class FolderRemote(Remote):
             return set()
         return {p.stem for p in folder.glob("*/*.json") if HEX64.match(p.stem)}
 
-    def fetch(self, key: str, store: Store) -> str:
+    def fetch(self, key: str, store: Store, progress: TransferProgress | None = None) -> str:
         self._check_root()
         try:
             manifest = self.store.load_manifest(key)
@@ -151,13 +164,13 @@ class FolderRemote(Remote):
                 with f:
                     yield digest, f
 
-        return ingest(store, key, manifest, blobs)
+        return ingest(store, key, manifest, blobs, Meter(progress, key))
 
     def read_manifest(self, key: str) -> Manifest | None:
         self._check_root()
         return self.store.read_manifest(key)
 
-    def push(self, entries: list[Entry], progress: Callable[[str], None] | None = None,
+    def push(self, entries: list[Entry], progress: TransferProgress | None = None,
              workdir: Path | None = None, trusted: dict[str, bytes] | None = None) -> PushResult:
         result = PushResult()
         if not self.store.root.parent.is_dir():  # never create a whole tree from a typo
@@ -170,10 +183,11 @@ class FolderRemote(Remote):
             raise RemoteError(f"cannot write to {self.url}: {exc}") from None
         return result
 
-    def _push(self, entries: list[Entry], result: PushResult, progress: Callable[[str], None] | None,
+    def _push(self, entries: list[Entry], result: PushResult, progress: TransferProgress | None,
               trusted: dict[str, bytes]) -> None:
         from aotbuild.cache.signing import supersedes
 
+        todo = []
         for entry in entries:
             there = self.store.check_entry(entry.key)[0]
             if there and trusted and supersedes(entry.manifest, self.store.read_manifest(entry.key), trusted):
@@ -183,16 +197,20 @@ class FolderRemote(Remote):
                 if self._add_signatures(entry.manifest):
                     result.signed.append(entry.key)
                 continue
+            todo.append(entry)
+        for n, entry in enumerate(todo, 1):
             by_path = {item.path: item for item in entry.manifest.files}
-            for rel, blob in entry.files:
-                digest, size = by_path[rel].sha256, by_path[rel].size
-                if not self.store.has_blob(digest, size, verify=True):
-                    self.store.put_blob(blob, expect=digest)
-                    result.bytes_sent += size
+            missing = {by_path[rel].sha256: (blob, by_path[rel].size) for rel, blob in entry.files
+                       if not self.store.has_blob(by_path[rel].sha256, by_path[rel].size, verify=True)}
+            meter = Meter(progress, entry.key, n, len(todo))
+            meter.start(sum(size for _, size in missing.values()))
+            for digest, (blob, size) in missing.items():
+                with open_regular(blob) as f:
+                    self.store.put_blob(meter.reading(f), expect=digest)
+                result.bytes_sent += size
             self.store.put_manifest(entry.manifest)
             result.sent.append(entry.key)
-            if progress:
-                progress(entry.key)
+            meter.end()
 
     def failure_times(self) -> dict[str, float]:
         if not self.store.root.is_dir():  # a build's push target before its first push: no records yet
@@ -275,7 +293,7 @@ class HubRemote(Remote):
             raise
         except errors.RepositoryNotFoundError:
             raise RemoteError(f"{self.url}: the repo does not exist or this token cannot see it (create it with "
-                              f"`hf repo create {self.repo_id} --repo-type {self.repo_type}`, or set HF_TOKEN)") \
+                              f"`hf repos create {self.repo_id} --repo-type {self.repo_type}`, or set HF_TOKEN)") \
                 from None
         except errors.RevisionNotFoundError:
             raise RemoteError(f"{self.url}: no revision {self.revision!r} in the repo") from None
@@ -323,13 +341,14 @@ class HubRemote(Remote):
     def keys(self) -> set[str]:
         return {Path(p).stem for p in self._list("manifests") if p.endswith(".json") and HEX64.match(Path(p).stem)}
 
-    def _download(self, filename: str, folder: Path, limit: int, total: float | None = None) -> Path | None:
+    def _download(self, filename: str, folder: Path, limit: int, total: float | None = None,
+                  meter: Meter | None = None) -> Path | None:
         """``filename`` (a path aotbuild made: manifests/... or packs/...) into ``folder``, streamed and
         refused as soon as it passes ``limit`` bytes (a manifest's 16 MiB, a pack's recorded size): a
         remote cannot fill the disk by sending more than it declared. None when it is not there.
         Bounded in time (issue 53): no byte for AOTBUILD_REMOTE_STALL fails, and all of it within
         ``total`` seconds (default AOTBUILD_REMOTE_DEADLINE: a manifest; a pack passes its length at
-        AOTBUILD_REMOTE_MIN_RATE), so a drip fails too."""
+        AOTBUILD_REMOTE_MIN_RATE), so a drip fails too. ``meter`` counts the bytes as they arrive."""
         from huggingface_hub import constants as hf_constants
         from huggingface_hub import errors, hf_hub_url
         from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
@@ -365,6 +384,8 @@ class HubRemote(Remote):
                             raise StoreError(f"{filename} on {self.url} sent more than the {limit} bytes it may "
                                              f"have: refused while downloading")
                         out.file.write(chunk)
+                        if meter is not None:
+                            meter.moved(len(chunk))
             return dest
 
         def bounded(cancelled: Any) -> Path:
@@ -396,7 +417,7 @@ class HubRemote(Remote):
         there = self.read_manifest(entry.key)
         return merge_signatures(there, entry.manifest) if there is not None else None
 
-    def fetch(self, key: str, store: Store) -> str:
+    def fetch(self, key: str, store: Store, progress: TransferProgress | None = None) -> str:
         try:
             store.layout.tmp.mkdir(parents=True, exist_ok=True)
             folder = Path(tempfile.mkdtemp(prefix="pull.", dir=store.layout.tmp))
@@ -404,11 +425,11 @@ class HubRemote(Remote):
             return f"could not write to the local cache {store.root}: {exc}"
         try:  # the folder's lock tells `aotbuild verify` that a download is alive in it
             with flocked(folder / ".lock", exclusive=True, timeout=0):
-                return self._fetch(key, store, folder)
+                return self._fetch(key, store, folder, Meter(progress, key))
         finally:
             shutil.rmtree(folder, ignore_errors=True)
 
-    def _fetch(self, key: str, store: Store, folder: Path) -> str:
+    def _fetch(self, key: str, store: Store, folder: Path, meter: Meter) -> str:
         try:
             path = self._download(self.manifest_path(key), folder, codec.MAX_BYTES)
         except StoreError as exc:
@@ -429,11 +450,13 @@ class HubRemote(Remote):
         if why:
             return f"refused: {why}"
         tar_path = None
-        if any(not store.has_blob(d, size, verify=True) for d, size in wanted):
+        needed = any(not store.has_blob(d, size, verify=True) for d, size in wanted)
+        meter.start(pack_size if needed else 0)  # what travels is the pack, whole
+        if needed:
             # Downloaded and verified before any lock is taken: a long download holds up no one.
             try:
                 tar_path = self._download(self.pack_path(pack_digest), folder, pack_size,
-                                          bounds.limits().transfer(pack_size))
+                                          bounds.limits().transfer(pack_size), meter)
             except StoreError as exc:
                 return f"refused: {exc}"
             if tar_path is None:
@@ -445,12 +468,17 @@ class HubRemote(Remote):
             assert tar_path is not None
             yield from _read_pack(tar_path, {d for d, _ in missing})
 
-        return ingest(store, key, manifest, blobs)
+        why = ingest(store, key, manifest, blobs)
+        if not why:
+            meter.end()
+        return why
 
-    def push(self, entries: list[Entry], progress: Callable[[str], None] | None = None,
+    def push(self, entries: list[Entry], progress: TransferProgress | None = None,
              workdir: Path | None = None, trusted: dict[str, bytes] | None = None) -> PushResult:
         """Packs are written under ``workdir`` (the local store's ``tmp/``, so a big push does not
-        fill a small system /tmp), committed and deleted batch by batch; the manifests go last."""
+        fill a small system /tmp), committed and deleted batch by batch; the manifests go last.
+        ``progress`` hears of each entry's pack when it is written and when its commit has landed:
+        huggingface_hub's commit takes no byte callback, so the bytes within one are not counted."""
         from huggingface_hub import CommitOperationAdd
 
         from aotbuild.cache.signing import supersedes
@@ -487,17 +515,21 @@ class HubRemote(Remote):
         try:
             with flocked(staging / ".lock", exclusive=True, timeout=0):
                 for i in range(0, len(todo), HUB_COMMIT_BATCH):
-                    pack_ops = []
-                    for entry in todo[i:i + HUB_COMMIT_BATCH]:
+                    pack_ops, meters = [], []
+                    for n, entry in enumerate(todo[i:i + HUB_COMMIT_BATCH], i + 1):
                         try:
                             pack, digest, size = _write_pack(entry, staging)
                         except OSError as exc:
                             raise StoreError(f"cannot write the pack of {entry.key[:12]} in {staging}: "
                                              f"{exc}") from None
+                        meters.append(Meter(progress, entry.key, n, len(todo)))
                         if self.pack_path(digest) not in packs_there:
                             pack_ops.append(CommitOperationAdd(self.pack_path(digest), str(pack)))
                             packs_there.add(self.pack_path(digest))
                             result.bytes_sent += size
+                            meters[-1].start(size)
+                        else:
+                            meters[-1].start(0)
                         text = replace(entry.manifest, pack={"sha256": digest, "size": size,
                                                              "path": self.pack_path(digest)}).to_json()
                         manifest_ops.append(CommitOperationAdd(self.manifest_path(entry.key), text.encode()))
@@ -505,8 +537,8 @@ class HubRemote(Remote):
                         commit(pack_ops, "packs")
                     for leftover in staging.glob("*.tar"):
                         leftover.unlink()
-                    if progress:
-                        progress(f"packs {min(i + HUB_COMMIT_BATCH, len(todo))}/{len(todo)}")
+                    for meter in meters:
+                        meter.end()
                 # Only once every pack has landed: the manifests that name them.
                 for i in range(0, len(manifest_ops), HUB_COMMIT_BATCH):
                     commit(manifest_ops[i:i + HUB_COMMIT_BATCH], "manifests")
@@ -544,4 +576,5 @@ def _read_pack(path: Path, wanted: set[str]) -> Iterator[tuple[str, BinaryIO]]:
                 yield member.name, stream
 
 
-__all__ = ["Remote", "FolderRemote", "HubRemote", "PushResult", "parse_remote", "pull_entry", "untrusted_on_remote"]
+__all__ = ["Remote", "FolderRemote", "HubRemote", "PushResult", "parse_remote", "pull_entry", "untrusted_on_remote",
+           "scheme_names", "FOLDER", "HUB"]

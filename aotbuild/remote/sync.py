@@ -17,6 +17,8 @@ from aotbuild.cache.store import DAMAGED, Entry, Store
 from aotbuild.constants import Vocabulary
 from aotbuild.errors import UsageError
 from aotbuild.planner import Job, JobStatus, OnRemote, mark_remote, plan
+from aotbuild.recipe.rules import Recipes, recipe_items
+from aotbuild.remote.base import Transfer, TransferProgress
 from aotbuild.remote.schemes import PushResult, Remote, as_remote, pull_entry
 from aotbuild.strategies.registry import checked_store
 from aotbuild.utils import secrets
@@ -40,6 +42,12 @@ class PullStatus(Vocabulary):
 
 def is_key_prefix(text: str) -> bool:
     return len(text) >= 8 and all(c in "0123456789abcdef" for c in text.lower()) and not Path(text).exists()
+
+
+def split_keys(items: list[Any]) -> tuple[list[Any], list[str]]:
+    """(the recipes, the entry keys) of push's or sign's items (:func:`recipe_items`'s list)."""
+    keys = [i for i in items if isinstance(i, str) and is_key_prefix(i)]
+    return [i for i in items if not (isinstance(i, str) and i in keys)], keys
 
 
 @dataclass
@@ -75,12 +83,13 @@ class PushReport:
 
 @secrets.scrubbed  # its exceptions leave it scrubbed of secrets (issue 53)
 @positional_shim("cache", "progress", "trusted", "failed")
-def push(items: list[str] | tuple[str, ...], remote: str | Remote, *, cache: str | Path | None = None,
-         progress: Callable[[str], None] | None = None, trusted: dict[str, bytes] | None = None,
+def push(items: Recipes, remote: str | Remote, *, cache: str | Path | None = None,
+         progress: TransferProgress | None = None, trusted: dict[str, bytes] | None = None,
          failed: list[Job | str] | None = None) -> PushReport:
-    """Push KEYS or RECIPES (files or folders) to ``remote`` (a URL or a Remote); none means every
-    entry of the local store, unless ``failed`` is given (a build's push: then ``items`` are exactly
-    what is pushed).
+    """Push KEYS or RECIPES to ``remote`` (a URL or a Remote): an entry key (a hex prefix), a recipe
+    file or folder (str or os.PathLike), a dict or a Recipe, or a list or tuple of them (a str is one
+    item); none (``[]``) means every entry of the local store, unless ``failed`` is given (a build's
+    push: then ``items`` are exactly what is pushed).
 
     Every entry is hash-verified locally before it is sent: a corrupt entry is skipped, named, and
     never pushed. A push never signs: each entry travels with the signatures it has (:func:`sign`
@@ -88,7 +97,11 @@ def push(items: list[str] | tuple[str, ...], remote: str | Remote, *, cache: str
     remote manifest none of them signed is replaced by a pushed one that one of them did.
 
     ``failed``: the jobs (or record keys) a build found failed; their failure records go to the remote
-    (:func:`push_failures`). A pushed entry clears the remote's record of its key."""
+    (:func:`push_failures`). A pushed entry clears the remote's record of its key.
+
+    ``progress(event, transfer)`` hears of each entry sent: "start", "tick" as its bytes go, "end"
+    (``aotbuild.remote.base.Transfer``: key, bytes done and in all, which of how many)."""
+    items = recipe_items(items, "push", keys=True)
     remote = as_remote(remote)
     store = checked_store(resolve_cache_root(cache))
     if failed is not None and not items:
@@ -96,8 +109,8 @@ def push(items: list[str] | tuple[str, ...], remote: str | Remote, *, cache: str
     keys: list[str] = []
     skipped: list[tuple[str, str]] = []
     damaged: list[str] = []
-    recipes = [i for i in items if not is_key_prefix(i)]
-    keys += [store.resolve_prefix(i) for i in items if is_key_prefix(i)]
+    recipes, prefixes = split_keys(items)
+    keys += [store.resolve_prefix(i) for i in prefixes]
     if recipes:
         for job in plan(recipes, cache=store.root):
             if job.status == JobStatus.HIT and job.key:
@@ -258,6 +271,13 @@ def _pulled_from(store: Store, url: str) -> list[str]:
     return keys
 
 
+def _nth(progress: TransferProgress | None, n: int, count: int) -> TransferProgress | None:
+    """``progress`` told that each transfer it hears of is the ``n``-th of ``count``."""
+    if progress is None:
+        return None
+    return lambda event, transfer: progress(event, Transfer(transfer.key, transfer.done, transfer.size, n, count))
+
+
 def _first_line(reason: str) -> str:
     lines = reason.strip().splitlines()
     return lines[0][:500] if lines else ""
@@ -265,8 +285,9 @@ def _first_line(reason: str) -> str:
 
 @secrets.scrubbed  # its exceptions leave it scrubbed of secrets (issue 53)
 @positional_shim("cache")
-def sign(items: list[str] | tuple[str, ...], sign_key: str | Path, *, cache: str | Path | None = None) -> list[str]:
-    """Sign, with ``sign_key``, the local entries of KEYS (hex prefixes) or RECIPES (their cached jobs):
+def sign(items: Recipes, sign_key: str | Path, *, cache: str | Path | None = None) -> list[str]:
+    """Sign, with ``sign_key``, the local entries of KEYS (hex prefixes) or RECIPES (their cached jobs;
+    one or a list or tuple, as :func:`push` takes them):
     the signer VOUCHES for entries it did not build (docs/security.md), so nothing is signed unless
     named: no items is an error, not "all". Each entry is hash-checked first; a damaged or missing one
     is an error and nothing is signed. Returns the keys signed (an entry this key signed already is
@@ -275,14 +296,15 @@ def sign(items: list[str] | tuple[str, ...], sign_key: str | Path, *, cache: str
     from aotbuild.cache.signing import load_private, public_of, signer
     from aotbuild.cache.signing import sign as sign_manifest
 
+    items = recipe_items(items, "sign", keys=True)
     if not items:
         raise UsageError("name the entries to sign (keys or recipes): `aotbuild sign` vouches for each one, "
                          "so it never signs a whole cache by default")
     name, _ = load_private(sign_key)
     own = public_of(sign_key)
     store = checked_store(resolve_cache_root(cache))
-    keys = [store.resolve_prefix(i) for i in items if is_key_prefix(i)]
-    recipes = [i for i in items if not is_key_prefix(i)]
+    recipes, prefixes = split_keys(items)
+    keys = [store.resolve_prefix(i) for i in prefixes]
     for job in plan(recipes, cache=store.root, signatures=False) if recipes else []:
         if job.status != JobStatus.HIT or not job.key:
             raise UsageError(f"{job.label}: not in the local cache ({job.reason or job.status}): nothing signed")
@@ -383,13 +405,16 @@ class PullReport:
 
 @secrets.scrubbed  # its exceptions leave it scrubbed of secrets (issue 53)
 @positional_shim("cache", "trusted_keys")
-def pull(recipes: list[str] | tuple[str, ...], remote: str | Remote, *, cache: str | Path | None = None,
-         trusted_keys: list[str | Path] | None = None) -> PullReport:
-    """Fetch, verified, every job of RECIPES that the local store lacks and ``remote`` (a URL or a
-    Remote) has. With trusted keys (default ``AOTBUILD_TRUSTED_KEYS``) an entry no trusted key signed
-    is refused before any of its blobs is fetched."""
+def pull(recipes: Recipes, remote: str | Remote, *, cache: str | Path | None = None,
+         trusted_keys: list[str | Path] | None = None, progress: TransferProgress | None = None) -> PullReport:
+    """Fetch, verified, every job of RECIPES (a recipe file or folder, a dict or a Recipe, or a list or
+    tuple of them: as :func:`aotbuild.plan` takes them) that the local store lacks and ``remote`` (a URL
+    or a Remote) has. With trusted keys (default ``AOTBUILD_TRUSTED_KEYS``) an entry no trusted key signed
+    is refused before any of its blobs is fetched. ``progress`` hears of each entry fetched, as
+    :func:`push`'s does."""
     from aotbuild.cache.signing import trusted_from_env
 
+    recipes = recipe_items(recipes, "pull")
     if not recipes:
         raise UsageError("name the recipes to pull: only a recipe says which keys this machine needs")
     remote = as_remote(remote)
@@ -397,15 +422,16 @@ def pull(recipes: list[str] | tuple[str, ...], remote: str | Remote, *, cache: s
     store = checked_store(resolve_cache_root(cache), trusted)
     # What the remote holds is the planner's to decide (planner.mark_remote, as for plan --remote and a
     # build's --push): trusted keys, whole tensor-parallel jobs (a rank the local cache has counts).
-    jobs = mark_remote(plan(list(recipes), cache=store.root, trusted_keys=trusted_keys), remote,
+    jobs = mark_remote(plan(recipes, cache=store.root, trusted_keys=trusted_keys), remote,
                        trusted=trusted)
     out: list[PullItem] = []
+    fetched = [j for j in jobs if j.status == JobStatus.REMOTE]
     for job in jobs:
         if job.status == JobStatus.HIT:
             out.append(PullItem(job, PullStatus.CACHED))
         elif job.status == JobStatus.REMOTE:
             assert job.key is not None
-            why = pull_entry(remote, job.key, store)
+            why = pull_entry(remote, job.key, store, _nth(progress, fetched.index(job) + 1, len(fetched)))
             out.append(PullItem(job, PullStatus.REFUSED if why else PullStatus.PULLED, why))
         elif job.on_remote == OnRemote.REFUSED:
             out.append(PullItem(job, PullStatus.REFUSED, job.reason))

@@ -21,8 +21,8 @@ if TYPE_CHECKING:
 
 class Auto(Strategy):
     name = AUTO
-    summary = ("the default: per job, the first of aot-package, aot-compile, jit-cache (CPU order) that builds "
-               "and passes the proof")
+    # what `aotbuild targets` prints is strategies/order.summary(): the order, made from the order itself
+    summary = "the default: per job, the first strategy of auto's order that builds and passes the proof"
 
     def compile_counter(self, target: Target) -> tuple[str, Callable[[], int]]:
         """No count of its own: what counts as a compile is the chosen strategy's (the entry's manifest

@@ -43,6 +43,7 @@ from aotbuild.strategies.registry import get_strategy
 if TYPE_CHECKING:
     from aotbuild.context import Context
     from aotbuild.recipe.schema import Recipe
+    from aotbuild.strategies.base import Strategy
     from aotbuild.targets.base import Target
 
 #: The strategies auto tries, first to last, per device kind (the device's type); any other kind
@@ -98,14 +99,31 @@ def tried_recipe(recipe: Recipe, name: str) -> Recipe:
 
 
 def _tries(recipe: Recipe, device: str) -> tuple[str, ...]:
-    """What auto considers for ``recipe`` on ``device``, in order, before validation: on a CPU, prepacked
-    aot-package first where the recipe leaves freezing unset (``compile.options.freezing: false`` turns it
-    off; ``true`` makes plain aot-package the prepacked one)."""
+    """What auto considers for ``recipe`` on ``device``, in order, before validation (:func:`tries_on`)."""
+    return tries_on(device, prepacked=not any(key.replace("-", "_") == "freezing" for key in recipe.compile.options))
+
+
+def tries_on(device: str, prepacked: bool = True) -> tuple[str, ...]:
+    """What auto tries on ``device``, in order, before validation: on a CPU, prepacked aot-package first
+    where the recipe leaves freezing unset (``prepacked``; ``compile.options.freezing: false`` turns it
+    off, ``true`` makes plain aot-package the prepacked one)."""
     names = order(device)
-    if device.split(":")[0] == "cpu" and strategy_of(PREPACKED) in names and not any(
-            key.replace("-", "_") == "freezing" for key in recipe.compile.options):
+    if prepacked and device.split(":")[0] == "cpu" and strategy_of(PREPACKED) in names:
         return (PREPACKED, *names)
     return names
+
+
+def summary(strategy: Strategy) -> str:
+    """What ``aotbuild targets`` says of ``strategy``: its own summary; for auto, the order it tries,
+    made from :func:`tries_on` (its summary once gave the CPU order without aot-package+freezing, the
+    first try there: issue 55)."""
+    if strategy.name != AUTO:
+        return strategy.summary
+    cpu, cuda, other = tries_on("cpu"), tries_on("cuda"), DEFAULT_ORDER
+    orders = f"{', '.join(cpu)} on a CPU ({PREPACKED} unless the recipe sets compile.options.freezing)"
+    orders += f"; {', '.join(cuda)} on CUDA" if cuda != other else ""
+    return f"the default: per job, the first that builds and passes the proof of {orders}; {', '.join(other)} " \
+           f"{'elsewhere' if cuda != other else 'on any other device'}"
 
 
 @dataclass(frozen=True)
@@ -199,4 +217,4 @@ def attempts_text(attempts: list[Attempt] | list[dict[str, Any]]) -> str:
 
 __all__ = ["ORDER", "DEFAULT_ORDER", "PREPACKED", "VARIANTS", "Outcome",
            "Choice", "Attempt", "choice", "concrete", "held_by", "is_auto", "order", "strategy_of",
-           "strategy_factors", "tried_recipe", "attempts_text"]
+           "strategy_factors", "tried_recipe", "attempts_text", "tries_on", "summary"]
