@@ -1,23 +1,22 @@
 """Keys of every built-in recipe, pinned: a refactor must not change what a key is.
 
-Each recipe under recipes/ that uses a built-in model is planned under every strategy and scope it
-allows; every job's factors, with the environment (``env``: torch, diffusers, python versions) and
-the device fingerprint (``device``) and the build host's thread count replaced by fixed values, are
-hashed, and the hashes must equal the pins below. So every other factor (model, component config,
-compile settings, shape, warmup, format) is held constant across commits.
+Each recipe under recipes/ that uses a built-in model is planned under every strategy and scope it allows;
+every job's factors, with the environment (``env``: torch, diffusers, python versions) and the device
+fingerprint (``device``) and the build host's thread count replaced by fixed values, are hashed, and the
+hashes must equal the pins below. So every other factor (model, component config, compile settings, shape,
+warmup, format) is held constant across commits.
 
-The component configs come from the built-in models that the installed diffusers saves, so the pins
-hold for the versions of .ci/constraints.txt, which CI installs (.ci/run, the README's test command).
-With other versions installed the test skips, naming the constraints file; under CI (``CI=true``) it
-fails instead, so a CI run never passes without checking keys, except in CI's newest job
-(``AOTBUILD_CI_JOB=newest``, set by ``.ci/run --newest``), where it skips naming each version that moved. A change that means to change keys (a
-new factor, FORMAT_VERSION) regenerates them on purpose: ``python tests/test_key_pins.py`` prints the
-new table. Regenerated for FORMAT_VERSION 4 (manifests record what each graph depends on: issue 31,
+The component configs come from the built-in models that the installed diffusers saves, so the pins hold for
+the versions of .ci/constraints.txt, which CI installs (.ci/run, the README's test command). With other
+versions installed the test skips, naming the constraints file; under CI (``CI=true``) it fails instead, so a
+CI run never passes without checking keys, except in CI's newest job (``AOTBUILD_CI_JOB=newest``, set by
+``.ci/run --newest``), where it skips naming each version that moved. A change that means to change keys (a
+new factor, FORMAT_VERSION) regenerates them on purpose: ``python tests/test_key_pins.py`` prints the new
+table. Regenerated for FORMAT_VERSION 4 (manifests record what each graph depends on: issue 31,
 aotbuild/pipeline/dependencies.py); every built-in recipe's keys computed by that command (issue 30).
-aot-compile's regenerated when it dropped its ``compile.cpu_threads`` factor: its artifacts serve any
-thread count (issue 36). ``auto``'s added when it became the default (issue 36): its factor
-``target.strategy`` is ``auto`` and its compile settings hold no strategy's own factor; every other pin
-unchanged.
+aot-compile's regenerated when it dropped its ``compile.cpu_threads`` factor: its artifacts serve any thread count
+(issue 36). ``auto``'s added when it became the default (issue 36): its factor ``target.strategy`` is ``auto``
+and its compile settings hold no strategy's own factor; every other pin unchanged.
 """
 
 from __future__ import annotations
