@@ -30,6 +30,8 @@ job, proof and ``load_compiled`` all call it, so they agree by construction:
                     ``_tp_plan``'s sha256, and the rank (aotbuild/features/parallel.py); the thread count
                     keyed (``compile.cpu_threads``) is then a rank's, :func:`parallel.rank_threads`
 ``text_length``     only with ``text_length:``: the range of text lengths served (aotbuild/pipeline/textlen.py)
+``schedulers``      only with ``schedulers:``: the sorted scheduler classes the warmup also ran with
+                    (aotbuild/pipeline/schedulers.py)
 ==================  ===================================================================================
 
 Never an absolute path, hostname, user, cwd, device index or process group name, and a rank only
@@ -175,6 +177,8 @@ def job_factors(ctx: Context, component: str, component_class: str, config: dict
     changed = {f.section: value for f in features if (value := f.factors(recipe, where)) is not None}
     if recipe.text_length is not None:
         changed["text_length"] = _text_length(recipe)
+    if recipe.schedulers is not None:  # the warmup ran with each (aotbuild/pipeline/schedulers.py)
+        changed["schedulers"] = sorted(recipe.schedulers)
     compile_settings = {**ctx.target.compile_settings(recipe, ctx.device),
                         **ctx.strategy.compile_factors(ctx.target, ctx.device)}
     for feature in features:  # a tensor-parallel rank's thread count

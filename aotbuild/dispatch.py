@@ -20,6 +20,7 @@ from typing import Any
 from aotbuild import forwards
 from aotbuild.errors import ShapeNotBuilt
 from aotbuild.pipeline import textlen
+from aotbuild.pipeline.timesteps import only_difference
 from aotbuild.utils.safeio import loads_json
 
 #: A call signature is read back from manifests (strings of up to 4096 characters): parsed with bounded
@@ -111,6 +112,14 @@ class Dispatcher:
         #: a static build's text lengths (textlen.static_patterns): only to name a refused prompt's length
         self.static_text: list[textlen.Pattern] = []
         self.copied = False  # a deep copy's dispatcher, before its first call (:meth:`_finish_copy`)
+        #: the component's built batches (aotbuild/pipeline/batch.py ``Padding``): a call between two is padded
+        #: to the next (the recipe's pad_batch, where the entry's proof showed it exact) or refused by name
+        self.padding: Any = None
+        #: timestep conversions (aotbuild/pipeline/timesteps.py ``Conversions``, from the entries' proofs): a call
+        #: whose timestep's dtype or rank was not built is converted where proven, under every policy (issue 56)
+        self.timesteps: Any = None
+        #: who calls it, for refusals in the caller's terms (aotbuild/pipeline/callterms.py ``Caller``; issue 55)
+        self.caller: Any = None
 
     def _pattern(self, sig: str) -> textlen.Pattern | None:
         """The text pattern serving a call of signature ``sig`` (remembered: a server sees few)."""
@@ -145,6 +154,7 @@ class Dispatcher:
         new.calls = {"built": 0, "unbuilt": 0}
         new.on_first_call, new._fits, new.declined, new.stale = None, {}, "", ""
         new.copied = True
+        new.caller = self.caller.copied(memo) if self.caller is not None else None
         owner = getattr(self.eager, "__self__", None)
         if owner is not None:
             forwards.copied(owner, memo)
@@ -171,11 +181,25 @@ class Dispatcher:
             self._finish_copy()
         sig = raw = signature(args, kwargs)
         route = self.routes.get(sig)
+        timestep = ""  # why the call's timestep could not be converted, for the refusal
+        if route is None and self.timesteps is not None:  # before any fallback, under every policy (issue 56)
+            converted = self.timesteps.convert(args, kwargs)
+            if isinstance(converted, tuple):  # the timestep in the built dtype and rank, where the entry proved it
+                args, kwargs = converted
+                sig = raw = signature(args, kwargs)
+                route = self.routes.get(sig)
+            elif converted:
+                timestep = self._scheduler(converted)
         pattern = self._pattern(sig) if route is None and self.patterns else None
         if pattern is not None:  # a text length inside a built range: that range's graph, dimensions marked
             sig = pattern.sig
             route = self.routes.get(sig)
             pattern.mark_dynamic(args, kwargs)
+        # a batch between two built ones: the next one's route, on the call padded to it (issue 56)
+        fit = self.padding.fit(raw) if route is None and pattern is None and self.padding is not None else None
+        if fit is not None and not fit.why:
+            route = self.routes.get(fit.target.sig)
+            sig, fit = (fit.target.sig, fit) if route is not None else (sig, None)
         why = ""
         if route is not None and self.watch is not None:
             stale = self.watch.check()
@@ -184,12 +208,15 @@ class Dispatcher:
         if route is not None:
             timed, start = self.on_first_call, time.perf_counter()
             try:
-                out = route(*args, **kwargs)
+                out = _padded(route, fit, args, kwargs) if fit is not None else route(*args, **kwargs)
             except RouteDeclined as exc:
                 why = str(exc)
                 self._warn_declined(why)
+                sig, fit = raw, None
             else:
                 self.calls["built"] += 1
+                if fit is not None:
+                    self.calls["padded"] = self.calls.get("padded", 0) + 1
                 if timed is not None:
                     self.on_first_call = None
                     timed(time.perf_counter() - start)
@@ -207,24 +234,54 @@ class Dispatcher:
             self.routes[sig] = self.fallback
             return self.fallback(*args, **kwargs)
         if self.on_unbuilt == "error" and why:
-            raise ShapeNotBuilt(f"{self.component} was called with {describe(sig)}, which this cache built, but "
-                                f"{why} (strict_shapes=True)")
+            raise ShapeNotBuilt(self._refusal(sig, why=why))
+        if timestep and fit is None and only_difference(raw, self.routes):
+            if self.on_unbuilt == "error":
+                raise ShapeNotBuilt(self._refusal(raw, why=timestep))
+            self._warn_declined(timestep)
+        if fit is not None:  # a batch not padded (issue 56): why, in the one format of a refusal
+            if self.on_unbuilt == "error":
+                raise ShapeNotBuilt(self._refusal(raw, advice=fit.why))
+            if self.padding.allowed and self.on_unbuilt != "record":  # padding was asked for: say why not, once
+                self._warn_declined(fit.why)
         known = self.patterns + self.static_text
         outside = textlen.outside(known, raw) if self.on_unbuilt == "error" and known else None
         if outside is not None:
-            raise ShapeNotBuilt(textlen.refusal(self.component, *outside))
+            raise ShapeNotBuilt(textlen.refusal(self.component, *outside, policy=self.policy))
         if self.on_unbuilt == "error":
-            built = sorted(self.routes)
-            shown = "; ".join(describe(b) for b in built[:3]) + (f"; +{len(built) - 3} more" if len(built) > 3 else "")
-            raise ShapeNotBuilt(f"{self.component} was called with {describe(sig)}, which this cache did not build "
-                                f"(strict_shapes=True); built: {shown or 'nothing'}.{_batch_hint(sig, built)} Call "
-                                f"the pipeline as the recipe's warmup does, or add the shape to the recipe and rebuild")
+            raise ShapeNotBuilt(self._refusal(sig, hint=_batch_hint(sig, sorted(self.routes))))
         if self.on_unbuilt == "eager" or self.fallback is None:
             import torch
 
             with torch.compiler.set_stance("force_eager"):
                 return self.eager(*args, **kwargs)
         return self.fallback(*args, **kwargs)
+
+    @property
+    def policy(self) -> str:
+        """The policy that refuses, in the user's words: ``on_miss="error"`` or ``strict_shapes=True``."""
+        from aotbuild.pipeline.callterms import DEFAULT_POLICY
+
+        return self.caller.policy if self.caller is not None else DEFAULT_POLICY
+
+    def _refusal(self, sig: str, why: str = "", hint: str = "", advice: str = "") -> str:
+        """A ShapeNotBuilt's message in the caller's terms (aotbuild/pipeline/callterms.py): what the pipeline was
+        called at and what was built, then the latents; a component called directly, its inputs only."""
+        from aotbuild.pipeline import callterms
+
+        known = self.patterns + self.static_text
+        found = textlen.outside(known, sig) if known else None
+        return callterms.refusal(self.component, sig, list(self.routes), self.caller, describe, why=why, hint=hint,
+                                 text=found[0] if found else None, advice=advice)
+
+    def _scheduler(self, why: str) -> str:
+        """A timestep that cannot be converted, naming the pipeline's scheduler (what chose that timestep)."""
+        from aotbuild.pipeline.timesteps import DECLARE, scheduler_of
+
+        name = scheduler_of(self.caller.pipe) if self.caller is not None else ""
+        if not name:
+            return why
+        return f"`pipe.scheduler` is {name}, and {why}; to serve {name} compiled, {DECLARE.format(name=name)}"
 
     def _stale(self, why: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """A built signature whose graph no longer computes what the module does (issue 31): never served.
@@ -257,6 +314,14 @@ class Dispatcher:
             self.declined = why
             then = {"error": "raises", "eager": "runs eagerly"}.get(self.on_unbuilt, "compiles")
             warnings.warn(f"aotbuild: {self.component}: {why}; the call {then}", stacklevel=3)
+
+
+def _padded(route: Callable[..., Any], fit: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``route`` called with the call padded to ``fit``'s built batch, the padding dropped from its output."""
+    from aotbuild.pipeline import batch
+
+    padded_args, padded_kwargs = batch.pad(args, kwargs, fit)
+    return batch.unpad(route(*padded_args, **padded_kwargs), fit)
 
 
 class _CopyRunsEagerly:

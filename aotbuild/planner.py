@@ -305,6 +305,10 @@ def plan(recipes: Recipes, *, cache: str | Path | None = None, remote: str | Rem
             call = pipecall.signature_of(ctx.pipeline_class)
             if call is not None:
                 pipecall.check_recipe(recipe, call)
+            if recipe.schedulers:  # each made from the model's scheduler config, as the build will (issue 56)
+                from aotbuild.pipeline.schedulers import check_model
+
+                check_model(recipe, models.scheduler_config(ctx.model, recipe.model.revision))
             for feature in used(recipe):  # LoRA headers, a _tp_plan, FreeU on a model with a unet, ...
                 feature.check_recipe(recipe, ctx.model, ctx.pipeline_class)
         jobs.extend(jobs_for(ctx, store, failures))

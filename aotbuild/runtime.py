@@ -210,6 +210,7 @@ def load_compiled(recipe: str | os.PathLike | Recipe | Mapping[str, Any], *, pip
         finally:
             DISCARDING.reset(discarding)
         _watch(planned, on_miss, ctx.recipe.offload == "none")
+        _callers(ctx, pipe, planned, on_miss, strict_shapes)
         if discard_weights:
             _discarded(planned, report)
     for feature in features:  # guards on what the served pipe may change (a LoRA hot-swap's checks)
@@ -252,6 +253,7 @@ def _install(ctx: Context, planned: list[Planned], report: LoadReport, policy: s
     from aotbuild.pipeline.textlen import static_patterns
 
     for p in planned:
+        _batches(p, ctx.recipe.pad_batch, report)
         measured = [e.manifest.build.get("text") for e in p.entries]
         for d in dispatchers(p.module):
             d.on_first_call = lambda s, c=p.component: report.first_calls.setdefault(c, round(s, 4))
@@ -259,6 +261,24 @@ def _install(ctx: Context, planned: list[Planned], report: LoadReport, policy: s
             for route in d.routes.values():
                 for note in getattr(route, "notes", ()):
                     report.note(note)
+
+
+def _batches(p: Planned, pad_batch: bool, report: LoadReport) -> None:
+    """The component's dispatcher told its built batches (aotbuild/pipeline/batch.py): with ``pad_batch``, a
+    call between two is padded to the next where that entry's proof showed padding exact; otherwise, or
+    above the largest, refused by name. What an entry refuses is noted in the report once."""
+    from aotbuild import forwards
+    from aotbuild.pipeline.batch import Padding
+
+    entries = [(e.key, str(Shape(**e.manifest.shape)), e.manifest.shape["batch_size"], e.manifest.signatures,
+                e.manifest.proof.padding if e.manifest.proof is not None else None) for e in p.entries]
+    padding = Padding.of(p.component, entries, pad_batch)
+    for d in forwards.layers(p.module, forwards.DISPATCH):  # the component's own: a regional block's is not padded
+        d.padding = padding
+    if pad_batch:
+        for b in padding.built:
+            if b.refused and b.batch >= 2:
+                report.note(f"{p.component} {b.label}: no call is padded to it (pad_batch): {b.refused}")
 
 
 def _discarded(planned: list[Planned], report: LoadReport) -> None:
@@ -504,6 +524,54 @@ def _dependency_problem(module: Any, component: str, entry: Entry, live: dict[st
         if why:
             return why
     return ""
+
+
+def _callers(ctx: Context, pipe: Any, planned: list[Planned], on_miss: str, strict_shapes: bool) -> None:
+    """Each dispatcher told who calls it, so that a refusal speaks the caller's terms (issue 55): the
+    pipeline, the policy in the user's words, and each built signature's shape as the pipeline takes it;
+    and the component's own (full scope) the timestep conversions its entries proved (issue 56)."""
+    from aotbuild import forwards
+    from aotbuild.dispatch import dispatchers
+    from aotbuild.pipeline import callterms, timesteps
+
+    policy = callterms.policy_words(on_miss, strict_shapes)
+    prompts = ctx.recipe.warmup_factors(ctx.target.warmup_defaults)["prompt"]["texts"]
+    guidance = _built_guidance(ctx, pipe)
+    for p in planned:
+        built: dict[str, callterms.Terms] = {}
+        text: dict[str, int] = {}
+        for e in p.entries:
+            terms = callterms.built_terms(e.manifest.shape, prompts, guidance)
+            measured = e.manifest.build.get("text")
+            length = measured.get("warmup_length") if isinstance(measured, dict) else None
+            for sig in (*e.manifest.signatures, *(r["signature"] for r in e.manifest.packages)):
+                built.setdefault(sig, terms)
+                if isinstance(length, int) and not isinstance(length, bool):
+                    text.setdefault(sig, length)
+        for d in dispatchers(p.module):
+            own = built if all(sig in built for sig in d.routes) or len(p.entries) != 1 else \
+                {**{sig: next(iter(built.values())) for sig in d.routes}, **built}  # a regional block's calls
+            d.caller = callterms.Caller(pipe, policy, own, text)
+        if ctx.recipe.compile.scope == "full":
+            conversions = timesteps.Conversions.of(p.module, [e.manifest.build.get("timestep") for e in p.entries])
+            for d in forwards.layers(p.module, forwards.DISPATCH):
+                d.timesteps = conversions
+
+
+def _built_guidance(ctx: Context, pipe: Any) -> bool | None:
+    """Whether the recipe's warmup ran with classifier-free guidance, for a pipeline that says so
+    (``do_classifier_free_guidance``: SD, SDXL, Wan); None for any other."""
+    import inspect
+
+    if not isinstance(getattr(type(pipe), "do_classifier_free_guidance", None), property):
+        return None
+    scale = ctx.recipe.warmup_arguments(ctx.target.warmup_defaults).get("guidance_scale")
+    if scale is None:
+        try:
+            scale = inspect.signature(type(pipe).__call__).parameters["guidance_scale"].default
+        except (KeyError, TypeError, ValueError):
+            return None
+    return scale > 1 if isinstance(scale, (int, float)) and not isinstance(scale, bool) else None
 
 
 def _watch(planned: list[Planned], on_miss: str, devices: bool) -> None:

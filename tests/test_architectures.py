@@ -39,10 +39,18 @@ def recipe_for(tmp_path: Path, base: str, strategy: str, scope: str, compile_ext
     return path
 
 
+#: SDXL's size conditioning, the negative prompt's at other sizes (lists: YAML has no tuples, and diffusers adds
+#: the three together)
+SDXL_SIZES = {"original_size": [64, 64], "crops_coords_top_left": [0, 0], "target_size": [64, 64],
+              "negative_original_size": [32, 48], "negative_crops_coords_top_left": [8, 4],
+              "negative_target_size": [48, 32]}
+
 CASES = [  # (recipe, strategy, scope, compile extra, warmup extra, block instances the proof must call)
     ("tiny_sd3_cpu.yaml", "jit-cache", "regional", {"blocks": ["JointTransformerBlock"]},
      {"prompt": ["a cat", "a dog"]}, 3),  # no _repeated_blocks in diffusers; a list of prompts
-    ("tiny_sdxl_cpu.yaml", "aot-package", "full", {}, {}, 1),
+    # SDXL's per-sample time_ids (issue 56, item 5): guidance on, the negative half at other sizes, so the two
+    # samples of each UNet call carry different time_ids (values, in no signature), replayed by the proof
+    ("tiny_sdxl_cpu.yaml", "aot-package", "full", {}, {"guidance_scale": 5.0, **SDXL_SIZES}, 1),
     # Guidance on, each way a pipeline applies it (Flux's, an input of the transformer, is in
     # tests/test_regional.py): PixArt batches both halves (and has no do_classifier_free_guidance);
     # Wan, a video pipeline, runs them as two calls per step.
@@ -82,5 +90,13 @@ def test_built_then_served_by_a_fresh_replica_with_0_compiles(tmp_path, base, st
     # every replayed call of the denoiser went through the entry (each block's, for regional scope)
     assert served["dispatch"] and all(c == {"built": proof["calls"], "unbuilt": 0}
                                       for c in served["dispatch"].values()), served
-    # an unbuilt shape (half the height: PixArt's 32x64 is not its square bin) is refused
-    assert "which this cache did not build (strict_shapes=True)" in served["strict"], served
+    # an unbuilt shape (half the height: PixArt's 32x64 is not its square bin) is refused in the caller's terms
+    # (issue 55: the pipeline's height x width and frames, then the latents), in the words of the proof's policy
+    shape = manifest["shape"]
+    frames = f"{shape['num_frames']}x" if "num_frames" in shape else ""
+    assert f"the pipeline was called at {frames}{shape['height'] // 2}x{shape['width']} (" in served["strict"], served
+    assert (f'which this cache did not build (on_miss="error"); built: {frames}{shape["height"]}x{shape["width"]} ('
+            in served["strict"]), served
+    assert "In latents, " in served["strict"] and "strict_shapes" not in served["strict"], served
+    if "negative_original_size" in warmup_extra:  # both samples of every UNet call, their time_ids apart
+        assert any('"time_ids": ["tensor", [2, 6], "float32"' in p["signature"] for p in manifest["packages"])

@@ -64,7 +64,7 @@ def test_cli_reference_lists_every_command():
 
 TYPE_WORDS = {"str": "text", "str?": "text", "int": "int", "bool": "bool", "list[str]": "list of text",
               "mapping": "mapping", "shapes": "list", "float": "number", "quantization": "mapping",
-              "adapters": "list"}
+              "adapters": "list", "batches": "int or list of int"}
 
 
 def _default_text(field: Field) -> str | None:

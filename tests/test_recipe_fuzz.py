@@ -148,6 +148,10 @@ VALID = {
     ("lora", "adapters", 0, "path"): st.sampled_from(["lora.safetensors", "adapters/style"]),
     ("changes", "freeu"): st.fixed_dictionaries({k: st.floats(0, 2) for k in ("s1", "s2", "b1", "b2")}),
     ("changes", "cache"): st.sampled_from([{"config": "FirstBlockCacheConfig"}, {"config": "X", "threshold": 0.1}]),
+    # diffusers' scheduler classes (checked by name when the recipe is read: aotbuild/pipeline/schedulers.py)
+    ("schedulers",): st.lists(st.sampled_from(["DDIMScheduler", "EulerDiscreteScheduler",
+                                               "DPMSolverMultistepScheduler", "UniPCMultistepScheduler"]),
+                              min_size=1, max_size=3, unique=True),
 }
 
 
@@ -165,6 +169,8 @@ def _valid(path: tuple) -> st.SearchStrategy:
         return st.sampled_from(spec.choices) if spec.choices else names
     if kind == "int":
         return st.integers(min_value=1, max_value=8)
+    if kind == "batches":  # a shape's batch_size: one size, or a list of them (issue 56)
+        return st.integers(min_value=1, max_value=8) | st.lists(st.integers(1, 8), min_size=1, max_size=3, unique=True)
     if kind == "float":
         return st.floats(min_value=-4, max_value=4)
     if kind == "bool":
@@ -242,8 +248,10 @@ def valid_recipes(forced: set = frozenset()) -> st.SearchStrategy:
 @given(valid_recipes())
 def test_valid_recipes_are_accepted_as_written(data):
     recipe = parse_recipe(data, "fuzz.yaml")
-    for shape, written in zip(recipe.shapes, data["shapes"], strict=True):
-        assert shape.as_dict() == {"batch_size": 1, **written}
+    sizes = [(w, w.get("batch_size", 1)) for w in data["shapes"]]  # a list of sizes is one shape per size
+    expanded = [{**w, "batch_size": b} for w, listed in sizes for b in (listed if isinstance(listed, list) else
+                                                                         [listed])]
+    assert [shape.as_dict() for shape in recipe.shapes] == expanded
     assert recipe.model.id == data["model"]["id"] and recipe.model.dtype == data["model"].get("dtype")
     quant = data["model"].get("quantization")
     assert (recipe.model.quantization is None) == (quant is None)

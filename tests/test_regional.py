@@ -12,6 +12,7 @@ from torch import nn
 from aotbuild.errors import PackageMismatch
 from aotbuild.strategies import aoti, calls
 from aotbuild.strategies.runner import PackageRoute, PackageRunner
+from tests.scheduler_matrix import UNUSABLE, Cell, run
 
 
 @pytest.mark.parametrize("shape,strides,ok", [
@@ -458,5 +459,53 @@ def check_every_block_served(manifest: dict, strategy: str, offload: str) -> Non
     assert proof["max_abs_diff"] <= 1e-5, proof  # the transformer's every output, against eager's
     # a call at a shape the entry was not built for (half the height) is refused at the first block
     assert "transformer_blocks.0 was called with" in served["strict"], served
-    assert "which this cache did not build (strict_shapes=True)" in served["strict"], served
+    # in the caller's terms (issue 55): the pipeline's height x width, then the block's latents
+    assert served["strict"].startswith('transformer.transformer_blocks.0: the pipeline was called at 32x64 (1 image), '
+                                       'which this cache did not build (on_miss="error"); built: 64x64 (1 image, as '
+                                       'called). Call the pipeline at a built size, or add {height: 32, width: 64}'), \
+        served
     assert served["offload_hook"] == ("CpuOffload" if offload == "model" else "NoneType"), served
+
+
+#: The scheduler matrix's tiny-flux half (issue 56, items 4 and 5; tiny-sd's is tests/test_schedulers.py), on
+#: the package above served without offload. FluxPipeline hands its transformer ``t.expand(batch).to(latents.
+#: dtype)`` whatever the scheduler's dtype: no conversion is ever asked for; what a cell tests is that the
+#: scheduler works with the pipeline and the entry serves its timesteps and sigmas. Guidance is an input of
+#: the transformer (FLUX.1-dev's embedding): any guidance_scale per request is the same call, and true CFG
+#: (a negative prompt, true_cfg_scale) is a second call of the same shape per step.
+FLUX_SCHEDULERS = {
+    "FlowMatchEuler, dynamic shifting (its own)": Cell("FlowMatchEulerDiscreteScheduler"),
+    "FlowMatchEuler, no dynamic shifting": Cell("FlowMatchEulerDiscreteScheduler",
+                                                config={"use_dynamic_shifting": False}),
+    "FlowMatchHeun": Cell("FlowMatchHeunDiscreteScheduler", UNUSABLE, r"`set_timesteps` does not support"),
+    "FlowMatchLCM": Cell("FlowMatchLCMScheduler"),
+    "UniPC, use_flow_sigmas": Cell("UniPCMultistepScheduler", config={"use_flow_sigmas": True,
+                                                                      "prediction_type": "flow_prediction"}),
+    "DPM-Solver++, use_flow_sigmas": Cell("DPMSolverMultistepScheduler", config={
+        "use_flow_sigmas": True, "prediction_type": "flow_prediction"}),
+    "guidance_scale 1.0 (built 3.5)": Cell("FlowMatchEulerDiscreteScheduler", call={"guidance_scale": 1.0}),
+    "guidance_scale 7.0 (built 3.5)": Cell("FlowMatchEulerDiscreteScheduler", call={"guidance_scale": 7.0}),
+    "true CFG on (true_cfg_scale 4.0, a negative prompt)": Cell(
+        "FlowMatchEulerDiscreteScheduler", call={"true_cfg_scale": 4.0, "negative_prompt": "a blurry photo"}),
+}
+
+
+@pytest.mark.slow
+@ONE_PACKAGE_BUILD
+def test_the_flux_package_serves_each_scheduler_and_guidance_swapped_after_load(flux_package, tmp_path):
+    import copy
+
+    from aotbuild import load_compiled
+    from aotbuild.pipeline.models import load_pipeline, resolve_model
+    from aotbuild.recipe.rules import load_recipe
+
+    _, cache, _ = flux_package
+    plain = tmp_path / "regional-aot-package-none.yaml"
+    plain.write_text(FLUX_REGIONAL.format(strategy="aot-package", offload="none"))
+    recipe = load_recipe(plain)
+    eager = load_pipeline(recipe, resolve_model(recipe, cache), "float32")
+    served = load_compiled(recipe, copy.deepcopy(eager), cache=cache, on_miss="error")
+    call = {"prompt": "a cat", "height": 64, "width": 64, "num_inference_steps": 2, "max_sequence_length": 8,
+            "guidance_scale": 3.5}
+    results = run("tiny-flux (aot-package, regional)", served, eager, FLUX_SCHEDULERS, call, "transformer")
+    assert sum(r.startswith("served") for r in results.values()) == len(FLUX_SCHEDULERS) - 1

@@ -153,7 +153,9 @@ def check_standin_entry(manifest: dict, vendor: str, suffix: str) -> None:
     assert served["fxgraph_cache_hit"] == served["fxgraph_cache_miss"] == 0, served  # Inductor never ran
     assert served["dispatch"] and all(c == {"built": proof["calls"], "unbuilt": 0}
                                       for c in served["dispatch"].values()), served
-    assert "which this cache did not build (strict_shapes=True)" in served["strict"], served
+    h, w = manifest["shape"]["height"], manifest["shape"]["width"]  # refused at half the height, in pixels
+    assert (f'the pipeline was called at {h // 2}x{w} (1 image, guidance off), which this cache did not build '
+            f'(on_miss="error"); built: {h}x{w} (1 image, guidance off, as called)') in served["strict"], served
 
 
 @pytest.fixture

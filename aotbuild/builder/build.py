@@ -903,7 +903,9 @@ def make_manifest(job: Job, records: list[FileRecord], result: dict[str, Any], s
                "phases": result.get("seconds"), "counters": result.get("counters"),
                **({"loaded_by": result["loaded_by"]} if result.get("loaded_by") else {}),
                **(result.get("facts") or {}),  # the target's build_facts: e.g. the vector ISA Inductor picked
-               **({"text": result["text"]} if result.get("text") else {})},  # what follows the prompt (textlen)
+               **({"text": result["text"]} if result.get("text") else {}),  # what follows the prompt (textlen)
+               # the timestep dtypes and ranks proven alike (aotbuild/pipeline/timesteps.py; issue 56)
+               **({"timestep": result["timestep"]} if result.get("timestep") else {})},
         recipe_data=recipe_to_dict(stored.recipe),
         structure=result.get("structure"),
         proof=proof,

@@ -124,7 +124,9 @@ def record_eager(pipe: Any, recipe: Any, component: str,
     watch = Watch([(name, block) for name, block in instances if block is not module] + [("", module)],
                   forwards.PROOF, record)
     try:
-        pipe(**warmup)
+        from aotbuild.pipeline.schedulers import warm_up
+
+        warm_up(pipe, recipe, warmup)  # with each scheduler the recipe declares too (issue 56)
     finally:
         watch.remove()
     if not calls:
@@ -182,18 +184,87 @@ def serve(spec: dict[str, Any]) -> dict[str, Any]:
         swaps = 1
     # 5. Prepacked kernels (auto's first try on a CPU) are taken only where they serve faster than eager.
     speed = _speed(module, calls[0]) if spec.get("faster_than_eager") else None
-    compiles = int(count() - before)
     record = served(pipe, module, seen)
-    # 6. A call at a shape this entry was not built for is refused (strict_shapes), never compiled.
+    # 6. The first call with its timestep in each dtype and rank the build proved alike (issue 56): each
+    #    converted by the dispatcher to the built one and served, 0 compiles, as eager gives it (after
+    #    ``served``, whose dispatcher counts are the recorded calls').
+    converted, timestep = _timestep_calls(module, calls)
+    if converted:
+        worst = max(worst, _replay(module, component, converted, lambda: None))
+    compiles = int(count() - before)
+    # 7. A call at a shape this entry was not built for is refused (strict_shapes), never compiled.
     record["strict"] = _strict_refusal(pipe, recipe, shape, ctx)
     if lengths:  # what the text range served, and the refusal of a length past its end
         record["text"] = {"calls": len(lengths), "lengths": sorted({n for n, _ in refused[1:]}),
                           "refused": refused[0]}
     if speed is not None:
         record["speed"] = speed
+    if timestep:
+        record["timestep"] = timestep
+    # 8. Smaller batches padded up to this entry's: proven exact, or padding to it refused (never the entry).
+    padding = prove_padding(module, recipe, shape, calls, count, tolerance(ctx.dtype))
     return {"compiles": compiles, "counter": counter_name, "max_abs_diff": worst,
             "tolerance": tolerance(ctx.dtype), "instances": len(expected), "calls": len(calls),
-            "load_s": round(t_first[0] if t_first else 0.0, 3), "swaps": swaps, "served": record}
+            "load_s": round(t_first[0] if t_first else 0.0, 3), "swaps": swaps, "served": record,
+            "padding": padding}
+
+
+def prove_padding(module: Any, recipe: Any, shape: Any, calls: list[tuple[Any, Any, list[Any]]], count: Any,
+                  bound: float) -> dict[str, Any]:
+    """``proof.padding`` (issue 56, item 3): each recorded call at a batch of 2 or more, cut to every smaller
+    batch (``batch.proof_sizes``) and served through the dispatcher's own padding, each real sample compared
+    with eager at its own batch (relative to the sample, within ``bound``: the dtype's tolerance). A
+    difference (a dynamic quantization's scale computed over the batch mixes samples), an error or a compile
+    refuses padding to this entry, with the reason; the entry itself is stored as proven."""
+    import torch
+
+    from aotbuild.dispatch import signature
+    from aotbuild.pipeline import batch
+
+    top = forwards.layers(module, forwards.DISPATCH)
+    if recipe.compile.scope != "full" or recipe.tensor_parallel > 1 or recipe.text_length is not None or not top:
+        return {"signatures": [], "sizes": [], "max_rel_diff": 0.0, "tolerance": bound,
+                "refused": "not proven under regional scope, tensor parallelism or text_length (pad_batch refuses "
+                           "those recipes)"}
+    dispatcher = top[-1]
+    records: dict[str, dict[str, Any] | None] = {}
+    padded: list[tuple[Any, Any, dict[str, Any]]] = []
+    for args, kwargs, _ in calls:
+        sig = signature(args, kwargs)
+        if sig not in records:
+            records[sig] = batch.record(sig)
+            if records[sig] is not None:
+                padded.append((args, kwargs, records[sig]))
+    verdict = batch.Verdict()
+    if padded:
+        served_before, routes = dispatcher.padding, dispatcher.routes
+        before = count()
+        try:
+            with torch.no_grad():
+                for args, kwargs, r in padded:
+                    # this signature alone is built while its smaller calls are made: each one is padded to it
+                    dispatcher.routes = {r["signature"]: routes[r["signature"]]}
+                    dispatcher.padding = batch.Padding(dispatcher.component, [batch.Built(
+                        r["signature"], r["batch"], shape.batch_size, str(shape), "",
+                        tuple(tuple(p) for p in r["inputs"]))], True)
+                    for size in batch.proof_sizes(r["batch"]):
+                        a, k = batch.take(args, kwargs, tuple(tuple(p) for p in r["inputs"]), size)
+                        eager = [t.detach().clone() for t in tensors(dispatcher.eager(*a, **k))]
+                        routed = dispatcher.calls.get("padded", 0)
+                        out = tensors(module(*a, **k))
+                        if dispatcher.calls.get("padded", 0) != routed + 1:
+                            verdict.refused = verdict.refused or f"a call at batch {size} was not padded"
+                        batch.compare(out, eager, size, verdict, bound)
+                        verdict.sizes.append(size)
+        except Exception as exc:  # noqa: BLE001 - whatever stops a padded call refuses padding, not the entry
+            verdict.refused = verdict.refused or f"a padded call failed: {type(exc).__name__}: {str(exc)[:500]}"
+        finally:
+            dispatcher.padding, dispatcher.routes = served_before, routes
+        compiled = int(count() - before)
+        if compiled and not verdict.refused:
+            verdict.refused = f"padded calls compiled {compiled} time(s): the padded inputs are not the built ones"
+    return {"signatures": [r for r in records.values() if r is not None], "sizes": sorted(set(verdict.sizes)),
+            "max_rel_diff": verdict.max_rel_diff, "tolerance": bound, "refused": verdict.refused[:2000]}
 
 
 #: Rounds of the speed comparison: one served and one eager call each, interleaved (a busy spell of
@@ -311,6 +382,29 @@ def _text_calls(module: Any, calls: list[tuple[Any, Any, list[Any]]]) -> tuple[l
     return made, [refused, *which]
 
 
+def _timestep_calls(module: Any, calls: list[tuple[Any, Any, list[Any]]]) -> tuple[list[Any], dict[str, Any]]:
+    """The first recorded call with its timestep in each dtype and rank the entry's record proved alike
+    (aotbuild/pipeline/timesteps.py ``variants``), with eager's output for each; and what ``served.timestep``
+    says of them ({} where nothing was proven)."""
+    import torch
+
+    from aotbuild.pipeline import timesteps
+
+    top = forwards.layers(module, forwards.DISPATCH)
+    conversions = top[-1].timesteps if top else None
+    if conversions is None or not calls:
+        return [], {}
+    made = []
+    args, kwargs, _ = calls[0]
+    labels = []
+    for label, a, k in timesteps.variants(conversions, args, kwargs):
+        with torch.no_grad():
+            eager = [t.detach().clone() for t in tensors(top[-1].eager(*a, **k))]
+        made.append((_clone(a), _clone(k), eager))
+        labels.append(label)
+    return made, {"calls": len(made), "converted": labels}
+
+
 def _compiler_counts() -> dict[str, int]:
     """Dynamo's graphs and Inductor's FX graph cache hits and misses so far in this process."""
     from torch._dynamo.utils import counters
@@ -418,7 +512,8 @@ def verdict(result: dict[str, Any], label: str) -> Any:
     proof = Proof(load_s=float(result["load_s"]), compiles=int(result["compiles"]),
                   max_abs_diff=float(result["max_abs_diff"]), tolerance=float(result["tolerance"]),
                   instances=int(result["instances"]), calls=int(result["calls"]), counter=str(result["counter"]),
-                  swaps=int(result.get("swaps", 0)), served=dict(result.get("served", {})))
+                  swaps=int(result.get("swaps", 0)), served=dict(result.get("served", {})),
+                  padding=result.get("padding"))
     if proof.compiles:
         raise ProofFailed(f"a fresh process loading the entry compiled {proof.compiles} time(s) "
                           f"({proof.counter}) for {label}: the artifacts do not cover every call, so nothing was "

@@ -47,6 +47,10 @@ def run(job: dict, loaded: tuple[Any, float] | None = None) -> dict:
     text, pattern = measure_text(recipe, component, module, pipe, rank,
                                  lambda: pipecall.warmup_kwargs(recipe, shape, pipe,
                                                                 defaults=ctx.target.warmup_defaults))
+    # Which timestep dtypes and ranks the component treats alike: measured, then proven served (issue 56).
+    child.phase(job, "measuring the timestep")
+    timestep = measure_timestep(recipe, module, pipe, rank, lambda: pipecall.warmup_kwargs(
+        recipe, shape, pipe, defaults=ctx.target.warmup_defaults))
     child.phase(job, "compiling and warming up")
     built, structure = _compile(job, ctx, recipe, pipe, component, module, warmup, workdir, pattern)
     t_warm = time.perf_counter()
@@ -66,6 +70,7 @@ def run(job: dict, loaded: tuple[Any, float] | None = None) -> dict:
         "pipeline_class": type(pipe).__name__,
         "facts": ctx.target.build_facts(ctx.device),
         **({"text": text} if text else {}),
+        **({"timestep": timestep} if timestep else {}),
         **({"rank": rank} if rank is not None else {}),
     }
 
@@ -153,6 +158,25 @@ def measure_text(recipe: Any, component: str, module: Any, pipe: Any, rank: int 
     pattern = textlen.Pattern(textlen.generalize(measured.warmup_sig, list(measured.dims), limits.min, limits.max))
     found["served"] = f"text_length {limits.min} to {limits.max}"
     return found, pattern
+
+
+def measure_timestep(recipe: Any, module: Any, pipe: Any, rank: int | None, call: Any) -> dict[str, Any]:
+    """Which dtypes and ranks of the component's timestep give the warmup's first call its output
+    (aotbuild/pipeline/timesteps.py): the record a load converts a scheduler's timestep by. {} under regional
+    scope (its blocks take no timestep: nothing to convert); under offload and tensor parallelism, as for the
+    text length, a record that says it was not measured (a refusal then says why nothing is converted)."""
+    from aotbuild.pipeline import timesteps
+
+    if recipe.compile.scope != "full":
+        return {}
+    if recipe.offload != "none" or rank is not None:
+        return {"version": timesteps.VERSION, "why": "its build did not measure the timestep (not measured under "
+                                                     "offload or tensor parallelism yet)"}
+    try:
+        args, kwargs = timesteps.first_call(pipe, module, call())
+        return timesteps.measure(module, args, kwargs)
+    except Exception as exc:  # noqa: BLE001 - a load then converts nothing: a refusal names this
+        return {"version": timesteps.VERSION, "why": f"not measured: {type(exc).__name__}: {str(exc)[:200]}"}
 
 
 #: What Dynamo and torch.export raise when they cannot take a module whole (data-dependent Python,

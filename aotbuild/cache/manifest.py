@@ -69,12 +69,18 @@ class Proof:
     #: what serving did beyond the verdict (aotbuild/builder/proof.py, ``served``): hits, compiler counts,
     #: dispatcher calls, swaps and rebinds, the strict-shape refusal; {} for entries proven before
     served: Mapping[str, Any] = field(default_factory=dict)
+    #: smaller batches padded up to the entry's (aotbuild/pipeline/batch.py, issue 56): {"signatures":
+    #: [{signature, batch, inputs}] (the inputs holding the batch), "sizes", "max_rel_diff", "tolerance",
+    #: "refused" (why padding to it is refused, "" where exact)}. None: proven before aotbuild proved
+    #: padding, so no call is padded to it (the entry serves as before)
+    padding: Mapping[str, Any] | None = None
 
     def as_json(self) -> dict[str, Any]:
         return {"load_s": self.load_s, "compiles": self.compiles, "max_abs_diff": self.max_abs_diff,
                 "tolerance": self.tolerance, "instances": self.instances, "calls": self.calls,
                 "counter": self.counter, **({"swaps": self.swaps} if self.swaps else {}),
-                **({"served": thaw(self.served)} if self.served else {})}
+                **({"served": thaw(self.served)} if self.served else {}),
+                **({"padding": thaw(self.padding)} if self.padding is not None else {})}
 
 
 @dataclass(frozen=True)
@@ -233,7 +239,7 @@ def from_dict(data: Any, key: str) -> Manifest:
         signatures=tuple(c.name(s, "signatures[]") for s in c.list_of(data.get("signatures", []), "signatures")),
         embeds_weights=c.boolean(data.get("embeds_weights", False), "embeds_weights"),
         packages=tuple(c.package(p, paths) for p in c.list_of(data.get("packages", []), "packages")),
-        build=c.obj(data.get("build", {}), "build"),
+        build=c.build(data.get("build", {})),
         recipe_data=c.obj(data.get("recipe_data", {}), "recipe_data"),
         proof=c.proof(data["proof"]) if data.get("proof") is not None else None,
         structure=c.structure(data["structure"]) if data.get("structure") is not None else None,
@@ -280,6 +286,16 @@ class _Checker:
     def obj(self, value: Any, where: str) -> dict[str, Any]:
         if not isinstance(value, dict):
             raise self.fail(where, "not an object")
+        return value
+
+    def build(self, value: Any) -> dict[str, Any]:
+        """``build``: what the build recorded; its timestep proof, which a load converts timesteps by
+        (aotbuild/pipeline/timesteps.py, issue 56), checked here once."""
+        from aotbuild.pipeline.timesteps import check_record
+
+        value = self.obj(value, "build")
+        if value.get("timestep") is not None and (why := check_record(value["timestep"])):
+            raise self.fail("build.timestep", why)
         return value
 
     def list_of(self, value: Any, where: str) -> list[Any]:
@@ -405,7 +421,32 @@ class _Checker:
                      calls=self.integer(value.get("calls", 0), "proof.calls"),
                      counter=str(value.get("counter", ""))[:200],
                      swaps=self.integer(value.get("swaps", 0), "proof.swaps"),
-                     served=self.obj(value.get("served", {}), "proof.served"))
+                     served=self.obj(value.get("served", {}), "proof.served"),
+                     padding=self.padding(value["padding"]) if value.get("padding") is not None else None)
+
+    def padding(self, value: Any) -> dict[str, Any]:
+        """``proof.padding``: what padding reads of it is checked here, once."""
+        where = "proof.padding"
+        value = self.obj(value, where)
+        for item in self.list_of(value.get("signatures", []), f"{where}.signatures"):
+            item = self.obj(item, f"{where}.signatures[]")
+            self.name(item.get("signature"), "signatures[]")
+            self.integer(item.get("batch"), f"{where}.signatures[].batch", 2)
+            inputs = self.list_of(item.get("inputs"), f"{where}.signatures[].inputs")
+            for path in inputs:
+                steps = self.list_of(path, f"{where}.signatures[].inputs[]")
+                if (not 2 <= len(steps) <= 16 or steps[0] not in ("args", "kwargs")
+                        or not all(isinstance(s, str) and len(s) <= MAX_NAME or isinstance(s, int)
+                                   and not isinstance(s, bool) and s >= 0 for s in steps)):
+                    raise self.fail(f"{where}.signatures[].inputs[]", "not a path of names and indices")
+        for size in self.list_of(value.get("sizes", []), f"{where}.sizes"):
+            self.integer(size, f"{where}.sizes[]", 1)
+        self.number(value.get("max_rel_diff", 0.0), f"{where}.max_rel_diff")
+        self.number(value.get("tolerance", 0.0), f"{where}.tolerance")
+        refused = value.get("refused", "")
+        if not isinstance(refused, str) or len(refused) > MAX_NAME:
+            raise self.fail(f"{where}.refused", "not a string of at most 4096 characters")
+        return value
 
     def auto(self, value: Any) -> dict[str, Any]:
         value = self.obj(value, "auto")

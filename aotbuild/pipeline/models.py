@@ -384,6 +384,16 @@ def component_config(model: ResolvedModel, name: str, revision: str | None) -> t
     return class_name, architecture_config(_component_json(model, name, revision))
 
 
+def scheduler_config(model: ResolvedModel, revision: str | None) -> dict[str, Any] | None:
+    """The model's ``scheduler/scheduler_config.json`` (None: it has no scheduler): what a recipe's
+    ``schedulers`` are made from at plan time (aotbuild/pipeline/schedulers.py ``check_model``)."""
+    if "scheduler" not in model.components():
+        return None
+    if model.is_local:
+        return _read_json(Path(model.location) / "scheduler" / "scheduler_config.json", inside=Path(model.location))
+    return _read_json(hub_file(model.location, "scheduler/scheduler_config.json", revision))
+
+
 def _component_json(model: ResolvedModel, name: str, revision: str | None) -> dict[str, Any]:
     """A component's ``config.json``: in a local folder, a plain name's file inside the folder only."""
     if not COMPONENT_NAME.match(name):

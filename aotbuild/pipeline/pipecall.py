@@ -189,15 +189,16 @@ def check_recipe(recipe: Recipe, call: CallSignature) -> None:
     framed = [i for i, s in enumerate(recipe.shapes) if s.num_frames is not None]
     for i, shape in enumerate(recipe.shapes):
         if shape.batch_size > 1 and call.count_argument is None:
-            raise recipe.error(f"shapes[{i}].batch_size", f"{call.pipeline} takes neither num_images_per_prompt nor "
-                                                          f"num_videos_per_prompt: one output per prompt (give "
-                                                          f"warmup.prompt a list of prompts for a larger batch)")
+            raise recipe.error(f"{recipe.shape_key(i)}.batch_size",
+                               f"{call.pipeline} takes neither num_images_per_prompt nor num_videos_per_prompt: one "
+                               f"output per prompt (give warmup.prompt a list of prompts for a larger batch)")
         if shape.num_frames is not None and not call.is_video:
-            raise recipe.error(f"shapes[{i}].num_frames", f"{call.pipeline} is not a video pipeline (its __call__ "
-                                                          f"takes no num_frames): remove num_frames")
+            raise recipe.error(f"{recipe.shape_key(i)}.num_frames",
+                               f"{call.pipeline} is not a video pipeline (its __call__ takes no num_frames): remove "
+                               f"num_frames")
     if framed and "num_frames" in recipe.warmup:
-        raise recipe.error("warmup.num_frames", f"shapes[{framed[0]}] sets num_frames: the shapes own it, so set it "
-                                                f"in each shape, not in the warmup")
+        raise recipe.error("warmup.num_frames", f"{recipe.shape_key(framed[0])} sets num_frames: the shapes own it, "
+                                                f"so set it in each shape, not in the warmup")
     if call.is_video and not framed and "num_frames" not in recipe.warmup:  # the pipeline's default frames
         from aotbuild.recipe.rules import check_pixels
 

@@ -240,16 +240,17 @@ def outside(pats: list[Pattern], call_sig: str) -> tuple[int, Pattern] | None:
     return None
 
 
-def refusal(component: str, n: int, p: Pattern) -> str:
-    """What a strict dispatcher says of a prompt whose length the entry does not serve."""
+def refusal(component: str, n: int, p: Pattern, policy: str = "strict_shapes=True") -> str:
+    """What a strict dispatcher says of a prompt whose length the entry does not serve (``policy``: the
+    refusing policy in the user's words, aotbuild/pipeline/callterms.py)."""
     if p.static:
         return (f"{component} was called with a prompt of {n} tokens (the text length the pipeline passes it), "
-                f"and this cache serves only the warmup's prompt length ({p.lo} tokens, strict_shapes=True): "
+                f"and this cache serves only the warmup's prompt length ({p.lo} tokens, {policy}): "
                 f"this pipeline's text length follows the prompt; add text_length: {{min: 2, max: 512}} to the "
                 f"recipe and rebuild to serve every length in that range (docs/recipes.md, \"Prompts and text "
                 f"length\")")
     return (f"{component} was called with a prompt of {n} tokens (the text length the pipeline passes it), "
-            f"outside the text_length this cache built ({p.lo} to {p.hi}, strict_shapes=True): shorten the "
+            f"outside the text_length this cache built ({p.lo} to {p.hi}, {policy}): shorten the "
             f"prompt, or raise text_length in the recipe and rebuild")
 
 

@@ -65,6 +65,10 @@ def _check_combinations(recipe: Recipe) -> None:
             raise recipe.error("model.revision", "a built-in model has no revisions (it is created locally): "
                                                  "remove model.revision")
     check_structure_rules(recipe)
+    if recipe.schedulers is not None:  # diffusers' classes, "did you mean" (issue 56)
+        from aotbuild.pipeline.schedulers import check_names
+
+        check_names(recipe)
     _check_bounds(recipe)
     target = get_target(recipe.target)
     target.validate(recipe)
@@ -245,13 +249,13 @@ def check_pixels(recipe: Recipe, default_frames: int | None = 1) -> None:
     more = "".join(f" x {v} {k}" for k, v in per_prompt)
     for i, shape in enumerate(recipe.shapes):
         batch = shape.batch_size * texts * outputs
-        _over(recipe, "batch", f"shapes[{i}].batch_size", batch, f"images per warmup call (batch_size "
-                                                                 f"{shape.batch_size} x {texts} prompts{more})")
+        _over(recipe, "batch", f"{recipe.shape_key(i)}.batch_size", batch,
+              f"images per warmup call (batch_size {shape.batch_size} x {texts} prompts{more})")
         count = shape.num_frames or frames or default_frames or UNKNOWN_DEFAULT_FRAMES
         unset = "" if shape.num_frames or frames or count == 1 else \
             " (num_frames unset: the pipeline's default)" if default_frames else \
             " (num_frames unset: the pipeline computes its own, counted as the largest default; set num_frames)"
-        _over(recipe, "pixels", f"shapes[{i}]", shape.height * shape.width * count * batch,
+        _over(recipe, "pixels", recipe.shape_key(i), shape.height * shape.width * count * batch,
               f"pixels per warmup call ({shape.height}x{shape.width}, {count} frames{unset}, {batch} images)")
 
 

@@ -81,7 +81,12 @@ SCHEMA: dict[str, dict[str, Field] | Field] = {
         "options": Field("mapping", {}, doc="torch.compile's options (Inductor config patches)"),
     },
     "shapes": Field("shapes", required=True, doc="list of {height, width, batch_size}; batch_size = images per prompt"),
+    "pad_batch": Field("bool", False, doc="a call between two built batch sizes of a shape is padded to the next "
+                                          "one (each entry's proof says whether padding is exact); not a key factor"),
     "warmup": Field("mapping", {}, doc="keyword arguments of the pipeline call used for warmup"),
+    "schedulers": Field("list[str]", None, doc="diffusers scheduler classes served besides the pipeline's own: the "
+                                               "warmup runs once with each (Class.from_config(pipe.scheduler.config)); "
+                                               "a key factor"),
     "lora": {
         "rank": Field("int", required=True, doc="the largest adapter rank served: enable_lora_hotswap(target_rank)"),
         "target_modules": Field("list[str]", None, doc="the modules adapters may target; default: the first "
@@ -130,10 +135,13 @@ ADAPTER_SCHEMA = {
 SHAPE_SCHEMA = {
     "height": Field("int", required=True, doc="pixels, a positive multiple of 8"),
     "width": Field("int", required=True, doc="pixels, a positive multiple of 8"),
-    "batch_size": Field("int", 1, doc="images (or videos) per prompt: num_images_per_prompt or num_videos_per_prompt"),
+    "batch_size": Field("batches", 1, doc="images (or videos) per prompt: num_images_per_prompt or "
+                                          "num_videos_per_prompt; a list makes one job per size (batch buckets)"),
     "num_frames": Field("int", None, doc="video pipelines only: frames per video (Wan: 4k+1)"),
 }
 MAX_FRAMES = 4096
+#: A shape's largest batch_size.
+MAX_BATCH = 1024
 
 
 @dataclass(frozen=True)
@@ -274,6 +282,13 @@ class Recipe:
     changes: ChangesSpec | None = None
     #: ``text_length``; None: every length is static (the warmup's)
     text_length: TextLength | None = None
+    #: ``pad_batch``: a call between two built batch sizes is padded to the next (aotbuild/pipeline/batch.py)
+    pad_batch: bool = False
+    #: each of ``shapes``' index in the recipe's own list (a ``batch_size`` list makes several): error keys
+    shape_sources: tuple[int, ...] = field(default=(), compare=False)
+    #: ``schedulers``: scheduler classes the build warms up with besides the pipeline's own
+    #: (aotbuild/pipeline/schedulers.py); None: only the pipeline's own
+    schedulers: tuple[str, ...] | None = None
     #: The folder a relative ``model.id`` is resolved against; None: the recipe file's folder. A job
     #: or proof process gets it from its parent (it runs elsewhere) instead of re-reading the file.
     folder: str | None = field(default=None, compare=False)
@@ -289,6 +304,10 @@ class Recipe:
 
     def error(self, key: str | None, message: str) -> RecipeError:
         return RecipeError(self.source, key, message)
+
+    def shape_key(self, i: int) -> str:
+        """The recipe's key of ``shapes[i]`` as written (a ``batch_size`` list is one written shape)."""
+        return f"shapes[{self.shape_sources[i] if i < len(self.shape_sources) else i}]"
 
     @property
     def tensor_parallel(self) -> int:
@@ -393,6 +412,8 @@ class _Checker:
             if isinstance(value, bool) or not isinstance(value, int):
                 raise self.fail(key, f"expected an integer, got {describe_value(value)}")
             return value
+        if kind == "batches":
+            return self.batches(key, value)
         if kind == "list[str]":
             if isinstance(value, str):
                 value = [value]
@@ -423,6 +444,22 @@ class _Checker:
         elif not (value is None or isinstance(value, (str, int, float, bool))):
             raise self.fail(key, f"expected plain YAML data, got {describe_value(value)}")
 
+    def batches(self, key: str, value: Any) -> tuple[int, ...]:
+        """A shape's ``batch_size``: one size, or a list of them (batch buckets, issue 56: one job per size)."""
+        listed = isinstance(value, list)
+        if listed and not value:
+            raise self.fail(key, "expected a batch size or a non-empty list of them (e.g. [1, 4])")
+        sizes = value if listed else [value]
+        for j, size in enumerate(sizes):
+            where = f"{key}[{j}]" if listed else key
+            if isinstance(size, bool) or not isinstance(size, int):
+                raise self.fail(where, f"expected an integer, got {describe_value(size)}")
+            if not 1 <= size <= MAX_BATCH:
+                raise self.fail(where, f"{size} is not allowed: 1 to {MAX_BATCH}")
+            if size in sizes[:j]:
+                raise self.fail(key, f"lists {size} twice")
+        return tuple(sizes)
+
     def section(self, data: Any, name: str) -> dict[str, Any]:
         schema = SCHEMA[name]
         assert isinstance(schema, dict)
@@ -433,10 +470,12 @@ class _Checker:
         self.keys(data, schema, f"{name}.")
         return {k: self.value(f"{name}.{k}", data.get(k), spec) for k, spec in schema.items()}
 
-    def shapes(self, data: Any) -> tuple[Shape, ...]:
+    def shapes(self, data: Any) -> tuple[tuple[Shape, ...], tuple[int, ...]]:
+        """The shapes, one per batch size, and each one's index in the recipe's list."""
         if not isinstance(data, list) or not data:
             raise self.fail("shapes", "expected a non-empty list of {height, width, batch_size} mappings")
-        shapes = []
+        shapes: list[Shape] = []
+        sources: list[int] = []
         for i, item in enumerate(data):
             key = f"shapes[{i}]"
             if not isinstance(item, dict):
@@ -449,15 +488,16 @@ class _Checker:
                 if v <= 0 or v % 8 or v > MAX_SIDE:
                     raise self.fail(f"{key}.{side}", f"{v} is not allowed: sizes must be positive multiples "
                                                      f"of 8, at most {MAX_SIDE}")
-            if not 1 <= values["batch_size"] <= 1024:
-                raise self.fail(f"{key}.batch_size", f"{values['batch_size']} is not allowed: 1 to 1024")
             if values["num_frames"] is not None and not 1 <= values["num_frames"] <= MAX_FRAMES:
                 raise self.fail(f"{key}.num_frames", f"{values['num_frames']} is not allowed: 1 to {MAX_FRAMES}")
-            shape = Shape(**values)
-            if shape in shapes:
-                raise self.fail(key, f"duplicates shapes[{shapes.index(shape)}] ({shape})")
-            shapes.append(shape)
-        return tuple(shapes)
+            batches = values["batch_size"]
+            for batch in batches if isinstance(batches, tuple) else (batches,):
+                shape = Shape(**{**values, "batch_size": batch})
+                if shape in shapes:
+                    raise self.fail(key, f"duplicates shapes[{sources[shapes.index(shape)]}] ({shape})")
+                shapes.append(shape)
+                sources.append(i)
+        return tuple(shapes), tuple(sources)
 
 
 #: The source of a recipe given as data (a dict), not read from a file.
@@ -481,7 +521,7 @@ def parse_structure(data: Any, source: str = DATA_SOURCE, name: str | None = Non
     top = {k: check.value(k, data.get(k), spec) for k, spec in SCHEMA.items() if isinstance(spec, Field)
            and spec.type != "shapes"}
     sections = {name: how.make(check, name, data.get(name)) for name, how in SECTIONS.items()}
-    shapes = check.shapes(data.get("shapes"))
+    shapes, sources = check.shapes(data.get("shapes"))
     warmup = top["warmup"]
     for arg in warmup:
         if arg in WARMUP_FORBIDDEN:
@@ -490,7 +530,9 @@ def parse_structure(data: Any, source: str = DATA_SOURCE, name: str | None = Non
     if not name:  # a file's name is a pull request's: any control character in it is escaped
         name = content_name(data) if source == DATA_SOURCE else printable(Path(source).stem)
     return Recipe(name=name, source=source, folder=folder, target=top["target"], device=top["device"],
-                  strategy=top["strategy"], offload=top["offload"], shapes=shapes, warmup=warmup, **sections)
+                  strategy=top["strategy"], offload=top["offload"], shapes=shapes, warmup=warmup, **sections,
+                  pad_batch=top["pad_batch"], shape_sources=sources,
+                  schedulers=top["schedulers"])
 
 
 def _changes(check: _Checker, spec: ChangesSpec) -> ChangesSpec | None:
@@ -588,6 +630,7 @@ def check_structure_rules(recipe: Recipe) -> None:
         if setting is not None and recipe.offload != "none":
             raise recipe.error(name, "cannot be combined with offload: model")
     _check_text_length(recipe)
+    _check_pad_batch(recipe)
     tensor = recipe.tensor_parallel
     if not 1 <= tensor <= MAX_TENSOR_PARALLEL:
         raise recipe.error("parallel.tensor", f"{tensor} is not allowed: 1 to {MAX_TENSOR_PARALLEL}")
@@ -624,9 +667,22 @@ def _check_text_length(recipe: Recipe) -> None:
                                           "own inputs, which the range does not reach)")
 
 
-def build_hint(recipe: Recipe) -> str:
-    """How to build ``recipe``: the CLI for a file, the Python call for data without one."""
-    return "`aotbuild.build(recipe)`" if recipe.source == DATA_SOURCE else f"`aotbuild build {recipe.source}`"
+def _check_pad_batch(recipe: Recipe) -> None:
+    """``pad_batch`` pads a component's whole call to a built batch: what it needs (issue 56, item 3)."""
+    if not recipe.pad_batch:
+        return
+    for setting, why in (
+            (recipe.compile.scope != "full", "needs compile.scope: full (a regional build's blocks are not padded one "
+                                             "by one)"),
+            (recipe.text_length is not None, "cannot be combined with text_length yet (a call padded in its batch and "
+                                             "ranged in its text length is not proven)"),
+            (recipe.tensor_parallel > 1, "cannot be combined with tensor parallelism yet (not proven sharded)")):
+        if setting:
+            raise recipe.error("pad_batch", why)
+    if all(s.batch_size == 1 for s in recipe.shapes):
+        raise recipe.error("pad_batch", "pads a call up to a built batch_size above 1, and every shape builds "
+                                        "batch_size 1: list the sizes to serve (e.g. batch_size: [1, 4]) or remove "
+                                        "pad_batch")
 
 
 def content_name(data: Any) -> str:
@@ -668,6 +724,10 @@ def recipe_to_dict(recipe: Recipe) -> dict[str, Any]:
         extra["text_length"] = {"min": recipe.text_length.min, "max": recipe.text_length.max}
     if recipe.changes is not None:
         extra["changes"] = {k: thaw(v) for k, v in recipe.changes.__dict__.items() if v is not None}
+    if recipe.pad_batch:  # only when set: a recipe without it reads as before
+        extra["pad_batch"] = True
+    if recipe.schedulers is not None:
+        extra["schedulers"] = list(recipe.schedulers)
     return json.loads(json.dumps({
         "name": recipe.name, "model": model, "target": recipe.target, "device": recipe.device,
         "strategy": recipe.strategy, "offload": recipe.offload,

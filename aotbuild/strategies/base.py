@@ -67,8 +67,11 @@ class BuildJob:
 
     def run_warmup(self) -> None:
         """Call the pipeline as a user does (its own no_grad, no inference_mode: grad mode is part of
-        what a compiled graph is guarded and cached on)."""
-        self.pipe(**self.warmup)
+        what a compiled graph is guarded and cached on): once with its own scheduler and once with each
+        the recipe declares (``schedulers``, aotbuild/pipeline/schedulers.py)."""
+        from aotbuild.pipeline.schedulers import warm_up
+
+        warm_up(self.pipe, self.ctx.recipe, self.warmup)
 
 
 @dataclass
