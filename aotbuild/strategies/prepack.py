@@ -412,14 +412,46 @@ def check_other_weights(path: Any, module: Any, state: dict[str, Any], args: tup
         del loaded, supplied  # the prepacked copies: not needed for eager's call
         eager = tree_leaves(torch.func.functional_call(module, other, args, kwargs))
     low = any(t.dtype in (torch.float16, torch.bfloat16) for t in other.values())
-    for a, b in zip(served, eager, strict=True):
-        if not isinstance(b, torch.Tensor):
-            continue
-        scale = max(1.0, b.detach().abs().max().item())
-        worst = (a.float() - b.float()).abs().max().item() / scale
-        if not worst <= (1e-2 if low else 1e-4):
-            raise RecipeError(f"served with other weights, the frozen package differs from eager by "
-                              f"{worst:.3g} (relative): Inductor compiled a value of the build's weights in")
+    if not low:
+        for a, b in zip(served, eager, strict=True):
+            if isinstance(b, torch.Tensor):
+                worst = _relative(a, b)
+                if not worst <= 1e-4:
+                    raise RecipeError(f"served with other weights, the frozen package differs from eager by "
+                                      f"{worst:.3g} (relative): Inductor compiled a value of the build's weights in")
+        return
+    # bf16/fp16: eager rounds after every op, the compiled graph keeps fused intermediates in fp32, so the
+    # two differ by rounding alone (a tiny UNet in bf16: 5.2 % apart, the package 1.9 % from fp32 eager,
+    # bf16 eager 3.5 %). Both are judged against eager in fp32 on the same other weights: a value baked
+    # in from the build's weights puts the package far from it, rounding does not (issue 57).
+    reference = _in_float32(module, {**state, **other}, args, kwargs)
+    for a, b, r in zip(served, eager, reference, strict=True):
+        if isinstance(r, torch.Tensor):
+            worst, rounding = _relative(a, r), _relative(b, r)
+            if not worst <= max(1e-2, 2 * rounding):
+                raise RecipeError(f"served with other weights, the frozen package differs from eager in float32 by "
+                                  f"{worst:.3g} (relative; eager in {b.dtype} by {rounding:.3g}): Inductor compiled a "
+                                  f"value of the build's weights in")
+
+
+def _relative(a: Any, b: Any) -> float:
+    """The largest difference of two outputs, relative to ``b``'s largest magnitude (at least 1)."""
+    scale = max(1.0, b.detach().float().abs().max().item())
+    return (a.float() - b.float()).abs().max().item() / scale
+
+
+def _in_float32(module: Any, weights: dict[str, Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+    """The outputs of ``module`` with ``weights`` and the inputs upcast to float32 (copies, freed on return):
+    the reference a low-precision package and eager are both held to."""
+    import torch
+    from torch.utils._pytree import tree_leaves, tree_map
+
+    def up(value: Any) -> Any:
+        return value.float() if isinstance(value, torch.Tensor) and value.is_floating_point() else value
+
+    with torch.no_grad():
+        return tree_leaves(torch.func.functional_call(module, {k: up(v) for k, v in weights.items()},
+                                                      tree_map(up, args), tree_map(up, kwargs)))
 
 
 #: the scales of :func:`other_weights`, by turns
