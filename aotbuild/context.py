@@ -177,8 +177,10 @@ def job_factors(ctx: Context, component: str, component_class: str, config: dict
     changed = {f.section: value for f in features if (value := f.factors(recipe, where)) is not None}
     if recipe.text_length is not None:
         changed["text_length"] = _text_length(recipe)
-    if recipe.schedulers is not None:  # the warmup ran with each (aotbuild/pipeline/schedulers.py)
-        changed["schedulers"] = sorted(recipe.schedulers)
+    if recipe.schedulers:  # the warmup ran with each (aotbuild/pipeline/schedulers.py)
+        # each name once: a Recipe made in Python is not checked as a file is (empty, or a name twice), and
+        # neither changes what the warmup runs
+        changed["schedulers"] = sorted(set(recipe.schedulers))
     compile_settings = {**ctx.target.compile_settings(recipe, ctx.device),
                         **ctx.strategy.compile_factors(ctx.target, ctx.device)}
     for feature in features:  # a tensor-parallel rank's thread count

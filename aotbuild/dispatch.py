@@ -20,13 +20,16 @@ from typing import Any
 from aotbuild import forwards
 from aotbuild.errors import ShapeNotBuilt
 from aotbuild.pipeline import textlen
-from aotbuild.pipeline.timesteps import only_difference
 from aotbuild.utils.safeio import loads_json
 
 #: A call signature is read back from manifests (strings of up to 4096 characters): parsed with bounded
 #: depth, so a hostile one is a ValueError, never a RecursionError.
 SIGNATURE_BYTES = 1 << 16
 SIGNATURE_DEPTH = 64
+#: Call signatures whose text pattern a dispatcher remembers (a server sees few).
+_REMEMBERED = 4096
+#: A memo's "not yet asked" (None is an answer).
+_UNSEEN = object()
 
 
 def _encode(value: Any) -> Any:
@@ -122,12 +125,15 @@ class Dispatcher:
         self.caller: Any = None
 
     def _pattern(self, sig: str) -> textlen.Pattern | None:
-        """The text pattern serving a call of signature ``sig`` (remembered: a server sees few)."""
-        if sig not in self._fits:
-            if len(self._fits) > 4096:
+        """The text pattern serving a call of signature ``sig`` (remembered: a server sees few). The answer
+        is returned from a local: another thread may clear the memo between its store and a read back."""
+        found = self._fits.get(sig, _UNSEEN)
+        if found is _UNSEEN:
+            found = next((p for p in self.patterns if p.serves(sig)), None)
+            if len(self._fits) >= _REMEMBERED:
                 self._fits.clear()
-            self._fits[sig] = next((p for p in self.patterns if p.serves(sig)), None)
-        return self._fits[sig]
+            self._fits[sig] = found
+        return found  # type: ignore[return-value]
 
     @property
     def built(self) -> set[str]:
@@ -179,24 +185,26 @@ class Dispatcher:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.copied:
             self._finish_copy()
-        sig = raw = signature(args, kwargs)
+        # ``called``: the caller's own signature, what every refusal shows (a converted call's is another)
+        sig = called = signature(args, kwargs)
         route = self.routes.get(sig)
-        timestep = ""  # why the call's timestep could not be converted, for the refusal
+        timestep = None  # why the call's timestep could not be converted (timesteps.Refused), for the refusal
         if route is None and self.timesteps is not None:  # before any fallback, under every policy (issue 56)
-            converted = self.timesteps.convert(args, kwargs)
+            converted = self.timesteps.convert(sig, args, kwargs)
             if isinstance(converted, tuple):  # the timestep in the built dtype and rank, where the entry proved it
-                args, kwargs = converted
-                sig = raw = signature(args, kwargs)
+                args, kwargs, plan = converted
+                sig = plan.sig
                 route = self.routes.get(sig)
-            elif converted:
-                timestep = self._scheduler(converted)
+            else:
+                timestep = converted
+        unbuilt = sig  # the call as the cache's tables read it: converted where it was
         pattern = self._pattern(sig) if route is None and self.patterns else None
         if pattern is not None:  # a text length inside a built range: that range's graph, dimensions marked
             sig = pattern.sig
             route = self.routes.get(sig)
             pattern.mark_dynamic(args, kwargs)
         # a batch between two built ones: the next one's route, on the call padded to it (issue 56)
-        fit = self.padding.fit(raw) if route is None and pattern is None and self.padding is not None else None
+        fit = self.padding.fit(unbuilt) if route is None and pattern is None and self.padding is not None else None
         if fit is not None and not fit.why:
             route = self.routes.get(fit.target.sig)
             sig, fit = (fit.target.sig, fit) if route is not None else (sig, None)
@@ -212,7 +220,7 @@ class Dispatcher:
             except RouteDeclined as exc:
                 why = str(exc)
                 self._warn_declined(why)
-                sig, fit = raw, None
+                sig, fit = unbuilt, None
             else:
                 self.calls["built"] += 1
                 if fit is not None:
@@ -234,22 +242,24 @@ class Dispatcher:
             self.routes[sig] = self.fallback
             return self.fallback(*args, **kwargs)
         if self.on_unbuilt == "error" and why:
-            raise ShapeNotBuilt(self._refusal(sig, why=why))
-        if timestep and fit is None and only_difference(raw, self.routes):
+            raise ShapeNotBuilt(self._refusal(called, why=why, converted=unbuilt))
+        # the call differs from a built one in its timestep alone: the refusal leads with it, naming the scheduler
+        if timestep is not None and timestep.alone and fit is None:
+            said = self._scheduler(timestep.why)
             if self.on_unbuilt == "error":
-                raise ShapeNotBuilt(self._refusal(raw, why=timestep))
-            self._warn_declined(timestep)
+                raise ShapeNotBuilt(self._refusal(called, why=said))
+            self._warn_declined(said)
         if fit is not None:  # a batch not padded (issue 56): why, in the one format of a refusal
             if self.on_unbuilt == "error":
-                raise ShapeNotBuilt(self._refusal(raw, advice=fit.why))
+                raise ShapeNotBuilt(self._refusal(called, advice=fit.why, converted=unbuilt))
             if self.padding.allowed and self.on_unbuilt != "record":  # padding was asked for: say why not, once
                 self._warn_declined(fit.why)
         known = self.patterns + self.static_text
-        outside = textlen.outside(known, raw) if self.on_unbuilt == "error" and known else None
+        outside = textlen.outside(known, unbuilt) if self.on_unbuilt == "error" and known else None
         if outside is not None:
             raise ShapeNotBuilt(textlen.refusal(self.component, *outside, policy=self.policy))
         if self.on_unbuilt == "error":
-            raise ShapeNotBuilt(self._refusal(sig, hint=_batch_hint(sig, sorted(self.routes))))
+            raise ShapeNotBuilt(self._refusal(called, hint=_batch_hint(called, sorted(self.routes)), converted=unbuilt))
         if self.on_unbuilt == "eager" or self.fallback is None:
             import torch
 
@@ -264,13 +274,15 @@ class Dispatcher:
 
         return self.caller.policy if self.caller is not None else DEFAULT_POLICY
 
-    def _refusal(self, sig: str, why: str = "", hint: str = "", advice: str = "") -> str:
+    def _refusal(self, sig: str, why: str = "", hint: str = "", advice: str = "", converted: str = "") -> str:
         """A ShapeNotBuilt's message in the caller's terms (aotbuild/pipeline/callterms.py): what the pipeline was
-        called at and what was built, then the latents; a component called directly, its inputs only."""
+        called at and what was built, then the latents; a component called directly, its inputs only. ``sig``:
+        the caller's own call; ``converted``: its timestep converted, where it was (its text length is read
+        off that one, as the built ones hold their timestep)."""
         from aotbuild.pipeline import callterms
 
         known = self.patterns + self.static_text
-        found = textlen.outside(known, sig) if known else None
+        found = textlen.outside(known, converted or sig) if known else None
         return callterms.refusal(self.component, sig, list(self.routes), self.caller, describe, why=why, hint=hint,
                                  text=found[0] if found else None, advice=advice)
 

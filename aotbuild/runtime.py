@@ -252,8 +252,9 @@ def _install(ctx: Context, planned: list[Planned], report: LoadReport, policy: s
     report.timings["install"] = time.perf_counter() - started
     from aotbuild.pipeline.textlen import static_patterns
 
+    prompts = ctx.recipe.warmup_factors(ctx.target.warmup_defaults)["prompt"]["texts"]
     for p in planned:
-        _batches(p, ctx.recipe.pad_batch, report)
+        _batches(p, ctx.recipe.pad_batch, report, prompts)
         measured = [e.manifest.build.get("text") for e in p.entries]
         for d in dispatchers(p.module):
             d.on_first_call = lambda s, c=p.component: report.first_calls.setdefault(c, round(s, 4))
@@ -263,14 +264,16 @@ def _install(ctx: Context, planned: list[Planned], report: LoadReport, policy: s
                     report.note(note)
 
 
-def _batches(p: Planned, pad_batch: bool, report: LoadReport) -> None:
+def _batches(p: Planned, pad_batch: bool, report: LoadReport, prompts: int = 1) -> None:
     """The component's dispatcher told its built batches (aotbuild/pipeline/batch.py): with ``pad_batch``, a
     call between two is padded to the next where that entry's proof showed padding exact; otherwise, or
-    above the largest, refused by name. What an entry refuses is noted in the report once."""
+    above the largest, refused by name. What an entry refuses is noted in the report once. ``prompts``: the
+    warmup's, so that a refusal counts a call's images (prompts times the shape's batch_size)."""
     from aotbuild import forwards
     from aotbuild.pipeline.batch import Padding
 
-    entries = [(e.key, str(Shape(**e.manifest.shape)), e.manifest.shape["batch_size"], e.manifest.signatures,
+    entries = [(e.key, str(Shape(**e.manifest.shape)), e.manifest.shape["batch_size"] * prompts,
+                e.manifest.signatures,
                 e.manifest.proof.padding if e.manifest.proof is not None else None) for e in p.entries]
     padding = Padding.of(p.component, entries, pad_batch)
     for d in forwards.layers(p.module, forwards.DISPATCH):  # the component's own: a regional block's is not padded
@@ -553,7 +556,10 @@ def _callers(ctx: Context, pipe: Any, planned: list[Planned], on_miss: str, stri
                 {**{sig: next(iter(built.values())) for sig in d.routes}, **built}  # a regional block's calls
             d.caller = callterms.Caller(pipe, policy, own, text)
         if ctx.recipe.compile.scope == "full":
-            conversions = timesteps.Conversions.of(p.module, [e.manifest.build.get("timestep") for e in p.entries])
+            # each entry's proof with its own signatures: it decides the calls it serves (issue 56)
+            conversions = timesteps.Conversions.of(p.module, [
+                (e.manifest.build.get("timestep"),
+                 (*e.manifest.signatures, *(r["signature"] for r in e.manifest.packages))) for e in p.entries])
             for d in forwards.layers(p.module, forwards.DISPATCH):
                 d.timesteps = conversions
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -173,7 +174,8 @@ def test_padding_keeps_an_expanded_input_expanded_and_cuts_a_diffusers_output():
     ({"record": "none"}, 3, f"3 images per call is not padded to 4: its entry ({'4' * 12}) holds no padding proof "
                             f"(built before aotbuild proved padding): `aotbuild rm {'4' * 12}` and build again"),
     ({"mix": True}, 2, f"2 images per call is not padded to 4: its entry's proof ({'4' * 12}) found: padding changes "
-                       f"a sample's output: sample 0 of a call at batch 2 padded"),
+                       f"a sample's output: sample 0 of a call at batch 1 padded to 4 changed with the padding rows' "
+                       f"values"),
 ])
 def test_a_batch_that_cannot_be_padded_is_refused_by_name(setup, n, says):
     """In the one format of a refusal (aotbuild/pipeline/callterms.py: called directly here, so in latents):
@@ -228,6 +230,49 @@ def test_a_load_gives_the_component_its_entries_batches_and_notes_an_entry_never
         m(*call(2)[0], **call(2)[1])
 
 
+def test_a_padding_memo_cleared_by_another_thread_between_its_store_and_its_read_still_answers():
+    """``Padding.fit`` and the dispatcher's text-pattern memo are cleared past 4096 signatures; a thread that
+    stored its answer and read it back could find it gone (KeyError) when another thread cleared the memo in
+    between. Here the memo is cleared right after each store, as that other thread would."""
+    from aotbuild.pipeline import batch
+
+    class ClearedByAnotherThread(dict):
+        def __setitem__(self, key, value):
+            super().__setitem__(key, value)
+            self.clear()
+
+    _, d, _, _ = served()
+    d.padding._fits = ClearedByAnotherThread()
+    fit = d.padding.fit(signature(*call(3)))
+    assert isinstance(fit, batch.Fit) and fit.target.batch == 4 and fit.why == ""
+    d._fits = ClearedByAnotherThread()
+    assert d._pattern(signature(*call(3))) is None
+
+
+def test_a_refusal_counts_the_images_of_a_call_of_several_prompts():
+    """``batch_size`` is images per prompt: a warmup of two prompts without guidance built batches 2 and 4 for
+    2 and 4 images per call, and a call of 6 images is a batch of 6, not "3 images (guidance's two halves)"."""
+    from aotbuild.cache.manifest import Proof
+    from aotbuild.cache.store import Entry
+    from aotbuild.keys import key_of
+    from aotbuild.runtime import LoadReport, _batches
+    from aotbuild.strategies.base import Planned
+    from tests import manifests
+
+    m = Denoiser()
+    sigs = {n: signature(*call(n)) for n in (2, 4)}
+    d = install_dispatcher(m, "unet", {s: m.forward for s in sigs.values()}, None, "error")
+    entries = []
+    for per_prompt, n in ((1, 2), (2, 4)):
+        f = manifests.factors("p", shape={"height": 64, "width": 64, "batch_size": per_prompt})
+        proof = Proof(load_s=1.0, compiles=0, max_abs_diff=0.0, tolerance=1e-4, instances=1)
+        entries.append(Entry(key_of(f), manifests.manifest(f, signatures=(sigs[n],), proof=proof), ()))
+    _batches(Planned("unet", m, entries), True, LoadReport("r", "cache"), prompts=2)
+    assert [b.images for b in d.padding.built] == [2, 4]
+    with pytest.raises(ShapeNotBuilt, match=r"6 images per call is above the largest built \(4 images per call\): "):
+        m(*call(6)[0], **call(6)[1])
+
+
 # -- the proof -------------------------------------------------------------------------------
 
 def test_the_proof_refuses_padding_where_quantization_makes_a_sample_depend_on_its_batch(models_dir):
@@ -262,6 +307,120 @@ def test_the_proof_refuses_padding_where_quantization_makes_a_sample_depend_on_i
     assert quantized["max_rel_diff"] > 1e-4
 
 
+class BatchScaleInt8(Denoiser):
+    """Its activations quantized to int8 dynamically with one scale for the whole batch (the largest magnitude
+    over every sample: a per-tensor dynamic quantization), so each sample depends on the others."""
+
+    def forward(self, sample, t, encoder_hidden_states=None, added_cond_kwargs=None, return_dict=True):
+        scale = sample.abs().amax() / 127
+        quantized = (sample / scale).round().clamp(-127, 127) * scale
+        return Denoiser.forward(self, quantized, t, encoder_hidden_states, added_cond_kwargs, return_dict)
+
+
+class SlightlyMixed(Denoiser):
+    """Each sample moved by 1% of the batch's mean: under bfloat16's tolerance (5e-2), far over 1e-4."""
+
+    def forward(self, sample, t, encoder_hidden_states=None, added_cond_kwargs=None, return_dict=True):
+        out, = Denoiser.forward(self, sample, t, encoder_hidden_states, added_cond_kwargs, return_dict)
+        return (out + 0.01 * out.mean(0),)
+
+
+def _prove(model, dtype=torch.float32):
+    """``model`` in ``dtype`` built at batches 1 and 4 (its routes its own eager forward), and its batch-4
+    entry's padding proof under that dtype's tolerance, as a build proves it."""
+    import functools
+
+    from aotbuild.builder.proof import prove_padding, tolerance
+
+    model = model.to(dtype)
+
+    def cast(n):
+        args, kwargs = call(n)
+        return (args[0].to(dtype), args[1]), {"encoder_hidden_states": kwargs["encoder_hidden_states"].to(dtype),
+                                              "added_cond_kwargs": {"time_ids": kwargs["added_cond_kwargs"]["time_ids"]
+                                                                    .to(dtype)}}
+
+    calls = {n: cast(n) for n in (1, 4)}
+    eager = functools.partial(type(model).forward, model)
+    install_dispatcher(model, "unet", {signature(*calls[n]): eager for n in (1, 4)}, None, "error")
+    recipe = _parse()
+    return prove_padding(model, recipe, recipe.shapes[1], [(*calls[4], [])], lambda: 0,
+                         tolerance(str(dtype).replace("torch.", "")))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("model", [BatchScaleInt8, SlightlyMixed])
+def test_padding_that_mixes_samples_is_refused_whatever_the_dtypes_tolerance(model, dtype):
+    """A half precision's compile tolerance (5e-2 for bfloat16) is no licence to mix samples: the proof pads
+    each smaller call twice at the entry's batch, with copies of its last sample and with other rows, and the
+    real samples must come out bit for bit the same. A batch-wide int8 scale is untouched by copies of a real
+    sample (their largest magnitude is one of the batch's), so comparing with eager at the sample's own batch
+    alone never saw it, in any dtype."""
+    proof = _prove(model(), dtype)
+    assert proof["refused"].startswith("padding changes a sample's output: sample 0 of a call at batch 1 padded to "
+                                       "4 changed with the padding rows' values"), proof
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_padding_a_model_whose_samples_are_their_own_is_proven_in_every_dtype(dtype):
+    proof = _prove(Denoiser(), dtype)
+    assert proof["refused"] == "" and proof["sizes"] == [1, 2, 3], proof
+
+
+class Returns(torch.nn.Module):
+    """Returns what ``make`` makes of its sample: what a padded call must cut back, or cannot."""
+
+    def __init__(self, make):
+        super().__init__()
+        self.make = make
+
+    def forward(self, sample, t, encoder_hidden_states=None, added_cond_kwargs=None, return_dict=True):
+        return self.make(sample * 2)
+
+
+class Box:
+    """An output class torch's pytree cannot see into (diffusers' own are registered with it)."""
+
+    def __init__(self, sample):
+        self.sample = sample
+
+
+@pytest.mark.parametrize(("make", "says"), [
+    (lambda x: (x, x.mean()), "its output 2 of 2 is 0-d (float32), not one row per sample of the padded batch (4)"),
+    (lambda x: (x, (x > 0).sum(0)), "its output 2 of 2 is [3, 4] (int64), not one row per sample of the padded batch"),
+    (Box, "its output 1 of 1 is of type Box, not a tensor or an output class torch's pytree reads"),
+    (lambda x: {"count": 3}, "its output 1 of 1 is of type int, not a tensor"),
+    (lambda x: None, "its output (NoneType) holds no tensor"),
+])
+def test_an_output_that_cannot_be_cut_per_sample_refuses_padding(make, says):
+    """A mean over the batch (2.25 served for eager's 2.0), a count over it, an object torch cannot see into
+    (served with 4 rows for a call of 3): each would be served with the padding in it."""
+    proof = _prove(Returns(make))
+    assert proof["refused"].startswith(f"padding is not proven: {says}"), proof
+
+
+def test_a_padded_output_is_cut_per_sample_or_never_served():
+    """What a padded call returns is cut back leaf by leaf; a leaf that does not hold the padded batch raises
+    (the proof refused padding to such a model: this is the serving side's guard); integers and 0-d results
+    are compared too, integers exactly."""
+    from aotbuild.pipeline import batch
+
+    fit = batch.Fit(3, "", (), (), batch.Built("", 4, 4, "64x64b4", "", ()))
+    out = batch.unpad((torch.zeros(4, 2), None, {"ids": torch.arange(4)}), fit)
+    assert out[0].shape == (3, 2) and out[1] is None and torch.equal(out[2]["ids"], torch.arange(3))
+    for bad in ((torch.zeros(4, 2), torch.tensor(2.25)), Box(torch.zeros(4, 2)), (torch.zeros(4, 2), 3)):
+        with pytest.raises(RuntimeError, match="holds the padding and cannot be cut back"):
+            batch.unpad(bad, fit)
+    for served_out, eager_out, says in [
+        ((torch.tensor([[1], [2]]),), (torch.tensor([[1], [3]]),), "sample 1 of a call at batch 2 padded was inf"),
+        ((torch.tensor(2.25),), (torch.tensor(2.0),), "0-d of a call at batch 2 padded was 0.12"),
+    ]:
+        verdict = batch.Verdict()
+        batch.compare(served_out, eager_out, 2, verdict, 1e-4)
+        assert says in verdict.refused, verdict
+    assert batch.first_difference((torch.tensor([[1.0], [-0.0]]),), (torch.tensor([[1.0], [0.0]]),), 2) == "sample 1"
+
+
 def test_the_codec_keeps_the_padding_record_and_refuses_a_malformed_one(tmp_path):
     from aotbuild.cache import manifest as codec
     from aotbuild.cache.manifest import Proof
@@ -276,12 +435,16 @@ def test_the_codec_keeps_the_padding_record_and_refuses_a_malformed_one(tmp_path
     older = json.loads(m.to_json())
     del older["proof"]["padding"]
     assert codec.from_dict(older, m.key).proof.padding is None  # an entry from before: read, never padded to
-    for bad in ({"signatures": [{**record["signatures"][0], "batch": 1}]},
-                {"signatures": [{**record["signatures"][0], "inputs": [["self", 0]]}]},
-                {"sizes": [0]}, {"refused": 3}, {"max_rel_diff": "x"}):
+    for bad, where in (({"signatures": [{**record["signatures"][0], "batch": 1}]}, "signatures[].batch"),
+                       ({"signatures": [{**record["signatures"][0], "inputs": [["self", 0]]}]}, "signatures[].inputs"),
+                       ({"signatures": [{**record["signatures"][0], "signature": 3}]}, "signatures[].signature"),
+                       ({"sizes": [0]}, "sizes"), ({"refused": 3}, "refused"), ({"max_rel_diff": "x"}, "max_rel_diff"),
+                       # printed into ShapeNotBuilt and the load's notes: one line, no escape sequence
+                       ({"refused": "exact\n::error::injected"}, "refused: holds control characters"),
+                       ({"refused": "\x1b[2J"}, "refused: holds control characters")):
         broken = json.loads(m.to_json())
         broken["proof"]["padding"] = {**record, **bad}
-        with pytest.raises(ManifestError, match="proof.padding"):
+        with pytest.raises(ManifestError, match=rf"proof\.padding\.{re.escape(where)}"):
             codec.from_dict(broken, m.key)
 
 

@@ -128,6 +128,31 @@ def test_the_sorted_schedulers_are_a_key_factor_and_a_recipe_without_keeps_its_k
     assert one.key == other.key != plain.key
 
 
+def test_a_scheduler_listed_twice_or_none_listed_changes_neither_the_key_nor_the_warmup(cache):
+    """A file's ``schedulers: []`` or a name twice is refused when read (above); a Recipe made in Python is
+    taken as it is, so the key takes each name once and an empty list as none. The pipeline's own class may
+    be listed (it is in the key, as written) but is not warmed up with twice."""
+    import dataclasses
+    import types
+
+    from diffusers import EulerDiscreteScheduler
+
+    from aotbuild.pipeline.schedulers import each
+    from aotbuild.planner import plan
+    from aotbuild.recipe.rules import parse_recipe
+
+    recipe = parse_recipe(dict(TINY_DICT))
+    plain, = plan(recipe, cache=cache)
+    none, = plan(dataclasses.replace(recipe, schedulers=()), cache=cache)
+    once, = plan(dataclasses.replace(recipe, schedulers=("DDIMScheduler",)), cache=cache)
+    twice, = plan(dataclasses.replace(recipe, schedulers=("DDIMScheduler", "DDIMScheduler")), cache=cache)
+    assert none.key == plain.key and twice.key == once.key != plain.key
+    pipe = types.SimpleNamespace(scheduler=EulerDiscreteScheduler())
+    listed = types.SimpleNamespace(schedulers=("EulerDiscreteScheduler", "DDIMScheduler", "DDIMScheduler"))
+    assert list(each(pipe, listed)) == ["EulerDiscreteScheduler", "DDIMScheduler"]
+    assert type(pipe.scheduler) is EulerDiscreteScheduler
+
+
 def test_plan_makes_each_scheduler_from_the_models_config_as_the_build_will(cache):
     from aotbuild.planner import plan
 

@@ -80,7 +80,7 @@ def serve(model, built_timestep, policy="error"):
         return type(model).forward(model, *a, **k)
 
     d = install_dispatcher(model, "unet", {signature(args, kwargs): route}, fallback, policy)
-    d.timesteps = timesteps.Conversions.of(model, [record])
+    d.timesteps = timesteps.Conversions.of(model, [(record, [signature(args, kwargs)])])
     return d, seen, fell, record
 
 
@@ -170,7 +170,7 @@ def test_an_entry_without_a_record_converts_nothing_and_says_so():
     model = Sinusoidal()
     args, kwargs = (SAMPLE, torch.tensor(999.0)), {"encoder_hidden_states": TEXT}
     d = install_dispatcher(model, "unet", {signature(args, kwargs): lambda *a, **k: a}, None, "error")
-    d.timesteps = timesteps.Conversions.of(model, [None])
+    d.timesteps = timesteps.Conversions.of(model, [(None, [signature(args, kwargs)])])
     with pytest.raises(ShapeNotBuilt, match=r"records no timestep proof \(built by an aotbuild before issue 56"):
         call(model, torch.tensor(999))
 
@@ -182,6 +182,11 @@ def test_an_entry_without_a_record_converts_nothing_and_says_so():
     ({"name": "sample"}, "name"),
     ({"batch": 0}, "batch"),
     ({"unlike": {"int64": 3}}, "unlike"),
+    ({"unlike": {"int64": "\x1b[31mred"}}, "unlike"),
+    ({"unlike": {"int64": "x" * 4097}}, "unlike"),
+    ({"values": [1.0, float("nan")]}, "values"),
+    ({"why": "not measured\n::error::injected"}, "why"),
+    ({"why": "x" * 4097}, "why"),
 ])
 def test_the_manifest_refuses_a_malformed_timestep_record(change, named):
     from aotbuild.cache.manifest import from_dict
@@ -194,3 +199,179 @@ def test_the_manifest_refuses_a_malformed_timestep_record(change, named):
     bad = manifests.manifest(manifests.factors(), build={"timestep": {**record, **change}})
     with pytest.raises(ManifestError, match=rf"build\.timestep: {named}"):
         from_dict(bad.as_json(), bad.key)
+
+
+# -- entries of several batches, several proofs (issue 56 review) -------------------------------------------
+
+def _entries(model, route, calls, proven=None):
+    """``model`` behind a dispatcher with one entry per call ((args, kwargs)), each served by ``route``: its
+    record measured as a build does, or None where ``proven`` says not (an entry from before issue 56)."""
+    entries = []
+    for i, (args, kwargs) in enumerate(calls):
+        record = timesteps.measure(model, args, kwargs) if proven is None or proven[i] else None
+        entries.append((record, [signature(args, kwargs)]))
+    d = install_dispatcher(model, "unet", {sigs[0]: route for _, sigs in entries}, None, "error")
+    d.timesteps = timesteps.Conversions.of(model, entries)
+    return d, [r for r, _ in entries]
+
+
+def _recording(model, seen):
+    def route(sample, timestep, *rest, **kw):
+        seen.append((timestep.dtype, tuple(timestep.shape), timestep.stride()))
+        return type(model).forward(model, sample, timestep, *rest, **kw)
+
+    return route
+
+
+def test_buckets_of_one_and_several_samples_with_an_expanded_timestep_convert_at_each():
+    """A pipeline passing ``t.expand(batch)`` (Flux, Wan, PixArt) built for batches [1, 2]: one sample is no
+    expansion, so batch 1's record says not expanded and batch 2's expanded. Both entries were built for one
+    dtype and rank: an int64 scheduler's timestep is converted at each batch, in the layout each was built."""
+    model, seen = Sinusoidal(), []
+    one = (SAMPLE[:1], torch.tensor(999.0).expand(1)), {"encoder_hidden_states": TEXT[:1]}
+    two = (SAMPLE, torch.tensor(999.0).expand(2)), {"encoder_hidden_states": TEXT}
+    d, records = _entries(model, _recording(model, seen), [one, two])
+    assert [r["expanded"] for r in records] == [False, True] and [r["form"] for r in records] == ["batch", "batch"]
+    for (args, kwargs), n in ((one, 1), (two, 2)):
+        t = torch.tensor(999).expand(n)
+        got = model(args[0], t, **kwargs)[0]
+        assert torch.equal(got, type(model).forward(model, args[0], t, **kwargs)[0])
+    assert seen == [(torch.float32, (1,), (1,)), (torch.float32, (2,), (0,))] and d.calls["built"] == 2
+
+
+def test_an_entry_without_a_proof_has_no_say_in_the_calls_of_another():
+    """An old entry (no ``build.timestep``) beside a proven one: a call the proven one serves, converted, is
+    converted; a call only the old one would serve is refused naming why (rebuild it)."""
+    model, seen = Sinusoidal(), []
+    new = (SAMPLE, torch.tensor(999.0)), {"encoder_hidden_states": TEXT}
+    old = (SAMPLE[:1], torch.tensor(999.0)), {"encoder_hidden_states": TEXT[:1]}
+    _entries(model, _recording(model, seen), [new, old], proven=[True, False])
+    assert torch.equal(call(model, torch.tensor(999)), eager(model, torch.tensor(999)))
+    assert seen == [(torch.float32, (), ())]
+    with pytest.raises(ShapeNotBuilt, match=r"arg\[1\]=scalar:int64.*records no timestep proof \(built by an aotbuild "
+                                            r"before issue 56"):
+        model(SAMPLE[:1], torch.tensor(999), encoder_hidden_states=TEXT[:1])
+
+
+class Guided(Sinusoidal):
+    """Flux's transformer: a 1-d ``guidance`` beside its timestep."""
+
+    def forward(self, sample, timestep, guidance=None, encoder_hidden_states=None):
+        out, = super().forward(sample, timestep, encoder_hidden_states)
+        return (out * guidance[:, None, None, None],)
+
+
+def test_a_call_whose_timestep_is_as_built_is_not_refused_over_its_timestep():
+    """A call that differs from the built one in its ``guidance`` (another 1-d tensor), its timestep exactly as
+    built, is no scheduler's problem, whatever the entry's proof: the refusal is the shape's."""
+    model = Guided()
+    built = (SAMPLE, torch.tensor(999.0), torch.ones(2)), {"encoder_hidden_states": TEXT}
+    _entries(model, _recording(model, []), [built], proven=[False])
+    with pytest.raises(ShapeNotBuilt) as info:
+        model(SAMPLE, torch.tensor(999.0), torch.ones(2, dtype=torch.float64), encoder_hidden_states=TEXT)
+    message = str(info.value)
+    assert "arg[2]=2:float64" in message and "timestep" not in message, message
+
+
+def test_a_converted_call_that_is_then_refused_shows_the_callers_own_call():
+    """The refusal of a call converted and still not built (another size) shows what the caller passed: its
+    int64 timestep, not the float32 one it was converted to."""
+    model = Sinusoidal()
+    d, _, _, _ = serve(model, torch.tensor(999.0))
+    with pytest.raises(ShapeNotBuilt) as info:
+        model(torch.zeros(2, 4, 5, 5), torch.tensor(999), encoder_hidden_states=TEXT)
+    message = str(info.value)
+    assert "unet was called with arg[0]=2x4x5x5:float32, arg[1]=scalar:int64" in message, message
+
+
+# -- the cost of a converted call (issue 56 review): counted, never timed -------------------------------------
+
+def test_a_signature_is_planned_once_and_a_schedulers_timesteps_read_once_per_set_timesteps():
+    """What a call of a signature needs is planned at its first call (the converted call's signature
+    included: never encoded again); a scheduler's timesteps, views of one tensor, are read once (one
+    device-to-host copy on an accelerator) however many steps; an in-place write is another version: read
+    again, and a value it cannot convert refused; a new tensor is read once more."""
+    model = Sinusoidal()
+    d, seen, _, _ = serve(model, torch.tensor(999.0))
+    steps = torch.tensor([999, 749, 499, 249])  # what set_timesteps leaves: step i is the view steps[i]
+    for t in steps:
+        assert torch.equal(call(model, t), eager(model, t))
+    conversions = d.timesteps
+    plan, = conversions._plans.values()
+    assert plan.name == "float32"
+    assert plan.sig == signature((SAMPLE, torch.tensor(0.0)), {"encoder_hidden_states": TEXT})  # the built one
+    assert conversions._values.reads == 1 and len(seen) == 4
+    steps[2] = 2 ** 24 + 1
+    with pytest.raises(ShapeNotBuilt, match=r"timestep 16777217 \(int64\) cannot be written exactly in float32"):
+        call(model, steps[2])
+    assert torch.equal(call(model, steps[1]), eager(model, steps[1])) and conversions._values.reads == 2
+    fresh = torch.tensor([999, 749])
+    call(model, fresh[0])
+    call(model, fresh[1])
+    assert conversions._values.reads == 3 and len(conversions._plans) == 1
+
+
+def test_a_refused_conversion_is_not_worked_out_again_at_every_call(monkeypatch):
+    """Under on_miss="eager" a timestep that cannot be converted runs eagerly each step: why (and whether the
+    call differs from a built one in its timestep alone) is worked out once per signature, never by reading
+    every built signature again."""
+    from aotbuild.utils import safeio
+
+    model = Table()
+    d, seen, _, _ = serve(model, torch.tensor(999), policy="eager")
+    read = []
+
+    def counted(*args, **kwargs):
+        read.append(1)
+        return safeio.loads_json.__wrapped__(*args, **kwargs)
+
+    counted.__wrapped__ = safeio.loads_json
+    monkeypatch.setattr(safeio, "loads_json", counted)
+    monkeypatch.setattr(timesteps, "loads_json", counted)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(RuntimeError):  # eager: the model cannot take a float index
+            call(model, torch.tensor(999.0))
+        first = len(read)
+        for _ in range(3):
+            with pytest.raises(RuntimeError):
+                call(model, torch.tensor(999.0))
+    assert first > 0 and len(read) == first and seen == []
+
+
+# -- more than one value (issue 56 review) ----------------------------------------------------------------------
+
+class EvenIntegers(Sinusoidal):
+    """Reads an integer timestep rounded down to an even one (a branch of its own), a float as it is: the two
+    agree at 998, not at 499."""
+
+    def forward(self, sample, timestep, encoder_hidden_states=None):
+        if not timestep.is_floating_point():
+            timestep = timestep // 2 * 2
+        return super().forward(sample, timestep, encoder_hidden_states)
+
+
+def test_a_dtype_read_alike_at_the_first_step_only_is_not_proven_alike():
+    """The build tries the schedule's middle and last step too (as the pipeline left them in its scheduler):
+    an integer path that agrees with the float one at the first step only is unlike, and refused."""
+    model = EvenIntegers()
+    args, kwargs = (SAMPLE, torch.tensor(998.0)), {"encoder_hidden_states": TEXT}
+
+    class Pipe:
+        scheduler = type("Scheduler", (), {"timesteps": torch.tensor([998, 749, 499, 1])})()
+
+    values = timesteps.schedule_values(Pipe(), model, args, kwargs)
+    assert values == [499.0, 1.0]
+    record = timesteps.measure(model, args, kwargs, values=values)
+    assert record["values"] == [998.0, 499.0, 1.0] and "int64" not in record["alike"], record
+    assert record["unlike"]["int64"].startswith("scalar at 499.0: the output differs by"), record["unlike"]
+    assert record["alike"]["float64"] == ["scalar", "one", "batch"] and not timesteps.check_record(record)
+    d = install_dispatcher(model, "unet", {signature(args, kwargs): lambda *a, **k: a}, None, "error")
+    d.timesteps = timesteps.Conversions.of(model, [(record, [signature(args, kwargs)])])
+    with pytest.raises(ShapeNotBuilt, match=r"reads int64 timesteps differently \(scalar at 499.0: the output"):
+        model(SAMPLE, torch.tensor(998), encoder_hidden_states=TEXT)
+    # a pipeline that scales the scheduler's timesteps (Flux divides by 1000) is followed by the ratio; a
+    # scheduler without a schedule: half the first value
+    scaled = (SAMPLE, torch.tensor(0.998)), {"encoder_hidden_states": TEXT}
+    assert [round(v, 6) for v in timesteps.schedule_values(Pipe(), model, *scaled)] == [0.499, 0.001]
+    assert timesteps.schedule_values(object(), model, args, kwargs) == [499.0]

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from aotbuild import forwards
+from aotbuild.utils.text import printable
 
 #: The largest |compiled - eager| accepted, per dtype. float32: the issue's bound, 1e-4, about 800
 #: ulps at magnitude 1: Inductor reorders and fuses reductions, so a few ulps per op add up over a
@@ -202,7 +203,8 @@ def serve(spec: dict[str, Any]) -> dict[str, Any]:
     if timestep:
         record["timestep"] = timestep
     # 8. Smaller batches padded up to this entry's: proven exact, or padding to it refused (never the entry).
-    padding = prove_padding(module, recipe, shape, calls, count, tolerance(ctx.dtype))
+    padding = prove_padding(module, recipe, shape, calls, count, tolerance(ctx.dtype),
+                            recipe.warmup_factors(ctx.target.warmup_defaults)["prompt"]["texts"])
     return {"compiles": compiles, "counter": counter_name, "max_abs_diff": worst,
             "tolerance": tolerance(ctx.dtype), "instances": len(expected), "calls": len(calls),
             "load_s": round(t_first[0] if t_first else 0.0, 3), "swaps": swaps, "served": record,
@@ -210,12 +212,22 @@ def serve(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def prove_padding(module: Any, recipe: Any, shape: Any, calls: list[tuple[Any, Any, list[Any]]], count: Any,
-                  bound: float) -> dict[str, Any]:
+                  bound: float, prompts: int = 1) -> dict[str, Any]:
     """``proof.padding`` (issue 56, item 3): each recorded call at a batch of 2 or more, cut to every smaller
-    batch (``batch.proof_sizes``) and served through the dispatcher's own padding, each real sample compared
-    with eager at its own batch (relative to the sample, within ``bound``: the dtype's tolerance). A
-    difference (a dynamic quantization's scale computed over the batch mixes samples), an error or a compile
-    refuses padding to this entry, with the reason; the entry itself is stored as proven."""
+    batch (``batch.proof_sizes``) and checked twice:
+
+    * that padding leaks nothing into the real samples, exactly: eager at the padded batch, once padded with
+      copies of the last real sample (what serving pads with) and once with other rows (``batch.pad_other``),
+      gives the real samples bit for bit the same output (one batch size: the same kernels, so any difference
+      is the samples seeing each other: a statistic or a dynamic quantization's scale over the batch). No
+      dtype's tolerance loosens this: a half precision's compile noise is no licence to mix samples;
+    * that the call served through the dispatcher's own padding gives each real sample eager's output at its
+      own batch, within ``bound`` relative to the sample (the dtype's tolerance, as any served call: 1e-4 for
+      float32).
+
+    Every output must be tensors of the padded batch (``batch.output_problem``: a 0-d result, an object torch
+    cannot see into or no tensor at all would be served with the padding in it). Any difference, an error or a
+    compile refuses padding to this entry, with the reason; the entry itself is stored as proven."""
     import torch
 
     from aotbuild.dispatch import signature
@@ -242,29 +254,63 @@ def prove_padding(module: Any, recipe: Any, shape: Any, calls: list[tuple[Any, A
         try:
             with torch.no_grad():
                 for args, kwargs, r in padded:
-                    # this signature alone is built while its smaller calls are made: each one is padded to it
-                    dispatcher.routes = {r["signature"]: routes[r["signature"]]}
-                    dispatcher.padding = batch.Padding(dispatcher.component, [batch.Built(
-                        r["signature"], r["batch"], shape.batch_size, str(shape), "",
-                        tuple(tuple(p) for p in r["inputs"]))], True)
-                    for size in batch.proof_sizes(r["batch"]):
-                        a, k = batch.take(args, kwargs, tuple(tuple(p) for p in r["inputs"]), size)
-                        eager = [t.detach().clone() for t in tensors(dispatcher.eager(*a, **k))]
-                        routed = dispatcher.calls.get("padded", 0)
-                        out = tensors(module(*a, **k))
-                        if dispatcher.calls.get("padded", 0) != routed + 1:
-                            verdict.refused = verdict.refused or f"a call at batch {size} was not padded"
-                        batch.compare(out, eager, size, verdict, bound)
-                        verdict.sizes.append(size)
+                    _prove_padded(module, dispatcher, shape, args, kwargs, r, routes, verdict, bound, prompts)
         except Exception as exc:  # noqa: BLE001 - whatever stops a padded call refuses padding, not the entry
-            verdict.refused = verdict.refused or f"a padded call failed: {type(exc).__name__}: {str(exc)[:500]}"
+            verdict.refuse(f"a padded call failed: {type(exc).__name__}: {str(exc)[:500]}")
         finally:
             dispatcher.padding, dispatcher.routes = served_before, routes
         compiled = int(count() - before)
-        if compiled and not verdict.refused:
-            verdict.refused = f"padded calls compiled {compiled} time(s): the padded inputs are not the built ones"
+        if compiled:
+            verdict.refuse(f"padded calls compiled {compiled} time(s): the padded inputs are not the built ones")
     return {"signatures": [r for r in records.values() if r is not None], "sizes": sorted(set(verdict.sizes)),
-            "max_rel_diff": verdict.max_rel_diff, "tolerance": bound, "refused": verdict.refused[:2000]}
+            "max_rel_diff": verdict.max_rel_diff, "tolerance": bound, "refused": printable(verdict.refused)[:2000]}
+
+
+def _prove_padded(module: Any, dispatcher: Any, shape: Any, args: Any, kwargs: Any, r: dict[str, Any],
+                  routes: dict[str, Any], verdict: Any, bound: float, prompts: int) -> None:
+    """:func:`prove_padding` for one recorded call of the entry's batch: every smaller batch of it."""
+    from aotbuild.pipeline import batch
+
+    inputs = tuple(tuple(p) for p in r["inputs"])
+    # this signature alone is built while its smaller calls are made: each one is padded to it
+    built = batch.Built(r["signature"], r["batch"], shape.batch_size * prompts, str(shape), "", inputs)
+    dispatcher.routes = {r["signature"]: routes[r["signature"]]}
+    dispatcher.padding = batch.Padding(dispatcher.component, [built], True)
+    for size in batch.proof_sizes(r["batch"]):
+        a, k = batch.take(args, kwargs, inputs, size)
+        fit = batch.Fit(size, "", (built,), inputs, built)
+        own = _detached(dispatcher.eager(*a, **k))
+        pa, pk = batch.pad(a, k, fit)
+        copies = _detached(dispatcher.eager(*pa, **pk))
+        problem = batch.output_problem(copies, r["batch"])
+        if problem:
+            verdict.refuse(f"padding is not proven: {problem}")
+            return
+        other_args, other_kwargs = batch.pad_other(a, k, fit)
+        other = batch.first_difference(copies, dispatcher.eager(*other_args, **other_kwargs), size)
+        if other:
+            again = batch.first_difference(copies, dispatcher.eager(*pa, **pk), size)
+            verdict.refuse(
+                f"padding changes a sample's output: {other} of a call at batch {size} padded to {r['batch']} changed "
+                f"with the padding rows' values (eager, one batch size: the samples see each other, as a statistic "
+                f"or a dynamic quantization's scale over the batch makes them)" if not again else
+                f"padding is not proven: the component's eager output at batch {r['batch']} is not the same twice "
+                f"for the same inputs ({again}), so whether padding leaks into a sample cannot be told")
+            return
+        routed = dispatcher.calls.get("padded", 0)
+        out = module(*a, **k)
+        if dispatcher.calls.get("padded", 0) != routed + 1:
+            verdict.refuse(f"a call at batch {size} was not padded")
+        batch.compare(out, own, size, verdict, bound)
+        verdict.sizes.append(size)
+
+
+def _detached(value: Any) -> Any:
+    """An output with every tensor detached and copied (a later call may reuse a compiled graph's buffers)."""
+    import torch
+    from torch.utils._pytree import tree_map
+
+    return tree_map(lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t, value)
 
 
 #: Rounds of the speed comparison: one served and one eager call each, interleaved (a busy spell of

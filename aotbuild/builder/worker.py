@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from aotbuild.builder import child
+from aotbuild.utils.text import printable
 
 
 def run(job: dict, loaded: tuple[Any, float] | None = None) -> dict:
@@ -174,9 +175,12 @@ def measure_timestep(recipe: Any, module: Any, pipe: Any, rank: int | None, call
                                                      "offload or tensor parallelism yet)"}
     try:
         args, kwargs = timesteps.first_call(pipe, module, call())
-        return timesteps.measure(module, args, kwargs)
+        # besides the first call's timestep, the schedule's middle and last step (set by the stopped call)
+        return timesteps.measure(module, args, kwargs, values=timesteps.schedule_values(pipe, module, args, kwargs))
     except Exception as exc:  # noqa: BLE001 - a load then converts nothing: a refusal names this
-        return {"version": timesteps.VERSION, "why": f"not measured: {type(exc).__name__}: {str(exc)[:200]}"}
+        # printed into refusals and warnings, and checked so by the manifest's reader: one printable line
+        return {"version": timesteps.VERSION,
+                "why": printable(f"not measured: {type(exc).__name__}: {str(exc)[:200]}")}
 
 
 #: What Dynamo and torch.export raise when they cannot take a module whole (data-dependent Python,

@@ -236,7 +236,8 @@ def from_dict(data: Any, key: str) -> Manifest:
         target=c.name(data.get("target"), "target"),
         strategy=c.name(data.get("strategy"), "strategy"),
         factors=factors, files=files,
-        signatures=tuple(c.name(s, "signatures[]") for s in c.list_of(data.get("signatures", []), "signatures")),
+        signatures=tuple(c.name(s, "signatures[]", printed=False)
+                         for s in c.list_of(data.get("signatures", []), "signatures")),
         embeds_weights=c.boolean(data.get("embeds_weights", False), "embeds_weights"),
         packages=tuple(c.package(p, paths) for p in c.list_of(data.get("packages", []), "packages")),
         build=c.build(data.get("build", {})),
@@ -261,10 +262,18 @@ class _Checker:
     def fail(self, where: str, what: str) -> ManifestError:
         return ManifestError(f"{where}: {what}")
 
-    def name(self, value: Any, where: str) -> str:
+    def name(self, value: Any, where: str, printed: bool = True) -> str:
+        """A non-empty string of at most MAX_NAME characters; ``printed`` (all but a call signature, which is
+        JSON and never printed raw): no control character either."""
         if not isinstance(value, str) or not value or len(value) > MAX_NAME:
             raise self.fail(where, "not a non-empty string of at most 4096 characters")
-        if where != "signatures[]" and not value.isprintable():  # it would be printed: no \n, no escapes
+        if printed:
+            self.printable(value, where)
+        return value
+
+    def printable(self, value: str, where: str) -> str:
+        """Text printed into messages (a refusal, a warning): no newline, no escape sequence."""
+        if not value.isprintable():
             raise self.fail(where, "holds control characters")
         return value
 
@@ -430,7 +439,7 @@ class _Checker:
         value = self.obj(value, where)
         for item in self.list_of(value.get("signatures", []), f"{where}.signatures"):
             item = self.obj(item, f"{where}.signatures[]")
-            self.name(item.get("signature"), "signatures[]")
+            self.name(item.get("signature"), f"{where}.signatures[].signature", printed=False)
             self.integer(item.get("batch"), f"{where}.signatures[].batch", 2)
             inputs = self.list_of(item.get("inputs"), f"{where}.signatures[].inputs")
             for path in inputs:
@@ -446,6 +455,7 @@ class _Checker:
         refused = value.get("refused", "")
         if not isinstance(refused, str) or len(refused) > MAX_NAME:
             raise self.fail(f"{where}.refused", "not a string of at most 4096 characters")
+        self.printable(refused, f"{where}.refused")  # printed into ShapeNotBuilt and the load's notes
         return value
 
     def auto(self, value: Any) -> dict[str, Any]:

@@ -36,6 +36,8 @@ _SIG_BYTES = 1 << 16
 _SIG_DEPTH = 64
 #: Signatures whose fit is remembered per table (a server sees few).
 _REMEMBERED = 4096
+#: A memo's "not yet asked" (None is an answer: the call's batch is not what differs).
+_UNSEEN = object()
 
 
 def _tensors(value: Any, path: Path) -> Iterator[tuple[Path, list[int]]]:
@@ -128,7 +130,7 @@ class Built:
 
     sig: str
     batch: int  # the component's batch in it
-    images: int  # the entry's shape's batch_size: images per call (guidance may double the batch)
+    images: int  # images per call: the shape's batch_size times the warmup's prompts (guidance may double the batch)
     label: str  # the entry's shape label (``64x64b4``)
     key: str  # the entry's key
     inputs: tuple[Path, ...]  # the inputs that hold the batch (derived where the entry records none)
@@ -166,8 +168,8 @@ class Padding:
     @classmethod
     def of(cls, component: str, entries: Sequence[tuple[str, str, int, Sequence[str], Any]],
            allowed: bool) -> Padding:
-        """From the component's entries: (key, shape label, batch_size, signatures, the proof's padding
-        record or None)."""
+        """From the component's entries: (key, shape label, images per call (the shape's batch_size times the
+        warmup's prompts), signatures, the proof's padding record or None)."""
         built = []
         for key, label, images, signatures, recorded in entries:
             proven = {r["signature"]: r for r in (recorded or {}).get("signatures", ())}
@@ -182,12 +184,15 @@ class Padding:
 
     def fit(self, sig: str) -> Fit | None:
         """The padding of a call of signature ``sig`` (unbuilt), or None where its batch is not what
-        differs from the built ones (remembered per signature)."""
-        if sig not in self._fits:
-            if len(self._fits) > _REMEMBERED:
+        differs from the built ones (remembered per signature). Thread-safe: the answer is returned from a
+        local, never read back from the memo, which another thread may have cleared in between."""
+        found = self._fits.get(sig, _UNSEEN)
+        if found is _UNSEEN:
+            found = self._fit(sig)
+            if len(self._fits) >= _REMEMBERED:
                 self._fits.clear()
-            self._fits[sig] = self._fit(sig)
-        return self._fits[sig]
+            self._fits[sig] = found
+        return found  # type: ignore[return-value]
 
     def _fit(self, sig: str) -> Fit | None:
         data = _decode(sig)
@@ -237,20 +242,23 @@ def _why(allowed: bool, batch: int, group: list[Built], target: Built | None, in
 
 
 def _ratio(group: Sequence[Built]) -> int:
-    """Rows of the component's batch per image, as the pipeline called it at build (2: guidance's two
-    halves in one batch), where every built size agrees; else 1."""
+    """Rows of the component's batch per image of the call, as the pipeline called it at build (2:
+    guidance's two halves in one batch), where every built size agrees; else 1. ``Built.images`` counts
+    the call's images (prompts times images per prompt): a 2-prompt warmup of 3 images each without
+    guidance is a batch of 6 for 6 images, ratio 1."""
     ratios = {b.batch // b.images for b in group if b.images and b.batch % b.images == 0}
     return ratios.pop() if len(ratios) == 1 else 1
 
 
 def _images(batch: int, group: Sequence[Built]) -> str:
     """A batch of the component in the caller's terms: images per call (with the component's batch where
-    the pipeline doubles it for guidance)."""
+    the pipeline calls it with more rows than images: guidance's two halves in one batch)."""
     r = _ratio(group)
     if batch % r:
         return f"a batch of {batch}"
     n = batch // r
-    return f"{n} image{'s' if n != 1 else ''} per call" + (f" (batch {batch}: guidance's two halves)" if r > 1 else "")
+    rows = "guidance's two halves" if r == 2 else f"{r} rows per image"
+    return f"{n} image{'s' if n != 1 else ''} per call" + (f" (batch {batch}: {rows})" if r > 1 else "")
 
 
 # -- tensors ----------------------------------------------------------------------------------
@@ -296,21 +304,88 @@ def pad(args: tuple[Any, ...], kwargs: dict[str, Any], fit: Fit) -> tuple[tuple[
     return _apply(args, kwargs, fit.inputs, lambda t: pad_tensor(t, size))
 
 
+def pad_other(args: tuple[Any, ...], kwargs: dict[str, Any], fit: Fit) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The call's inputs padded to ``fit.target``'s batch with rows unlike :func:`pad`'s copies: the proof's
+    exact check that the real samples do not see the padding (:func:`other_rows`)."""
+    assert fit.target is not None
+    size = fit.target.batch
+    return _apply(args, kwargs, fit.inputs, lambda t: other_rows(t, size))
+
+
+def other_rows(t: Any, batch: int) -> Any:
+    """``t`` grown to ``batch`` rows unlike copies of its own: a floating input by its row of the largest
+    magnitude times -3 (a sum, a mean, a max or a dynamic quantization's scale over the batch then moves,
+    where copies of a real row can leave a max as it was), any other by copies of its first row."""
+    import torch
+
+    n = t.shape[0]
+    if t.is_floating_point() or t.is_complex():
+        k = int(t.reshape(n, -1).abs().amax(dim=1).argmax()) if t.numel() else 0
+        row = t[k:k + 1] * -3
+    else:
+        row = t[:1]
+    return torch.cat([t, row.expand(batch - n, *t.shape[1:])])
+
+
 def take(args: tuple[Any, ...], kwargs: dict[str, Any], inputs: tuple[Path, ...],
          batch: int) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """The call's first ``batch`` samples (the proof's smaller calls)."""
     return _apply(args, kwargs, inputs, lambda t: t[:batch])
 
 
+def _leaves(value: Any) -> list[Any]:
+    """An output's leaves: the tensors of a tuple, a dict or a diffusers output class (pytree nodes), None
+    where it holds one, and anything torch cannot see into as itself."""
+    from torch.utils._pytree import tree_leaves
+
+    return tree_leaves(value)
+
+
+def output_problem(out: Any, batch: int) -> str:
+    """Why the output of a call padded to ``batch`` cannot be cut back to the call's samples ("" where it
+    can): every leaf must be a tensor whose leading dimension is ``batch`` (None aside). A 0-d or other
+    result computed over the batch (a mean, a count) holds the padding; an object torch cannot see into
+    would come back with its padding rows; an output without a tensor holds nothing to cut."""
+    import torch
+
+    leaves = _leaves(out)
+    for i, x in enumerate(leaves):
+        where = f"output {i + 1} of {len(leaves)}"
+        if x is None:
+            continue
+        if not isinstance(x, torch.Tensor):
+            return (f"its {where} is of type {type(x).__name__}, not a tensor or an output class torch's pytree "
+                    f"reads: a padded call's rows cannot be cut from it")
+        if x.dim() == 0 or x.shape[0] != batch:
+            return (f"its {where} is {list(x.shape) if x.dim() else '0-d'} ({str(x.dtype).replace('torch.', '')}), "
+                    f"not one row per sample of the padded batch ({batch}): it may be computed over the batch")
+    if not any(isinstance(x, torch.Tensor) for x in leaves):
+        return f"its output ({type(out).__name__}) holds no tensor: a padded call's rows cannot be cut from it"
+    return ""
+
+
 def unpad(out: Any, fit: Fit) -> Any:
     """The output of a padded call without its padding rows: every tensor of the padded batch cut to the
-    call's (tuples, dicts and diffusers' outputs alike)."""
+    call's (tuples, dicts and diffusers' outputs alike). Any other leaf (a 0-d result, an object) would hold
+    the padding: RuntimeError, never served (the entry's proof refuses padding to such a model:
+    :func:`output_problem`)."""
     import torch
     from torch.utils._pytree import tree_map
 
     assert fit.target is not None
     size, keep = fit.target.batch, fit.batch
-    return tree_map(lambda t: t[:keep] if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == size else t, out)
+
+    def cut(t: Any) -> Any:
+        if t is None:
+            return t
+        if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == size:
+            return t[:keep]
+        raise RuntimeError(f"aotbuild: a call padded from batch {keep} to {size} returned "
+                           f"{list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}, which holds the "
+                           f"padding and cannot be cut back to the call's samples; its entry's proof did not see such "
+                           f"an output")
+
+    return tree_map(cut, out)
 
 
 @dataclass
@@ -321,26 +396,73 @@ class Verdict:
     max_rel_diff: float = 0.0
     refused: str = ""
 
+    def refuse(self, why: str) -> None:
+        """The first reason found refuses padding (the others follow from it, or add nothing)."""
+        self.refused = self.refused or why
 
-def compare(served: list[Any], eager: list[Any], batch: int, verdict: Verdict, tolerance: float) -> None:
-    """Each real sample of a padded call's outputs (``served``) against eager's at its own batch, relative
-    to that sample's largest value; the first one past ``tolerance`` refuses padding in ``verdict``."""
-    if len(served) != len(eager):
-        verdict.refused = verdict.refused or f"a padded call returned {len(served)} tensors, eager {len(eager)}"
+
+#: What a relative difference is recorded as where it is not finite (a manifest holds finite numbers).
+_WORST = 1e300
+
+
+def compare(served: Any, eager: Any, batch: int, verdict: Verdict, tolerance: float) -> None:
+    """Each real sample of a padded call's output (``served``, cut to the call's batch) against eager's at its
+    own batch, leaf by leaf: a floating tensor per sample, relative to that sample's largest value, within
+    ``tolerance``; an integer or boolean one exactly; a 0-d one whole (a padded call returns none: the
+    proof refused it first, :func:`output_problem`). The first one past refuses padding in ``verdict``."""
+    import torch
+
+    a, b = _leaves(served), _leaves(eager)
+    if len(a) != len(b):
+        verdict.refuse(f"a padded call returned {len(a)} outputs, eager {len(b)}")
         return
-    for a, b in zip(served, eager, strict=True):
-        if a.shape != b.shape:
-            verdict.refused = verdict.refused or (f"a call at batch {batch} padded returned {list(a.shape)}, eager "
-                                                  f"{list(b.shape)}")
-            return
-        if not a.is_floating_point() or not a.dim():
+    for x, y in zip(a, b, strict=True):
+        if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor)):
+            if not (x is None and y is None):
+                verdict.refuse(f"a call at batch {batch} padded returned {type(x).__name__}, eager {type(y).__name__}")
             continue
-        for i in range(min(batch, a.shape[0])):
-            scale = max(float(b[i].abs().max()), 1e-30)
-            rel = float((a[i].float() - b[i].float()).abs().max()) / scale
-            if not rel == rel:  # NaN
-                rel = float("inf")
-            verdict.max_rel_diff = max(verdict.max_rel_diff, rel)
-            if rel > tolerance and not verdict.refused:
-                verdict.refused = (f"padding changes a sample's output: sample {i} of a call at batch {batch} padded "
-                                   f"was {rel:.2g} from eager at its own batch (relative; bound {tolerance:.0e})")
+        if x.shape != y.shape or x.dtype != y.dtype:
+            verdict.refuse(f"a call at batch {batch} padded returned {list(x.shape)} {x.dtype}, eager {list(y.shape)} "
+                           f"{y.dtype}")
+            return
+        rows = [(f"sample {i}", x[i], y[i]) for i in range(min(batch, x.shape[0]))] if x.dim() else [("0-d", x, y)]
+        for label, p, q in rows:
+            if p.is_floating_point() or p.is_complex():
+                scale = max(float(q.abs().max()), 1e-30) if q.numel() else 1.0
+                d = float((p.double() - q.double()).abs().max()) if p.numel() else 0.0
+                rel = d / scale if d == d and d != float("inf") else float("inf")
+            else:  # integers and booleans: exactly
+                rel = 0.0 if torch.equal(p, q) else float("inf")
+            verdict.max_rel_diff = max(verdict.max_rel_diff, min(rel, _WORST))
+            if rel > tolerance:
+                verdict.refuse(f"padding changes a sample's output: {label} of a call at batch {batch} padded was "
+                               f"{rel:.2g} from eager at its own batch (relative; bound {tolerance:.0e})")
+
+
+def _bits(t: Any) -> Any:
+    import torch
+
+    return t.detach().reshape(-1).contiguous().view(torch.uint8)
+
+
+def first_difference(x: Any, y: Any, batch: int) -> str:
+    """Where two outputs of calls at one batch size differ in their first ``batch`` rows, bit for bit ("" where
+    they do not): what the proof's exact check compares, eager with two paddings of one call."""
+    import torch
+
+    a, b = _leaves(x), _leaves(y)
+    if len(a) != len(b):
+        return f"{len(a)} outputs against {len(b)}"
+    for i, (p, q) in enumerate(zip(a, b, strict=True)):
+        if not (isinstance(p, torch.Tensor) and isinstance(q, torch.Tensor)):
+            if isinstance(p, torch.Tensor) or isinstance(q, torch.Tensor) or p != q:
+                return f"output {i + 1}"
+            continue
+        if p.shape != q.shape or p.dtype != q.dtype:
+            return f"output {i + 1}'s shape"
+        for row in range(min(batch, p.shape[0]) if p.dim() else 0):
+            if not torch.equal(_bits(p[row]), _bits(q[row])):
+                return f"sample {row}" + (f" of output {i + 1}" if len(a) > 1 else "")
+        if not p.dim() and not torch.equal(_bits(p), _bits(q)):
+            return f"output {i + 1} (0-d)"
+    return ""

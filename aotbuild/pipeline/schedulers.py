@@ -80,10 +80,14 @@ def swapped(pipe: Any, name: str) -> Iterator[Any]:
 
 
 def each(pipe: Any, recipe: Any) -> Iterator[str]:
-    """The pipeline with its own scheduler, then with each of the recipe's ``schedulers`` in turn (the
-    class name each time): a warmup runs once per scheduler. Its own scheduler is put back after."""
-    yield type(pipe.scheduler).__name__
-    for name in recipe.schedulers or ():
+    """The pipeline with its own scheduler, then with each of the recipe's other ``schedulers`` in turn (the
+    class name each time): a warmup runs once per scheduler class. The pipeline's own class, listed, is not
+    run again: ``from_config`` of its own config makes the scheduler it has. Its own is put back after."""
+    own = type(pipe.scheduler).__name__
+    yield own
+    for name in dict.fromkeys(recipe.schedulers or ()):
+        if name == own:
+            continue
         with swapped(pipe, name):
             yield name
 
