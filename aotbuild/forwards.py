@@ -167,3 +167,32 @@ def class_forward(module: Any) -> Iterator[None]:
         yield
     finally:
         _put(module, top)
+
+
+class _Probed(Exception):
+    """Stops the pipeline at the component's first call: what it was called with is all a probe needs."""
+
+
+def first_call(pipe: Any, module: Any, call: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The component's first call when the pipeline is called with ``call``: the pipeline runs (text
+    encoding, latents) up to that call, which is stopped before it runs (its inputs as the pipeline made
+    them: stopped there, it changes none of them again). What the text-length and timestep probes read
+    (aotbuild/pipeline/textlen.py, aotbuild/pipeline/timesteps.py)."""
+    seen: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
+
+    def stop(*args: Any, **kwargs: Any) -> Any:
+        seen.append((args, kwargs))
+        raise _Probed
+
+    wrap(module, PROBE, lambda _inner: stop)
+    try:
+        pipe(**call)
+    except _Probed:
+        pass
+    finally:
+        unwrap(module, PROBE)
+    if not seen:
+        raise RuntimeError("the pipeline never called the component")
+    args, kwargs = seen[0]
+    return tuple(args), dict(kwargs)
+

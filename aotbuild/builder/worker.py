@@ -166,6 +166,7 @@ def measure_timestep(recipe: Any, module: Any, pipe: Any, rank: int | None, call
     (aotbuild/pipeline/timesteps.py): the record a load converts a scheduler's timestep by. {} under regional
     scope (its blocks take no timestep: nothing to convert); under offload and tensor parallelism, as for the
     text length, a record that says it was not measured (a refusal then says why nothing is converted)."""
+    from aotbuild import forwards
     from aotbuild.pipeline import timesteps
 
     if recipe.compile.scope != "full":
@@ -174,7 +175,7 @@ def measure_timestep(recipe: Any, module: Any, pipe: Any, rank: int | None, call
         return {"version": timesteps.VERSION, "why": "its build did not measure the timestep (not measured under "
                                                      "offload or tensor parallelism yet)"}
     try:
-        args, kwargs = timesteps.first_call(pipe, module, call())
+        args, kwargs = forwards.first_call(pipe, module, call())
         # besides the first call's timestep, the schedule's middle and last step (set by the stopped call)
         return timesteps.measure(module, args, kwargs, values=timesteps.schedule_values(pipe, module, args, kwargs))
     except Exception as exc:  # noqa: BLE001 - a load then converts nothing: a refusal names this

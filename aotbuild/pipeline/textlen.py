@@ -256,32 +256,12 @@ def refusal(component: str, n: int, p: Pattern, policy: str = "strict_shapes=Tru
 
 # -- measuring, in a build job ------------------------------------------------------------------
 
-class _Probed(Exception):
-    """Stops the pipeline at the component's first call: what it was called with is all a probe needs."""
-
-
 def probe(pipe: Any, module: Any, call: dict[str, Any], signature: Callable[..., str]) -> str:
     """The signature (``signature``: aotbuild/dispatch.py's) of the component's first call when the
-    pipeline is called with ``call``: the pipeline runs (text encoding, latents) up to that call, which
-    is stopped before it runs."""
+    pipeline is called with ``call`` (forwards.first_call)."""
     from aotbuild import forwards
 
-    seen: list[str] = []
-
-    def stop(*args: Any, **kwargs: Any) -> Any:
-        seen.append(signature(args, kwargs))
-        raise _Probed
-
-    forwards.wrap(module, forwards.PROBE, lambda _inner: stop)
-    try:
-        pipe(**call)
-    except _Probed:
-        pass
-    finally:
-        forwards.unwrap(module, forwards.PROBE)
-    if not seen:
-        raise RuntimeError("the pipeline never called the component")
-    return seen[0]
+    return signature(*forwards.first_call(pipe, module, call))
 
 
 def longer(call: dict[str, Any]) -> dict[str, Any] | None:

@@ -164,35 +164,6 @@ def _difference(a: list[Any], b: list[Any]) -> float:
     return worst
 
 
-class _Probed(Exception):
-    """Stops the pipeline at the component's first call."""
-
-
-def first_call(pipe: Any, module: Any, call: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """The component's first call when the pipeline is called with ``call``: the pipeline runs up to that
-    call, which is stopped before it runs (its inputs, as the pipeline made them: stopped there, it
-    changes none of them again)."""
-    from aotbuild import forwards
-
-    seen: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
-
-    def stop(*args: Any, **kwargs: Any) -> Any:
-        seen.append((args, kwargs))
-        raise _Probed
-
-    forwards.wrap(module, forwards.PROBE, lambda _inner: stop)
-    try:
-        pipe(**call)
-    except _Probed:
-        pass
-    finally:
-        forwards.unwrap(module, forwards.PROBE)
-    if not seen:
-        raise RuntimeError("the pipeline never called the component")
-    args, kwargs = seen[0]
-    return tuple(args), dict(kwargs)
-
-
 def measure(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any], tolerance: float = 0.0,
             values: Sequence[float] = ()) -> dict[str, Any]:
     """On the warmup's first call of ``module`` (eager), which dtypes (:data:`DTYPES`) and forms
