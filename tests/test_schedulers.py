@@ -9,6 +9,8 @@ warmed up with by the build and the proof.
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 
@@ -23,11 +25,12 @@ from tests.scheduler_matrix import REFUSED, UNUSABLE, Cell, no_codegen, run
 TINY_SD = {name: Cell(name) for name in (
     "DDIMScheduler", "DDPMScheduler", "DPMSolverMultistepScheduler", "DPMSolverSinglestepScheduler",
     "UniPCMultistepScheduler", "DEISMultistepScheduler", "HeunDiscreteScheduler", "EulerDiscreteScheduler",
-    "EulerAncestralDiscreteScheduler", "LMSDiscreteScheduler", "KDPM2DiscreteScheduler",
-    "KDPM2AncestralDiscreteScheduler")} | {
+    "EulerAncestralDiscreteScheduler", "KDPM2DiscreteScheduler", "KDPM2AncestralDiscreteScheduler")} | {
+    "LMSDiscreteScheduler": Cell("LMSDiscreteScheduler", needs=("scipy",)),
     "DPMSolverSDEScheduler": Cell("DPMSolverSDEScheduler", REFUSED,
                                   r"`pipe\.scheduler` is DPMSolverSDEScheduler, and its timestep [0-9.]+ \(float64\) "
-                                  r"cannot be written exactly in float32.*schedulers: \[DPMSolverSDEScheduler\]"),
+                                  r"cannot be written exactly in float32.*schedulers: \[DPMSolverSDEScheduler\]",
+                                  needs=("torchsde",)),
     "EDMEulerScheduler": Cell("EDMEulerScheduler", UNUSABLE, r"TypeError: unsupported operand"),
     # its Runge-Kutta warmup needs 4 steps or more (fewer raise in eager, diffusers 0.42)
     "PNDMScheduler": Cell("PNDMScheduler", call={"num_inference_steps": 4}),
@@ -68,6 +71,10 @@ def test_every_compatible_scheduler_swapped_after_load_is_served_or_refused_nami
     done_when = ("DDIM", "DDPM", "PNDM", "DPMSolverMultistep", "DPMSolverSinglestep", "UniPCMultistep",
                  "DEISMultistep", "HeunDiscrete", "EulerDiscrete", "EulerAncestralDiscrete")
     assert all(results[f"{name}Scheduler"].startswith("served") for name in done_when)
+    # LMS and DPM-Solver SDE need the schedulers extra (pyproject.toml): run where it is installed (CI's newest
+    # job), said to be not run where it is not (the pinned job)
+    for name, library in (("LMSDiscreteScheduler", "scipy"), ("DPMSolverSDEScheduler", "torchsde")):
+        assert results[name].startswith("not run here") == (importlib.util.find_spec(library) is None), results[name]
     # what the build proved, and its proof served converted, is in the entry
     from aotbuild.cache.store import Store
 
