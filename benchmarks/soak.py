@@ -8,6 +8,7 @@ swaps, replaced weights, reloads, a partial write, a copy and threads, and compa
     python benchmarks/soak.py --json out.json      # every step's figures as JSON (tests/test_soak.py)
     python benchmarks/soak.py --peaks              # and peak RSS served vs eager, fresh processes
     python benchmarks/soak.py --baseline ../main-before  # load -> first call, steady call vs another checkout
+    python benchmarks/soak.py --linears            # and the same model with no linear weight packed, side by side
 
 The package is built as the strategy builds it (aotbuild.strategies.aoti) with weights A, in a fresh
 process, and served here with a dispatcher in the module's forward, as ``load_compiled`` installs it.
@@ -47,9 +48,11 @@ import json, sys, torch
 sys.path.insert(0, {repo!r}); sys.path.insert(0, {bench!r})
 from soak import make
 from aotbuild.dispatch import signature
-from aotbuild.strategies import aoti
+from aotbuild.strategies import aoti, prepack
 from aotbuild.strategies.calls import snapshot
 from pathlib import Path
+if {small_linear!r} is not None:  # --linears: the package that packs no linear weight
+    prepack.SMALL_LINEAR = {small_linear!r}
 module, args = make({model!r})
 calls = {{signature(args, {{}}): snapshot(args, {{}})}}
 record, = aoti.build_packages(module, calls, Path({work!r}), {{"freezing": True}})
@@ -134,6 +137,40 @@ def compare(model: str, work: Path, baseline: Path, repeats: int) -> dict[str, A
     return {"medians": med, "ratios": ratios, "runs": runs}
 
 
+def build(model: str, work: Path, small_linear: int | None = None) -> None:
+    """The package with freezing, as the strategy builds it, in a fresh process (``small_linear``: pack only
+    linear weights of more elements; None: aotbuild's own :data:`aotbuild.strategies.prepack.SMALL_LINEAR`)."""
+    code = BUILD.format(repo=str(REPO), bench=str(REPO / "benchmarks"), model=model, work=str(work),
+                        small_linear=small_linear)
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def linears(model: str, work: Path, repeats: int) -> dict[str, Any]:
+    """Issue 52, item 2: the package as built (``work``) against the same model built with no linear weight
+    packed (only convolutions prepacked: a smaller prepacked set), fresh processes interleaved, medians of
+    ``repeats``: load -> first call, steady call, and peak RSS of 3 calls against eager's."""
+    other = work / "linears-unpacked"
+    other.mkdir(exist_ok=True)
+    if not (other / "record.json").is_file():
+        build(model, other, small_linear=2**62)
+    builds = {"packed": work, "unpacked": other}
+    runs: dict[str, list[dict[str, float]]] = {name: [] for name in builds}
+    for _ in range(repeats):
+        for name, folder in builds.items():
+            runs[name].append(timed(model, folder, REPO))
+    med = {name: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for name, rs in runs.items()}
+    eager = peak(model, work, False)
+    peaks = {name: peak(model, folder, True) for name, folder in builds.items()}
+    print(f"\nlinear weights packed (as built) against none packed, fresh processes interleaved, medians of "
+          f"{repeats}; peak RSS of 3 calls, eager {eager / 2**20:.0f} MB:")
+    for name in builds:
+        print(f"  {name:<9} first call {med[name]['first_s']:7.3f} s, steady call {med[name]['steady_s']:7.3f} s, "
+              f"peak {peaks[name] / 2**20:7.0f} MB ({peaks[name] / eager:.2f}x eager)")
+    print(f"  unpacked / packed: steady call {med['unpacked']['steady_s'] / med['packed']['steady_s']:.3f}x, "
+          f"first call {med['unpacked']['first_s'] / med['packed']['first_s']:.3f}x", flush=True)
+    return {"medians": med, "runs": runs, "peak_eager": eager, "peaks": peaks}
+
+
 def peak(model: str, work: Path, served: bool, discard: bool = False) -> int:
     """Peak RSS (VmHWM) of a fresh process that makes the model and calls it 3 times, eagerly or served
     (``discard``: with its dense prepacked weights dropped after load, ``discard_weights=True``)."""
@@ -191,7 +228,11 @@ def main(argv: list[str] | None = None) -> dict:
                                                               "an eager one's")
     parser.add_argument("--baseline", type=Path, help="another checkout (a git worktree of main before a "
                                                          "change): first call and steady call of each, side by side")
-    parser.add_argument("--repeats", type=int, default=3, help="fresh processes per checkout with --baseline")
+    parser.add_argument("--repeats", type=int, default=3, help="fresh processes per checkout with --baseline "
+                                                                "or per build with --linears")
+    parser.add_argument("--linears", action="store_true", help="also build the model with no linear weight "
+                                                                "packed: first call, steady call and peak RSS "
+                                                                "side by side with the package as built")
     opts = parser.parse_args(argv)
 
     import torch
@@ -207,11 +248,12 @@ def main(argv: list[str] | None = None) -> dict:
     work.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     if not (work / "record.json").is_file():
-        code = BUILD.format(repo=str(REPO), bench=str(REPO / "benchmarks"), model=opts.model, work=str(work))
-        subprocess.run([sys.executable, "-c", code], check=True)
+        build(opts.model, work)
     built_s = time.perf_counter() - started
     record = json.loads((work / "record.json").read_text())
     before: dict[str, Any] = {}  # fresh processes first, while this one holds nothing (SD 1.5: 20 GB later)
+    if opts.linears:
+        before["linears"] = linears(opts.model, work, opts.repeats)
     if opts.peaks:
         before["peak_eager"] = peak(opts.model, work, False)
         before["peak_served"] = peak(opts.model, work, True)
