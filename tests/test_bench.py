@@ -6,6 +6,7 @@ import json
 import sys
 
 import pytest
+import yaml
 from click.testing import CliRunner
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -15,7 +16,7 @@ from aotbuild.cli.commands import main
 from aotbuild.errors import UsageError
 from aotbuild.recipe.rules import load_recipe
 from aotbuild.recipe.schema import Shape
-from tests.conftest import REPO, TINY_RECIPE, invoke_cli, run_cli
+from tests.conftest import MAIN_RECIPE, REPO, TINY_RECIPE, invoke_cli, run_cli
 from tests.standins import NEURON_BENCH_GROUP, neuron_bench
 
 
@@ -84,6 +85,35 @@ def test_defaults_three_processes_for_eager_and_warm_one_cold(monkeypatch, tmp_p
     ran.clear()
     bench.bench(TINY_RECIPE, tmp_path / "c", repeats=1, cold_repeats=2, modes=("eager", "cold"))
     assert ran == ["eager", "cold", "cold"]
+
+
+def test_the_header_of_a_recipe_naming_no_strategy_says_what_auto_chose(monkeypatch, tmp_path):
+    """A recipe naming no strategy (the README's main job): the header names the strategy auto chose for
+    the shape's entry, as `aotbuild plan` does, not a bare "auto"; before its entry is built, "auto"."""
+    import dataclasses
+
+    import aotbuild.builder.build
+    import aotbuild.planner
+
+    class Built:
+        results, failed = [], []
+
+    monkeypatch.setattr(bench, "_run_child", lambda *a: (bench.Run(1.0, 0.01, 100, 0, 0, 0), {"cpus": 2}))
+    monkeypatch.setattr(aotbuild.builder.build, "build", lambda *a, **k: Built())
+    assert "strategy" not in yaml.safe_load(MAIN_RECIPE.read_text())
+    report = bench.bench(MAIN_RECIPE, tmp_path / "c", repeats=1, modes=("eager",))
+    assert report.strategy == "auto" and ", auto" in report.text().splitlines()[0]
+    real = aotbuild.planner.plan
+
+    def built(recipes, **options):  # the shape's entry stored by auto as aot-package+freezing
+        return [dataclasses.replace(j, status=aotbuild.planner.JobStatus.HIT, chosen="aot-package+freezing")
+                for j in real(recipes, **options)]
+
+    monkeypatch.setattr(aotbuild.planner, "plan", built)
+    report = bench.bench(MAIN_RECIPE, tmp_path / "c", repeats=1, modes=("eager",))
+    assert report.strategy == "auto: aot-package+freezing", report.strategy
+    assert ", auto: aot-package+freezing" in report.text().splitlines()[0]
+    assert bench.bench(TINY_RECIPE, tmp_path / "c", repeats=1, modes=("eager",)).strategy == "jit-cache"
 
 
 @pytest.mark.parametrize(("load", "cores", "warns"), [(1.2, 2, True), (0.9, 2, False), (3.0, 8, False)])

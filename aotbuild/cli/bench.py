@@ -290,6 +290,10 @@ def bench(recipe_path: str | Path | Any, cache: str | Path | None = None, *, sha
             raise AotbuildError(f"cannot bench: building {r.job.label} failed: {r.reason}; run "
                                 f"`{advice.build_command(advice.Situation((recipe.source,), root))}` to see the "
                                 f"whole log")
+    if recipe.strategy == "auto":  # the header says what auto chose, as plan does ("auto: aot-package+freezing")
+        held = sorted({j.chosen for j in plan([one], cache=root) if j.status == JobStatus.HIT and j.chosen})
+        if held:
+            report.strategy = f"auto: {', '.join(held)}"
     index = list(recipe.shapes).index(chosen)
     counts = {mode: cold_repeats if mode == "cold" else repeats for mode in modes}
     rounds = max(counts.values())
