@@ -290,7 +290,9 @@ def bench(recipe_path: str | Path | Any, cache: str | Path | None = None, *, sha
             raise AotbuildError(f"cannot bench: building {r.job.label} failed: {r.reason}; run "
                                 f"`{advice.build_command(advice.Situation((recipe.source,), root))}` to see the "
                                 f"whole log")
-    if recipe.strategy == "auto":  # the header says what auto chose, as plan does ("auto: aot-package+freezing")
+    from aotbuild.strategies.order import is_auto
+
+    if is_auto(recipe):  # the header says what auto chose, as plan does ("auto: aot-package+freezing")
         held = sorted({j.chosen for j in plan([one], cache=root) if j.status == JobStatus.HIT and j.chosen})
         if held:
             report.strategy = f"auto: {', '.join(held)}"
