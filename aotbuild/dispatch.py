@@ -108,6 +108,9 @@ class Dispatcher:
         self.watch: Any = None
         self.on_stale = "error"
         self.stale = ""  # the last reason warned about
+        #: where the pipeline was loaded from (aotbuild/advice.py ``Situation``): a refusal's build advice names
+        #: that cache (``cache=``) when the default rule would not find it
+        self.situation: Any = None
         #: text patterns (aotbuild/pipeline/textlen.py): built signatures whose text dimensions serve a range of
         #: lengths, read off the routes' signatures (a build's recorder is given its pattern)
         self.patterns = textlen.patterns(self.routes)
@@ -304,7 +307,7 @@ class Dispatcher:
 
             raise StaleGraph(f"{self.component} changed since its entry was built, and load_compiled(on_miss="
                              f"\"error\") never compiles: {why}. Undo the change, or load with on_miss=\"eager\" "
-                             f"(this module then runs eagerly){_rebuild_advice(why)}")
+                             f"(this module then runs eagerly){_rebuild_advice(why, self.situation)}")
         if why != self.stale:
             import warnings
 
@@ -358,16 +361,23 @@ class _CopyRunsEagerly:
             return d.eager(*args, **kwargs)
 
 
-def _rebuild_advice(why: str) -> str:
+def _rebuild_advice(why: str, situation: Any = None) -> str:
     """How to serve a changed module compiled: the recipe key that declares the change, or the build for the
-    pipeline object (which re-creates only what a recipe can declare, and refuses the rest with the reason)."""
+    pipeline object (which re-creates only what a recipe can declare, and refuses the rest with the reason),
+    into the cache the pipeline was loaded from (``situation``: aotbuild/advice.py, ``cache=`` where the
+    default rule would not find it)."""
+    import dataclasses
+
+    from aotbuild import advice
     from aotbuild.pipeline.dependencies import recipe_key
 
+    situation = situation if situation is not None else advice.Situation()
+    build = advice.build_command(dataclasses.replace(situation, pipe=True))
     key = recipe_key(why)
     if key:
         return (f"; to serve it compiled, declare it in the recipe ({key}: docs/recipes.md, \"Declared changes\") "
-                f"and build, or build for this pipeline with aotbuild.build(recipe, pipe=pipe), then load again")
-    return ("; aotbuild.build(recipe, pipe=pipe) builds for a changed pipeline only the changes a recipe can declare "
+                f"and build, or build for this pipeline with {build}, then load again")
+    return (f"; {build} builds for a changed pipeline only the changes a recipe can declare "
             "(changes: freeu, attention_processor, attention_backend, memory_format; plan refuses a cache hook for "
             "now) and refuses others with the reason")
 

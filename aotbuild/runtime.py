@@ -209,7 +209,7 @@ def load_compiled(recipe: str | os.PathLike | Recipe | Mapping[str, Any], *, pip
             _install(ctx, planned, report, _call_policy(on_miss, strict_shapes))
         finally:
             DISCARDING.reset(discarding)
-        _watch(planned, on_miss, ctx.recipe.offload == "none")
+        _watch(planned, on_miss, ctx.recipe.offload == "none", situation)
         _callers(ctx, pipe, planned, on_miss, strict_shapes)
         if discard_weights:
             _discarded(planned, report)
@@ -580,9 +580,10 @@ def _built_guidance(ctx: Context, pipe: Any) -> bool | None:
     return scale > 1 if isinstance(scale, (int, float)) and not isinstance(scale, bool) else None
 
 
-def _watch(planned: list[Planned], on_miss: str, devices: bool) -> None:
+def _watch(planned: list[Planned], on_miss: str, devices: bool, situation: advice.Situation) -> None:
     """Each compiled module's dispatcher re-checks, once per call, what its graphs depend on (armed
-    from the module, which matched the entry at load); a change follows ``on_miss``."""
+    from the module, which matched the entry at load); a change follows ``on_miss``, and a refusal's
+    advice names the cache this load read (``situation``)."""
     from aotbuild.dispatch import Dispatcher
     from aotbuild.pipeline import dependencies
 
@@ -601,6 +602,7 @@ def _watch(planned: list[Planned], on_miss: str, devices: bool) -> None:
             if isinstance(d, Dispatcher) and d.routes:
                 d.watch = dependencies.Watch(sub, recorded, p.component, path, devices=devices)
                 d.on_stale = on_miss
+                d.situation = situation
 
 
 def _situation(recipe: Recipe, root: Path, remote: Remote | None, passed: bool) -> advice.Situation:

@@ -593,6 +593,29 @@ def test_a_stale_graph_names_the_recipe_key_that_declares_the_change():
     assert "declare it in the recipe" not in str(info.value) and "refuses others" in str(info.value)
 
 
+def test_a_stale_graph_s_build_advice_names_the_cache_the_pipeline_was_loaded_from(tmp_path):
+    """Advice followed as written does what it says (aotbuild/advice.py): the build for the changed pipe goes
+    into the cache load_compiled read, so the next load finds it. The default root needs no ``cache=``."""
+    from aotbuild.advice import Situation
+    from aotbuild.cache.layout import resolve_cache_root
+    from aotbuild.dispatch import Dispatcher
+    from aotbuild.errors import StaleGraph
+
+    class Changed:
+        def check(self):
+            return "unet.up_blocks.0.b1: 1.2 here, absent in the entry: FreeU?"
+
+    d = Dispatcher("unet", lambda x: x, {'{"args": [["float"]], "kwargs": {}}': lambda x: x}, lambda x: x, "error")
+    d.watch = Changed()
+    other = tmp_path / "ci-cache"
+    for root, says in ((other, f"aotbuild.build(recipe, pipe=pipe, cache={str(other)!r})"),
+                       (resolve_cache_root(None), "aotbuild.build(recipe, pipe=pipe), then load again")):
+        d.situation = Situation(("recipes/tiny.yaml",), root)
+        with pytest.raises(StaleGraph) as info:
+            d(1.0)
+        assert says in str(info.value), str(info.value)
+
+
 # -- built and served ---------------------------------------------------------------------------------
 
 
