@@ -22,8 +22,10 @@ timed from the top of the process):
   aot-compile  the same with strategy: aot-compile (torch's aot_compile functions, no Dynamo tracing)
   aotc-regional aot-compile with compile.scope: regional (one function per block class and signature)
 In a child, AOTBENCH_PASS_PIPE=1 loads the pipeline first and passes it to load_compiled(pipe=...)
-(a user's pipeline, e.g. other weights of the same structure), and AOTBENCH_OUTPUT=FILE.npy saves
-the first image (output_type="np", for every call of the child) to compare with eager's.
+(a user's pipeline, e.g. other weights of the same structure), AOTBENCH_OUTPUT=FILE.npy saves
+the first image (output_type="np", for every call of the child) to compare with eager's, and
+AOTBENCH_LATENTS=FILE.npy the first call's final latents (what the VAE decodes). Eager, and a pipeline
+passed to load_compiled, are loaded in the recipe's dtype and quantized as its model.quantization says.
 Steady state is the median of 10 calls after the first (aotbuild builds CPU kernels with
 cpp.dynamic_threads; plain torch.compile does not). Peak RSS is each process's ru_maxrss.
 Prints medians, each mode against eager and the cold compile, where each mode's first output goes
@@ -72,8 +74,13 @@ def child(mode: str, recipe: str, cache: str) -> None:
         pipe = load_compiled(recipe, cache=cache, on_miss="error")
         phases.update(pipe.aotbuild_report.timings)
     else:
+        from aotbuild.context import prepare_pipeline
+
         t = time.perf_counter()
-        pipe = load_pipeline(r, resolve_model(r, resolve_cache_root(cache)), "float32")
+        # as the recipe serves it: its dtype, its model.quantization (what load_compiled does to a pipeline
+        # it loads itself; a pipeline passed to it is the user's, already quantized)
+        pipe = load_pipeline(r, resolve_model(r, resolve_cache_root(cache)), r.model.dtype)
+        prepare_pipeline(pipe, r)
         phases["pipeline"] = time.perf_counter() - t
         if mode in BUILDS:
             from aotbuild import load_compiled
@@ -87,6 +94,18 @@ def child(mode: str, recipe: str, cache: str) -> None:
                 module.forward = torch.compile(module.forward, fullgraph=True, dynamic=False, options=options)
     saved = os.environ.get("AOTBENCH_OUTPUT")  # where to write the first image as an array (.npy)
     extra = {"output_type": "np"} if saved else {}
+    latents = os.environ.get("AOTBENCH_LATENTS")  # where to write the first call's final latents (.npy)
+    if latents:
+        decode = pipe.vae.decode
+
+        def keep(z, *args, **kwargs):
+            import numpy
+
+            if not os.path.exists(latents):
+                numpy.save(latents, z.detach().float().cpu().numpy())
+            return decode(z, *args, **kwargs)
+
+        pipe.vae.decode = keep
     t = time.perf_counter()
     image = pipe(**warmup_kwargs(r, shape, pipe), **extra)
     if saved:

@@ -176,10 +176,11 @@ def weight_bytes(folder: Path, component: str) -> int:
 
 
 def recipe(path: Path, model: Path, component: str, strategy: str, scope: str, shapes: list[dict],
-           warmup: dict, dtype: str = "float32") -> Path:
+           warmup: dict, dtype: str = "float32", quant_type: str | None = None) -> Path:
     import yaml
 
-    data = {"model": {"id": str(model), "dtype": dtype}, "target": "inductor", "device": "cpu",
+    quantized = {"quantization": {"backend": "torchao", "quant_type": quant_type}} if quant_type else {}
+    data = {"model": {"id": str(model), "dtype": dtype, **quantized}, "target": "inductor", "device": "cpu",
             **({} if strategy == "auto" else {"strategy": strategy}),  # auto: the recipe naming none
             "compile": {"components": [component], "scope": scope}, "shapes": shapes, "warmup": warmup}
     path.write_text(yaml.safe_dump(data, sort_keys=False))
@@ -368,6 +369,123 @@ def report_part(title: str, weights: int, eager: dict, cells: list[tuple[str, di
     return lines
 
 
+
+# -- formats: fp32, bf16, int8 side by side (issue 57) ---------------------------------------------------
+
+#: the formats part's rows: name -> (recipe dtype, model.quantization quant_type)
+FORMATS = {"fp32": ("float32", None), "bf16": ("bfloat16", None), "int8dq": ("float32", "int8dq"),
+           "int8wo": ("float32", "int8wo")}
+
+
+def cpu_flags() -> str:
+    """The CPU's flags that matter to bf16 and int8 kernels (/proc/cpuinfo)."""
+    try:
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return "unknown"
+    wanted = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "avx512_fp16", "avx_vnni",
+              "amx_bf16", "amx_int8", "amx_tile")
+    have = set(flags.split(":", 1)[1].split())
+    return " ".join(f for f in wanted if f in have) + " (absent: " + " ".join(f for f in wanted if f not in have) + ")"
+
+
+def image_error(path: Path, reference: Path) -> tuple[float | None, float | None]:
+    """(max |a - b| / max |b|, PSNR in dB of the image in [0, 1], clamped, peak 1.0) of two saved arrays."""
+    import numpy
+
+    if not (path.exists() and reference.exists()):
+        return None, None
+    a, b = numpy.load(path).astype("float64"), numpy.load(reference).astype("float64")
+    rel = float(numpy.abs(a - b).max() / max(numpy.abs(b).max(), 1e-12))
+    mse = float(((a.clip(0, 1) - b.clip(0, 1)) ** 2).mean())
+    return rel, (float("inf") if mse == 0 else 10 * numpy.log10(1.0 / mse))
+
+
+def run_formats(args: argparse.Namespace, work: Path) -> tuple[list[str], dict]:
+    """The SD 1.5-size UNet in each format of --formats, eager and served by the default (the recipe naming
+    no strategy), fresh processes interleaved by round; the checkpoint is float32 (a bf16 recipe casts it at
+    load), served with other weights (B) than the build's (A) where --other-weights is given."""
+    print("making the SD 1.5-size pipeline ...", flush=True)
+    model = make("sd15", work / "sd15", work)
+    served_model = make("sd15", work / "sd15-b", work, 1) if args.other_weights else model
+    warm = {"num_inference_steps": args.steps, "guidance_scale": 0.0}
+    shape = [{"height": 256, "width": 256}]
+    names = args.formats.split(",")
+    built, recipes, eager_recipes = {}, {}, {}
+    for name in names:
+        dtype, quant = FORMATS[name]
+        r = recipe(work / f"fmt_{name}.yaml", model, "unet", "auto", "full", shape, warm, dtype, quant)
+        eager_recipes[name] = recipe(work / f"fmt_{name}_served.yaml", served_model, "unet", "auto", "full", shape,
+                                     warm, dtype, quant)
+        recipes[name] = eager_recipes[name] if args.other_weights else r
+        print(f"building {name} (auto) ...", flush=True)
+        built[name] = build(r, work / f"cache-fmt-{name}", work / f"b-fmt-{name}")
+        print(f"  {built[name].get('reason') or built[name].get('ok')}", flush=True)
+    passed = {"AOTBENCH_PASS_PIPE": "1"} if args.other_weights else {}
+    out_dir = work / "formats"
+    out_dir.mkdir()
+    rows = [f"{n} eager" for n in names] + [f"{n} served" for n in names if built[n]["ok"]]
+    runs: dict[str, list[dict]] = {row: [] for row in rows}
+    errors: dict[str, list[tuple]] = {row: [] for row in rows}
+    for i in range(args.repeats):
+        print(f"serving, round {i + 1}/{args.repeats} ...", flush=True)
+        for row in rows:
+            name, mode = row.split()
+            image, latents = out_dir / f"{name}-{mode}-{i}.npy", out_dir / f"{name}-{mode}-{i}-latents.npy"
+            env = {"AOTBENCH_OUTPUT": str(image), "AOTBENCH_LATENTS": str(latents)}
+            if mode == "eager":
+                res = serve("eager", eager_recipes[name], work / f"cache-fmt-{name}", work / f"e-{name}-{i}", env)
+            else:
+                res = serve("auto", recipes[name], served_copy(work / f"cache-fmt-{name}", work, f"{name}-{i}"),
+                            work / f"s-{name}-{i}", {**env, **passed})
+            runs[row].append(res)
+            ref_image, ref_latents = out_dir / f"fp32-eager-{i}.npy", out_dir / f"fp32-eager-{i}-latents.npy"
+            errors[row].append((*image_error(image, ref_image), relative_difference(latents, ref_latents)))
+        print("  " + ", ".join(f"{k} {fmt(v[-1].get('first'), '.1f')}/{fmt(v[-1].get('steady'), '.2f')} s"
+                               for k, v in runs.items()), flush=True)
+    med = {row: median_run(v) for row, v in runs.items()}
+    base = med.get("fp32 eager", {})
+    table_rows = []
+    for row in rows:
+        m, errs = med[row], [e for e in errors[row] if e[0] is not None]
+        name, mode = row.split()
+        held = ""
+        if mode == "served":
+            reason = built[name].get("reason", "")
+            held = reason.split(":", 1)[1].split(" built")[0].strip() if reason.startswith("auto:") else "?"
+        psnr = statistics.median(e[1] for e in errs) if errs else None
+        table_rows.append([
+            row, FORMATS[name][0] if not FORMATS[name][1] else f"float32+{FORMATS[name][1]}", "float32", held or "-",
+            fmt(m.get("first"), ".2f"), fmt(m.get("steady"), ".3f"),
+            fmt(m["steady"] / base["steady"] if "steady" in m and "steady" in base else None, ".2f"),
+            fmt(m.get("rss_mb"), ".0f"),
+            fmt(m["rss_mb"] / base["rss_mb"] if "rss_mb" in m and "rss_mb" in base else None, ".2f"),
+            (str(m["counters"].get("fxgraph_cache_miss", 0)) + "/" + str(m["unique_graphs"])) if "counters" in m
+            else m.get("error", "-")[:30],
+            fmt(statistics.median(e[2] for e in errs) if errs and errs[0][2] is not None else None, ".1e"),
+            fmt(statistics.median(e[0] for e in errs) if errs else None, ".1e"),
+            "inf" if psnr == float("inf") else fmt(psnr, ".1f")])
+    import torch
+
+    weights = "other weights (B) than the build's (A), the pipeline passed to load_compiled" \
+        if args.other_weights else "the build's weights"
+    lines = [f"\n== formats: SD 1.5-size UNet (860M), 256x256, {args.steps} steps, guidance off; medians of "
+             f"{args.repeats} fresh processes interleaved by round; served with {weights}; "
+             f"random weights: errors show the format's arithmetic, not what it does to a trained model's images",
+             f"CPU flags: {cpu_flags()}; torch.backends.cpu.get_cpu_capability(): "
+             f"{torch.backends.cpu.get_cpu_capability()}; ONEDNN_MAX_CPU_ISA="
+             f"{os.environ.get('ONEDNN_MAX_CPU_ISA', '(unset)')}, ATEN_CPU_CAPABILITY="
+             f"{os.environ.get('ATEN_CPU_CAPABILITY', '(unset)')}",
+             table(["row", "format", "checkpoint", "served by", "first s", "steady s", "steady/fp32 eager",
+                    "peak RSS MB", "RSS/fp32 eager", "misses/graphs", "latents err", "image err", "PSNR dB"],
+                   table_rows, text_columns=4),
+             "  errors against fp32 eager with the same weights (max |a - b| / max |b|; PSNR of the image in [0, 1]); "
+             "first s: a fresh process's start to its first image"]
+    lines += ["  builds: " + "; ".join(f"{n} {b['wall']:.0f} s ({b.get('reason', '')[:120]})"
+                                       for n, b in built.items())]
+    return lines, {"runs": runs, "errors": errors, "builds": built}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--parts", default="sd15,flux,dtype")
@@ -391,6 +509,9 @@ def main() -> None:
     ap.add_argument("--build-repeats", type=int, default=1,
                     help="sd15: build each strategy this many times in turn (again at the first shape only) and "
                          "report the medians of its job's seconds against jit-cache's")
+    ap.add_argument("--formats", default="fp32,bf16,int8dq",
+                    help="the formats part's rows (fp32, bf16, int8dq, int8wo), each eager and served by auto")
+    ap.add_argument("--steps", type=int, default=2, help="formats: the pipeline's steps per image")
     ap.add_argument("--save", metavar="FILE.json")
     ap.add_argument("--keep", action="store_true", help="keep the work folder (models, caches)")
     ap.add_argument("--make", nargs=4, help=argparse.SUPPRESS)
@@ -506,6 +627,9 @@ def main() -> None:
                 f"{k} {', '.join(fmt(r.get('phases', {}).get('install'), '.2f') for r in v)}"
                 for k, v in runs.items() if any('install' in r.get('phases', {}) for r in v))]
             saved["sd15"] = {"eager": eager, "cells": cells, "runs": runs, "diffs": diffs}
+        if "formats" in args.parts:
+            lines, saved["formats"] = run_formats(args, work)
+            out += lines
         if "flux" in args.parts:
             saved["flux"] = {}
             for depth in (int(d) for d in args.depths.split(",")):

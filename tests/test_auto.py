@@ -56,9 +56,9 @@ def test_plan_excludes_the_strategies_that_cannot_serve_the_recipe_each_with_why
     quantized = parse_recipe({**DEFAULT, "model": {**DEFAULT["model"], "quantization": {
         "backend": "torchao", "quant_type": "int8wo"}}})
     choice = auto.choice(quantized, inductor, "cpu")
-    assert choice.tries == ("jit-cache",)
-    assert [name for name, _ in choice.excluded] == ["aot-package+freezing", "aot-package", "aot-compile"]
-    assert all("torchao" in why for _, why in choice.excluded), choice.excluded
+    assert choice.tries == ("aot-package", "jit-cache")
+    assert [name for name, _ in choice.excluded] == ["aot-package+freezing", "aot-compile"]
+    assert "folds int8wo's int8 weights back" in choice.excluded[0][1] and "torchao" in choice.excluded[1][1]
     sharded = auto.choice(parse_recipe({**DEFAULT, "parallel": {"tensor": 2}}), inductor, "cpu")
     assert sharded.tries == ("aot-compile", "jit-cache")
     assert [name for name, _ in sharded.excluded] == ["aot-package+freezing", "aot-package"]
@@ -77,8 +77,9 @@ def test_plan_excludes_the_strategies_that_cannot_serve_the_recipe_each_with_why
         "backend": "torchao", "quant_type": "int8wo"}}}))
     shown = invoke_cli("plan", "--explain-auto", "--cache", str(cache), str(recipe))
     assert shown.returncode == 0, shown.stderr
-    assert "auto tries, in this order:\n  1. jit-cache (key " in shown.stdout
-    assert "excluded: aot-package: strategy aot-package is not verified with torchao" in shown.stdout
+    assert "auto tries, in this order:\n  1. aot-package (key " in shown.stdout
+    assert "\n  2. jit-cache (key " in shown.stdout
+    assert "excluded: aot-package+freezing: freezing folds int8wo's int8 weights back" in shown.stdout
 
 
 def test_prepacked_aot_package_is_the_first_try_on_a_cpu_unless_the_recipe_names_freezing():

@@ -22,14 +22,33 @@ def data(**model) -> dict:
     return out
 
 
-@pytest.mark.parametrize("strategy,says", [("aot-compile", "use strategy jit-cache"),
-                                           ("aot-package", "use strategy jit-cache")])
-def test_strategies_that_cannot_serve_tensor_subclasses_refuse_the_recipe(strategy, says):
+@pytest.mark.parametrize("strategy,quant_type,options,key,says", [
+    ("aot-compile", "int8wo", {}, "model.quantization", "use strategy jit-cache"),
+    ("aot-package", "float8wo", {}, "model.quantization", "serves quant_type int8wo, int8dq (verified); float8wo: "
+                                                          "use strategy jit-cache"),
+    ("aot-package", "int8wo", {"freezing": True}, "compile.options.freezing", "folds int8wo's int8 weights back")])
+def test_what_a_strategy_cannot_serve_quantized_is_refused_by_name(strategy, quant_type, options, key, says):
     from aotbuild.recipe.rules import parse_recipe
 
+    recipe = data(quant_type=quant_type)
+    recipe["compile"]["options"] = options
+    parse_recipe({**recipe, "strategy": "jit-cache", "compile": {**recipe["compile"], "options": {}}})  # a valid recipe
     with pytest.raises(RecipeError) as info:
-        parse_recipe({**QUANTIZED, "strategy": strategy})
-    assert info.value.key == "model.quantization" and says in info.value.message
+        parse_recipe({**recipe, "strategy": strategy})
+    assert info.value.key == key and says in info.value.message
+
+
+def test_auto_offers_aot_package_to_int8_and_prepacks_only_what_keeps_int8(models_dir):
+    """Under the default, a linear-only int8 recipe is tried by aot-package first: int8dq with freezing
+    (its int8 weights stay int8), int8wo without (freezing would fold its weights to float32)."""
+    from aotbuild import plan
+
+    for quant_type, tries in (("int8dq", ["aot-package+freezing", "aot-package", "jit-cache"]),
+                              ("int8wo", ["aot-package", "jit-cache"])):
+        recipe = data(quant_type=quant_type)
+        del recipe["strategy"]
+        auto = plan([recipe], models_dir)[0].as_json()["auto"]
+        assert auto["tries"] == tries, auto
 
 
 @pytest.mark.parametrize("over,key", [({"backend": "bitsandbytes"}, "model.quantization.backend"),
@@ -102,3 +121,146 @@ def test_an_int8_weight_only_build_serves_with_0_compiles_equal_to_eager_quantiz
     to_q = "down_blocks.0.attentions.0.transformer_blocks.0.attn1.to_q.weight: param "
     line, = (x for x in manifest["structure"]["lines"] if x.startswith(to_q))
     assert line[len(to_q):].split()[0].endswith(".Int8Tensor"), line
+
+
+def _int8dq_served():
+    """A module of two int8dq linears behind the runner, through the fake package of tests/test_server.py's
+    kind: the package asks for the first linear's quantized weight as torch.export lifts it (its inner
+    tensors) and a constant derived from the second's (its int8 weight transposed, as freezing records)."""
+    import torch
+    from torch import nn
+    from torchao.quantization import Int8DynamicActivationInt8WeightConfig, quantize_
+
+    from aotbuild.strategies.runner import PackageRunner
+
+    class Pinning:  # a loaded package as the runner sees it (tests/test_server.py's fakes)
+        def __init__(self):
+            self.constants, self.handed = {}, []
+
+        def load_constants(self, tensors, check_full_update, user_managed):
+            self.constants.update(tensors)
+            self.handed.append(sorted(tensors))
+
+        def __call__(self, *args, **kwargs):
+            return None
+
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(32, 32, bias=False), nn.Linear(32, 32, bias=False))
+    quantize_(module, Int8DynamicActivationInt8WeightConfig())
+    q0, s0 = "0.parametrizations.weight.original0", "0.parametrizations.weight.original1"
+    q1 = "1.parametrizations.weight.original0"
+    transpose = [["input", [0], {}], ["aten.permute.default", [{"ref": 0}, [1, 0]], {}]]
+    record = {"path": "aoti/fake.pt2", "strides": None, "baked": {},
+              "constants": {q0: [[32, 32], "int8", "cpu"], s0: [[32, 1], "float32", "cpu"]},
+              "derived": {"_frozen_param0": {"inputs": [q1], "program": transpose, "value": {
+                  "shape": [32, 32], "dtype": "int8", "layout": "strided", "stride": [1, 32], "nbytes": 1024}}},
+              "derived_from": {q1: [[32, 32], "int8", "cpu"]}, "asks": [q0, s0, "_frozen_param0"]}
+    model = Pinning()
+    return module, model, PackageRunner(model, module, "unet", record, "cpu", pinning=True), (q0, s0)
+
+
+def test_a_quantized_weight_is_handed_over_as_its_inner_tensors_and_followed_when_replaced():
+    """torch.export lifts a tensor-subclass weight (torchao's Int8Tensor) as its inner tensors, under
+    ``<module>.parametrizations.<weight>.original<i>``: the runner hands the package the live module's,
+    replays a derived constant from them, and follows a replaced or rewritten quantized weight."""
+    import torch
+    from torch import nn
+    from torchao.quantization import Int8DynamicActivationInt8WeightConfig, quantize_
+
+    module, model, run, (q0, s0) = _int8dq_served()
+    assert model.handed == [sorted([q0, s0, "_frozen_param0"])]
+    assert model.constants[q0].data_ptr() == module[0].weight.qdata.data_ptr()  # an alias of the live int8
+    assert torch.equal(model.constants["_frozen_param0"], module[1].weight.qdata.t())
+    run()
+    assert run.rebinds == 0 and len(model.handed) == 1  # nothing changed: nothing handed over
+    other = nn.Sequential(nn.Linear(32, 32, bias=False))
+    quantize_(other, Int8DynamicActivationInt8WeightConfig())
+    module[0].weight = other[0].weight  # another quantized weight: its inner tensors handed over, alone
+    run()
+    assert model.handed[-1] == sorted([q0, s0]) and model.constants[q0].data_ptr() == other[0].weight.qdata.data_ptr()
+    with torch.no_grad():
+        module[1].weight.qdata.mul_(-1)  # the int8 a derived constant comes from, changed in place
+    run()
+    assert torch.equal(model.constants["_frozen_param0"], module[1].weight.qdata.t()) and run.replayed == 2
+
+
+def test_functional_call_takes_the_inner_tensors_by_their_exported_names():
+    """prepack.check_other_weights serves other weights by the names a package asks for and runs eager on
+    them: subclasses.wrapped rebuilds each quantized weight around the inner tensors given."""
+    import torch
+
+    from aotbuild.strategies.runner import named_tensors
+    from aotbuild.strategies.subclasses import wrapped
+
+    module, _, _, (q0, s0) = _int8dq_served()
+    x = torch.randn(4, 32)
+    tensors = named_tensors(module)
+    assert q0 in tensors and "0.weight" not in tensors
+    with torch.no_grad():
+        same = torch.func.functional_call(module, wrapped(module, tensors), (x,))
+        doubled = torch.func.functional_call(module, wrapped(module, {s0: tensors[s0] * 2}), (x,))
+        half = module[1](module[0](x))
+    assert torch.equal(same, half)
+    assert not torch.allclose(doubled, same)
+    assert torch.equal(module[0].weight.scale, tensors[s0])  # the module is unchanged
+
+
+@pytest.mark.slow  # two real builds of the one-level int8 UNet (aot-package, with and without freezing)
+def test_int8_recipes_without_a_strategy_are_served_by_aot_packages_with_int8_weights(models_dir, tmp_path):
+    """Under the default, int8dq is served by a prepacked package (freezing keeps its weights int8: the
+    derived constants are the int8 weight transposed and its int32 column sums) and int8wo by a plain one;
+    each proven in a fresh process with 0 compiles, within the proof's bound of eager quantized the same
+    way, every call through the package, handed the live module's int8 weights."""
+    model = one_level_sd(models_dir, tmp_path / "one-level-sd")
+    recipes = []
+    for quant_type in ("int8dq", "int8wo"):
+        recipe = data(quant_type=quant_type)
+        del recipe["strategy"]
+        recipe["model"]["id"] = str(model)
+        recipes.append(tmp_path / f"tiny_sd_{quant_type}.yaml")
+        recipes[-1].write_text(json.dumps(recipe))
+    cache = tmp_path / "cache"
+    build = invoke_cli("build", "--json", "--cache", str(cache), *map(str, recipes),
+                       env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "build-inductor"), "AOTBUILD_CACHE": ""})
+    assert build.returncode == 0, build.stdout[-3000:]
+    jobs = {job["recipe"]: job for job in json.loads(build.stdout)["jobs"]}
+    for quant_type, held, bound in (("int8dq", "aot-package+freezing", 2e-2), ("int8wo", "aot-package", 1e-4)):
+        job = jobs[f"tiny_sd_{quant_type}"]
+        assert job["status"] == "built" and job["reason"].startswith(f"auto: {held} built"), job
+        manifest = json.loads(invoke_cli("show", "--json", "--cache", str(cache), job["key"][:12]).stdout)
+        proof, served = manifest["proof"], manifest["proof"]["served"]
+        assert proof["compiles"] == 0 and proof["tolerance"] == bound and proof["max_abs_diff"] <= bound, proof
+        dispatch = served["dispatch"][""]  # the prepacked proof's speed rounds are served calls too
+        assert served["hits"] == 1 and dispatch["built"] >= proof["calls"] and dispatch["unbuilt"] == 0, served
+        package, = manifest["packages"]
+        int8 = [fqn for fqn, meta in package["constants"].items() if meta[1] == "int8"]
+        derived = {r["value"]["dtype"] for r in package.get("derived", {}).values()}
+        if quant_type == "int8dq":  # prepacked, and the int8 weights stay int8 in it
+            assert {"int8", "int32"} <= derived and "float32" in derived, derived
+            sources = package["derived_from"]  # no float constant made from an int8 weight (dequantized)
+            assert all(r["value"]["dtype"] != "float32" or all(sources[i][1] != "int8" for i in r["inputs"])
+                       for r in package["derived"].values())
+        else:  # the live int8 weights handed over as torch.export lifts them, nothing derived
+            assert not derived and any(f.endswith(".to_q.parametrizations.weight.original0") for f in int8), int8
+
+
+def test_a_frozen_constant_that_dequantizes_an_int8_weight_is_refused_and_other_weights_change_int8():
+    """A float constant folded from an int8 weight would serve the quantized model dequantized (4x its
+    bytes): the recorder refuses it by name. The build's check with other weights changes a quantized
+    weight's integers too, so a constant derived from them is checked against other values."""
+    import torch
+
+    from aotbuild.strategies import prepack
+
+    tensors = {"w.parametrizations.weight.original0": torch.randint(-127, 127, (4, 4), dtype=torch.int8),
+               "w.parametrizations.weight.original1": torch.rand(4, 1), "mask": torch.ones(4, dtype=torch.bool)}
+    recipe = {"inputs": ["w.parametrizations.weight.original0"], "value": {"dtype": "float32"}}
+    with pytest.raises(prepack.RecipeError, match=r"folds the torch.int8 weight 'w.parametrizations.weight.original0' "
+                                                  r"into a float32 constant \(_frozen_param3\)"):
+        prepack._refuse_dequantized("_frozen_param3", recipe, tensors)
+    prepack._refuse_dequantized("_frozen_param3", {**recipe, "value": {"dtype": "int8"}}, tensors)  # stays int8
+    prepack._refuse_dequantized("_frozen_param3", {"inputs": ["mask"], "value": {"dtype": "float32"}}, tensors)
+    other = prepack.other_weights(tensors, list(tensors))
+    q = "w.parametrizations.weight.original0"
+    assert other[q].dtype == torch.int8 and torch.equal(other[q], tensors[q].flip([0, 1]))
+    assert other["mask"] is tensors["mask"]  # a bool is not a quantized weight

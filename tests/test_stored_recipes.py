@@ -82,8 +82,8 @@ def test_the_closed_list_holds_no_operator_that_writes_reads_files_or_makes_tens
 
 @pytest.mark.parametrize(("fields", "expected"), [
     ({"value": None}, ".value: not {shape, dtype, layout, nbytes}"),
-    ({"value": {**VALUE, "dtype": "int8", "nbytes": 4}},
-     "no recipe is replayed for int8 constants (prepacked formats: float32"),
+    ({"value": {**VALUE, "dtype": "int16", "nbytes": 8}},
+     "no recipe is replayed for int16 constants (prepacked formats: float32"),
     ({"value": {**VALUE, "dtype": "os.system"}}, "is no torch dtype"),
     ({"value": {**VALUE, "nbytes": 1 << 30}}, "nbytes is not what its shape and strides reach"),
     ({"value": {"shape": [1 << 28], "dtype": "float32", "layout": "strided", "stride": [1], "nbytes": 1 << 30}},
@@ -189,17 +189,54 @@ def test_verify_finds_a_hostile_recipe_without_loading_anything(tmp_path):
     assert AotPackage().check_records(tuple(good["packages"])) == ""
 
 
+def _recorded_by_format(module, *args) -> dict[str, set[str]]:
+    """The operators freezing records for ``module`` called with ``args``, by the dtype of the constant each
+    recipe makes (a torch.compile stopped once freezing ends: no code generation)."""
+    import torch._inductor.config as inductor_config
+    import torch._inductor.freezing as freezing
+
+    from aotbuild.strategies.runner import named_tensors
+
+    class Stop(Exception):
+        pass
+
+    recorder = prepack.FoldRecorder({k: v.detach() for k, v in named_tensors(module).items()})
+    with torch.no_grad(), inductor_config.patch(freezing=True), recorder.active():
+        recording = freezing.freeze
+
+        stopped = []
+
+        def stop(*args, **kwargs):
+            recording(*args, **kwargs)
+            stopped.append(True)
+            raise Stop  # the recipes are recorded: no code generation
+
+        freezing.freeze = stop
+        try:
+            torch.compile(module, fullgraph=True)(*args)
+        except Exception:  # Dynamo wraps it
+            pass
+        finally:
+            freezing.freeze = recording
+    assert stopped
+    names = prepack._tensor_names(recorder.tensors)
+    recorded: dict[str, set[str]] = collections.defaultdict(set)
+    for tensor in recorder.final.values():
+        inputs, program = [], []
+        try:
+            prepack._inline(tensor, recorder._folded, names, inputs, program, {})
+        except prepack.RecipeError:
+            continue  # a value Inductor made (under torch.compile, not export): no recipe, as at a build
+        recorded[str(tensor.dtype).replace("torch.", "")].update(step[0] for step in program if step[0] != "input")
+    return recorded
+
+
 @pytest.mark.slow  # two freezing passes (fp32, bf16) of a small module, stopped before code generation (~15 s)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_closed_list_is_what_freezing_records(dtype):
     """Every operator of a format's list is one freezing records for a module with the patterns it folds
     (a batch norm and a following multiplication folded into a convolution, a GroupNorm's reshapes, large
     linears packed), and every operator it records is on the list: each listed operator is held here."""
-    import torch._inductor.config as inductor_config
-    import torch._inductor.freezing as freezing
-
-    class Stop(Exception):
-        pass
 
     class Folded(torch.nn.Module):
         def __init__(self):
@@ -218,41 +255,28 @@ def test_the_closed_list_is_what_freezing_records(dtype):
 
     torch.manual_seed(0)
     module = Folded().eval().to(dtype)
-    recorder = prepack.FoldRecorder({k: v.detach() for k, v in [*module.named_parameters(), *module.named_buffers()]})
-    with torch.no_grad(), inductor_config.patch(freezing=True), recorder.active():
-        recording = freezing.freeze
-
-        stopped = []
-
-        def stop(*args, **kwargs):
-            recording(*args, **kwargs)
-            stopped.append(True)
-            raise Stop  # the recipes are recorded: no code generation
-
-        freezing.freeze = stop
-        try:
-            x, y = torch.randn(1, 4, 8, 8, dtype=dtype), torch.randn(8, 320, dtype=dtype)
-            torch.compile(module, fullgraph=True)(x, y)
-        except Exception:  # Dynamo wraps it
-            pass
-        finally:
-            freezing.freeze = recording
-    assert stopped
-    names = prepack._tensor_names(recorder.tensors)
-    recorded = collections.Counter()
-    for tensor in recorder.final.values():
-        inputs, program = [], []
-        try:
-            prepack._inline(tensor, recorder._folded, names, inputs, program, {})
-        except prepack.RecipeError:
-            continue  # a value Inductor made (under torch.compile, not export): no recipe, as at a build
-        recorded.update(step[0] for step in program if step[0] != "input")
     fmt = str(dtype).replace("torch.", "")
+    recorded = _recorded_by_format(module, torch.randn(1, 4, 8, 8, dtype=dtype), torch.randn(8, 320, dtype=dtype))
+    recorded = set().union(*recorded.values())  # a bf16 module's folds make float32 constants on the way too
     listed = set(prepack.OPERATORS[fmt])
     # one of the two linear reorders, by whether this torch has MKL
     unused = "mkldnn._reorder_linear_weight" if torch._C.has_mkl and dtype == torch.float32 else \
         "mkl._mkl_reorder_linear_weight"
-    assert set(recorded) == listed - {unused}, (sorted(recorded), sorted(listed))
+    assert recorded == listed - {unused}, (sorted(recorded), sorted(listed))
+
+
+def test_the_int8_formats_are_what_freezing_records_for_torchaos_int8dq():
+    """torchao's int8dq linears (quant_type int8dq): freezing folds the int8 weight transposed (int8) and
+    its columns' sums times the activation's zero point (int32); those formats' lists are exactly that."""
+    pytest.importorskip("torchao")
+    from torchao.quantization import Int8DynamicActivationInt8WeightConfig, quantize_
+
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 32)).eval()
+    quantize_(module, Int8DynamicActivationInt8WeightConfig())
+    recorded = _recorded_by_format(module, torch.randn(4, 64))
+    assert {fmt: recorded[fmt] for fmt in ("int8", "int32")} == {fmt: set(prepack.OPERATORS[fmt])
+                                                                 for fmt in ("int8", "int32")}, dict(recorded)
 
 
 def test_a_recipe_that_fails_at_load_is_a_miss_naming_it_or_a_fallback_that_says_so():

@@ -142,6 +142,7 @@ def record_eager(pipe: Any, recipe: Any, component: str,
 def serve(spec: dict[str, Any]) -> dict[str, Any]:
     """Run in the fresh process: returns the proof's figures, or raises with the reason."""
     from aotbuild.context import job_pipeline
+    from aotbuild.features import registry as features
     from aotbuild.pipeline import pipecall
     from aotbuild.recipe.rules import recipe_from_spec
     from aotbuild.recipe.schema import Shape
@@ -203,10 +204,11 @@ def serve(spec: dict[str, Any]) -> dict[str, Any]:
     if timestep:
         record["timestep"] = timestep
     # 8. Smaller batches padded up to this entry's: proven exact, or padding to it refused (never the entry).
-    padding = prove_padding(module, recipe, shape, calls, count, tolerance(ctx.dtype),
+    bound = features.tolerance(recipe, tolerance(ctx.dtype))
+    padding = prove_padding(module, recipe, shape, calls, count, bound,
                             recipe.warmup_factors(ctx.target.warmup_defaults)["prompt"]["texts"])
     return {"compiles": compiles, "counter": counter_name, "max_abs_diff": worst,
-            "tolerance": tolerance(ctx.dtype), "instances": len(expected), "calls": len(calls),
+            "tolerance": bound, "instances": len(expected), "calls": len(calls),
             "load_s": round(t_first[0] if t_first else 0.0, 3), "swaps": swaps, "served": record,
             "padding": padding}
 

@@ -106,8 +106,11 @@ def _compile(job: dict, ctx: Any, recipe: Any, pipe: Any, component: str, module
     dependencies.record_calls(module)
     workdir.mkdir(parents=True, exist_ok=True)
     ctx.target.prepare_build(ctx.device)
+    from aotbuild.features import registry as features
+
     job_spec = BuildJob(ctx, pipe, component, module, warmup, workdir,
-                        phase=lambda text: child.phase(job, text), text=pattern)
+                        phase=lambda text: child.phase(job, text), text=pattern,
+                        noise=features.tolerance(recipe, 0.0))
     try:
         built = ctx.strategy.build(job_spec)
     except Exception as exc:

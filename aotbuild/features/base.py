@@ -73,6 +73,11 @@ class Feature:
         return False
 
     # -- the proof --------------------------------------------------------------------------------
+    def tolerance(self, recipe: Recipe) -> float:
+        """The compile noise this feature adds to a served output (magnitude 1): the proof's bound is at
+        least this (0: the dtype's bound alone)."""
+        return 0.0
+
     def reference(self, pipe: Any, recipe: Recipe, component: str, calls: list[tuple[Any, Any, list[Any]]],
                   folder: Path) -> tuple[Path, list[tuple[Any, Any, list[Any]]]] | None:
         """The proof's extra reference, recorded on the eager pipeline: what the served entry must

@@ -35,7 +35,15 @@ QUANT_TYPES = {
 INDUCTOR_SETTINGS = {"coordinate_descent_check_all_directions": True, "coordinate_descent_tuning": True,
                      "force_fuse_int_mm_with_mul": True}
 
-__all__ = ["QUANT_TYPES", "INDUCTOR_SETTINGS", "components", "factors", "apply", "require"]
+#: The proof's bound for a type that quantizes activations as it runs (int8dq: each row's scale from its
+#: max): a compiled reduction that reorders the max moves a scale by an ulp, which flips int8 roundings
+#: (one step is 1/127 of a row's range), so compiled and eager differ by more than float32's 1e-4 (the
+#: one-level tiny UNet: 1.2e-3 to 2.0e-3 with jit-cache, aot-package and aot-package+freezing alike);
+#: 10x that, as a deeper model adds more flips. Weight-only types compute in the activations' dtype and
+#: keep its bound.
+TOLERANCE = {"int8dq": 2e-2, "float8dq": 2e-2}
+
+__all__ = ["QUANT_TYPES", "INDUCTOR_SETTINGS", "TOLERANCE", "components", "factors", "apply", "require"]
 
 
 def require() -> Any:
@@ -117,3 +125,7 @@ class Quantization(Feature):
 
     def changes_modules(self, recipe: Recipe, component: str) -> bool:
         return component in components(recipe)  # torchao's tensor subclasses in its linears
+
+    def tolerance(self, recipe: Recipe) -> float:
+        q = recipe.model.quantization
+        return TOLERANCE.get(q.quant_type, 0.0) if q is not None else 0.0

@@ -64,6 +64,11 @@ def names() -> tuple[str, ...]:
     return tuple(e.section for e in FEATURES)
 
 
+def tolerance(recipe: Recipe, dtype_bound: float) -> float:
+    """The proof's bound for ``recipe``: the dtype's, or the largest a feature it uses needs."""
+    return max([dtype_bound, *(f.tolerance(recipe) for f in used(recipe))])
+
+
 def changes_modules(recipe: Recipe, component: str) -> bool:
     """Whether a feature ``recipe`` uses puts other modules in ``component`` (torchao's, peft's)."""
     return any(f.changes_modules(recipe, component) for f in used(recipe))

@@ -27,6 +27,14 @@ if TYPE_CHECKING:
     from aotbuild.targets.base import InstallResult, Target
 
 
+#: torchao types whose quantized weights a package is built and served with (tests/test_quantization.py):
+#: torch.export lifts each quantized weight's inner tensors (runner.named_tensors), handed over live.
+PACKAGED_QUANT_TYPES = ("int8wo", "int8dq")
+#: Types whose weights Inductor's freezing dequantizes at compile time (int8wo's ``mm(x, w.to(float32))``
+#: folds to a float32 weight, prepacked as float32): no prepacked package is built for them.
+DEQUANTIZED_BY_FREEZING = ("int8wo",)
+
+
 class AotPackage(Strategy):
     name = "aot-package"
     summary = "AOTInductor packages without weights (inductor): no Dynamo at load"
@@ -44,9 +52,15 @@ class AotPackage(Strategy):
         if recipe.lora is not None:
             raise recipe.error("lora", "strategy aot-package cannot hot-swap adapters (torch.export makes the LoRA "
                                        "scaling a constant of the package): use strategy jit-cache or aot-compile")
-        if recipe.model.quantization is not None:
-            raise recipe.error("model.quantization", "strategy aot-package is not verified with torchao's tensor "
-                                                     "subclasses: use strategy jit-cache")
+        quant = recipe.model.quantization
+        if quant is not None and quant.quant_type not in PACKAGED_QUANT_TYPES:
+            raise recipe.error("model.quantization", f"strategy aot-package serves quant_type "
+                                                     f"{', '.join(PACKAGED_QUANT_TYPES)} (verified); "
+                                                     f"{quant.quant_type}: use strategy jit-cache")
+        if quant is not None and quant.quant_type in DEQUANTIZED_BY_FREEZING and prepack.wanted(recipe.compile.options):
+            raise recipe.error("compile.options.freezing", f"freezing folds {quant.quant_type}'s int8 weights back "
+                                                           f"into float32 constants (4x their bytes, float32 "
+                                                           f"kernels): set freezing false")
         if recipe.tensor_parallel > 1:
             raise recipe.error("parallel.tensor", "strategy aot-package cannot shard: torch.export fails on a "
                                                   "tensor-parallel module's DTensor spec (torch 2.13): use strategy "
@@ -68,7 +82,8 @@ class AotPackage(Strategy):
         finally:
             forwards.unwrap(job.module, forwards.DISPATCH)
         job.phase("exporting and packaging")
-        return Built(sorted(dispatcher.built), aoti.build_packages(job.module, recorded, job.workdir, options))
+        return Built(sorted(dispatcher.built), aoti.build_packages(job.module, recorded, job.workdir, options,
+                                                                   noise=job.noise))
 
     def collect(self, target: Target, workdir: Path) -> list[tuple[str, Path]]:
         # The packages (not the compile's cache: its build folder repeats each package's contents).

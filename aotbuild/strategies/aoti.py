@@ -111,7 +111,7 @@ def check_baked(module: Any, component: str, packages: list[dict[str, Any]]) -> 
 
 
 def _package(module: Any, sig: str, args: tuple[Any, ...], kwargs: dict[str, Any], workdir: Path,
-             inductor_configs: dict[str, Any], group: str = "") -> dict[str, Any]:
+             inductor_configs: dict[str, Any], group: str = "", noise: float = 0.0) -> dict[str, Any]:
     """Export one recorded call of ``module``, package it without weights, probe it; its manifest record."""
     import torch
 
@@ -161,7 +161,7 @@ def _package(module: Any, sig: str, args: tuple[Any, ...], kwargs: dict[str, Any
         record["derived_from"] = constant_meta(module, sources)
         if unsupplied:
             record["lifted_unsupplied"] = unsupplied
-        prepack.check_other_weights(path, module, named_tensors(module), args, kwargs, record, lifted)
+        prepack.check_other_weights(path, module, named_tensors(module), args, kwargs, record, lifted, noise)
     if lifted:
         from safetensors.torch import save_file
 
@@ -246,9 +246,10 @@ def _promote_lifted_constants(exported: Any) -> tuple[Any, dict[str, Any]]:
 
 
 def build_packages(module: Any, calls: dict[str, tuple[tuple[Any, ...], dict[str, Any]]], workdir: Path,
-                   inductor_configs: dict[str, Any]) -> list[dict[str, Any]]:
-    """Export and package each recorded call of the whole component; the package list for the manifest."""
-    return [_package(module, sig, args, kwargs, workdir, inductor_configs)
+                   inductor_configs: dict[str, Any], noise: float = 0.0) -> list[dict[str, Any]]:
+    """Export and package each recorded call of the whole component; the package list for the manifest.
+    ``noise``: what the recipe's features allow a compiled output to differ by (BuildJob.noise)."""
+    return [_package(module, sig, args, kwargs, workdir, inductor_configs, noise=noise)
             for sig, (args, kwargs) in sorted(calls.items())]
 
 

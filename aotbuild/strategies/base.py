@@ -64,6 +64,9 @@ class BuildJob:
     #: with ``text_length``: the component's text pattern (aotbuild/pipeline/textlen.py ``Pattern``): calls that fit
     #: it are one signature, their text dimensions marked dynamic in the range
     text: Any = None
+    #: the compile noise the recipe's features add to an output (features.registry.tolerance: a
+    #: dynamically quantized activation's rounding), which a build's own checks against eager allow
+    noise: float = 0.0
 
     def run_warmup(self) -> None:
         """Call the pipeline as a user does (its own no_grad, no inference_mode: grad mode is part of

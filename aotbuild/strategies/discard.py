@@ -26,6 +26,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from aotbuild.errors import UsageError, WeightsDiscarded
+from aotbuild.strategies.subclasses import unwrapped
 
 #: What the error says a user can do instead.
 REFIT = ("aotbuild.refit(module, state_dict) changes the weights of a module served with "
@@ -92,7 +93,7 @@ def discardable(runner: Any) -> list[str]:
     the package as they are, not compiled into it, and read only by recipes all of whose inputs are such
     weights (a recipe is replayed with every input dense or none)."""
     candidates = {fqn for fqn in runner.derived_from if fqn not in runner.meta and fqn not in runner.baked
-                  and fqn not in runner.lifted}
+                  and fqn not in runner.lifted and unwrapped(fqn) is None}  # a subclass weight's part: kept
     return sorted(fqn for fqn in candidates
                   if all(set(runner.derived[name]["inputs"]) <= candidates for name in runner._readers[fqn]))
 

@@ -40,13 +40,17 @@ from aotbuild.strategies import handover, prepack
 from aotbuild.strategies.calls import copyable, flatten_call, relayout
 from aotbuild.strategies.discard import is_discarded
 from aotbuild.strategies.sampling import Samples
+from aotbuild.strategies.subclasses import inner_tensors, is_subclass, store_key, unwrapped
 
 
 def lookup(module: Any, fqn: str) -> tuple[Any, dict[str, Any] | None, list[tuple[dict[str, Any], str, Any]]]:
     """``module``'s parameter or buffer ``fqn`` (or None), the dict it lives in, and the path to it as
     (parent's ``_modules``, name, child) edges: walked afresh at a rebind (a submodule replaced since, a
-    LoRA wrapper, must not leave the runner reading the old one), checked edge by edge at every call."""
-    *path, leaf = fqn.split(".")
+    LoRA wrapper, must not leave the runner reading the old one), checked edge by edge at every call.
+    A name of a tensor-subclass weight's inner tensor (:func:`unwrapped`) is that inner tensor; its dict
+    is the one the subclass weight lives in (under :func:`store_key`)."""
+    parts = unwrapped(fqn)
+    *path, leaf = fqn.split(".") if parts is None else [*filter(None, parts[0].split(".")), parts[1]]
     edges = []
     for part in path:
         children = getattr(module, "_modules", None)
@@ -58,6 +62,9 @@ def lookup(module: Any, fqn: str) -> tuple[Any, dict[str, Any] | None, list[tupl
     for store in (module._parameters, module._buffers):
         tensor = store.get(leaf)
         if tensor is not None:
+            if parts is not None:
+                inner = inner_tensors(tensor)
+                tensor = inner[parts[2]] if parts[2] < len(inner) else None
             return tensor, store, edges
     return None, None, edges
 
@@ -101,9 +108,18 @@ def named_tensors(module: Any) -> dict[str, Any]:
     """Every parameter and buffer of ``module`` under every name it has: torch.export names a tied
     weight or a buffer registered twice by each of its names, and a package asks for the one its
     graph read (``named_parameters()`` keeps only the first: the build refused 'the package needs
-    constant c.alias', issue 36 item 4)."""
-    return {**dict(module.named_parameters(remove_duplicate=False)),
-            **dict(module.named_buffers(remove_duplicate=False))}
+    constant c.alias', issue 36 item 4). A tensor-subclass weight (torchao's quantized ones) is its
+    plain inner tensors, under the names torch.export gives them (:func:`unwrapped`), as a package
+    reads them."""
+    out = {}
+    for name, t in (*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)):
+        if is_subclass(t):
+            prefix, _, leaf = name.rpartition(".")
+            for i, inner in enumerate(inner_tensors(t)):
+                out[f"{prefix}{'.' if prefix else ''}parametrizations.{leaf}.original{i}"] = inner
+        else:
+            out[name] = t
+    return out
 
 
 def tensor_digest(t: Any) -> str:
@@ -386,7 +402,7 @@ class PackageRunner:
         self._edges = ([e[0] for e in edges], [e[1] for e in edges], [e[2] for e in edges])
         # a name the module lacks reads from an empty dict: None, so every call rebinds, and the bind refuses it
         self._stores = ([st if st is not None else {} for st in stores],
-                        [fqn.rsplit(".", 1)[-1] for fqn in self.watched])
+                        [store_key(fqn) for fqn in self.watched])
         kept = [f for f in self.derived_from if not tensors[f].is_inference() and not is_discarded(tensors[f])]
         self._source_versions = {f: tensors[f]._version for f in kept}
         # and a tensor compiled into the package, changed in place, must be seen (and refused)
@@ -394,7 +410,8 @@ class PackageRunner:
                  and not tensors[f].is_inference()]
         self._tracked = [tensors[f] for f in kept]
         self._samples = Samples({fqn: tensors[fqn] for fqn in self.derived_from}) if self.derived_from else None
-        self.bound = [self._identity(list(tensors.values())), self._versions()]
+        # what the per-call check reads (:meth:`_current`): a subclass weight itself, not its inner tensors
+        self.bound = [self._identity(self._current() or [None]), self._versions()]
 
     def forget_dense(self) -> None:
         """After :func:`~aotbuild.strategies.discard.discard`: watch the placeholders the module holds now
