@@ -131,6 +131,7 @@ FACTOR_SOURCES = {
     "env.transformers": lambda mp, root: mp.setattr(context, "environment_factors", _env(transformers="9.9.9")),
     "env.python": lambda mp, root: mp.setattr(context, "environment_factors", _env(python="3.99")),
     "device.cpu_isa": _other_cpu_isa,
+    "device.onednn_max_cpu_isa": lambda mp, root: mp.setenv("ONEDNN_MAX_CPU_ISA", "avx2"),
     "model.builtin_version": _other_builtin_version,
     "component.config": _other_config,
 }

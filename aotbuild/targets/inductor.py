@@ -153,6 +153,11 @@ class InductorTarget(Target):
         if kind == "cpu":
             # The vector ISA Inductor generates code for: an AVX-512 kernel can crash on an AVX2 host.
             fp["cpu_isa"] = torch.backends.cpu.get_cpu_capability()
+            # oneDNN's own cap (its prepacked layouts and bf16 paths follow it: a bf16 convolution weight
+            # cannot be reordered under AVX2, issue 57); keyed only where set, so other keys are unchanged
+            cap = os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA")
+            if cap:
+                fp["onednn_max_cpu_isa"] = cap.strip().upper()
         else:
             major, minor = torch.cuda.get_device_capability()
             fp["cuda_capability"] = f"{major}.{minor}"
