@@ -264,3 +264,36 @@ def test_a_frozen_constant_that_dequantizes_an_int8_weight_is_refused_and_other_
     q = "w.parametrizations.weight.original0"
     assert other[q].dtype == torch.int8 and torch.equal(other[q], tensors[q].flip([0, 1]))
     assert other["mask"] is tensors["mask"]  # a bool is not a quantized weight
+
+
+def test_a_real_parametrization_is_still_read_under_its_own_names():
+    """weight_norm's parametrization holds real tensors under the names torch.export also gives a subclass
+    weight's inner tensors: the runner reads those (no subclass there), follows a replaced one, and a
+    call with nothing changed hands nothing over."""
+    import torch
+    from torch import nn
+
+    from aotbuild.strategies.runner import PackageRunner, lookup
+
+    class Fake:
+        def __init__(self):
+            self.handed = []
+
+        def load_constants(self, tensors, check_full_update, user_managed):
+            self.handed.append(sorted(tensors))
+
+        def __call__(self, *args, **kwargs):
+            return None
+
+    module = nn.Sequential(nn.utils.parametrizations.weight_norm(nn.Linear(4, 4, bias=False)))
+    g, v = "0.parametrizations.weight.original0", "0.parametrizations.weight.original1"
+    assert lookup(module, v)[0] is module[0].parametrizations.weight.original1
+    record = {"path": "aoti/fake.pt2", "strides": None, "baked": {},
+              "constants": {g: [[4, 1], "float32", "cpu"], v: [[4, 4], "float32", "cpu"]}}
+    model = Fake()
+    run = PackageRunner(model, module, "vae", record, "cpu")
+    run()
+    assert run.rebinds == 0 and model.handed == [[g, v]]
+    module[0].parametrizations.weight.original1 = nn.Parameter(torch.randn(4, 4))
+    run()
+    assert model.handed[-1] == [v]

@@ -47,10 +47,22 @@ def lookup(module: Any, fqn: str) -> tuple[Any, dict[str, Any] | None, list[tupl
     """``module``'s parameter or buffer ``fqn`` (or None), the dict it lives in, and the path to it as
     (parent's ``_modules``, name, child) edges: walked afresh at a rebind (a submodule replaced since, a
     LoRA wrapper, must not leave the runner reading the old one), checked edge by edge at every call.
-    A name of a tensor-subclass weight's inner tensor (:func:`unwrapped`) is that inner tensor; its dict
-    is the one the subclass weight lives in (under :func:`store_key`)."""
-    parts = unwrapped(fqn)
-    *path, leaf = fqn.split(".") if parts is None else [*filter(None, parts[0].split(".")), parts[1]]
+    A name torch.export gives a tensor-subclass weight's inner tensor (subclasses.unwrapped), where the
+    module has no tensor under that name (a real parametrization, weight_norm's, has one), is that inner
+    tensor of the subclass weight; its dict is the one the subclass weight lives in."""
+    found = _walk(module, fqn.split("."))
+    parts = unwrapped(fqn) if found[0] is None else None
+    if parts is None:
+        return found
+    t, store, edges = _walk(module, [*filter(None, parts[0].split(".")), parts[1]])
+    if t is None or not is_subclass(t):
+        return None, None, edges
+    inner = inner_tensors(t)
+    return (inner[parts[2]] if parts[2] < len(inner) else None), store, edges
+
+
+def _walk(module: Any, names: list[str]) -> tuple[Any, dict[str, Any] | None, list[tuple[dict[str, Any], str, Any]]]:
+    *path, leaf = names
     edges = []
     for part in path:
         children = getattr(module, "_modules", None)
@@ -62,9 +74,6 @@ def lookup(module: Any, fqn: str) -> tuple[Any, dict[str, Any] | None, list[tupl
     for store in (module._parameters, module._buffers):
         tensor = store.get(leaf)
         if tensor is not None:
-            if parts is not None:
-                inner = inner_tensors(tensor)
-                tensor = inner[parts[2]] if parts[2] < len(inner) else None
             return tensor, store, edges
     return None, None, edges
 
@@ -401,8 +410,10 @@ class PackageRunner:
     def _remember(self, tensors: dict[str, Any], edges: list[Any], stores: list[Any]) -> None:
         self._edges = ([e[0] for e in edges], [e[1] for e in edges], [e[2] for e in edges])
         # a name the module lacks reads from an empty dict: None, so every call rebinds, and the bind refuses it
+        # the key each tensor is under in its dict: a subclass weight's inner tensor is read through the weight
         self._stores = ([st if st is not None else {} for st in stores],
-                        [store_key(fqn) for fqn in self.watched])
+                        [fqn.rsplit(".", 1)[-1] if st is None or st.get(fqn.rsplit(".", 1)[-1]) is tensors[fqn]
+                         else store_key(fqn) for fqn, st in zip(self.watched, stores, strict=True)])
         kept = [f for f in self.derived_from if not tensors[f].is_inference() and not is_discarded(tensors[f])]
         self._source_versions = {f: tensors[f]._version for f in kept}
         # and a tensor compiled into the package, changed in place, must be seen (and refused)
