@@ -125,6 +125,7 @@ def _package(module: Any, sig: str, args: tuple[Any, ...], kwargs: dict[str, Any
     with torch.no_grad(), forwards.class_forward(module):  # the module itself, not a wrapper put on it
         exported = torch.export.export(module, args, kwargs)
     exported, lifted = _promote_lifted_constants(exported)
+    unread = unread_parts(exported, module)  # a quantized weight's parts no kernel reads: not compiled in
     # Weights out of the .so, and no tensor inlined as a literal (Inductor inlines 1-D tensors of <= 8
     # elements otherwise: the tiny UNet's biases and norms), so every weight can be supplied at load.
     # No -g1 line tables (a profiler's source lines; 11 % of the wrapper's compile at SD 1.5 size) and no
@@ -154,7 +155,8 @@ def _package(module: Any, sig: str, args: tuple[Any, ...], kwargs: dict[str, Any
     weights = [f for f in fqns if f not in lifted and f not in derived]
     sources = sorted({i for r in derived.values() for i in r["inputs"]} - set(lifted))
     record = {"signature": sig, "path": f"{PACKAGE_DIR}/{path.name}", "strides": strides, "asks": sorted(fqns),
-              "constants": constant_meta(module, weights), "baked": baked_digests(module, [*weights, *sources]),
+              "constants": constant_meta(module, weights),
+              "baked": baked_digests(module, [*weights, *sources, *unread]),
               "constant_strides": constant_strides(module, weights)}
     if derived:
         record["derived"] = derived
@@ -170,6 +172,35 @@ def _package(module: Any, sig: str, args: tuple[Any, ...], kwargs: dict[str, Any
         record["lifted"] = {k: [list(v.shape), str(v.dtype).replace("torch.", "")] for k, v in lifted.items()}
         record["lifted_path"] = f"{PACKAGE_DIR}/{side.name}"
     return record
+
+
+def unread_parts(exported: Any, module: Any) -> list[str]:
+    """The inner tensors of ``module``'s tensor-subclass weights that ``exported`` never reads (torchao's
+    symmetric int8 weight: its zero point), by the names a package would ask for them: a package cannot
+    have compiled them in, so they are not digested as if it had (``baked``)."""
+    import torch
+
+    from aotbuild.strategies.subclasses import is_subclass
+
+    params = {**exported.graph_signature.inputs_to_parameters, **exported.graph_signature.inputs_to_buffers}
+    state = dict(module.named_parameters(remove_duplicate=False)) | dict(module.named_buffers(remove_duplicate=False))
+    read: dict[str, set[str]] = {}
+    for node in exported.graph.nodes:
+        if node.op == "placeholder" and params.get(node.name) in state and is_subclass(state[params[node.name]]):
+            users = list(node.users)
+            if not all(u.target is torch.ops.export.access_subclass_inner_tensor.default for u in users):
+                read[params[node.name]] = {"*"}  # read as a whole somewhere: every part counts
+            else:
+                read.setdefault(params[node.name], set()).update(u.args[1] for u in users)
+    out = []
+    for fqn, attrs in read.items():
+        names = state[fqn].__tensor_flatten__()[0]
+        if "*" in attrs or any(is_subclass(getattr(state[fqn], a)) for a in names):
+            continue  # nested subclasses: every part is digested, as before
+        prefix, _, leaf = fqn.rpartition(".")
+        out += [f"{prefix}{'.' if prefix else ''}parametrizations.{leaf}.original{i}"
+                for i, attr in enumerate(names) if attr not in attrs]
+    return out
 
 
 #: The values of tensors a model makes in ``forward`` (torch.export's lifted constants), beside the package.
