@@ -292,3 +292,36 @@ def test_a_serving_process_s_own_compiler_folder_is_removed_when_it_exits(tmp_pa
     assert kept_after_child == "True"  # the child did not remove its parent's folder
     assert folder.parent == tmp_path and folder.name.startswith("aotbuild-neuron-cache-")
     assert not folder.exists()
+
+
+def test_a_bfloat16_recipe_on_a_cpu_without_native_bfloat16_is_warned_about(monkeypatch):
+    """bfloat16 where oneDNN has no native instruction for it is slower than float32 (1.6x with AVX-512
+    alone, 66x at AVX2, docs/targets.md): the build says so; where it has one, nothing is said."""
+    import warnings
+
+    import torch
+
+    from aotbuild.builder.build import _warn_slow_formats
+    from aotbuild.recipe.rules import parse_recipe
+    from aotbuild.targets.inductor import slow_bfloat16
+
+    recipe = parse_recipe({"model": {"id": "builtin:tiny-sd", "dtype": "bfloat16"}, "target": "inductor",
+                           "device": "cpu", "shapes": [{"height": 64, "width": 64}]})
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
+    assert slow_bfloat16() == ""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _warn_slow_formats([recipe])  # native: no warning
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "avx512_core")
+    assert slow_bfloat16().startswith("ONEDNN_MAX_CPU_ISA=AVX512_CORE keeps oneDNN from its bfloat16 instructions")
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
+    with pytest.warns(UserWarning, match=r"no native bfloat16 instruction .*dtype: float32 serves faster"):
+        _warn_slow_formats([recipe])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _warn_slow_formats([parse_recipe({"model": {"id": "builtin:tiny-sd", "dtype": "float32"}, "target": "inductor",
+                                          "device": "cpu", "shapes": [{"height": 64, "width": 64}]})])

@@ -202,6 +202,7 @@ def build(recipes: Recipes, *, cache: str | Path | None = None,
     for recipe in loaded:  # a build keeps its built-in models in the cache, where its plan then reads them
         models.store_builtin(recipe, store.root)
     jobs = plan(loaded, cache=store.root, signatures=False)
+    _warn_slow_formats(loaded)
     everything, sharded = jobs, None
     if shard is not None:
         jobs = shard_jobs(everything, *shard)
@@ -940,6 +941,26 @@ def store_job(store: Store, job: Job, files: list[tuple[str, Path]], result: dic
         return JobResult(job, ResultStatus.UNCACHED, seconds, size=size,
                          reason=f"compiled, but not stored in the cache: {exc}")
     return JobResult(job, ResultStatus.BUILT, seconds, size=manifest.size, details=result)
+
+
+def _warn_slow_formats(recipes: list[Any]) -> None:
+    """A warning for each inductor recipe in bfloat16 on a CPU that computes it slower than float32 (issue 57)."""
+    import torch
+
+    def on_cpu(r: Any) -> bool:
+        device = r.device or ("cuda" if torch.cuda.is_available() else "cpu")  # the inductor target's default
+        return r.target == "inductor" and r.model.dtype == "bfloat16" and device.split(":")[0] == "cpu"
+
+    slow = [r for r in recipes if on_cpu(r)]
+    if not slow:
+        return
+    import warnings
+
+    from aotbuild.targets.inductor import slow_bfloat16
+
+    why = slow_bfloat16()
+    for r in slow if why else ():
+        warnings.warn(f"aotbuild: {r.name}: {why}", stacklevel=3)
 
 
 def _ticker(progress: Progress, n: int, total: int, job: Job) -> Tick:

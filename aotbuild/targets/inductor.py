@@ -55,6 +55,32 @@ def bakes_thread_count(options: Mapping[str, Any], device: str) -> bool:
     return _parse_device(device)[0] == "cpu" and not options.get("cpp.dynamic_threads")
 
 
+
+#: oneDNN ISA caps (``ONEDNN_MAX_CPU_ISA``) that keep a native bfloat16 instruction (AVX512-BF16, AMX,
+#: AVX-NE-CONVERT) available to it.
+_BF16_CAPS = ("AVX512_CORE_BF16", "AVX512_CORE_FP16", "AVX512_CORE_AMX", "AVX512_CORE_AMX_FP16", "AVX10_1_512",
+              "AVX10_1_512_AMX", "AVX10_1_512_AMX_FP16", "AVX10_2_512", "AVX10_2_512_AMX_2", "AVX2_VNNI_2", "ALL",
+              "DEFAULT")
+
+
+def slow_bfloat16() -> str:
+    """Why a bfloat16 pipeline computes slower than float32 on this CPU (no native bfloat16 instruction
+    for oneDNN), or "". Measured at SD 1.5 size on an AVX512-BF16 CPU (docs/targets.md): one UNet call in
+    bfloat16 0.6x float32's; with oneDNN capped to AVX512_CORE 1.6x; capped to AVX2 66x (oneDNN refuses
+    to reorder a bfloat16 convolution weight there, so every convolution takes a slow path)."""
+    import torch
+
+    cap = (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "").strip().upper()
+    if not (torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()):
+        why = "this CPU has no native bfloat16 instruction (avx512_bf16, amx_bf16)"
+    elif cap and cap not in _BF16_CAPS:
+        why = f"ONEDNN_MAX_CPU_ISA={cap} keeps oneDNN from its bfloat16 instructions"
+    else:
+        return ""
+    slow = "66x" if not torch.ops.mkldnn._is_mkldnn_bf16_supported() else "1.6x"
+    return (f"{why}: bfloat16 runs slower than float32 here (a UNet call measured {slow} float32's on such a CPU, "
+            f"docs/targets.md); dtype: float32 serves faster")
+
 class InductorTarget(Target):
     name = "inductor"
     default_dtype = "float32"
