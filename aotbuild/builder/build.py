@@ -944,23 +944,17 @@ def store_job(store: Store, job: Job, files: list[tuple[str, Path]], result: dic
 
 
 def _warn_slow_formats(recipes: list[Any]) -> None:
-    """A warning for each inductor recipe in bfloat16 on a CPU that computes it slower than float32 (issue 57)."""
-    import torch
-
-    def on_cpu(r: Any) -> bool:
-        device = r.device or ("cuda" if torch.cuda.is_available() else "cpu")  # the inductor target's default
-        return r.target == "inductor" and r.model.dtype == "bfloat16" and device.split(":")[0] == "cpu"
-
-    slow = [r for r in recipes if on_cpu(r)]
-    if not slow:
-        return
+    """A warning for each recipe whose number format its target computes slower than float32 on the
+    recipe's device here (Target.slow_format: bfloat16 on a CPU without native bfloat16, issue 57)."""
     import warnings
 
-    from aotbuild.targets.inductor import slow_bfloat16
+    from aotbuild.targets.registry import get_target
 
-    why = slow_bfloat16()
-    for r in slow if why else ():
-        warnings.warn(f"aotbuild: {r.name}: {why}", stacklevel=3)
+    for r in recipes:
+        target = get_target(r.target)
+        why = target.slow_format(r, r.device or target.default_device())
+        if why:
+            warnings.warn(f"aotbuild: {r.name}: {why}", stacklevel=3)
 
 
 def _ticker(progress: Progress, n: int, total: int, job: Job) -> Tick:

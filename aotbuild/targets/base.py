@@ -108,6 +108,11 @@ class Target:
         """The exact compile arguments, as JSON data: a key factor, and what ``compile`` uses."""
         raise NotImplementedError
 
+    def slow_format(self, recipe: Recipe, device: str) -> str:
+        """Why ``recipe``'s number format computes slower than float32 on ``device`` here, or "" (a build
+        warns with it)."""
+        return ""
+
     def fingerprint(self, device: str) -> dict[str, Any]:
         """Toolchain versions and device kind (never a device index, path or hostname)."""
         raise NotImplementedError

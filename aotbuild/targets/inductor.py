@@ -102,6 +102,9 @@ class InductorTarget(Target):
 
         return "cuda" if torch.cuda.is_available() else "cpu"
 
+    def slow_format(self, recipe: Recipe, device: str) -> str:
+        return slow_bfloat16() if recipe.model.dtype == "bfloat16" and device.split(":")[0] == "cpu" else ""
+
     def check_device(self, device: str, recipe: Recipe) -> None:
         kind, index = _parse_device(device)
         if kind not in ("cpu", "cuda") or (":" in device and index is None) or (kind == "cpu" and index is not None):
