@@ -55,7 +55,6 @@ def bakes_thread_count(options: Mapping[str, Any], device: str) -> bool:
     return _parse_device(device)[0] == "cpu" and not options.get("cpp.dynamic_threads")
 
 
-
 #: oneDNN ISA caps (``ONEDNN_MAX_CPU_ISA``) that keep a native bfloat16 instruction (AVX512-BF16, AMX,
 #: AVX-NE-CONVERT) available to it.
 _BF16_CAPS = ("AVX512_CORE_BF16", "AVX512_CORE_FP16", "AVX512_CORE_AMX", "AVX512_CORE_AMX_FP16", "AVX10_1_512",
@@ -80,6 +79,7 @@ def slow_bfloat16() -> str:
     slow = "66x" if not torch.ops.mkldnn._is_mkldnn_bf16_supported() else "1.6x"
     return (f"{why}: bfloat16 runs slower than float32 here (a UNet call measured {slow} float32's on such a CPU, "
             f"docs/targets.md); dtype: float32 serves faster")
+
 
 class InductorTarget(Target):
     name = "inductor"
