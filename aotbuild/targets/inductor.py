@@ -62,6 +62,11 @@ _BF16_CAPS = ("AVX512_CORE_BF16", "AVX512_CORE_FP16", "AVX512_CORE_AMX", "AVX512
               "DEFAULT")
 
 
+def onednn_cap() -> str:
+    """oneDNN's ISA cap (``ONEDNN_MAX_CPU_ISA``, or its older name ``DNNL_MAX_CPU_ISA``), upper case; "" unset."""
+    return (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "").strip().upper()
+
+
 def slow_bfloat16() -> str:
     """Why a bfloat16 pipeline computes slower than float32 on this CPU (no native bfloat16 instruction
     for oneDNN), or "". Measured at SD 1.5 size on an AVX512-BF16 CPU (docs/targets.md): one UNet call in
@@ -69,7 +74,7 @@ def slow_bfloat16() -> str:
     to reorder a bfloat16 convolution weight there, so every convolution takes a slow path)."""
     import torch
 
-    cap = (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "").strip().upper()
+    cap = onednn_cap()
     if not (torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()):
         why = "this CPU has no native bfloat16 instruction (avx512_bf16, amx_bf16)"
     elif cap and cap not in _BF16_CAPS:
@@ -184,9 +189,8 @@ class InductorTarget(Target):
             fp["cpu_isa"] = torch.backends.cpu.get_cpu_capability()
             # oneDNN's own cap (its prepacked layouts and bf16 paths follow it: a bf16 convolution weight
             # cannot be reordered under AVX2, issue 57); keyed only where set, so other keys are unchanged
-            cap = os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA")
-            if cap:
-                fp["onednn_max_cpu_isa"] = cap.strip().upper()
+            if onednn_cap():
+                fp["onednn_max_cpu_isa"] = onednn_cap()
         else:
             major, minor = torch.cuda.get_device_capability()
             fp["cuda_capability"] = f"{major}.{minor}"
