@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 from aotbuild import forwards
-from aotbuild.errors import ShapeNotBuilt
+from aotbuild.errors import ShapeNotBuilt, StaleGraph
 from aotbuild.pipeline import textlen
 from aotbuild.utils.safeio import loads_json
 
@@ -224,6 +224,10 @@ class Dispatcher:
                 why = str(exc)
                 self._warn_declined(why)
                 sig, fit = unbuilt, None
+            except StaleGraph as exc:  # a route's own refusal (jit-cache's, a Dynamo guard failed): how to build it
+                if self.situation is None:
+                    raise
+                raise StaleGraph(f"{exc}{_rebuild_advice('', self.situation)}") from None
             else:
                 self.calls["built"] += 1
                 if fit is not None:
@@ -303,8 +307,6 @@ class Dispatcher:
         on_miss "error" raises, "eager" runs the module eagerly, "compile" compiles it (with a warning)."""
         self.calls["stale"] = self.calls.get("stale", 0) + 1
         if self.on_stale == "error":
-            from aotbuild.errors import StaleGraph
-
             raise StaleGraph(f"{self.component} changed since its entry was built, and load_compiled(on_miss="
                              f"\"error\") never compiles: {why}. Undo the change, or load with on_miss=\"eager\" "
                              f"(this module then runs eagerly){_rebuild_advice(why, self.situation)}")

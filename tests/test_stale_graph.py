@@ -639,8 +639,10 @@ def test_jit_cache_refuses_a_compile_the_dependency_check_did_not_foresee(strate
     assert (_image(pipe, recipe) - expected).abs().max().item() <= 1e-4  # served from the cache: no codegen
     pipe.unet.forward.watch = None  # a change the record cannot see
     _freeu(pipe)
-    with pytest.raises(StaleGraph, match="a call needs a graph the installed cache does not have"):
+    with pytest.raises(StaleGraph, match="a call needs a graph the installed cache does not have") as refused:
         _image(pipe, recipe)
+    # and what builds it for this pipeline, into the cache it was loaded from (as every other refusal says)
+    assert f"aotbuild.build(recipe, pipe=pipe, cache={str(cache)!r})" in str(refused.value), str(refused.value)
 
 
 def test_aot_compiles_guard_filter_notes_the_kinds_it_drops():
