@@ -182,7 +182,7 @@ def job_factors(ctx: Context, component: str, component_class: str, config: dict
         # neither changes what the warmup runs
         changed["schedulers"] = sorted(set(recipe.schedulers))
     compile_settings = {**ctx.target.compile_settings(recipe, ctx.device),
-                        **ctx.strategy.compile_factors(ctx.target, ctx.device)}
+                        **ctx.strategy.compile_factors(ctx.target, ctx.device, recipe)}
     for feature in features:  # a tensor-parallel rank's thread count
         compile_settings = feature.compile_settings(recipe, compile_settings)
     return {

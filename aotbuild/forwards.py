@@ -1,9 +1,10 @@
 """One registry of what aotbuild puts in a module's ``forward`` (diffusers' ``HookRegistry`` is the model).
 
-aotbuild wraps a module's forward in five places: a serving process's dispatcher (aotbuild/dispatch.py:
+aotbuild wraps a module's forward in six places: a serving process's dispatcher (aotbuild/dispatch.py:
 built calls to their artifacts, the others by the load's policy), a build job's recorders (which
 calls the warmup makes), the proof's recorder, a text-length probe that stops the pipeline at a
-component's first call, and bench's compiled forward. Each is a *layer*, put on and taken off here and nowhere else:
+component's first call, bench's compiled forward, and the export of a package computing in another
+dtype than its weights' (aoti.computing_in). Each is a *layer*, put on and taken off here and nowhere else:
 
 * :func:`wrap` puts a layer in ``module.forward`` (an instance attribute: the class is untouched) and
   remembers what was there before: nothing (the class's ``forward``), an aotbuild layer, or another
@@ -27,7 +28,7 @@ import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
-__all__ = ["DISPATCH", "RECORD", "PROOF", "PROBE", "COMPILED", "wrap", "unwrap", "layers", "unwrapped",
+__all__ = ["DISPATCH", "RECORD", "PROOF", "PROBE", "COMPILED", "COMPUTE", "wrap", "unwrap", "layers", "unwrapped",
            "class_forward", "copied"]
 
 #: The layers' names.
@@ -36,6 +37,7 @@ RECORD = "record"  # aot-compile's warmup recorder
 PROOF = "proof"  # the proof's warmup recorder
 PROBE = "probe"  # textlen.probe: stops the pipeline at the component's first call
 COMPILED = "compiled"  # bench: the module's forward compiled in its process
+COMPUTE = "compute"  # aoti.computing_in: an export computing in another dtype than the weights'
 
 #: Stands for "no instance attribute ``forward``": the class's own forward runs.
 _NONE = object()

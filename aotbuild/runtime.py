@@ -372,16 +372,16 @@ def _fallback(ctx: Context) -> str:
 def _auto_problem(ctx: Context, entry: Entry, w: _Wanted) -> str:
     """Why an auto recipe's entry cannot serve here (then a miss), or "": its strategy must be one this
     aotbuild serves and what that strategy adds to the key (its ``compile_factors``, recorded in
-    ``Manifest.auto``'s ``factors``) must be this process's. No built-in strategy adds one today (the
-    thread count is keyed only where kernels bake it, ``cpp.dynamic_threads: false``, and then by the
-    target's settings, which the auto key holds); the check keeps a strategy that does honest."""
+    ``Manifest.auto``'s ``factors``) must be this process's: aot-package+freezing's ``compute_dtype``
+    (float32 where a bfloat16 recipe's CPU has no native bfloat16), so an entry built on such a CPU is
+    a miss on one that has it, and the reverse."""
     from aotbuild.strategies import order as auto
 
     manifest = entry.manifest
     if manifest.auto is None:
         return "not an auto entry"
     try:
-        serving = auto.concrete(ctx, manifest.strategy)
+        serving = auto.concrete(ctx, auto.held_by(manifest))  # the try that built it (a variant's options too)
     except UsageError:
         return f"its strategy {printable(manifest.strategy)} is not one this aotbuild serves"
     component = w.factors["component"]

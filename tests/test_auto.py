@@ -579,11 +579,11 @@ def test_what_the_chosen_strategy_adds_to_the_key_is_in_the_entry_and_checked_at
     from aotbuild.strategies.registry import get_strategy
 
     package = type(get_strategy("aot-package"))
-    monkeypatch.setattr(package, "compile_factors", lambda self, target, device: {"threads_x": 2})
+    monkeypatch.setattr(package, "compile_factors", lambda self, target, device, recipe=None: {"threads_x": 2})
     result, = build(AUTO, cache).results
     assert Store(cache).read_manifest(result.job.key).auto["factors"] == {"threads_x": 2}
     assert "threads_x" not in result.job.factors["compile"]  # the auto key holds no strategy's own factor
-    monkeypatch.setattr(package, "compile_factors", lambda self, target, device: {"threads_x": 4})
+    monkeypatch.setattr(package, "compile_factors", lambda self, target, device, recipe=None: {"threads_x": 4})
     with pytest.raises(CacheMiss, match=r"compile\.threads_x: 2 in the cache, 4 here \(what aot-package, chosen by "
                                         r"auto, keys\)"):
         load_compiled(AUTO, cache=cache, on_miss="error")

@@ -241,3 +241,98 @@ def test_a_bf16_package_is_judged_against_float32_eager_not_bf16_eager(monkeypat
             prepack.check_other_weights(tmp_path / "p.pt2", module, state, (x,), {}, record, {})
     else:
         prepack.check_other_weights(tmp_path / "p.pt2", module, state, (x,), {}, record, {})
+
+
+def test_a_prepacked_bf16_recipe_computes_in_float32_only_where_the_cpu_has_no_native_bf16(monkeypatch):
+    """compute_dtype (AotPackage.compile_factors, a key factor): float32 for a bf16 recipe with freezing
+    where oneDNN has no native bf16 (Target.slow_format), nothing otherwise: without freezing (its casts
+    would run at every call), for float32, where the CPU has it."""
+    from aotbuild.targets.registry import get_target
+
+    target, package = get_target("inductor"), AotPackage()
+    base = {**TINY_DICT, "strategy": "aot-package"}
+    frozen = parse_recipe({**base, "model": {**TINY_DICT["model"], "dtype": "bfloat16"},
+                           "compile": {"options": {"freezing": True}}})
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    assert package.compile_factors(target, "cpu", frozen) == {"compute_dtype": "float32"}
+    assert package.compile_factors(target, "cpu", None) == {}
+    unfrozen = parse_recipe({**base, "model": {**TINY_DICT["model"], "dtype": "bfloat16"}})
+    assert package.compile_factors(target, "cpu", unfrozen) == {}
+    fp32 = parse_recipe({**base, "compile": {"options": {"freezing": True}}})
+    assert package.compile_factors(target, "cpu", fp32) == {}
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
+    assert package.compile_factors(target, "cpu", frozen) == {}
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE")  # the CPU has it, oneDNN is kept from it
+    assert package.compile_factors(target, "cpu", frozen) == {"compute_dtype": "float32"}
+
+
+@pytest.mark.slow  # one AOTInductor compile with freezing of a small module (~10-30 s)
+def test_a_bf16_package_computing_in_float32_serves_float32_eager_rounded_once(tmp_path):
+    """On a CPU without native bf16 a prepacked package computes a bf16 module in float32 (compute_dtype,
+    aoti.computing_in): each weight's cast up is folded into its prepacked float32 constant, derived at
+    load from the served bf16 weights, so the package serves at float32's speed and returns bf16: float32
+    eager's output rounded once (bf16 eager rounds after every operation)."""
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    built_with = ConvNet().eval().to(torch.bfloat16)
+    x = torch.randn(2, 4, 16, 16).to(torch.bfloat16)
+    calls = {signature((x,), {}): snapshot((x,), {})}
+    record, = aoti.build_packages(built_with, calls, tmp_path, {"freezing": True}, compute=torch.float32)
+    assert record["baked"] == {} and AotPackage().check_records((json.loads(json.dumps(record)),)) == ""
+    # every weight is read in bf16 and every constant made from it is float32, its recipe a cast up first
+    assert {meta[1] for meta in record["derived_from"].values()} == {"bfloat16"}
+    assert all(r["program"][1][0] == prepack.CAST and r["value"]["dtype"] == "float32"
+               for r in record["derived"].values()), record["derived"]
+
+    def rounded_once(module):
+        return copy.deepcopy(module).float()(x.float()).to(torch.bfloat16)
+
+    served = _other_weights(built_with)
+    graphs = counters["stats"]["unique_graphs"]
+    run = aoti.load_packages(served, "net", [(record, {record["path"]: tmp_path / record["path"]})],
+                             "cpu")[""][record["signature"]]
+    with torch.no_grad():
+        out = run(x)
+        assert out.dtype == torch.bfloat16
+        assert (out == rounded_once(served)).float().mean() > 0.99  # B's weights, computed in float32
+        assert (served(x) == rounded_once(served)).float().mean() < 0.9  # what bf16 eager gives instead
+        served.conv.weight.mul_(2)  # in place: its float32 constant is derived again from the bf16 weight
+        assert (run(x) == rounded_once(served)).float().mean() > 0.99 and run.runner.rebinds == 1
+    assert counters["stats"]["unique_graphs"] == graphs  # nothing traced, nothing compiled
+
+
+@pytest.mark.slow  # one bf16 build of the one-level tiny UNet, its proof a fresh process (~1 min)
+def test_a_bf16_recipe_where_oneDNN_has_no_bf16_is_served_by_a_float32_package(models_dir, tmp_path):
+    """A bf16 recipe naming no strategy, built and proven with oneDNN capped below its bf16 instructions
+    (``ONEDNN_MAX_CPU_ISA=AVX512_CORE``: no native bf16 on any CPU): auto's first try on a CPU computes in
+    float32 (the entry's ``auto.factors``, checked at load), its prepacked constants float32 derived from
+    the bf16 weights, served by the proof's fresh process with 0 compiles. The same CPU with oneDNN
+    uncapped would build bf16 kernels instead where it has them (keyed: the cap and compute_dtype)."""
+    from tests.conftest import invoke_cli
+    from tests.loras import one_level_sd
+
+    recipe = {**TINY_DICT, "model": {"id": str(one_level_sd(models_dir, tmp_path / "one-level-sd")),
+                                     "dtype": "bfloat16"}}
+    del recipe["strategy"]
+    path = tmp_path / "tiny_sd_bf16.yaml"
+    path.write_text(json.dumps(recipe))
+    cache = tmp_path / "cache"
+    with pytest.warns(UserWarning, match="a prepacked package .* computes in float32 from the bfloat16 weights"):
+        build = invoke_cli("build", "--json", "--cache", str(cache), str(path),
+                           env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "build-inductor"), "AOTBUILD_CACHE": "",
+                                "ONEDNN_MAX_CPU_ISA": "AVX512_CORE"})
+    assert build.returncode == 0, build.stdout[-3000:]
+    job, = json.loads(build.stdout)["jobs"]
+    assert job["status"] == "built", job
+    manifest = json.loads(invoke_cli("show", "--json", "--cache", str(cache), job["key"][:12]).stdout)
+    assert manifest["auto"]["factors"] == {"compute_dtype": "float32"}, manifest["auto"]
+    assert manifest["factors"]["device"]["onednn_max_cpu_isa"] == "AVX512_CORE"
+    proof, served = manifest["proof"], manifest["proof"]["served"]
+    assert proof["compiles"] == 0 and proof["calls"] >= 1 and served["hits"] == 1, proof
+    package, = manifest["packages"]
+    assert {meta[1] for meta in package["derived_from"].values()} == {"bfloat16"}
+    assert {r["value"]["dtype"] for r in package["derived"].values()} == {"float32"}

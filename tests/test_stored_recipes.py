@@ -52,7 +52,6 @@ HOSTILE = {
     "eval": ["builtins.eval", ["1"], {}],
     "torch.load": ["torch.load", ["x"], {}],
     "unknown": ["aten.no_such_op.default", [], {}],
-    "a cast in float32": ["prims.convert_element_type.default", [{"ref": 0}, {"dtype": "float64"}], {}],
 }
 
 
@@ -67,6 +66,31 @@ def test_an_operator_outside_what_freezing_records_is_refused_when_the_manifest_
     with pytest.raises(prepack.RecipeError, match="not one aotbuild replays"):
         prepack.replay(recipe, {"w": w})
     assert torch.equal(w, torch.arange(4.0)) and not os.path.exists("/tmp/aotbuild-planted")
+
+
+@pytest.mark.parametrize("fmt,dtype,allowed", [
+    ("float32", "float32", True),  # a bf16 weight cast up for a package computing in float32 (compute_dtype)
+    ("float32", "float64", False), ("float32", "bfloat16", False), ("float32", "int8", False),
+    ("bfloat16", "float32", True), ("bfloat16", "bfloat16", True), ("bfloat16", "float64", False),
+])
+def test_a_recipe_casts_only_to_float32_or_its_constants_own_dtype(fmt, dtype, allowed):
+    """Casts are what freezing records for low-precision folds and for a float32 package over bf16 weights;
+    a cast anywhere else (to float64, twice the bytes; to an integer) is refused when the manifest is read
+    and by a replay that was never checked."""
+    itemsize = {"float32": 4, "bfloat16": 2}[fmt]
+    value = {"shape": [4], "dtype": fmt, "layout": "strided", "stride": [1], "nbytes": 4 * itemsize}
+    program = [["input", [0], {}], ["prims.convert_element_type.default", [{"ref": 0}, {"dtype": dtype}], {}]]
+    rec = record(program, value, derived_from={"w": [[4], "bfloat16", "cpu"]})
+    why = AotPackage().check_records((rec,))
+    w = torch.arange(4.0).to(torch.bfloat16)
+    if allowed:
+        assert why == ""
+        if dtype == fmt:
+            assert torch.equal(prepack.replay(rec["derived"]["_frozen_param0"], {"w": w}), w.to(getattr(torch, fmt)))
+        return
+    assert f"casts to {{'dtype': '{dtype}'}}: a {fmt} constant's recipe casts only to float32" in why, why
+    with pytest.raises(prepack.RecipeError, match=r"step 1 \(prims.convert_element_type.default\) casts to"):
+        prepack.replay(rec["derived"]["_frozen_param0"], {"w": w})
 
 
 def test_the_closed_list_holds_no_operator_that_writes_reads_files_or_makes_tensors_from_nothing():
@@ -231,6 +255,18 @@ def _recorded_by_format(module, *args) -> dict[str, set[str]]:
     return recorded
 
 
+class _CastUp(torch.nn.Module):
+    """A bf16 convolution computed in float32, as aoti.computing_in exports a bf16 module on a CPU without
+    native bf16: the weight's cast is a graph node freezing folds."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(4, 32, 3, padding=1).to(torch.bfloat16)
+
+    def forward(self, x):
+        return torch.nn.functional.conv2d(x, self.conv.weight.float(), self.conv.bias.float(), padding=1)
+
+
 @pytest.mark.slow  # two freezing passes (fp32, bf16) of a small module, stopped before code generation (~15 s)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_closed_list_is_what_freezing_records(dtype):
@@ -258,6 +294,10 @@ def test_the_closed_list_is_what_freezing_records(dtype):
     fmt = str(dtype).replace("torch.", "")
     recorded = _recorded_by_format(module, torch.randn(1, 4, 8, 8, dtype=dtype), torch.randn(8, 320, dtype=dtype))
     recorded = set().union(*recorded.values())  # a bf16 module's folds make float32 constants on the way too
+    if dtype == torch.float32:  # and a float32 package over bf16 weights (compute_dtype): each weight cast up
+        cast_up = _recorded_by_format(_CastUp(), torch.randn(1, 4, 8, 8))
+        assert cast_up["float32"] >= {prepack.CAST, "mkldnn._reorder_convolution_weight"}, cast_up
+        recorded |= cast_up["float32"]
     listed = set(prepack.OPERATORS[fmt])
     # one of the two linear reorders, by whether this torch has MKL
     unused = "mkldnn._reorder_linear_weight" if torch._C.has_mkl and dtype == torch.float32 else \

@@ -33,6 +33,8 @@ PACKAGED_QUANT_TYPES = ("int8wo", "int8dq")
 #: Types whose weights Inductor's freezing dequantizes at compile time (int8wo's ``mm(x, w.to(float32))``
 #: folds to a float32 weight, prepacked as float32): no prepacked package is built for them.
 DEQUANTIZED_BY_FREEZING = ("int8wo",)
+#: The key factor (compile settings) naming the dtype a package computes in where it is not the weights'.
+COMPUTE_DTYPE = "compute_dtype"
 
 
 class AotPackage(Strategy):
@@ -82,8 +84,22 @@ class AotPackage(Strategy):
         finally:
             forwards.unwrap(job.module, forwards.DISPATCH)
         job.phase("exporting and packaging")
+        compute = self.compile_factors(ctx.target, ctx.device, ctx.recipe).get(COMPUTE_DTYPE)
+        if compute is not None:
+            import torch
+
+            compute = getattr(torch, compute)
         return Built(sorted(dispatcher.built), aoti.build_packages(job.module, recorded, job.workdir, options,
-                                                                   noise=job.noise))
+                                                                   noise=job.noise, compute=compute))
+
+    def compile_factors(self, target: Target, device: str, recipe: Recipe | None = None) -> dict[str, Any]:
+        """``compute_dtype: float32`` where a prepacked package's weights are in a format this CPU computes
+        slowly (``Target.slow_format``: bfloat16 without native bfloat16): it computes in float32, its
+        prepacked constants float32 derived from the served weights (aoti.computing_in), never slower than
+        a float32 recipe's package; keyed, so a CPU with native bfloat16 builds and serves its own."""
+        if recipe is None or not prepack.wanted(recipe.compile.options):
+            return {}
+        return {COMPUTE_DTYPE: "float32"} if target.slow_format(recipe, device) else {}
 
     def collect(self, target: Target, workdir: Path) -> list[tuple[str, Path]]:
         # The packages (not the compile's cache: its build folder repeats each package's contents).

@@ -110,9 +110,47 @@ def check_baked(module: Any, component: str, packages: list[dict[str, Any]]) -> 
     return ""
 
 
+@contextlib.contextmanager
+def computing_in(module: Any, dtype: Any) -> Iterator[None]:
+    """While active, ``module``'s forward computes in ``dtype``: its floating weights and inputs cast to it,
+    its floating outputs cast back to its weights' dtype. What ``compute_dtype: float32`` exports
+    (``AotPackage.compile_factors``: bfloat16 weights on a CPU without native bfloat16): the casts are
+    graph nodes, so freezing folds each weight's cast into its prepacked float32 constant, re-derived at
+    load from the served bfloat16 weights (the recipe's first step a cast), and the package reads and
+    returns bfloat16 as the pipeline around it expects. Put on under :func:`forwards.class_forward`."""
+    import torch
+    from torch.nn.utils.stateless import _reparametrize_module
+    from torch.utils._pytree import tree_map
+
+    floating = [t for t in named_tensors(module).values() if t.is_floating_point()]
+    home = floating[0].dtype if floating else dtype
+
+    def cast(to: Any) -> Callable[[Any], Any]:
+        return lambda v: v.to(to) if isinstance(v, torch.Tensor) and v.is_floating_point() and v.dtype != to else v
+
+    def make(below: Callable[..., Any]) -> Callable[..., Any]:
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            state = {**dict(module.named_parameters(remove_duplicate=False)),
+                     **dict(module.named_buffers(remove_duplicate=False))}
+            up = {name: t.to(dtype) for name, t in state.items() if t.is_floating_point() and t.dtype != dtype}
+            with _reparametrize_module(module, up):
+                out = below(*tree_map(cast(dtype), args), **tree_map(cast(dtype), kwargs))
+            return tree_map(cast(home), out)
+
+        return forward
+
+    forwards.wrap(module, forwards.COMPUTE, make)
+    try:
+        yield
+    finally:
+        forwards.unwrap(module, forwards.COMPUTE)
+
+
 def _package(module: Any, sig: str, args: tuple[Any, ...], kwargs: dict[str, Any], workdir: Path,
-             inductor_configs: dict[str, Any], group: str = "", noise: float = 0.0) -> dict[str, Any]:
-    """Export one recorded call of ``module``, package it without weights, probe it; its manifest record."""
+             inductor_configs: dict[str, Any], group: str = "", noise: float = 0.0,
+             compute: Any = None) -> dict[str, Any]:
+    """Export one recorded call of ``module``, package it without weights, probe it; its manifest record.
+    ``compute``: the dtype it computes in where not its weights' (:func:`computing_in`)."""
     import torch
 
     # Named by everything that tells packages apart: two block classes can share a signature, and
@@ -122,7 +160,8 @@ def _package(module: Any, sig: str, args: tuple[Any, ...], kwargs: dict[str, Any
     name = hashlib.sha256(f"{group}\n{sig}\n{json.dumps(strides)}\n{floats!r}".encode()).hexdigest()[:20]
     path = workdir / PACKAGE_DIR / f"{name}.pt2"
     path.parent.mkdir(parents=True, exist_ok=True)
-    with torch.no_grad(), forwards.class_forward(module):  # the module itself, not a wrapper put on it
+    with (torch.no_grad(), forwards.class_forward(module),  # the module itself, not a wrapper put on it
+          computing_in(module, compute) if compute is not None else contextlib.nullcontext()):
         exported = torch.export.export(module, args, kwargs)
     exported, lifted = _promote_lifted_constants(exported)
     unread = unread_parts(exported, module)  # a quantized weight's parts no kernel reads: not compiled in
@@ -277,10 +316,11 @@ def _promote_lifted_constants(exported: Any) -> tuple[Any, dict[str, Any]]:
 
 
 def build_packages(module: Any, calls: dict[str, tuple[tuple[Any, ...], dict[str, Any]]], workdir: Path,
-                   inductor_configs: dict[str, Any], noise: float = 0.0) -> list[dict[str, Any]]:
+                   inductor_configs: dict[str, Any], noise: float = 0.0, compute: Any = None) -> list[dict[str, Any]]:
     """Export and package each recorded call of the whole component; the package list for the manifest.
-    ``noise``: what the recipe's features allow a compiled output to differ by (BuildJob.noise)."""
-    return [_package(module, sig, args, kwargs, workdir, inductor_configs, noise=noise)
+    ``noise``: what the recipe's features allow a compiled output to differ by (BuildJob.noise);
+    ``compute``: the dtype the packages compute in where not the weights' (:func:`computing_in`)."""
+    return [_package(module, sig, args, kwargs, workdir, inductor_configs, noise=noise, compute=compute)
             for sig, (args, kwargs) in sorted(calls.items())]
 
 

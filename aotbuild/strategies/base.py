@@ -140,9 +140,9 @@ class Strategy:
                                                              "re-derives the prepacked weights at load: "
                                                              "docs/prepack.md) or jit-cache")
 
-    def compile_factors(self, target: Target, device: str) -> dict[str, Any]:
-        """Key factors the strategy adds to the target's compile settings (what its artifacts depend on
-        beyond them), or {}."""
+    def compile_factors(self, target: Target, device: str, recipe: Recipe | None = None) -> dict[str, Any]:
+        """Key factors the strategy adds to the target's compile settings for ``recipe`` (what its
+        artifacts depend on beyond them), or {}."""
         return {}
 
     # -- build, in the job's fresh process ----------------------------------------------------------

@@ -178,7 +178,7 @@ def held_by(manifest: Any) -> str:
 def strategy_factors(ctx: Context) -> dict[str, Any]:
     """What ``ctx``'s strategy adds to the key's compile settings here (``Strategy.compile_factors``):
     recorded in an auto entry, compared at load."""
-    return dict(ctx.strategy.compile_factors(ctx.target, ctx.device))
+    return dict(ctx.strategy.compile_factors(ctx.target, ctx.device, ctx.recipe))
 
 
 @dataclass

@@ -51,14 +51,18 @@ _FLOAT32 = frozenset({
     "aten.clone.default", "aten.reshape.default", "aten.permute.default", "aten.unsqueeze.default",
     "aten.mul.Tensor", "aten.add.Tensor", "aten.sub.Tensor", "aten.sqrt.default", "aten.reciprocal.default",
     "mkldnn._reorder_convolution_weight", "mkl._mkl_reorder_linear_weight", "mkldnn._reorder_linear_weight"})
+#: A cast: bf16 and fp16 fold in float32 and cast back; a package computing in float32 over bfloat16
+#: weights (aoti.computing_in: bfloat16 on a CPU without native bfloat16) folds each weight's cast up.
+#: A cast's dtype is only ever float32 or the constant's own (:func:`_cast_problem`).
+CAST = "prims.convert_element_type.default"
 #: The operators a recipe may replay, by the dtype of the constant it makes (its *format*): a closed list
 #: of what the build's recorder emits, checked at record time (a build that records another does not
-#: prepack) and whenever a manifest is read. bf16 and fp16 add the casts of folding in float32.
-#: No operator here writes to its inputs, touches a file or makes a tensor but from its inputs.
+#: prepack) and whenever a manifest is read. No operator here writes to its inputs, touches a file or
+#: makes a tensor but from its inputs.
 OPERATORS: dict[str, frozenset[str]] = {
-    "float32": _FLOAT32,
-    "bfloat16": _FLOAT32 | {"prims.convert_element_type.default"},
-    "float16": _FLOAT32 | {"prims.convert_element_type.default"},
+    "float32": _FLOAT32 | {CAST},
+    "bfloat16": _FLOAT32 | {CAST},
+    "float16": _FLOAT32 | {CAST},
     # torchao's int8 with dynamically quantized activations (quant_type int8dq): the transposed int8
     # weight, and its columns' int32 sums times the activation's zero point (torch 2.13, torchao 0.18)
     "int8": frozenset({"aten.permute.default"}),
@@ -603,6 +607,9 @@ def replay(recipe: dict[str, Any], tensors: dict[str, Any]) -> Any:
                 values.append(inputs[args[0]].detach())
                 continue
             fn = resolve_op(op, fmt)
+            why = _cast_problem(op, args, kwargs, fmt)
+            if why:
+                raise RecipeError(f"step {i} ({op}) {why}")
             a, k = _decode(args, values), {name: _decode(v, values) for name, v in kwargs.items()}
             try:
                 if op in _BROADCASTING:
@@ -627,6 +634,21 @@ def replay(recipe: dict[str, Any], tensors: dict[str, Any]) -> Any:
     if why:
         raise RecipeError(f"it made {why}")
     return value
+
+
+def _cast_problem(op: str, args: Any, kwargs: Any, fmt: str) -> str:
+    """Why a cast step is not one freezing records for a ``fmt`` constant (a cast to float32, or to
+    ``fmt`` itself), or "" (and "" for any other step)."""
+    if op != CAST:
+        return ""
+    if isinstance(args, list) and len(args) > 1:
+        dtype = args[1]
+    else:
+        dtype = kwargs.get("dtype") if isinstance(kwargs, dict) else None
+    allowed = " or ".join(dict.fromkeys(("float32", fmt)))
+    if not (isinstance(dtype, dict) and dtype.get("dtype") in ("float32", fmt)):
+        return f"casts to {str(dtype)[:40]}: a {fmt} constant's recipe casts only to {allowed}"
+    return ""
 
 
 def _unlike(value: Any, declared: dict[str, Any]) -> str:
@@ -760,6 +782,9 @@ def check_record(record: dict[str, Any]) -> str:
                 resolve_op(step[0], recipe["value"]["dtype"])
             except RecipeError as exc:
                 return f"{where}: {exc}"
+            why = _cast_problem(step[0], step[1], step[2], recipe["value"]["dtype"])
+            if why:
+                return f"{where}: step {i} {why}"
             if not _refs_ok(step[1], i) or not _refs_ok(list(step[2].values()), i) \
                     or not all(isinstance(k, str) and k.isidentifier() for k in step[2]):
                 return f"{where}: step {i} reads a value not computed before it, or an argument of no known kind"

@@ -83,7 +83,9 @@ def slow_bfloat16() -> str:
         return ""
     slow = "66x" if not torch.ops.mkldnn._is_mkldnn_bf16_supported() else "1.6x"
     return (f"{why}: bfloat16 runs slower than float32 here (a UNet call measured {slow} float32's on such a CPU, "
-            f"docs/targets.md); dtype: float32 serves faster")
+            f"docs/targets.md); a prepacked package (aot-package with freezing, auto's first try on a CPU) computes "
+            f"in float32 from the bfloat16 weights (compute_dtype: float32), every other strategy in bfloat16, and "
+            f"the build's eager warmup too (dtype: float32 serves faster there)")
 
 
 class InductorTarget(Target):
