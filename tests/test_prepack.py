@@ -263,6 +263,10 @@ def test_a_prepacked_bf16_recipe_computes_in_float32_only_where_the_cpu_has_no_n
     assert package.compile_factors(target, "cpu", unfrozen) == {}
     fp32 = parse_recipe({**base, "compile": {"options": {"freezing": True}}})
     assert package.compile_factors(target, "cpu", fp32) == {}
+    quantized = parse_recipe({**base, "model": {**TINY_DICT["model"], "dtype": "bfloat16",
+                                                "quantization": {"backend": "torchao", "quant_type": "int8dq"}},
+                              "compile": {"options": {"freezing": True}}})
+    assert package.compile_factors(target, "cpu", quantized) == {}  # int8 weights stay int8
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
     assert package.compile_factors(target, "cpu", frozen) == {}
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE")  # the CPU has it, oneDNN is kept from it

@@ -96,8 +96,9 @@ class AotPackage(Strategy):
         """``compute_dtype: float32`` where a prepacked package's weights are in a format this CPU computes
         slowly (``Target.slow_format``: bfloat16 without native bfloat16): it computes in float32, its
         prepacked constants float32 derived from the served weights (aoti.computing_in), never slower than
-        a float32 recipe's package; keyed, so a CPU with native bfloat16 builds and serves its own."""
-        if recipe is None or not prepack.wanted(recipe.compile.options):
+        a float32 recipe's package; keyed, so a CPU with native bfloat16 builds and serves its own. Not for
+        a quantized recipe (``model.quantization``: its weights' format is the quantization's)."""
+        if recipe is None or not prepack.wanted(recipe.compile.options) or recipe.model.quantization is not None:
             return {}
         return {COMPUTE_DTYPE: "float32"} if target.slow_format(recipe, device) else {}
 
