@@ -141,3 +141,36 @@ def test_plan_reads_a_pipeline_signature_from_its_source_as_the_import_would(nam
     from aotbuild.pipeline.pipecall import _signature_from_source
 
     assert _signature_from_source(name) == CallSignature.of(getattr(diffusers, name))
+
+
+@pytest.mark.parametrize("annotation,refuses", [("int", True), ("float", True), ("List[str]", True),
+                                                ("Optional[int]", False), ("int | None", False), ("Any", False),
+                                                ("typing.Optional[str]", False), ("'int | None'", False),
+                                                ("Union[int, None]", False), ("Union[str, NoneType]", False),
+                                                ("not python(", False)])
+def test_a_null_is_refused_only_where_the_annotation_admits_no_none(annotation, refuses):
+    from aotbuild.pipeline.pipecall import refuses_null
+
+    assert refuses_null(annotation) is refuses
+
+
+def test_plan_refuses_a_null_the_pipeline_cannot_take_and_passes_one_that_means_its_default(models_dir):
+    """Found in review: ``num_inference_steps: null`` passed ``plan`` and failed the job inside the
+    pipeline (``set_timesteps(None)``), after a load. A null where the parameter's default is None
+    (``negative_prompt``) or its annotation admits None (``output_type: Optional[str] = "pil"``) is the
+    pipeline's own value and still passes."""
+    from aotbuild import plan
+
+    data = {"model": {"id": "builtin:tiny-sd", "dtype": "float32"}, "shapes": [{"height": 64, "width": 64}]}
+    for arg in ("num_inference_steps", "guidance_scale", "eta"):
+        with pytest.raises(RecipeError) as info:
+            plan([{**data, "warmup": {arg: None}}], models_dir)
+        assert info.value.key == f"warmup.{arg}", info.value
+        assert "null is not a value StableDiffusionPipeline.__call__ takes" in info.value.message
+        assert "leave the key out for the pipeline's default" in info.value.message
+    plan([{**data, "warmup": {"negative_prompt": None, "output_type": None, "num_inference_steps": 2}}], models_dir)
+    from diffusers import StableDiffusionPipeline
+
+    signature = CallSignature.of(StableDiffusionPipeline)
+    assert {"num_inference_steps", "guidance_scale", "eta"} <= set(signature.no_null)
+    assert not {"negative_prompt", "output_type", "height", "latents"} & set(signature.no_null)

@@ -42,6 +42,8 @@ class CallSignature:
     takes_kwargs: bool
     #: the parameters annotated as tensors only (:func:`takes_only_tensors`): latents, prompt_embeds, ...
     tensors: tuple[str, ...] = ()
+    #: the parameters a null cannot be given (:func:`refuses_null`): num_inference_steps, guidance_scale, ...
+    no_null: tuple[str, ...] = ()
 
     @classmethod
     def of(cls, pipeline: Any) -> CallSignature:
@@ -52,7 +54,11 @@ class CallSignature:
                       if n != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD))
         tensors = tuple(n for n in named if parameters[n].annotation is not parameters[n].empty
                         and takes_only_tensors(_annotation_text(parameters[n].annotation)))
-        return cls(klass.__name__, named, any(p.kind is p.VAR_KEYWORD for p in parameters.values()), tensors)
+        no_null = tuple(n for n in named if parameters[n].annotation is not parameters[n].empty
+                        and parameters[n].default is not parameters[n].empty and parameters[n].default is not None
+                        and refuses_null(_annotation_text(parameters[n].annotation)))
+        return cls(klass.__name__, named, any(p.kind is p.VAR_KEYWORD for p in parameters.values()), tensors,
+                   no_null)
 
     @property
     def count_argument(self) -> str | None:
@@ -118,7 +124,14 @@ def _signature_from_source(name: str) -> CallSignature | None:
             named = [x for x in (*a.posonlyargs, *a.args, *a.kwonlyargs) if x.arg != "self"]
             tensors = tuple(x.arg for x in named if x.annotation is not None
                             and takes_only_tensors(ast.unparse(x.annotation)))
-            return CallSignature(name, tuple(x.arg for x in named), a.kwarg is not None, tensors)
+            positional = [*a.posonlyargs, *a.args]  # the defaults are the last ones'; a keyword one's or None
+            with_default = positional[len(positional) - len(a.defaults):]
+            defaults = {**{x.arg: d for x, d in zip(with_default, a.defaults, strict=True)},
+                        **{x.arg: d for x, d in zip(a.kwonlyargs, a.kw_defaults, strict=True) if d is not None}}
+            no_null = tuple(x.arg for x in named if x.annotation is not None and x.arg in defaults
+                            and not (isinstance(defaults[x.arg], ast.Constant) and defaults[x.arg].value is None)
+                            and refuses_null(ast.unparse(x.annotation)))
+            return CallSignature(name, tuple(x.arg for x in named), a.kwarg is not None, tensors, no_null)
     return None
 
 
@@ -160,6 +173,31 @@ def takes_only_tensors(annotation: str) -> bool:
     return bool(found) and all(leaf in _TENSOR_CLASSES for leaf in found)
 
 
+#: Names in an annotation that admit None.
+_ADMIT_NONE = frozenset({"Optional", "Any", "NoneType"})
+
+
+def refuses_null(annotation: str) -> bool:
+    """Whether a parameter annotated ``annotation`` (its source text), whose default is not None, takes no
+    None: nothing in the annotation admits it (``None``, ``NoneType``, ``Optional``, ``Any``). A ``null``
+    in the warmup for ``num_inference_steps: int = 50`` passed ``plan`` and failed the job inside the
+    pipeline, a load later; an unreadable annotation admits it (the job will tell)."""
+    import ast
+
+    try:
+        tree = ast.parse(annotation, mode="eval")
+    except SyntaxError:
+        return False
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and (node.value is None or node.value == "None"):
+            return False
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and not refuses_null(node.value):
+            return False  # a forward reference that admits None
+        if isinstance(node, (ast.Name, ast.Attribute)) and ast.unparse(node).rpartition(".")[2] in _ADMIT_NONE:
+            return False
+    return True
+
+
 def _annotation_text(annotation: Any) -> str:
     """An imported ``__call__``'s annotation as source text (a string one is already)."""
     return annotation if isinstance(annotation, str) else inspect.formatannotation(annotation)
@@ -186,6 +224,10 @@ def check_recipe(recipe: Recipe, call: CallSignature) -> None:
             got = describe_value(thaw(recipe.warmup[arg]))
             raise recipe.error(f"warmup.{arg}", f"{call.pipeline}.__call__ takes a tensor for {arg}, which a recipe "
                                                 f"cannot give (got {got}; a null or a list is no tensor): remove it")
+        if recipe.warmup[arg] is None and arg in call.no_null:
+            raise recipe.error(f"warmup.{arg}", f"null is not a value {call.pipeline}.__call__ takes for {arg} (its "
+                                                f"annotation admits no None): leave the key out for the pipeline's "
+                                                f"default, or give a value")
     framed = [i for i, s in enumerate(recipe.shapes) if s.num_frames is not None]
     for i, shape in enumerate(recipe.shapes):
         if shape.batch_size > 1 and call.count_argument is None:
