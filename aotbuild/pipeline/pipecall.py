@@ -124,7 +124,7 @@ def _signature_from_source(name: str) -> CallSignature | None:
             named = [x for x in (*a.posonlyargs, *a.args, *a.kwonlyargs) if x.arg != "self"]
             tensors = tuple(x.arg for x in named if x.annotation is not None
                             and takes_only_tensors(ast.unparse(x.annotation)))
-            positional = [*a.posonlyargs, *a.args]  # the defaults are the last ones'; a keyword one's or None
+            positional = [*a.posonlyargs, *a.args]  # defaults: the last ones'; kw_defaults: None where none
             with_default = positional[len(positional) - len(a.defaults):]
             defaults = {**{x.arg: d for x, d in zip(with_default, a.defaults, strict=True)},
                         **{x.arg: d for x, d in zip(a.kwonlyargs, a.kw_defaults, strict=True) if d is not None}}
