@@ -174,3 +174,16 @@ def test_plan_refuses_a_null_the_pipeline_cannot_take_and_passes_one_that_means_
     signature = CallSignature.of(StableDiffusionPipeline)
     assert {"num_inference_steps", "guidance_scale", "eta"} <= set(signature.no_null)
     assert not {"negative_prompt", "output_type", "height", "latents"} & set(signature.no_null)
+
+
+def test_a_null_the_pipeline_compares_with_none_is_its_own_value_and_passes():
+    """An annotation can say less than the code: AceStepPipeline takes ``num_inference_steps: int = ...``
+    and handles ``num_inference_steps is None`` itself, so a null there is not refused; SD's file never
+    compares it with None, so SD's is."""
+    from aotbuild.pipeline.pipecall import _signature_from_source, _unhandled
+
+    assert _unhandled(("a", "b", "c", "d"), "if a is None: pass\nif b is not None: pass\nc == None\nx = d") == ("d",)
+    assert _unhandled(("a",), "") == ()  # no source to read: none refused
+    ace = _signature_from_source("AceStepPipeline")
+    assert ace is not None and "num_inference_steps" in ace.params and "num_inference_steps" not in ace.no_null
+    assert "num_inference_steps" in _signature_from_source("StableDiffusionPipeline").no_null

@@ -42,7 +42,8 @@ class CallSignature:
     takes_kwargs: bool
     #: the parameters annotated as tensors only (:func:`takes_only_tensors`): latents, prompt_embeds, ...
     tensors: tuple[str, ...] = ()
-    #: the parameters a null cannot be given (:func:`refuses_null`): num_inference_steps, guidance_scale, ...
+    #: the parameters a null cannot be given (:func:`refuses_null`, and the pipeline's file never compares
+    #: them with None): num_inference_steps, guidance_scale, ...
     no_null: tuple[str, ...] = ()
 
     @classmethod
@@ -57,6 +58,7 @@ class CallSignature:
         no_null = tuple(n for n in named if parameters[n].annotation is not parameters[n].empty
                         and parameters[n].default is not parameters[n].empty and parameters[n].default is not None
                         and refuses_null(_annotation_text(parameters[n].annotation)))
+        no_null = _unhandled(no_null, _module_text(klass.__call__))
         return cls(klass.__name__, named, any(p.kind is p.VAR_KEYWORD for p in parameters.values()), tensors,
                    no_null)
 
@@ -131,6 +133,7 @@ def _signature_from_source(name: str) -> CallSignature | None:
             no_null = tuple(x.arg for x in named if x.annotation is not None and x.arg in defaults
                             and not (isinstance(defaults[x.arg], ast.Constant) and defaults[x.arg].value is None)
                             and refuses_null(ast.unparse(x.annotation)))
+            no_null = _unhandled(no_null, Path(path).read_text(encoding="utf-8"))
             return CallSignature(name, tuple(x.arg for x in named), a.kwarg is not None, tensors, no_null)
     return None
 
@@ -196,6 +199,25 @@ def refuses_null(annotation: str) -> bool:
         if isinstance(node, (ast.Name, ast.Attribute)) and ast.unparse(node).rpartition(".")[2] in _ADMIT_NONE:
             return False
     return True
+
+
+def _unhandled(names: tuple[str, ...], source: str) -> tuple[str, ...]:
+    """Of ``names``, those the pipeline's source file never compares with None: a pipeline that writes
+    ``audio_duration is None`` handles a None its annotation does not admit (AceStepPipeline), so a null
+    there is its own value, not a mistake. No source to read: none is refused (the job will tell)."""
+    import re
+
+    if not source:
+        return ()
+    return tuple(n for n in names if not re.search(rf"\b{re.escape(n)}\s*(?:is\s+(?:not\s+)?|[!=]=\s*)None\b", source))
+
+
+def _module_text(function: Any) -> str:
+    """The source file that defines ``function`` ("" where it cannot be read)."""
+    try:
+        return inspect.getsource(inspect.getmodule(function))
+    except (OSError, TypeError):
+        return ""
 
 
 def _annotation_text(annotation: Any) -> str:
