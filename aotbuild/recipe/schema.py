@@ -117,11 +117,16 @@ SCHEMA: dict[str, dict[str, Field] | Field] = {
 }
 #: The largest tensor-parallel degree a recipe may ask for.
 MAX_TENSOR_PARALLEL = 64
+#: quant_types calibrated at build on the warmup's calls (PT2E, aotbuild/strategies/calibrate.py): served by
+#: strategy aot-package with freezing only, bound to the weights calibrated on.
+CALIBRATED_QUANT_TYPES = ("int8static",)
 QUANT_SCHEMA = {
     "backend": Field("str", required=True, choices=("torchao",), doc="the quantization library"),
-    "quant_type": Field("str", required=True, choices=("int8wo", "int8dq", "int4wo", "float8wo", "float8dq"),
+    "quant_type": Field("str", required=True,
+                        choices=("int8wo", "int8dq", "int4wo", "float8wo", "float8dq", *CALIBRATED_QUANT_TYPES),
                         doc="torchao's Int8WeightOnlyConfig, Int8DynamicActivationInt8WeightConfig, "
-                            "Int4WeightOnlyConfig, Float8WeightOnlyConfig, Float8DynamicActivationFloat8WeightConfig"),
+                            "Int4WeightOnlyConfig, Float8WeightOnlyConfig, Float8DynamicActivationFloat8WeightConfig; "
+                            "int8static: PT2E X86InductorQuantizer calibrated on the warmup (convolutions too)"),
     "quant_kwargs": Field("mapping", {}, doc="keyword arguments of the backend's config class"),
     "components": Field("list[str]", None, doc="which components to quantize; default: compile.components"),
 }

@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from aotbuild import forwards
-from aotbuild.dispatch import install_dispatcher
+from aotbuild.dispatch import install_dispatcher, signature
 from aotbuild.pipeline.blocks import select_blocks
-from aotbuild.strategies import aoti, calls, prepack
+from aotbuild.strategies import aoti, calibrate, calls, prepack
 from aotbuild.strategies.base import BuildJob, Built, Planned, Resolved, Strategy, lazy_compile
 
 if TYPE_CHECKING:
@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
 #: torchao types whose quantized weights a package is built and served with (tests/test_quantization.py):
 #: torch.export lifts each quantized weight's inner tensors (runner.named_tensors), handed over live.
-PACKAGED_QUANT_TYPES = ("int8wo", "int8dq")
+PACKAGED_QUANT_TYPES = ("int8wo", "int8dq", *calibrate.CALIBRATED)
 #: Types whose weights Inductor's freezing dequantizes at compile time (int8wo's ``mm(x, w.to(float32))``
 #: folds to a float32 weight, prepacked as float32): no prepacked package is built for them.
 DEQUANTIZED_BY_FREEZING = ("int8wo",)
@@ -41,6 +41,7 @@ class AotPackage(Strategy):
     name = "aot-package"
     summary = "AOTInductor packages without weights (inductor): no Dynamo at load"
     targets = ("inductor",)
+    calibrates = True
 
     def validate(self, recipe: Recipe, target: Target) -> None:
         super().validate(recipe, target)
@@ -63,6 +64,16 @@ class AotPackage(Strategy):
             raise recipe.error("compile.options.freezing", f"freezing folds {quant.quant_type}'s int8 weights back "
                                                            f"into float32 constants (4x their bytes, float32 "
                                                            f"kernels): set freezing false")
+        if quant is not None and quant.quant_type in calibrate.CALIBRATED:
+            if not prepack.wanted(recipe.compile.options):
+                raise recipe.error("compile.options.freezing", f"{quant.quant_type} reaches oneDNN's int8 kernels only "
+                                                               f"through Inductor's freezing: set freezing true")
+            if quant.quant_kwargs:
+                raise recipe.error("model.quantization.quant_kwargs",
+                                   f"{quant.quant_type} takes no arguments (torchao's default static "
+                                   f"X86InductorQuantizer config)")
+            if recipe.device is not None and not recipe.device.startswith("cpu"):
+                raise recipe.error("device", f"{quant.quant_type} is torchao's X86InductorQuantizer: x86 CPUs only")
         if recipe.tensor_parallel > 1:
             raise recipe.error("parallel.tensor", "strategy aot-package cannot shard: torch.export fails on a "
                                                   "tensor-parallel module's DTensor spec (torch 2.13): use strategy "
@@ -79,10 +90,27 @@ class AotPackage(Strategy):
         recorded: dict[str, Any] = {}
         dispatcher = install_dispatcher(job.module, job.component, {}, job.module.forward, "record",
                                         on_record=lambda sig, a, k: recorded.setdefault(sig, calls.snapshot(a, k)))
+        quant = ctx.recipe.model.quantization
+        calibrating: dict[str, list[Any]] | None = \
+            {} if quant is not None and quant.quant_type in calibrate.CALIBRATED else None
+        hook = job.module.register_forward_pre_hook(
+            lambda _, a, k: calibrating.setdefault(signature(a, k), []).append(calls.snapshot(a, k)),
+            with_kwargs=True) if calibrating is not None else None
         try:
             job.run_warmup()  # eager: records the exact calls the pipeline makes
         finally:
             forwards.unwrap(job.module, forwards.DISPATCH)
+            if hook is not None:
+                hook.remove()
+        if calibrating is not None:  # int8static: calibrated on every call of the warmup, per signature
+            if not ctx.device.startswith("cpu"):
+                raise RuntimeError(f"{quant.quant_type} serves x86 CPUs only (torchao's X86InductorQuantizer); "
+                                   f"this job's device is {ctx.device}")
+            job.phase(f"calibrating int8 on {sum(map(len, calibrating.values()))} warmup calls, exporting and "
+                      f"packaging")
+            reduce_range = self.compile_factors(ctx.target, ctx.device, ctx.recipe)[calibrate.REDUCE_RANGE]
+            return Built(sorted(dispatcher.built), aoti.build_calibrated(job.module, calibrating, job.workdir, options,
+                                                                         reduce_range))
         job.phase("exporting and packaging")
         compute = self.compile_factors(ctx.target, ctx.device, ctx.recipe).get(COMPUTE_DTYPE)
         if compute is not None:
@@ -98,6 +126,9 @@ class AotPackage(Strategy):
         prepacked constants float32 derived from the served weights (aoti.computing_in), never slower than
         a float32 recipe's package; keyed, so a CPU with native bfloat16 builds and serves its own. Not for
         a quantized recipe (``model.quantization``: its weights' format is the quantization's)."""
+        quant = recipe.model.quantization if recipe is not None else None
+        if quant is not None and quant.quant_type in calibrate.CALIBRATED:  # 7-bit activations without VNNI
+            return {calibrate.REDUCE_RANGE: target.int8_reduce_range(device)}
         if recipe is None or not prepack.wanted(recipe.compile.options) or recipe.model.quantization is not None:
             return {}
         return {COMPUTE_DTYPE: "float32"} if target.slow_format(recipe, device) else {}
@@ -123,6 +154,9 @@ class AotPackage(Strategy):
             for fqn, digest in baked.items():
                 if not isinstance(digest, str):
                     return f"packages[].baked[{fqn[:40]!r}]: not a digest"
+            calibrated = record.get("calibrated", {})
+            if not isinstance(calibrated, dict) or not all(isinstance(d, str) for d in calibrated.values()):
+                return "packages[].calibrated: not {name: digest}"
             strides = record.get("constant_strides", {})
             if not isinstance(strides, dict) or not all(
                     isinstance(v, list) and all(isinstance(d, int) and not isinstance(d, bool) for d in v)
@@ -143,8 +177,9 @@ class AotPackage(Strategy):
         return ""
 
     def embeds_weights(self, records: tuple[dict[str, Any], ...]) -> bool:
-        # Only if AOTInductor compiled a tensor's value into a package: see packages[].baked.
-        return any(r.get("baked") for r in records)
+        # Only if AOTInductor compiled a tensor's value into a package (packages[].baked), or the package
+        # holds scales calibrated on the weights (packages[].calibrated: int8static)
+        return any(r.get("baked") or r.get("calibrated") for r in records)
 
     def compile_counter(self, target: Target) -> tuple[str, Callable[[], int]]:
         from torch._dynamo.utils import counters

@@ -62,7 +62,14 @@ from aotbuild.strategies.calls import (
     structure,
     where_called,
 )
-from aotbuild.strategies.runner import PackageRoute, PackageRunner, baked_digests, named_tensors, tensor_digest
+from aotbuild.strategies.runner import (
+    PackageRoute,
+    PackageRunner,
+    baked_digests,
+    calibrated_problem,
+    named_tensors,
+    tensor_digest,
+)
 
 if TYPE_CHECKING:
     from aotbuild.recipe.schema import Recipe
@@ -107,6 +114,9 @@ def check_baked(module: Any, component: str, packages: list[dict[str, Any]]) -> 
                     where = f"{instance}.{fqn}" if instance else fqn
                     return (f"{component}'s AOT package has {len(package['baked'])} tensors compiled in (biases, "
                             f"norms) and this model's differ (e.g. {where}): it was built for other weights")
+        why = calibrated_problem(state, package.get("calibrated", {}))
+        if why:
+            return f"{component}'s AOT package {why}"
     return ""
 
 
@@ -148,10 +158,14 @@ def computing_in(module: Any, dtype: Any) -> Iterator[None]:
 
 def _package(module: Any, sig: str, args: tuple[Any, ...], kwargs: dict[str, Any], workdir: Path,
              inductor_configs: dict[str, Any], group: str = "", noise: float = 0.0,
-             compute: Any = None) -> dict[str, Any]:
+             compute: Any = None, calibrated: Any = None) -> dict[str, Any]:
     """Export one recorded call of ``module``, package it without weights, probe it; its manifest record.
-    ``compute``: the dtype it computes in where not its weights' (:func:`computing_in`)."""
+    ``compute``: the dtype it computes in where not its weights' (:func:`computing_in`). ``calibrated``: the
+    served module, where ``module`` is its int8static conversion (calibrate.py): the package serves its
+    weights only, and what the conversion and the int8 lowering add is stored beside it."""
     import torch
+
+    from aotbuild.strategies import calibrate
 
     # Named by everything that tells packages apart: two block classes can share a signature, and
     # one class's instances can need two packages (another input layout, another float argument).
@@ -164,6 +178,10 @@ def _package(module: Any, sig: str, args: tuple[Any, ...], kwargs: dict[str, Any
           computing_in(module, compute) if compute is not None else contextlib.nullcontext()):
         exported = torch.export.export(module, args, kwargs)
     exported, lifted = _promote_lifted_constants(exported)
+    owner = module if calibrated is None else calibrated  # whose weights the load supplies
+    if calibrated is not None:  # the conversion's per-channel scales and zero points: stored, not supplied
+        served = named_tensors(calibrated)
+        lifted.update({name: t for name, t in named_tensors(module).items() if name not in served})
     unread = unread_parts(exported, module)  # a quantized weight's parts no kernel reads: not compiled in
     # Weights out of the .so, and no tensor inlined as a literal (Inductor inlines 1-D tensors of <= 8
     # elements otherwise: the tiny UNet's biases and norms), so every weight can be supplied at load.
@@ -181,28 +199,37 @@ def _package(module: Any, sig: str, args: tuple[Any, ...], kwargs: dict[str, Any
     with (torch._inductor.config.patch({"aot_inductor.metadata": dict(torch._inductor.config.aot_inductor.metadata)}),
           recorder.active() if recorder else contextlib.nullcontext(),
           torch.no_grad() if recorder else contextlib.nullcontext(),
+          calibrate.made_constants() if calibrated is not None else contextlib.nullcontext({}) as made,
           wrapper_beside_kernels()):
         torch._inductor.aoti_compile_and_package(exported, package_path=str(path), inductor_configs=configs)
     fqns = open_package(path).get_constant_fqns()  # what the package asks for, by the loader a load uses
     # Only the lifted constants the package asks for: Inductor folds one it can compute at compile
     # time (Chroma's guidance_proj(torch.tensor([0] * batch)) in time_text_embed), and supplying a
     # name the package lacks fails every load ("Constant not found", issue 36 item 4).
-    derived = recorder.derived(fqns) if recorder else {}
+    derived = recorder.derived(fqns, made=made) if recorder else {}
+    # int8static: the scalars the int8 lowering made from the calibrated activation scales, stored too
+    lifted.update({f: made[f] for f in fqns if f in made and f not in derived and f not in lifted
+                   and f not in named_tensors(owner)})
     lifted = {name: value for name, value in lifted.items()
               if name in fqns or any(name in r["inputs"] for r in derived.values())}
     unsupplied = sorted(name for name in lifted if name not in fqns)  # only a recipe's input
     weights = [f for f in fqns if f not in lifted and f not in derived]
     sources = sorted({i for r in derived.values() for i in r["inputs"]} - set(lifted))
     record = {"signature": sig, "path": f"{PACKAGE_DIR}/{path.name}", "strides": strides, "asks": sorted(fqns),
-              "constants": constant_meta(module, weights),
-              "baked": baked_digests(module, [*weights, *sources, *unread]),
-              "constant_strides": constant_strides(module, weights)}
+              "constants": constant_meta(owner, weights),
+              "baked": baked_digests(owner, [*weights, *sources, *unread]),
+              "constant_strides": constant_strides(owner, weights)}
+    if calibrated is not None:  # bound to the weights it was calibrated on: every one of them
+        record["calibrated"] = {fqn: tensor_digest(t) for fqn, t in sorted(named_tensors(owner).items())}
     if derived:
         record["derived"] = derived
-        record["derived_from"] = constant_meta(module, sources)
+        record["derived_from"] = constant_meta(owner, sources)
         if unsupplied:
             record["lifted_unsupplied"] = unsupplied
-        prepack.check_other_weights(path, module, named_tensors(module), args, kwargs, record, lifted, noise)
+        if calibrated is None:  # (a calibrated package serves no other weights: nothing to try)
+            prepack.check_other_weights(path, module, named_tensors(module), args, kwargs, record, lifted, noise)
+    if calibrated is not None:
+        calibrate.check_against_eager(path, module, named_tensors(owner), args, kwargs, record, lifted)
     if lifted:
         from safetensors.torch import save_file
 
@@ -322,6 +349,21 @@ def build_packages(module: Any, calls: dict[str, tuple[tuple[Any, ...], dict[str
     ``compute``: the dtype the packages compute in where not the weights' (:func:`computing_in`)."""
     return [_package(module, sig, args, kwargs, workdir, inductor_configs, noise=noise, compute=compute)
             for sig, (args, kwargs) in sorted(calls.items())]
+
+
+def build_calibrated(module: Any, calls: dict[str, list[tuple[tuple[Any, ...], dict[str, Any]]]], workdir: Path,
+                     inductor_configs: dict[str, Any], reduce_range: bool = False) -> list[dict[str, Any]]:
+    """int8static (calibrate.py): per signature, ``module`` converted with observers calibrated on every
+    recorded call of it, exported and packaged from its first; the package list for the manifest."""
+    from aotbuild.strategies import calibrate
+
+    built = []
+    for sig, recorded in sorted(calls.items()):
+        converted = calibrate.convert(module, recorded, reduce_range)
+        args, kwargs = recorded[0]
+        built.append(_package(converted, sig, args, kwargs, workdir, inductor_configs, calibrated=module))
+        del converted
+    return built
 
 
 class BlockRecorder:

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from aotbuild import forwards
+from aotbuild.recipe.schema import CALIBRATED_QUANT_TYPES
 
 if TYPE_CHECKING:
     from aotbuild.cache.store import Entry
@@ -105,6 +106,8 @@ class Strategy:
     graph_breaks: bool = False
     #: whether it serves ``text_length``: a range of text lengths from one build (aotbuild/pipeline/textlen.py)
     text_lengths: bool = False
+    #: True when it serves a quant_type calibrated at build (schema.CALIBRATED_QUANT_TYPES: int8static)
+    calibrates: bool = False
 
     # -- when the recipe is read --------------------------------------------------------------
 
@@ -126,6 +129,12 @@ class Strategy:
             raise recipe.error("text_length", f"strategy {self.name} cannot serve a range of text lengths yet: "
                                               "use strategy jit-cache (or auto, which then takes it), or remove "
                                               "text_length")
+        quant = recipe.model.quantization
+        if quant is not None and quant.quant_type in CALIBRATED_QUANT_TYPES and not self.calibrates \
+                and self.name != "auto":
+            raise recipe.error("model.quantization", f"quant_type {quant.quant_type} is calibrated at build and served "
+                                                     f"by strategy aot-package with compile.options.freezing: true "
+                                                     f"(or auto), not {self.name}")
 
     def _refuse_freezing(self, recipe: Recipe) -> None:
         """Inductor's ``freezing`` folds the build's weights into what it compiles. An ahead-of-time

@@ -42,7 +42,7 @@ if TYPE_CHECKING:
 
 #: The operator namespaces a recipe may call (what Inductor's freezing passes fold: layout changes,
 #: arithmetic of binary folding, oneDNN/MKL weight reorders).
-NAMESPACES = ("aten", "prims", "mkldnn", "mkl")
+NAMESPACES = ("aten", "prims", "mkldnn", "mkl", "quantized_decomposed", "onednn")
 
 #: What freezing records for a float32 constant (torch 2.13; tests/test_prepack.py records each): layout
 #: changes, the arithmetic of folding a batch norm or a following multiplication into a convolution, and
@@ -64,8 +64,11 @@ OPERATORS: dict[str, frozenset[str]] = {
     "bfloat16": _FLOAT32 | {CAST},
     "float16": _FLOAT32 | {CAST},
     # torchao's int8 with dynamically quantized activations (quant_type int8dq): the transposed int8
-    # weight, and its columns' int32 sums times the activation's zero point (torch 2.13, torchao 0.18)
-    "int8": frozenset({"aten.permute.default"}),
+    # weight, and its columns' int32 sums times the activation's zero point (torch 2.13, torchao 0.18);
+    # int8static (PT2E, calibrate.py): the float weight quantized per output channel with its stored
+    # scales, then reordered for oneDNN's int8 convolution or linear
+    "int8": frozenset({"aten.permute.default", "quantized_decomposed.quantize_per_channel.default",
+                       "onednn.qconv_prepack", "onednn.qlinear_prepack"}),
     "int32": frozenset({"aten.permute.default", "aten.sum.dim_IntList", "aten.mul.Tensor"}),
 }
 #: Operators that can make a tensor larger than each of their inputs (broadcasting): the output's size
@@ -132,6 +135,8 @@ def resolve_op(name: str, fmt: str | None = None) -> Any:
     import torch
 
     ns, _, rest = name.partition(".")
+    if ns == "quantized_decomposed":  # torch registers these operators when this module is imported
+        import torch.ao.quantization.fx._decomposed  # noqa: F401
     try:
         op = getattr(getattr(torch.ops, ns), rest.split(".")[0])
         op = getattr(op, rest.split(".")[1]) if "." in rest else op
@@ -339,15 +344,17 @@ class FoldRecorder:
             checked[target] = recipe
         return checked
 
-    def derived(self, fqns: list[str]) -> dict[str, dict[str, Any]]:
+    def derived(self, fqns: list[str], made: dict[str, Any] | None = None) -> dict[str, dict[str, Any]]:
         """The recipe of every constant in ``fqns`` (what the package asks for) that is not a module
-        tensor under its own name, each checked by replaying it on the build's weights."""
+        tensor under its own name, each checked by replaying it on the build's weights. ``made``: constants
+        Inductor's lowering made after freezing (calibrate.made_constants), which the caller stores
+        instead; a frozen constant is never one of them."""
         checked = self._checked.result() if self._checked is not None else {}  # raises what the check found
         out = {}
         for fqn in fqns:
             if fqn in checked:
                 out[fqn] = checked[fqn]
-            elif fqn not in self.tensors:
+            elif fqn not in self.tensors and (fqn not in (made or {}) or fqn in self.final):
                 raise RecipeError(f"the package asks for {fqn!r}, which freezing made and whose computation "
                                   f"from the weights was not recorded")
         self._folded.clear()  # the build's folded tensors (a second copy of the weights) are not needed now

@@ -140,6 +140,19 @@ def tensor_digest(t: Any) -> str:
     return hashlib.sha256(data.numpy().tobytes()).hexdigest()
 
 
+def calibrated_problem(tensors: dict[str, Any], calibrated: dict[str, str]) -> str:
+    """Why ``tensors`` are not the weights an int8static package was calibrated on (its record's
+    ``calibrated``: every weight's sha256), or ""."""
+    import torch
+
+    for fqn, digest in calibrated.items():
+        t = tensors.get(fqn)
+        if not isinstance(t, torch.Tensor) or tensor_digest(t) != digest:
+            return (f"was calibrated on other weights (int8static: {len(calibrated)} weights, e.g. {fqn} differs): "
+                    f"build the recipe with these weights")
+    return ""
+
+
 def baked_digests(module: Any, supplied: list[str] | dict[str, Any]) -> dict[str, str]:
     """sha256 of every tensor of ``module`` that the package does *not* take as a constant.
 
@@ -179,6 +192,8 @@ class PackageRunner:
         self.constant_strides: dict[str, list[int]] = package.get("constant_strides", {})
         self.strides = package.get("strides")
         self.baked: dict[str, str] = package.get("baked", {})
+        #: int8static: every weight's sha256 at calibration; other values are refused, never served
+        self.calibrated: dict[str, str] = package.get("calibrated", {})
         #: freezing (prepack.py): constants replayed from the module's weights, and the weights they come from
         self.derived: dict[str, dict[str, Any]] = package.get("derived", {})
         self.derived_from: dict[str, list[Any]] = package.get("derived_from", {})
@@ -465,6 +480,11 @@ class PackageRunner:
             if self.bound is None:
                 self._bind()  # the first call of a runner bound at its first call (offload, a copy)
             elif self._changed():  # pipe.to(...), dtype, LoRA fuse, new weights, an in-place write
+                if self.calibrated:  # int8static: checked before anything is handed over, so it stays refused
+                    why = calibrated_problem(named_tensors(self.module), self.calibrated)
+                    if why:
+                        raise PackageMismatch(f"{self.component}: its AOT package {why}, or load_compiled again "
+                                              f"with the weights it was built for")
                 self.rebinds += 1
                 self._bind(full=False)
                 if self.baked:

@@ -113,6 +113,11 @@ class Target:
         warns with it)."""
         return ""
 
+    def int8_reduce_range(self, device: str) -> bool:
+        """Whether int8 activations must keep to 7 bits on ``device`` here (an x86 CPU without VNNI: its int8
+        kernels' int16 sums saturate); a key factor of a calibrated int8 package (strategies/calibrate.py)."""
+        return False
+
     def fingerprint(self, device: str) -> dict[str, Any]:
         """Toolchain versions and device kind (never a device index, path or hostname)."""
         raise NotImplementedError

@@ -88,6 +88,26 @@ def slow_bfloat16() -> str:
             f"the build's eager warmup too (dtype: float32 serves faster there)")
 
 
+#: oneDNN ISA caps that keep an int8 dot-product instruction (AVX512-VNNI, AVX-VNNI, AMX) available to it.
+_VNNI_CAPS = ("AVX512_CORE_VNNI", "AVX2_VNNI", *_BF16_CAPS)
+
+
+def int8_without_vnni() -> str:
+    """Why this CPU's int8 kernels need activations of 7 bits, or "": without VNNI (or AMX), oneDNN multiplies
+    uint8 by int8 with ``vpmaddubsw``, whose pairwise int16 sums saturate on full-range activations.
+    Measured on a 2-core AVX2 EPYC (no VNNI; a UNet of 32/64 channels, int8static): the compiled int8 model 0.34
+    from the same model run eagerly with 8-bit activations, 0.1 with 7 (torchao's ``reduce_range``, its advice
+    for CPUs without VNNI); the one-level tiny UNet 0.22 and 1.6e-7."""
+    import torch
+
+    cap = onednn_cap()
+    if not (torch.cpu._is_vnni_supported() or torch.cpu._is_amx_tile_supported()):
+        return "this CPU has no int8 dot-product instruction (avx512_vnni, avx_vnni, amx_int8)"
+    if cap and cap not in _VNNI_CAPS:
+        return f"ONEDNN_MAX_CPU_ISA={cap} keeps oneDNN from its int8 dot-product instructions"
+    return ""
+
+
 class InductorTarget(Target):
     name = "inductor"
     default_dtype = "float32"
@@ -111,6 +131,9 @@ class InductorTarget(Target):
 
     def slow_format(self, recipe: Recipe, device: str) -> str:
         return slow_bfloat16() if recipe.model.dtype == "bfloat16" and device.split(":")[0] == "cpu" else ""
+
+    def int8_reduce_range(self, device: str) -> bool:
+        return device.split(":")[0] == "cpu" and bool(int8_without_vnni())
 
     def check_device(self, device: str, recipe: Recipe) -> None:
         kind, index = _parse_device(device)

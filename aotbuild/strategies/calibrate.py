@@ -1,0 +1,147 @@
+"""``model.quantization.quant_type: int8static``: int8 that reaches the convolutions (issue 57, item 2).
+
+torchao's ``quantize_`` configs replace ``nn.Linear`` weights only, and most of a UNet's work is its
+convolutions. PyTorch 2 export quantization does both: the component is exported (``torch.export``),
+torchao's ``X86InductorQuantizer`` annotates every convolution and linear (activations uint8 per tensor,
+weights int8 per output channel, static), ``prepare_pt2e`` puts observers in, the build calibrates them
+on **every call the warmup made** with that call signature, and ``convert_pt2e(fold_quantize=False)``
+writes quantize/dequantize pairs around each: Inductor's freezing (aot-package with
+``compile.options.freezing``) then lowers each pattern to oneDNN's int8 ``qconv_pointwise`` /
+``qlinear_pointwise``.
+
+What that means for serving:
+
+- ``fold_quantize=False`` keeps the float weights as the graph's inputs, so freezing folds each int8
+  weight as ``quantize_per_channel(weight, scale, zero_point)`` then ``onednn.qconv_prepack`` /
+  ``qlinear_prepack``: recorded like any prepacked constant (prepack.py) and re-derived at load from the
+  served float weights. The entry holds no weight.
+- The calibrated activation scales are literals of the compiled code and the weights' per-channel
+  scales are computed from the weights: a package serves **only the weights it was calibrated on**. Its
+  record holds every weight's sha256 (``calibrated``): a load with other weights is a miss ("calibrated
+  on other weights": build the recipe with them), and weights changed after load are refused at the next
+  call (PackageMismatch), never served with the old scales.
+- The per-channel scales and zero points (``convert_pt2e``'s ``_scale_<i>`` / ``_zero_point_<i>``
+  buffers) and the scalars Inductor's int8 lowering makes from the activation scales are stored beside
+  the package with its other lifted constants.
+
+The served module stays the user's float model: nothing is quantized at load (``model.quantization``'s
+``quantize_`` is not called for this type), its package computes in int8.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+from aotbuild import forwards
+from aotbuild.recipe.schema import CALIBRATED_QUANT_TYPES
+
+#: The quant_types served this way (by strategy aot-package with freezing, on an x86 CPU).
+CALIBRATED = CALIBRATED_QUANT_TYPES
+#: The key factor (compile settings) saying whether activations keep to 7 bits (a CPU without VNNI).
+REDUCE_RANGE = "int8_reduce_range"
+
+
+def convert(module: Any, calls: list[tuple[tuple[Any, ...], dict[str, Any]]], reduce_range: bool = False) -> Any:
+    """``module`` exported for the first of ``calls`` (all of one signature), quantized by torchao's
+    ``X86InductorQuantizer`` with observers calibrated on every call in ``calls``: the converted
+    ``GraphModule``, its float weights under their own names, each quantized in the graph.
+    ``reduce_range``: activations of 7 bits (a CPU without VNNI: Target.int8_reduce_range)."""
+    import torch
+
+    try:
+        import torchao.quantization.pt2e.quantizer.x86_inductor_quantizer as xiq
+        from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
+    except ImportError as exc:  # the recipe was checked with torchao present; an older torchao lacks PT2E
+        raise RuntimeError(f"quant_type int8static needs torchao's PT2E quantization "
+                           f"(torchao.quantization.pt2e): {exc}") from None
+    args, kwargs = calls[0]
+    with torch.no_grad(), forwards.class_forward(module):
+        exported = torch.export.export(module, args, kwargs)
+    config = xiq.get_default_x86_inductor_quantization_config(reduce_range=reduce_range)
+    quantizer = xiq.X86InductorQuantizer().set_global(config)
+    prepared = prepare_pt2e(exported.module(), quantizer)
+    with torch.no_grad():
+        for a, k in calls:
+            prepared(*a, **k)
+    return convert_pt2e(prepared, fold_quantize=False)
+
+
+@contextlib.contextmanager
+def made_constants() -> Iterator[dict[str, Any]]:
+    """While active, every constant Inductor's lowering adds to a graph gets a name of its own, and
+    the yielded dict gets {name the package asks for it by: value}.
+
+    The int8 lowerings (torch 2.13's mkldnn_lowerings.py) add each activation's scale and zero point
+    as a scalar constant named ``x_scale`` / ``x_zp``, and an int32 copy of an int64 weight zero point
+    under the buffer's own name: a package built without its constants would ask for several
+    different values by one name, and a load can supply only one of them (AOTInductor maps constants
+    by that name). A name already another constant's is replaced by the constant's unique name in the
+    graph (``x_scale_0``), so each can be supplied."""
+    from torch._inductor.graph import GraphLowering
+
+    allocate = GraphLowering.allocate_non_dup_const_name
+    made: dict[str, Any] = {}
+
+    def unique(self: Any, name: str | None, data: Any) -> str:
+        before = len(self.constants)
+        new = allocate(self, name, data)
+        if len(self.constants) == before:
+            return new  # an existing constant of the same value: nothing added
+        fqn = self.allocated_constant_name.get(new, new)
+        taken = {v for k, v in self.allocated_constant_name.items() if k != new}
+        taken |= set(self.dynamo_flat_name_to_original_fqn.values())
+        if fqn in taken:
+            fqn = new
+            while fqn in taken:
+                fqn += "_"
+            self.allocated_constant_name[new] = fqn
+        made[fqn] = data
+        return new
+
+    GraphLowering.allocate_non_dup_const_name = unique
+    try:
+        yield made
+    finally:
+        GraphLowering.allocate_non_dup_const_name = allocate
+
+
+#: How far (relative, ``|served - eager| / |eager|`` over each output) a calibrated package's output may be
+#: from the converted model run eagerly on the build's call. Eager quantizes and dequantizes in float32
+#: around float kernels; the package runs oneDNN's int8 kernels, which requantize each output with its
+#: calibrated scale, so roundings flip and spread through the network. Measured: the one-level tiny UNet
+#: 1.6e-7 and a UNet of 32/64 channels 9.6e-2 (2-core AVX2 EPYC, 7-bit activations), SD 1.5 size 4.4e-2
+#: (an AVX-512 VNNI CPU, benchmarks/int8_convs.py; 4.4e-2 from float32 eager too). Full-range activations
+#: on a CPU without VNNI saturate its int16 sums: 0.22 and 0.34 (Target.int8_reduce_range). A value the
+#: package took from elsewhere (another layer's scale) is off by about the output's own size.
+EAGER_BOUND = 0.2
+
+
+def check_against_eager(path: Any, converted: Any, weights: dict[str, Any], args: tuple[Any, ...],
+                        kwargs: dict[str, Any], record: dict[str, Any], lifted: dict[str, Any]) -> None:
+    """The package at ``path``, handed the build's weights as a load hands them (each weight, each derived
+    constant replayed, each stored constant), called with the build's call, against ``converted`` (the
+    quantized model) run eagerly: RuntimeError if an output is more than :data:`EAGER_BOUND` apart."""
+    import torch
+    from torch.utils._pytree import tree_leaves
+
+    from aotbuild.strategies import prepack
+
+    sources = {**weights, **lifted}
+    supplied = {**{fqn: weights[fqn] for fqn in record["constants"]},
+                **{k: v for k, v in lifted.items() if k not in record.get("lifted_unsupplied", [])},
+                **{name: prepack.replay(recipe, sources) for name, recipe in record.get("derived", {}).items()}}
+    loaded = torch._inductor.aoti_load_package(str(path))
+    loaded.load_constants(supplied, check_full_update=True, user_managed=True)
+    with torch.no_grad():
+        served = tree_leaves(loaded(*args, **kwargs))
+        del loaded, supplied
+        eager = tree_leaves(converted(*args, **kwargs))
+    for a, b in zip(served, eager, strict=True):
+        if isinstance(b, torch.Tensor) and b.is_floating_point():
+            gap = float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12))
+            if not gap <= EAGER_BOUND:
+                raise RuntimeError(f"the int8static package differs from the quantized model run eagerly by {gap:.3g} "
+                                   f"(relative; at most {EAGER_BOUND} accepted): its int8 kernels do not compute "
+                                   f"what the calibration made")
