@@ -24,8 +24,8 @@ def data(**model) -> dict:
 
 @pytest.mark.parametrize("strategy,quant_type,options,key,says", [
     ("aot-compile", "int8wo", {}, "model.quantization", "use strategy jit-cache"),
-    ("aot-package", "float8wo", {}, "model.quantization", "serves quant_type int8wo, int8dq (verified); float8wo: "
-                                                          "use strategy jit-cache"),
+    ("aot-package", "float8wo", {}, "model.quantization", "serves quant_type int8wo, int8dq, int8static (verified); "
+                                                          "float8wo: use strategy jit-cache"),
     ("aot-package", "int8wo", {"freezing": True}, "compile.options.freezing", "folds int8wo's int8 weights back")])
 def test_what_a_strategy_cannot_serve_quantized_is_refused_by_name(strategy, quant_type, options, key, says):
     from aotbuild.recipe.rules import parse_recipe
@@ -49,6 +49,97 @@ def test_auto_offers_aot_package_to_int8_and_prepacks_only_what_keeps_int8(model
         del recipe["strategy"]
         auto = plan([recipe], models_dir)[0].as_json()["auto"]
         assert auto["tries"] == tries, auto
+
+
+@pytest.mark.parametrize("strategy,options,over,key,says", [
+    ("jit-cache", {}, {}, "model.quantization", "calibrated at build and served by strategy aot-package"),
+    ("aot-compile", {}, {}, "model.quantization", "calibrated at build and served by strategy aot-package"),
+    ("aot-package", {}, {}, "compile.options.freezing", "only through Inductor's freezing"),
+    ("aot-package", {"freezing": True}, {"quant_kwargs": {"reduce_range": True}}, "model.quantization.quant_kwargs",
+     "takes no arguments"),
+    ("aot-package", {"freezing": True}, {"device": "cuda"}, "device", "x86 CPUs only")])
+def test_int8static_is_served_by_a_prepacked_package_only(strategy, options, over, key, says):
+    """int8static (PT2E, calibrated at build) is served by aot-package with freezing, on a CPU: every
+    other strategy and setting is refused by name before any build."""
+    from aotbuild.recipe.rules import parse_recipe
+
+    recipe = data(quant_type="int8static")
+    recipe["compile"]["options"] = {"freezing": True}
+    parse_recipe({**recipe, "strategy": "aot-package"})  # what serves it
+    recipe["device"] = over.pop("device", "cpu")
+    recipe["model"]["quantization"].update(over)
+    recipe["compile"]["options"] = options
+    with pytest.raises(RecipeError) as info:
+        parse_recipe({**recipe, "strategy": strategy})
+    assert info.value.key == key and says in info.value.message, info.value.message
+
+
+def test_auto_tries_int8static_prepacked_with_activations_of_7_bits_where_the_cpu_has_no_vnni(models_dir, monkeypatch):
+    """Under the default an int8static recipe has one try, aot-package with freezing; whether its activations
+    keep to 7 bits (a CPU without VNNI, or oneDNN capped below it) is a key factor of that try."""
+    import torch
+
+    from aotbuild import plan
+
+    recipe = data(quant_type="int8static")
+    del recipe["strategy"]
+    explicit = {**recipe, "strategy": "aot-package", "compile": {**recipe["compile"], "options": {"freezing": True}}}
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
+    auto = plan([recipe], cache=models_dir)[0].as_json()["auto"]
+    assert auto["tries"] == ["aot-package+freezing"], auto
+    assert [e["strategy"] for e in auto["excluded"]] == ["aot-package", "aot-compile", "jit-cache"], auto
+    planned = plan([explicit], cache=models_dir)[0]
+    assert auto["keys"]["aot-package+freezing"] == planned.key  # the try is the explicit recipe
+    vnni = torch.cpu._is_vnni_supported() or torch.cpu._is_amx_tile_supported()
+    assert planned.factors["compile"]["int8_reduce_range"] is (not vnni), planned.factors["compile"]
+    assert planned.factors["quantization"]["inductor"] == {}  # quantize_ is not called: nothing set in Inductor
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")  # whatever this CPU has, oneDNN is kept from VNNI
+    capped = plan([explicit], cache=models_dir)[0]
+    assert capped.factors["compile"]["int8_reduce_range"] is True
+    assert (capped.factors["compile"] == planned.factors["compile"]) is (not vnni)
+
+
+def test_an_int8static_recipe_replays_with_its_closed_operator_list():
+    """What freezing records for an int8static weight (quantize_per_channel with the stored scales, then
+    oneDNN's int8 reorder) replays for an int8 constant, and is refused for a float one."""
+    import torch
+
+    from aotbuild.strategies import prepack
+
+    torch.manual_seed(0)
+    weight, scale, zero = torch.randn(16, 8, 3, 3), torch.rand(16) / 50 + 1e-3, torch.zeros(16, dtype=torch.int64)
+    program = [["input", [0], {}], ["input", [1], {}], ["input", [2], {}],
+               ["quantized_decomposed.quantize_per_channel.default",
+                [{"ref": 0}, {"ref": 1}, {"ref": 2}, 0, -128, 127, {"dtype": "int8"}], {}],
+               ["onednn.qconv_prepack", [{"ref": 3}, {"ref": 1}, 0.02, 128, [1, 1], [1, 1], [1, 1], 1, [1, 8, 16, 16]],
+                {}]]
+    quantized = torch.clamp(torch.round(weight / scale[:, None, None, None]), -128, 127).to(torch.int8)
+    packed = torch.ops.onednn.qconv_prepack(quantized, scale, 0.02, 128, [1, 1], [1, 1], [1, 1], 1, [1, 8, 16, 16])
+    recipe = {"inputs": ["w", "_scale_0", "_zero_point_0"], "program": program, "value": prepack.describe(packed)}
+    record = {"asks": ["_frozen_param0", "_scale_0", "_zero_point_0"], "constants": {},
+              "derived": {"_frozen_param0": recipe},
+              "derived_from": {"w": [[16, 8, 3, 3], "float32", "cpu"]},
+              "lifted": {"_scale_0": [[16], "float32"], "_zero_point_0": [[16], "int64"]}, "lifted_path": "x"}
+    assert prepack.check_record(record) == ""
+    replayed = prepack.replay(recipe, {"w": weight, "_scale_0": scale, "_zero_point_0": zero})
+    assert replayed.is_mkldnn and prepack.same_value(replayed, packed)
+    floating = {**recipe, "value": {**prepack.describe(weight)}}
+    assert "not one aotbuild replays for float32" in prepack.check_record(
+        {**record, "derived": {"_frozen_param0": floating}})
+
+
+def test_a_calibrated_package_names_the_weights_that_differ():
+    import torch
+
+    from aotbuild.strategies.runner import calibrated_problem, tensor_digest
+
+    a, b = torch.ones(4), torch.zeros(3)
+    digests = {"a": tensor_digest(a), "b": tensor_digest(b)}
+    assert calibrated_problem({"a": a, "b": b.clone()}, digests) == ""
+    assert "calibrated on other weights (int8static: 2 weights, e.g. b differs)" in calibrated_problem(
+        {"a": a, "b": b + 1}, digests)
+    assert "e.g. b differs" in calibrated_problem({"a": a}, digests)
 
 
 @pytest.mark.parametrize("over,key", [({"backend": "bitsandbytes"}, "model.quantization.backend"),
@@ -283,3 +374,83 @@ def test_a_real_parametrization_is_still_read_under_its_own_names():
     module[0].parametrizations.weight.original1 = nn.Parameter(torch.randn(4, 4))
     run()
     assert model.handed[-1] == [v]
+
+
+@pytest.mark.slow  # one real build of the one-level UNet in int8static (export, calibration, compile) and its proof
+def test_int8static_serves_its_weights_prepacked_in_int8_and_refuses_others(models_dir, tmp_path):
+    """int8 that reaches the convolutions (PT2E): the build calibrates on the warmup, the package serves the
+    user's float pipeline as it is with 0 compiles (the proof, a fresh process), within the job's bound of the
+    same quantized model run eagerly (computed here again, calibrated on the same calls), its int8 weights
+    derived at load from the float ones; other weights are a miss at load, a weight changed after load is
+    refused at the next call."""
+    import torch
+
+    from aotbuild import load_compiled
+    from aotbuild.errors import CacheMiss, PackageMismatch
+    from aotbuild.pipeline.models import load_pipeline, resolve_model
+    from aotbuild.pipeline.pipecall import warmup_kwargs
+    from aotbuild.recipe.rules import load_recipe
+    from aotbuild.strategies import calibrate
+    from aotbuild.targets.inductor import InductorTarget
+
+    model = one_level_sd(models_dir, tmp_path / "one-level-sd")
+    recipe = data(quant_type="int8static")
+    recipe["model"]["id"], recipe["strategy"] = str(model), "aot-package"
+    recipe["compile"]["options"] = {"freezing": True}
+    path = tmp_path / "int8static.yaml"
+    path.write_text(json.dumps(recipe))
+    cache = tmp_path / "cache"
+    build = invoke_cli("build", "--json", "--cache", str(cache), str(path),
+                       env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "build-inductor"), "AOTBUILD_CACHE": ""})
+    assert build.returncode == 0, build.stdout[-3000:]
+    job, = json.loads(build.stdout)["jobs"]
+    assert job["status"] == "built", job
+    manifest = json.loads(invoke_cli("show", "--json", "--cache", str(cache), job["key"][:12]).stdout)
+    proof, served = manifest["proof"], manifest["proof"]["served"]
+    assert proof["compiles"] == 0 and proof["calls"] == 2 and proof["max_abs_diff"] <= proof["tolerance"], proof
+    assert served["hits"] == 1 and served["dispatch"] == {"": {"built": 2, "unbuilt": 0}}, served
+    package, = manifest["packages"]
+    derived = package["derived"]
+    ops = {step[0] for r in derived.values() for step in r["program"]}
+    assert {"onednn.qconv_prepack", "onednn.qlinear_prepack"} <= ops, ops  # the convolutions and linears in int8
+    assert sum(r["value"]["dtype"] == "int8" for r in derived.values()) >= 10, derived
+    assert manifest["embeds_weights"] and len(package["calibrated"]) >= len(package["derived_from"]), package
+    assert all(v[1] == "float32" for v in package["derived_from"].values())  # derived from the float weights
+    assert any(name.startswith("x_scale") for name in package["lifted"]), package["lifted"]
+
+    # eager quantized: the same model calibrated on the same calls (the warmup, same seed) run eagerly
+    r = load_recipe(path)
+    shape = r.shapes[0]
+    pipe = load_pipeline(r, resolve_model(r, cache), "float32")
+    calls = []
+    hook = pipe.unet.register_forward_pre_hook(
+        lambda _, a, k: calls.append((tuple(x.clone() for x in a), {n: v.clone() if isinstance(v, torch.Tensor) else v
+                                                                     for n, v in k.items()})), with_kwargs=True)
+    pipe(**warmup_kwargs(r, shape, pipe))
+    hook.remove()
+    with torch.no_grad():
+        quantized = calibrate.convert(pipe.unet, calls, InductorTarget().int8_reduce_range("cpu"))
+        expected = [quantized(*a, **k)[0] for a, k in calls]
+    del quantized
+    load_compiled(r, pipe=pipe, cache=cache, on_miss="error", strict_shapes=True)
+    from torch._dynamo.utils import counters
+
+    graphs = counters["stats"]["unique_graphs"]
+    with torch.no_grad():
+        got = [pipe.unet(*a, **k)[0] for a, k in calls]
+    assert counters["stats"]["unique_graphs"] == graphs  # 0 compiles
+    for g, e in zip(got, expected, strict=True):
+        assert float((g - e).norm() / e.norm()) <= calibrate.EAGER_BOUND
+    # a weight changed after load: refused before anything is handed over, at this call and the next
+    weight = pipe.unet.conv_in.weight
+    with torch.no_grad():
+        weight.mul_(1.5)
+    for _ in range(2):
+        with pytest.raises(PackageMismatch, match="calibrated on other weights"), torch.no_grad():
+            pipe.unet(*calls[0][0], **calls[0][1])
+    # other weights at load: a miss that says so
+    other = load_pipeline(r, resolve_model(r, cache), "float32")
+    with torch.no_grad():
+        other.unet.conv_in.weight.mul_(1.5)
+    with pytest.raises(CacheMiss, match="calibrated on other weights"):
+        load_compiled(r, pipe=other, cache=cache, on_miss="error")
