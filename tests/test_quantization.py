@@ -314,7 +314,12 @@ def test_int8_builds_serve_with_0_compiles_equal_to_eager_quantized(models_dir, 
     # the zero points its kernels never read are not digested as compiled in: the entry holds no weights
     assert not dq["embeds_weights"] and not package["baked"], package["baked"]
     derived, sources = package["derived"], package["derived_from"]
-    assert {"int8", "int32", "float32"} <= {r["value"]["dtype"] for r in derived.values()}, derived
+    import torch
+
+    # int32 column sums on a CPU with VNNI; without, oneDNN's int8 linear reorder (test_stored_recipes.py)
+    vnni = torch.cpu._is_vnni_supported() or torch.cpu._is_amx_tile_supported()
+    wanted = {"int8", "int32", "float32"} if vnni else {"int8", "float32"}
+    assert wanted <= {r["value"]["dtype"] for r in derived.values()}, derived
     assert any(f.endswith(".to_q.parametrizations.weight.original0") for f in sources), sources  # int8 in
     # no float constant made from an int8 weight (that would be the weight dequantized)
     assert all(r["value"]["dtype"] != "float32" or all(sources[i][1] != "int8" for i in r["inputs"])

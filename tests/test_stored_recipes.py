@@ -305,18 +305,39 @@ def test_the_closed_list_is_what_freezing_records(dtype):
     assert recorded == listed - {unused}, (sorted(recorded), sorted(listed))
 
 
-def test_the_int8_formats_are_what_freezing_records_for_torchaos_int8dq():
-    """torchao's int8dq linears (quant_type int8dq): freezing folds the int8 weight transposed (int8) and
-    its columns' sums times the activation's zero point (int32); those formats' lists are exactly that."""
+#: What freezing records for int8dq's linears, by the CPU's int8 instructions (torch 2.13, torchao 0.18):
+#: with VNNI the int8 weight transposed and its columns' int32 sums times the activation's zero point; on
+#: an AVX2 CPU without VNNI the weight made contiguous, transposed and reordered for oneDNN's int8 linear.
+INT8DQ_RECORDS = {"vnni": {"int8": {"aten.permute.default"},
+                           "int32": {"aten.permute.default", "aten.sum.dim_IntList", "aten.mul.Tensor"}},
+                  "avx2": {"int8": {"aten.contiguous.default", "aten.permute.default", "onednn.qlinear_prepack"}}}
+
+
+def test_the_int8_formats_are_what_freezing_records_for_torchaos_int8dq_and_int8static():
+    """torchao's int8dq linears (quant_type int8dq) record one of INT8DQ_RECORDS, by the CPU. int8static
+    (PT2E, calibrate.py): each float weight quantized per channel, then oneDNN's int8 convolution or linear
+    reorder (int8). The int8 and int32 formats' lists are exactly what the two record, on either kind of
+    CPU; this CPU's record is one of them exactly."""
     pytest.importorskip("torchao")
     from torchao.quantization import Int8DynamicActivationInt8WeightConfig, quantize_
+
+    from aotbuild.strategies import calibrate
 
     torch.manual_seed(0)
     module = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 32)).eval()
     quantize_(module, Int8DynamicActivationInt8WeightConfig())
     recorded = _recorded_by_format(module, torch.randn(4, 64))
-    assert {fmt: recorded[fmt] for fmt in ("int8", "int32")} == {fmt: set(prepack.OPERATORS[fmt])
-                                                                 for fmt in ("int8", "int32")}, dict(recorded)
+    dq = {fmt: ops for fmt, ops in recorded.items() if fmt in ("int8", "int32")}
+    assert dq in INT8DQ_RECORDS.values(), dict(recorded)
+    net = torch.nn.Sequential(torch.nn.Conv2d(4, 32, 3, padding=1), torch.nn.ReLU(), torch.nn.Flatten(2),
+                              torch.nn.Linear(64, 600)).eval()  # a linear large enough to be packed
+    calls = [((torch.randn(1, 4, 8, 8),), {}) for _ in range(2)]
+    static = _recorded_by_format(calibrate.convert(net, calls), *calls[0][0])
+    assert static["int8"] == {"quantized_decomposed.quantize_per_channel.default", "onednn.qconv_prepack",
+                              "onednn.qlinear_prepack"}, dict(static)
+    for fmt in ("int8", "int32"):
+        known = set().union(*(r.get(fmt, set()) for r in INT8DQ_RECORDS.values()), static.get(fmt, set()))
+        assert known == set(prepack.OPERATORS[fmt]), fmt
 
 
 def test_a_recipe_that_fails_at_load_is_a_miss_naming_it_or_a_fallback_that_says_so():

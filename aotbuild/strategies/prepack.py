@@ -63,12 +63,14 @@ OPERATORS: dict[str, frozenset[str]] = {
     "float32": _FLOAT32 | {CAST},
     "bfloat16": _FLOAT32 | {CAST},
     "float16": _FLOAT32 | {CAST},
-    # torchao's int8 with dynamically quantized activations (quant_type int8dq): the transposed int8
-    # weight, and its columns' int32 sums times the activation's zero point (torch 2.13, torchao 0.18);
-    # int8static (PT2E, calibrate.py): the float weight quantized per output channel with its stored
-    # scales, then reordered for oneDNN's int8 convolution or linear
-    "int8": frozenset({"aten.permute.default", "quantized_decomposed.quantize_per_channel.default",
-                       "onednn.qconv_prepack", "onednn.qlinear_prepack"}),
+    # torchao's int8 with dynamically quantized activations (quant_type int8dq): on a CPU with VNNI the
+    # transposed int8 weight, and its columns' int32 sums times the activation's zero point; without VNNI
+    # (AVX2) the weight made contiguous, transposed and reordered for oneDNN's int8 linear (torch 2.13,
+    # torchao 0.18). int8static (PT2E, calibrate.py): the float weight quantized per output channel with
+    # its stored scales, then reordered for oneDNN's int8 convolution or linear.
+    "int8": frozenset({"aten.permute.default", "aten.contiguous.default",
+                       "quantized_decomposed.quantize_per_channel.default", "onednn.qconv_prepack",
+                       "onednn.qlinear_prepack"}),
     "int32": frozenset({"aten.permute.default", "aten.sum.dim_IntList", "aten.mul.Tensor"}),
 }
 #: Operators that can make a tensor larger than each of their inputs (broadcasting): the output's size
