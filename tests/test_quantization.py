@@ -446,13 +446,20 @@ def test_int8static_serves_its_weights_prepacked_in_int8_and_refuses_others(mode
     assert counters["stats"]["unique_graphs"] == graphs  # 0 compiles
     for g, e in zip(got, expected, strict=True):
         assert float((g - e).norm() / e.norm()) <= calibrate.EAGER_BOUND
-    # a weight changed after load: refused before anything is handed over, at this call and the next
-    weight = pipe.unet.conv_in.weight
-    with torch.no_grad():
-        weight.mul_(1.5)
-    for _ in range(2):
-        with pytest.raises(PackageMismatch, match="calibrated on other weights"), torch.no_grad():
-            pipe.unet(*calls[0][0], **calls[0][1])
+    # a weight changed after load (one prepacked from, one handed over as it is): refused before anything is
+    # handed over, at this call and the next; put back, it serves again
+    for name in ("conv_in.weight", "conv_in.bias"):
+        weight = pipe.unet.get_parameter(name)
+        kept = weight.detach().clone()
+        with torch.no_grad():
+            weight.mul_(1.5)
+        for _ in range(2):
+            with pytest.raises(PackageMismatch, match=f"calibrated on other weights .*{name} differs"), \
+                    torch.no_grad():
+                pipe.unet(*calls[0][0], **calls[0][1])
+        with torch.no_grad():
+            weight.copy_(kept)
+            assert torch.equal(pipe.unet(*calls[0][0], **calls[0][1])[0], got[0])
     # other weights at load: a miss that says so
     other = load_pipeline(r, resolve_model(r, cache), "float32")
     with torch.no_grad():

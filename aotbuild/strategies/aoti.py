@@ -208,8 +208,10 @@ def _package(module: Any, sig: str, args: tuple[Any, ...], kwargs: dict[str, Any
     # name the package lacks fails every load ("Constant not found", issue 36 item 4).
     derived = recorder.derived(fqns, made=made) if recorder else {}
     # int8static: the scalars the int8 lowering made from the calibrated activation scales, stored too
-    lifted.update({f: made[f] for f in fqns if f in made and f not in derived and f not in lifted
-                   and f not in named_tensors(owner)})
+    if made:
+        served = named_tensors(owner)
+        lifted.update({f: made[f] for f in fqns if f in made and f not in derived and f not in lifted
+                       and f not in served})
     lifted = {name: value for name, value in lifted.items()
               if name in fqns or any(name in r["inputs"] for r in derived.values())}
     unsupplied = sorted(name for name in lifted if name not in fqns)  # only a recipe's input

@@ -434,6 +434,8 @@ class PackageRunner:
         # and a tensor compiled into the package, changed in place, must be seen (and refused)
         kept += [f for f in self.baked if f not in self._source_versions and tensors[f] is not None
                  and not tensors[f].is_inference()]
+        if self.calibrated:  # int8static: a weight handed over as it is (a bias), changed in place, is refused too
+            kept += [f for f in self.meta if f not in kept and tensors[f] is not None and not tensors[f].is_inference()]
         self._tracked = [tensors[f] for f in kept]
         self._samples = Samples({fqn: tensors[fqn] for fqn in self.derived_from}) if self.derived_from else None
         # what the per-call check reads (:meth:`_current`): a subclass weight itself, not its inner tensors
