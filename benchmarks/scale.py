@@ -374,7 +374,10 @@ def report_part(title: str, weights: int, eager: dict, cells: list[tuple[str, di
 
 #: the formats part's rows: name -> (recipe dtype, model.quantization quant_type)
 FORMATS = {"fp32": ("float32", None), "bf16": ("bfloat16", None), "int8dq": ("float32", "int8dq"),
-           "int8wo": ("float32", "int8wo")}
+           "int8wo": ("float32", "int8wo"), "int8static": ("float32", "int8static")}
+#: formats calibrated on the build's weights (PT2E): nothing is quantized eagerly (their eager row would be
+#: fp32 eager's) and a package serves only the weights it was calibrated on (never --other-weights)
+CALIBRATED = ("int8static",)
 
 
 def cpu_flags() -> str:
@@ -405,6 +408,9 @@ def run_formats(args: argparse.Namespace, work: Path) -> tuple[list[str], dict]:
     """The SD 1.5-size UNet in each format of --formats, eager and served by the default (the recipe naming
     no strategy), fresh processes interleaved by round; the checkpoint is float32 (a bf16 recipe casts it at
     load), served with other weights (B) than the build's (A) where --other-weights is given."""
+    calibrated = [n for n in args.formats.split(",") if n in CALIBRATED]
+    if args.other_weights and calibrated:
+        sys.exit(f"{calibrated[0]} serves only the weights it was calibrated on: run it without --other-weights")
     print("making the SD 1.5-size pipeline ...", flush=True)
     model = make("sd15", work / "sd15", work)
     served_model = make("sd15", work / "sd15-b", work, 1) if args.other_weights else model
@@ -424,7 +430,7 @@ def run_formats(args: argparse.Namespace, work: Path) -> tuple[list[str], dict]:
     passed = {"AOTBENCH_PASS_PIPE": "1"} if args.other_weights else {}
     out_dir = work / "formats"
     out_dir.mkdir()
-    rows = [f"{n} eager" for n in names] + [f"{n} served" for n in names if built[n]["ok"]]
+    rows = [f"{n} eager" for n in names if n not in CALIBRATED] + [f"{n} served" for n in names if built[n]["ok"]]
     runs: dict[str, list[dict]] = {row: [] for row in rows}
     errors: dict[str, list[tuple]] = {row: [] for row in rows}
     for i in range(args.repeats):
@@ -510,7 +516,8 @@ def main() -> None:
                     help="sd15: build each strategy this many times in turn (again at the first shape only) and "
                          "report the medians of its job's seconds against jit-cache's")
     ap.add_argument("--formats", default="fp32,bf16,int8dq",
-                    help="the formats part's rows (fp32, bf16, int8dq, int8wo), each eager and served by auto")
+                    help="the formats part's rows (fp32, bf16, int8dq, int8wo, int8static), each eager and served "
+                         "by auto (int8static served only: nothing is quantized eagerly)")
     ap.add_argument("--steps", type=int, default=2, help="formats: the pipeline's steps per image")
     ap.add_argument("--save", metavar="FILE.json")
     ap.add_argument("--keep", action="store_true", help="keep the work folder (models, caches)")

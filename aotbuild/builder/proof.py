@@ -92,11 +92,13 @@ def block_instances(module: Any, recipe: Any) -> list[tuple[str, Any]]:
     return select_blocks(module, recipe.compile.blocks, recipe)
 
 
-def record_eager(pipe: Any, recipe: Any, component: str,
-                 warmup: dict[str, Any]) -> tuple[list[tuple[Any, Any, list[Any]]], set[str]]:
+def record_eager(pipe: Any, recipe: Any, component: str, warmup: dict[str, Any],
+                 every: list[tuple[str, Any, Any]] | None = None) -> tuple[list[tuple[Any, Any, list[Any]]], set[str]]:
     """The pipeline's eager warmup call, recorded: every call of ``component`` (inputs, outputs; at
     most CALLS_PER_SIGNATURE per signature) and the names of the block instances a regional entry
-    must serve (``{""}``: the component whole), each checked to have run; RuntimeError if not."""
+    must serve (``{""}``: the component whole), each checked to have run; RuntimeError if not.
+    ``every``: gets (signature, args, kwargs) of every call of the component, uncapped (what a
+    calibrated quantization was calibrated on)."""
     from aotbuild.dispatch import signature
     from aotbuild.strategies.calls import Watch
 
@@ -111,6 +113,8 @@ def record_eager(pipe: Any, recipe: Any, component: str,
         ran.add(name)
         top = not name  # the component itself; a block's calls only say that it ran
         sig = signature(args, kwargs) if top else ""
+        if top and every is not None:
+            every.append((sig, _clone(args), _clone(kwargs)))
         if not top or per_signature.get(sig, 0) >= CALLS_PER_SIGNATURE:
             return forward(*args, **kwargs)
         per_signature[sig] = per_signature.get(sig, 0) + 1
@@ -157,8 +161,13 @@ def serve(spec: dict[str, Any]) -> dict[str, Any]:
     module = getattr(pipe, component)
 
     # 1. Eager: what the component is called with, what it returns, which instances run.
+    calibrated = features.calibrated(recipe, component)
+    every: list[tuple[str, Any, Any]] | None = [] if calibrated else None
     calls, expected = record_eager(pipe, recipe, component, pipecall.warmup_kwargs(
-        recipe, shape, pipe, defaults=ctx.target.warmup_defaults))
+        recipe, shape, pipe, defaults=ctx.target.warmup_defaults), every)
+    floats = _quantized_reference(module, calls, every, ctx.target.int8_reduce_range(ctx.device)) \
+        if calibrated else None
+    from_float: list[float] = []
     swap = _swap_reference(pipe, recipe, component, calls, Path(spec["result"]).parent / "swap")
 
     # 2. Load the entry the way a serving process does. Counted from before the load: an artifact can
@@ -172,17 +181,18 @@ def serve(spec: dict[str, Any]) -> dict[str, Any]:
     # 3. Every recorded call through the loaded entry, compared with eager; with text_length, also each
     #    call made at the range's ends and middle (its text dimensions resized; eager computed now).
     t_first: list[float] = []
-    worst = _replay(module, component, calls, lambda: t_first.append(time.perf_counter() - t0))
+    rel: list[float] | None = [] if features.relative_tolerance(recipe) else None
+    worst = _replay(module, component, calls, lambda: t_first.append(time.perf_counter() - t0), rel)
     lengths, refused = _text_calls(module, calls)
     if lengths:
-        worst = max(worst, _replay(module, component, lengths, lambda: None))
+        worst = max(worst, _replay(module, component, lengths, lambda: None, rel))
     # 4. With lora: another adapter (other weights, a lower rank) hot-swapped in must serve too.
     swaps = 0
     if swap is not None:
         file, swapped_calls = swap
         pipe.load_lora_weights(str(file.parent), weight_name=file.name, hotswap=True,
                                adapter_name=recipe.lora.adapters[0].adapter_name)  # the guard load_compiled put
-        worst = max(worst, _replay(module, component, swapped_calls, lambda: None))
+        worst = max(worst, _replay(module, component, swapped_calls, lambda: None, rel))
         swaps = 1
     # 5. Prepacked kernels (auto's first try on a CPU) are taken only where they serve faster than eager.
     speed = _speed(module, calls[0]) if spec.get("faster_than_eager") else None
@@ -192,7 +202,9 @@ def serve(spec: dict[str, Any]) -> dict[str, Any]:
     #    ``served``, whose dispatcher counts are the recorded calls').
     converted, timestep = _timestep_calls(module, calls)
     if converted:
-        worst = max(worst, _replay(module, component, converted, lambda: None))
+        # (int8static: eager here is the float model's, so these count toward the figure, not the bound: the
+        # dispatcher converts the timestep and calls the package the recorded calls proved)
+        worst = max(worst, _replay(module, component, converted, lambda: None, rel if floats is None else from_float))
     compiles = int(count() - before)
     # 7. A call at a shape this entry was not built for is refused (strict_shapes), never compiled.
     record["strict"] = _strict_refusal(pipe, recipe, shape, ctx)
@@ -201,6 +213,11 @@ def serve(spec: dict[str, Any]) -> dict[str, Any]:
                           "refused": refused[0]}
     if speed is not None:
         record["speed"] = speed
+    if rel is not None:  # held to a relative bound in place of the absolute one (Feature.relative_tolerance)
+        record["relative"] = {"max_rel_diff": max(rel, default=0.0), "tolerance": features.relative_tolerance(recipe)}
+    if floats is not None:  # int8static: what the served quantized model is from the float one (a figure)
+        _replay(module, component, floats, lambda: None, from_float)
+        record["relative"]["from_float"] = max(from_float, default=0.0)
     if timestep:
         record["timestep"] = timestep
     # 8. Smaller batches padded up to this entry's: proven exact, or padding to it refused (never the entry).
@@ -506,8 +523,10 @@ def _strict_refusal(pipe: Any, recipe: Any, shape: Any, ctx: Any) -> str:
     return "not refused: the call ran"
 
 
-def _replay(module: Any, component: str, calls: list[tuple[Any, Any, list[Any]]], first: Any) -> float:
-    """Every recorded call through the module as it is now; the largest difference from its output."""
+def _replay(module: Any, component: str, calls: list[tuple[Any, Any, list[Any]]], first: Any,
+            relative: list[float] | None = None) -> float:
+    """Every recorded call through the module as it is now; the largest difference from its output.
+    ``relative``: gets each floating output's ``|served - eager| / |eager|`` (norms over the tensor)."""
     import torch
 
     worst = 0.0
@@ -529,7 +548,34 @@ def _replay(module: Any, component: str, calls: list[tuple[Any, Any, list[Any]]]
                     raise RuntimeError(f"{component} served NaN or Inf where eager's output is finite")
                 if a.numel():
                     worst = max(worst, float((a.float() - b.float()).abs().max()))
+                    if relative is not None and a.is_floating_point():
+                        relative.append(float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12)))
     return worst
+
+
+def _quantized_reference(module: Any, calls: list[tuple[Any, Any, list[Any]]], every: list[tuple[str, Any, Any]],
+                         reduce_range: bool) -> list[tuple[Any, Any, list[Any]]]:
+    """int8static (strategies/calibrate.py): each recorded call's expected outputs replaced, in place, by the
+    quantized model's run eagerly, calibrated as the build calibrated it: on every call of the warmup with
+    its signature (the same pipeline, weights and seed: the same calls, so the same scales). Returns the
+    calls with their float outputs, for the figure of how far the format is from the float model."""
+    import torch
+
+    from aotbuild.dispatch import signature
+    from aotbuild.strategies import calibrate
+
+    floats = list(calls)
+    by_signature: dict[str, list[tuple[Any, Any]]] = {}
+    for sig, args, kwargs in every:
+        by_signature.setdefault(sig, []).append((args, kwargs))
+    with torch.no_grad():
+        for sig, recorded in by_signature.items():
+            quantized = calibrate.convert(module, recorded, reduce_range)
+            for i, (args, kwargs, _) in enumerate(calls):
+                if signature(args, kwargs) == sig:
+                    calls[i] = (args, kwargs, [t.detach().clone() for t in tensors(quantized(*args, **kwargs))])
+            del quantized
+    return floats
 
 
 def _swap_reference(pipe: Any, recipe: Any, component: str, calls: list[tuple[Any, Any, list[Any]]],
@@ -566,7 +612,14 @@ def verdict(result: dict[str, Any], label: str) -> Any:
         raise ProofFailed(f"a fresh process loading the entry compiled {proof.compiles} time(s) "
                           f"({proof.counter}) for {label}: the artifacts do not cover every call, so nothing was "
                           f"stored; the log has the compiler's reasons")
-    if not proof.max_abs_diff <= proof.tolerance:
+    relative = proof.served.get("relative")
+    if relative is not None:
+        gap, allowed = float(relative["max_rel_diff"]), float(relative["tolerance"])
+        if not gap <= allowed:
+            raise ProofFailed(f"the served {label} differs from eager by {gap:.3g} relative (|served - eager| / "
+                              f"|eager|; tolerance {allowed:.2g}): nothing was stored; the format computes too far "
+                              f"from the float model on this warmup")
+    elif not proof.max_abs_diff <= proof.tolerance:
         raise ProofFailed(f"the served {label} differs from eager by {proof.max_abs_diff:.3g} (tolerance "
                           f"{proof.tolerance:.0e}): nothing was stored; compile options that trade accuracy "
                           f"for speed are the usual cause (compile.options)")

@@ -78,6 +78,12 @@ class Feature:
         least this (0: the dtype's bound alone)."""
         return 0.0
 
+    def relative_tolerance(self, recipe: Recipe) -> float:
+        """A bound on each served output's ``|served - eager| / |eager|`` that replaces the absolute one, for a
+        feature whose compiled kernels compute in another format than its eager reference (int8static: int8
+        kernels that requantize each output, against quantize/dequantize around float ones); 0: none."""
+        return 0.0
+
     def reference(self, pipe: Any, recipe: Recipe, component: str, calls: list[tuple[Any, Any, list[Any]]],
                   folder: Path) -> tuple[Path, list[tuple[Any, Any, list[Any]]]] | None:
         """The proof's extra reference, recorded on the eager pipeline: what the served entry must

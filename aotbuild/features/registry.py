@@ -25,7 +25,8 @@ from aotbuild.features.base import Feature
 if TYPE_CHECKING:
     from aotbuild.recipe.schema import Recipe
 
-__all__ = ["FEATURES", "used", "names", "changes_modules", "detect_changes"]
+__all__ = ["FEATURES", "used", "names", "tolerance", "relative_tolerance", "calibrated", "changes_modules",
+           "detect_changes"]
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,22 @@ def names() -> tuple[str, ...]:
 def tolerance(recipe: Recipe, dtype_bound: float) -> float:
     """The proof's bound for ``recipe``: the dtype's, or the largest a feature it uses needs."""
     return max([dtype_bound, *(f.tolerance(recipe) for f in used(recipe))])
+
+
+def relative_tolerance(recipe: Recipe) -> float:
+    """The proof's relative bound for ``recipe`` (the largest a feature it uses asks for), or 0: none."""
+    return max([0.0, *(f.relative_tolerance(recipe) for f in used(recipe))])
+
+
+def calibrated(recipe: Recipe, component: str) -> bool:
+    """Whether ``component`` is quantized by a type calibrated at build (int8static): the proof's eager
+    reference is then the quantized model, calibrated as the build calibrated it."""
+    from aotbuild.recipe.schema import CALIBRATED_QUANT_TYPES
+
+    q = recipe.model.quantization
+    if q is None or q.quant_type not in CALIBRATED_QUANT_TYPES:
+        return False
+    return component in (q.components if q.components is not None else recipe.compile.components)
 
 
 def changes_modules(recipe: Recipe, component: str) -> bool:
