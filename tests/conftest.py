@@ -79,6 +79,10 @@ def vector_isa(monkeypatch):
         yield
 
 
+_CUSTOM_PASSES = ("pre_grad_custom_pass", "post_grad_custom_pre_pass", "post_grad_custom_post_pass",
+                  "joint_custom_pre_pass", "joint_custom_post_pass")
+
+
 @pytest.fixture(autouse=True)
 def restore_process_state():
     """A CLI command run in-process (click's CliRunner) sets library variables and the aotbuild
@@ -92,6 +96,9 @@ def restore_process_state():
     # quantized made a later one on the same worker see them as the defaults.
     inductor = sys.modules.get("torch._inductor.config")
     settings = inductor.save_config() if inductor is not None else None
+    # and the custom passes save_config leaves out (torchao's X86InductorQuantizer sets pre_grad_custom_pass
+    # when imported: int8static's conversion)
+    passes = {k: getattr(inductor, k) for k in _CUSTOM_PASSES if hasattr(inductor, k)} if inductor is not None else {}
     # diffusers' process-wide attention backend: a recipe's changes.attention_backend sets it at load
     dispatch = sys.modules.get("diffusers.models.attention_dispatch")
     registry = getattr(dispatch, "_AttentionBackendRegistry", None)
@@ -99,6 +106,8 @@ def restore_process_state():
     yield
     if inductor is not None:
         inductor.load_config(settings)
+        for k, v in passes.items():
+            setattr(inductor, k, v)
     if registry is not None and backend is not None:
         registry._active_backend = backend
     os.environ.clear()

@@ -471,3 +471,22 @@ def test_int8static_serves_its_weights_prepacked_in_int8_and_refuses_others(mode
         other.unet.conv_in.weight.mul_(1.5)
     with pytest.raises(CacheMiss, match="calibrated on other weights"):
         load_compiled(r, pipe=other, cache=cache, on_miss="error")
+
+
+def test_a_process_that_imported_torchaos_x86_quantizer_still_quantizes():
+    """torchao's X86InductorQuantizer (int8static's conversion) sets Inductor's pre_grad_custom_pass to a pass
+    object when imported, and every copy of the settings holds a copy of it that equals no other: quantize_
+    in such a process read as changing it and was refused (a test worker that had converted a model)."""
+    import torch
+    import torch._inductor.config as inductor_config
+    import torchao.quantization.pt2e.quantizer.x86_inductor_quantizer  # noqa: F401  (what sets the pass)
+
+    from aotbuild.features import quantization
+    from aotbuild.recipe.rules import parse_recipe
+
+    assert inductor_config.pre_grad_custom_pass is not None
+    recipe = parse_recipe({**data(quant_type="int8dq"), "compile": {"components": ["unet"]}})
+    pipe = type("Pipe", (), {})()
+    pipe.unet = torch.nn.Sequential(torch.nn.Linear(64, 64))
+    quantization.apply(pipe, recipe)  # raised "changed Inductor settings the key does not hold" before
+    assert type(pipe.unet[0].weight).__name__ != "Parameter"

@@ -117,11 +117,29 @@ def apply(pipe: Any, recipe: Recipe) -> None:
     for name in components(recipe):
         quantize_(getattr(pipe, name), config(q))
     after = inductor_config.get_config_copy()
-    changed = {k: after[k] for k in after if before.get(k) != after[k]}
+    changed = {k: after[k] for k in after if not _same_setting(before.get(k), after[k])}
     declared = INDUCTOR_SETTINGS if _sets_inductor(q) else {}
     if any(declared.get(k, before.get(k)) != v for k, v in changed.items()):
         raise RuntimeError(f"torchao's quantize_ changed Inductor settings the key does not hold: {sorted(changed)} "
                            f"(aotbuild knows {sorted(declared)}); this torchao is not supported yet")
+
+
+def _same_setting(a: Any, b: Any) -> bool:
+    """Two copies of one Inductor setting are equal. ``get_config_copy`` deep-copies each value, and a custom
+    pass object has no ``==`` (torchao's X86InductorQuantizer, once imported, sets ``pre_grad_custom_pass``
+    to a ``QuantLiftUp``: every copy differed from every other, and ``quantize_`` read as changing it): such
+    a pass is the same by its ``uuid()`` (what Inductor's own cache key reads), or by its class."""
+    if a == b:
+        return True
+    if type(a) is not type(b) or a is None:
+        return False
+    uuid = getattr(a, "uuid", None)
+    if callable(uuid):
+        try:
+            return uuid() == b.uuid()
+        except Exception:  # a pass whose uuid needs what it was not given: compared by its class alone
+            return True
+    return type(a).__eq__ is object.__eq__  # an object without equality of its own: one class, one setting
 
 
 class Quantization(Feature):
