@@ -66,7 +66,7 @@ def unet_and_inputs(size: str):
     return unet, call
 
 
-def child(row: str, size: str, repeats: int, calibration: int, out: Path) -> None:
+def child(row: str, size: str, repeats: int, calibration: int, out: Path, reduce_range: bool = False) -> None:
     import torch
 
     torch.manual_seed(0)
@@ -89,7 +89,8 @@ def child(row: str, size: str, repeats: int, calibration: int, out: Path) -> Non
             import torchao.quantization.pt2e.quantizer.x86_inductor_quantizer as xiq
             from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
 
-            config = xiq.get_default_x86_inductor_quantization_config(is_dynamic="dynamic" in row)
+            config = xiq.get_default_x86_inductor_quantization_config(is_dynamic="dynamic" in row,
+                                                                      reduce_range=reduce_range)
             quantizer = xiq.X86InductorQuantizer().set_global(config)
             prepared = prepare_pt2e(torch.export.export(model, x).module(), quantizer)
             for c in calls:
@@ -123,11 +124,14 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5, help="timed calls per row (the median is shown)")
     parser.add_argument("--calibration", type=int, default=2, help="calls the static rows are calibrated on")
     parser.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated, of: {', '.join(ROWS)}")
+    parser.add_argument("--reduce-range", action="store_true",
+                        help="int8 activations of 7 bits (torchao's advice for a CPU without VNNI; what aotbuild's "
+                             "int8static does there)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        child(args.child, args.size, args.repeats, args.calibration, Path(args.out))
+        child(args.child, args.size, args.repeats, args.calibration, Path(args.out), args.reduce_range)
         return
     import torch
 
@@ -144,7 +148,8 @@ def main() -> None:
                "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "benchmarks"), os.environ.get("PYTHONPATH", "")])}
         print(f"{row} ...", file=sys.stderr, flush=True)
         proc = subprocess.run([sys.executable, __file__, "--child", row, "--out", str(out), "--size", args.size,
-                               "--repeats", str(args.repeats), "--calibration", str(args.calibration)],
+                               "--repeats", str(args.repeats), "--calibration", str(args.calibration),
+                               *(["--reduce-range"] if args.reduce_range else [])],
                               env=env, capture_output=True, text=True)
         if proc.returncode != 0:
             print(f"{row} failed:\n{proc.stderr[-3000:]}", file=sys.stderr)
@@ -165,7 +170,7 @@ def main() -> None:
     print(table(["row", "made s", "first call s", "steady call s", "steady / fp32 eager", "error vs fp32 eager"],
                 lines))
     print(f"torch {torch.__version__}, cpu capability {torch.backends.cpu.get_cpu_capability()}, "
-          f"{os.cpu_count()} CPUs, size {args.size}")
+          f"{os.cpu_count()} CPUs, size {args.size}, int8 activations of {7 if args.reduce_range else 8} bits")
 
 
 if __name__ == "__main__":

@@ -158,7 +158,7 @@ def computing_in(module: Any, dtype: Any) -> Iterator[None]:
 
 def _package(module: Any, sig: str, args: tuple[Any, ...], kwargs: dict[str, Any], workdir: Path,
              inductor_configs: dict[str, Any], group: str = "", noise: float = 0.0,
-             compute: Any = None, calibrated: Any = None) -> dict[str, Any]:
+             compute: Any = None, calibrated: Any = None, reduce_range: bool = False) -> dict[str, Any]:
     """Export one recorded call of ``module``, package it without weights, probe it; its manifest record.
     ``compute``: the dtype it computes in where not its weights' (:func:`computing_in`). ``calibrated``: the
     served module, where ``module`` is its int8static conversion (calibrate.py): the package serves its
@@ -231,7 +231,7 @@ def _package(module: Any, sig: str, args: tuple[Any, ...], kwargs: dict[str, Any
         if calibrated is None:  # (a calibrated package serves no other weights: nothing to try)
             prepack.check_other_weights(path, module, named_tensors(module), args, kwargs, record, lifted, noise)
     if calibrated is not None:
-        calibrate.check_against_eager(path, module, named_tensors(owner), args, kwargs, record, lifted)
+        calibrate.check_against_eager(path, module, named_tensors(owner), args, kwargs, record, lifted, reduce_range)
     if lifted:
         from safetensors.torch import save_file
 
@@ -363,7 +363,8 @@ def build_calibrated(module: Any, calls: dict[str, list[tuple[tuple[Any, ...], d
     for sig, recorded in sorted(calls.items()):
         converted = calibrate.convert(module, recorded, reduce_range)
         args, kwargs = recorded[0]
-        built.append(_package(converted, sig, args, kwargs, workdir, inductor_configs, calibrated=module))
+        built.append(_package(converted, sig, args, kwargs, workdir, inductor_configs, calibrated=module,
+                              reduce_range=reduce_range))
         del converted
     return built
 
