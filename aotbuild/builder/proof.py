@@ -617,8 +617,9 @@ def verdict(result: dict[str, Any], label: str) -> Any:
         gap, allowed = float(relative["max_rel_diff"]), float(relative["tolerance"])
         if not gap <= allowed:
             raise ProofFailed(f"the served {label} differs from eager by {gap:.3g} relative (|served - eager| / "
-                              f"|eager|; tolerance {allowed:.2g}): nothing was stored; the format computes too far "
-                              f"from the float model on this warmup")
+                              f"|eager|; tolerance {allowed:.2g}; int8static: against its quantized model run "
+                              f"eagerly): nothing was stored; its kernels compute too far from that reference on "
+                              f"this warmup's calls")
     elif not proof.max_abs_diff <= proof.tolerance:
         raise ProofFailed(f"the served {label} differs from eager by {proof.max_abs_diff:.3g} (tolerance "
                           f"{proof.tolerance:.0e}): nothing was stored; compile options that trade accuracy "

@@ -112,9 +112,10 @@ def made_constants() -> Iterator[dict[str, Any]]:
 #: around float kernels; the package runs oneDNN's int8 kernels, which requantize each output with its
 #: calibrated scale, so roundings flip and spread through the network. Measured: the one-level tiny UNet
 #: 1.6e-7 and a UNet of 32/64 channels 9.6e-2 (2-core AVX2 EPYC, 7-bit activations), SD 1.5 size 4.4e-2
-#: (an AVX-512 VNNI CPU, benchmarks/int8_convs.py; 4.4e-2 from float32 eager too). Full-range activations
-#: on a CPU without VNNI saturate its int16 sums: 0.22 and 0.34 (Target.int8_reduce_range). A value the
-#: package took from elsewhere (another layer's scale) is off by about the output's own size.
+#: (an AVX-512 VNNI CPU, benchmarks/int8_convs.py; 4.4e-2 from float32 eager too) and 8.9e-2 on random
+#: inputs on the AVX2 EPYC (torch.compile's own: 9.1e-2), but 0.51 there on the pipeline's own random-weight
+#: activations (refused: benchmarks/README.md). Full-range activations on a CPU without VNNI saturate its
+#: int16 sums: 0.22 and 0.34 on the tiny UNets (Target.int8_reduce_range).
 EAGER_BOUND = 0.2
 
 
