@@ -473,18 +473,20 @@ def test_int8static_serves_its_weights_prepacked_in_int8_and_refuses_others(mode
         load_compiled(r, pipe=other, cache=cache, on_miss="error")
 
 
-def test_a_process_that_imported_torchaos_x86_quantizer_still_quantizes():
+def test_a_process_that_imported_torchaos_x86_quantizer_still_quantizes(monkeypatch):
     """torchao's X86InductorQuantizer (int8static's conversion) sets Inductor's pre_grad_custom_pass to a pass
     object when imported, and every copy of the settings holds a copy of it that equals no other: quantize_
     in such a process read as changing it and was refused (a test worker that had converted a model)."""
     import torch
     import torch._inductor.config as inductor_config
-    import torchao.quantization.pt2e.quantizer.x86_inductor_quantizer  # noqa: F401  (what sets the pass)
+    from torchao.quantization.pt2e.inductor_passes import x86 as x86_passes
 
     from aotbuild.features import quantization
     from aotbuild.recipe.rules import parse_recipe
 
-    assert inductor_config.pre_grad_custom_pass is not None
+    # what the quantizer's import does; set here because on a worker that imported it for an earlier test the
+    # import is a no-op and the suite has put the pass back to its default since
+    monkeypatch.setattr(inductor_config, "pre_grad_custom_pass", x86_passes.quant_lift_up)
     recipe = parse_recipe({**data(quant_type="int8dq"), "compile": {"components": ["unet"]}})
     pipe = type("Pipe", (), {})()
     pipe.unet = torch.nn.Sequential(torch.nn.Linear(64, 64))
