@@ -473,7 +473,7 @@ def test_int8static_serves_its_weights_prepacked_in_int8_and_refuses_others(mode
         load_compiled(r, pipe=other, cache=cache, on_miss="error")
 
 
-def test_a_process_that_imported_torchaos_x86_quantizer_still_quantizes(monkeypatch):
+def test_a_process_that_imported_torchaos_x86_quantizer_still_quantizes():
     """torchao's X86InductorQuantizer (int8static's conversion) sets Inductor's pre_grad_custom_pass to a pass
     object when imported, and every copy of the settings holds a copy of it that equals no other: quantize_
     in such a process read as changing it and was refused (a test worker that had converted a model)."""
@@ -485,10 +485,35 @@ def test_a_process_that_imported_torchaos_x86_quantizer_still_quantizes(monkeypa
     from aotbuild.recipe.rules import parse_recipe
 
     # what the quantizer's import does; set here because on a worker that imported it for an earlier test the
-    # import is a no-op and the suite has put the pass back to its default since
-    monkeypatch.setattr(inductor_config, "pre_grad_custom_pass", x86_passes.quant_lift_up)
+    # import is a no-op and the suite has put the pass back to its default since (restored by conftest.py:
+    # monkeypatch's undo deletes a setting of Inductor's config module, which then reads as absent)
+    inductor_config.pre_grad_custom_pass = x86_passes.quant_lift_up
     recipe = parse_recipe({**data(quant_type="int8dq"), "compile": {"components": ["unet"]}})
     pipe = type("Pipe", (), {})()
     pipe.unet = torch.nn.Sequential(torch.nn.Linear(64, 64))
     quantization.apply(pipe, recipe)  # raised "changed Inductor settings the key does not hold" before
     assert type(pipe.unet[0].weight).__name__ != "Parameter"
+
+
+def test_int8statics_conversion_leaves_inductors_passes_as_they_were():
+    """Importing torchao's X86InductorQuantizer sets Inductor's pre_grad_custom_pass for the whole process: left
+    set, a later compile in the builder's process (another recipe's jit-cache build) carried it in Inductor's
+    cache keys and missed in a serving process without it. The conversion and the int8 compiles have it for
+    their own time alone."""
+    import torch
+    import torch._inductor.config as inductor_config
+
+    from aotbuild.strategies import calibrate
+
+    mine = object()  # what the user (or the default, None) had set
+    inductor_config.pre_grad_custom_pass = mine  # put back by conftest.py
+    with calibrate.quantizer_passes():
+        during = inductor_config.pre_grad_custom_pass
+    assert during is not mine and type(during).__name__ == "QuantLiftUp"
+    assert inductor_config.pre_grad_custom_pass is mine
+
+    module = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU())
+    calls = [((torch.randn(2, 8),), {}) for _ in range(2)]
+    converted = calibrate.convert(module, calls)
+    assert inductor_config.pre_grad_custom_pass is mine
+    assert any("quantize_per_tensor" in str(n.target) for n in converted.graph.nodes)

@@ -360,12 +360,13 @@ def build_calibrated(module: Any, calls: dict[str, list[tuple[tuple[Any, ...], d
     from aotbuild.strategies import calibrate
 
     built = []
-    for sig, recorded in sorted(calls.items()):
-        converted = calibrate.convert(module, recorded, reduce_range)
-        args, kwargs = recorded[0]
-        built.append(_package(converted, sig, args, kwargs, workdir, inductor_configs, calibrated=module,
-                              reduce_range=reduce_range))
-        del converted
+    with calibrate.quantizer_passes():  # the int8 lowering's passes for these compiles alone
+        for sig, recorded in sorted(calls.items()):
+            converted = calibrate.convert(module, recorded, reduce_range)
+            args, kwargs = recorded[0]
+            built.append(_package(converted, sig, args, kwargs, workdir, inductor_configs, calibrated=module,
+                                  reduce_range=reduce_range))
+            del converted
     return built
 
 

@@ -50,22 +50,55 @@ def convert(module: Any, calls: list[tuple[tuple[Any, ...], dict[str, Any]]], re
     ``reduce_range``: activations of 7 bits (a CPU without VNNI: Target.int8_reduce_range)."""
     import torch
 
-    try:
+    with quantizer_passes():
         import torchao.quantization.pt2e.quantizer.x86_inductor_quantizer as xiq
         from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
-    except ImportError as exc:  # the recipe was checked with torchao present; an older torchao lacks PT2E
-        raise RuntimeError(f"quant_type int8static needs torchao's PT2E quantization "
-                           f"(torchao.quantization.pt2e): {exc}") from None
-    args, kwargs = calls[0]
-    with torch.no_grad(), forwards.class_forward(module):
-        exported = torch.export.export(module, args, kwargs)
-    config = xiq.get_default_x86_inductor_quantization_config(reduce_range=reduce_range)
-    quantizer = xiq.X86InductorQuantizer().set_global(config)
-    prepared = prepare_pt2e(exported.module(), quantizer)
-    with torch.no_grad():
-        for a, k in calls:
-            prepared(*a, **k)
-    return convert_pt2e(prepared, fold_quantize=False)
+
+        args, kwargs = calls[0]
+        with torch.no_grad(), forwards.class_forward(module):
+            exported = torch.export.export(module, args, kwargs)
+        config = xiq.get_default_x86_inductor_quantization_config(reduce_range=reduce_range)
+        quantizer = xiq.X86InductorQuantizer().set_global(config)
+        prepared = prepare_pt2e(exported.module(), quantizer)
+        with torch.no_grad():
+            for a, k in calls:
+                prepared(*a, **k)
+        return convert_pt2e(prepared, fold_quantize=False)
+
+
+#: Inductor's process-wide custom passes (settings ``save_config`` leaves out).
+CUSTOM_PASSES = ("pre_grad_custom_pass", "post_grad_custom_pre_pass", "post_grad_custom_post_pass",
+                 "joint_custom_pre_pass", "joint_custom_post_pass")
+
+
+@contextlib.contextmanager
+def quantizer_passes() -> Iterator[None]:
+    """While active, Inductor's custom passes are the ones the int8 lowering wants; after, they are what
+    they were before, whatever they were.
+
+    Importing torchao's ``X86InductorQuantizer`` sets ``pre_grad_custom_pass`` for the whole process (its
+    ``quant_lift_up``, which moves quantize nodes above view ops so the int8 patterns fuse). Left set, every
+    later compile in the process (another recipe's jit-cache build, the user's own ``torch.compile``) would
+    run it and carry it in Inductor's cache keys, which a serving process without it does not: its
+    entries would miss there. The first import sets it by itself; a later one is a no-op, so the pass is
+    set here by name where torchao has it."""
+    import torch._inductor.config as inductor_config
+
+    before = {k: getattr(inductor_config, k) for k in CUSTOM_PASSES if hasattr(inductor_config, k)}
+    try:
+        try:
+            import torchao.quantization.pt2e.quantizer.x86_inductor_quantizer  # noqa: F401  (sets the pass)
+            from torchao.quantization.pt2e.inductor_passes import x86 as x86_passes
+        except ImportError as exc:  # the recipe was checked with torchao present; an older one lacks PT2E
+            raise RuntimeError(f"quant_type int8static needs torchao's PT2E quantization "
+                               f"(torchao.quantization.pt2e): {exc}") from None
+        lift_up = getattr(x86_passes, "quant_lift_up", None)
+        if lift_up is not None:
+            inductor_config.pre_grad_custom_pass = lift_up
+        yield
+    finally:
+        for k, v in before.items():
+            setattr(inductor_config, k, v)
 
 
 @contextlib.contextmanager
