@@ -409,6 +409,19 @@ def test_a_rebind_of_a_package_with_a_tensor_compiled_in_compares_what_the_build
 
     with pytest.raises(PackageMismatch, match="compiled into its AOT package changed"):
         run()
+    # and at every later call, before anything of the change is handed over: the check ran after the
+    # handover, so the next call found nothing changed and served the new weights with the old bias
+    served = model.constants["_frozen_param0"].clone()
+    with torch.no_grad():
+        module[1].weight.mul_(2)
+    for _ in range(2):
+        with pytest.raises(PackageMismatch, match="compiled into its AOT package changed"):
+            run()
+    assert torch.equal(model.constants["_frozen_param0"], served)  # nothing of the change handed over
+    with torch.no_grad():
+        module[1].bias.sub_(1)  # put back: served again, with the new weight
+    run()
+    assert torch.equal(model.constants["_frozen_param0"], module[1].weight.detach() * 2)
 
 
 def test_a_served_module_dropped_by_its_user_is_freed_with_its_package():

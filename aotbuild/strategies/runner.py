@@ -320,6 +320,12 @@ class PackageRunner:
         self._check(tensors)
         if self.derived_from:
             self._check(tensors, meta=self.derived_from)
+        if self.baked and self.bound is not None:
+            # a rebind (the load checked them): before anything is handed over, so a refused change stays
+            # refused at every call until it is undone, never served with the package's old values
+            if baked_digests(self.module, [*self.meta, *self.derived_from]) != self.baked:
+                raise PackageMismatch(f"{self.component}: tensors compiled into its AOT package changed since "
+                                      f"load; rebuild the recipe for these weights")
         if self.bound is None:
             self._warn_inference(tensors)
         full = full or self.bound is None
@@ -489,10 +495,6 @@ class PackageRunner:
                                               f"with the weights it was built for")
                 self.rebinds += 1
                 self._bind(full=False)
-                if self.baked:
-                    if baked_digests(self.module, [*self.meta, *self.derived_from]) != self.baked:
-                        raise PackageMismatch(f"{self.component}: tensors compiled into its AOT package "
-                                              f"changed since load; rebuild the recipe for these weights")
             try:
                 if self.calls:
                     self.calls += 1
