@@ -465,6 +465,28 @@ def test_int8static_serves_its_weights_prepacked_in_int8_and_refuses_others(mode
         with torch.no_grad():
             weight.copy_(kept)
             assert torch.equal(pipe.unet(*calls[0][0], **calls[0][1])[0], got[0])
+    # discard_weights: the float weights the int8 ones are derived from are dropped, and a rebind's check skips
+    # them (it read the placeholders, so every rebind was refused); refit takes only the weights calibrated on
+    import aotbuild
+    from aotbuild.errors import WeightsDiscarded
+
+    lean = load_pipeline(r, resolve_model(r, cache), "float32")
+    load_compiled(r, pipe=lean, cache=cache, on_miss="error", strict_shapes=True, discard_weights=True)
+    with torch.no_grad():
+        assert torch.equal(lean.unet(*calls[0][0], **calls[0][1])[0], got[0])
+    with pytest.raises(WeightsDiscarded), torch.no_grad():
+        lean.unet.conv_in.weight.mul_(1)
+    bias = lean.unet.conv_in.bias
+    with torch.no_grad():
+        bias.add_(0)  # an in-place write that changes nothing: a rebind, its check passes
+        assert torch.equal(lean.unet(*calls[0][0], **calls[0][1])[0], got[0])
+    kept = pipe.unet.conv_in.weight.detach().clone()
+    with pytest.raises(PackageMismatch, match="refit: .*calibrated on other weights"):
+        aotbuild.refit(lean.unet, {"conv_in.weight": kept * 1.5})
+    assert aotbuild.refit(lean.unet, {"conv_in.weight": kept}) >= 1  # the weights calibrated on: replayed
+    with torch.no_grad():
+        assert torch.equal(lean.unet(*calls[0][0], **calls[0][1])[0], got[0])
+    del lean
     # other weights at load: a miss that says so
     other = load_pipeline(r, resolve_model(r, cache), "float32")
     with torch.no_grad():

@@ -91,11 +91,13 @@ def is_discarded(t: Any) -> bool:
 def discardable(runner: Any) -> list[str]:
     """The weights of ``runner``'s module that only its prepacked constants' recipes read: not handed to
     the package as they are, not compiled into it, and read only by recipes all of whose inputs are such
-    weights (a recipe is replayed with every input dense or none)."""
+    weights (a recipe is replayed with every input dense or none), besides the lifted constants stored with
+    the package (int8static's per-channel scales: every int8 weight's recipe reads its own)."""
     candidates = {fqn for fqn in runner.derived_from if fqn not in runner.meta and fqn not in runner.baked
                   and fqn not in runner.lifted and unwrapped(fqn) is None}  # a subclass weight's part: kept
+    readable = candidates | set(runner.lifted)
     return sorted(fqn for fqn in candidates
-                  if all(set(runner.derived[name]["inputs"]) <= candidates for name in runner._readers[fqn]))
+                  if all(set(runner.derived[name]["inputs"]) <= readable for name in runner._readers[fqn]))
 
 
 #: Set by ``load_compiled(..., discard_weights=True)`` around its install: the runners it makes drop

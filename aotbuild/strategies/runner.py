@@ -137,16 +137,19 @@ def tensor_digest(t: Any) -> str:
     data = t.detach().to("cpu").contiguous()
     if data.dtype == torch.bfloat16:  # numpy has no bfloat16: hash the raw 16-bit words
         data = data.view(torch.int16)
-    return hashlib.sha256(data.numpy().tobytes()).hexdigest()
+    return hashlib.sha256(memoryview(data.numpy()).cast("B")).hexdigest()  # read in place: no copy of the bytes
 
 
 def calibrated_problem(tensors: dict[str, Any], calibrated: dict[str, str]) -> str:
     """Why ``tensors`` are not the weights an int8static package was calibrated on (its record's
-    ``calibrated``: every weight's sha256), or ""."""
+    ``calibrated``: every weight's sha256), or "". A weight dropped by ``discard_weights`` is skipped: only
+    ``aotbuild.refit`` changes it, and that passes the new one here."""
     import torch
 
     for fqn, digest in calibrated.items():
         t = tensors.get(fqn)
+        if isinstance(t, torch.Tensor) and is_discarded(t):
+            continue
         if not isinstance(t, torch.Tensor) or tensor_digest(t) != digest:
             return (f"was calibrated on other weights (int8static: {len(calibrated)} weights, e.g. {fqn} differs): "
                     f"build the recipe with these weights")
@@ -388,7 +391,8 @@ class PackageRunner:
         unread = {src: set(self._readers[src]) for src in self.discarding} if full else {}
         for name in names:
             old = self.derived_values.get(name)
-            if old is not None and all(is_discarded(inputs[i]) for i in self.derived[name]["inputs"]):
+            if old is not None and all(is_discarded(inputs[i]) for i in self.derived[name]["inputs"]
+                                       if i not in self.lifted):
                 continue  # discard_weights: only aotbuild.refit changes it (discard.py)
             value = self._replay(name, inputs)
             for src in self.derived[name]["inputs"]:
@@ -462,6 +466,10 @@ class PackageRunner:
         with self.lock:
             tensors, edges, stores = self._lookup_all()
             inputs = {**tensors, **given}
+            if self.calibrated:  # int8static: its scales are those of the weights it was calibrated on
+                why = calibrated_problem(inputs, self.calibrated)
+                if why:
+                    raise PackageMismatch(f"{self.component}: refit: its AOT package {why}")
             names = list(dict.fromkeys(n for s in sorted(given) for n in self._readers.get(s, ())))
             new = {}
             for name in names:
