@@ -240,6 +240,41 @@ def test_a_deep_copy_is_served_by_a_package_of_its_own_with_its_own_weights():
         copy.deepcopy(PackageRunner(Pinning(), module, "unet", _package(), "cpu"))
 
 
+@pytest.mark.parametrize("kind", ["baked", "calibrated"])
+def test_a_deep_copy_whose_fixed_values_changed_before_its_first_call_is_refused(kind):
+    """A copy's runner binds at its first call, and that bind checked neither the tensors compiled into the
+    package nor (int8static) the weights its scales were calibrated on: a copy changed before its first call
+    was served with the package's old values."""
+    from aotbuild.errors import PackageMismatch
+    from aotbuild.strategies.runner import baked_digests, named_tensors, tensor_digest
+
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(4, 4, bias=False), nn.Linear(4, 4))
+    package = _package()
+    package["derived"] = {"_frozen_param0": package["derived"]["_frozen_param0"]}
+    package["derived_from"] = {"1.weight": package["derived_from"]["1.weight"]}
+    if kind == "baked":
+        package["baked"] = baked_digests(module, ["0.weight", "1.weight"])  # 1.bias compiled in
+        changed = "1.bias"
+    else:
+        package["calibrated"] = {fqn: tensor_digest(t) for fqn, t in named_tensors(module).items()}
+        changed = "1.weight"
+    run = PackageRunner(Pinning(), module, "unet", package, "cpu", pinning=True, opener=Pinning)
+    install_dispatcher(module, "unet", {"sig": PackageRoute(run)}, None, "error")
+    twin = copy.deepcopy(module)
+    twin.forward.routes["sig"]()  # the copy as it is: served
+    other = copy.deepcopy(module)
+    kept = other.get_parameter(changed).detach().clone()
+    with torch.no_grad():
+        other.get_parameter(changed).add_(1)
+    for _ in range(2):
+        with pytest.raises(PackageMismatch, match="compiled into its AOT package changed|calibrated on other"):
+            other.forward.routes["sig"]()
+    with torch.no_grad():
+        other.get_parameter(changed).copy_(kept)  # put back: served
+    other.forward.routes["sig"]()
+
+
 def test_a_copy_whose_route_cannot_follow_it_runs_eagerly_and_says_so():
     """A route that closes over the original module (jit-cache's compiled forward) is not copied: the copy
     runs its own weights eagerly, with a warning (before issue 52 it ran the original's route)."""

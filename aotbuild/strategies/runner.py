@@ -236,6 +236,9 @@ class PackageRunner:
         self._stores: tuple[list[Any], list[str]] = ([], [])
         self._tracked: list[Any] = []  # the derived constants' sources that have a version counter
         self._samples: Samples | None = None  # the sources' sampled elements at the last derive
+        #: whether the load checked the values of the tensors compiled in and calibrated on (check_baked):
+        #: every other bind checks them itself (a copy's first, every rebind)
+        self._values_checked = checked
         if not checked:
             return  # a copy's runner: its module is still being copied; checked and bound at its first call
         if not bind_at_first_call:
@@ -308,6 +311,18 @@ class PackageRunner:
                     f"{strides} (another memory format: channels_last?); convert it back "
                     f"(.to(memory_format=torch.contiguous_format)) or rebuild the recipe for this layout")
 
+    def _check_values(self) -> None:
+        """The values a package cannot follow: int8static's weights (its scales are theirs) and the tensors
+        compiled into it, each as the build digested them."""
+        if self.calibrated:
+            why = calibrated_problem(named_tensors(self.module), self.calibrated)
+            if why:
+                raise PackageMismatch(f"{self.component}: its AOT package {why}, or load_compiled again with the "
+                                      f"weights it was built for")
+        if self.baked and baked_digests(self.module, [*self.meta, *self.derived_from]) != self.baked:
+            raise PackageMismatch(f"{self.component}: tensors compiled into its AOT package changed since load; "
+                                  f"rebuild the recipe for these weights")
+
     def _hand_over(self, tensors: dict[str, Any]) -> None:
         if tensors:
             self.model.load_constants(handover.prepare(tensors, self.pinning), check_full_update=False,
@@ -323,12 +338,11 @@ class PackageRunner:
         self._check(tensors)
         if self.derived_from:
             self._check(tensors, meta=self.derived_from)
-        if self.baked and self.bound is not None:
-            # a rebind (the load checked them): before anything is handed over, so a refused change stays
-            # refused at every call until it is undone, never served with the package's old values
-            if baked_digests(self.module, [*self.meta, *self.derived_from]) != self.baked:
-                raise PackageMismatch(f"{self.component}: tensors compiled into its AOT package changed since "
-                                      f"load; rebuild the recipe for these weights")
+        if self.bound is not None or not self._values_checked:
+            # a rebind or a copy's first bind (the load checked them): before anything is handed over, so a
+            # refused change stays refused at every call until it is undone, never served with the package's
+            # old values
+            self._check_values()
         if self.bound is None:
             self._warn_inference(tensors)
         full = full or self.bound is None
@@ -496,11 +510,6 @@ class PackageRunner:
             if self.bound is None:
                 self._bind()  # the first call of a runner bound at its first call (offload, a copy)
             elif self._changed():  # pipe.to(...), dtype, LoRA fuse, new weights, an in-place write
-                if self.calibrated:  # int8static: checked before anything is handed over, so it stays refused
-                    why = calibrated_problem(named_tensors(self.module), self.calibrated)
-                    if why:
-                        raise PackageMismatch(f"{self.component}: its AOT package {why}, or load_compiled again "
-                                              f"with the weights it was built for")
                 self.rebinds += 1
                 self._bind(full=False)
             try:
