@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -465,6 +466,11 @@ def test_int8static_serves_its_weights_prepacked_in_int8_and_refuses_others(mode
         with torch.no_grad():
             weight.copy_(kept)
             assert torch.equal(pipe.unet(*calls[0][0], **calls[0][1])[0], got[0])
+    # a deep copy (a server's per-request pipeline) is served by a package of its own with the same weights
+    twin = copy.deepcopy(pipe)
+    with torch.no_grad():
+        assert torch.equal(twin.unet(*calls[0][0], **calls[0][1])[0], got[0])
+    del twin
     # discard_weights: the float weights the int8 ones are derived from are dropped, and a rebind's check skips
     # them (it read the placeholders, so every rebind was refused); refit takes only the weights calibrated on
     import aotbuild
