@@ -595,9 +595,75 @@ def _inline(tensor: Any, folded: dict[int, Any], names: dict[tuple[Any, ...], st
     return local[-1]
 
 
-def replay(recipe: dict[str, Any], tensors: dict[str, Any]) -> Any:
+#: Operators that read their input into a new tensor of their own (oneDNN's weight reorders): a clone
+#: read by one of them alone is an intermediate, copied into :class:`Scratch` memory instead of fresh.
+_FRESH_READERS = frozenset({"mkldnn._reorder_convolution_weight", "mkldnn._reorder_linear_weight"})
+CLONE = "aten.clone.default"
+
+
+class Scratch:
+    """Memory reused by a run of replays for their intermediates (freezing's clone of each 3x3
+    convolution weight to channels_last before its reorder). A copy into pages already touched costs
+    about half of one into fresh pages, which every new allocation of this size is (measured at SD 1.5
+    size: benchmarks/README.md, "The first image: where the derivation goes"). One per run of replays
+    (the runner's derive); its memory goes with it."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[Any, Any] = {}
+        self.used = 0  # clones written here
+
+    def clone(self, src: Any, memory_format: Any) -> Any:
+        """``src.clone(memory_format=...)``, in this scratch's memory: valid until the next call."""
+        import torch
+
+        layout = torch.empty_like(src, memory_format=memory_format)  # its strides; its pages are never touched
+        span = _span(list(layout.shape), list(layout.stride()), 1)
+        buffer = self._buffers.get(src.dtype)
+        if buffer is None or buffer.numel() < span:
+            buffer = self._buffers[src.dtype] = torch.empty(span, dtype=src.dtype)
+        out = buffer.as_strided(layout.shape, layout.stride())
+        out.copy_(src)
+        self.used += 1
+        return out
+
+    def holds(self, t: Any) -> bool:
+        """Whether ``t`` reads this scratch's memory (an operator that returned a view of its input)."""
+        import torch
+
+        if t.is_mkldnn:
+            start = int(torch.ops.mkldnn.data_ptr(t))
+        else:
+            start = t.untyped_storage().data_ptr()
+        return any(b.data_ptr() <= start < b.data_ptr() + b.numel() * b.element_size()
+                   for b in self._buffers.values())
+
+
+def _scratch_clones(program: list[Any]) -> set[int]:
+    """The steps of ``program`` that are a clone read by exactly one later step, one of
+    :data:`_FRESH_READERS`, and are not the result."""
+    readers: dict[int, list[int]] = {}
+    for j, (_, args, kwargs) in enumerate(program):
+        for ref in _refs(args) + _refs(kwargs):
+            readers.setdefault(ref, []).append(j)
+    return {i for i, (op, _, kwargs) in enumerate(program[:-1])
+            if op == CLONE and len(readers.get(i, [])) == 1 and program[readers[i][0]][0] in _FRESH_READERS
+            and set(kwargs) <= {"memory_format"}}
+
+
+def _refs(value: Any) -> list[int]:
+    if isinstance(value, list):
+        return [r for v in value for r in _refs(v)]
+    if isinstance(value, dict):
+        if set(value) == {"ref"} and isinstance(value["ref"], int):
+            return [value["ref"]]
+        return [r for v in value.values() for r in _refs(v)]
+    return []
+
+
+def replay(recipe: dict[str, Any], tensors: dict[str, Any], scratch: Scratch | None = None) -> Any:
     """Run a recipe (as :func:`check_record` passed it) on ``tensors`` (module tensor name -> tensor); the
-    constant it computes, checked against the one the build recorded (``recipe["value"]``).
+    constant it computes, checked against the one the build recorded (``recipe["value"]``). ``scratch``:
+    memory for intermediates that no result keeps (:class:`Scratch`).
 
     No step may make a tensor of more than twice the larger of the recorded constant's bytes and its
     largest input's (plus 64 KiB): a broadcasting step is refused before it runs, any other after (each
@@ -610,6 +676,7 @@ def replay(recipe: dict[str, Any], tensors: dict[str, Any]) -> Any:
     inputs = [tensors[name] for name in recipe["inputs"]]
     bound = 2 * max([declared["nbytes"], *(_bytes(t) for t in inputs)]) + (64 << 10)
     values: list[Any] = []
+    scratched = _scratch_clones(recipe["program"]) if scratch is not None else set()
     with torch.no_grad():
         for i, (op, args, kwargs) in enumerate(recipe["program"]):
             if op == "input":
@@ -628,7 +695,15 @@ def replay(recipe: dict[str, Any], tensors: dict[str, Any]) -> Any:
                     if size > bound:
                         raise RecipeError(f"step {i} ({op}) would make {size} bytes, more than the {bound} its "
                                           f"recipe may use")
-                out = fn(*a, **k)
+                if i in scratched and len(a) == 1 and isinstance(a[0], torch.Tensor) and not a[0].is_mkldnn:
+                    out = scratch.clone(a[0], k.get("memory_format", torch.preserve_format))
+                else:
+                    out = fn(*a, **k)
+                    if scratch is not None and isinstance(out, torch.Tensor) and any(
+                            isinstance(x, torch.Tensor) and not x.is_mkldnn and scratch.holds(x) for x in a) \
+                            and scratch.holds(out):
+                        out = fn(*[x.clone() if isinstance(x, torch.Tensor) and scratch.holds(x) else x for x in a],
+                                 **k)  # a view of the scratch: made again from memory of its own
             except RecipeError:
                 raise
             except (RuntimeError, TypeError, ValueError, IndexError, OverflowError) as exc:

@@ -403,12 +403,13 @@ class PackageRunner:
         new = {}
         # discard_weights: each dense weight dropped once the last recipe reading it has run
         unread = {src: set(self._readers[src]) for src in self.discarding} if full else {}
+        scratch = prepack.Scratch()  # the intermediates' memory, reused from one recipe to the next
         for name in names:
             old = self.derived_values.get(name)
             if old is not None and all(is_discarded(inputs[i]) for i in self.derived[name]["inputs"]
                                        if i not in self.lifted):
                 continue  # discard_weights: only aotbuild.refit changes it (discard.py)
-            value = self._replay(name, inputs)
+            value = self._replay(name, inputs, scratch)
             for src in self.derived[name]["inputs"]:
                 readers = unread.get(src)
                 if readers is not None:
@@ -422,9 +423,9 @@ class PackageRunner:
             del value
         return new
 
-    def _replay(self, name: str, inputs: dict[str, Any]) -> Any:
+    def _replay(self, name: str, inputs: dict[str, Any], scratch: prepack.Scratch | None = None) -> Any:
         try:
-            return prepack.replay(self.derived[name], inputs)
+            return prepack.replay(self.derived[name], inputs, scratch)
         except prepack.RecipeError as exc:
             raise prepack.RecipeError(f"{self.component}: the recipe of {name!r}: {exc}") from None
 
@@ -485,9 +486,9 @@ class PackageRunner:
                 if why:
                     raise PackageMismatch(f"{self.component}: refit: its AOT package {why}")
             names = list(dict.fromkeys(n for s in sorted(given) for n in self._readers.get(s, ())))
-            new = {}
+            new, scratch = {}, prepack.Scratch()
             for name in names:
-                self._settle(name, self._replay(name, {**inputs, **self.lifted}), inputs, new)
+                self._settle(name, self._replay(name, {**inputs, **self.lifted}, scratch), inputs, new)
                 self.replayed += 1
             self._hand_over(new)
             self._last = dict(zip(self.watched, self._identity_each(tensors.values()), strict=True))
