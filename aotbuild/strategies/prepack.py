@@ -627,13 +627,14 @@ class Scratch:
         return out
 
     def holds(self, t: Any) -> bool:
-        """Whether ``t`` reads this scratch's memory (an operator that returned a view of its input)."""
+        """Whether ``t`` reads this scratch's memory (an operator that returned a view of its input); True
+        where that cannot be told (a torch without ``mkldnn.data_ptr``): then it is made again, never shared."""
         import torch
 
-        if t.is_mkldnn:
-            start = int(torch.ops.mkldnn.data_ptr(t))
-        else:
-            start = t.untyped_storage().data_ptr()
+        try:
+            start = int(torch.ops.mkldnn.data_ptr(t)) if t.is_mkldnn else t.untyped_storage().data_ptr()
+        except (AttributeError, RuntimeError, NotImplementedError):
+            return True
         return any(b.data_ptr() <= start < b.data_ptr() + b.numel() * b.element_size()
                    for b in self._buffers.values())
 
