@@ -489,6 +489,10 @@ def test_int8static_serves_its_weights_prepacked_in_int8_and_refuses_others(mode
     kept = pipe.unet.conv_in.weight.detach().clone()
     with pytest.raises(PackageMismatch, match="refit: .*calibrated on other weights"):
         aotbuild.refit(lean.unet, {"conv_in.weight": kept * 1.5})
+    bias_before = lean.unet.conv_in.bias.detach().clone()
+    with pytest.raises(PackageMismatch, match="refit: .*calibrated on other weights"):  # a weight still held
+        aotbuild.refit(lean.unet, {"conv_in.bias": bias_before + 1})
+    assert torch.equal(lean.unet.conv_in.bias.detach(), bias_before)  # refused before anything was written
     assert aotbuild.refit(lean.unet, {"conv_in.weight": kept}) >= 1  # the weights calibrated on: replayed
     with torch.no_grad():
         assert torch.equal(lean.unet(*calls[0][0], **calls[0][1])[0], got[0])
