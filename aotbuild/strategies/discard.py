@@ -159,14 +159,11 @@ def refit(module: Any, state_dict: Mapping[str, Any]) -> int:
         raise UsageError(f"refit: {len(unknown)} names are not {type(module).__name__}'s (e.g. {unknown[0]!r}); "
                          f"use the names of module.state_dict()")
     for path, runner in runners:  # int8static: only the weights calibrated on, refused before anything changes
-        if getattr(runner, "calibrated", None):
-            from aotbuild.strategies.runner import calibrated_problem, named_tensors  # runner imports this module
-
-            prefix = f"{path}." if path else ""
-            mine = {name[len(prefix):]: value for name, value in state_dict.items() if name.startswith(prefix)}
-            why = calibrated_problem({**named_tensors(runner.module), **mine}, runner.calibrated)
-            if why:
-                raise PackageMismatch(f"{runner.component}: refit: its AOT package {why}")
+        prefix = f"{path}." if path else ""
+        why = runner.calibrated_problem({name[len(prefix):]: value for name, value in state_dict.items()
+                                         if name.startswith(prefix)})
+        if why:
+            raise PackageMismatch(f"{runner.component}: refit: its AOT package {why}")
     replayed = 0
     with torch.no_grad():
         for name, value in state_dict.items():  # the weights the module still holds: in place

@@ -311,14 +311,20 @@ class PackageRunner:
                     f"{strides} (another memory format: channels_last?); convert it back "
                     f"(.to(memory_format=torch.contiguous_format)) or rebuild the recipe for this layout")
 
+    def calibrated_problem(self, given: dict[str, Any] | None = None) -> str:
+        """int8static: why the module's weights, with ``given`` (name -> tensor) in place of its own, are not
+        the ones the package was calibrated on, or "" (and "" for any other package)."""
+        if not self.calibrated:
+            return ""
+        return calibrated_problem({**named_tensors(self.module), **(given or {})}, self.calibrated)
+
     def _check_values(self) -> None:
         """The values a package cannot follow: int8static's weights (its scales are theirs) and the tensors
         compiled into it, each as the build digested them."""
-        if self.calibrated:
-            why = calibrated_problem(named_tensors(self.module), self.calibrated)
-            if why:
-                raise PackageMismatch(f"{self.component}: its AOT package {why}, or load_compiled again with the "
-                                      f"weights it was built for")
+        why = self.calibrated_problem()
+        if why:
+            raise PackageMismatch(f"{self.component}: its AOT package {why}, or load_compiled again with the "
+                                  f"weights it was built for")
         if self.baked and baked_digests(self.module, [*self.meta, *self.derived_from]) != self.baked:
             raise PackageMismatch(f"{self.component}: tensors compiled into its AOT package changed since load; "
                                   f"rebuild the recipe for these weights")
@@ -481,10 +487,9 @@ class PackageRunner:
         with self.lock:
             tensors, edges, stores = self._lookup_all()
             inputs = {**tensors, **given}
-            if self.calibrated:  # int8static: its scales are those of the weights it was calibrated on
-                why = calibrated_problem(inputs, self.calibrated)
-                if why:
-                    raise PackageMismatch(f"{self.component}: refit: its AOT package {why}")
+            why = self.calibrated_problem(given)  # int8static: its scales are those of the weights calibrated on
+            if why:
+                raise PackageMismatch(f"{self.component}: refit: its AOT package {why}")
             names = list(dict.fromkeys(n for s in sorted(given) for n in self._readers.get(s, ())))
             new, scratch = {}, prepack.Scratch()
             for name in names:
