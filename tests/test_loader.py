@@ -84,3 +84,25 @@ def test_which_jobs_share_a_load(models_dir, monkeypatch):
     assert len(jobs) == 1 and SharedLoads._shares(jobs[0]) == sys.platform.startswith("linux")
     monkeypatch.setenv(loader.ENV_SHARED_LOADS, "0")
     assert not loader.available() and not SharedLoads._shares(jobs[0])
+
+
+def test_an_auto_recipe_s_jobs_and_every_try_share_one_load(models_dir):
+    """The default recipe (no strategy) loads its pipeline once for all its shapes: each try of an auto job
+    (the prepacked one adds compile options, which no load reads) is the same pipeline as the plan's job.
+    Before, each try read as another pipeline, so every shape started a loader of its own."""
+    import aotbuild
+    from aotbuild import planner
+    from aotbuild.builder.loader import SharedLoads
+    from aotbuild.strategies import order as auto
+
+    two_shapes = {**TINY_DICT, "shapes": [{"height": 64, "width": 64}, {"height": 64, "width": 96}]}
+    two_shapes.pop("strategy", None)
+    jobs = aotbuild.plan(two_shapes, cache=models_dir)
+    assert len(jobs) == 2 and all(j.recipe.strategy == "auto" for j in jobs)
+    tries = auto.tries_on("cpu")
+    assert auto.PREPACKED in tries and len(tries) >= 3
+    identities = {SharedLoads._identity(j) for j in jobs}
+    identities |= {SharedLoads._identity(planner.concrete_job(j, name)) for j in jobs for name in tries}
+    assert len(identities) == 1
+    other = {**two_shapes, "model": {**two_shapes["model"], "dtype": "bfloat16"}}
+    assert SharedLoads._identity(aotbuild.plan(other, cache=models_dir)[0]) not in identities  # another load
