@@ -11,6 +11,8 @@ import collections
 import copy
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -19,7 +21,7 @@ from aotbuild.cache.manage import Finding, verify
 from aotbuild.strategies import prepack
 from aotbuild.strategies.aot_package import AotPackage
 from aotbuild.strategies.registry import checked_store
-from tests.conftest import run_cli
+from tests.conftest import REPO, run_cli
 from tests.manifests import add_entry, write_raw
 
 VALUE = {"shape": [1, 4], "dtype": "float32", "layout": "strided", "stride": [4, 1], "nbytes": 16}
@@ -443,3 +445,38 @@ def test_an_operator_that_returns_a_view_of_a_scratch_clone_gets_memory_of_its_o
     assert scratch.used == 1 and not scratch.holds(got) and torch.equal(got, w)
     prepack.replay({"inputs": ["w"], "program": CONV, "value": prepack.describe(expected)}, {"w": w * 2}, scratch)
     assert torch.equal(got, w)  # the next replay wrote the scratch, not this constant
+
+
+def test_show_ls_and_verify_check_a_prepacked_entry_without_importing_torch(tmp_path):
+    """The static checks of a stored recipe (its operators, dtypes and sizes) need no torch: ``show``,
+    ``ls`` and ``verify`` read an aot-package entry with recipes in a fraction of a second instead of
+    importing torch (3.6-6 s), and still refuse a hostile one."""
+    store = checked_store(tmp_path / "cache")
+    keys = []
+    for name, program in (("good", GOOD), ("hostile", [["input", [0], {}], HOSTILE["zero_"]])):
+        key = add_entry(store, tmp_path / name, name, {"packages/p.pt2": b"never loaded"},
+                        target={"name": "inductor", "strategy": "aot-package"})
+        data = json.loads(store.layout.manifest(key).read_text())
+        data["packages"] = [record(program, path="packages/p.pt2", signature="s",
+                                   derived_from={"w": [[4], "bfloat16", "cpu"]})]
+        write_raw(store, key, data)
+        keys.append(key)
+    # each command as the console script runs it; at exit, whether torch was imported
+    code = ("import atexit, sys\natexit.register(lambda: print('TORCH', 'torch' in sys.modules, file=sys.stderr))\n"
+            "sys.argv = ['aotbuild', *sys.argv[1:]]\nfrom aotbuild.cli import main\nmain()")
+    cache = ["--cache", str(tmp_path / "cache")]
+    for args, code_expected in (["show", keys[0][:12]], 0), (["ls"], 0), (["verify"], 1):
+        proc = subprocess.run([sys.executable, "-c", code, *args, *cache], capture_output=True, text=True,
+                              cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120)
+        assert proc.returncode == code_expected, (args, proc.stdout[-2000:] + proc.stderr[-2000:])
+        assert "TORCH False" in proc.stderr, (args, proc.stderr[-2000:])
+        if args == ["verify"]:
+            assert "aten.zero_.default" in proc.stdout + proc.stderr  # the hostile recipe, found without torch
+
+
+def test_the_itemsize_table_is_torch_s_own():
+    """prepack.ITEMSIZE (what a record's static check reads without torch) says what this torch says for
+    every dtype it has: a new torch's dtype not in it fails here, in the newest job, before a record of it
+    reads as "no torch dtype"."""
+    dtypes = {name: value for name in dir(torch) if isinstance(value := getattr(torch, name), torch.dtype)}
+    assert {name: prepack.ITEMSIZE.get(name) for name in dtypes} == {n: d.itemsize for n, d in dtypes.items()}

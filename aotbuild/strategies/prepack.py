@@ -120,9 +120,10 @@ _ALLOWED = frozenset().union(*OPERATORS.values())
 _RESOLVED: dict[str, Any] = {}
 
 
-def resolve_op(name: str, fmt: str | None = None) -> Any:
-    """The operator a recipe names: one of :data:`OPERATORS` (of format ``fmt`` when given), whose
-    schema writes to none of its arguments (a manifest is untrusted input)."""
+def allowed_op(name: str, fmt: str | None = None) -> None:
+    """RecipeError unless ``name`` is one of :data:`OPERATORS` (of format ``fmt`` when given): the check
+    of a stored recipe that needs no torch (``show``, ``ls`` and ``verify`` read manifests without it);
+    :func:`resolve_op` adds what only torch can say."""
     allowed = _ALLOWED if fmt is None else OPERATORS.get(fmt, frozenset())
     if name not in allowed:
         if fmt is not None and fmt not in OPERATORS:
@@ -131,6 +132,12 @@ def resolve_op(name: str, fmt: str | None = None) -> Any:
         where = f"for {fmt} constants" if fmt is not None else "for any format"
         raise RecipeError(f"a recipe names the operator {name[:80]!r}, which is not one aotbuild replays {where} "
                           f"(prepack.OPERATORS: what freezing records)")
+
+
+def resolve_op(name: str, fmt: str | None = None) -> Any:
+    """The operator a recipe names: one of :data:`OPERATORS` (of format ``fmt`` when given), whose
+    schema writes to none of its arguments (a manifest is untrusted input)."""
+    allowed_op(name, fmt)
     op = _RESOLVED.get(name)
     if op is not None:
         return op
@@ -170,11 +177,22 @@ def _span(shape: list[int], stride: list[int], itemsize: int) -> int:
     return (1 + sum((d - 1) * s for d, s in zip(shape, stride, strict=True))) * itemsize
 
 
-def _itemsize(dtype: str) -> int | None:
-    import torch
+#: Bytes per element of each torch dtype, by the name a record gives it (``describe``): what the static
+#: checks of a record need, without importing torch (tests/test_stored_recipes.py holds it to torch's own).
+ITEMSIZE: dict[str, int] = {
+    "float64": 8, "double": 8, "float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2,
+    "complex128": 16, "cdouble": 16, "complex64": 8, "cfloat": 8, "complex32": 4, "chalf": 4,
+    "int64": 8, "long": 8, "int32": 4, "int": 4, "int16": 2, "short": 2, "int8": 1, "uint8": 1,
+    "uint16": 2, "uint32": 4, "uint64": 8, "bool": 1, "qint8": 1, "quint8": 1, "qint32": 4,
+    "quint4x2": 1, "quint2x4": 1, "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e4m3fnuz": 1,
+    "float8_e5m2fnuz": 1, "float8_e8m0fnu": 1, "float4_e2m1fn_x2": 1, "bits8": 1, "bits16": 2,
+    "bits1x8": 1, "bits2x4": 1, "bits4x2": 1, "bit": 1,
+    **{f"int{n}": 1 for n in range(1, 8)}, **{f"uint{n}": 1 for n in range(1, 8)},
+}
 
-    value = getattr(torch, dtype, None) if dtype.isidentifier() else None
-    return value.itemsize if isinstance(value, torch.dtype) else None
+
+def _itemsize(dtype: str) -> int | None:
+    return ITEMSIZE.get(dtype)
 
 
 def _bytes(t: Any) -> int:
@@ -864,7 +882,7 @@ def check_record(record: dict[str, Any]) -> str:
                     return f"{where}: step {i} names no input"
                 continue
             try:
-                resolve_op(step[0], recipe["value"]["dtype"])
+                allowed_op(step[0], recipe["value"]["dtype"])  # resolved (and its schema checked) when replayed
             except RecipeError as exc:
                 return f"{where}: {exc}"
             why = _cast_problem(step[0], step[1], step[2], recipe["value"]["dtype"])
