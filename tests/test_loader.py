@@ -106,3 +106,9 @@ def test_an_auto_recipe_s_jobs_and_every_try_share_one_load(models_dir):
     assert len(identities) == 1
     other = {**two_shapes, "model": {**two_shapes["model"], "dtype": "bfloat16"}}
     assert SharedLoads._identity(aotbuild.plan(other, cache=models_dir)[0]) not in identities  # another load
+    # the load applies a recipe's changes to its compiled components: other components, another pipeline
+    changed = {**two_shapes, "changes": {"memory_format": "channels_last"}}
+    unet, vae = (planner.concrete_job(aotbuild.plan(parse_recipe({**changed, "compile": {"components": [c]}},
+                                                                 name="sd"), cache=models_dir)[0], auto.PREPACKED)
+                 for c in ("unet", "vae"))
+    assert SharedLoads._identity(unet) != SharedLoads._identity(vae)

@@ -131,6 +131,16 @@ def test_a_recipe_whose_references_or_declared_sizes_are_wrong_is_malformed(fiel
     assert expected in AotPackage().check_records((record(**kwargs),))
 
 
+def test_a_lifted_constant_s_shape_is_bounded_as_a_weight_s_is():
+    """A recipe may make at most PACK_FACTOR times the bytes it reads; a lifted constant it reads declares
+    its shape, so a huge declared shape would loosen that bound: it is refused as a derived-from one is."""
+    for shape in ([1 << 41], [2] * 9, [-1]):
+        lying = record(inputs=("c",), lifted={"c": [shape, "float32"]}, lifted_path="l.pt")
+        assert "packages[].lifted: not {name: [shape, dtype]}" in AotPackage().check_records((lying,)), shape
+    fine = record(inputs=("c",), lifted={"c": [[4], "float32"]}, lifted_path="l.pt", asks=["_frozen_param0", "b", "c"])
+    assert AotPackage().check_records((fine,)) == ""
+
+
 def test_a_missing_or_extra_recipe_or_a_name_both_derived_and_a_weight_is_malformed():
     removed = record()
     del removed["derived"]["_frozen_param0"]  # the package still asks for it: its first call read freed memory

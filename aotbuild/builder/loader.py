@@ -288,12 +288,13 @@ class SharedLoads:
 
     @staticmethod
     def _identity(job: Job) -> str:
-        """The pipeline the loader holds: the recipe's, whatever its strategy and compile settings,
-        which no load reads (an auto job's attempts each name a strategy, its prepacked try adds
-        ``compile.options``; all load the same pipeline)."""
+        """The pipeline the loader holds: the recipe's, whatever its strategy and compile options, which
+        no load reads (an auto job's attempts each name a strategy, its prepacked try adds
+        ``compile.options``; all load the same pipeline). The rest of ``compile`` stays: the load applies
+        the recipe's ``changes`` to ``compile.components`` (aotbuild/pipeline/changes.py)."""
         spec = recipe_spec(job.recipe)
         spec["data"].pop("strategy", None)
-        spec["data"].pop("compile", None)
+        spec["data"].get("compile", {}).pop("options", None)
         return json.dumps(spec, sort_keys=True, default=str)
 
     def again(self, job: Job) -> None:

@@ -167,7 +167,7 @@ class AotPackage(Strategy):
             lifted = record.get("lifted", {})
             if not isinstance(lifted, dict) or not all(
                     isinstance(m, list) and len(m) == 2 and isinstance(m[0], list) and isinstance(m[1], str)
-                    and all(isinstance(d, int) and not isinstance(d, bool) for d in m[0]) for m in lifted.values()):
+                    and prepack.dims_ok(m[0]) for m in lifted.values()):
                 return "packages[].lifted: not {name: [shape, dtype]}"
             if lifted and not isinstance(record.get("lifted_path"), str):
                 return "packages[].lifted_path: not a file name"

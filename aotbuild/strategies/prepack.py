@@ -812,6 +812,12 @@ def _ints(value: Any, low: int = 0) -> bool:
         isinstance(d, int) and not isinstance(d, bool) and low <= d < 1 << 40 for d in value)
 
 
+def dims_ok(value: Any) -> bool:
+    """Whether a record's shape is a list of at most 8 sizes, each from 0 to below 2**40: a declared
+    shape bounds what a recipe may make (:data:`PACK_FACTOR` times what it reads)."""
+    return _ints(value)
+
+
 def _value_problem(value: Any) -> str:
     """What is wrong with a recipe's recorded constant (:func:`describe`), or ""."""
     if not isinstance(value, dict) or not isinstance(value.get("dtype"), str) or not _ints(value.get("shape")) \
