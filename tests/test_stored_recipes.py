@@ -486,7 +486,11 @@ def test_show_ls_and_verify_check_a_prepacked_entry_without_importing_torch(tmp_
 
 def test_the_itemsize_table_is_torch_s_own():
     """prepack.ITEMSIZE (what a record's static check reads without torch) says what this torch says for
-    every dtype it has: a new torch's dtype not in it fails here, in the newest job, before a record of it
-    reads as "no torch dtype"."""
+    every dtype both name, and holds every dtype a prepacked constant or its weights use; a dtype only a
+    newer torch has is looked up in torch (torch 2.14 added ``bcomplex32``; the table holds it since)."""
     dtypes = {name: value for name in dir(torch) if isinstance(value := getattr(torch, name), torch.dtype)}
-    assert {name: prepack.ITEMSIZE.get(name) for name in dtypes} == {n: d.itemsize for n, d in dtypes.items()}
+    both = set(dtypes) & set(prepack.ITEMSIZE)
+    assert {n: prepack.ITEMSIZE[n] for n in both} == {n: dtypes[n].itemsize for n in both}
+    assert {*prepack.OPERATORS, "float64", "int64", "uint8", "bool", "float8_e4m3fn"} <= both
+    assert all(prepack._itemsize(n) == d.itemsize for n, d in dtypes.items())  # the table's or torch's
+    assert prepack._itemsize("os.system") is None and prepack._itemsize("__class__") is None

@@ -177,11 +177,12 @@ def _span(shape: list[int], stride: list[int], itemsize: int) -> int:
     return (1 + sum((d - 1) * s for d, s in zip(shape, stride, strict=True))) * itemsize
 
 
-#: Bytes per element of each torch dtype, by the name a record gives it (``describe``): what the static
-#: checks of a record need, without importing torch (tests/test_stored_recipes.py holds it to torch's own).
+#: Bytes per element of torch's dtypes, by the name a record gives it (``describe``): what the static checks
+#: of a record need, without importing torch (tests/test_stored_recipes.py holds it to torch's own). A name
+#: not here (a dtype a newer torch adds) is looked up in torch.
 ITEMSIZE: dict[str, int] = {
     "float64": 8, "double": 8, "float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2,
-    "complex128": 16, "cdouble": 16, "complex64": 8, "cfloat": 8, "complex32": 4, "chalf": 4,
+    "complex128": 16, "cdouble": 16, "complex64": 8, "cfloat": 8, "complex32": 4, "chalf": 4, "bcomplex32": 4,
     "int64": 8, "long": 8, "int32": 4, "int": 4, "int16": 2, "short": 2, "int8": 1, "uint8": 1,
     "uint16": 2, "uint32": 4, "uint64": 8, "bool": 1, "qint8": 1, "quint8": 1, "qint32": 4,
     "quint4x2": 1, "quint2x4": 1, "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e4m3fnuz": 1,
@@ -192,7 +193,13 @@ ITEMSIZE: dict[str, int] = {
 
 
 def _itemsize(dtype: str) -> int | None:
-    return ITEMSIZE.get(dtype)
+    size = ITEMSIZE.get(dtype)
+    if size is None and dtype.isidentifier():  # a dtype the table does not know (a newer torch's): torch says
+        import torch
+
+        value = getattr(torch, dtype, None)
+        return value.itemsize if isinstance(value, torch.dtype) else None
+    return size
 
 
 def _bytes(t: Any) -> int:
