@@ -71,6 +71,10 @@ DEFAULT_CACHE_ROOT = os.path.join("~", ".cache", "aotbuild")
 #: Warmup arguments that never change what a component sees, so they are not key factors.
 PROMPT_ARGUMENTS = frozenset({"prompt", "prompt_2", "prompt_3", "negative_prompt", "negative_prompt_2",
                               "negative_prompt_3"})
+#: The image arguments a warmup supplies where the pipeline's call takes them (aotbuild/pipeline/images.py):
+#: the input image (img2img, inpainting, instruct-pix2pix, image-to-video; a ControlNet pipeline's control
+#: image), an inpainting mask, a ControlNet img2img pipeline's control image. A file's path is no key factor.
+IMAGE_ARGUMENTS = ("image", "mask_image", "control_image")
 #: The prompt used for warmup when the recipe names none.
 DEFAULT_WARMUP_PROMPT = "a photo of a cat"
 

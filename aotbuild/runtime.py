@@ -184,7 +184,7 @@ def load_compiled(recipe: str | os.PathLike | Recipe | Mapping[str, Any], *, pip
     pipe = _pipeline(ctx, pipe)
     rank = shard_pipeline(pipe, ctx)  # the caller's pipe too, unless it is sharded already
     timings = {"pipeline": time.perf_counter() - started}
-    pipecall.check_recipe(recipe, pipecall.CallSignature.of(pipe))  # a misspelt warmup key: a recipe error
+    pipecall.check_recipe(recipe, pipecall.CallSignature.of(pipe), files=False)  # a misspelt warmup key
     blocker = ctx.target.install_blocker()
     wanted = _wanted(ctx, pipe, rank)
     pulled, remote_notes = _pull_wanted(store, remote, wanted, timings) if remote and not blocker else (set(), {})

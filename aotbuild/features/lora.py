@@ -26,6 +26,7 @@ from typing import Any
 
 from aotbuild.errors import UsageError
 from aotbuild.features.base import Feature, Where
+from aotbuild.recipe.files import repository
 from aotbuild.recipe.schema import LoraAdapter, Recipe
 from aotbuild.utils import safeio
 from aotbuild.utils.text import printable
@@ -188,15 +189,6 @@ def _shapes(fd: int) -> dict[str, list[int]]:
         raise ValueError(str(exc).splitlines()[0] if str(exc) else type(exc).__name__) from None
 
 
-def _repository(folder: Path) -> Path:
-    """The repository a recipe is in: its nearest folder holding .git or pyproject.toml, else its own."""
-    folder = folder.resolve()
-    for candidate in (folder, *folder.parents):
-        if (candidate / ".git").exists() or (candidate / "pyproject.toml").is_file():
-            return candidate
-    return folder
-
-
 def resolve(recipe: Recipe, adapter: LoraAdapter, key: str = "lora.adapters[0].path") -> Path:
     """The adapter's safetensors file: a local file (or a folder's weight file) inside the recipe's
     repository, else a Hub repo's file (``weight_name``), fetched by huggingface_hub."""
@@ -212,7 +204,7 @@ def resolve(recipe: Recipe, adapter: LoraAdapter, key: str = "lora.adapters[0].p
             file = local / weight if local.is_dir() else local
             if not file.name.endswith(".safetensors"):
                 raise recipe.error(key, f"{adapter.path}: adapters are .safetensors files (never a pickle)")
-            repo = _repository(recipe.base)
+            repo = repository(recipe.base)
             if not file.resolve().is_relative_to(repo):
                 raise recipe.error(key, f"{adapter.path} is outside the recipe's repository {repo} (a symlink?): "
                                         f"refused")

@@ -22,7 +22,7 @@ import inspect
 from dataclasses import dataclass
 from typing import Any
 
-from aotbuild.constants import DEFAULT_WARMUP_PROMPT
+from aotbuild.constants import DEFAULT_WARMUP_PROMPT, IMAGE_ARGUMENTS
 from aotbuild.recipe.frozen import thaw
 from aotbuild.recipe.schema import Recipe, Shape, describe_value
 from aotbuild.utils.suggest import suggest
@@ -236,8 +236,10 @@ def pipeline_class(name: str) -> type | None:
     return cls if isinstance(cls, type) else None
 
 
-def check_recipe(recipe: Recipe, call: CallSignature) -> None:
-    """Every recipe setting the pipeline's call must honour, as a recipe error naming the key."""
+def check_recipe(recipe: Recipe, call: CallSignature, *, files: bool = True) -> None:
+    """Every recipe setting the pipeline's call must honour, as a recipe error naming the key.
+    ``files=False`` (a replica's load, which runs no warmup): the files the warmup reads (an image:
+    aotbuild/pipeline/images.py) need not be here."""
     for arg in recipe.warmup:
         if not call.takes(arg):
             raise recipe.error(f"warmup.{arg}", f"not an argument of {call.pipeline}.__call__"
@@ -250,6 +252,9 @@ def check_recipe(recipe: Recipe, call: CallSignature) -> None:
             raise recipe.error(f"warmup.{arg}", f"null is not a value {call.pipeline}.__call__ takes for {arg} (its "
                                                 f"annotation admits no None): leave the key out for the pipeline's "
                                                 f"default, or give a value")
+    from aotbuild.pipeline import images  # Pillow and numpy only when a warmup passes an image
+
+    images.check(recipe, call.params, files=files)
     framed = [i for i, s in enumerate(recipe.shapes) if s.num_frames is not None]
     for i, shape in enumerate(recipe.shapes):
         if shape.batch_size > 1 and call.count_argument is None:
@@ -294,6 +299,11 @@ def warmup_kwargs(recipe: Recipe, shape: Shape, pipeline: Any, seed: int = 0,
     call = CallSignature.of(pipeline)
     kwargs = {k: v for k, v in (defaults or {}).items() if call.takes(k)}
     kwargs.update(recipe.warmup_arguments())
+    from aotbuild.pipeline import images
+
+    for name in IMAGE_ARGUMENTS:  # a file's path or null: the image itself, or nothing passed
+        kwargs.pop(name, None)
+    kwargs.update(images.for_call(recipe, call.params, shape.height, shape.width))
     if call.takes("prompt"):
         kwargs.setdefault("prompt", DEFAULT_WARMUP_PROMPT)
     for name, value in (("height", shape.height), ("width", shape.width), ("num_frames", shape.num_frames),

@@ -67,6 +67,16 @@ def _parse_yaml(source: str, text: str) -> Any:
     return data
 
 
+def repository(folder: Path) -> Path:
+    """The repository a recipe is in: its nearest folder holding .git or pyproject.toml, else its own. A
+    file a recipe names (a LoRA adapter, a warmup image) must be inside it."""
+    folder = folder.resolve()
+    for candidate in (folder, *folder.parents):
+        if (candidate / ".git").exists() or (candidate / "pyproject.toml").is_file():
+            return candidate
+    return folder
+
+
 def find_recipes(paths: list[str] | tuple[str, ...]) -> list[Path]:
     """Files named directly, and every ``*.yaml``/``*.yml`` inside folders, sorted, without repeats."""
     found: list[Path] = []

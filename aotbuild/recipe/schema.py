@@ -328,12 +328,15 @@ class Recipe:
 
         A prompt's text stays out, its structure goes in: ``prompt: [a cat, a dog]`` runs the
         denoiser at twice the batch of ``prompt: a cat``, so each prompt argument is keyed as
-        ``{"texts": N}`` (the default prompt is one text)."""
-        from aotbuild.constants import PROMPT_ARGUMENTS
+        ``{"texts": N}`` (the default prompt is one text). An image file's path stays out too: the image
+        is resized to the shape, and what it holds changes no compiled graph (aotbuild/pipeline/images.py);
+        null (no image passed) goes in."""
+        from aotbuild.constants import IMAGE_ARGUMENTS, PROMPT_ARGUMENTS
 
         args = self.warmup_arguments(defaults)
         args.setdefault("prompt", "")
-        return {k: ({"texts": prompt_count(args[k])} if k in PROMPT_ARGUMENTS else args[k]) for k in sorted(args)}
+        return {k: ({"texts": prompt_count(args[k])} if k in PROMPT_ARGUMENTS else args[k]) for k in sorted(args)
+                if not (k in IMAGE_ARGUMENTS and isinstance(args[k], str))}
 
 
 def prompt_count(value: Any) -> int:

@@ -1,0 +1,113 @@
+"""The images a pipeline's call takes: img2img, inpainting, ControlNet, instruct-pix2pix, image-to-video.
+
+A text-to-image warmup needs nothing but a prompt; ``StableDiffusionImg2ImgPipeline`` and its kin fail
+without an ``image`` (diffusers: "Input is in incorrect format"), and an image cannot be written in
+YAML. For each of :data:`IMAGE_ARGUMENTS` the pipeline's ``__call__`` takes, the warmup passes:
+
+* the recipe's file, where ``warmup.<name>`` names one (a path inside the recipe's repository,
+  relative to the recipe's folder), decoded by Pillow and resized to the shape;
+* nothing, where ``warmup.<name>`` is null (a pipeline for which the image is optional, run without);
+* else an image made here at the shape's size (:func:`synthetic`): the same pixels in every process,
+  so the proof and every load replay what the build ran.
+
+The shape owns the size: an img2img pipeline's call takes no ``height``/``width`` (its output is its
+input's size), so the image is made (or resized) at the shape's, and a request with an image of that
+size is served by the entry built for it. What an image holds never changes what is compiled (static
+shapes; the values flow through the graph), so a file's path or content is no key factor, as a
+prompt's text is none (aotbuild/recipe/schema.py ``warmup_factors``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from aotbuild.constants import IMAGE_ARGUMENTS
+from aotbuild.recipe.files import repository
+from aotbuild.recipe.frozen import thaw
+from aotbuild.recipe.schema import Recipe, describe_value
+
+#: The largest image file a recipe may name (Pillow also refuses decompression bombs by pixel count).
+MAX_IMAGE_BYTES = 64 << 20
+
+__all__ = ["check", "for_call", "synthetic"]
+
+
+def synthetic(name: str, height: int, width: int) -> Any:
+    """A deterministic PIL image of ``height`` x ``width``: for ``mask_image`` a white rectangle (the
+    middle half of each side) on black, mode L; else an RGB gradient with fixed noise (not flat: a
+    ControlNet or an encoder sees structure). The same pixels in every process and on every machine."""
+    import numpy as np
+    from PIL import Image
+
+    if name == "mask_image":
+        mask = np.zeros((height, width), np.uint8)
+        mask[height // 4: height - height // 4, width // 4: width - width // 4] = 255
+        return Image.fromarray(mask, "L")
+    y, x = np.mgrid[0:height, 0:width]
+    base = np.stack([x * 200 // max(width - 1, 1), y * 200 // max(height - 1, 1),
+                     (x + y) * 200 // max(height + width - 2, 1)], axis=-1)
+    noise = np.random.default_rng(0).integers(0, 56, size=(height, width, 3))
+    return Image.fromarray((base + noise).astype(np.uint8), "RGB")
+
+
+def check(recipe: Recipe, takes: tuple[str, ...], *, files: bool) -> None:
+    """Each image argument the recipe's warmup sets: one the call takes (pipecall.check_recipe checks
+    that), a path (text) or null; with ``files`` (``plan`` and a build job, not a replica's load, which
+    never runs the warmup), the file exists inside the recipe's repository."""
+    for name in IMAGE_ARGUMENTS:
+        if name not in recipe.warmup or name not in takes:
+            continue
+        value = thaw(recipe.warmup[name])
+        if value is not None and not isinstance(value, str):
+            raise recipe.error(f"warmup.{name}", f"an image file's path (resized to each shape) or null (no "
+                                                 f"{name} passed), got {describe_value(value)}")
+        if value is not None and files:
+            _file(recipe, name, value)
+
+
+def _file(recipe: Recipe, name: str, value: str) -> Path:
+    key = f"warmup.{name}"
+    try:
+        file = recipe.base / value
+        repo = repository(recipe.base)
+        if not file.resolve().is_relative_to(repo):
+            raise recipe.error(key, f"{value} is outside the recipe's repository {repo} (a symlink?): refused")
+        if not file.is_file():
+            raise recipe.error(key, f"no such image file: {file}")
+    except OSError as exc:  # a name too long, a loop of links
+        raise recipe.error(key, f"{value[:200]}: cannot be used as a path ({exc.strerror or exc})") from None
+    return file
+
+
+def _load(recipe: Recipe, name: str, value: str, height: int, width: int) -> Any:
+    """The recipe's image file, read bounded (aotbuild.utils.safeio), decoded by Pillow, converted (RGB; a
+    mask L) and resized to the shape; a file Pillow cannot read is a recipe error naming it."""
+    import io
+
+    from PIL import Image
+
+    from aotbuild.utils import safeio
+
+    file = _file(recipe, name, value)
+    try:
+        data = safeio.read_bytes(file, MAX_IMAGE_BYTES)
+        with Image.open(io.BytesIO(data)) as opened:
+            image = opened.convert("L" if name == "mask_image" else "RGB")
+    except (OSError, ValueError, Image.DecompressionBombError) as exc:
+        raise recipe.error(f"warmup.{name}", f"{file}: not an image Pillow reads ({exc})") from None
+    return image if image.size == (width, height) else image.resize((width, height), Image.Resampling.LANCZOS)
+
+
+def for_call(recipe: Recipe, takes: tuple[str, ...], height: int, width: int) -> dict[str, Any]:
+    """The image arguments of one warmup call at ``height`` x ``width``: the recipe's file, resized; none
+    where the recipe says null; else :func:`synthetic`. Only arguments the call takes."""
+    images: dict[str, Any] = {}
+    for name in IMAGE_ARGUMENTS:
+        if name not in takes:
+            continue
+        if name not in recipe.warmup:
+            images[name] = synthetic(name, height, width)
+        elif (value := thaw(recipe.warmup[name])) is not None:
+            images[name] = _load(recipe, name, value, height, width)
+    return images

@@ -1,0 +1,167 @@
+"""Pipelines whose call takes an image (img2img, inpainting, ControlNet, instruct-pix2pix, image-to-video)
+build and serve: the warmup passes the recipe's image file, resized to the shape, or one made at the
+shape's size (aotbuild/pipeline/images.py). Before, the warmup passed none and every strategy failed
+with diffusers' "Input is in incorrect format"."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+
+import numpy as np
+import pytest
+
+from aotbuild.errors import RecipeError
+from aotbuild.pipeline.pipecall import CallSignature, check_recipe, warmup_kwargs
+from aotbuild.recipe.rules import parse_recipe
+from aotbuild.recipe.schema import Shape
+from tests.conftest import invoke_cli, run_python
+
+
+class Img2Img:  # diffusers' StableDiffusionImg2ImgPipeline: no height or width, the image's size is the output's
+    def __call__(self, prompt=None, image=None, strength=0.8, num_inference_steps=50, guidance_scale=7.5,
+                 num_images_per_prompt=1, generator=None, **kwargs):
+        pass
+
+
+class Inpaint:  # StableDiffusionInpaintPipeline: image, mask_image, height and width
+    def __call__(self, prompt=None, image=None, mask_image=None, height=None, width=None, strength=1.0,
+                 num_inference_steps=50, guidance_scale=7.5, generator=None):
+        pass
+
+
+class Text2Img:
+    def __call__(self, prompt=None, height=None, width=None, num_inference_steps=50, generator=None):
+        pass
+
+
+def recipe(tmp_path, **warmup):
+    return parse_recipe({"model": {"id": "builtin:tiny-sd"}, "shapes": [{"height": 64, "width": 96}],
+                         "warmup": {"num_inference_steps": 2, **warmup}}, folder=str(tmp_path))
+
+
+def test_an_image_argument_the_recipe_leaves_out_is_made_at_the_shape_s_size_the_same_in_every_call(tmp_path):
+    r = recipe(tmp_path)
+    shape = Shape(height=64, width=96)
+    first, again = warmup_kwargs(r, shape, Img2Img), warmup_kwargs(r, shape, Img2Img)
+    assert first["image"].size == (96, 64) and first["image"].mode == "RGB"  # PIL: (width, height)
+    assert "height" not in first and "width" not in first  # img2img takes neither: the image's size is the shape
+    pixels = np.asarray(first["image"])
+    assert np.array_equal(pixels, np.asarray(again["image"])) and pixels.std() > 10  # the same, and not flat
+    inpaint = warmup_kwargs(r, shape, Inpaint)
+    mask = np.asarray(inpaint["mask_image"])
+    assert inpaint["mask_image"].mode == "L" and set(np.unique(mask)) == {0, 255}  # something to repaint, some kept
+    assert (inpaint["height"], inpaint["width"]) == (64, 96) and inpaint["image"].size == (96, 64)
+    assert "image" not in warmup_kwargs(r, shape, Text2Img)  # only to a pipeline that takes it
+
+
+def test_a_recipe_s_image_file_is_resized_to_each_shape_and_null_passes_none(tmp_path):
+    from PIL import Image
+
+    Image.fromarray(np.full((30, 50, 3), (10, 200, 30), np.uint8)).save(tmp_path / "photo.png")
+    r = recipe(tmp_path, image="photo.png", mask_image=None)
+    check_recipe(r, CallSignature.of(Inpaint))
+    call = warmup_kwargs(r, Shape(height=64, width=96), Inpaint)
+    assert call["image"].size == (96, 64) and np.asarray(call["image"])[32, 48].tolist() == [10, 200, 30]
+    assert "mask_image" not in call  # null: not passed (a pipeline for which it is optional runs without)
+
+
+@pytest.mark.parametrize("value, says", [
+    (3, r"an image file's path .* or null .*got 3 \(int\)"),
+    ("missing.png", "no such image file"),
+    ("../outside.png", "outside the recipe's repository"),
+    ("notes.txt", "not an image Pillow reads"),
+])
+def test_an_image_the_warmup_cannot_read_is_a_recipe_error_naming_the_key(tmp_path, value, says):
+    folder = tmp_path / "repo"
+    folder.mkdir()
+    (folder / "pyproject.toml").write_text("")  # the repository's root: a file outside it is refused
+    (tmp_path / "outside.png").write_bytes(b"")
+    (folder / "notes.txt").write_text("not a picture")
+    r = recipe(folder, image=value)
+    with pytest.raises(RecipeError, match=f"warmup.image: .*{says}"):
+        check_recipe(r, CallSignature.of(Img2Img))
+        warmup_kwargs(r, Shape(height=64, width=96), Img2Img)  # Pillow's verdict comes when it is read
+
+
+def test_a_replica_s_load_does_not_need_the_build_s_image_file(tmp_path):
+    r = recipe(tmp_path, image="only-on-the-build-machine.png")
+    check_recipe(r, CallSignature.of(Img2Img), files=False)  # load_compiled's check: no warmup runs there
+    with pytest.raises(RecipeError, match="no such image file"):
+        check_recipe(r, CallSignature.of(Img2Img))
+
+
+def test_an_image_file_is_no_key_factor_and_null_is_one(tmp_path):
+    """What an image holds changes no compiled graph (it is resized to the shape): a file's path keys
+    like the made image; null changes the call (no image) and the key."""
+    made = recipe(tmp_path).warmup_factors()
+    assert recipe(tmp_path, image="a.png").warmup_factors() == made
+    assert recipe(tmp_path, image=None).warmup_factors() != made
+
+
+def test_plan_refuses_a_missing_image_file_before_any_load(tmp_path, models_dir):
+    path = tmp_path / "i2i.yaml"
+    path.write_text(textwrap.dedent("""\
+        model: {id: builtin:tiny-sd, pipeline: StableDiffusionImg2ImgPipeline}
+        device: cpu
+        shapes: [{height: 64, width: 64}]
+        warmup: {num_inference_steps: 2, image: photos/cat.png}
+    """))
+    proc = invoke_cli("plan", "--cache", str(models_dir), str(path))
+    assert proc.returncode == 2 and "warmup.image: no such image file" in proc.stderr, proc.stderr
+
+
+SERVE = """
+import json
+import numpy as np, torch
+from PIL import Image
+from diffusers import StableDiffusionInpaintPipeline
+from torch._dynamo.utils import counters
+import aotbuild
+
+recipe, cache, model = json.loads(ARGS)
+rng = np.random.default_rng(7)  # the user's own image and mask, not the build's
+image = Image.fromarray(rng.integers(0, 255, (64, 64, 3)).astype(np.uint8))
+mask = Image.fromarray(np.where(rng.random((64, 64)) > 0.5, 255, 0).astype(np.uint8), "L")
+call = dict(prompt="a dog", image=image, mask_image=mask, height=64, width=64, strength=0.75,
+            num_inference_steps=4, guidance_scale=0.0, output_type="np")
+eager = StableDiffusionInpaintPipeline.from_pretrained(model)
+expected = eager(generator=torch.Generator().manual_seed(1), **call).images
+pipe = aotbuild.load_compiled(recipe, pipe=StableDiffusionInpaintPipeline.from_pretrained(model), cache=cache,
+                              on_miss="error", strict_shapes=True)
+got = pipe(generator=torch.Generator().manual_seed(1), **call).images
+print(json.dumps({"hits": len(pipe.aotbuild_report.hits), "graphs": counters["stats"]["unique_graphs"],
+                  "fx_miss": counters["inductor"]["fxgraph_cache_miss"], "calls": pipe.unet.forward.calls,
+                  "diff": float(np.abs(got - expected).max())}))
+"""
+
+
+@pytest.mark.slow  # one real build (auto) of the tiny UNet for an inpainting pipeline, and a fresh serve
+def test_an_inpainting_pipeline_builds_from_a_recipe_s_image_and_serves_a_user_s_image_and_mask(tmp_path,
+                                                                                               models_dir):
+    """The recipe names an image file and leaves the mask to the build; a fresh process serves another
+    image and mask at another strength with 0 compiles, equal to eager's inpainting."""
+    from PIL import Image
+
+    Image.fromarray(np.random.default_rng(3).integers(0, 255, (100, 80, 3)).astype(np.uint8)).save(
+        tmp_path / "photo.png")
+    path = tmp_path / "inpaint.yaml"
+    path.write_text(textwrap.dedent("""\
+        model: {id: builtin:tiny-sd, pipeline: StableDiffusionInpaintPipeline, dtype: float32}
+        device: cpu
+        shapes: [{height: 64, width: 64}]
+        warmup: {num_inference_steps: 2, guidance_scale: 0.0, image: photo.png}
+    """))
+    cache = tmp_path / "cache"
+    env = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "build-inductor"), "AOTBUILD_CACHE": ""}
+    build = invoke_cli("build", "--json", "--cache", str(cache), str(path), env=env)
+    assert build.returncode == 0, build.stdout[-3000:] + build.stderr[-3000:]
+    job, = json.loads(build.stdout)["jobs"]
+    assert job["status"] == "built", job
+    model = next((cache / "models").glob("tiny-sd-*"))
+    code = SERVE.replace("ARGS", repr(json.dumps([str(path), str(cache), str(model)])))
+    proc = run_python(code, env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "serve-inductor")})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    served = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert served["hits"] == 1 and served["graphs"] == 0 and served["fx_miss"] == 0, served
+    assert served["calls"] == {"built": 3, "unbuilt": 0} and served["diff"] < 1e-4, served
