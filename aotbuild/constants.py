@@ -75,6 +75,10 @@ PROMPT_ARGUMENTS = frozenset({"prompt", "prompt_2", "prompt_3", "negative_prompt
 #: the input image (img2img, inpainting, instruct-pix2pix, image-to-video; a ControlNet pipeline's control
 #: image), an inpainting mask, a ControlNet img2img pipeline's control image. A file's path is no key factor.
 IMAGE_ARGUMENTS = ("image", "mask_image", "control_image")
+#: The attribute a build job sets on an exception the pipeline's own eager warmup call raised, with no
+#: aotbuild code below it (aotbuild/strategies/base.py ``Job.run_warmup``); the child protocol reports it
+#: (aotbuild/builder/child.py) and auto then tries no other strategy (aotbuild/builder/build.py).
+EAGER_CALL_FAILED = "aotbuild_eager_call_failed"
 #: The prompt used for warmup when the recipe names none.
 DEFAULT_WARMUP_PROMPT = "a photo of a cat"
 

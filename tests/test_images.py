@@ -165,3 +165,64 @@ def test_an_inpainting_pipeline_builds_from_a_recipe_s_image_and_serves_a_user_s
     served = json.loads(proc.stdout.strip().splitlines()[-1])
     assert served["hits"] == 1 and served["graphs"] == 0 and served["fx_miss"] == 0, served
     assert served["calls"] == {"built": 3, "unbuilt": 0} and served["diff"] < 1e-4, served
+
+
+class _Scheduler:
+    pass
+
+
+class _Refusing:  # a pipeline whose own call refuses the warmup's input, as img2img does without an image
+    scheduler = _Scheduler()
+
+    def __call__(self, **kwargs):
+        raise ValueError("Input is in incorrect format")
+
+
+class _Ours:  # one whose call fails inside aotbuild's code (a recorder's, a dispatcher's): a strategy's doing
+    scheduler = _Scheduler()
+
+    def __call__(self, **kwargs):
+        from aotbuild.pipeline.images import synthetic
+
+        synthetic("image", -1, 4)
+
+
+@pytest.mark.parametrize("pipe, eager, marked", [(_Refusing(), True, True), (_Ours(), True, False),
+                                                 (_Refusing(), False, False)])
+def test_only_the_pipeline_s_own_eager_failure_is_marked_for_auto_to_stop(tmp_path, pipe, eager, marked):
+    from types import SimpleNamespace
+
+    from aotbuild import constants
+    from aotbuild.strategies.base import BuildJob
+
+    job = BuildJob(SimpleNamespace(recipe=recipe(tmp_path)), pipe, "unet", None, {}, tmp_path)
+    with pytest.raises(Exception) as caught:
+        job.run_warmup(eager=eager)  # eager=False: jit-cache's warmup runs compiled code
+    assert getattr(caught.value, constants.EAGER_CALL_FAILED, False) is marked
+
+
+@pytest.mark.slow  # one real try (a load and an eager warmup in a fresh process), then a plan-speed rebuild
+def test_auto_stops_at_the_first_strategy_when_the_pipeline_s_own_call_fails_eagerly(tmp_path, models_dir):
+    """img2img with ``image: null``: the pipeline refuses the call before any compile. Auto tried every
+    strategy, each loading the pipeline and failing the same way (minutes each at real size); now the
+    rest are dropped, saying why, and the next build skips them all until --retry-failed."""
+    path = tmp_path / "i2i.yaml"
+    path.write_text(textwrap.dedent("""\
+        model: {id: builtin:tiny-sd, pipeline: StableDiffusionImg2ImgPipeline, dtype: float32}
+        device: cpu
+        shapes: [{height: 64, width: 64}]
+        warmup: {num_inference_steps: 2, image: null}
+    """))
+    cache = tmp_path / "cache"
+    env = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "build-inductor"), "AOTBUILD_CACHE": ""}
+    build = invoke_cli("build", "--json", "--cache", str(cache), str(path), env=env)
+    assert build.returncode == 1, build.stdout[-3000:]
+    job, = json.loads(build.stdout)["jobs"]
+    outcomes = [(a["strategy"], a["outcome"]) for a in job["attempts"]]
+    assert outcomes[0] == ("aot-package+freezing", "failed") and len(outcomes) == 4, outcomes
+    assert {o for _, o in outcomes[1:]} == {"dropped"} and "Input is in incorrect format" in job["reason"], job
+    assert all("not tried: the pipeline's own call failed" in a["reason"] for a in job["attempts"][1:])
+    again = invoke_cli("build", "--json", "--cache", str(cache), str(path), env=env)
+    job, = json.loads(again.stdout)["jobs"]
+    assert job["status"] == "failed" and "every strategy auto tries failed before" in job["reason"], job
+    assert job["reason"].count("not tried: the pipeline's own call failed") == 3 and "--retry-failed" in job["reason"]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
@@ -84,6 +84,8 @@ class JobResult:
     not_retried: bool = False
     #: ``strategy: auto``: every strategy tried, in order (aotbuild/strategies/order.py ``Attempt``)
     attempts: list[auto.Attempt] = field(default_factory=list)
+    #: the pipeline's own eager warmup call failed (``constants.EAGER_CALL_FAILED``): any strategy would
+    eager_call_failed: bool = False
 
     def as_json(self) -> dict[str, Any]:
         return {**self.job.as_json(), "status": self.status, "seconds": round(self.seconds, 3), "size": self.size,
@@ -497,6 +499,12 @@ def _build_component(store: Store, shapes: list[_Shape], tick: Tick | None, limi
         failed = _try_on_shapes(store, shapes, strategy, last_failed, tick, limit, sign_key, loads, retry_failed)
         if failed is None:
             break
+        if any(r.eager_call_failed for r in failed.results):
+            reason = next(r.reason for r in failed.results if r.eager_call_failed)
+            rest = _not_tried(store, failed.jobs, tries[tries.index(strategy) + 1:], strategy, reason)
+            for shape in shapes:
+                shape.attempts += rest
+            break
         last_failed = failed
         dropped = f"{failed.label} failed with it: {ONE_STRATEGY}"
         for shape in shapes:  # built with the strategy another shape failed with: built again with the next
@@ -579,8 +587,11 @@ def _component_results(shapes: list[_Shape]) -> None:
                                        attempts=list(shape.attempts)) for j in shape.jobs]
             continue
         note = f"auto: {auto.attempts_text(shape.attempts)}"
+        failed = f"auto: no strategy built and passed the proof: {auto.attempts_text(shape.attempts)}"
         shape.results = [replace(r, seconds=shape.seconds, attempts=list(shape.attempts),
-                                 reason=note if r.status == ResultStatus.BUILT else r.reason) for r in shape.results]
+                                 reason=note if r.status == ResultStatus.BUILT else
+                                 failed if r.status == ResultStatus.FAILED and r.reason.startswith(failed[:40])
+                                 else r.reason) for r in shape.results]
 
 
 def _attempts(store: Store, jobs: list[Job], tick: Tick | None, limit: int | None, sign_key: str | Path | None,
@@ -600,7 +611,7 @@ def _attempts(store: Store, jobs: list[Job], tick: Tick | None, limit: int | Non
         return [JobResult(j, ResultStatus.FAILED,
                           reason=f"auto: no strategy can serve this recipe here; {first.choice.text()}")
                 for j in jobs]
-    ran = False
+    ran = eager_failed = False
     for strategy in first.choice.tries if tries is None else tries:
         group = planner.concrete_group(jobs, strategy)
         lead = group[0]
@@ -633,11 +644,31 @@ def _attempts(store: Store, jobs: list[Job], tick: Tick | None, limit: int | Non
             if result.status == ResultStatus.FAILED:
                 _remember(store, job, result)
         attempts.append(auto.Attempt(strategy, auto.Outcome.FAILED, _first_line(reason), seconds, key=lead.group))
+        if any(r.eager_call_failed for r in results):
+            eager_failed = True
+            rest = list(first.choice.tries if tries is None else tries)
+            attempts += _not_tried(store, jobs, rest[rest.index(strategy) + 1:], strategy, reason)
+            break
     known = all(a.outcome == auto.Outcome.FAILED_BEFORE for a in attempts)
     reason = f"auto: no strategy built and passed the proof: {auto.attempts_text(attempts)}"
     return [JobResult(j, ResultStatus.FAILED, time.perf_counter() - started,
                       reason=f"{reason}; {advice.retry_failed()}" if known else reason,
-                      not_retried=known, attempts=list(attempts)) for j in jobs]
+                      not_retried=known, attempts=list(attempts), eager_call_failed=eager_failed) for j in jobs]
+
+
+def _not_tried(store: Store, jobs: list[Job], strategies: Sequence[str], failed: str,
+               reason: str) -> list[auto.Attempt]:
+    """Auto's strategies after ``failed`` when the pipeline's own eager call failed there (no aotbuild code
+    below it): each would run that call, so none is tried (each dropped, saying why), and each concrete
+    job of ``jobs`` gets the failure record ``failed``'s has: the next build skips them all, as it skips
+    ``failed``, until ``--retry-failed`` (or a recipe change, which changes the keys)."""
+    why = (f"not tried: the pipeline's own call failed with {failed}, eagerly, before any compile, as it "
+           f"would with any strategy")
+    for strategy in strategies:
+        for job in planner.concrete_group(jobs, strategy):
+            if job.key is not None:
+                _remember(store, job, JobResult(job, ResultStatus.FAILED, reason=f"{why}: {reason}"))
+    return [auto.Attempt(s, auto.Outcome.DROPPED, why) for s in strategies]
 
 
 def _adopt(store: Store, jobs: list[Job], group: list[Job], attempts: list[auto.Attempt],
@@ -708,8 +739,8 @@ def _build_group(store: Store, jobs: list[Job], tick: Tick | None, limit: int | 
     started = time.perf_counter()
     log_path = store.layout.job_log(first.group)
 
-    def failed(reason: str, seconds: float) -> list[JobResult]:
-        return [JobResult(j, ResultStatus.FAILED, seconds, reason=reason) for j in jobs]
+    def failed(reason: str, seconds: float, eager: bool = False) -> list[JobResult]:
+        return [JobResult(j, ResultStatus.FAILED, seconds, reason=reason, eager_call_failed=eager) for j in jobs]
 
     try:
         store.layout.tmp.mkdir(parents=True, exist_ok=True)
@@ -723,7 +754,8 @@ def _build_group(store: Store, jobs: list[Job], tick: Tick | None, limit: int | 
             seconds = time.perf_counter() - started
             if code != 0 or "error" in outcome:
                 _keep_log(staging / "worker.log", log_path)
-                return failed(f"{_one_line(outcome['error'])} (log: {log_path})", seconds)
+                return failed(f"{_one_line(outcome['error'])} (log: {log_path})", seconds,
+                              eager=outcome.get("eager_call_failed") is True)
             results = child.per_rank(outcome, len(jobs))
             per_rank = _collect(jobs, staging)
             if not per_rank:

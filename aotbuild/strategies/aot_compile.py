@@ -224,7 +224,7 @@ class AotCompile(Strategy):
         owners = self._owners(job.module, ctx.recipe)
         recorder = CallRecorder(owners)
         try:
-            job.run_warmup()  # eager: records the exact calls the pipeline makes
+            job.run_warmup(eager=True)  # eager: records the exact calls the pipeline makes
         finally:
             recorder.remove()
         job.phase("compiling ahead of time")

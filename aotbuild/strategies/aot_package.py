@@ -84,7 +84,7 @@ class AotPackage(Strategy):
         options = ctx.target.compile_settings(ctx.recipe, ctx.device)["options"]
         if ctx.recipe.compile.scope == "regional":  # one package per repeated block class x signature
             recorder = aoti.BlockRecorder(job.module, job.component, ctx.recipe.compile.blocks, ctx.recipe)
-            job.run_warmup()  # eager: records the exact calls the pipeline makes to each block
+            job.run_warmup(eager=True)  # eager: records the exact calls the pipeline makes to each block
             job.phase("exporting and packaging")
             return Built(recorder.signatures, recorder.build(job.workdir, options))
         recorded: dict[str, Any] = {}
@@ -97,7 +97,7 @@ class AotPackage(Strategy):
             lambda _, a, k: calibrating.setdefault(signature(a, k), []).append(calls.snapshot(a, k)),
             with_kwargs=True) if calibrating is not None else None
         try:
-            job.run_warmup()  # eager: records the exact calls the pipeline makes
+            job.run_warmup(eager=True)  # eager: records the exact calls the pipeline makes
         finally:
             forwards.unwrap(job.module, forwards.DISPATCH)
             if hook is not None:

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from aotbuild import forwards
+from aotbuild import constants, forwards
 from aotbuild.recipe.schema import CALIBRATED_QUANT_TYPES
 
 if TYPE_CHECKING:
@@ -69,13 +69,41 @@ class BuildJob:
     #: dynamically quantized activation's rounding), which a build's own checks against eager allow
     noise: float = 0.0
 
-    def run_warmup(self) -> None:
+    def run_warmup(self, *, eager: bool = False) -> None:
         """Call the pipeline as a user does (its own no_grad, no inference_mode: grad mode is part of
         what a compiled graph is guarded and cached on): once with its own scheduler and once with each
-        the recipe declares (``schedulers``, aotbuild/pipeline/schedulers.py)."""
+        the recipe declares (``schedulers``, aotbuild/pipeline/schedulers.py).
+
+        ``eager``: nothing compiled runs in it (the AOT strategies record the calls eagerly). If it
+        fails where no aotbuild code runs below the call (the pipeline's own code, diffusers', torch's:
+        a missing input, a value it refuses), the exception is marked (``constants.EAGER_CALL_FAILED``): every
+        strategy runs that call, so auto tries no other (aotbuild/builder/build.py)."""
         from aotbuild.pipeline.schedulers import warm_up
 
-        warm_up(self.pipe, self.ctx.recipe, self.warmup)
+        try:
+            warm_up(self.pipe, self.ctx.recipe, self.warmup)
+        except Exception as exc:
+            if eager and not _aotbuild_below(exc, warm_up.__code__):
+                try:
+                    setattr(exc, constants.EAGER_CALL_FAILED, True)
+                except AttributeError:  # an exception class with slots: left unmarked, auto tries on
+                    pass
+            raise
+
+
+def _aotbuild_below(exc: BaseException, caller: Any) -> bool:
+    """Whether any frame of ``exc``'s traceback below ``caller``'s (the warmup) is aotbuild's own code (a
+    recorder, a dispatcher: a failure a strategy may cause), rather than the pipeline's."""
+    import traceback
+    from pathlib import Path as _Path
+
+    package = _Path(__file__).resolve().parent.parent
+    frames = traceback.extract_tb(exc.__traceback__)
+    start = next((i for i, f in enumerate(frames) if f.name == caller.co_name and f.filename == caller.co_filename),
+                 None)
+    if start is None:
+        return True
+    return any(_Path(f.filename).resolve().is_relative_to(package) for f in frames[start + 1:])
 
 
 @dataclass
