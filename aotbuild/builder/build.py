@@ -590,8 +590,7 @@ def _component_results(shapes: list[_Shape]) -> None:
         failed = f"auto: no strategy built and passed the proof: {auto.attempts_text(shape.attempts)}"
         shape.results = [replace(r, seconds=shape.seconds, attempts=list(shape.attempts),
                                  reason=note if r.status == ResultStatus.BUILT else
-                                 failed if r.status == ResultStatus.FAILED and r.reason.startswith(failed[:40])
-                                 else r.reason) for r in shape.results]
+                                 failed if r.eager_call_failed else r.reason) for r in shape.results]
 
 
 def _attempts(store: Store, jobs: list[Job], tick: Tick | None, limit: int | None, sign_key: str | Path | None,
