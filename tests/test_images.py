@@ -115,7 +115,7 @@ SERVE = """
 import json
 import numpy as np, torch
 from PIL import Image
-from diffusers import StableDiffusionInpaintPipeline
+from diffusers import StableDiffusionInpaintPipeline, StableDiffusionPipeline
 from torch._dynamo.utils import counters
 import aotbuild
 
@@ -130,9 +130,15 @@ expected = eager(generator=torch.Generator().manual_seed(1), **call).images
 pipe = aotbuild.load_compiled(recipe, pipe=StableDiffusionInpaintPipeline.from_pretrained(model), cache=cache,
                               on_miss="error", strict_shapes=True)
 got = pipe(generator=torch.Generator().manual_seed(1), **call).images
+calls = dict(pipe.unet.forward.calls)
+# a server's other pipeline on the same load: from_pipe shares the components, the compiled UNet included
+text = dict(prompt="a cat", height=64, width=64, num_inference_steps=2, guidance_scale=0.0, output_type="np")
+shared = StableDiffusionPipeline.from_pipe(pipe)(generator=torch.Generator().manual_seed(2), **text).images
+own = StableDiffusionPipeline.from_pipe(eager)(generator=torch.Generator().manual_seed(2), **text).images
 print(json.dumps({"hits": len(pipe.aotbuild_report.hits), "graphs": counters["stats"]["unique_graphs"],
-                  "fx_miss": counters["inductor"]["fxgraph_cache_miss"], "calls": pipe.unet.forward.calls,
-                  "diff": float(np.abs(got - expected).max())}))
+                  "fx_miss": counters["inductor"]["fxgraph_cache_miss"], "calls": calls,
+                  "after_text": pipe.unet.forward.calls, "diff": float(np.abs(got - expected).max()),
+                  "text_diff": float(np.abs(shared - own).max())}))
 """
 
 
@@ -140,7 +146,8 @@ print(json.dumps({"hits": len(pipe.aotbuild_report.hits), "graphs": counters["st
 def test_an_inpainting_pipeline_builds_from_a_recipe_s_image_and_serves_a_user_s_image_and_mask(tmp_path,
                                                                                                models_dir):
     """The recipe names an image file and leaves the mask to the build; a fresh process serves another
-    image and mask at another strength with 0 compiles, equal to eager's inpainting."""
+    image and mask at another strength with 0 compiles, equal to eager's inpainting, and text-to-image
+    through ``from_pipe`` on the same load."""
     from PIL import Image
 
     Image.fromarray(np.random.default_rng(3).integers(0, 255, (100, 80, 3)).astype(np.uint8)).save(
@@ -165,6 +172,8 @@ def test_an_inpainting_pipeline_builds_from_a_recipe_s_image_and_serves_a_user_s
     served = json.loads(proc.stdout.strip().splitlines()[-1])
     assert served["hits"] == 1 and served["graphs"] == 0 and served["fx_miss"] == 0, served
     assert served["calls"] == {"built": 3, "unbuilt": 0} and served["diff"] < 1e-4, served
+    # StableDiffusionPipeline.from_pipe(pipe): text-to-image on the same compiled UNet, 0 compiles, as eager
+    assert served["after_text"] == {"built": 5, "unbuilt": 0} and served["text_diff"] < 1e-4, served
 
 
 class _Scheduler:
