@@ -9,6 +9,7 @@ import json
 import textwrap
 
 import numpy as np
+import PIL.Image
 import pytest
 
 from aotbuild.errors import RecipeError
@@ -19,14 +20,19 @@ from tests.conftest import invoke_cli, run_python
 
 
 class Img2Img:  # diffusers' StableDiffusionImg2ImgPipeline: no height or width, the image's size is the output's
-    def __call__(self, prompt=None, image=None, strength=0.8, num_inference_steps=50, guidance_scale=7.5,
-                 num_images_per_prompt=1, generator=None, **kwargs):
+    def __call__(self, prompt=None, image: PIL.Image.Image | list[PIL.Image.Image] = None, strength=0.8,
+                 num_inference_steps=50, guidance_scale=7.5, num_images_per_prompt=1, generator=None, **kwargs):
         pass
 
 
 class Inpaint:  # StableDiffusionInpaintPipeline: image, mask_image, height and width
-    def __call__(self, prompt=None, image=None, mask_image=None, height=None, width=None, strength=1.0,
-                 num_inference_steps=50, guidance_scale=7.5, generator=None):
+    def __call__(self, prompt=None, image: PIL.Image.Image = None, mask_image: PIL.Image.Image = None, height=None,
+                 width=None, strength=1.0, num_inference_steps=50, guidance_scale=7.5, generator=None):
+        pass
+
+
+class Kontext:  # FluxKontextPipeline, Flux2Pipeline: the image is optional (its annotation admits None)
+    def __call__(self, prompt=None, image: PIL.Image.Image | None = None, height=None, width=None, generator=None):
         pass
 
 
@@ -53,6 +59,8 @@ def test_an_image_argument_the_recipe_leaves_out_is_made_at_the_shape_s_size_the
     assert inpaint["mask_image"].mode == "L" and set(np.unique(mask)) == {0, 255}  # something to repaint, some kept
     assert (inpaint["height"], inpaint["width"]) == (64, 96) and inpaint["image"].size == (96, 64)
     assert "image" not in warmup_kwargs(r, shape, Text2Img)  # only to a pipeline that takes it
+    # an optional image (it changes what the denoiser sees) is made for no one: the warmup is what it was
+    assert "image" not in warmup_kwargs(r, shape, Kontext) and CallSignature.of(Kontext).needs_image == ()
 
 
 def test_a_recipe_s_image_file_is_resized_to_each_shape_and_null_passes_none(tmp_path):
@@ -68,6 +76,8 @@ def test_a_recipe_s_image_file_is_resized_to_each_shape_and_null_passes_none(tmp
 
 @pytest.mark.parametrize("value, says", [
     (3, r"an image file's path .* or null .*got 3 \(int\)"),
+    ("a\x00b.png", "a path holds no control characters"),
+    ("fake.png", "not an image Pillow reads as one of PNG, JPEG, WEBP, BMP"),  # an EPS, whatever its name
     ("missing.png", "no such image file"),
     ("../outside.png", "outside the recipe's repository"),
     ("notes.txt", "not an image Pillow reads"),
@@ -78,10 +88,10 @@ def test_an_image_the_warmup_cannot_read_is_a_recipe_error_naming_the_key(tmp_pa
     (folder / "pyproject.toml").write_text("")  # the repository's root: a file outside it is refused
     (tmp_path / "outside.png").write_bytes(b"")
     (folder / "notes.txt").write_text("not a picture")
+    (folder / "fake.png").write_bytes(b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 8 8\n")
     r = recipe(folder, image=value)
     with pytest.raises(RecipeError, match=f"warmup.image: .*{says}"):
-        check_recipe(r, CallSignature.of(Img2Img))
-        warmup_kwargs(r, Shape(height=64, width=96), Img2Img)  # Pillow's verdict comes when it is read
+        check_recipe(r, CallSignature.of(Img2Img))  # plan's check reads the image: a job would fail later
 
 
 def test_a_replica_s_load_does_not_need_the_build_s_image_file(tmp_path):
@@ -196,8 +206,24 @@ class _Ours:  # one whose call fails inside aotbuild's code (a recorder's, a dis
         synthetic("image", -1, 4)
 
 
+class _OutOfMemory:  # the pipeline's own code, but not an input refused: another strategy may not hit it
+    scheduler = _Scheduler()
+
+    def __call__(self, **kwargs):
+        raise RuntimeError("DefaultCPUAllocator: not enough memory")
+
+
+class _Rewrapped(_Ours):  # library code that catches aotbuild's error and raises its own from it
+    def __call__(self, **kwargs):
+        try:
+            super().__call__()
+        except ValueError as exc:
+            raise ValueError("the model failed") from exc
+
+
 @pytest.mark.parametrize("pipe, eager, marked", [(_Refusing(), True, True), (_Ours(), True, False),
-                                                 (_Refusing(), False, False)])
+                                                 (_Refusing(), False, False), (_OutOfMemory(), True, False),
+                                                 (_Rewrapped(), True, False)])
 def test_only_the_pipeline_s_own_eager_failure_is_marked_for_auto_to_stop(tmp_path, pipe, eager, marked):
     from types import SimpleNamespace
 

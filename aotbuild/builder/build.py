@@ -500,7 +500,7 @@ def _build_component(store: Store, shapes: list[_Shape], tick: Tick | None, limi
         if failed is None:
             break
         if any(r.eager_call_failed for r in failed.results):
-            reason = next(r.reason for r in failed.results if r.eager_call_failed)
+            reason = failed.attempts[-1].reason if failed.attempts else failed.results[0].reason
             rest = _not_tried(store, failed.jobs, tries[tries.index(strategy) + 1:], strategy, reason)
             for shape in shapes:
                 shape.attempts += rest
@@ -646,7 +646,7 @@ def _attempts(store: Store, jobs: list[Job], tick: Tick | None, limit: int | Non
         if any(r.eager_call_failed for r in results):
             eager_failed = True
             rest = list(first.choice.tries if tries is None else tries)
-            attempts += _not_tried(store, jobs, rest[rest.index(strategy) + 1:], strategy, reason)
+            attempts += _not_tried(store, jobs, rest[rest.index(strategy) + 1:], strategy, attempts[-1].reason)
             break
     known = all(a.outcome == auto.Outcome.FAILED_BEFORE for a in attempts)
     reason = f"auto: no strategy built and passed the proof: {auto.attempts_text(attempts)}"
@@ -659,8 +659,8 @@ def _not_tried(store: Store, jobs: list[Job], strategies: Sequence[str], failed:
                reason: str) -> list[auto.Attempt]:
     """Auto's strategies after ``failed`` when the pipeline's own eager call failed there (no aotbuild code
     below it): each would run that call, so none is tried (each dropped, saying why), and each concrete
-    job of ``jobs`` gets the failure record ``failed``'s has: the next build skips them all, as it skips
-    ``failed``, until ``--retry-failed`` (or a recipe change, which changes the keys)."""
+    job of ``jobs`` gets a failure record with ``reason`` (``failed``'s): the next build skips them all, as
+    it skips ``failed``, until ``--retry-failed`` or a change of a key factor."""
     why = (f"not tried: the pipeline's own call failed with {failed}, eagerly, before any compile, as it "
            f"would with any strategy")
     for strategy in strategies:

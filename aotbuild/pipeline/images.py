@@ -7,8 +7,11 @@ YAML. For each of :data:`IMAGE_ARGUMENTS` the pipeline's ``__call__`` takes, the
 * the recipe's file, where ``warmup.<name>`` names one (a path inside the recipe's repository,
   relative to the recipe's folder), decoded by Pillow and resized to the shape;
 * nothing, where ``warmup.<name>`` is null (a pipeline for which the image is optional, run without);
-* else an image made here at the shape's size (:func:`synthetic`): the same pixels in every process,
-  so the proof and every load replay what the build ran.
+* else, where the pipeline needs one (its ``__call__`` annotates the argument as admitting no None:
+  img2img, inpainting, ControlNet, image-to-video), an image made here at the shape's size
+  (:func:`synthetic`): the same pixels in every process, so the proof and every load replay what the
+  build ran. Where the annotation admits None (Flux Kontext, Flux2, QwenImage-Edit: the image is
+  optional and changes what the denoiser sees), none is made: the warmup is what it was before.
 
 The shape owns the size: an img2img pipeline's call takes no ``height``/``width`` (its output is its
 input's size), so the image is made (or resized) at the shape's, and a request with an image of that
@@ -23,12 +26,19 @@ from pathlib import Path
 from typing import Any
 
 from aotbuild.constants import IMAGE_ARGUMENTS
+from aotbuild.errors import RecipeError
 from aotbuild.recipe.files import repository
 from aotbuild.recipe.frozen import thaw
 from aotbuild.recipe.schema import Recipe, describe_value
+from aotbuild.utils.text import printable
 
-#: The largest image file a recipe may name (Pillow also refuses decompression bombs by pixel count).
+#: The largest image file a recipe may name, and the most pixels it may decode to (checked from the header,
+#: before any pixel is decoded).
 MAX_IMAGE_BYTES = 64 << 20
+MAX_IMAGE_PIXELS = 64 << 20
+#: The formats Pillow may decode a recipe's image as (it sniffs content, not names: an EPS would run
+#: Ghostscript; a recipe is data, docs/security.md).
+IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "BMP")
 
 __all__ = ["check", "for_call", "synthetic"]
 
@@ -54,7 +64,7 @@ def synthetic(name: str, height: int, width: int) -> Any:
 def check(recipe: Recipe, takes: tuple[str, ...], *, files: bool) -> None:
     """Each image argument the recipe's warmup sets: one the call takes (pipecall.check_recipe checks
     that), a path (text) or null; with ``files`` (``plan`` and a build job, not a replica's load, which
-    never runs the warmup), the file exists inside the recipe's repository."""
+    never runs the warmup), the file is inside the recipe's repository and decodes as an image."""
     for name in IMAGE_ARGUMENTS:
         if name not in recipe.warmup or name not in takes:
             continue
@@ -63,11 +73,13 @@ def check(recipe: Recipe, takes: tuple[str, ...], *, files: bool) -> None:
             raise recipe.error(f"warmup.{name}", f"an image file's path (resized to each shape) or null (no "
                                                  f"{name} passed), got {describe_value(value)}")
         if value is not None and files:
-            _file(recipe, name, value)
+            _load(recipe, name, value, 8, 8)  # decoded now: a file Pillow cannot read fails the plan, not a job
 
 
 def _file(recipe: Recipe, name: str, value: str) -> Path:
     key = f"warmup.{name}"
+    if printable(value) != value:  # a NUL, a newline: no file's name
+        raise recipe.error(key, f"{value[:200]!r}: a path holds no control characters")
     try:
         file = recipe.base / value
         repo = repository(recipe.base)
@@ -75,8 +87,11 @@ def _file(recipe: Recipe, name: str, value: str) -> Path:
             raise recipe.error(key, f"{value} is outside the recipe's repository {repo} (a symlink?): refused")
         if not file.is_file():
             raise recipe.error(key, f"no such image file: {file}")
-    except OSError as exc:  # a name too long, a loop of links
-        raise recipe.error(key, f"{value[:200]}: cannot be used as a path ({exc.strerror or exc})") from None
+    except (OSError, ValueError) as exc:  # a name too long, a loop of links
+        if isinstance(exc, RecipeError):
+            raise
+        raise recipe.error(key, f"{value[:200]}: cannot be used as a path ({getattr(exc, 'strerror', None) or exc})"
+                           ) from None
     return file
 
 
@@ -91,23 +106,29 @@ def _load(recipe: Recipe, name: str, value: str, height: int, width: int) -> Any
 
     file = _file(recipe, name, value)
     try:
-        data = safeio.read_bytes(file, MAX_IMAGE_BYTES)
-        with Image.open(io.BytesIO(data)) as opened:
+        data = safeio.read_bytes(file, MAX_IMAGE_BYTES, within=repository(recipe.base))
+        with Image.open(io.BytesIO(data), formats=IMAGE_FORMATS) as opened:
+            if opened.width * opened.height > MAX_IMAGE_PIXELS:
+                raise ValueError(f"{opened.width}x{opened.height} pixels, above {MAX_IMAGE_PIXELS}")
             image = opened.convert("L" if name == "mask_image" else "RGB")
     except (OSError, ValueError, Image.DecompressionBombError) as exc:
-        raise recipe.error(f"warmup.{name}", f"{file}: not an image Pillow reads ({exc})") from None
+        raise recipe.error(f"warmup.{name}", f"{file}: not an image Pillow reads as one of "
+                                             f"{', '.join(IMAGE_FORMATS)} ({exc})") from None
     return image if image.size == (width, height) else image.resize((width, height), Image.Resampling.LANCZOS)
 
 
-def for_call(recipe: Recipe, takes: tuple[str, ...], height: int, width: int) -> dict[str, Any]:
+def for_call(recipe: Recipe, takes: tuple[str, ...], needs: tuple[str, ...], height: int,
+             width: int) -> dict[str, Any]:
     """The image arguments of one warmup call at ``height`` x ``width``: the recipe's file, resized; none
-    where the recipe says null; else :func:`synthetic`. Only arguments the call takes."""
+    where the recipe says null; else, for those the pipeline ``needs``, :func:`synthetic`. Only arguments
+    the call takes."""
     images: dict[str, Any] = {}
     for name in IMAGE_ARGUMENTS:
         if name not in takes:
             continue
         if name not in recipe.warmup:
-            images[name] = synthetic(name, height, width)
+            if name in needs:
+                images[name] = synthetic(name, height, width)
         elif (value := thaw(recipe.warmup[name])) is not None:
             images[name] = _load(recipe, name, value, height, width)
     return images

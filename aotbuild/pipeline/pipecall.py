@@ -45,6 +45,10 @@ class CallSignature:
     #: the parameters a null cannot be given (:func:`refuses_null`, and the pipeline's file never compares
     #: them with None): num_inference_steps, guidance_scale, ...
     no_null: tuple[str, ...] = ()
+    #: the image arguments (``constants.IMAGE_ARGUMENTS``) annotated as admitting no None: the pipeline needs
+    #: one (img2img, inpainting, ControlNet), so a warmup that names none gets one made (pipeline/images.py);
+    #: one that admits None (Flux Kontext, Flux2, QwenImage-Edit) is passed only where the recipe names a file
+    needs_image: tuple[str, ...] = ()
 
     @classmethod
     def of(cls, pipeline: Any) -> CallSignature:
@@ -58,9 +62,12 @@ class CallSignature:
         no_null = tuple(n for n in named if parameters[n].annotation is not parameters[n].empty
                         and parameters[n].default is not parameters[n].empty and parameters[n].default is not None
                         and refuses_null(_annotation_text(parameters[n].annotation)))
+        needs_image = tuple(n for n in IMAGE_ARGUMENTS if n in named
+                            and parameters[n].annotation is not parameters[n].empty
+                            and refuses_null(_annotation_text(parameters[n].annotation)))
         no_null = _unhandled(no_null, _module_text(klass.__call__))
         return cls(klass.__name__, named, any(p.kind is p.VAR_KEYWORD for p in parameters.values()), tensors,
-                   no_null)
+                   no_null, needs_image)
 
     @property
     def count_argument(self) -> str | None:
@@ -303,7 +310,7 @@ def warmup_kwargs(recipe: Recipe, shape: Shape, pipeline: Any, seed: int = 0,
 
     for name in IMAGE_ARGUMENTS:  # a file's path or null: the image itself, or nothing passed
         kwargs.pop(name, None)
-    kwargs.update(images.for_call(recipe, call.params, shape.height, shape.width))
+    kwargs.update(images.for_call(recipe, call.params, call.needs_image, shape.height, shape.width))
     if call.takes("prompt"):
         kwargs.setdefault("prompt", DEFAULT_WARMUP_PROMPT)
     for name, value in (("height", shape.height), ("width", shape.width), ("num_frames", shape.num_frames),

@@ -75,14 +75,16 @@ class BuildJob:
         the recipe declares (``schedulers``, aotbuild/pipeline/schedulers.py).
 
         ``eager``: nothing compiled runs in it (the AOT strategies record the calls eagerly). If it
-        fails where no aotbuild code runs below the call (the pipeline's own code, diffusers', torch's:
-        a missing input, a value it refuses), the exception is marked (``constants.EAGER_CALL_FAILED``): every
-        strategy runs that call, so auto tries no other (aotbuild/builder/build.py)."""
+        fails with a ValueError or TypeError where no aotbuild code runs below the call, nor below any
+        exception it was raised from (the pipeline's own code, diffusers', torch's: a missing input, a
+        value it refuses; never out of memory or a device's error), the exception is marked
+        (``constants.EAGER_CALL_FAILED``): every strategy runs that call, so auto tries no other
+        (aotbuild/builder/build.py)."""
         from aotbuild.pipeline.schedulers import warm_up
 
         try:
             warm_up(self.pipe, self.ctx.recipe, self.warmup)
-        except Exception as exc:
+        except (ValueError, TypeError) as exc:  # an input refused; not a RuntimeError (out of memory, a device's)
             if eager and not _aotbuild_below(exc, warm_up.__code__):
                 try:
                     setattr(exc, constants.EAGER_CALL_FAILED, True)
@@ -103,7 +105,14 @@ def _aotbuild_below(exc: BaseException, caller: Any) -> bool:
                  None)
     if start is None:
         return True
-    return any(_Path(f.filename).resolve().is_relative_to(package) for f in frames[start + 1:])
+    below = frames[start + 1:]
+    seen = {id(exc)}
+    cause = exc.__cause__ or exc.__context__
+    while cause is not None and id(cause) not in seen:  # raised from another: that one's frames count too
+        seen.add(id(cause))
+        below += traceback.extract_tb(cause.__traceback__)
+        cause = cause.__cause__ or cause.__context__
+    return any(_Path(f.filename).resolve().is_relative_to(package) for f in below)
 
 
 @dataclass
