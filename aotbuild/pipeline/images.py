@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Any
 
 from aotbuild.constants import IMAGE_ARGUMENTS
-from aotbuild.errors import RecipeError
 from aotbuild.recipe.files import repository
 from aotbuild.recipe.frozen import thaw
 from aotbuild.recipe.schema import Recipe, describe_value
@@ -80,18 +79,17 @@ def _file(recipe: Recipe, name: str, value: str) -> Path:
     key = f"warmup.{name}"
     if printable(value) != value:  # a NUL, a newline: no file's name
         raise recipe.error(key, f"{value[:200]!r}: a path holds no control characters")
-    try:
-        file = recipe.base / value
+    file = recipe.base / value
+    try:  # a name too long, a loop of links: no path
         repo = repository(recipe.base)
-        if not file.resolve().is_relative_to(repo):
-            raise recipe.error(key, f"{value} is outside the recipe's repository {repo} (a symlink?): refused")
-        if not file.is_file():
-            raise recipe.error(key, f"no such image file: {file}")
-    except (OSError, ValueError) as exc:  # a name too long, a loop of links
-        if isinstance(exc, RecipeError):
-            raise
+        inside, exists = file.resolve().is_relative_to(repo), file.is_file()
+    except (OSError, ValueError) as exc:
         raise recipe.error(key, f"{value[:200]}: cannot be used as a path ({getattr(exc, 'strerror', None) or exc})"
                            ) from None
+    if not inside:
+        raise recipe.error(key, f"{value} is outside the recipe's repository {repo} (a symlink?): refused")
+    if not exists:
+        raise recipe.error(key, f"no such image file: {file}")
     return file
 
 
