@@ -55,7 +55,9 @@ def test_auto_offers_aot_package_to_int8_and_prepacks_only_what_keeps_int8(model
 @pytest.mark.parametrize("strategy,options,over,key,says", [
     ("jit-cache", {}, {}, "model.quantization", "calibrated at build and served by strategy aot-package"),
     ("aot-compile", {}, {}, "model.quantization", "calibrated at build and served by strategy aot-package"),
-    ("aot-package", {}, {}, "compile.options.freezing", "only through Inductor's freezing"),
+    # the key the recipe holds: the quantization where it leaves freezing out, else its option set false
+    ("aot-package", {}, {}, "model.quantization", "only through Inductor's freezing"),
+    ("aot-package", {"freezing": False}, {}, "compile.options.freezing", "only through Inductor's freezing"),
     ("aot-package", {"freezing": True}, {"quant_kwargs": {"reduce_range": True}}, "model.quantization.quant_kwargs",
      "takes no arguments"),
     ("aot-package", {"freezing": True}, {"device": "cuda"}, "device", "x86 CPUs only")])

@@ -66,8 +66,13 @@ class AotPackage(Strategy):
                                                            f"kernels): set freezing false")
         if quant is not None and quant.quant_type in calibrate.CALIBRATED:
             if not prepack.wanted(recipe.compile.options):
-                raise recipe.error("compile.options.freezing", f"{quant.quant_type} reaches oneDNN's int8 kernels only "
-                                                               f"through Inductor's freezing: set freezing true")
+                # Named where the recipe says it: its freezing option set false, else the quantization that
+                # needs the option it leaves out (an error names a key the recipe holds).
+                said = next((f"compile.options.{k}" for k in recipe.compile.options
+                             if k.replace("-", "_") == "freezing"), "model.quantization")
+                raise recipe.error(said, f"{quant.quant_type} reaches oneDNN's int8 kernels only through "
+                                         f"Inductor's freezing: set compile.options.freezing true (strategy "
+                                         f"aot-package)")
             if quant.quant_kwargs:
                 raise recipe.error("model.quantization.quant_kwargs",
                                    f"{quant.quant_type} takes no arguments (torchao's default static "
