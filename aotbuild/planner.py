@@ -302,6 +302,7 @@ def plan(recipes: Recipes, *, cache: str | Path | None = None, remote: str | Rem
         ctx = Context.create(recipe, root, reading=True)  # a plan writes nothing under the cache (issue 55)
         if ctx.model is not None and not ctx.problem:  # only plan: jobs and loads check the loaded pipeline
             models.check_blocks(recipe, ctx.model)
+            models.check_pipeline_components(recipe, ctx.model, ctx.pipeline_class)
             call = pipecall.signature_of(ctx.pipeline_class)
             if call is not None:
                 pipecall.check_recipe(recipe, call)

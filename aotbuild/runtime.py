@@ -180,6 +180,8 @@ def load_compiled(recipe: str | os.PathLike | Recipe | Mapping[str, Any], *, pip
     features = used(recipe)  # a plain recipe imports none of their modules
     for feature in features:  # before the weights load (a rank: its process group, device and threads)
         feature.before_load(recipe, ctx.device)
+    if not passed and ctx.model is not None:  # a component the model lacks: refused before the weights load
+        models.check_pipeline_components(recipe, ctx.model, ctx.pipeline_class)
     started = time.perf_counter()
     pipe = _pipeline(ctx, pipe)
     rank = shard_pipeline(pipe, ctx)  # the caller's pipe too, unless it is sharded already

@@ -26,7 +26,8 @@ from aotbuild.utils.suggest import suggest
 from aotbuild.utils.text import printable
 
 __all__ = ["ModelUnavailable", "ResolvedModel", "resolve_model", "load_pipeline", "place_pipeline",
-           "component_config", "module_config", "check_components", "check_blocks"]
+           "component_config", "module_config", "check_components", "check_blocks",
+           "check_pipeline_components"]
 
 
 @dataclass(frozen=True)
@@ -250,6 +251,39 @@ def check_components(recipe: Recipe, model: ResolvedModel) -> None:
                 raise recipe.error("compile.scope", f"regional scope needs a component with _repeated_blocks; "
                                                     f"{name} ({class_name}) has none: name its block classes in "
                                                     f"compile.blocks{repeating}, or use scope: full")
+
+
+def check_pipeline_components(recipe: Recipe, model: ResolvedModel, pipeline_class: str) -> None:
+    """The components ``pipeline_class`` cannot be made without, against those the model's
+    ``model_index.json`` names (diffusers' own rule in ``from_pretrained``: each ``__init__`` argument
+    without a default that is not one of its ``_optional_components``). A recipe loads every component
+    from its model, so ``StableDiffusionControlNetPipeline`` on an SD 1.5 repository, whose ControlNet
+    lives in another, is refused here, before any load, naming what is missing and the way that serves
+    it: the caller's pipeline object, ``aotbuild.build(recipe, pipe=pipe)`` (before: every strategy auto
+    tried loaded the pipeline and failed with diffusers' "expected [...], but only {...} were passed")."""
+    import inspect
+
+    import diffusers
+
+    try:
+        cls = getattr(diffusers, pipeline_class, None)
+        parameters = inspect.signature(cls.__init__).parameters if isinstance(cls, type) else {}
+    except Exception:  # noqa: BLE001 - a lazy module that fails to import, no signature: the load will say
+        return
+    optional = set(getattr(cls, "_optional_components", None) or ())
+    required = [n for n, p in parameters.items() if n != "self" and p.default is p.empty
+                and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) and n not in optional]
+    named = {k for k in model.model_index if not k.startswith("_")}  # a component, null or not, or a config value
+    missing = [n for n in required if n not in named]
+    if missing:
+        named = {k for k in named if isinstance(model.model_index[k], list)}
+        key = "model.pipeline" if recipe.model.pipeline else "model.id"
+        raise recipe.error(key, f"{pipeline_class} needs {', '.join(missing)}, which {recipe.model.id} does not have "
+                                f"(its model_index.json names {', '.join(sorted(named)) or 'no component'}): a recipe "
+                                f"loads every component from its model; for one from another repository (a "
+                                f"ControlNet), build for your pipeline object, aotbuild.build(recipe, pipe=pipe), and "
+                                f"serve it with load_compiled(recipe, pipe=pipe) (docs/recipes.md, \"A component from "
+                                f"another repository\")")
 
 
 def check_blocks(recipe: Recipe, model: ResolvedModel) -> None:
