@@ -79,6 +79,11 @@ IMAGE_ARGUMENTS = ("image", "mask_image", "control_image")
 #: aotbuild code below it (aotbuild/strategies/base.py ``Job.run_warmup``); the child protocol reports it
 #: (aotbuild/builder/child.py) and auto then tries no other strategy (aotbuild/builder/build.py).
 EAGER_CALL_FAILED = "aotbuild_eager_call_failed"
+#: The attribute a build job sets on an exception raised while its pipeline was loaded or placed, before
+#: any strategy's code ran (aotbuild/builder/worker.py; a build's loader process says so in its protocol,
+#: aotbuild/builder/loader.py): auto tries no other strategy, each of which would load it the same way, and
+#: no failure record is kept (the cause, a missing library, a download, memory, is no key factor).
+LOAD_FAILED = "aotbuild_load_failed"
 #: The prompt used for warmup when the recipe names none.
 DEFAULT_WARMUP_PROMPT = "a photo of a cat"
 

@@ -69,6 +69,7 @@ def test_a_pipeline_that_cannot_load_fails_each_job_with_the_reason(tmp_path):
         for name in ("a", "b"):
             code, result = _run(ld, tmp_path / name, tmp_path / "cache")
             assert code == 1 and "model.id: no such folder" in result["error"]
+            assert result.get("load_failed") is True  # no strategy's code ran: auto tries no other
             assert "Traceback" in (tmp_path / name / "worker.log").read_text()  # the loader's log, as the job's
         assert ld.loads == 1 and ld.proc is None  # tried once, not once per job
     finally:
@@ -112,3 +113,35 @@ def test_an_auto_recipe_s_jobs_and_every_try_share_one_load(models_dir):
                                                                  name="sd"), cache=models_dir)[0], auto.PREPACKED)
                  for c in ("unet", "vae"))
     assert SharedLoads._identity(unet) != SharedLoads._identity(vae)
+
+
+@pytest.mark.slow  # a build's loader or worker process, twice (about 15 s each on 2 cores)
+@pytest.mark.parametrize("shared", ["1", "0"], ids=["loader", "worker"])
+def test_auto_stops_at_a_pipeline_that_does_not_load_and_keeps_no_failure_record(shared, tmp_path, models_dir,
+                                                                                 monkeypatch):
+    """A pipeline that does not load (a damaged weights file here; a missing library, a download, memory)
+    fails before any strategy's code runs, so every strategy auto would try next loads it the same way:
+    none is tried (one load, not one per strategy), and no failure record is kept, since what failed is no
+    key factor: the next build, once the cause is mended, loads again instead of reporting "failed before"
+    for every strategy until --retry-failed. Both ways a job loads: the build's loader process, a worker."""
+    import shutil
+
+    import aotbuild
+    from aotbuild.builtin import folder_of
+
+    monkeypatch.setenv(loader.ENV_SHARED_LOADS, shared)
+    model = tmp_path / "model"
+    shutil.copytree(folder_of("builtin:tiny-sd", models_dir / "models"), model)
+    weights = next((model / "unet").glob("*.safetensors"))
+    weights.write_bytes(weights.read_bytes()[:200])
+    recipe = {**TINY_DICT, "model": {"id": str(model), "dtype": "float32"}}
+    recipe.pop("strategy")
+    cache = tmp_path / "cache"
+    report = aotbuild.build(recipe, cache=cache)
+    (result,) = report.results
+    assert result.status == "failed" and report.loads["build"] == 1, report.as_json()
+    first, *rest = result.attempts
+    assert first.outcome == "failed" and "Unable to load weights" in first.reason, first
+    assert rest and all(a.outcome == "dropped" and "the pipeline did not load" in a.reason for a in rest), rest
+    assert not (cache / "failures").exists() or not any((cache / "failures").iterdir())
+    assert [j.status for j in aotbuild.plan(recipe, cache=cache)] == ["miss"]  # not "failed": built again next time

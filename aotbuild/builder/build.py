@@ -86,6 +86,9 @@ class JobResult:
     attempts: list[auto.Attempt] = field(default_factory=list)
     #: the pipeline's own eager warmup call failed (``constants.EAGER_CALL_FAILED``): any strategy would
     eager_call_failed: bool = False
+    #: the pipeline did not load (or could not be placed) before any strategy ran (``constants.LOAD_FAILED``):
+    #: any strategy would fail so; no failure record is kept (a library, a download or memory: no key factor)
+    load_failed: bool = False
 
     def as_json(self) -> dict[str, Any]:
         return {**self.job.as_json(), "status": self.status, "seconds": round(self.seconds, 3), "size": self.size,
@@ -499,9 +502,10 @@ def _build_component(store: Store, shapes: list[_Shape], tick: Tick | None, limi
         failed = _try_on_shapes(store, shapes, strategy, last_failed, tick, limit, sign_key, loads, retry_failed)
         if failed is None:
             break
-        if any(r.eager_call_failed for r in failed.results):
+        if any(r.eager_call_failed or r.load_failed for r in failed.results):
             reason = failed.attempts[-1].reason if failed.attempts else failed.results[0].reason
-            rest = _not_tried(store, failed.jobs, tries[tries.index(strategy) + 1:], strategy, reason)
+            rest = _not_tried(store, failed.jobs, tries[tries.index(strategy) + 1:], strategy, reason,
+                              loading=any(r.load_failed for r in failed.results))
             for shape in shapes:
                 shape.attempts += rest
             break
@@ -590,7 +594,7 @@ def _component_results(shapes: list[_Shape]) -> None:
         failed = f"auto: no strategy built and passed the proof: {auto.attempts_text(shape.attempts)}"
         shape.results = [replace(r, seconds=shape.seconds, attempts=list(shape.attempts),
                                  reason=note if r.status == ResultStatus.BUILT else
-                                 failed if r.eager_call_failed else r.reason) for r in shape.results]
+                                 failed if r.eager_call_failed or r.load_failed else r.reason) for r in shape.results]
 
 
 def _attempts(store: Store, jobs: list[Job], tick: Tick | None, limit: int | None, sign_key: str | Path | None,
@@ -610,7 +614,7 @@ def _attempts(store: Store, jobs: list[Job], tick: Tick | None, limit: int | Non
         return [JobResult(j, ResultStatus.FAILED,
                           reason=f"auto: no strategy can serve this recipe here; {first.choice.text()}")
                 for j in jobs]
-    ran = eager_failed = False
+    ran = eager_failed = load_failed = False
     for strategy in first.choice.tries if tries is None else tries:
         group = planner.concrete_group(jobs, strategy)
         lead = group[0]
@@ -643,24 +647,32 @@ def _attempts(store: Store, jobs: list[Job], tick: Tick | None, limit: int | Non
             if result.status == ResultStatus.FAILED:
                 _remember(store, job, result)
         attempts.append(auto.Attempt(strategy, auto.Outcome.FAILED, _first_line(reason), seconds, key=lead.group))
-        if any(r.eager_call_failed for r in results):
-            eager_failed = True
+        if any(r.eager_call_failed or r.load_failed for r in results):
+            eager_failed = any(r.eager_call_failed for r in results)
+            load_failed = not eager_failed
             rest = list(first.choice.tries if tries is None else tries)
-            attempts += _not_tried(store, jobs, rest[rest.index(strategy) + 1:], strategy, attempts[-1].reason)
+            attempts += _not_tried(store, jobs, rest[rest.index(strategy) + 1:], strategy, attempts[-1].reason,
+                                   loading=load_failed)
             break
     known = all(a.outcome == auto.Outcome.FAILED_BEFORE for a in attempts)
     reason = f"auto: no strategy built and passed the proof: {auto.attempts_text(attempts)}"
     return [JobResult(j, ResultStatus.FAILED, time.perf_counter() - started,
                       reason=f"{reason}; {advice.retry_failed()}" if known else reason,
-                      not_retried=known, attempts=list(attempts), eager_call_failed=eager_failed) for j in jobs]
+                      not_retried=known, attempts=list(attempts), eager_call_failed=eager_failed,
+                      load_failed=load_failed) for j in jobs]
 
 
 def _not_tried(store: Store, jobs: list[Job], strategies: Sequence[str], failed: str,
-               reason: str) -> list[auto.Attempt]:
+               reason: str, *, loading: bool = False) -> list[auto.Attempt]:
     """Auto's strategies after ``failed`` when the pipeline's own eager call failed there (no aotbuild code
     below it): each would run that call, so none is tried (each dropped, saying why), and each concrete
     job of ``jobs`` gets a failure record with ``reason`` (``failed``'s): the next build skips them all, as
-    it skips ``failed``, until ``--retry-failed`` or a change of a key factor."""
+    it skips ``failed``, until ``--retry-failed`` or a change of a key factor. ``loading``: the pipeline
+    did not load there; each would load it the same way, so none is tried, and none gets a record (a
+    missing library, a download, memory: the next build loads again)."""
+    if loading:
+        why = f"not tried: the pipeline did not load (at {failed}, before any compile); every strategy loads it alike"
+        return [auto.Attempt(s, auto.Outcome.DROPPED, why) for s in strategies]
     why = (f"not tried: the pipeline's own call failed with {failed}, eagerly, before any compile, as it "
            f"would with any strategy")
     for strategy in strategies:
@@ -738,8 +750,9 @@ def _build_group(store: Store, jobs: list[Job], tick: Tick | None, limit: int | 
     started = time.perf_counter()
     log_path = store.layout.job_log(first.group)
 
-    def failed(reason: str, seconds: float, eager: bool = False) -> list[JobResult]:
-        return [JobResult(j, ResultStatus.FAILED, seconds, reason=reason, eager_call_failed=eager) for j in jobs]
+    def failed(reason: str, seconds: float, eager: bool = False, load: bool = False) -> list[JobResult]:
+        return [JobResult(j, ResultStatus.FAILED, seconds, reason=reason, eager_call_failed=eager, load_failed=load)
+                for j in jobs]
 
     try:
         store.layout.tmp.mkdir(parents=True, exist_ok=True)
@@ -754,7 +767,7 @@ def _build_group(store: Store, jobs: list[Job], tick: Tick | None, limit: int | 
             if code != 0 or "error" in outcome:
                 _keep_log(staging / "worker.log", log_path)
                 return failed(f"{_one_line(outcome['error'])} (log: {log_path})", seconds,
-                              eager=outcome.get("eager_call_failed") is True)
+                              eager=outcome.get("eager_call_failed") is True, load=outcome.get("load_failed") is True)
             results = child.per_rank(outcome, len(jobs))
             per_rank = _collect(jobs, staging)
             if not per_rank:
@@ -860,7 +873,7 @@ def _remember(store: Store, job: Job, result: JobResult) -> None:
     assert job.key is not None
     if result.status == ResultStatus.BUILT:
         store.remove_failure(job.key)
-    elif result.status == ResultStatus.FAILED and not result.not_retried:
+    elif result.status == ResultStatus.FAILED and not result.not_retried and not result.load_failed:
         store.put_failure(job.key, {"key": job.key, "reason": result.reason[:2000], "aotbuild": constants.VERSION,
                                     "time": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                                     "recipe": job.recipe.name, "component": job.component,

@@ -264,6 +264,8 @@ def main(argv: list[str], fn: Callable[[dict[str, Any]], dict[str, Any]]) -> int
         result = {"error": f"{type(exc).__name__}: {exc}".strip()}
         if getattr(exc, constants.EAGER_CALL_FAILED, False):  # the pipeline failed eagerly: so would any strategy
             result["eager_call_failed"] = True
+        if getattr(exc, constants.LOAD_FAILED, False):  # the pipeline did not load: no strategy ran
+            result["load_failed"] = True
     rank = _rank()
     path = Path(spec["result"]) if rank is None else rank_result(Path(spec["result"]), rank)
     path.write_text(json.dumps(result))

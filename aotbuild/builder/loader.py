@@ -228,7 +228,7 @@ class Loader:
                     log.write_bytes(self.log.read_bytes())
                 except OSError:
                     pass
-                return 1, {"error": self.problem}
+                return 1, {"error": self.problem, "load_failed": True}  # no strategy's code ran
             assert self.proc is not None and self.proc.stdin is not None
             try:
                 self.proc.stdin.write(f"{spec_path}\n".encode())

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from aotbuild import constants
 from aotbuild.builder import child
 from aotbuild.utils.text import printable
 
@@ -30,7 +31,14 @@ def run(job: dict, loaded: tuple[Any, float] | None = None) -> dict:
     recipe = recipe_from_spec(job["recipe"])  # the recipe's data: the file may have changed since the plan
     shape = Shape(**job["shape"])
     component = job["component"]
-    ctx, pipe = job_pipeline(recipe, Path(job["cache_root"]), loaded[0] if loaded else None)
+    try:
+        ctx, pipe = job_pipeline(recipe, Path(job["cache_root"]), loaded[0] if loaded else None)
+    except Exception as exc:  # before any strategy's code: every strategy would fail the same way
+        try:
+            setattr(exc, constants.LOAD_FAILED, True)
+        except AttributeError:  # an exception class with slots: left unmarked, auto tries on
+            pass
+        raise
     pipecall.check_recipe(recipe, pipecall.CallSignature.of(pipe))
     # Tensor parallelism: this process is one rank (of the launch the builder started); its entry is
     # its own, in its own folder; the compiler's cache folder is the ranks' shared one.

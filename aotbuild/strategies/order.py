@@ -67,7 +67,7 @@ class Outcome(Vocabulary):
     """An attempt's outcome (``Attempt.outcome``; the manifest's ``attempts``, ``build --json``)."""
 
     BUILT = "built"
-    #: failed now (its failure is recorded under the attempt's key)
+    #: failed now (its failure is recorded under the attempt's key, unless the pipeline did not load)
     FAILED = "failed"
     #: failed before (a failure record): not tried again until ``--retry-failed``
     FAILED_BEFORE = "failed before"
