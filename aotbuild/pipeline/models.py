@@ -278,8 +278,11 @@ def check_pipeline_components(recipe: Recipe, model: ResolvedModel, pipeline_cla
     if missing:
         named = {k for k in named if isinstance(model.model_index[k], list)}
         key = "model.pipeline" if recipe.model.pipeline else "model.id"
+        own = model.pipeline_class
+        hint = f"; the model's own class is {printable(own)[:80]}" if own != pipeline_class else ""
+        names = ", ".join(sorted(named)) or "no component"
         raise recipe.error(key, f"{pipeline_class} needs {', '.join(missing)}, which {recipe.model.id} does not have "
-                                f"(its model_index.json names {', '.join(sorted(named)) or 'no component'}): a recipe "
+                                f"(its model_index.json names {names}{hint}): a recipe "
                                 f"loads every component from its model; for one from another repository (a "
                                 f"ControlNet), build for your pipeline object, aotbuild.build(recipe, pipe=pipe), and "
                                 f"serve it with load_compiled(recipe, pipe=pipe) (docs/recipes.md, \"A component from "
