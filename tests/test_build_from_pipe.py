@@ -89,10 +89,11 @@ CONTROLNET = {**TINY, "model": {**TINY["model"], "pipeline": "StableDiffusionCon
 
 
 def test_a_pipeline_needing_a_component_the_model_lacks_is_refused_before_any_load(models_dir, tmp_path, monkeypatch):
-    """A ControlNet lives in a repository of its own, which a recipe's model cannot name: diffusers'
+    """A ControlNet lives in a repository of its own, which a recipe's model does not name: diffusers'
     ``from_pretrained`` fails without it ("expected [...], but only {...} were passed"), and auto tried
     each strategy, loading the pipeline for each, to fail the same way. ``plan``, ``build`` and
-    ``load_compiled`` refuse it before a weight is read, naming what is missing and the way that serves it."""
+    ``load_compiled`` refuse it before a weight is read, naming what is missing and the ways that serve
+    it: ``model.components`` (tests/test_component_sources.py) or a build for the pipeline object."""
     from aotbuild.errors import RecipeError
     from aotbuild.pipeline import models
 
@@ -102,7 +103,8 @@ def test_a_pipeline_needing_a_component_the_model_lacks_is_refused_before_any_lo
         proc = invoke_cli(command, "--cache", str(models_dir), str(recipe))
         assert proc.returncode == 2, proc.stdout + proc.stderr
         assert "model.pipeline: StableDiffusionControlNetPipeline needs controlnet, which builtin:tiny-sd does not " \
-               "have" in proc.stderr and "aotbuild.build(recipe, pipe=pipe)" in proc.stderr, proc.stderr
+               "have" in proc.stderr and "model.components ({controlnet: HUB_ID_OR_FOLDER})" in proc.stderr \
+               and "aotbuild.build(recipe, pipe=pipe)" in proc.stderr, proc.stderr
 
     def loaded(*args, **kwargs):
         raise AssertionError("the pipeline was loaded")
@@ -113,58 +115,3 @@ def test_a_pipeline_needing_a_component_the_model_lacks_is_refused_before_any_lo
     assert info.value.key == "model.pipeline"
     # the model's own class needs nothing it lacks; an optional component left out (safety_checker) is no refusal
     assert [j.status for j in aotbuild.plan(TINY, cache=models_dir)] == ["miss"]
-
-
-def _controlnet_pipe(models_dir):
-    """The recipe's model with a ControlNet from elsewhere (made from its UNet, as diffusers'
-    ``ControlNetModel.from_unet`` does for training): a pipeline only code can make."""
-    from diffusers import ControlNetModel, StableDiffusionControlNetPipeline
-
-    from aotbuild.pipeline.models import load_pipeline, resolve_model
-    from aotbuild.recipe.rules import parse_recipe
-
-    recipe = parse_recipe(TINY)
-    base = load_pipeline(recipe, resolve_model(recipe, models_dir), "float32")
-    torch.manual_seed(2)
-    controlnet = ControlNetModel.from_unet(base.unet).eval()
-    for p in controlnet.parameters():  # from_unet zeroes its output convolutions: make them count
-        p.data.normal_(0, 0.05) if p.dim() > 1 and p.abs().sum() == 0 else None
-    pipe = StableDiffusionControlNetPipeline(**base.components, controlnet=controlnet)
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
-
-
-@pytest.mark.slow  # one build and its proof (~1.5 min on 2 cores)
-def test_a_controlnet_from_another_repository_is_built_for_the_pipe_and_served_compiled(models_dir, tmp_path):
-    """The way the refusal above names: a ControlNet pipeline built for the caller's object (its
-    ControlNet saved with the pipeline for the build's jobs and proof), then served from it: the
-    proof's fresh process served it with 0 compiles, and here the same object hits and its call at
-    another conditioning image and scale is eager's."""
-    import shutil
-
-    from aotbuild.pipeline.images import synthetic
-
-    cache = tmp_path / "cache"
-    shutil.copytree(models_dir, cache)
-    pipe = _controlnet_pipe(models_dir)
-    report = aotbuild.build(CONTROLNET, cache=cache, pipe=pipe)
-    assert [r.status for r in report.results] == ["built"], report.as_json()
-    from aotbuild.cache.store import Store
-
-    check_proven(Store(cache).read_manifest(report.results[0].job.key).proof)
-
-    call = {"prompt": "a dog", "image": synthetic("image", 64, 64).rotate(90), "height": 64, "width": 64,
-            "num_inference_steps": 3, "guidance_scale": 0.0, "controlnet_conditioning_scale": 0.6,
-            "output_type": "latent"}
-    eager = pipe(**call, generator=torch.Generator().manual_seed(3)).images
-    loaded = aotbuild.load_compiled(CONTROLNET, pipe=pipe, cache=cache, on_miss="error", strict_shapes=True)
-    assert len(loaded.aotbuild_report.hits) == 1 and not loaded.aotbuild_report.misses
-    from torch._dynamo.utils import counters
-
-    misses = counters["inductor"]["fxgraph_cache_miss"]
-    served = loaded(**call, generator=torch.Generator().manual_seed(3)).images
-    assert counters["inductor"]["fxgraph_cache_miss"] == misses  # jit-cache: Inductor's graph from the entry ...
-    from aotbuild.dispatch import dispatchers
-
-    assert dispatchers(loaded.unet)[0].calls["built"] == 3  # ... and every UNet call went through it
-    assert (served - eager).abs().max().item() <= 1e-5

@@ -31,24 +31,49 @@ __all__ = ["ModelUnavailable", "ResolvedModel", "resolve_model", "load_pipeline"
 
 
 @dataclass(frozen=True)
+class ComponentSource:
+    """A component loaded from elsewhere than the pipeline's model (``model.components``): a Hub repo or
+    a local folder, the subfolder and revision there, and the diffusers class its ``config.json`` names."""
+
+    name: str
+    location: str  # a local folder (resolved), or a Hub id
+    is_local: bool
+    subfolder: str | None
+    revision: str | None
+    library: str
+    class_name: str
+
+    def config_path(self) -> str:
+        return f"{self.subfolder}/config.json" if self.subfolder else "config.json"
+
+
+@dataclass(frozen=True)
 class ResolvedModel:
     location: str  # a local folder, or a Hub id
     is_local: bool
     model_index: dict[str, Any]
     builtin_version: int | None
     provenance: dict[str, Any]
+    #: ``model.components``: each loaded from its own repository or folder, in place of (or besides) the model's
+    sources: tuple[ComponentSource, ...] = ()
 
     @property
     def pipeline_class(self) -> str:
         return str(self.model_index.get("_class_name", "DiffusionPipeline"))
 
     def components(self) -> dict[str, tuple[str, str]]:
-        """name -> (library, class) for every component in model_index.json (checked when it was read)."""
+        """name -> (library, class) for every component in model_index.json (checked when it was read),
+        and each of ``model.components`` (its own config's class)."""
         out = {}
         for name, value in self.model_index.items():
             if not name.startswith("_") and isinstance(value, list) and len(value) == 2 and value[1]:
                 out[name] = (str(value[0]), str(value[1]))
+        for source in self.sources:
+            out[source.name] = (source.library, source.class_name)
         return out
+
+    def source(self, name: str) -> ComponentSource | None:
+        return next((s for s in self.sources if s.name == name), None)
 
 
 #: The libraries a model_index.json may name for its components: importing any other module by a
@@ -118,6 +143,79 @@ def _local_folder(recipe: Recipe) -> Path | None:
 
 
 def resolve_model(recipe: Recipe, cache_root: Path, *, reading: bool = False) -> ResolvedModel:
+    """:func:`_resolve_model`, with each of ``model.components`` found and its config's class read
+    (:func:`resolve_sources`); a pipeline saved for a build (``recipe.pipeline_folder``) holds them."""
+    from dataclasses import replace
+
+    model = _resolve_model(recipe, cache_root, reading=reading)
+    if recipe.model.components is None or recipe.pipeline_folder:
+        return model
+    sources = resolve_sources(recipe)
+    provenance = {**model.provenance, "components": {s.name: s.location if not s.is_local else str(
+        recipe.model.components[s.name]["id"]) for s in sources}}
+    return replace(model, sources=sources, provenance=provenance)
+
+
+def resolve_sources(recipe: Recipe) -> tuple[ComponentSource, ...]:
+    """Each of ``model.components``: a folder (relative to the recipe's, then the working directory; every
+    file inside it, :func:`check_model_folder`) or a Hub repo (its id checked first), and the class its
+    ``config.json`` names: a diffusers model class only (``_class_name``; a transformers model there is
+    refused: not supported yet). Errors name the key."""
+    from aotbuild.pipeline.hub import repo_id_problem
+
+    out = []
+    for name, spec in (recipe.model.components or {}).items():
+        key = f"model.components.{name}"
+        ident, sub, revision = str(spec["id"]), spec.get("subfolder"), spec.get("revision")
+        path = Path(ident).expanduser()
+        try:
+            folder = next((c for c in ([path] if path.is_absolute() else [recipe.base / path, path]) if c.is_dir()),
+                          None)
+        except OSError:
+            folder = None
+        if folder is not None:
+            check_model_folder(folder)
+            root = folder.resolve()
+            try:
+                config = _read_json(root / (f"{sub}/config.json" if sub else "config.json"), inside=root)
+            except ModelUnavailable as exc:
+                raise recipe.error(key, f"{ident}: {exc}") from None
+            if revision:
+                raise recipe.error(f"{key}.revision", f"{ident} is a local folder: it has no revisions")
+            location, local = str(root), True
+        else:
+            if ident.startswith((".", "/", "~")):
+                raise recipe.error(f"{key}.id", f"no such folder: {ident}")
+            why = repo_id_problem(ident)
+            if why:
+                raise recipe.error(f"{key}.id", f"{ident[:100]!r}: no such folder, and {why}")
+            config = _read_json(hub_file(ident, f"{sub}/config.json" if sub else "config.json", revision))
+            location, local = ident, False
+        class_name = config.get("_class_name")
+        if not isinstance(class_name, str) or not class_name.isidentifier():
+            shown = "a transformers model" if "architectures" in config else \
+                f"_class_name {printable(repr(class_name))[:80]}"
+            raise recipe.error(key, f"{ident}: its config.json names {shown}: model.components takes diffusers models "
+                                    f"(a ControlNet, a UNet, a transformer, a VAE) only, for now")
+        if not _diffusers_model(class_name):
+            raise recipe.error(key, f"{ident}: {class_name} (its config.json's _class_name) is no model class of "
+                                    f"this diffusers")
+        out.append(ComponentSource(name, location, local, sub, revision, "diffusers", class_name))
+    return tuple(out)
+
+
+def _diffusers_model(class_name: str) -> bool:
+    """Whether diffusers has a model class (a ``ModelMixin``) of that name (imports diffusers)."""
+    import diffusers
+
+    try:
+        klass = getattr(diffusers, class_name, None)
+    except Exception:  # noqa: BLE001 - a lazy module that fails to import
+        return False
+    return isinstance(klass, type) and issubclass(klass, diffusers.ModelMixin)
+
+
+def _resolve_model(recipe: Recipe, cache_root: Path, *, reading: bool = False) -> ResolvedModel:
     """Where the recipe's model is, and its ``model_index.json``. ``reading`` (plan, a load until it has
     succeeded): a built-in model the cache lacks is made outside it (builtin.scratch), never in it:
     a command that only reads writes nothing under the cache (issue 55); :func:`store_builtin` puts it
@@ -256,10 +354,10 @@ def check_components(recipe: Recipe, model: ResolvedModel) -> None:
 def check_pipeline_components(recipe: Recipe, model: ResolvedModel, pipeline_class: str) -> None:
     """The components ``pipeline_class`` cannot be made without, against those the model's
     ``model_index.json`` names (diffusers' own rule in ``from_pretrained``: each ``__init__`` argument
-    without a default that is not one of its ``_optional_components``). A recipe loads every component
-    from its model, so ``StableDiffusionControlNetPipeline`` on an SD 1.5 repository, whose ControlNet
-    lives in another, is refused here, before any load, naming what is missing and the way that serves
-    it: the caller's pipeline object, ``aotbuild.build(recipe, pipe=pipe)`` (before: every strategy auto
+    without a default that is not one of its ``_optional_components``), ``model.components`` counting.
+    ``StableDiffusionControlNetPipeline`` on an SD 1.5 repository, whose ControlNet lives in another, is
+    refused here, before any load, naming what is missing and the ways that serve it: ``model.components``,
+    or the caller's pipeline object, ``aotbuild.build(recipe, pipe=pipe)`` (before: every strategy auto
     tried loaded the pipeline and failed with diffusers' "expected [...], but only {...} were passed")."""
     import inspect
 
@@ -274,19 +372,21 @@ def check_pipeline_components(recipe: Recipe, model: ResolvedModel, pipeline_cla
     required = [n for n, p in parameters.items() if n != "self" and p.default is p.empty
                 and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) and n not in optional]
     named = {k for k in model.model_index if not k.startswith("_")}  # a component, null or not, or a config value
+    named |= {s.name for s in model.sources}
     missing = [n for n in required if n not in named]
     if missing:
-        named = {k for k in named if isinstance(model.model_index[k], list)}
+        named = {k for k in named if isinstance(model.model_index.get(k), list)}
         key = "model.pipeline" if recipe.model.pipeline else "model.id"
         own = model.pipeline_class
         hint = f"; the model's own class is {printable(own)[:80]}" if own != pipeline_class else ""
         names = ", ".join(sorted(named)) or "no component"
+        first = missing[0]
         raise recipe.error(key, f"{pipeline_class} needs {', '.join(missing)}, which {recipe.model.id} does not have "
-                                f"(its model_index.json names {names}{hint}): a recipe "
-                                f"loads every component from its model; for one from another repository (a "
-                                f"ControlNet), build for your pipeline object, aotbuild.build(recipe, pipe=pipe), and "
-                                f"serve it with load_compiled(recipe, pipe=pipe) (docs/recipes.md, \"A component from "
-                                f"another repository\")")
+                                f"(its model_index.json names {names}{hint}): name where it comes from in "
+                                f"model.components ({{{first}: HUB_ID_OR_FOLDER}}), or build for your pipeline "
+                                f"object, aotbuild.build(recipe, pipe=pipe), and serve it with load_compiled(recipe, "
+                                f"pipe=pipe) "
+                                f"(docs/recipes.md, \"A component from another repository\")")
 
 
 def check_blocks(recipe: Recipe, model: ResolvedModel) -> None:
@@ -435,6 +535,11 @@ def _component_json(model: ResolvedModel, name: str, revision: str | None) -> di
     """A component's ``config.json``: in a local folder, a plain name's file inside the folder only."""
     if not COMPONENT_NAME.match(name):
         raise ModelUnavailable(f"{printable(name)[:80]!r} is not a component name")
+    source = model.source(name)
+    if source is not None:  # model.components: its own repository or folder
+        if source.is_local:
+            return _read_json(Path(source.location) / source.config_path(), inside=Path(source.location))
+        return _read_json(hub_file(source.location, source.config_path(), source.revision))
     if model.is_local:
         return _read_json(Path(model.location) / name / "config.json", inside=Path(model.location))
     return _read_json(hub_file(model.location, f"{name}/config.json", revision))
@@ -462,6 +567,16 @@ def load_pipeline(recipe: Recipe, model: ResolvedModel, dtype: str, *, quiet: bo
         kwargs["variant"] = recipe.model.variant
     if recipe.model.revision and not model.is_local:
         kwargs["revision"] = recipe.model.revision
+    for source in model.sources:  # model.components: each by its class's from_pretrained, handed to the pipeline's
+        import importlib
+
+        component_class = getattr(importlib.import_module(source.library), source.class_name)
+        own: dict[str, Any] = {dtype_arg: kwargs[dtype_arg]}
+        if source.subfolder:
+            own["subfolder"] = source.subfolder
+        if source.revision and not source.is_local:
+            own["revision"] = source.revision
+        kwargs[source.name] = component_class.from_pretrained(source.location, **own)
     pipe = cls.from_pretrained(model.location, **kwargs)
     if recipe.changes is not None:  # FreeU, a processor, a cache hook, a memory format: as the recipe declares
         from aotbuild.pipeline import changes

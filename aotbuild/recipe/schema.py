@@ -62,6 +62,9 @@ SCHEMA: dict[str, dict[str, Field] | Field] = {
         "dtype": Field("str?", choices=DTYPES, doc="default: the target's (float32 inductor, bfloat16 neuron/tpu)"),
         "variant": Field("str?", doc="weights variant, e.g. fp16"),
         "quantization": Field("quantization", None, doc="quantize components after loading (torchao)"),
+        "components": Field("mapping", None, doc="components loaded from another repository or folder than model.id: "
+                                                 "{controlnet: ID} or {controlnet: {id, revision, subfolder}} "
+                                                 "(diffusers models)"),
     },
     "target": Field("str", "inductor", doc="where the compiled code runs", registry="target"),
     "device": Field("str?", doc="default: the target's (inductor: cuda if available, else cpu)"),
@@ -167,6 +170,9 @@ class ModelSpec:
     dtype: str | None = None
     variant: str | None = None
     quantization: QuantSpec | None = None
+    #: ``model.components``: name -> {"id", optional "revision", "subfolder"} (frozen), each loaded by its
+    #: class's ``from_pretrained`` and handed to the pipeline's (aotbuild/pipeline/models.py)
+    components: Any = None
 
 
 @dataclass(frozen=True)
@@ -573,6 +579,58 @@ def _changes(check: _Checker, spec: ChangesSpec) -> ChangesSpec | None:
     return None if spec == ChangesSpec() else spec
 
 
+#: ``model.components``: at most this many; each value's keys.
+MAX_SOURCES = 16
+SOURCE_KEYS = ("id", "revision", "subfolder")
+
+
+def _model(check: _Checker, spec: ModelSpec) -> ModelSpec:
+    """``model.components``: each key a component name, each value a Hub id or a folder (text) or a mapping
+    of :data:`SOURCE_KEYS` holding ``id``; made mappings (frozen). Where each is, and what class its
+    config names, is checked at plan time (aotbuild/pipeline/models.py)."""
+    sources = spec.components
+    if sources is None:
+        return spec
+    if not sources:
+        raise check.fail("model.components", "is empty: name a component and where it comes from "
+                                             "({controlnet: lllyasviel/sd-controlnet-canny}), or remove it")
+    if len(sources) > MAX_SOURCES:
+        raise check.fail("model.components", f"names {len(sources)} components, more than {MAX_SOURCES}")
+    normalized = {}
+    for name, value in sources.items():
+        key = f"model.components.{name}"
+        if not name.isidentifier() or not name.isascii():
+            raise check.fail("model.components", f"{printable(name)[:80]!r} is not a component name (e.g. "
+                                                 f"controlnet, unet)")
+        value = thaw(value)
+        if isinstance(value, str):
+            value = {"id": value}
+        if not isinstance(value, dict):
+            raise check.fail(key, f"expected a Hub id or a folder, or a mapping with id (and revision, subfolder), "
+                                  f"got {describe_value(value)}")
+        for k in value:
+            if k not in SOURCE_KEYS:
+                raise check.fail(f"{key}.{printable(k)[:80]}", f"unknown key (allowed: {', '.join(SOURCE_KEYS)})")
+        for k in SOURCE_KEYS:
+            v = value.get(k)
+            if v is None and k != "id":
+                continue
+            if v is None:
+                raise check.fail(f"{key}.id", "is required: the component's Hub id or folder")
+            if not isinstance(v, str) or not v.strip() or len(v) > 300 or not v.isprintable():
+                raise check.fail(f"{key}.{k}", f"expected a printable text of at most 300 characters, got "
+                                               f"{describe_value(v)}")
+        if value["id"].startswith("builtin:"):
+            raise check.fail(f"{key}.id", "a built-in model is a whole pipeline: give a component's Hub id or folder")
+        sub = value.get("subfolder")
+        if sub is not None and (sub.startswith("/") or "\\" in sub
+                                or any(part in ("", ".", "..") for part in sub.split("/"))):
+            raise check.fail(f"{key}.subfolder", f"{sub!r}: a folder inside the component's repository "
+                                                 f"(no '..', not absolute)")
+        normalized[name] = value
+    return ModelSpec(**{**spec.__dict__, "components": freeze(normalized)})
+
+
 @dataclass(frozen=True)
 class Section:
     """How :func:`parse_structure` makes one section (a mapping) of :data:`SCHEMA`, the same way for
@@ -598,7 +656,7 @@ class Section:
 #: Every section of :data:`SCHEMA`, by the Recipe field it fills (tests/test_recipe.py holds the two
 #: tables to each other and to Recipe's fields).
 SECTIONS: dict[str, Section] = {
-    "model": Section(ModelSpec, optional=False, shorthand="id"),
+    "model": Section(ModelSpec, optional=False, shorthand="id", after=_model),
     "compile": Section(CompileSpec, optional=False),
     "lora": Section(LoraSpec),
     "parallel": Section(ParallelSpec),
@@ -714,7 +772,9 @@ def recipe_spec(recipe: Recipe) -> dict[str, Any]:
 
 def recipe_to_dict(recipe: Recipe) -> dict[str, Any]:
     """The recipe as plain JSON data (for manifests and ``--json``)."""
-    model = {k: v for k, v in recipe.model.__dict__.items() if k != "quantization"}
+    model = {k: v for k, v in recipe.model.__dict__.items() if k not in ("quantization", "components")}
+    if recipe.model.components is not None:  # only when set: a recipe without it reads as before
+        model["components"] = thaw(recipe.model.components)
     q = recipe.model.quantization
     if q is not None:  # the optional settings appear only when set (recipes without them read as before)
         model["quantization"] = {"backend": q.backend, "quant_type": q.quant_type, "quant_kwargs": thaw(q.quant_kwargs),
