@@ -24,6 +24,7 @@ def _recipe(sources, **model) -> dict:
 @pytest.mark.parametrize("sources,key,says", [
     ({}, "model.components", "is empty"),
     ({"1x": "a/b"}, "model.components", "is not a component name"),
+    ({"_class_name": "a/b"}, "model.components", "is not a component name"),
     ({"controlnet": 5}, "model.components.controlnet", "expected a Hub id or a folder"),
     ({"controlnet": {"id": "a/b", "branch": "x"}}, "model.components.controlnet.branch", "unknown key"),
     ({"controlnet": {"subfolder": "x"}}, "model.components.controlnet.id", "is required"),
@@ -94,12 +95,24 @@ def test_plan_reads_a_component_from_its_own_folder_and_refuses_what_is_not_a_di
     (tmp_path / "text" / "config.json").write_text(json.dumps({"architectures": ["CLIPTextModel"]}))
     (tmp_path / "linked").mkdir()
     (tmp_path / "linked" / "config.json").symlink_to(tmp_path / "controlnet" / "config.json")
-    for source, says in (("./text", "names a transformers model: model.components takes diffusers models"),
-                         ("./nowhere", "no such folder: ./nowhere")):
-        recipe.write_text(json.dumps(_recipe({"controlnet": source})))
+    for sources, says in (({"controlnet": "./text"}, "names a transformers model: model.components takes diffusers"),
+                          ({"controlnet": "./nowhere"}, "no such folder: ./nowhere"),
+                          # a name is a keyword of the pipeline's from_pretrained: only its components
+                          ({"controlnet": "./controlnet", "trust_remote_code": "./controlnet"},
+                           "'trust_remote_code' is not a component of StableDiffusionControlNetPipeline")):
+        recipe.write_text(json.dumps(_recipe(sources)))
         proc = invoke_cli("plan", "--cache", str(models_dir), str(recipe))
-        assert proc.returncode == 2 and "model.components.controlnet" in proc.stderr and says in proc.stderr, \
-            proc.stderr
+        assert proc.returncode == 2 and "model.components" in proc.stderr and says in proc.stderr, proc.stderr
+    # a model_index.json naming the ControlNet null: diffusers drops it, and the pipeline cannot be made
+    import shutil
+
+    model = shutil.copytree(folder_of("builtin:tiny-sd", models_dir / "models"), tmp_path / "null-controlnet")
+    index = json.loads((model / "model_index.json").read_text())
+    (model / "model_index.json").write_text(json.dumps({**index, "controlnet": [None, None]}))
+    recipe.write_text(json.dumps({**_recipe(None), "model": {"id": str(model),
+                                                             "pipeline": "StableDiffusionControlNetPipeline"}}))
+    proc = invoke_cli("plan", "--cache", str(models_dir), str(recipe))
+    assert proc.returncode == 2 and "needs controlnet" in proc.stderr, proc.stderr
     # a folder's content is the model's, not the recipe's: unavailable, as a link out of model.id's folder is
     recipe.write_text(json.dumps(_recipe({"controlnet": "./linked"})))
     (job,) = aotbuild.plan(str(recipe), cache=models_dir)

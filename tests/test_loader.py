@@ -134,14 +134,18 @@ def test_auto_stops_at_a_pipeline_that_does_not_load_and_keeps_no_failure_record
     shutil.copytree(folder_of("builtin:tiny-sd", models_dir / "models"), model)
     weights = next((model / "unet").glob("*.safetensors"))
     weights.write_bytes(weights.read_bytes()[:200])
-    recipe = {**TINY_DICT, "model": {"id": str(model), "dtype": "float32"}}
+    # two shapes of one component: the second is never tried, and says no "--retry-failed" either
+    recipe = {**TINY_DICT, "model": {"id": str(model), "dtype": "float32"},
+              "shapes": [{"height": 64, "width": 64}, {"height": 64, "width": 96}]}
     recipe.pop("strategy")
     cache = tmp_path / "cache"
     report = aotbuild.build(recipe, cache=cache)
-    (result,) = report.results
-    assert result.status == "failed" and report.loads["build"] == 1, report.as_json()
-    first, *rest = result.attempts
-    assert first.outcome == "failed" and "Unable to load weights" in first.reason, first
+    assert [r.status for r in report.results] == ["failed", "failed"] and report.loads["build"] == 1, report.as_json()
+    tried = next(r for r in report.results if r.attempts[0].outcome == "failed")
+    first, *rest = tried.attempts
+    assert "Unable to load weights" in first.reason, first
     assert rest and all(a.outcome == "dropped" and "the pipeline did not load" in a.reason for a in rest), rest
+    for result in report.results:
+        assert not result.not_retried and "--retry-failed" not in result.reason, result.reason
     assert not (cache / "failures").exists() or not any((cache / "failures").iterdir())
-    assert [j.status for j in aotbuild.plan(recipe, cache=cache)] == ["miss"]  # not "failed": built again next time
+    assert [j.status for j in aotbuild.plan(recipe, cache=cache)] == ["miss", "miss"]  # not "failed": built next time

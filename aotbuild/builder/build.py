@@ -437,6 +437,8 @@ class _Shape:
     seconds: float = 0.0
     #: whether the build's loader still counts a worker for it (a miss's first; SharedLoads.again)
     counted: bool = True
+    #: the component's pipeline did not load (on this shape or another): nothing was tried on it, nor recorded
+    unloaded: bool = False
 
     @property
     def label(self) -> str:
@@ -504,10 +506,12 @@ def _build_component(store: Store, shapes: list[_Shape], tick: Tick | None, limi
             break
         if any(r.eager_call_failed or r.load_failed for r in failed.results):
             reason = failed.attempts[-1].reason if failed.attempts else failed.results[0].reason
+            loading = any(r.load_failed for r in failed.results)
             rest = _not_tried(store, failed.jobs, tries[tries.index(strategy) + 1:], strategy, reason,
-                              loading=any(r.load_failed for r in failed.results))
+                              loading=loading)
             for shape in shapes:
                 shape.attempts += rest
+                shape.unloaded = loading
             break
         last_failed = failed
         dropped = f"{failed.label} failed with it: {ONE_STRATEGY}"
@@ -584,11 +588,13 @@ def _component_results(shapes: list[_Shape]) -> None:
         if not shape.results:
             if shape.indices:  # a hit its component never had to rebuild
                 continue
-            known = all(a.outcome in (auto.Outcome.FAILED_BEFORE, auto.Outcome.DROPPED) for a in shape.attempts)
+            # failed before, or dropped for it: --retry-failed tries again; not after a load failure (nothing recorded)
+            known = not shape.unloaded and all(a.outcome in (auto.Outcome.FAILED_BEFORE, auto.Outcome.DROPPED)
+                                               for a in shape.attempts)
             reason = f"auto: no strategy built and passed the proof: {auto.attempts_text(shape.attempts)}"
             said = f"{reason}; {advice.retry_failed()}" if known else reason
             shape.results = [JobResult(j, ResultStatus.FAILED, reason=said, not_retried=known,
-                                       attempts=list(shape.attempts)) for j in shape.jobs]
+                                       attempts=list(shape.attempts), load_failed=shape.unloaded) for j in shape.jobs]
             continue
         note = f"auto: {auto.attempts_text(shape.attempts)}"
         failed = f"auto: no strategy built and passed the proof: {auto.attempts_text(shape.attempts)}"

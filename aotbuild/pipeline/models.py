@@ -167,11 +167,11 @@ def resolve_sources(recipe: Recipe) -> tuple[ComponentSource, ...]:
     for name, spec in (recipe.model.components or {}).items():
         key = f"model.components.{name}"
         ident, sub, revision = str(spec["id"]), spec.get("subfolder"), spec.get("revision")
-        path = Path(ident).expanduser()
-        try:
-            folder = next((c for c in ([path] if path.is_absolute() else [recipe.base / path, path]) if c.is_dir()),
-                          None)
-        except OSError:
+        try:  # relative to the recipe's folder only: a build job runs in another working directory
+            path = Path(ident).expanduser()
+            folder = path if path.is_absolute() else recipe.base / path
+            folder = folder if folder.is_dir() else None
+        except (OSError, RuntimeError):  # a name too long for a path; ~user of no user
             folder = None
         if folder is not None:
             check_model_folder(folder)
@@ -351,6 +351,17 @@ def check_components(recipe: Recipe, model: ResolvedModel) -> None:
                                                     f"compile.blocks{repeating}, or use scope: full")
 
 
+def _check_source_names(recipe: Recipe, model: ResolvedModel, pipeline_class: str, modules: set[str]) -> None:
+    """Each of ``model.components`` is one of ``pipeline_class``'s components (``modules``: its ``__init__``
+    arguments that are components): its name becomes a keyword of the pipeline's ``from_pretrained``, so
+    any other (``trust_remote_code``, ``dtype``, ``custom_pipeline``) would set that instead."""
+    for source in model.sources:
+        if source.name not in modules:
+            raise recipe.error("model.components", f"{source.name!r} is not a component of {pipeline_class} "
+                                                   f"(its components: {', '.join(sorted(modules))})"
+                                                   f"{suggest(source.name, sorted(modules))}")
+
+
 def check_pipeline_components(recipe: Recipe, model: ResolvedModel, pipeline_class: str) -> None:
     """The components ``pipeline_class`` cannot be made without, against those the model's
     ``model_index.json`` names (diffusers' own rule in ``from_pretrained``: each ``__init__`` argument
@@ -371,7 +382,10 @@ def check_pipeline_components(recipe: Recipe, model: ResolvedModel, pipeline_cla
     optional = set(getattr(cls, "_optional_components", None) or ())
     required = [n for n, p in parameters.items() if n != "self" and p.default is p.empty
                 and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) and n not in optional]
-    named = {k for k in model.model_index if not k.startswith("_")}  # a component, null or not, or a config value
+    _check_source_names(recipe, model, pipeline_class, {*required, *optional})
+    # a component (diffusers drops a null one: a required one then fails) or a config value
+    named = {k for k, v in model.model_index.items()
+             if not k.startswith("_") and not (isinstance(v, list) and (len(v) != 2 or v[1] is None))}
     named |= {s.name for s in model.sources}
     missing = [n for n in required if n not in named]
     if missing:
@@ -417,7 +431,8 @@ def _meta_component(model: ResolvedModel, name: str, revision: str | None) -> An
         config = _component_json(model, name, revision)
     except ModelUnavailable:
         return None
-    where = f"{model.location}/{name}/config.json"
+    source = model.source(name)
+    where = f"{model.location}/{name}/config.json" if source is None else f"{source.location}/{source.config_path()}"
     check_config_sizes(config, where)
     return _counted(lambda: meta_module(library, class_name, config), where)
 
@@ -567,6 +582,9 @@ def load_pipeline(recipe: Recipe, model: ResolvedModel, dtype: str, *, quiet: bo
         kwargs["variant"] = recipe.model.variant
     if recipe.model.revision and not model.is_local:
         kwargs["revision"] = recipe.model.revision
+    if model.sources:  # a name is a keyword of from_pretrained: only the pipeline's components (plan checked it too)
+        check_pipeline_components(recipe, model, cls.__name__)
+    components: dict[str, Any] = {}
     for source in model.sources:  # model.components: each by its class's from_pretrained, handed to the pipeline's
         import importlib
 
@@ -576,8 +594,8 @@ def load_pipeline(recipe: Recipe, model: ResolvedModel, dtype: str, *, quiet: bo
             own["subfolder"] = source.subfolder
         if source.revision and not source.is_local:
             own["revision"] = source.revision
-        kwargs[source.name] = component_class.from_pretrained(source.location, **own)
-    pipe = cls.from_pretrained(model.location, **kwargs)
+        components[source.name] = component_class.from_pretrained(source.location, **own)
+    pipe = cls.from_pretrained(model.location, **components, **kwargs)
     if recipe.changes is not None:  # FreeU, a processor, a cache hook, a memory format: as the recipe declares
         from aotbuild.pipeline import changes
 

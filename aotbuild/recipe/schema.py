@@ -599,7 +599,7 @@ def _model(check: _Checker, spec: ModelSpec) -> ModelSpec:
     normalized = {}
     for name, value in sources.items():
         key = f"model.components.{name}"
-        if not name.isidentifier() or not name.isascii():
+        if not re.fullmatch(r"[A-Za-z][A-Za-z0-9_]*", name):  # no _private name: a keyword of from_pretrained
             raise check.fail("model.components", f"{printable(name)[:80]!r} is not a component name (e.g. "
                                                  f"controlnet, unet)")
         value = thaw(value)
