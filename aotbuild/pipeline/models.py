@@ -583,7 +583,9 @@ def load_pipeline(recipe: Recipe, model: ResolvedModel, dtype: str, *, quiet: bo
     if recipe.model.revision and not model.is_local:
         kwargs["revision"] = recipe.model.revision
     if model.sources:  # a name is a keyword of from_pretrained: only the pipeline's components (plan checked it too)
-        check_pipeline_components(recipe, model, cls.__name__)
+        # the class from_pretrained makes (an AutoPipeline* class makes the model's own, as plan reads it)
+        check_pipeline_components(recipe, model, model.pipeline_class if cls_name.startswith("AutoPipeline")
+                                  else cls_name)
     components: dict[str, Any] = {}
     for source in model.sources:  # model.components: each by its class's from_pretrained, handed to the pipeline's
         import importlib
