@@ -157,16 +157,17 @@ def resolve_model(recipe: Recipe, cache_root: Path, *, reading: bool = False) ->
 
 
 def resolve_sources(recipe: Recipe) -> tuple[ComponentSource, ...]:
-    """Each of ``model.components``: a folder (relative to the recipe's, then the working directory; every
-    file inside it, :func:`check_model_folder`) or a Hub repo (its id checked first), and the class its
-    ``config.json`` names: a diffusers model class only (``_class_name``; a transformers model there is
-    refused: not supported yet). Errors name the key."""
+    """Each of ``model.components``: a folder (absolute, or relative to the recipe's folder only: a build
+    job runs in another working directory; every file inside it, :func:`check_model_folder`) or a Hub
+    repo (its id checked first), and the class its ``config.json`` names: a diffusers model class only
+    (``_class_name``; a transformers model there is refused: not supported yet). Errors name the key."""
     from aotbuild.pipeline.hub import repo_id_problem
 
     out = []
     for name, spec in (recipe.model.components or {}).items():
         key = f"model.components.{name}"
         ident, sub, revision = str(spec["id"]), spec.get("subfolder"), spec.get("revision")
+        config_name = ComponentSource(name, ident, False, sub, revision, "", "").config_path()
         try:  # relative to the recipe's folder only: a build job runs in another working directory
             path = Path(ident).expanduser()
             folder = path if path.is_absolute() else recipe.base / path
@@ -177,7 +178,7 @@ def resolve_sources(recipe: Recipe) -> tuple[ComponentSource, ...]:
             check_model_folder(folder)
             root = folder.resolve()
             try:
-                config = _read_json(root / (f"{sub}/config.json" if sub else "config.json"), inside=root)
+                config = _read_json(root / config_name, inside=root)
             except ModelUnavailable as exc:
                 raise recipe.error(key, f"{ident}: {exc}") from None
             if revision:
@@ -189,7 +190,7 @@ def resolve_sources(recipe: Recipe) -> tuple[ComponentSource, ...]:
             why = repo_id_problem(ident)
             if why:
                 raise recipe.error(f"{key}.id", f"{ident[:100]!r}: no such folder, and {why}")
-            config = _read_json(hub_file(ident, f"{sub}/config.json" if sub else "config.json", revision))
+            config = _read_json(hub_file(ident, config_name, revision))
             location, local = ident, False
         class_name = config.get("_class_name")
         if not isinstance(class_name, str) or not class_name.isidentifier():
