@@ -421,6 +421,9 @@ def test_int8static_serves_its_weights_prepacked_in_int8_and_refuses_others(mode
     relative = served["relative"]
     assert relative["max_rel_diff"] <= relative["tolerance"] == calibrate.EAGER_BOUND, relative
     assert relative["from_float"] > max(1e-3, 10 * relative["max_rel_diff"]), relative
+    # the format itself as far from float as the package (each call: calibrate.accepted), nothing unaccounted
+    assert relative["quantized_from_float"] == pytest.approx(relative["from_float"], rel=0.2), relative
+    assert relative["unaccounted"] == 0.0 and relative["over_bound_within_format"] == 0, relative
     assert served["hits"] == 1 and served["dispatch"] == {"": {"built": 2, "unbuilt": 0}}, served
     package, = manifest["packages"]
     derived = package["derived"]
@@ -551,3 +554,56 @@ def test_int8statics_conversion_leaves_inductors_passes_as_they_were():
     converted = calibrate.convert(module, calls)
     assert inductor_config.pre_grad_custom_pass is mine
     assert any("quantize_per_tensor" in str(n.target) for n in converted.graph.nodes)
+
+
+@pytest.mark.parametrize("gap,served_from_float,quantized_from_float,ok", [
+    (0.021, 0.027, 0.0268, True),    # within the bound of the quantized model run eagerly
+    (0.28, 0.3146, 0.3159, True),    # SD 1.5 size, VNNI: over the bound, as far from float as the format itself
+    (0.41, 0.364, 0.276, False),     # a CPU without VNNI saturating full-range activations (tiny UNet, 1.32x)
+    (0.5, 0.33, 0.276, True),        # 1.196x: the margin's edge
+    (0.5, 0.34, 0.276, False),       # 1.23x
+    (0.25, 0.01, 0.0, False),        # the format exact, the package not: the bound alone
+])
+def test_a_calibrated_output_over_the_bound_is_served_only_as_close_to_float_as_its_format(
+        gap, served_from_float, quantized_from_float, ok):
+    """int8static: an output more than EAGER_BOUND from the quantized model run eagerly is accepted only where
+    the package is no further from the float model than FLOAT_MARGIN times the quantized model is (the
+    format's own roundings decide both); the figures are measured ones (calibrate.FLOAT_MARGIN)."""
+    from aotbuild.strategies import calibrate
+
+    assert calibrate.accepted(gap, served_from_float, quantized_from_float) is ok
+
+
+def test_the_proof_holds_each_int8static_output_to_the_bound_or_to_its_formats_own_distance():
+    """proof._calibrated_gaps pairs each recorded output's gap from the quantized model with its distances from
+    the float model (the package's, the quantized model's) and the verdict refuses only what neither rule
+    accepts; a gap of a text-length call (no float pairing) is held to the bound alone."""
+    import torch
+
+    from aotbuild.builder import proof
+    from aotbuild.errors import ProofFailed
+
+    flo = [torch.ones(4), torch.ones(4)]
+    quant = [torch.ones(4) * 1.3, torch.ones(4) * 1.01]  # 0.3 and 0.01 from float
+    calls = [((), {}, [quant[0]]), ((), {}, [quant[1]])]
+    floats = [((), {}, [flo[0]]), ((), {}, [flo[1]])]
+    within = proof._calibrated_gaps([0.28, 0.02], [0.31, 0.012], calls, floats)
+    assert within["quantized_from_float"] == pytest.approx(0.3, rel=1e-5)
+    assert within["over_bound_within_format"] == 1 and within["unaccounted"] == 0.0, within
+    beyond = proof._calibrated_gaps([0.28, 0.02], [0.40, 0.012], calls, floats)  # 1.33x the format's distance
+    assert beyond["over_bound_within_format"] == 0 and beyond["unaccounted"] == 0.28, beyond
+    text = proof._calibrated_gaps([0.1, 0.02, 0.25], [0.11, 0.012], calls, floats)  # a third, unpaired gap
+    assert text["unaccounted"] == 0.25, text
+    with pytest.raises(RuntimeError, match="not the same outputs"):
+        proof._calibrated_gaps([0.1], [0.11, 0.012], calls, floats)
+
+    result = {"load_s": 1.0, "compiles": 0, "max_abs_diff": 0.5, "tolerance": 1e-4, "instances": 1, "calls": 2,
+              "counter": "fxgraph_cache_miss"}
+    relative = {"max_rel_diff": 0.28, "tolerance": 0.2, "from_float": 0.31}
+    passed = proof.verdict({**result, "served": {"relative": {**relative, **within}}}, "unet at 64x64")
+    assert passed.served["relative"]["unaccounted"] == 0.0
+    with pytest.raises(ProofFailed, match=r"differs from eager by 0.28 .*0.4 from the float model where the "
+                                          r"quantized model is 0.3\b"):
+        proof.verdict({**result, "served": {"relative": {**relative, **beyond, "from_float": 0.4}}}, "unet at 64x64")
+    with pytest.raises(ProofFailed, match="differs from eager by 0.28"):  # an entry without the pairing: the bound
+        proof.verdict({**result, "served": {"relative": relative}}, "unet at 64x64")

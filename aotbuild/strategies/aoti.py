@@ -231,7 +231,8 @@ def _package(module: Any, sig: str, args: tuple[Any, ...], kwargs: dict[str, Any
         if calibrated is None:  # (a calibrated package serves no other weights: nothing to try)
             prepack.check_other_weights(path, module, named_tensors(module), args, kwargs, record, lifted, noise)
     if calibrated is not None:
-        calibrate.check_against_eager(path, module, named_tensors(owner), args, kwargs, record, lifted, reduce_range)
+        calibrate.check_against_eager(path, module, named_tensors(owner), args, kwargs, record, lifted, reduce_range,
+                                      floating=calibrated)
     if lifted:
         from safetensors.torch import save_file
 

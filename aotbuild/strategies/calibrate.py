@@ -146,18 +146,46 @@ def made_constants() -> Iterator[dict[str, Any]]:
 #: calibrated scale, so roundings flip and spread through the network. Measured: the one-level tiny UNet
 #: 1.6e-7 and a UNet of 32/64 channels 9.6e-2 (2-core AVX2 EPYC, 7-bit activations), SD 1.5 size 4.4e-2
 #: (an AVX-512 VNNI CPU, benchmarks/int8_convs.py; 4.4e-2 from float32 eager too) and 8.9e-2 on random
-#: inputs on the AVX2 EPYC (torch.compile's own: 9.1e-2), but 0.51 there on the pipeline's own random-weight
-#: activations (refused: benchmarks/README.md). Full-range activations on a CPU without VNNI saturate its
-#: int16 sums: 0.22 and 0.34 on the tiny UNets (Target.int8_reduce_range).
+#: inputs on the AVX2 EPYC (torch.compile's own: 9.1e-2). Full-range activations on a CPU without VNNI
+#: saturate its int16 sums: 0.22 and 0.34 on the tiny UNets (Target.int8_reduce_range). An output over it
+#: can still be served: see :data:`FLOAT_MARGIN`.
 EAGER_BOUND = 0.2
+#: Where the quantized model is itself far from the float one, its own roundings decide its output, and a
+#: package that rounds in other places (each int8 kernel requantizes its output) lands as far from it as
+#: from the float model: on the SD 1.5-size pipeline's own random-weight activations (an AVX-512 VNNI Xeon,
+#: 2026-12-07) the package was 0.28 from the quantized model run eagerly, while each was 0.315 and 0.316 from
+#: the float model (``torch.compile`` with freezing: the same). So an output over :data:`EAGER_BOUND` is
+#: accepted where the package is no further from the float model than this many times the quantized
+#: model is: then serving it costs no more than the format itself does. Measured ratios (package's distance
+#: from float / quantized model's): 0.996 to 1.07 where the kernels compute what the calibration made (SD 1.5
+#: size with VNNI, and kept from it by ``ONEDNN_MAX_CPU_ISA=AVX2`` at 7 bits: 0.49 from the quantized model,
+#: 0.5805 and 0.5808 from float, the case an AVX2 EPYC refused at 0.51; the 32/64-channel tiny UNet with
+#: VNNI, and without it at 7 bits); 1.32 and 3.7 where a
+#: CPU without VNNI saturates full-range activations (``ONEDNN_MAX_CPU_ISA=AVX2``, the tiny UNet; its first
+#: call 0.41 from the quantized model, refused by both rules).
+FLOAT_MARGIN = 1.2
+
+
+def relative(a: Any, b: Any) -> float:
+    """``|a - b| / |b|`` over the whole tensor (norms), in float32."""
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12))
+
+
+def accepted(gap: float, served_from_float: float, quantized_from_float: float) -> bool:
+    """Whether a calibrated package's output, ``gap`` from the quantized model run eagerly and
+    ``served_from_float`` from the float model, computes what the calibration made: within
+    :data:`EAGER_BOUND` of the quantized model, or no further from the float model than
+    :data:`FLOAT_MARGIN` times the quantized model's own ``quantized_from_float``."""
+    return gap <= EAGER_BOUND or served_from_float <= FLOAT_MARGIN * quantized_from_float
 
 
 def check_against_eager(path: Any, converted: Any, weights: dict[str, Any], args: tuple[Any, ...],
                         kwargs: dict[str, Any], record: dict[str, Any], lifted: dict[str, Any],
-                        reduce_range: bool = False) -> None:
+                        reduce_range: bool = False, floating: Any = None) -> None:
     """The package at ``path``, handed the build's weights as a load hands them (each weight, each derived
     constant replayed, each stored constant), called with the build's call, against ``converted`` (the
-    quantized model) run eagerly: RuntimeError if an output is more than :data:`EAGER_BOUND` apart."""
+    quantized model) run eagerly and ``floating`` (the float model it was calibrated from; None: the bound
+    alone): RuntimeError if an output is not :func:`accepted`."""
     import torch
     from torch.utils._pytree import tree_leaves
 
@@ -173,13 +201,21 @@ def check_against_eager(path: Any, converted: Any, weights: dict[str, Any], args
         served = tree_leaves(loaded(*args, **kwargs))
         del loaded, supplied
         eager = tree_leaves(converted(*args, **kwargs))
-    for a, b in zip(served, eager, strict=True):
+        floats: list[Any] = [None] * len(eager)
+        if floating is not None:
+            with forwards.class_forward(floating):
+                floats = tree_leaves(floating(*args, **kwargs))
+    for a, b, f in zip(served, eager, floats, strict=True):
         if isinstance(b, torch.Tensor) and b.is_floating_point():
-            gap = float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12))
-            if not gap <= EAGER_BOUND:
-                cpu = (" on this CPU without VNNI (7-bit activations; measured at SD 1.5 size on an AVX2 EPYC: 0.51): "
-                       "serve dtype float32 here, or build on a CPU with avx512_vnni, avx_vnni or amx_int8") \
+            gap = relative(a, b)
+            served_f, quantized_f = (relative(a, f), relative(b, f)) if isinstance(f, torch.Tensor) \
+                else (float("inf"), 0.0)
+            if not accepted(gap, served_f, quantized_f):
+                cpu = (" on this CPU without VNNI (7-bit activations): serve dtype float32 here, or build on a CPU "
+                       "with avx512_vnni, avx_vnni or amx_int8") \
                     if reduce_range else ""
+                beside = (f", and {served_f:.3g} from the float model where the quantized model is {quantized_f:.3g} "
+                          f"(at most {FLOAT_MARGIN}x accepted)") if isinstance(f, torch.Tensor) else ""
                 raise RuntimeError(f"the int8static package differs from the quantized model run eagerly by {gap:.3g} "
-                                   f"(relative; at most {EAGER_BOUND} accepted): its int8 kernels do not compute "
-                                   f"what the calibration made{cpu}")
+                                   f"(relative; at most {EAGER_BOUND} accepted){beside}: its int8 kernels do not "
+                                   f"compute what the calibration made{cpu}")
