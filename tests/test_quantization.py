@@ -424,6 +424,10 @@ def test_int8static_serves_its_weights_prepacked_in_int8_and_refuses_others(mode
     # the format itself as far from float as the package (each call: calibrate.accepted), nothing unaccounted
     assert relative["quantized_from_float"] == pytest.approx(relative["from_float"], rel=0.2), relative
     assert relative["unaccounted"] == 0.0 and relative["over_bound_within_format"] == 0, relative
+    shown = invoke_cli("show", "--cache", str(cache), job["key"][:12]).stdout  # what it was held to, in words
+    assert (f"max |compiled - eager| / |eager| {relative['max_rel_diff']:.2e} (bound 0.2); from the float model "
+            f"{relative['from_float']:.2e} (the quantized model run eagerly "
+            f"{relative['quantized_from_float']:.2e})") in shown, shown
     assert served["hits"] == 1 and served["dispatch"] == {"": {"built": 2, "unbuilt": 0}}, served
     package, = manifest["packages"]
     derived = package["derived"]
@@ -607,3 +611,41 @@ def test_the_proof_holds_each_int8static_output_to_the_bound_or_to_its_formats_o
         proof.verdict({**result, "served": {"relative": {**relative, **beyond, "from_float": 0.4}}}, "unet at 64x64")
     with pytest.raises(ProofFailed, match="differs from eager by 0.28"):  # an entry without the pairing: the bound
         proof.verdict({**result, "served": {"relative": relative}}, "unet at 64x64")
+    # `aotbuild show` says what the proof held it to: the relative bound, the format's own distance from float
+    from dataclasses import replace
+
+    from aotbuild.cli.commands import _difference_text
+
+    assert _difference_text(passed) == ("max |compiled - eager| / |eager| 2.80e-01 (bound 0.2; 1 output(s) over it "
+                                        "no further from the float model than the format itself); from the float "
+                                        "model 3.10e-01 (the quantized model run eagerly 3.00e-01)")
+    assert _difference_text(replace(passed, served={})) == "max |compiled - eager| 5.00e-01 (tolerance 1e-04)"
+    hostile = replace(passed, served={"relative": {"max_rel_diff": "\x1b[2J", "tolerance": 0.2}})
+    assert _difference_text(hostile) == "max |compiled - eager| 5.00e-01 (tolerance 1e-04)"  # no text printed
+
+
+def test_the_weights_an_int8static_load_checks_are_hashed_on_every_core_to_the_same_digests(monkeypatch):
+    """runner.tensor_digests: a pool of threads past PARALLEL_DIGEST_BYTES (hashlib releases the GIL), the
+    calling thread below it; the digests are tensor_digest's, in order, and calibrated_problem still names
+    the first weight that differs (a bfloat16 one too)."""
+    import torch
+
+    from aotbuild.strategies import runner
+
+    tensors = [torch.randn(6_000_000), torch.randn(3, 5).t(), torch.randn(5_000_000).to(torch.bfloat16)]
+    expected = [runner.tensor_digest(t) for t in tensors]
+    used = []
+    monkeypatch.setattr(runner.os, "cpu_count", lambda: 4)
+    import concurrent.futures
+
+    real = concurrent.futures.ThreadPoolExecutor
+    monkeypatch.setattr(concurrent.futures, "ThreadPoolExecutor", lambda *a, **k: used.append(a) or real(*a, **k))
+    assert runner.tensor_digests(tensors) == expected and used == []  # 34 MB: below the threshold, no pool
+    monkeypatch.setattr(runner, "PARALLEL_DIGEST_BYTES", 1 << 20)
+    assert runner.tensor_digests(tensors) == expected and used == [(3,)]  # past it: one thread per tensor here
+    named = {"a": tensors[0], "b": tensors[1], "c": tensors[2]}
+    calibrated = dict(zip(named, expected, strict=True))
+    assert runner.calibrated_problem(named, calibrated) == ""
+    changed = {**named, "c": tensors[2].clone().add_(1), "b": tensors[1] * 2}
+    assert "e.g. b differs" in runner.calibrated_problem(changed, calibrated)
+    assert "e.g. c differs" in runner.calibrated_problem({**named, "c": tensors[2] * 2}, calibrated)

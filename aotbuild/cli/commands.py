@@ -735,8 +735,7 @@ def show(key: str, cache: str | None, as_json: bool) -> int:
     else:
         _echo(f"{'proof:':<12}served by a fresh process in {proof.load_s:.1f} s: {proof.compiles} compiles "
                    f"({proof.counter or 'compiler counters'}), {proof.instances} module instance(s), "
-                   f"{proof.calls} call(s), max |compiled - eager| {proof.max_abs_diff:.2e} "
-                   f"(tolerance {proof.tolerance:.0e})")
+                   f"{proof.calls} call(s), {_difference_text(proof)}")
     _echo("factors:")
     for path, value in flatten(dict(manifest.factors)).items():
         _echo(f"  {printable(path)} = {json.dumps(value)}")
@@ -746,6 +745,26 @@ def show(key: str, cache: str | None, as_json: bool) -> int:
         _echo(f"guards:     dropped at save: {printable(', '.join(dropped))}")
     _echo(f"signed by:  {_signed_text(manifest)}")
     return EXIT_OK
+
+
+def _difference_text(proof: Any) -> str:
+    """What the proof held the served outputs to: the absolute bound, or a relative one (int8static: against
+    its quantized model run eagerly, with the package's and that model's distances from the float model)."""
+    relative = proof.served.get("relative") if isinstance(proof.served, dict) else None
+    if not isinstance(relative, dict) or not all(isinstance(relative.get(k), int | float)
+                                                 for k in ("max_rel_diff", "tolerance")):
+        return f"max |compiled - eager| {proof.max_abs_diff:.2e} (tolerance {proof.tolerance:.0e})"
+    text = f"max |compiled - eager| / |eager| {relative['max_rel_diff']:.2e} (bound {relative['tolerance']:.2g}"
+    within = relative.get("over_bound_within_format")
+    if isinstance(within, int) and within:
+        text += f"; {within} output(s) over it no further from the float model than the format itself"
+    text += ")"
+    if all(isinstance(relative.get(k), int | float) for k in ("from_float", "quantized_from_float")):
+        text += (f"; from the float model {relative['from_float']:.2e} (the quantized model run eagerly "
+                 f"{relative['quantized_from_float']:.2e})")
+    elif isinstance(relative.get("from_float"), int | float):
+        text += f"; from the float model {relative['from_float']:.2e}"
+    return text
 
 
 def _signed_text(manifest: Any) -> str:
