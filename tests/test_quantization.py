@@ -563,19 +563,31 @@ def test_int8statics_conversion_leaves_inductors_passes_as_they_were():
 @pytest.mark.parametrize("gap,served_from_float,quantized_from_float,ok", [
     (0.021, 0.027, 0.0268, True),    # within the bound of the quantized model run eagerly
     (0.28, 0.3146, 0.3159, True),    # SD 1.5 size, VNNI: over the bound, as far from float as the format itself
+    (0.488, 0.5805, 0.5808, True),   # the same kept from VNNI (ONEDNN_MAX_CPU_ISA=AVX2), 7-bit activations
     (0.41, 0.364, 0.276, False),     # a CPU without VNNI saturating full-range activations (tiny UNet, 1.32x)
-    (0.5, 0.33, 0.276, True),        # 1.196x: the margin's edge
-    (0.5, 0.34, 0.276, False),       # 1.23x
+    (0.33, 0.33, 0.276, True),       # 1.196x: the margin's edge
+    (0.33, 0.34, 0.276, False),      # 1.23x
+    (0.47, 0.38, 0.316, False),      # a wrong output scale (0.62x the float output): as far, but elsewhere
+    (0.30, 0.0, 0.30, False),        # int8 kernels lost: the package is the float model
+    (0.30, 0.24, 0.30, False),       # closer to float than the format by more than the margin
+    (1.0, 1.0, 0.9, False),          # an output of zeros where the format is mostly noise (FORMAT_NOISE_CAP)
     (0.25, 0.01, 0.0, False),        # the format exact, the package not: the bound alone
+    (0.3, 0.3, float("inf"), False),  # a float output of zeros: no relative figure
 ])
-def test_a_calibrated_output_over_the_bound_is_served_only_as_close_to_float_as_its_format(
+def test_a_calibrated_output_over_the_bound_is_served_only_as_far_from_float_as_its_format(
         gap, served_from_float, quantized_from_float, ok):
     """int8static: an output more than EAGER_BOUND from the quantized model run eagerly is accepted only where
-    the package is no further from the float model than FLOAT_MARGIN times the quantized model is (the
-    format's own roundings decide both); the figures are measured ones (calibrate.FLOAT_MARGIN)."""
+    the package is as far from the float model as the quantized model is (within FLOAT_MARGIN either way) and
+    at most FLOAT_MARGIN times that from it, while the format is less than FORMAT_NOISE_CAP from float; the
+    first figures are measured ones (calibrate.FLOAT_MARGIN)."""
+    import torch
+
     from aotbuild.strategies import calibrate
 
     assert calibrate.accepted(gap, served_from_float, quantized_from_float) is ok
+    zeros, ones = torch.zeros(3), torch.ones(3)
+    assert calibrate.relative(zeros, zeros) == 0.0 and calibrate.relative(ones, zeros) == float("inf")
+    assert calibrate.relative(ones * 1.5, ones) == pytest.approx(0.5)
 
 
 def test_the_proof_holds_each_int8static_output_to_the_bound_or_to_its_formats_own_distance():
@@ -596,6 +608,8 @@ def test_the_proof_holds_each_int8static_output_to_the_bound_or_to_its_formats_o
     assert within["over_bound_within_format"] == 1 and within["unaccounted"] == 0.0, within
     beyond = proof._calibrated_gaps([0.28, 0.02], [0.40, 0.012], calls, floats)  # 1.33x the format's distance
     assert beyond["over_bound_within_format"] == 0 and beyond["unaccounted"] == 0.28, beyond
+    assert beyond["unaccounted_from_float"] == 0.40  # the refused output's own pair, for the message
+    assert beyond["unaccounted_quantized_from_float"] == pytest.approx(0.3, rel=1e-5)
     text = proof._calibrated_gaps([0.1, 0.02, 0.25], [0.11, 0.012], calls, floats)  # a third, unpaired gap
     assert text["unaccounted"] == 0.25, text
     with pytest.raises(RuntimeError, match="not the same outputs"):
@@ -608,7 +622,7 @@ def test_the_proof_holds_each_int8static_output_to_the_bound_or_to_its_formats_o
     assert passed.served["relative"]["unaccounted"] == 0.0
     with pytest.raises(ProofFailed, match=r"differs from eager by 0.28 .*0.4 from the float model where the "
                                           r"quantized model is 0.3\b"):
-        proof.verdict({**result, "served": {"relative": {**relative, **beyond, "from_float": 0.4}}}, "unet at 64x64")
+        proof.verdict({**result, "served": {"relative": {**relative, **beyond, "from_float": 0.9}}}, "unet at 64x64")
     with pytest.raises(ProofFailed, match="differs from eager by 0.28"):  # an entry without the pairing: the bound
         proof.verdict({**result, "served": {"relative": relative}}, "unet at 64x64")
     # `aotbuild show` says what the proof held it to: the relative bound, the format's own distance from float
@@ -617,11 +631,17 @@ def test_the_proof_holds_each_int8static_output_to_the_bound_or_to_its_formats_o
     from aotbuild.cli.commands import _difference_text
 
     assert _difference_text(passed) == ("max |compiled - eager| / |eager| 2.80e-01 (bound 0.2; 1 output(s) over it "
-                                        "no further from the float model than the format itself); from the float "
+                                        "as far from the float model as the format itself); from the float "
                                         "model 3.10e-01 (the quantized model run eagerly 3.00e-01)")
-    assert _difference_text(replace(passed, served={})) == "max |compiled - eager| 5.00e-01 (tolerance 1e-04)"
-    hostile = replace(passed, served={"relative": {"max_rel_diff": "\x1b[2J", "tolerance": 0.2}})
-    assert _difference_text(hostile) == "max |compiled - eager| 5.00e-01 (tolerance 1e-04)"  # no text printed
+    absolute = "max |compiled - eager| 5.00e-01 (tolerance 1e-04)"
+    assert _difference_text(replace(passed, served={})) == absolute
+    for hostile in ({"max_rel_diff": "\x1b[2J", "tolerance": 0.2}, {"max_rel_diff": 10**400, "tolerance": 0.2},
+                    {"max_rel_diff": True, "tolerance": 0.2}, [1]):  # no text, no overflow, no bool printed
+        assert _difference_text(replace(passed, served={"relative": hostile})) == absolute
+    odd = {"max_rel_diff": 0.1, "tolerance": 0.2, "over_bound_within_format": True, "from_float": 10**400,
+           "quantized_from_float": 0.3}
+    assert _difference_text(replace(passed, served={"relative": odd})) == \
+        "max |compiled - eager| / |eager| 1.00e-01 (bound 0.2)"
 
 
 def test_the_weights_an_int8static_load_checks_are_hashed_on_every_core_to_the_same_digests(monkeypatch):
@@ -649,3 +669,23 @@ def test_the_weights_an_int8static_load_checks_are_hashed_on_every_core_to_the_s
     changed = {**named, "c": tensors[2].clone().add_(1), "b": tensors[1] * 2}
     assert "e.g. b differs" in runner.calibrated_problem(changed, calibrated)
     assert "e.g. c differs" in runner.calibrated_problem({**named, "c": tensors[2] * 2}, calibrated)
+
+
+@pytest.mark.parametrize("quant_type,absolute,relative", [("int8static", 0.0, 0.2), ("int8dq", 2e-2, 0.0)])
+def test_a_component_the_recipe_does_not_quantize_keeps_its_dtypes_bound_in_its_proof(quant_type, absolute,
+                                                                                      relative):
+    """The proof's recipe compiles its job's component alone: with ``model.quantization.components: [unet]``
+    and the VAE compiled too, the VAE's proof is held to float32's absolute bound, not the quantized type's
+    (int8static's relative 0.2 replaced it for every component of the recipe)."""
+    from dataclasses import replace
+
+    from aotbuild.features import registry as features
+    from aotbuild.recipe.rules import parse_recipe
+
+    recipe = data(quant_type=quant_type, components=["unet"])
+    recipe["strategy"] = "aot-package"
+    recipe["compile"] = {"components": ["unet", "vae"], "options": {"freezing": True}}
+    full = parse_recipe(recipe)
+    for component, expected in (("unet", (absolute, relative)), ("vae", (0.0, 0.0))):
+        job = replace(full, compile=replace(full.compile, components=(component,)))  # as proof.serve scopes it
+        assert (features.tolerance(job, 0.0), features.relative_tolerance(job)) == expected, component

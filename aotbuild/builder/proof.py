@@ -27,6 +27,7 @@ those instead of serving every entry a second time (issue 30, item 4).
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from dataclasses import replace
@@ -572,12 +573,20 @@ def _calibrated_gaps(rel: list[float], served_from_float: list[float], calls: li
         raise RuntimeError(f"the proof paired {len(rel)} relative gaps, {n} from the float model and "
                            f"{len(quantized)} of the quantized model: not the same outputs")
     paired = list(zip(rel[:n], served_from_float, quantized, strict=True))
-    unaccounted = [g for g, s, q in paired if not calibrate.accepted(g, s, q)]
-    unaccounted += [g for g in rel[n:] if not g <= calibrate.EAGER_BOUND]
-    return {"quantized_from_float": max(quantized, default=0.0),
-            "over_bound_within_format": sum(g > calibrate.EAGER_BOUND and calibrate.accepted(g, s, q)
-                                            for g, s, q in paired),
-            "unaccounted": max(unaccounted, default=0.0)}
+    refused = [(g, s, q) for g, s, q in paired if not calibrate.accepted(g, s, q)]
+    refused += [(g, None, None) for g in rel[n:] if not g <= calibrate.EAGER_BOUND]
+    def figure(value: float | None) -> float | None:  # a manifest holds no inf (a float output of zeros)
+        return value if value is None or math.isfinite(value) else None
+
+    out: dict[str, Any] = {"quantized_from_float": figure(max(quantized, default=0.0)),
+                           "over_bound_within_format": sum(g > calibrate.EAGER_BOUND and calibrate.accepted(g, s, q)
+                                                           for g, s, q in paired),
+                           "unaccounted": max((g for g, _, _ in refused), default=0.0)}
+    worst = max(refused, key=lambda r: r[0], default=None)
+    if worst is not None and worst[1] is not None:  # that output's own distances, for the refusal's message
+        out["unaccounted_from_float"] = figure(worst[1])
+        out["unaccounted_quantized_from_float"] = figure(worst[2])
+    return out
 
 
 def _quantized_reference(module: Any, calls: list[tuple[Any, Any, list[Any]]], every: list[tuple[str, Any, Any]],
@@ -645,8 +654,9 @@ def verdict(result: dict[str, Any], label: str) -> Any:
         # (calibrate.accepted) is not held to it: "unaccounted" is the largest gap of the others
         gap, allowed = float(relative.get("unaccounted", relative["max_rel_diff"])), float(relative["tolerance"])
         if not gap <= allowed:
-            beside = (f", and it is {relative['from_float']:.3g} from the float model where the quantized model is "
-                      f"{relative['quantized_from_float']:.3g}" if "quantized_from_float" in relative else "")
+            pair = (relative.get("unaccounted_from_float"), relative.get("unaccounted_quantized_from_float"))
+            beside = (f", and {pair[0]:.3g} from the float model where the quantized model is {pair[1]:.3g}"
+                      if all(isinstance(v, float) for v in pair) else "")
             raise ProofFailed(f"the served {label} differs from eager by {gap:.3g} relative (|served - eager| / "
                               f"|eager|; tolerance {allowed:.2g}; int8static: against its quantized model run "
                               f"eagerly{beside}): nothing was stored; its kernels compute too far from that "

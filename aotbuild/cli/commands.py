@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import math
 import sys
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -749,21 +750,32 @@ def show(key: str, cache: str | None, as_json: bool) -> int:
 
 def _difference_text(proof: Any) -> str:
     """What the proof held the served outputs to: the absolute bound, or a relative one (int8static: against
-    its quantized model run eagerly, with the package's and that model's distances from the float model)."""
+    its quantized model run eagerly, with the package's and that model's distances from the float model).
+    The figures come from a manifest, which may come from elsewhere: only finite numbers are printed."""
+    def number(value: Any) -> float | None:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            return None
+        try:
+            value = float(value)
+        except OverflowError:
+            return None
+        return value if math.isfinite(value) else None
+
     relative = proof.served.get("relative") if isinstance(proof.served, dict) else None
-    if not isinstance(relative, dict) or not all(isinstance(relative.get(k), int | float)
-                                                 for k in ("max_rel_diff", "tolerance")):
+    relative = relative if isinstance(relative, dict) else {}
+    gap, bound = number(relative.get("max_rel_diff")), number(relative.get("tolerance"))
+    if gap is None or bound is None:
         return f"max |compiled - eager| {proof.max_abs_diff:.2e} (tolerance {proof.tolerance:.0e})"
-    text = f"max |compiled - eager| / |eager| {relative['max_rel_diff']:.2e} (bound {relative['tolerance']:.2g}"
+    text = f"max |compiled - eager| / |eager| {gap:.2e} (bound {bound:.2g}"
     within = relative.get("over_bound_within_format")
-    if isinstance(within, int) and within:
-        text += f"; {within} output(s) over it no further from the float model than the format itself"
+    if isinstance(within, int) and not isinstance(within, bool) and 0 < within < 10**9:
+        text += f"; {within} output(s) over it as far from the float model as the format itself"
     text += ")"
-    if all(isinstance(relative.get(k), int | float) for k in ("from_float", "quantized_from_float")):
-        text += (f"; from the float model {relative['from_float']:.2e} (the quantized model run eagerly "
-                 f"{relative['quantized_from_float']:.2e})")
-    elif isinstance(relative.get("from_float"), int | float):
-        text += f"; from the float model {relative['from_float']:.2e}"
+    served, quantized = number(relative.get("from_float")), number(relative.get("quantized_from_float"))
+    if served is not None:
+        text += f"; from the float model {served:.2e}"
+        if quantized is not None:
+            text += f" (the quantized model run eagerly {quantized:.2e})"
     return text
 
 

@@ -76,6 +76,13 @@ def components(recipe: Recipe) -> tuple[str, ...]:
     return q.components if q.components is not None else recipe.compile.components
 
 
+def _compiles_quantized(recipe: Recipe) -> bool:
+    """Whether a component ``recipe`` compiles is quantized. A proof's recipe compiles its job's component
+    alone, so an unquantized one (``model.quantization.components: [unet]``, the VAE compiled too) keeps
+    its dtype's absolute bound, not the quantized type's looser one."""
+    return recipe.model.quantization is not None and bool(set(components(recipe)) & set(recipe.compile.components))
+
+
 def _sets_inductor(q: QuantSpec) -> bool:
     if q.quant_type in CALIBRATED_QUANT_TYPES:
         return False  # quantize_ is not called: nothing changes Inductor's settings
@@ -164,8 +171,8 @@ class Quantization(Feature):
 
     def tolerance(self, recipe: Recipe) -> float:
         q = recipe.model.quantization
-        return TOLERANCE.get(q.quant_type, 0.0) if q is not None else 0.0
+        return TOLERANCE.get(q.quant_type, 0.0) if _compiles_quantized(recipe) else 0.0
 
     def relative_tolerance(self, recipe: Recipe) -> float:
         q = recipe.model.quantization
-        return RELATIVE.get(q.quant_type, 0.0) if q is not None else 0.0
+        return RELATIVE.get(q.quant_type, 0.0) if _compiles_quantized(recipe) else 0.0
