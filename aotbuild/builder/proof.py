@@ -559,12 +559,15 @@ def _replay(module: Any, component: str, calls: list[tuple[Any, Any, list[Any]]]
 def _calibrated_gaps(rel: list[float], served_from_float: list[float], calls: list[tuple[Any, Any, list[Any]]],
                      floats: list[tuple[Any, Any, list[Any]]]) -> dict[str, Any]:
     """int8static: which outputs over the relative bound are accounted for by the format itself
-    (calibrate.accepted: the package no further from the float model than the quantized model run eagerly
-    is, times calibrate.FLOAT_MARGIN). ``rel`` starts with the recorded calls' outputs (from the quantized
+    (calibrate.accepted: the package as far from the float model as the quantized model run eagerly is,
+    within calibrate.FLOAT_MARGIN). ``rel`` starts with the recorded calls' outputs (from the quantized
     model), ``served_from_float`` holds the same outputs' distances from the float model; later entries of
     ``rel`` (text lengths) are held to the bound alone. ``unaccounted``: the largest gap of an output
     accepted by neither (0.0: none), which the verdict holds to the bound."""
     from aotbuild.strategies import calibrate
+
+    def figure(value: float | None) -> float | None:  # a manifest holds no inf (a float output of zeros)
+        return value if value is None or math.isfinite(value) else None
 
     quantized = [calibrate.relative(q, f) for (_, _, qs), (_, _, fs) in zip(calls, floats, strict=True)
                  for q, f in zip(qs, fs, strict=True) if q.is_floating_point() and q.numel()]
@@ -575,9 +578,6 @@ def _calibrated_gaps(rel: list[float], served_from_float: list[float], calls: li
     paired = list(zip(rel[:n], served_from_float, quantized, strict=True))
     refused = [(g, s, q) for g, s, q in paired if not calibrate.accepted(g, s, q)]
     refused += [(g, None, None) for g in rel[n:] if not g <= calibrate.EAGER_BOUND]
-    def figure(value: float | None) -> float | None:  # a manifest holds no inf (a float output of zeros)
-        return value if value is None or math.isfinite(value) else None
-
     out: dict[str, Any] = {"quantized_from_float": figure(max(quantized, default=0.0)),
                            "over_bound_within_format": sum(g > calibrate.EAGER_BOUND and calibrate.accepted(g, s, q)
                                                            for g, s, q in paired),
@@ -650,7 +650,7 @@ def verdict(result: dict[str, Any], label: str) -> Any:
                           f"stored; the log has the compiler's reasons")
     relative = proof.served.get("relative")
     if relative is not None:
-        # int8static: an output over the bound no further from the float model than its quantized model is
+        # int8static: an output over the bound as far from the float model as its quantized model is
         # (calibrate.accepted) is not held to it: "unaccounted" is the largest gap of the others
         gap, allowed = float(relative.get("unaccounted", relative["max_rel_diff"])), float(relative["tolerance"])
         if not gap <= allowed:

@@ -50,8 +50,8 @@ TOLERANCE = {"int8dq": 2e-2, "float8dq": 2e-2}
 #: proof's process as the build calibrated it (proof._quantized_reference), held to a relative bound
 #: (``|served - eager| / |eager|`` per output): eager quantizes around float kernels, the package runs int8
 #: kernels that requantize each output, so roundings flip and spread (strategies/calibrate.EAGER_BOUND, the
-#: job's own check; an output over it passes where the package is no further from the float model than the
-#: quantized model is, times calibrate.FLOAT_MARGIN: proof._calibrated_gaps). How far the format is from the
+#: job's own check; an output over it passes where the package is as far from the float model as the quantized
+#: model is: calibrate.accepted, proof._calibrated_gaps). How far the format is from the
 #: float model is recorded beside it, not bounded (a random-weight tiny UNet's int8 was 0.39 from its float
 #: self on the pipeline's own calls).
 RELATIVE = {"int8static": EAGER_BOUND}

@@ -223,8 +223,8 @@ def _package(module: Any, sig: str, args: tuple[Any, ...], kwargs: dict[str, Any
               "baked": baked_digests(owner, [*weights, *sources, *unread]),
               "constant_strides": constant_strides(owner, weights)}
     if calibrated is not None:  # bound to the weights it was calibrated on: every one of them
-        weights = dict(sorted(named_tensors(owner).items()))
-        record["calibrated"] = dict(zip(weights, tensor_digests(list(weights.values())), strict=True))
+        every = dict(sorted(named_tensors(owner).items()))
+        record["calibrated"] = dict(zip(every, tensor_digests(list(every.values())), strict=True))
     if derived:
         record["derived"] = derived
         record["derived_from"] = constant_meta(owner, sources)
